@@ -1,0 +1,229 @@
+"""Attention forward benchmark: fp4attn (end to end and kernel only) vs torch SDPA backends.
+
+For every (head dim, N, causal, dtype) it times, on the same inputs:
+  fp4attn      fp4attn.sdpa end to end (quantization pre-pass included)
+  fp4_kernel   the attention kernel alone, and fp4_prepass the pre-pass kernels alone
+               (per-kernel device times from torch.profiler, medians over the profiled calls)
+  flash, cudnn, efficient   torch.nn.functional.scaled_dot_product_attention pinned to a backend
+Timing: L2 flushed before every call (a 256 MB write), warm-up, CUDA events, median of --reps.
+TFLOPS = 4*B*H*N^2*D / t, halved for causal. Tokens per config: B*N = --tokens (B >= 1), H*D = 2048.
+Writes CSV and PNG to --out and prints a table. --quick fits in about two minutes on an H200.
+
+  python benchmarks/bench_attention.py --quick --out bench_out
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # pragma: no cover
+    SDPBackend = sdpa_kernel = None
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import fp4attn  # noqa: E402
+
+PREPASS_KERNELS = ("stats_kernel", "finalize_kernel", "quantize_kv_kernel")
+FWD_KERNEL = "attention_fwd_kernel"
+
+
+class Timer:
+    def __init__(self):
+        self.flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+
+    def time(self, fn, reps: int, warmup: int = 3) -> float:
+        """Median milliseconds of fn() over reps calls, L2 flushed before each."""
+        for _ in range(warmup):
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            self.flush_buf.zero_()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def kernel_breakdown(fn, calls: int = 5) -> tuple[float, float]:
+    """(forward kernel ms, pre-pass ms) per call, medians over `calls` profiled calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    fwd, pre = [], []
+    for ev in prof.events():
+        if ev.device_type is None or "cuda" not in str(ev.device_type).lower():
+            continue
+        name = ev.name
+        dur = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+        if FWD_KERNEL in name:
+            fwd.append(dur)
+        elif any(k in name for k in PREPASS_KERNELS):
+            pre.append(dur)
+    fwd_ms = statistics.median(fwd) / 1e3 if fwd else float("nan")
+    pre_ms = sum(pre) / calls / 1e3 if pre else float("nan")
+    return fwd_ms, pre_ms
+
+
+def copy_bandwidth(timer: Timer) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written)."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = timer.time(lambda: b.copy_(a), reps=10)
+    del a, b
+    return 2 * n / ms / 1e6
+
+
+def sdpa_backend_fn(name, q, k, v, causal):
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+
+    def fn():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return fn
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sweep (~2 minutes)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="output folder")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=16384, help="B*N per config")
+    ap.add_argument("--no-baselines", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_attention: needs a CUDA GPU")
+        return 1
+    os.makedirs(args.out, exist_ok=True)
+    if args.quick:
+        seqs, dims, causals, dtypes = [1024, 4096, 16384], [64, 128], [False, True], [torch.float16]
+        reps = args.reps or 10
+    else:
+        seqs, dims = [1024, 2048, 4096, 8192, 16384, 32768], [64, 128]
+        causals, dtypes = [False, True], [torch.float16, torch.bfloat16]
+        reps = args.reps or 30
+    timer = Timer()
+    dev = torch.cuda.get_device_name()
+    bw = copy_bandwidth(timer)
+    print(f"device: {dev}; device-to-device copy {bw:.0f} GB/s; torch {torch.__version__}")
+    baselines = [] if args.no_baselines else ["flash", "cudnn", "efficient"]
+    rows = []
+    t_start = time.time()
+    for dtype in dtypes:
+        for D in dims:
+            H = 2048 // D
+            for N in seqs:
+                B = max(1, args.tokens // N)
+                for causal in causals:
+                    g = torch.Generator(device="cuda").manual_seed(N + D)
+                    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=g)
+                               for _ in range(3))
+                    flops = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
+                    row = {"dtype": str(dtype).replace("torch.", ""), "D": D, "N": N, "B": B, "H": H,
+                           "causal": causal}
+
+                    def fp4():
+                        return fp4attn.sdpa(q, k, v, is_causal=causal)
+
+                    ms = timer.time(fp4, reps)
+                    fwd_ms, pre_ms = kernel_breakdown(fp4)
+                    row["fp4attn_ms"] = ms
+                    row["fp4attn_tflops"] = flops / ms / 1e9
+                    row["fp4_kernel_ms"] = fwd_ms
+                    row["fp4_kernel_tflops"] = flops / fwd_ms / 1e9
+                    row["fp4_prepass_ms"] = pre_ms
+                    in_bytes = 3 * q.numel() * q.element_size()
+                    out_bytes = 2 * k.numel() * (0.5 + 1 / 16)  # K^, V^ codes + scales
+                    row["prepass_gbps"] = (in_bytes + out_bytes) / pre_ms / 1e6
+                    row["prepass_frac_copy"] = row["prepass_gbps"] / bw
+                    for name in baselines:
+                        try:
+                            ms_b = timer.time(sdpa_backend_fn(name, q, k, v, causal), reps)
+                            row[f"{name}_ms"] = ms_b
+                            row[f"{name}_tflops"] = flops / ms_b / 1e9
+                        except RuntimeError as exc:  # backend unavailable for this config
+                            row[f"{name}_ms"] = row[f"{name}_tflops"] = float("nan")
+                            print(f"  {name} unavailable: {str(exc).splitlines()[0][:100]}")
+                    rows.append(row)
+                    fl = row.get("flash_tflops", float("nan"))
+                    cu = row.get("cudnn_tflops", float("nan"))
+                    print(f"{row['dtype']:>8} D={D:<3} N={N:<6} causal={int(causal)} "
+                          f"fp4attn {row['fp4attn_tflops']:6.1f} kernel {row['fp4_kernel_tflops']:6.1f} "
+                          f"prepass {pre_ms:6.3f} ms ({100 * row['prepass_frac_copy']:3.0f}% copy bw) | "
+                          f"flash {fl:6.1f} cudnn {cu:6.1f} TFLOPS", flush=True)
+                    del q, k, v
+    path = os.path.join(args.out, "bench_attention.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"\nwrote {path} ({time.time() - t_start:.0f} s)")
+    plot(rows, os.path.join(args.out, "bench_attention.png"), dev, baselines)
+    table(rows, baselines)
+    return 0
+
+
+def plot(rows, path, dev, baselines):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    keys = sorted({(r["dtype"], r["D"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 4), squeeze=False)
+    for ax, (dt, D, causal) in zip(axes[0], keys):
+        sel = [r for r in rows if (r["dtype"], r["D"], r["causal"]) == (dt, D, causal)]
+        ns = [r["N"] for r in sel]
+        for name, label in [("fp4attn", "fp4attn e2e"), ("fp4_kernel", "fp4attn kernel")] + [
+            (b, f"sdpa {b}") for b in baselines
+        ]:
+            ax.plot(ns, [r[f"{name}_tflops"] for r in sel], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{dt} D={D} causal={causal}")
+        ax.set_xlabel("N")
+        ax.set_ylabel("TFLOPS")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(dev)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def table(rows, baselines):
+    cols = ["fp4attn", "fp4_kernel"] + baselines
+    head = f"| dtype | D | N | causal | " + " | ".join(cols) + " | e2e/flash | e2e/cudnn | prepass % copy bw |"
+    print("\nTFLOPS (median):\n")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for r in rows:
+        vals = " | ".join(f"{r[f'{c}_tflops']:.1f}" for c in cols)
+        rf = r["fp4attn_tflops"] / r["flash_tflops"] if "flash_tflops" in r else float("nan")
+        rc = r["fp4attn_tflops"] / r["cudnn_tflops"] if "cudnn_tflops" in r else float("nan")
+        print(f"| {r['dtype']} | {r['D']} | {r['N']} | {int(r['causal'])} | {vals} | {rf:.2f} | {rc:.2f} | "
+              f"{100 * r['prepass_frac_copy']:.0f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

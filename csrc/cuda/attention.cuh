@@ -1,0 +1,85 @@
+/*
+ * Private interface between the attention pre-pass (attention.cu) and the forward kernels
+ * (attention_fwd.cuh, instantiated per padded head dim in attention_fwd_d*.cu).
+ *
+ * Workspace layout (every section 256-byte aligned; BHq = batch*heads_q, BHk = batch*heads_kv,
+ * Dp = head dim padded to 64/128/256, nqb = ceil(Nq/128), nkt = ceil(Nk/128), nkp = 128*nkt):
+ *   qbar    f32 [BHq][nqb][Dp]     per-128-row query means (SPEC 4.2), zero beyond D
+ *   qamax   f32 [BHq][nqb]         max |Q - qbar| of each query block
+ *   ksum/kmin/kmax f32 [BHk][nkt][Dp]  per-128-token column partials of K
+ *   vamax   f32 [BHk][nkt]         max |V| per 128-token chunk
+ *   kbar    f32 [BHk][Dp]          key mean (SPEC 4.1)
+ *   qscale  f32 [BHq][2]           enc, dec of Qs
+ *   kvscale f32 [BHk][4]           enc, dec of Ks; enc, dec of V
+ *   kcodes  u8  [BHk][nkp][Dp/2]   Ks^ along D, linear (padding tokens and columns are 0)
+ *   kscales u8  [BHk][nkp][Dp/16]
+ *   vcodes  u8  [BHk][nkt][Dp][64] V^ along tokens, tile-major: one 128-token tile of V^T is
+ *   vscales u8  [BHk][nkt][Dp][8]  8 KB + 1 KB contiguous (one cp.async sweep)
+ * Q is not stored quantized: the forward kernel quantizes its own 128-row block from the input.
+ */
+#ifndef FP4ATTN_CUDA_ATTENTION_CUH
+#define FP4ATTN_CUDA_ATTENTION_CUH
+
+#include "common.cuh"
+
+namespace fp4attn_cuda {
+
+constexpr int kTile = 128; /* SPEC 4: Bq = Bkv = 128 */
+
+struct AttnWorkspace {
+  int64_t dp, nqb, nkt, nkp;
+  float *qbar, *qamax, *ksum, *kmin, *kmax, *vamax, *kbar, *qscale, *kvscale;
+  uint8_t *kcodes, *kscales, *vcodes, *vscales;
+  int64_t bytes;
+};
+
+struct AttnArgs {
+  fp4attn_attention_params p;
+  AttnWorkspace ws;
+  bool vec_q, vec_k, vec_v; /* 8-element groups are 16-byte aligned: vector loads */
+  bool out_pair;            /* two adjacent output elements form one aligned word */
+  float scale_log2;         /* scale * log2(e) */
+};
+
+static inline int64_t padded_head_dim(int64_t d) { return d <= 64 ? 64 : (d <= 128 ? 128 : 256); }
+
+/* Fills the section pointers for `base` (may be null to only compute the size). */
+static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params *p, void *base) {
+  AttnWorkspace w;
+  w.dp = padded_head_dim(p->head_dim);
+  w.nqb = ceil_div(p->len_q, kTile);
+  w.nkt = ceil_div(p->len_k, kTile);
+  w.nkp = w.nkt * kTile;
+  const int64_t bhq = p->batch * p->heads_q, bhk = p->batch * p->heads_kv;
+  int64_t off = 0;
+  char *b = static_cast<char *>(base);
+  auto take = [&](int64_t bytes) -> void * {
+    void *r = b ? b + off : nullptr;
+    off += round_up(bytes, 256);
+    return r;
+  };
+  w.qbar = (float *)take(4 * bhq * w.nqb * w.dp);
+  w.qamax = (float *)take(4 * bhq * w.nqb);
+  w.ksum = (float *)take(4 * bhk * w.nkt * w.dp);
+  w.kmin = (float *)take(4 * bhk * w.nkt * w.dp);
+  w.kmax = (float *)take(4 * bhk * w.nkt * w.dp);
+  w.vamax = (float *)take(4 * bhk * w.nkt);
+  w.kbar = (float *)take(4 * bhk * w.dp);
+  w.qscale = (float *)take(4 * bhq * 2);
+  w.kvscale = (float *)take(4 * bhk * 4);
+  w.kcodes = (uint8_t *)take(bhk * w.nkp * w.dp / 2);
+  w.kscales = (uint8_t *)take(bhk * w.nkp * w.dp / 16);
+  w.vcodes = (uint8_t *)take(bhk * w.nkp * w.dp / 2);
+  w.vscales = (uint8_t *)take(bhk * w.nkp * w.dp / 16);
+  w.bytes = off;
+  return w;
+}
+
+/* Forward kernels, one per padded head dim (attention_fwd_d*.cu). */
+fp4attn_status launch_attention_fwd_d64(const AttnArgs &a, cudaStream_t s);
+fp4attn_status launch_attention_fwd_d128(const AttnArgs &a, cudaStream_t s);
+fp4attn_status launch_attention_fwd_d256(const AttnArgs &a, cudaStream_t s);
+
+}  // namespace fp4attn_cuda
+
+#endif /* FP4ATTN_CUDA_ATTENTION_CUH */

@@ -1,0 +1,256 @@
+/*
+ * Shared device helpers of the CUDA backend (sm_80 and newer): status construction, dtype
+ * conversion, tensor-core fragments (ldmatrix, mma.sync m16n8k16), cp.async, the fast
+ * non-negative E2M1 rounding used for P, and the cached SM count.
+ *
+ * Every rounding that must be bit-exact with the CPU backend goes through numerics.h or through
+ * a helper here that is proven equal to it (see e2m1_round_nonneg).
+ */
+#ifndef FP4ATTN_CUDA_COMMON_CUH
+#define FP4ATTN_CUDA_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "fp4attn/fp4attn.h"
+#include "fp4attn/numerics.h"
+
+namespace fp4attn_cuda {
+
+/* ---------------------------------------------------------------------------------- status */
+
+static inline fp4attn_status ok_status() {
+  fp4attn_status s;
+  s.code = FP4ATTN_OK;
+  s.message[0] = '\0';
+  return s;
+}
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+static inline fp4attn_status
+error_status(fp4attn_code code, const char *fmt, ...) {
+  fp4attn_status s;
+  s.code = code;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(s.message, sizeof s.message, fmt, ap);
+  va_end(ap);
+  return s;
+}
+
+/* Status of the last launch (cudaGetLastError also clears a sticky launch error). */
+static inline fp4attn_status launch_status(const char *what) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return error_status(FP4ATTN_ERR_CUDA, "%s: CUDA error %s (%s)", what, cudaGetErrorName(e),
+                        cudaGetErrorString(e));
+  return ok_status();
+}
+
+/* Multiprocessor count of the current device, cached per device (read once, never assumed). */
+static inline int sm_count() {
+  static int cache[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 1;
+  if (dev < 0 || dev >= 64) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n > 0 ? n : 1;
+  }
+  if (cache[dev] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    cache[dev] = n > 0 ? n : 1;
+  }
+  return cache[dev];
+}
+
+static inline int device_major() {
+  static int cache[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (dev < 0 || dev >= 64) return 0;
+  if (cache[dev] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrComputeCapabilityMajor, dev);
+    cache[dev] = n;
+  }
+  return cache[dev];
+}
+
+static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+__host__ __device__ inline int64_t dtype_size(fp4attn_dtype d) { return d == FP4ATTN_FLOAT32 ? 4 : 2; }
+/* fp4attn_code_bytes / fp4attn_scale_count of fp4attn.h, callable on the device too */
+__host__ __device__ inline int64_t fp4_code_bytes(int64_t cols) { return (cols + 15) / 16 * 8; }
+__host__ __device__ inline int64_t fp4_scale_count(int64_t cols) { return (cols + 15) / 16; }
+
+/* ---------------------------------------------------------------------- dtype conversions */
+
+__device__ __forceinline__ float load_as_float(const void *base, fp4attn_dtype dt, int64_t i) {
+  if (dt == FP4ATTN_FLOAT16) return __half2float(static_cast<const __half *>(base)[i]);
+  if (dt == FP4ATTN_BFLOAT16) return __bfloat162float(static_cast<const __nv_bfloat16 *>(base)[i]);
+  return static_cast<const float *>(base)[i];
+}
+
+__device__ __forceinline__ void store_from_float(void *base, fp4attn_dtype dt, int64_t i, float v) {
+  if (dt == FP4ATTN_FLOAT16)
+    static_cast<__half *>(base)[i] = __float2half_rn(v);
+  else if (dt == FP4ATTN_BFLOAT16)
+    static_cast<__nv_bfloat16 *>(base)[i] = __float2bfloat16_rn(v);
+  else
+    static_cast<float *>(base)[i] = v;
+}
+
+/* Two adjacent elements (i, i+1); `aligned` says the pair may be written as one word. */
+__device__ __forceinline__ void store2_from_float(void *base, fp4attn_dtype dt, int64_t i, float a,
+                                                  float b, bool aligned) {
+  if (aligned) {
+    if (dt == FP4ATTN_FLOAT16) {
+      *reinterpret_cast<__half2 *>(static_cast<__half *>(base) + i) = __floats2half2_rn(a, b);
+      return;
+    }
+    if (dt == FP4ATTN_BFLOAT16) {
+      *reinterpret_cast<__nv_bfloat162 *>(static_cast<__nv_bfloat16 *>(base) + i) =
+          __floats2bfloat162_rn(a, b);
+      return;
+    }
+    *reinterpret_cast<float2 *>(static_cast<float *>(base) + i) = make_float2(a, b);
+    return;
+  }
+  store_from_float(base, dt, i, a);
+  store_from_float(base, dt, i + 1, b);
+}
+
+/* 8 consecutive elements as float. `vec` requires 16-byte alignment of element i (fp16/bf16)
+ * or of elements i and i+4 (fp32). */
+__device__ __forceinline__ void load8_as_float(const void *base, fp4attn_dtype dt, int64_t i,
+                                               bool vec, float *out) {
+  if (vec) {
+    if (dt == FP4ATTN_FLOAT32) {
+      const float4 a = *reinterpret_cast<const float4 *>(static_cast<const float *>(base) + i);
+      const float4 b = *reinterpret_cast<const float4 *>(static_cast<const float *>(base) + i + 4);
+      out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+      out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+      return;
+    }
+    const uint4 u = *reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(base) + i);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (dt == FP4ATTN_FLOAT16) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&w[k]));
+        out[2 * k] = f.x, out[2 * k + 1] = f.y;
+      } else {
+        out[2 * k] = __uint_as_float(w[k] << 16);
+        out[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) out[k] = load_as_float(base, dt, i + k);
+}
+
+/* ------------------------------------------------------------------------ FP4 helpers */
+
+/* rne_e2m1 of SPEC 1 for y >= 0 (finite, below 2^100), returned as the rounded value.
+ * Adding C = 2^(max(e, 0) + 22), e the binary exponent of y, leaves a float32 whose unit in the
+ * last place is the E2M1 spacing of y's binade (0.5 below 2, 1 in [2, 4), 2 in [4, 8)); the
+ * hardware's round-to-nearest-even then rounds y onto the E2M1 grid with the ties of SPEC 1
+ * (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), and subtracting C
+ * is exact. Values above 6 saturate. Checked exhaustively against fp4attn_e2m1_encode. */
+__host__ __device__ __forceinline__ float e2m1_round_nonneg(float y) {
+  uint32_t e = fp4attn_float_bits(y) & 0x7F800000u;
+  e = (e > 0x3F800000u ? e : 0x3F800000u) + 0x0B000000u;
+  const float c = fp4attn_bits_float(e);
+#if defined(__CUDA_ARCH__)
+  const float r = __fsub_rn(__fadd_rn(y, c), c);
+#else
+  volatile float t = y + c; /* keep the two roundings separate on the host too */
+  const float r = t - c;
+#endif
+  return r < 6.0f ? r : 6.0f;
+}
+
+/* rne_e4m3_sat (SPEC 1) of v >= 0, finite: byte and value. sm_89+ have the conversion in
+ * hardware (cvt.rn.satfinite.e4m3x2.f32, which SPEC 1 names as the definition). */
+__device__ __forceinline__ uint8_t e4m3_encode_fast(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+#else
+  return fp4attn_e4m3_encode_sat(v);
+#endif
+}
+
+/* value(code) for a byte holding two E2M1 codes, as a half2 (low nibble in .x). */
+__host__ __device__ __forceinline__ uint32_t e2m1_pair_half2_bits(uint32_t byte) {
+  const float lo = fp4attn_e2m1_decode((uint8_t)(byte & 0xF));
+  const float hi = fp4attn_e2m1_decode((uint8_t)(byte >> 4));
+  /* every E2M1 value is exact in binary16; build the bits by hand so the host can run this */
+  auto h = [](float f) -> uint32_t {
+    uint32_t b = fp4attn_float_bits(f);
+    uint32_t sign = (b >> 16) & 0x8000u;
+    b &= 0x7FFFFFFFu;
+    if (b == 0) return sign;
+    return sign | (((b >> 23) - 112u) << 10) | ((b >> 13) & 0x3FFu);
+  };
+  return h(lo) | (h(hi) << 16);
+}
+
+/* -------------------------------------------------------------- tensor-core primitives */
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
+                                            uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+/* D = A(16x16, row) * B(16x8, col) + D, FP16 operands, FP32 accumulation. */
+__device__ __forceinline__ void mma_f16_16816(float *d, const uint32_t *a, uint32_t b0,
+                                              uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async_16(void *smem, const void *gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
+
+__device__ __forceinline__ uint32_t pack_half2(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t *>(&h);
+}
+
+__device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t b) {
+  __half2 r = __hmul2(*reinterpret_cast<__half2 *>(&a), *reinterpret_cast<__half2 *>(&b));
+  return *reinterpret_cast<uint32_t *>(&r);
+}
+
+/* Unsigned-bits maximum of non-negative floats; NaN (0x7FC00000 after clearing the sign) is
+ * larger than +Inf, so a NaN anywhere wins, like fp4attn_nanmax. */
+__device__ __forceinline__ void atomic_amax(float *addr, float v) {
+  atomicMax(reinterpret_cast<unsigned int *>(addr), fp4attn_float_bits(v) & 0x7FFFFFFFu);
+}
+
+}  // namespace fp4attn_cuda
+
+#endif /* FP4ATTN_CUDA_COMMON_CUH */

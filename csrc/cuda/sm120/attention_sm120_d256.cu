@@ -1,0 +1,6 @@
+/* Instantiation of the sm_120a FP4 attention kernel for head dims padded to 256. */
+#include "attention_sm120_kernel.cuh"
+
+namespace fp4attn_sm120 {
+template cudaError_t launch_attention_sm120<256>(const KernelParams &, int, cudaStream_t);
+}  // namespace fp4attn_sm120

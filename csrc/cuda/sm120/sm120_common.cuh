@@ -1,0 +1,143 @@
+/*
+ * Shared pieces of the sm_120a FP4 attention: the workspace layout written by the pre-pass
+ * (prepass_sm120.cu) and read by the attention kernel (attention_sm120_kernel.cuh), the K token
+ * permutation, and small load helpers.
+ *
+ * Quantized operands live in kernel-private layouts (SPEC 2 allows them), chosen so that one key
+ * tile of 128 tokens is one contiguous block that cp.async copies verbatim into shared memory
+ * and every lane then reads its MMA fragment with a single conflict-free 8/16-byte load:
+ *
+ *   Q codes   [B*Hq][nq_pad][Dp/2]            linear, rows = query tokens
+ *   Q scales  [B*Hq][nq_pad][Dp/16]           linear E4M3 bytes
+ *   K codes   [B*Hkv][nkt][16 ntile][32 lane][2*NKS words]   fragment order; within each
+ *             32-token group the row at position c holds token perm(c) (see below)
+ *   K scales  [B*Hkv][nkt][128 pos][Dp/16]    linear over permuted positions
+ *   V codes   [B*Hkv][nkt][Dp/8 ntile][32 lane][4 words]     V^T (quantized along tokens),
+ *             natural token order, fragment order
+ *   V scales  [B*Hkv][nkt][Dp][8]             the 8 token-block scales of each channel
+ *
+ * with Dp the head dim padded to 64, 128 or 256 (zeros), NKS = Dp/64, nq_pad/nk_pad the lengths
+ * rounded up to 128 and nkt = nk_pad/128 key tiles. Padding is zero codes with zero scales.
+ */
+#ifndef FP4ATTN_SM120_COMMON_CUH
+#define FP4ATTN_SM120_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "fp4attn/fp4attn.h"
+#include "fp4attn/numerics.h"
+
+namespace fp4attn_sm120 {
+
+constexpr int kBlockQ = 128;  /* query rows per CTA = SPEC query smoothing block */
+constexpr int kBlockKV = 128; /* keys per tile = SPEC key tile (per-tile row max) */
+constexpr int kWarps = 8;     /* 16 query rows per warp */
+constexpr int kThreads = kWarps * 32;
+constexpr int kMeanChunk = 256; /* tokens per partial sum of the K mean */
+
+/* K token permutation inside each 32-token group (an involution). Stored position c holds
+ * token perm(c); the QK^T accumulator column c of thread t (c = 8j + 2t + e within the group)
+ * is then token 8t + 2j + e: each thread owns 8 consecutive keys, exactly the keys it must
+ * supply as the A operand (P) of the PV MMA. Every key index computed from an accumulator
+ * position goes through this map. */
+__host__ __device__ __forceinline__ int key_perm(int c) {
+  return (c & ~31) | (c & 1) | ((c & 24) >> 2) | ((c & 6) << 2);
+}
+
+/* Dp: the padded head dim the kernels instantiate. */
+__host__ __device__ __forceinline__ int padded_head_dim(int64_t d) {
+  return d <= 64 ? 64 : (d <= 128 ? 128 : 256);
+}
+
+struct Layout {
+  int64_t B, Hq, Hkv, G, Nq, Nk, D, Dp;
+  int64_t nqb, nq_pad, nkt, nk_pad, nchunks;
+  /* byte offsets into the workspace */
+  int64_t qc, qs, qbar, lse_shift, kc, ks, vc, vs, kbar, kpart, amax, dec, total;
+};
+
+inline int64_t align256(int64_t x) { return (x + 255) / 256 * 256; }
+
+inline Layout make_layout(const fp4attn_attention_params *p) {
+  Layout L;
+  L.B = p->batch;
+  L.Hq = p->heads_q;
+  L.Hkv = p->heads_kv;
+  L.G = p->heads_kv > 0 ? p->heads_q / p->heads_kv : 1;
+  L.Nq = p->len_q;
+  L.Nk = p->len_k;
+  L.D = p->head_dim;
+  L.Dp = padded_head_dim(p->head_dim);
+  L.nqb = (L.Nq + kBlockQ - 1) / kBlockQ;
+  L.nq_pad = L.nqb * kBlockQ;
+  L.nkt = (L.Nk + kBlockKV - 1) / kBlockKV;
+  L.nk_pad = L.nkt * kBlockKV;
+  L.nchunks = (L.Nk + kMeanChunk - 1) / kMeanChunk;
+  const int64_t bq = L.B * L.Hq, bkv = L.B * L.Hkv;
+  int64_t o = 0;
+  L.qc = o;        o += align256(bq * L.nq_pad * (L.Dp / 2));
+  L.qs = o;        o += align256(bq * L.nq_pad * (L.Dp / 16));
+  L.qbar = o;      o += align256(bq * L.nqb * L.Dp * 4);
+  L.lse_shift = o; o += align256(bq * L.Nq * 4);
+  L.kc = o;        o += align256(bkv * L.nk_pad * (L.Dp / 2));
+  L.ks = o;        o += align256(bkv * L.nk_pad * (L.Dp / 16));
+  L.vc = o;        o += align256(bkv * L.nk_pad * (L.Dp / 2));
+  L.vs = o;        o += align256(bkv * L.nk_pad * (L.Dp / 16));
+  L.kbar = o;      o += align256(bkv * L.Dp * 4);
+  L.kpart = o;     o += align256(bkv * (L.nchunks > 0 ? L.nchunks : 1) * L.Dp * 4);
+  L.amax = o;      o += align256((bq + 2 * bkv) * 4); /* Q heads, then K heads, then V heads */
+  L.dec = o;       o += align256((bq + 2 * bkv) * 4);
+  L.total = o;
+  return L;
+}
+
+/* Element i of a [.., D] row of the caller's tensor, exactly converted to FP32. */
+template <int DT>
+__device__ __forceinline__ float load_f32(const void *base, int64_t i) {
+  if constexpr (DT == FP4ATTN_FLOAT16) {
+    return __half2float(static_cast<const __half *>(base)[i]);
+  } else if constexpr (DT == FP4ATTN_BFLOAT16) {
+    return __bfloat162float(static_cast<const __nv_bfloat16 *>(base)[i]);
+  } else {
+    return static_cast<const float *>(base)[i];
+  }
+}
+
+__device__ __forceinline__ float load_f32_rt(const void *base, int64_t i, int dtype) {
+  if (dtype == FP4ATTN_FLOAT16) return load_f32<FP4ATTN_FLOAT16>(base, i);
+  if (dtype == FP4ATTN_BFLOAT16) return load_f32<FP4ATTN_BFLOAT16>(base, i);
+  return load_f32<FP4ATTN_FLOAT32>(base, i);
+}
+
+/* Everything the attention kernel reads; plain values, passed by value. */
+struct KernelParams {
+  const uint8_t *qc, *qs;
+  const float *qbar, *lse_shift, *dec_q, *dec_k, *dec_v;
+  const uint8_t *kc, *ks, *vc, *vs;
+  const void *k; /* the caller's K, for the qbar . K correction in input precision */
+  int64_t k_stride[3];
+  void *out;
+  int64_t out_stride[3];
+  float *lse;
+  const void *mask;
+  int64_t mask_stride[4];
+  int mask_kind, mask_dtype, dtype, causal;
+  float scale;
+  int64_t B, Hq, Hkv, G, Nq, Nk, D, nqb, nq_pad, nkt;
+  int64_t num_items; /* B * Hq * nqb work items, heaviest (last query block) first */
+};
+
+/* Host side: SPEC 4.1-4.3 (means, global scales, quantization into the layouts above). */
+cudaError_t run_prepass_sm120(const fp4attn_attention_params *p, const Layout &L, uint8_t *ws,
+                              cudaStream_t stream);
+
+/* Host side: launch of the attention kernel for one padded head dim. */
+template <int DP>
+cudaError_t launch_attention_sm120(const KernelParams &kp, int num_sms, cudaStream_t stream);
+
+}  // namespace fp4attn_sm120
+
+#endif /* FP4ATTN_SM120_COMMON_CUH */

@@ -1,0 +1,58 @@
+/* Test hook for the block-scaled FP4 MMA primitive (native on sm_120a, emulated elsewhere). */
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdio.h>
+
+#include "attention_sm120.h"
+#include "mma_fp4.cuh"
+
+namespace {
+
+__global__ void test_mma_fp4_kernel(const uint32_t *a, const uint32_t *b, const float *c,
+                                    const uint32_t *sfa, const uint32_t *sfb, int tid_a, int tid_b,
+                                    float *d) {
+  const int lane = threadIdx.x & 31;
+  uint32_t ra[4], rb[2];
+  float rc[4], rd[4];
+  for (int i = 0; i < 4; ++i) ra[i] = a[lane * 4 + i];
+  for (int i = 0; i < 2; ++i) rb[i] = b[lane * 2 + i];
+  for (int i = 0; i < 4; ++i) rc[i] = c[lane * 4 + i];
+  /* the selectors are immediates in the kernels: dispatch so that each call site has constants */
+#define FP4ATTN_CASE(TA, TB)                                                                     \
+  if (tid_a == TA && tid_b == TB)                                                                \
+    fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, sfa[lane], sfb[lane], TA, TB);
+  FP4ATTN_CASE(0, 0) FP4ATTN_CASE(0, 1) FP4ATTN_CASE(0, 2) FP4ATTN_CASE(0, 3)
+  FP4ATTN_CASE(1, 0) FP4ATTN_CASE(1, 1) FP4ATTN_CASE(1, 2) FP4ATTN_CASE(1, 3)
+#undef FP4ATTN_CASE
+  for (int i = 0; i < 4; ++i) d[lane * 4 + i] = rd[i];
+}
+
+fp4attn_status make_status(fp4attn_code code, const char *msg) {
+  fp4attn_status s;
+  s.code = code;
+  snprintf(s.message, sizeof s.message, "%s", msg);
+  return s;
+}
+
+}  // namespace
+
+extern "C" fp4attn_status fp4attn_cuda_test_mma_fp4(const uint32_t *a, const uint32_t *b,
+                                                    const float *c, const uint32_t *sfa,
+                                                    const uint32_t *sfb, int tid_a, int tid_b,
+                                                    float *d, void *stream) {
+  if (!a || !b || !c || !sfa || !sfb || !d)
+    return make_status(FP4ATTN_ERR_INVALID_ARGUMENT, "test_mma_fp4: null pointer");
+  if (tid_a < 0 || tid_a > 1)
+    return make_status(FP4ATTN_ERR_INVALID_ARGUMENT, "test_mma_fp4: tid_a must be 0 or 1");
+  if (tid_b < 0 || tid_b > 3)
+    return make_status(FP4ATTN_ERR_INVALID_ARGUMENT, "test_mma_fp4: tid_b must be in 0..3");
+  test_mma_fp4_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(a, b, c, sfa, sfb, tid_a, tid_b, d);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    fp4attn_status s;
+    s.code = FP4ATTN_ERR_CUDA;
+    snprintf(s.message, sizeof s.message, "test_mma_fp4: launch failed: %s", cudaGetErrorString(err));
+    return s;
+  }
+  return make_status(FP4ATTN_OK, "");
+}

@@ -1,0 +1,140 @@
+/*
+ * fp4attn public C API (torch-free).
+ *
+ * One parameter struct per op. Every entry point returns an fp4attn_status: code 0 means
+ * success, otherwise `message` says what was wrong. Nothing here exits, prints or allocates
+ * user-visible memory; outputs are written to caller-provided buffers. The CPU entry points
+ * (fp4attn_cpu_*) ignore `stream`; the CUDA entry points (fp4attn_cuda_*) enqueue on it
+ * (a cudaStream_t passed as void*) and never synchronise the host.
+ *
+ * Numerics: ../../../shared/SPEC.md (kept in the repository as docs/SPEC.md).
+ * All strides and sizes are int64 element counts; the innermost dimension is contiguous.
+ */
+#ifndef FP4ATTN_FP4ATTN_H
+#define FP4ATTN_FP4ATTN_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FP4ATTN_BLOCK 16     /* NVFP4 block: 16 values share one E4M3 scale */
+#define FP4ATTN_BLOCK_Q 128  /* query smoothing block (SPEC 4.2) */
+#define FP4ATTN_BLOCK_KV 128 /* key tile of the online softmax (SPEC 4.5) */
+#define FP4ATTN_MAX_HEAD_DIM 256
+
+typedef enum {
+  FP4ATTN_OK = 0,
+  FP4ATTN_ERR_INVALID_ARGUMENT = 1,
+  FP4ATTN_ERR_UNSUPPORTED = 2,
+  FP4ATTN_ERR_OUT_OF_MEMORY = 3,
+  FP4ATTN_ERR_CUDA = 4,
+} fp4attn_code;
+
+typedef struct {
+  fp4attn_code code;
+  char message[256];
+} fp4attn_status;
+
+typedef enum {
+  FP4ATTN_FLOAT32 = 0,
+  FP4ATTN_FLOAT16 = 1,
+  FP4ATTN_BFLOAT16 = 2,
+} fp4attn_dtype;
+
+/* Which attention kernel to run (CUDA). AUTO picks the native kernel for the device. */
+typedef enum {
+  FP4ATTN_KERNEL_AUTO = 0,
+  FP4ATTN_KERNEL_FP16_MMA = 1, /* sm_80/86/89/90: exact dequantization to FP16/BF16 MMA */
+  FP4ATTN_KERNEL_SM120 = 2,    /* block-scaled FP4 MMA; on non-Blackwell GPUs, its emulation */
+} fp4attn_kernel;
+
+typedef enum {
+  FP4ATTN_MASK_NONE = 0,
+  FP4ATTN_MASK_BOOL = 1,     /* uint8/bool, nonzero = attend */
+  FP4ATTN_MASK_ADDITIVE = 2, /* float added to the scaled scores; dtype in mask_dtype */
+} fp4attn_mask_kind;
+
+/* Packed codes per row for `cols` values: ceil(cols/16)*8 bytes; scales per row: ceil(cols/16). */
+static inline int64_t fp4attn_code_bytes(int64_t cols) { return (cols + 15) / 16 * 8; }
+static inline int64_t fp4attn_scale_count(int64_t cols) { return (cols + 15) / 16; }
+
+/* ---- NVFP4 quantization phi (SPEC 2): `batch` independent slices of rows x cols, each with
+ * its own FP32 global scale, quantized along cols. Outputs are contiguous (linear layout). */
+typedef struct {
+  const void *x;
+  fp4attn_dtype dtype;
+  int64_t batch, rows, cols;
+  int64_t x_batch_stride, x_row_stride; /* elements */
+  uint8_t *codes;                       /* [batch, rows, code_bytes(cols)] */
+  uint8_t *scales;                      /* [batch, rows, scale_count(cols)] E4M3 bytes */
+  float *dec;                           /* [batch] global dequantization scale */
+} fp4attn_quantize_params;
+
+/* ---- Dequantization: x' = (value(code) * scale) * dec, float32 [batch, rows, cols]. */
+typedef struct {
+  const uint8_t *codes;
+  const uint8_t *scales;
+  const float *dec;
+  int64_t batch, rows, cols;
+  float *out;
+} fp4attn_dequantize_params;
+
+/* ---- FP4MM (SPEC 3): C[b] = A[b] (M x K) times B[b]^T (N x K), both quantized along K.
+ * Operands in the linear layout of fp4attn_quantize_params; A/B batch strides may be 0
+ * (broadcast). Output [batch, M, N] contiguous in out_dtype. */
+typedef struct {
+  const uint8_t *a_codes, *a_scales;
+  const float *a_dec;
+  const uint8_t *b_codes, *b_scales;
+  const float *b_dec;
+  int64_t batch, m, n, k;
+  int64_t a_batch_stride, b_batch_stride; /* in matrices: 0 (broadcast) or 1 */
+  void *out;
+  fp4attn_dtype out_dtype;
+} fp4attn_fp4mm_params;
+
+/* ---- FP4 attention forward (SPEC 4).
+ * q [batch, heads_q, len_q, head_dim], k/v [batch, heads_kv, len_k, head_dim], out like q.
+ * Strides are (batch, head, token); the head_dim stride is 1. heads_q % heads_kv == 0.
+ * The mask is read as mask[b*s0 + h*s1 + i*s2 + j*s3] (stride 0 = broadcast). */
+typedef struct {
+  const void *q, *k, *v;
+  void *out;
+  float *lse; /* optional [batch, heads_q, len_q] float32, contiguous; NULL to skip */
+  fp4attn_dtype dtype;
+  int64_t batch, heads_q, heads_kv, len_q, len_k, head_dim;
+  int64_t q_stride[3], k_stride[3], v_stride[3], out_stride[3];
+  float scale;
+  int causal; /* top-left aligned: query i sees keys j <= i */
+  fp4attn_mask_kind mask_kind;
+  fp4attn_dtype mask_dtype; /* for FP4ATTN_MASK_ADDITIVE */
+  const void *mask;
+  int64_t mask_stride[4];
+  int num_threads;      /* CPU only: 0 = OpenMP default */
+  fp4attn_kernel kernel; /* CUDA only */
+} fp4attn_attention_params;
+
+/* CPU backend (csrc/cpu) */
+fp4attn_status fp4attn_cpu_quantize(const fp4attn_quantize_params *p);
+fp4attn_status fp4attn_cpu_dequantize(const fp4attn_dequantize_params *p);
+fp4attn_status fp4attn_cpu_fp4mm(const fp4attn_fp4mm_params *p);
+fp4attn_status fp4attn_cpu_attention(const fp4attn_attention_params *p);
+/* Non-zero when the CPU backend was compiled with OpenMP. */
+int fp4attn_cpu_has_openmp(void);
+
+/* CUDA backend (csrc/cuda). `stream` is a cudaStream_t; work is enqueued on it on the current
+ * device, without host synchronisation (safe under CUDA-graph capture). The attention needs a
+ * device workspace of fp4attn_cuda_attention_workspace_bytes(p) bytes (256-byte aligned). */
+fp4attn_status fp4attn_cuda_quantize(const fp4attn_quantize_params *p, void *stream);
+fp4attn_status fp4attn_cuda_dequantize(const fp4attn_dequantize_params *p, void *stream);
+fp4attn_status fp4attn_cuda_fp4mm(const fp4attn_fp4mm_params *p, void *stream);
+int64_t fp4attn_cuda_attention_workspace_bytes(const fp4attn_attention_params *p);
+fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params *p, void *workspace,
+                                      void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FP4ATTN_FP4ATTN_H */

@@ -1,0 +1,345 @@
+// The only file that sees torch: op schemas, argument checks, output allocation, and the calls
+// into the torch-free C API (fp4attn.h). Nothing here computes; kernels never see torch.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#ifdef FP4ATTN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+#include "fp4attn/fp4attn.h"
+
+namespace {
+
+// setup.py passes the architecture list as a bare token (80_90a_120a): quotes and semicolons
+// would not survive the build's shell.
+#define FP4ATTN_STRINGIFY_(x) #x
+#define FP4ATTN_STRINGIFY(x) FP4ATTN_STRINGIFY_(x)
+#ifdef FP4ATTN_CUDA_ARCHS
+#define FP4ATTN_CUDA_ARCHS_STR FP4ATTN_STRINGIFY(FP4ATTN_CUDA_ARCHS)
+#else
+#define FP4ATTN_CUDA_ARCHS_STR ""
+#endif
+
+void check_status(const fp4attn_status &s) {
+  TORCH_CHECK_NOT_IMPLEMENTED(s.code != FP4ATTN_ERR_UNSUPPORTED, "fp4attn: ", s.message);
+  TORCH_CHECK(s.code == FP4ATTN_OK, "fp4attn: ", s.message);
+}
+
+fp4attn_dtype to_c_dtype(at::ScalarType t, const char *arg) {
+  switch (t) {
+  case at::kFloat: return FP4ATTN_FLOAT32;
+  case at::kHalf: return FP4ATTN_FLOAT16;
+  case at::kBFloat16: return FP4ATTN_BFLOAT16;
+  default: TORCH_CHECK(false, arg, " must be float16, bfloat16 or float32, got ", t);
+  }
+  return FP4ATTN_FLOAT32;
+}
+
+bool on_cuda(const at::Tensor &t) { return t.device().is_cuda(); }
+
+// ---------------------------------------------------------------- quantize / dequantize
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor &x) {
+  TORCH_CHECK(x.dim() >= 2, "x must have at least 2 dims [..., rows, cols], got shape ", x.sizes());
+  const fp4attn_dtype dtype = to_c_dtype(x.scalar_type(), "x");
+  const int64_t rows = x.size(-2), cols = x.size(-1);
+  TORCH_CHECK(cols >= 1, "x must have at least one column, got shape ", x.sizes());
+  // A view with unit last-dim stride when possible; reshape copies only if it must.
+  at::Tensor x3 = x.reshape({-1, rows, cols});
+  if (x3.stride(2) != 1) x3 = x3.contiguous();
+  auto lead = x.sizes().slice(0, x.dim() - 2).vec();
+  auto code_shape = lead, scale_shape = lead;
+  code_shape.insert(code_shape.end(), {rows, fp4attn_code_bytes(cols)});
+  scale_shape.insert(scale_shape.end(), {rows, fp4attn_scale_count(cols)});
+  auto u8 = x.options().dtype(at::kByte);
+  at::Tensor codes = at::empty(code_shape, u8), scales = at::empty(scale_shape, u8);
+  at::Tensor dec = at::empty(lead, x.options().dtype(at::kFloat));
+  if (x3.numel() == 0 && x3.size(0) == 0) return {codes, scales, dec};
+  fp4attn_quantize_params p{};
+  p.x = x3.data_ptr();
+  p.dtype = dtype;
+  p.batch = x3.size(0);
+  p.rows = rows;
+  p.cols = cols;
+  p.x_batch_stride = x3.stride(0);
+  p.x_row_stride = x3.stride(1);
+  p.codes = codes.data_ptr<uint8_t>();
+  p.scales = scales.data_ptr<uint8_t>();
+  p.dec = dec.data_ptr<float>();
+#ifdef FP4ATTN_WITH_CUDA
+  if (on_cuda(x)) {
+    c10::cuda::CUDAGuard guard(x.device());
+    check_status(fp4attn_cuda_quantize(&p, at::cuda::getCurrentCUDAStream().stream()));
+    return {codes, scales, dec};
+  }
+#endif
+  TORCH_CHECK(x.device().is_cpu(), "x must be a CPU or CUDA tensor, got ", x.device());
+  check_status(fp4attn_cpu_quantize(&p));
+  return {codes, scales, dec};
+}
+
+void check_quantized(const at::Tensor &codes, const at::Tensor &scales, const at::Tensor &dec,
+                     int64_t cols, const char *name) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte, name, "codes must be uint8, got ", codes.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kByte || scales.scalar_type() == at::kFloat8_e4m3fn,
+              name, "scales must be uint8 or float8_e4m3fn, got ", scales.scalar_type());
+  TORCH_CHECK(dec.scalar_type() == at::kFloat, name, "dec must be float32, got ", dec.scalar_type());
+  TORCH_CHECK(cols >= 1, "cols must be >= 1, got ", cols);
+  TORCH_CHECK(codes.dim() >= 2 && codes.size(-1) == fp4attn_code_bytes(cols), name,
+              "codes must be [..., rows, ", fp4attn_code_bytes(cols), "] for ", cols,
+              " columns, got ", codes.sizes());
+  TORCH_CHECK(scales.dim() == codes.dim() && scales.size(-2) == codes.size(-2) &&
+                  scales.size(-1) == fp4attn_scale_count(cols),
+              name, "scales must be [..., rows, ", fp4attn_scale_count(cols), "], got ", scales.sizes());
+  TORCH_CHECK(dec.numel() * codes.size(-2) * codes.size(-1) == codes.numel(), name,
+              "dec must hold one scale per matrix, got ", dec.sizes(), " for codes ", codes.sizes());
+  TORCH_CHECK(codes.device() == scales.device() && codes.device() == dec.device(), name,
+              "codes, scales and dec must be on one device");
+}
+
+at::Tensor dequantize(const at::Tensor &codes, const at::Tensor &scales, const at::Tensor &dec,
+                      int64_t cols) {
+  check_quantized(codes, scales, dec, cols, "");
+  const int64_t rows = codes.size(-2);
+  at::Tensor c = codes.contiguous(), s = scales.contiguous().view(at::kByte), d = dec.contiguous();
+  auto shape = codes.sizes().vec();
+  shape.back() = cols;
+  at::Tensor out = at::empty(shape, codes.options().dtype(at::kFloat));
+  if (out.numel() == 0) return out;
+  fp4attn_dequantize_params p{};
+  p.codes = c.data_ptr<uint8_t>();
+  p.scales = s.data_ptr<uint8_t>();
+  p.dec = d.data_ptr<float>();
+  p.batch = d.numel();
+  p.rows = rows;
+  p.cols = cols;
+  p.out = out.data_ptr<float>();
+#ifdef FP4ATTN_WITH_CUDA
+  if (on_cuda(codes)) {
+    c10::cuda::CUDAGuard guard(codes.device());
+    check_status(fp4attn_cuda_dequantize(&p, at::cuda::getCurrentCUDAStream().stream()));
+    return out;
+  }
+#endif
+  check_status(fp4attn_cpu_dequantize(&p));
+  return out;
+}
+
+// ---------------------------------------------------------------- fp4mm
+
+at::Tensor fp4mm(const at::Tensor &a_codes, const at::Tensor &a_scales, const at::Tensor &a_dec,
+                 const at::Tensor &b_codes, const at::Tensor &b_scales, const at::Tensor &b_dec,
+                 int64_t k, at::ScalarType out_dtype) {
+  check_quantized(a_codes, a_scales, a_dec, k, "a_");
+  check_quantized(b_codes, b_scales, b_dec, k, "b_");
+  TORCH_CHECK(a_codes.device() == b_codes.device(), "a and b must be on the same device, got ",
+              a_codes.device(), " and ", b_codes.device());
+  const fp4attn_dtype odt = to_c_dtype(out_dtype, "out_dtype");
+  const int64_t m = a_codes.size(-2), n = b_codes.size(-2);
+  const int64_t ba = a_dec.numel(), bb = b_dec.numel();
+  TORCH_CHECK(ba == bb || ba == 1 || bb == 1,
+              "a and b must have the same number of matrices (or one of them 1), got ", ba, " and ", bb);
+  auto lead = (ba >= bb ? a_codes : b_codes).sizes().vec();
+  lead.resize(lead.size() - 2);
+  auto shape = lead;
+  shape.insert(shape.end(), {m, n});
+  at::Tensor out = at::empty(shape, a_codes.options().dtype(out_dtype));
+  if (out.numel() == 0) return out;
+  at::Tensor ac = a_codes.contiguous(), as = a_scales.contiguous().view(at::kByte), ad = a_dec.contiguous();
+  at::Tensor bc = b_codes.contiguous(), bs = b_scales.contiguous().view(at::kByte), bd = b_dec.contiguous();
+  fp4attn_fp4mm_params p{};
+  p.a_codes = ac.data_ptr<uint8_t>();
+  p.a_scales = as.data_ptr<uint8_t>();
+  p.a_dec = ad.data_ptr<float>();
+  p.b_codes = bc.data_ptr<uint8_t>();
+  p.b_scales = bs.data_ptr<uint8_t>();
+  p.b_dec = bd.data_ptr<float>();
+  p.batch = std::max(ba, bb);
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.a_batch_stride = ba == 1 ? 0 : 1;
+  p.b_batch_stride = bb == 1 ? 0 : 1;
+  p.out = out.data_ptr();
+  p.out_dtype = odt;
+#ifdef FP4ATTN_WITH_CUDA
+  if (on_cuda(a_codes)) {
+    c10::cuda::CUDAGuard guard(a_codes.device());
+    check_status(fp4attn_cuda_fp4mm(&p, at::cuda::getCurrentCUDAStream().stream()));
+    return out;
+  }
+#endif
+  check_status(fp4attn_cpu_fp4mm(&p));
+  return out;
+}
+
+// ---------------------------------------------------------------- attention
+
+void fill_strides3(const at::Tensor &t, int64_t *s) {
+  s[0] = t.stride(0);
+  s[1] = t.stride(1);
+  s[2] = t.stride(2);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::Tensor &k_in,
+                                             const at::Tensor &v_in,
+                                             const c10::optional<at::Tensor> &attn_mask,
+                                             bool is_causal, double scale, bool return_lse,
+                                             int64_t kernel) {
+  TORCH_CHECK(q_in.dim() == 4, "query must be 4-D [batch, heads, len_q, head_dim], got shape ", q_in.sizes());
+  TORCH_CHECK(k_in.dim() == 4, "key must be 4-D [batch, heads_kv, len_k, head_dim], got shape ", k_in.sizes());
+  TORCH_CHECK(v_in.dim() == 4, "value must be 4-D [batch, heads_kv, len_k, head_dim], got shape ", v_in.sizes());
+  const fp4attn_dtype dtype = to_c_dtype(q_in.scalar_type(), "query");
+  TORCH_CHECK(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
+              "query, key and value must have one dtype, got ", q_in.scalar_type(), ", ",
+              k_in.scalar_type(), ", ", v_in.scalar_type());
+  TORCH_CHECK(k_in.device() == q_in.device() && v_in.device() == q_in.device(),
+              "query, key and value must be on one device, got ", q_in.device(), ", ",
+              k_in.device(), ", ", v_in.device());
+  const int64_t B = q_in.size(0), Hq = q_in.size(1), Nq = q_in.size(2), D = q_in.size(3);
+  const int64_t Hkv = k_in.size(1), Nk = k_in.size(2);
+  TORCH_CHECK(k_in.size(0) == B && v_in.size(0) == B, "key and value batch must equal query batch ", B);
+  TORCH_CHECK(k_in.size(3) == D, "key head_dim must equal query head_dim ", D, ", got ", k_in.size(3));
+  TORCH_CHECK(v_in.size(3) == D, "value head_dim must equal query head_dim ", D, " (different value head dims are not supported), got ", v_in.size(3));
+  TORCH_CHECK(v_in.size(1) == Hkv && v_in.size(2) == Nk, "value must have the shape of key ",
+              k_in.sizes(), ", got ", v_in.sizes());
+  TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "query heads (", Hq, ") must be a multiple of key/value heads (", Hkv, ")");
+  TORCH_CHECK(D >= 1 && D <= FP4ATTN_MAX_HEAD_DIM, "head_dim must be in [1, ", FP4ATTN_MAX_HEAD_DIM, "], got ", D);
+  TORCH_CHECK(kernel >= 0 && kernel <= 2, "kernel must be 0 (auto), 1 (fp16 mma) or 2 (sm120), got ", kernel);
+
+  // Unit stride along head_dim is required; other strides are passed through (no copies).
+  at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
+  at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
+  at::Tensor out = at::empty({B, Hq, Nq, D}, q.options());
+  at::Tensor lse = return_lse ? at::empty({B, Hq, Nq}, q.options().dtype(at::kFloat))
+                              : at::empty({0}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) return {out, lse};
+  TORCH_CHECK(Nk >= 1, "key must have at least one token");
+
+  fp4attn_attention_params p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out.data_ptr();
+  p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
+  p.dtype = dtype;
+  p.batch = B;
+  p.heads_q = Hq;
+  p.heads_kv = Hkv;
+  p.len_q = Nq;
+  p.len_k = Nk;
+  p.head_dim = D;
+  fill_strides3(q, p.q_stride);
+  fill_strides3(k, p.k_stride);
+  fill_strides3(v, p.v_stride);
+  fill_strides3(out, p.out_stride);
+  p.scale = static_cast<float>(scale);
+  p.causal = is_causal ? 1 : 0;
+  p.kernel = static_cast<fp4attn_kernel>(kernel);
+  at::Tensor mask;
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    const at::Tensor &m = *attn_mask;
+    TORCH_CHECK(m.device() == q.device(), "attn_mask must be on the device of query (", q.device(), "), got ", m.device());
+    TORCH_CHECK(m.dim() <= 4, "attn_mask must have at most 4 dims, got ", m.dim());
+    if (m.scalar_type() == at::kBool) {
+      p.mask_kind = FP4ATTN_MASK_BOOL;
+    } else {
+      p.mask_kind = FP4ATTN_MASK_ADDITIVE;
+      p.mask_dtype = to_c_dtype(m.scalar_type(), "attn_mask");
+    }
+    TORCH_CHECK(at::is_expandable_to(m.sizes(), {B, Hq, Nq, Nk}), "attn_mask of shape ", m.sizes(),
+                " must be broadcastable to [batch, heads, len_q, len_k] = ", at::IntArrayRef({B, Hq, Nq, Nk}));
+    mask = m.expand({B, Hq, Nq, Nk});  // a view: broadcast dims get stride 0
+    p.mask = mask.data_ptr();
+    for (int i = 0; i < 4; ++i) p.mask_stride[i] = mask.size(i) == 1 ? 0 : mask.stride(i);
+  }
+#ifdef FP4ATTN_WITH_CUDA
+  if (on_cuda(q)) {
+    c10::cuda::CUDAGuard guard(q.device());
+    const int64_t ws_bytes = fp4attn_cuda_attention_workspace_bytes(&p);
+    TORCH_CHECK(ws_bytes >= 0, "fp4attn: could not size the attention workspace");
+    at::Tensor workspace = at::empty({std::max<int64_t>(ws_bytes, 1)}, q.options().dtype(at::kByte));
+    check_status(fp4attn_cuda_attention(&p, workspace.data_ptr(), at::cuda::getCurrentCUDAStream().stream()));
+    return {out, lse};
+  }
+#endif
+  TORCH_CHECK(q.device().is_cpu(), "query must be a CPU or CUDA tensor, got ", q.device());
+  TORCH_CHECK(kernel != 2, "kernel=2 (sm120) needs a CUDA tensor");
+  check_status(fp4attn_cpu_attention(&p));
+  return {out, lse};
+}
+
+#ifdef FP4ATTN_WITH_CUDA
+at::Tensor test_mma_fp4(const at::Tensor &a, const at::Tensor &b, const at::Tensor &c,
+                        const at::Tensor &sfa, const at::Tensor &sfb, int64_t tid_a, int64_t tid_b) {
+  auto check = [](const at::Tensor &t, const char *name, at::ScalarType dt, at::IntArrayRef shape) {
+    TORCH_CHECK(t.is_cuda() && t.scalar_type() == dt && t.sizes() == shape && t.is_contiguous(),
+                name, " must be a contiguous CUDA ", dt, " tensor of shape ", shape, ", got ",
+                t.scalar_type(), " ", t.sizes(), " on ", t.device());
+  };
+  check(a, "a", at::kInt, {32, 4});
+  check(b, "b", at::kInt, {32, 2});
+  check(c, "c", at::kFloat, {32, 4});
+  check(sfa, "sfa", at::kInt, {32});
+  check(sfb, "sfb", at::kInt, {32});
+  TORCH_CHECK(tid_a >= 0 && tid_a <= 1, "tid_a must be 0 or 1, got ", tid_a);
+  TORCH_CHECK(tid_b >= 0 && tid_b <= 3, "tid_b must be in [0, 3], got ", tid_b);
+  c10::cuda::CUDAGuard guard(a.device());
+  at::Tensor d = at::empty_like(c);
+  check_status(fp4attn_cuda_test_mma_fp4(
+      reinterpret_cast<const uint32_t *>(a.data_ptr<int32_t>()),
+      reinterpret_cast<const uint32_t *>(b.data_ptr<int32_t>()), c.data_ptr<float>(),
+      reinterpret_cast<const uint32_t *>(sfa.data_ptr<int32_t>()),
+      reinterpret_cast<const uint32_t *>(sfb.data_ptr<int32_t>()), static_cast<int>(tid_a),
+      static_cast<int>(tid_b), d.data_ptr<float>(), at::cuda::getCurrentCUDAStream().stream()));
+  return d;
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY(fp4attn, m) {
+  m.def("quantize(Tensor x) -> (Tensor codes, Tensor scales, Tensor dec)");
+  m.def("dequantize(Tensor codes, Tensor scales, Tensor dec, int cols) -> Tensor");
+  m.def("fp4mm(Tensor a_codes, Tensor a_scales, Tensor a_dec, Tensor b_codes, Tensor b_scales, "
+        "Tensor b_dec, int k, ScalarType out_dtype) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float scale, "
+        "bool return_lse, int kernel) -> (Tensor out, Tensor lse)");
+  m.def("_test_mma_fp4(Tensor a, Tensor b, Tensor c, Tensor sfa, Tensor sfb, int tid_a, "
+        "int tid_b) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fp4attn, CPU, m) {
+  m.impl("quantize", &quantize);
+  m.impl("dequantize", &dequantize);
+  m.impl("fp4mm", &fp4mm);
+  m.impl("attention", &attention);
+}
+
+#ifdef FP4ATTN_WITH_CUDA
+TORCH_LIBRARY_IMPL(fp4attn, CUDA, m) {
+  m.impl("quantize", &quantize);
+  m.impl("dequantize", &dequantize);
+  m.impl("fp4mm", &fp4mm);
+  m.impl("attention", &attention);
+  m.impl("_test_mma_fp4", &test_mma_fp4);
+}
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fp4attn compiled backends (ops are registered under torch.ops.fp4attn)";
+  m.def("build_info", []() {
+    pybind11::dict info;
+#ifdef FP4ATTN_WITH_CUDA
+    info["cuda"] = true;
+#else
+    info["cuda"] = false;
+#endif
+    info["cuda_archs"] = std::string(FP4ATTN_CUDA_ARCHS_STR);
+    info["openmp"] = fp4attn_cpu_has_openmp() != 0;
+    return info;
+  });
+}

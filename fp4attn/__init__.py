@@ -1,0 +1,29 @@
+"""fp4attn: FP4 (NVFP4 microscaling) attention for PyTorch, SageAttention3 numerics.
+
+    fp4attn.sdpa(q, k, v, ...)        drop-in for torch.nn.functional.scaled_dot_product_attention
+    fp4attn.patch() / unpatch() / patched()   swap it into existing models
+    fp4attn.quantize / dequantize / fp4mm     the NVFP4 quantizer and block-scaled FP4 matmul
+    fp4attn.reference                 pure-PyTorch implementation of docs/SPEC.md (the oracle)
+"""
+
+from ._ops import build_info
+from .patch import is_patched, patch, patched, unpatch
+from .sdpa import FP4AttnFallbackError, sdpa
+from .tensor import NVFP4Tensor, dequantize, fp4mm, quantize, swizzle_scales
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FP4AttnFallbackError",
+    "NVFP4Tensor",
+    "build_info",
+    "dequantize",
+    "fp4mm",
+    "is_patched",
+    "patch",
+    "patched",
+    "quantize",
+    "sdpa",
+    "swizzle_scales",
+    "unpatch",
+]

@@ -1,0 +1,64 @@
+"""Loads the compiled backends (fp4attn._C) and registers fake (meta) implementations.
+
+The fake implementations describe output shapes and dtypes without computing, which is what
+torch.compile(fullgraph=True), torch.export and FakeTensor tracing need.
+"""
+
+import torch
+
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.fp4attn.*)
+except ImportError as exc:  # pragma: no cover - only when the extension was not built
+    raise ImportError(
+        "fp4attn's compiled extension (fp4attn._C) is missing or broken: build it with "
+        "`pip install --no-build-isolation -e .` in the repository root"
+    ) from exc
+
+ops = torch.ops.fp4attn
+BLOCK = 16
+
+
+def build_info() -> dict:
+    """Which backends this build of fp4attn._C contains."""
+    return dict(_C.build_info())
+
+
+def code_bytes(cols: int) -> int:
+    return (cols + BLOCK - 1) // BLOCK * (BLOCK // 2)
+
+
+def scale_count(cols: int) -> int:
+    return (cols + BLOCK - 1) // BLOCK
+
+
+@torch.library.register_fake("fp4attn::quantize")
+def _quantize_fake(x):
+    lead, rows, cols = x.shape[:-2], x.shape[-2], x.shape[-1]
+    return (
+        x.new_empty((*lead, rows, code_bytes(cols)), dtype=torch.uint8),
+        x.new_empty((*lead, rows, scale_count(cols)), dtype=torch.uint8),
+        x.new_empty(lead, dtype=torch.float32),
+    )
+
+
+@torch.library.register_fake("fp4attn::dequantize")
+def _dequantize_fake(codes, scales, dec, cols):
+    return codes.new_empty((*codes.shape[:-1], cols), dtype=torch.float32)
+
+
+@torch.library.register_fake("fp4attn::fp4mm")
+def _fp4mm_fake(a_codes, a_scales, a_dec, b_codes, b_scales, b_dec, k, out_dtype):
+    lead = a_codes.shape[:-2] if a_dec.numel() >= b_dec.numel() else b_codes.shape[:-2]
+    return a_codes.new_empty((*lead, a_codes.shape[-2], b_codes.shape[-2]), dtype=out_dtype)
+
+
+@torch.library.register_fake("fp4attn::attention")
+def _attention_fake(q, k, v, attn_mask, is_causal, scale, return_lse, kernel):
+    out = q.new_empty(q.shape, memory_format=torch.contiguous_format)
+    lse_shape = q.shape[:-1] if return_lse else (0,)
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("fp4attn::_test_mma_fp4")
+def _test_mma_fp4_fake(a, b, c, sfa, sfb, tid_a, tid_b):
+    return torch.empty_like(c)

@@ -1,0 +1,593 @@
+"""Pure-PyTorch reference implementation of docs/SPEC.md: the oracle every backend is tested against.
+
+Nothing here is fast; everything here is meant to be obviously right. The number formats and the
+quantization ``phi`` (SPEC sections 1-2) are bit-exact with ``csrc/include/fp4attn/numerics.h``:
+the encoders below are written with the same binary32 operations (correctly rounded divisions,
+``1 / s`` followed by a multiplication, NaN-propagating block maxima) so that the C backends and
+this file produce identical bytes. The attention (SPEC section 4) is vectorised over batch, heads
+and query rows and loops only over key tiles, exactly as the online softmax does.
+
+Precision choices of the oracle:
+
+* Every FP4MM (SPEC 3) multiplies the exactly dequantized operands (``value(code) * scale`` is
+  exact in float32) in **float64** and rounds the sum once to float32, then applies the float32
+  global scales. float64 makes the block sums practically exact, so whatever a kernel differs by
+  is its own accumulation error.
+* Everything else in the attention (smoothing means, the ``qbar . K`` correction, exp, the
+  online-softmax statistics) is float32, as SPEC prescribes for the kernels.
+
+Conventions shared by all functions: codes are uint8, unpacked (one 4-bit code per byte) unless a
+name says *packed*; E4M3 scales travel as their raw uint8 bytes (``.view(torch.float8_e4m3fn)``
+turns them into the torch dtype without changing a bit).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BLOCK",
+    "E4M3_MAX",
+    "NVFP4_RANGE",
+    "attention",
+    "dequantize",
+    "e2m1_decode",
+    "e2m1_encode",
+    "e4m3_decode",
+    "e4m3_encode_sat",
+    "exact_attention",
+    "fake_quantize",
+    "fp4mm",
+    "global_scales",
+    "metrics",
+    "quantize",
+]
+
+#: Elements sharing one E4M3 block scale (NVFP4).
+BLOCK = 16
+#: Largest magnitude of (E4M3 scale) x (E2M1 code) = 448 * 6; also the first-level P range.
+NVFP4_RANGE = 2688.0
+#: Largest finite E4M3 value.
+E4M3_MAX = 448.0
+
+_E4M3_MAX_CODE = 0x7E
+_E4M3_NAN_CODE = 0x7F
+
+
+def _build_e4m3_table() -> Tensor:
+    """Value of every E4M3 byte, from the format definition (bias 7, 3 mantissa bits)."""
+    vals = []
+    for c in range(256):
+        e, m = (c >> 3) & 0xF, c & 7
+        if c & 0x7F == 0x7F:
+            v = math.nan
+        elif e == 0:
+            v = m * 2.0**-9  # subnormal: m * 2^-9
+        else:
+            v = 2.0 ** (e - 7) * (1.0 + m / 8.0)
+        vals.append(-v if c & 0x80 else v)
+    return torch.tensor(vals, dtype=torch.float32)  # every value is exact in float32
+
+
+_E4M3_TABLE = _build_e4m3_table()
+# Magnitudes of E2M1 codes 0..7, then the same negated for codes 8..15 (-0.0 for code 8).
+_E2M1_TABLE = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=torch.float32,
+)
+
+
+def _div_rn(a: Tensor | float, b: Tensor | float) -> Tensor:
+    """Correctly rounded float32 division ``a / b`` (SPEC notation ``/``).
+
+    torch does not promise it: ``scalar / tensor`` is evaluated as ``reciprocal(tensor) * scalar``
+    (two roundings), which often differs from a true division in the last bit (``2688 / amax``
+    did for about a quarter of random inputs). Dividing in float64 and rounding once to float32 is exact IEEE division, because a
+    quotient of 24-bit operands rounded first to 53 >= 2*24 + 2 bits cannot suffer from double
+    rounding.
+    """
+    a64 = torch.as_tensor(a, dtype=torch.float64) if not isinstance(a, Tensor) else a.double()
+    b64 = torch.as_tensor(b, dtype=torch.float64) if not isinstance(b, Tensor) else b.double()
+    return (a64 / b64).to(torch.float32)
+
+
+def _as_float32(x: Tensor) -> Tensor:
+    """float16/bfloat16/float32 convert exactly; float64 is rounded to the float32 a backend sees."""
+    if not torch.is_floating_point(x):
+        raise TypeError(f"expected a floating-point tensor, got {x.dtype}")
+    return x.to(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# SPEC 1: number formats
+# ---------------------------------------------------------------------------------------------
+
+
+def e2m1_encode(y: Tensor) -> Tensor:
+    """``rne_e2m1`` of SPEC 1: the 4-bit code of every element (uint8, unpacked, 0..15).
+
+    The thresholds are written out exactly as in SPEC / numerics.h: ``<=`` at ties whose lower
+    neighbour has the even code (0.25, 1.25, 2.5, 5) and ``<`` where the upper one does (0.75,
+    1.75, 3.5). Magnitudes above 5 saturate to 6. Zero (of either sign) is code 0, never 0x8.
+    NaN fails every comparison, so, like the C helper, it becomes code 7 *without* a sign bit (the
+    sign of a NaN is not portable); its slice is NaN anyway through the global scale.
+    """
+    y = _as_float32(y)
+    a = y.abs()
+    code = (
+        (a > 0.25).to(torch.uint8)
+        + (a >= 0.75)
+        + (a > 1.25)
+        + (a >= 1.75)
+        + (a > 2.5)
+        + (a >= 3.5)
+        + (a > 5.0)
+    ).to(torch.uint8)
+    code = torch.where(torch.isnan(a), torch.full_like(code, 7), code)
+    negative = (y < 0) & (code != 0)
+    return code | (negative.to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes: Tensor) -> Tensor:
+    """float32 value of every E2M1 code (bit 3 = sign; only the low 4 bits are read)."""
+    return _E2M1_TABLE.to(codes.device)[codes.to(torch.int64) & 0xF]
+
+
+def e4m3_encode_sat(v: Tensor) -> Tensor:
+    """``rne_e4m3_sat`` of SPEC 1: E4M3 bytes (uint8) of ``v >= 0``, round to nearest even.
+
+    Values above 448 (and +Inf) saturate to 448 (0x7E), NaN gives 0x7F, subnormals (multiples of
+    2^-9) are kept, and ``v <= 2^-10`` gives 0. The integer manipulation mirrors
+    ``fp4attn_e4m3_encode_sat``: normals keep the top 3 mantissa bits and round on the other 20;
+    values below 2^-6 are scaled exactly by 512 and rounded to an integer, half to even (which is
+    what ``torch.round`` does). As in the C helper the sign bit is ignored, so a negative input
+    encodes its magnitude.
+    """
+    v = _as_float32(v).contiguous()
+    bits = v.view(torch.int32) & 0x7FFFFFFF  # |v| as bits
+    a = bits.view(torch.float32)
+    exp = bits >> 23
+    mant = bits & 0x7FFFFF
+    # Normal E4M3 range [2^-6, 448): float32 exponent e maps to E4M3 exponent e - 127 + 7.
+    code = ((exp - 120) << 3) | (mant >> 20)
+    rem = mant & 0xFFFFF
+    round_up = (rem > 0x80000) | ((rem == 0x80000) & ((code & 1) == 1))
+    code = torch.clamp(code + round_up.to(torch.int32), max=_E4M3_MAX_CODE)
+    # Below 2^-6 (float32 exponent field < 121): the subnormal grid m * 2^-9, m in 0..8
+    # (m == 8 is the smallest normal, code 0x08, which the same integer happens to encode).
+    sub = torch.round(a * 512.0).to(torch.int32)
+    code = torch.where(exp < 121, sub, code)
+    code = torch.where(a >= E4M3_MAX, torch.full_like(code, _E4M3_MAX_CODE), code)
+    code = torch.where(torch.isnan(v), torch.full_like(code, _E4M3_NAN_CODE), code)
+    return code.to(torch.uint8)
+
+
+def e4m3_decode(b: Tensor) -> Tensor:
+    """float32 value of every E4M3 byte (sign honoured; 0x7F and 0xFF are NaN)."""
+    return _E4M3_TABLE.to(b.device)[b.to(torch.int64) & 0xFF]
+
+
+def global_scales(amax: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-slice global scales of SPEC 2, elementwise: ``(enc, dec)``, both float32.
+
+    ``enc = 2688 / amax`` maps the slice maximum onto the top of the NVFP4 range, so the E4M3
+    block scales neither underflow (tiny tensors) nor saturate (huge ones). Both are correctly
+    rounded float32 divisions. An all-zero slice, or one whose ``enc`` overflows (subnormal
+    amax), uses 1. A NaN/Inf amax makes ``dec`` NaN, so the whole slice dequantizes to NaN rather
+    than to plausible garbage. Note amax = +Inf gives ``enc = 0`` (finite) as in numerics.h.
+    """
+    amax = _as_float32(amax)
+    enc = _div_rn(NVFP4_RANGE, amax)
+    dec = _div_rn(amax, NVFP4_RANGE)
+    reset = (amax == 0) | ~torch.isfinite(enc)
+    one = torch.ones_like(amax)
+    enc = torch.where(reset, one, enc)
+    dec = torch.where(reset, one, dec)
+    dec = torch.where(torch.isfinite(amax), dec, torch.full_like(dec, math.nan))
+    return enc, dec
+
+
+# ---------------------------------------------------------------------------------------------
+# SPEC 2: NVFP4 quantization phi
+# ---------------------------------------------------------------------------------------------
+
+
+def _pad_last(x: Tensor, multiple: int) -> Tensor:
+    pad = -x.shape[-1] % multiple
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+
+def _phi(x32: Tensor, global_scale: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """phi of SPEC 2 on float32 ``x32 [..., R, K]``, one global scale per matrix.
+
+    Returns unpacked codes ``[..., R, Kp]`` (Kp = K rounded up to 16; padding encodes to 0), E4M3
+    scale bytes ``[..., R, Kp/16]`` and ``dec [...]``. This is the single implementation of the
+    quantizer; ``quantize`` only packs its codes.
+    """
+    if x32.dim() < 2:
+        raise ValueError(
+            f"quantize needs at least 2 dims [..., rows, cols], got {tuple(x32.shape)}"
+        )
+    lead = x32.shape[:-2]
+    if global_scale:
+        if x32.shape[-1] == 0 or x32.shape[-2] == 0:
+            amax = x32.new_zeros(lead)
+        else:
+            amax = x32.abs().amax(dim=(-2, -1))  # torch.amax propagates NaN, like fp4attn_nanmax
+        enc, dec = global_scales(amax)
+        xs = x32 * enc[..., None, None]
+    else:
+        dec = x32.new_ones(lead)
+        xs = x32
+    # Padding after scaling: zeros stay zeros whatever enc is (enc is never NaN or Inf).
+    xs = _pad_last(xs, BLOCK)
+    blocks = xs.reshape(*xs.shape[:-1], xs.shape[-1] // BLOCK, BLOCK)
+    if blocks.shape[-2] == 0:
+        bmax = blocks.new_zeros(blocks.shape[:-1])
+    else:
+        bmax = blocks.abs().amax(dim=-1)  # NaN-propagating, as in fp4attn_quantize_block
+    scales = e4m3_encode_sat(_div_rn(bmax, 6.0))  # correctly rounded division, RNE to E4M3
+    s = e4m3_decode(scales)
+    r = _div_rn(1.0, s)  # the reciprocal first, then a multiplication: SPEC 2 / numerics.h
+    codes = e2m1_encode(blocks * r[..., None])
+    # A zero scale (all-zero block or one that underflows E4M3) stores zeros; 1/0 = Inf would
+    # otherwise turn 0 * Inf into NaN -> code 7.
+    codes = torch.where((s == 0)[..., None], torch.zeros_like(codes), codes)
+    return codes.reshape(xs.shape), scales, dec
+
+
+def _block_values(codes: Tensor, scales: Tensor) -> Tensor:
+    """``value(code) * scale`` in float32 (exact: at most 6 significant bits), unpacked codes."""
+    vals = e2m1_decode(codes)
+    s = e4m3_decode(scales).repeat_interleave(BLOCK, dim=-1)
+    return vals * s
+
+
+def _pack(codes: Tensor) -> Tensor:
+    """Two codes per byte, element 2i in the low nibble (torch.float4_e2m1fn_x2 convention)."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unpack(packed: Tensor) -> Tensor:
+    low = packed & 0xF
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def quantize(x: Tensor, *, global_scale: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """NVFP4-quantize ``x [..., R, K]`` along its last dim (SPEC 2), one global scale per matrix.
+
+    Returns ``(codes, scales, dec)``: ``codes`` uint8 ``[..., R, ceil(K/16)*8]`` packed two per
+    byte (element 2i in the low nibble), ``scales`` uint8 ``[..., R, ceil(K/16)]`` (E4M3 bytes),
+    ``dec`` float32 ``[...]``. ``global_scale=False`` is ``phi_local`` (enc = dec = 1), used for
+    P in the attention and for the ablation. ``x`` is converted to float32 first (exact for
+    float16/bfloat16/float32).
+    """
+    codes, scales, dec = _phi(_as_float32(x), global_scale)
+    return _pack(codes), scales, dec
+
+
+def dequantize(codes: Tensor, scales: Tensor, dec: Tensor, cols: int) -> Tensor:
+    """Inverse of ``quantize``: float32 ``[..., R, cols]`` with ``x' = (value(code) * s) * dec``."""
+    nblocks = scales.shape[-1]
+    if codes.shape[-1] != nblocks * BLOCK // 2:
+        raise ValueError(
+            f"codes must have {nblocks * BLOCK // 2} bytes per row for {nblocks} scales, "
+            f"got {codes.shape[-1]}"
+        )
+    if not 0 <= cols <= nblocks * BLOCK:
+        raise ValueError(f"cols must be in [0, {nblocks * BLOCK}], got {cols}")
+    vals = _block_values(_unpack(codes), scales)
+    dec = _as_float32(torch.as_tensor(dec))
+    return (vals * dec[..., None, None])[..., :cols]
+
+
+def fake_quantize(x: Tensor, *, global_scale: bool = True) -> Tensor:
+    """``dequantize(quantize(x))``: float32, same shape as ``x``."""
+    codes, scales, dec = quantize(x, global_scale=global_scale)
+    return dequantize(codes, scales, dec, x.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# SPEC 3: FP4MM
+# ---------------------------------------------------------------------------------------------
+
+
+def _mm64(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b^T`` of float32 operands, accumulated in float64, rounded once to float32."""
+    return torch.matmul(a.double(), b.double().transpose(-1, -2)).float()
+
+
+def fp4mm(a: Tensor, b: Tensor) -> Tensor:
+    """Block-scaled FP4 matmul (SPEC 3): ``phi(a) @ phi(b)^T`` with float32 output.
+
+    ``a [..., M, K]`` and ``b [..., N, K]`` (leading dims broadcastable) are each quantized along
+    K with one global scale per matrix of their own shape (a broadcast operand is quantized once).
+    The block products are summed in float64 and rounded to float32, then multiplied by the
+    float32 product ``dA * dB``.
+    """
+    a32, b32 = _as_float32(a), _as_float32(b)
+    if a32.dim() < 2 or b32.dim() < 2 or a32.shape[-1] != b32.shape[-1]:
+        raise ValueError(
+            f"fp4mm needs a [..., M, K] and b [..., N, K], got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    ca, sa, da = _phi(a32, True)
+    cb, sb, db = _phi(b32, True)
+    acc = _mm64(_block_values(ca, sa), _block_values(cb, sb))
+    return (da * db)[..., None, None] * acc
+
+
+# ---------------------------------------------------------------------------------------------
+# SPEC 4: FP4 attention forward
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool = True) -> int:
+    """Validate the [B, H, N, D] layout; return the GQA group size Hq // Hkv."""
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(t.shape)}")
+        if not torch.is_floating_point(t):
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"key and value must agree in [B, H, N], got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"query and key batch sizes differ: {q.shape[0]} vs {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"query and key head dims differ: {q.shape[3]} vs {k.shape[3]}")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if hq != hkv and not enable_gqa:
+        raise ValueError(f"query heads ({hq}) != key/value heads ({hkv}) needs enable_gqa=True")
+    return hq // hkv
+
+
+def _mask_bias(
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    shape: tuple[int, int, int, int],
+    device: torch.device,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Return (allowed bool, additive float32) views broadcast to [B, Hq, Nq, Nk] (None = none).
+
+    Causal masking is top-left aligned (query i sees keys j <= i) like torch SDPA; it combines
+    with an explicit mask when both are given. Nothing [B, Hq, Nq, Nk]-sized is materialised
+    here: the tiles slice these expanded views.
+    """
+    Nq, Nk = shape[2], shape[3]
+    allowed = None
+    additive = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed = torch.broadcast_to(attn_mask.to(device), shape)
+        elif torch.is_floating_point(attn_mask):
+            additive = torch.broadcast_to(attn_mask.to(device, torch.float32), shape)
+        else:
+            raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    if is_causal:
+        causal = torch.ones(Nq, Nk, dtype=torch.bool, device=device).tril()
+        causal = torch.broadcast_to(causal, shape)
+        allowed = causal if allowed is None else (allowed & causal)
+    return allowed, additive
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    block_q: int = 128,
+    block_kv: int = 128,
+    smooth_q: bool = True,
+    smooth_k: bool = True,
+    two_level_p: bool = True,
+    global_scale: bool = True,
+    quantize_q: bool = True,
+    quantize_k: bool = True,
+    quantize_v: bool = True,
+    quantize_p: bool = True,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """FP4 attention forward of SPEC 4; float32 output ``[B, Hq, Nq, Dv]`` (and optionally LSE).
+
+    ``q [B, Hq, Nq, D]``, ``k [B, Hkv, Nk, D]``, ``v [B, Hkv, Nk, Dv]``; query head h reads KV head
+    ``h // (Hq // Hkv)``. ``block_q`` is the query-smoothing block, ``block_kv`` the key tile of
+    the online softmax (a multiple of 16 so P's blocks line up with V's token blocks).
+
+    Ablation switches: ``smooth_q`` / ``smooth_k`` (SPEC 4.1-4.2), ``global_scale`` (False uses
+    phi_local for Q, K and V), ``quantize_{q,k,v,p}`` (False keeps that operand in float32), and
+    ``two_level_p=False``, which drops the per-row, per-tile first level of P: P~ = exp(S - m_new)
+    in [0, 1] is quantized directly with phi_local and ``O = alpha * O + FP4MM(P^, V^) * dV``.
+    With every quantization off this is exact attention in float32.
+
+    Rows that see no key (masks, causal with Nq > Nk, Nk == 0) give 0 and LSE -inf.
+
+    ``lse`` (float32 ``[B, Hq, Nq]``) is the natural-log log-sum-exp of the scaled scores
+    ``scale * q.k + mask``. One clarification of SPEC 4.6: the smoothed scores S omit the
+    per-row constant ``(q_r - qbar_i) . kbar`` (it cancels in the softmax), so ``m + log(l)``
+    alone would be off by ``scale * (q_r - qbar_i) . kbar``; that term is added back (float32),
+    which makes the LSE of partial key ranges with different ``kbar`` mergeable.
+    """
+    G = _check_qkv(q, k, v)
+    if block_q < 1:
+        raise ValueError(f"block_q must be positive, got {block_q}")
+    if block_kv < BLOCK or block_kv % BLOCK:
+        raise ValueError(f"block_kv must be a positive multiple of {BLOCK}, got {block_kv}")
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    allowed, additive = _mask_bias(attn_mask, is_causal, (B, Hq, Nq, Nk), q.device)
+
+    q32, k32, v32 = _as_float32(q), _as_float32(k), _as_float32(v)  # copies never alias inputs
+    out = q32.new_zeros(B, Hq, Nq, Dv)
+    lse = q32.new_full((B, Hq, Nq), -math.inf)
+    if Nk == 0 or Nq == 0 or B == 0 or Hq == 0:
+        return (out, lse) if return_lse else out
+
+    # SPEC 4.1: smooth K by its mean over the real tokens (a per-row constant shift of S).
+    kbar = k32.mean(dim=2, keepdim=True) if smooth_k else k32.new_zeros(B, Hkv, 1, D)
+    ks = k32 - kbar
+
+    # SPEC 4.2: smooth Q per block of block_q rows (the last one possibly short).
+    nqb = -(-Nq // block_q)
+    if smooth_q:
+        qpad = torch.nn.functional.pad(q32, (0, 0, 0, nqb * block_q - Nq))
+        sums = qpad.reshape(B, Hq, nqb, block_q, D).sum(dim=3)
+        starts = torch.arange(nqb, device=q32.device) * block_q
+        counts = torch.clamp(Nq - starts, max=block_q).to(torch.float32)  # real rows per block
+        qbar = sums / counts[:, None]  # [B, Hq, nqb, D]
+    else:
+        qbar = q32.new_zeros(B, Hq, nqb, D)
+    qbar_rows = qbar.repeat_interleave(block_q, dim=2)[:, :, :Nq]  # [B, Hq, Nq, D]
+    qs = q32 - qbar_rows
+
+    # SPEC 4.3: quantize. Values are value(code) * scale (exact float32); the global dec scales
+    # stay separate and are applied in float32 after each FP4MM, as SPEC 1/3 require.
+    def operand(x: Tensor, on: bool) -> tuple[Tensor, Tensor]:
+        if not on:
+            return x, x.new_ones(x.shape[:-2])
+        codes, scales, dec = _phi(x, global_scale)
+        return _block_values(codes, scales)[..., : x.shape[-1]], dec
+
+    qv, dq = operand(qs, quantize_q)  # [B, Hq, Nq, D], [B, Hq]
+    kv, dk = operand(ks, quantize_k)  # [B, Hkv, Nk, D], [B, Hkv]
+    vt, dv = operand(v32.transpose(-1, -2), quantize_v)  # V^T [B, Hkv, Dv, Nk]: along tokens
+
+    # GQA: every query head reads its KV head; repeat after quantizing, so the global scales
+    # are per (batch, KV head) as the kernels compute them.
+    def per_q_head(x: Tensor) -> Tensor:
+        return x.repeat_interleave(G, dim=1) if G > 1 else x
+
+    kv, dk, vt, dv, kin = (
+        per_q_head(kv),
+        per_q_head(dk),
+        per_q_head(vt),
+        per_q_head(dv),
+        per_q_head(k32),
+    )
+    dqk = (dq * dk)[..., None, None]
+    dv = dv[..., None, None]
+
+    m = q32.new_full((B, Hq, Nq), -math.inf)
+    l = q32.new_zeros(B, Hq, Nq)
+    acc = q32.new_zeros(B, Hq, Nq, Dv)
+    for j0 in range(0, Nk, block_kv):
+        j1 = min(j0 + block_kv, Nk)
+        # SPEC 4.4: S = scale * (FP4MM(Q^, K^) + qbar . K^T); the correction is a GEMV per
+        # query block against the keys in input precision (float32), expanded to its rows.
+        qk = dqk * _mm64(qv, kv[:, :, j0:j1])
+        corr = torch.matmul(qbar, kin[:, :, j0:j1].transpose(-1, -2))  # [B, Hq, nqb, tile]
+        s = scale * (qk + corr.repeat_interleave(block_q, dim=2)[:, :, :Nq])
+        if allowed is not None:
+            s = torch.where(allowed[..., j0:j1], s, -math.inf)
+        if additive is not None:
+            s = s + additive[..., j0:j1]
+
+        # SPEC 4.5: online softmax; a row fully masked in this tile (t = -inf) adds nothing.
+        t = s.amax(dim=-1)
+        m_new = torch.maximum(m, t)
+        empty_tile = t == -math.inf
+        alpha = torch.where(m == -math.inf, 0.0, torch.exp(m - m_new))
+        beta = torch.where(empty_tile, 0.0, torch.exp(t - m_new))
+        e = torch.exp(s - torch.where(empty_tile, 0.0, t)[..., None])  # exp(S - t), 0 if masked
+        l = alpha * l + beta * e.sum(dim=-1)  # l from the unquantized exponentials
+        if two_level_p:
+            p = NVFP4_RANGE * e  # first level: each row's tile maximum sits exactly at 2688
+        else:
+            p = beta[..., None] * e  # ablation: P~ = exp(S - m_new) in [0, 1], one level only
+        if quantize_p:
+            codes, scales, _ = _phi(p, global_scale=False)  # phi_local: blocks of 16 keys
+            p = _block_values(codes, scales)[..., : j1 - j0]
+        pv = _mm64(p, vt[..., j0:j1])  # FP4MM(P^, V^_j) without its global scale, [B,Hq,Nq,Dv]
+        if two_level_p:
+            pv = _div_rn(beta, NVFP4_RANGE)[..., None] * pv  # undo the first level: sP
+        acc = alpha[..., None] * acc + pv * dv
+        m = m_new
+
+    # SPEC 4.6: normalise; rows without any visible key stay 0 (never 0/0 = NaN).
+    visible = l > 0
+    out = torch.where(visible[..., None], acc / torch.where(visible, l, 1.0)[..., None], 0.0)
+    if not return_lse:
+        return out
+    shift = scale * (qs * kbar.repeat_interleave(G, dim=1)).sum(dim=-1) if smooth_k else 0.0
+    lse = torch.where(visible, m + torch.log(l) + shift, -math.inf)
+    return out, lse
+
+
+def exact_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = True,
+) -> Tensor:
+    """Exact softmax attention in float64 (same masking / GQA conventions as ``attention``).
+
+    Rows with no visible key give 0 instead of the NaN of a plain softmax.
+    """
+    G = _check_qkv(q, k, v, enable_gqa)
+    B, Hq, Nq, D = q.shape
+    Nk = k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    if G > 1:
+        k64, v64 = k64.repeat_interleave(G, dim=1), v64.repeat_interleave(G, dim=1)
+    s = scale * torch.matmul(q64, k64.transpose(-1, -2))
+    allowed, additive = _mask_bias(attn_mask, is_causal, (B, Hq, Nq, Nk), q.device)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, -math.inf)
+    if additive is not None:
+        s = s + additive.double()
+    mx = s.amax(dim=-1, keepdim=True) if Nk else s.new_full((B, Hq, Nq, 1), -math.inf)
+    mx = torch.where(torch.isfinite(mx), mx, 0.0)
+    p = torch.exp(s - mx)
+    denom = p.sum(dim=-1, keepdim=True)
+    return torch.where(denom > 0, torch.matmul(p, v64) / torch.where(denom > 0, denom, 1.0), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# SPEC 5: metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def metrics(out: Tensor, ref: Tensor) -> dict[str, float]:
+    """SPEC 5 accuracy metrics in float64: cosine similarity, relative L1, RMSE.
+
+    Degenerate cases: two all-zero tensors have cos = 1 and rel_l1 = 0; an all-zero reference
+    against a non-zero output gives rel_l1 = inf; cos is 0 if exactly one side is all zero.
+    NaNs propagate (a NaN output must never look accurate).
+    """
+    if out.shape != ref.shape:
+        raise ValueError(f"shapes differ: {tuple(out.shape)} vs {tuple(ref.shape)}")
+    o = out.detach().double().flatten()
+    r = ref.detach().double().flatten()
+    diff = o - r
+    no, nr = torch.linalg.vector_norm(o).item(), torch.linalg.vector_norm(r).item()
+    dot = torch.dot(o, r).item()
+    if no == 0 and nr == 0:
+        cos = 1.0
+    elif no == 0 or nr == 0:
+        cos = 0.0 if not (math.isnan(no) or math.isnan(nr)) else math.nan
+    else:
+        cos = dot / (no * nr)
+    l1_diff = diff.abs().sum().item()
+    l1_ref = r.abs().sum().item()
+    if l1_ref == 0:
+        rel_l1 = 0.0 if l1_diff == 0 else math.inf
+    else:
+        rel_l1 = l1_diff / l1_ref
+    rmse = math.sqrt(diff.pow(2).mean().item()) if diff.numel() else 0.0
+    return {"cos": cos, "rel_l1": rel_l1, "rmse": rmse}

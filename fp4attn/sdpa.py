@@ -1,0 +1,142 @@
+"""The torch SDPA-compatible front end: argument handling, dispatch, explicit fallbacks.
+
+fp4attn.sdpa mirrors torch.nn.functional.scaled_dot_product_attention argument for argument.
+What it does not compute in FP4 (dropout, inputs that need a gradient, dtypes or devices without
+a backend, value head dim != query head dim, head dim > 256, empty key sequences) goes to the
+original torch function captured at import time, with a warning naming the reason once per
+reason; strict mode (keyword `strict=True` or FP4ATTN_STRICT=1) raises FP4AttnFallbackError
+instead. Inputs are never modified.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import torch
+
+from ._ops import build_info, ops
+
+# Captured before anyone (fp4attn.patch included) can replace it.
+ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+_KERNELS = {"auto": 0, "fp16": 1, "sm120": 2}
+_warned: set[str] = set()
+
+
+class FP4AttnFallbackError(RuntimeError):
+    """Raised in strict mode when fp4attn would fall back to torch's own SDPA."""
+
+
+def _strict_default() -> bool:
+    return os.environ.get("FP4ATTN_STRICT", "0").lower() in ("1", "true", "yes")
+
+
+def _kernel_from_env() -> int:
+    name = os.environ.get("FP4ATTN_KERNEL", "auto").lower()
+    if name not in _KERNELS:
+        raise ValueError(f"FP4ATTN_KERNEL must be one of {sorted(_KERNELS)}, got {name!r}")
+    return _KERNELS[name]
+
+
+def _fallback_reason(query, key, value, attn_mask, dropout_p) -> str | None:
+    if dropout_p != 0.0:
+        return f"dropout_p={dropout_p} (fp4attn has no dropout)"
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, attn_mask)
+    ):
+        return "an input requires grad (fp4attn has no backward yet)"
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {query.dtype} (supported: float16, bfloat16, float32)"
+    dev = query.device.type
+    if dev == "cuda" and not build_info()["cuda"]:
+        return "CUDA tensors, but this fp4attn build has no CUDA backend"
+    if dev not in ("cpu", "cuda"):
+        return f"device {query.device} (supported: cpu, cuda)"
+    if value.shape[-1] != query.shape[-1]:
+        return f"value head dim {value.shape[-1]} != query head dim {query.shape[-1]}"
+    if query.shape[-1] > 256:
+        return f"head dim {query.shape[-1]} > 256"
+    if key.shape[-2] == 0:
+        return "empty key sequence"
+    return None
+
+
+def _check_args(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 3:
+            raise ValueError(f"{name} must have at least 3 dims (..., heads?, seq, head_dim), got shape {tuple(t.shape)}")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"query, key and value must have one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
+    if key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(f"key and value must agree except in the last dim, got {tuple(key.shape)} and {tuple(value.shape)}")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"key head dim {key.shape[-1]} must equal query head dim {query.shape[-1]}")
+    if query.shape[:-3] != key.shape[:-3] or query.dim() != key.dim():
+        raise ValueError(f"query and key batch dims must match, got {tuple(query.shape)} and {tuple(key.shape)}")
+    hq, hkv = query.shape[-3], key.shape[-3]
+    if hq != hkv and query.dim() >= 4:
+        if not enable_gqa:
+            raise ValueError(f"query has {hq} heads but key/value have {hkv}: pass enable_gqa=True for GQA/MQA")
+        if hq % hkv != 0:
+            raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    elif hq != hkv:
+        raise ValueError(f"query and key dim -3 must match for 3-D inputs, got {hq} and {hkv}")
+    if attn_mask is not None:
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True cannot be used together (as in torch SDPA)")
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+        target = (*query.shape[:-1], key.shape[-2])
+        try:
+            torch.broadcast_shapes(attn_mask.shape, target)
+        except RuntimeError as exc:
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable to {target}") from exc
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+         enable_gqa=False, *, return_lse=False, strict=None):
+    """FP4 (NVFP4) scaled dot-product attention with the torch SDPA contract.
+
+    Same arguments and layout as torch.nn.functional.scaled_dot_product_attention
+    (query [..., Hq, L, E], key/value [..., Hkv, S, E]). With return_lse=True it returns
+    (out, lse) with lse float32 [..., Hq, L], natural log of the scaled scores.
+    """
+    _check_args(query, key, value, attn_mask, is_causal, enable_gqa)
+    strict = _strict_default() if strict is None else bool(strict)
+    reason = _fallback_reason(query, key, value, attn_mask, dropout_p)
+    if reason is not None:
+        if strict:
+            raise FP4AttnFallbackError(f"fp4attn cannot compute this call in FP4: {reason}")
+        if return_lse:
+            raise FP4AttnFallbackError(f"return_lse=True needs the FP4 path, which cannot run: {reason}")
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"fp4attn: falling back to torch SDPA: {reason}", stacklevel=2)
+        kwargs = {"enable_gqa": enable_gqa} if enable_gqa else {}
+        return ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                             is_causal=is_causal, scale=scale, **kwargs)
+
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    # Collapse any leading batch dims to one: [B, H, N, D] (views, no copies).
+    lead = query.shape[:-3]
+    q4 = query.reshape(-1, *query.shape[-3:])
+    k4 = key.reshape(-1, *key.shape[-3:])
+    v4 = value.reshape(-1, *value.shape[-3:])
+    mask = attn_mask
+    if mask is not None and mask.dim() > 4:
+        mask = mask.expand(*query.shape[:-1], key.shape[-2]).reshape(-1, *query.shape[-3:-1], key.shape[-2])
+    out, lse = ops.attention(q4, k4, v4, mask, bool(is_causal), scale, bool(return_lse),
+                             _kernel_from_env())
+    out = out.reshape(*lead, *out.shape[1:]) if lead else out[0] if query.dim() == 3 else out
+    if not return_lse:
+        return out
+    lse = lse.reshape(*lead, *lse.shape[1:]) if lead else lse[0] if query.dim() == 3 else lse
+    return out, lse

@@ -1,0 +1,317 @@
+"""GPU tests of the CUDA backend (csrc/cuda): every test is marked gpu and skipped without CUDA.
+
+Quantization is bit-exact against the CPU backend; fp4mm matches the CPU backend to FP32
+accumulation-order error; attention matches fp4attn.reference (the oracle of SPEC 4) to
+rel_l1 < 2e-3 over causal / masks / GQA / Nq != Nk / odd lengths / head dims 32..256 / dtypes,
+plus long sequences, > 2^31-element inputs, non-contiguous layouts, torch.compile, CUDA graphs,
+no input mutation and error messages.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fp4attn
+from fp4attn import reference as R
+
+HAS_CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+
+ops = torch.ops.fp4attn
+
+
+def has_cuda_backend() -> bool:
+    try:
+        return bool(fp4attn.build_info()["cuda"])
+    except Exception:  # pragma: no cover
+        return False
+
+
+@pytest.fixture(autouse=True)
+def _need_backend():
+    if HAS_CUDA and not has_cuda_backend():
+        pytest.skip("fp4attn was built without its CUDA backend")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rand(shape, dtype=torch.float32, seed=0, scale=1.0, device="cuda"):
+    x = torch.randn(shape, generator=gen(seed), dtype=torch.float32) * scale
+    return x.to(dtype).to(device)
+
+
+def attn_cuda(q, k, v, mask=None, causal=False, scale=None, lse=False, kernel=1):
+    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out, l = ops.attention(q, k, v, mask, causal, s, lse, kernel)
+    return (out, l) if lse else out
+
+
+def attn_ref(q, k, v, mask=None, causal=False, scale=None, lse=False):
+    cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
+    return R.attention(cpu(q), cpu(k), cpu(v), cpu(mask), causal, scale, return_lse=lse)
+
+
+def rel_l1(out, ref):
+    return R.metrics(out.float().cpu(), ref.float().cpu())["rel_l1"]
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize / dequantize / fp4mm
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(3, 37, 100), (2, 128, 64), (1, 5, 16), (4, 1, 7), (2, 64, 256)])
+def test_quantize_bitexact_vs_cpu(dtype, shape):
+    x = rand(shape, dtype, seed=sum(shape), device="cpu")
+    x[0, 0, 0] = 0.0
+    if shape[0] > 1:
+        x[1] = x[1] * 1e-3  # small slice: global scale does its job
+    if shape[0] > 2:
+        x[2] = 0.0  # all-zero slice: dec = 1
+    c_cpu, s_cpu, d_cpu = ops.quantize(x)
+    c_gpu, s_gpu, d_gpu = ops.quantize(x.cuda())
+    assert torch.equal(c_gpu.cpu(), c_cpu)
+    assert torch.equal(s_gpu.cpu(), s_cpu)
+    assert torch.equal(d_gpu.cpu(), d_cpu)
+    c_ref, s_ref, d_ref = R.quantize(x)
+    assert torch.equal(c_gpu.cpu(), c_ref) and torch.equal(s_gpu.cpu(), s_ref.view(s_gpu.dtype))
+    assert torch.equal(d_gpu.cpu(), d_ref)
+
+
+def test_quantize_special_values_and_strides():
+    x = rand((2, 48, 80), torch.float32, seed=3, device="cpu")
+    x[0, 3, 5] = float("nan")  # slice 0 -> dec NaN
+    x[1, 7, 9] = 1e30
+    x[1, 8, 10] = 1e-30
+    xs = x[:, :, :72]  # non-contiguous rows
+    for t in (x, xs):
+        c_cpu, s_cpu, d_cpu = ops.quantize(t)
+        c_gpu, s_gpu, d_gpu = ops.quantize(t.cuda())
+        assert torch.equal(c_gpu.cpu(), c_cpu)
+        assert torch.equal(s_gpu.cpu(), s_cpu)
+        assert torch.equal(d_gpu.cpu().isnan(), d_cpu.isnan())
+        assert torch.equal(torch.nan_to_num(d_gpu.cpu()), torch.nan_to_num(d_cpu))
+
+
+def test_dequantize_matches_cpu():
+    x = rand((3, 33, 50), torch.float32, seed=5, device="cpu")
+    c, s, d = ops.quantize(x)
+    out_cpu = ops.dequantize(c, s, d, 50)
+    out_gpu = ops.dequantize(c.cuda(), s.cuda(), d.cuda(), 50)
+    assert torch.equal(out_gpu.cpu(), out_cpu)
+    q = fp4attn.quantize(x.cuda())
+    assert torch.equal(fp4attn.dequantize(q).cpu(), out_cpu)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mnk", [(64, 64, 64), (37, 91, 100), (130, 7, 16), (1, 1, 1)])
+def test_fp4mm_matches_cpu(out_dtype, mnk):
+    m, n, k = mnk
+    a = rand((2, m, k), seed=m + k, device="cpu")
+    b = rand((2, n, k), seed=n + 7, device="cpu")
+    ref = fp4attn.fp4mm(a, b, out_dtype=torch.float32)  # CPU backend, FP32
+    out = fp4attn.fp4mm(a.cuda(), b.cuda(), out_dtype=out_dtype).cpu()
+    assert out.dtype == out_dtype and out.shape == ref.shape
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[out_dtype]
+    assert torch.allclose(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    oracle = R.fp4mm(a, b)
+    assert torch.allclose(out.float(), oracle, rtol=tol, atol=tol * oracle.abs().max().item())
+
+
+def test_fp4mm_broadcast_batch():
+    a = rand((3, 40, 48), seed=1, device="cpu")
+    b = rand((1, 24, 48), seed=2, device="cpu")
+    ref = fp4attn.fp4mm(a, b)
+    out = fp4attn.fp4mm(a.cuda(), b.cuda()).cpu()
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+# ---------------------------------------------------------------------------------------------
+# attention against the reference
+# ---------------------------------------------------------------------------------------------
+
+CASES = [
+    # B, Hq, Hkv, Nq, Nk, D, causal, mask
+    (1, 2, 2, 128, 128, 64, False, None),
+    (2, 2, 2, 333, 333, 128, False, None),
+    (1, 4, 2, 127, 333, 64, True, None),
+    (1, 2, 1, 17, 17, 128, True, None),
+    (1, 1, 1, 1, 1, 64, False, None),
+    (1, 1, 1, 1, 300, 128, False, None),
+    (1, 3, 3, 300, 1, 64, True, None),
+    (2, 4, 1, 200, 150, 128, False, "bool"),
+    (1, 2, 2, 150, 260, 64, True, "additive"),
+    (1, 2, 2, 129, 257, 32, False, None),
+    (1, 2, 2, 129, 257, 48, True, None),
+    (1, 2, 2, 100, 100, 80, False, "bool_bcast"),
+    (1, 2, 2, 100, 140, 96, False, None),
+    (1, 2, 2, 140, 100, 112, True, None),
+    (1, 2, 2, 260, 260, 160, False, None),
+    (1, 2, 1, 200, 190, 192, True, None),
+    (1, 2, 2, 160, 300, 256, False, "additive_bcast"),
+    (1, 2, 2, 33, 70, 33, False, None),
+    (1, 8, 2, 513, 513, 128, True, None),
+]
+
+
+def make_mask(kind, B, H, Nq, Nk, device="cuda", dtype=torch.float16):
+    if kind is None:
+        return None
+    g = gen(Nq * 31 + Nk)
+    if kind == "bool":
+        m = torch.rand(B, H, Nq, Nk, generator=g) > 0.3
+        m[:, :, 5] = False  # a fully masked row -> 0
+        return m.to(device)
+    if kind == "bool_bcast":
+        return (torch.rand(1, 1, Nq, Nk, generator=g) > 0.5).to(device)
+    if kind == "additive":
+        m = torch.randn(B, H, Nq, Nk, generator=g) * 2
+        m[:, :, :, 7] = -float("inf")
+        return m.to(dtype).to(device)
+    if kind == "additive_bcast":
+        return (torch.randn(1, 1, 1, Nk, generator=g) * 3).to(torch.float32).to(device)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_attention_vs_reference(case, dtype):
+    B, Hq, Hkv, Nq, Nk, D, causal, mkind = case
+    seed = Nq * 7 + Nk * 3 + D
+    q = rand((B, Hq, Nq, D), dtype, seed)
+    k = rand((B, Hkv, Nk, D), dtype, seed + 1)
+    v = rand((B, Hkv, Nk, D), dtype, seed + 2)
+    q = q + 0.5 * rand((1, 1, 1, D), dtype, seed + 3)  # a mean offset: the smoothing matters
+    mask = make_mask(mkind, B, Hq, Nq, Nk, dtype=dtype)
+    out, lse = attn_cuda(q, k, v, mask, causal, lse=True)
+    torch.cuda.synchronize()
+    assert out.dtype == dtype and out.shape == (B, Hq, Nq, D)
+    ref, ref_lse = attn_ref(q, k, v, mask, causal, lse=True)
+    assert torch.isfinite(out.float()).all()
+    err = rel_l1(out, ref)
+    assert err < 2e-3, err
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), fin)
+    assert (lse.cpu()[fin] - ref_lse[fin]).abs().max().item() < 2e-3
+
+
+def test_attention_float32_input_and_scale():
+    q, k, v = (rand((1, 2, 190, 64), torch.float32, s) for s in (1, 2, 3))
+    out = attn_cuda(q, k, v, scale=0.3)
+    assert out.dtype == torch.float32
+    assert rel_l1(out, attn_ref(q, k, v, scale=0.3)) < 2e-3
+
+
+def test_attention_deterministic():
+    q, k, v = (rand((2, 4, 700, 128), torch.float16, s) for s in (4, 5, 6))
+    a = attn_cuda(q, k, v, causal=True)
+    b = attn_cuda(q, k, v, causal=True)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_attention_long_sequence_16k():
+    q, k, v = (rand((1, 1, 16384, 64), torch.float16, s) for s in (7, 8, 9))
+    for causal in (False, True):
+        out = attn_cuda(q, k, v, causal=causal)
+        assert rel_l1(out, attn_ref(q, k, v, causal=causal)) < 2e-3
+
+
+@pytest.mark.slow
+def test_attention_more_than_2_31_elements():
+    B, H, N, D = 16400, 8, 128, 128  # B*H*N*D = 2.15e9 > 2^31 (int64 offsets)
+    assert B * H * N * D > 2**31
+    q = torch.randn(B, H, N, D, device="cuda", dtype=torch.float16)
+    k = torch.randn(B, H, N, D, device="cuda", dtype=torch.float16)
+    v = torch.randn(B, H, N, D, device="cuda", dtype=torch.float16)
+    out = attn_cuda(q, k, v)
+    for b, h in [(0, 0), (B // 2, 3), (B - 1, H - 1)]:
+        sl = lambda t: t[b : b + 1, h : h + 1]  # noqa: E731
+        assert rel_l1(sl(out), attn_ref(sl(q), sl(k), sl(v))) < 2e-3
+    del q, k, v, out
+    torch.cuda.empty_cache()
+
+
+def test_noncontiguous_layouts():
+    B, N, H, D = 2, 300, 4, 64
+    # transformers / diffusers: [B, N, H, D] projections transposed to [B, H, N, D]
+    q = rand((B, N, H, D), torch.float16, 11).transpose(1, 2)
+    k = rand((B, N, H, D), torch.float16, 12).transpose(1, 2)
+    v = rand((B, N, H, D), torch.float16, 13).transpose(1, 2)
+    assert not q.is_contiguous()
+    out = fp4attn.sdpa(q, k, v, is_causal=True)
+    assert rel_l1(out, attn_ref(q, k, v, causal=True)) < 2e-3
+    # a packed qkv projection [B, N, 3, H, D] sliced per operand (strides not multiples of D)
+    qkv = rand((B, N, 3, H, D + 8), torch.bfloat16, 14)[..., :D]
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    out = fp4attn.sdpa(q, k, v)
+    assert rel_l1(out, attn_ref(q, k, v)) < 2e-3
+    # odd pointer offset: no 16-byte vector path
+    base = rand((B * H * N * D + 3,), torch.float16, 15)
+    q = base[3:].view(B, H, N, D)
+    out = attn_cuda(q, q, q)
+    assert rel_l1(out, attn_ref(q, q, q)) < 2e-3
+
+
+def test_no_input_mutation():
+    q, k, v = (rand((1, 2, 257, 128), torch.bfloat16, s) for s in (21, 22, 23))
+    mask = make_mask("additive", 1, 2, 257, 257, dtype=torch.bfloat16)
+    copies = [t.clone() for t in (q, k, v, mask)]
+    fp4attn.sdpa(q, k, v, attn_mask=mask)
+    fp4attn.sdpa(q, k, v, is_causal=True)
+    for t, c in zip((q, k, v, mask), copies):
+        assert torch.equal(t, c)
+
+
+def test_torch_compile_fullgraph():
+    q, k, v = (rand((1, 2, 256, 64), torch.float16, s) for s in (31, 32, 33))
+
+    def f(q, k, v):
+        return fp4attn.sdpa(q, k, v, is_causal=True) * 2.0
+
+    compiled = torch.compile(f, fullgraph=True)
+    out = compiled(q, k, v)
+    assert torch.equal(out, f(q, k, v))
+
+
+def test_cuda_graph_capture_replay():
+    shape = (2, 4, 300, 128)
+    q, k, v = (rand(shape, torch.float16, s) for s in (41, 42, 43))
+    fp4attn.sdpa(q, k, v)  # warm-up outside the capture (module load, attributes)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fp4attn.sdpa(q, k, v, is_causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp4attn.sdpa(q, k, v, is_causal=True)
+    for seed in (44, 47):
+        q.copy_(rand(shape, torch.float16, seed))
+        k.copy_(rand(shape, torch.float16, seed + 1))
+        v.copy_(rand(shape, torch.float16, seed + 2))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fp4attn.sdpa(q, k, v, is_causal=True))
+
+
+def test_error_messages():
+    q = rand((1, 2, 16, 64), torch.float16, 1)
+    k = rand((1, 3, 16, 64), torch.float16, 2)
+    with pytest.raises(RuntimeError, match="multiple of key/value heads"):
+        ops.attention(q, k, k, None, False, 0.125, False, 1)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.attention(q, q.float(), q, None, False, 0.125, False, 1)
+    big = rand((1, 1, 8, 300), torch.float16, 3)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        ops.attention(big, big, big, None, False, 0.125, False, 1)
+    m = torch.ones(3, 5, dtype=torch.bool, device="cuda")
+    with pytest.raises(RuntimeError, match="broadcastable"):
+        ops.attention(q, q, q, m, False, 0.125, False, 1)
