@@ -184,9 +184,23 @@ def policy_sdpa(fp4_layers: set[int] | None, backend: str, fallback_dtype=None):
     return run
 
 
+def fallback_mode(layers) -> str:
+    """Mode name for "FP4 everywhere except ``layers`` (BF16 SDPA there)"."""
+    return "fallback:" + ",".join(str(i) for i in sorted(layers))
+
+
+def mode_label(mode: str) -> str:
+    if mode.startswith("fallback:"):
+        layers = mode.split(":", 1)[1]
+        n = len(layers.split(",")) if layers else 0
+        return f"fp4attn, {n} layer{'s' * (n != 1)} on BF16 ({layers})"
+    return {"exact": "exact (FP32 SDPA)", "fp4": "fp4attn (FP4)", "bf16": "BF16 SDPA",
+            "fp16": "FP16 SDPA"}.get(mode, mode)
+
+
 @contextlib.contextmanager
-def attention_mode(model, mode: str, backend: str, fallback_layers: set[int] | None = None):
-    """exact | fp4 | bf16 | fp16 | fp4-fallback (FP4 except ``fallback_layers``, kept in BF16)."""
+def attention_mode(model, mode: str, backend: str):
+    """exact | fp4 | bf16 | fp16 | fallback:<layers> (FP4 except those layers, BF16 there)."""
     if mode == "exact":
         yield
     elif mode == "fp4" and backend == "fp4attn":
@@ -201,9 +215,10 @@ def attention_mode(model, mode: str, backend: str, fallback_layers: set[int] | N
         dt = torch.bfloat16 if mode == "bf16" else torch.float16
         with swap_sdpa(_torch_sdpa_in(dt), model):
             yield
-    elif mode == "fp4-fallback":
-        n = _num_layers(model)
-        fp4_layers = set(range(n)) - set(fallback_layers or ())
+    elif mode.startswith("fallback:"):
+        spec = mode.split(":", 1)[1]
+        keep = {int(x) for x in spec.split(",")} if spec else set()
+        fp4_layers = set(range(_num_layers(model))) - keep
         with swap_sdpa(policy_sdpa(fp4_layers, backend, torch.bfloat16), model):
             yield
     else:
@@ -324,8 +339,8 @@ def dominant_quantity(layer_rows: dict[str, dict]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def perplexity(model, ids: torch.Tensor, *, window: int, modes: list[str], backend: str,
-               fallback_layers: set[int] | None = None) -> dict[str, dict]:
+def perplexity(model, ids: torch.Tensor, *, window: int, modes: list[str],
+               backend: str) -> dict[str, dict]:
     """Perplexity over non-overlapping windows of ``ids`` for each attention mode, plus top-1
     agreement and mean KL(exact || mode) of the next-token distributions."""
     dev = next(model.parameters()).device
@@ -338,7 +353,7 @@ def perplexity(model, ids: torch.Tensor, *, window: int, modes: list[str], backe
         tgt = chunk[:, 1:]
         ref_lp = None
         for mode in modes:
-            with torch.no_grad(), attention_mode(model, mode, backend, fallback_layers):
+            with torch.no_grad(), attention_mode(model, mode, backend):
                 logits = model(chunk, use_cache=False).logits[:, :-1].float()
             lp = torch.log_softmax(logits, dim=-1)
             st = stats[mode]

@@ -280,6 +280,19 @@ def test_torch_compile_fullgraph():
     assert torch.equal(out, f(q, k, v))
 
 
+def test_torch_compile_fullgraph_op():
+    q, k, v = (rand((1, 2, 200, 128), torch.bfloat16, s) for s in (34, 35, 36))
+
+    def f(q, k, v):
+        out, lse = ops.attention(q, k, v, None, True, 0.1, True, 0)
+        return out.float() + 1.0, lse
+
+    compiled = torch.compile(f, fullgraph=True)
+    out, lse = compiled(q, k, v)
+    ref_out, ref_lse = f(q, k, v)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
 def test_cuda_graph_capture_replay():
     shape = (2, 4, 300, 128)
     q, k, v = (rand(shape, torch.float16, s) for s in (41, 42, 43))

@@ -190,16 +190,22 @@ def test_e2m1_decode_table():
 
 def test_global_scales():
     amax = torch.tensor([0.0, 1.0, 3.0, 1e-45, math.inf, math.nan, 1e30])
+    a = amax.tolist()  # the float32 values, exactly, as Python floats
+
+    def f32(x: float) -> float:  # a float64 quotient rounded to float32 is the IEEE f32 quotient
+        return torch.tensor(x, dtype=torch.float32).item()
+
     enc, dec = R.global_scales(amax)
     assert enc[0] == 1 and dec[0] == 1
-    assert enc[1] == 2688 and dec[1] == torch.tensor(1 / 2688, dtype=torch.float32)
-    # correctly rounded float32 divisions
-    assert enc[2] == torch.tensor(2688.0) / torch.tensor(3.0)
-    assert dec[2] == torch.tensor(3.0) / torch.tensor(2688.0)
+    assert enc[1] == 2688 and dec[1] == f32(1 / 2688)
+    assert enc[2] == f32(2688 / 3) and dec[2] == f32(3 / 2688)
     assert enc[3] == 1 and dec[3] == 1  # enc would overflow
     assert enc[4] == 0 and math.isnan(dec[4])  # numerics.h: 2688/Inf = 0 is finite
     assert enc[5] == 1 and math.isnan(dec[5])
-    assert enc[6] == torch.tensor(2688.0) / torch.tensor(1e30)
+    assert enc[6] == f32(2688 / a[6]) and dec[6] == f32(a[6] / 2688)
+    # the reciprocal-then-multiply shortcut would differ in the last bit here
+    x = torch.tensor([0.08847743272781372], dtype=torch.float32)
+    assert R.global_scales(x)[0].item() == f32(2688 / x.item()) != (2688.0 / x).item()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +249,7 @@ def test_quantize_single_nan_or_inf(bad):
     # other matrices of the batch are unaffected
     xb = torch.stack([x, torch.ones_like(x)])
     db = R.quantize(xb)[2]
-    assert math.isnan(db[0]) and db[1] == torch.tensor(1.0) / 2688
+    assert math.isnan(db[0]) and db[1] == torch.tensor(1 / 2688, dtype=torch.float32)
 
 
 def test_quantize_local_inf_saturates():

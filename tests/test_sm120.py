@@ -120,7 +120,7 @@ def test_model_matches_matrix_algebra():
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
 
-                def pack(v):
+                def pack(v, sh=sh):
                     return int((v.astype(np.uint64) << sh).sum())
 
                 a[lane] = [
@@ -131,7 +131,7 @@ def test_model_matches_matrix_algebra():
                 ]
                 b[lane] = [pack(B[8 * t : 8 * t + 8, g]), pack(B[32 + 8 * t : 40 + 8 * t, g])]
             for g in range(8):
-                word = lambda bs: int(sum(int(x) << (8 * j) for j, x in enumerate(bs)))  # noqa: E731
+                word = lambda bs: int(sum(int(x) << (8 * j) for j, x in enumerate(bs)))
                 sfa[4 * g + 2 * tid_a] = word(SAb[g])
                 sfa[4 * g + 2 * tid_a + 1] = word(SAb[g + 8])
                 sfb[4 * g + tid_b] = word(SBb[g])
@@ -158,7 +158,9 @@ def test_emulation_bit_tricks_are_exact():
         y = byte
         h = ((y & 0x7) << 9) | ((y & 0x8) << 12) | ((y & 0x70) << 21) | ((y & 0x80) << 24)
         lo, hi = f16_bits(h & 0xFFFF), f16_bits(h >> 16)
-        assert lo == E2M1[byte & 0xF] * 2.0**-14 and math.copysign(1, lo) == math.copysign(1, E2M1[byte & 0xF])
+        assert lo == E2M1[byte & 0xF] * 2.0**-14 and math.copysign(1, lo) == math.copysign(
+            1, E2M1[byte & 0xF]
+        )
         assert hi == E2M1[byte >> 4] * 2.0**-14
     for c in range(127):
         s8 = f16_bits((c & 0x7F) << 7)
@@ -190,7 +192,7 @@ def emulation_model(a, b, c, sfa, sfb, tid_a, tid_b):
             sb = sfb[4 * g + tid_b]
             b0, b1 = t >> 1, 2 + (t >> 1)
 
-            def deq(reg, word, blk):
+            def deq(reg, word, blk, j=j):
                 s = np.float16(E4M3[(word >> (8 * blk)) & 0x7F] * 2.0**7)
                 vals = [E2M1[(reg >> (4 * (2 * j + e))) & 0xF] * 2.0**-14 for e in (0, 1)]
                 return [float(np.float16(v) * s) for v in vals]
@@ -271,7 +273,8 @@ def test_pquant_scale_word_assembly():
     for t in range(4):
         sh = 8 * (t >> 1)
         own[t] = {
-            (ks, r): (int(sc[2 * ks, r, t >> 1]) << sh) | (int(sc[2 * ks + 1, r, t >> 1]) << (16 + sh))
+            (ks, r): (int(sc[2 * ks, r, t >> 1]) << sh)
+            | (int(sc[2 * ks + 1, r, t >> 1]) << (16 + sh))
             for ks in (0, 1)
             for r in (0, 1)
         }
@@ -298,7 +301,7 @@ gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
 def _ops():
-    import fp4attn  # noqa: F401  (registers torch.ops.fp4attn)
+    import fp4attn  # registers torch.ops.fp4attn
 
     if not fp4attn.build_info().get("cuda"):
         pytest.skip("this fp4attn build has no CUDA backend")
@@ -316,17 +319,22 @@ def test_mma_primitive_matches_model(scales):
         a, b, c, sfa, sfb = random_fragments(rng, scales)
         for tid_a in (0, 1):
             for tid_b in range(4):
-                d = ops._test_mma_fp4(
-                    torch.from_numpy(a.view(np.int32)).to(dev),
-                    torch.from_numpy(b.view(np.int32)).to(dev),
-                    torch.from_numpy(c).to(dev),
-                    torch.from_numpy(sfa.view(np.int32)).to(dev),
-                    torch.from_numpy(sfb.view(np.int32)).to(dev),
-                    tid_a,
-                    tid_b,
-                ).cpu().double().numpy()
+                d = (
+                    ops._test_mma_fp4(
+                        torch.from_numpy(a.view(np.int32)).to(dev),
+                        torch.from_numpy(b.view(np.int32)).to(dev),
+                        torch.from_numpy(c).to(dev),
+                        torch.from_numpy(sfa.view(np.int32)).to(dev),
+                        torch.from_numpy(sfb.view(np.int32)).to(dev),
+                        tid_a,
+                        tid_b,
+                    )
+                    .cpu()
+                    .double()
+                    .numpy()
+                )
                 ref, bound = mma_model(a, b, c, sfa, sfb, tid_a, tid_b)
-                err = np.abs(d - ref) - (2e-6 * bound + 1e-30)
+                err = np.abs(d - ref) - (1e-5 * bound + 1e-30)
                 assert np.all(err <= 0), (trial, tid_a, tid_b, float(np.abs(d - ref).max()))
 
 
@@ -354,16 +362,19 @@ CASES = [
     (1, 2, 1, 140, 130, 96, False, None, "bf16"),
     (1, 2, 2, 140, 130, 160, True, None, "fp16"),
     (1, 2, 2, 140, 260, 256, False, None, "fp16"),
+    (1, 2, 2, 140, 150, 100, True, None, "fp16"),  # K rows not 16-byte aligned: scalar loads
+    (1, 2, 1, 70, 90, 57, False, None, "fp32"),  # odd head dim
     (2, 4, 2, 200, 300, 128, False, "bool", "fp16"),
     (2, 4, 2, 200, 300, 64, True, "bool", "bf16"),
     (1, 2, 2, 150, 270, 128, False, "additive", "fp16"),
     (2, 2, 2, 150, 270, 128, False, "padding", "fp32"),
     (1, 2, 2, 1024, 1024, 128, True, None, "fp16"),
+    (1, 4, 4, 2048, 2048, 64, True, None, "bf16"),
 ]
 
 
 def make_inputs(case, seed):
-    B, Hq, Hkv, Nq, Nk, D, causal, mask_kind, dt = case
+    B, Hq, Hkv, Nq, Nk, D, _causal, mask_kind, dt = case
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Hq, Nq, D, generator=g) * 1.5
     k = torch.randn(B, Hkv, Nk, D, generator=g) + 0.5 * torch.randn(1, 1, 1, D, generator=g)
@@ -391,15 +402,26 @@ def check_against_reference(q, k, v, mask, causal, scale=None):
     D = q.shape[-1]
     sc = 1.0 / math.sqrt(D) if scale is None else scale
     out, lse = ops.attention(
-        q.to(dev), k.to(dev), v.to(dev), None if mask is None else mask.to(dev), causal, sc, True,
+        q.to(dev),
+        k.to(dev),
+        v.to(dev),
+        None if mask is None else mask.to(dev),
+        causal,
+        sc,
+        True,
         KERNEL_SM120,
     )
     ref, ref_lse = R.attention(q, k, v, attn_mask=mask, is_causal=causal, scale=sc, return_lse=True)
+    out_dtype = out.dtype
     out = out.float().cpu()
     lse = lse.cpu()
     assert torch.isfinite(out).all()
     m = R.metrics(out, ref)
-    assert m["rel_l1"] < 2e-3, m
+    assert m["rel_l1"] < 2e-3, m  # the SPEC bound, output rounding included
+    # Against the reference rounded to the output dtype, what is left is the kernel's own
+    # deviation (accumulation order, exp rounding): far below the output rounding itself.
+    m_same = R.metrics(out, ref.to(out_dtype).float())
+    assert m_same["rel_l1"] < 2e-4, m_same
     fin = torch.isfinite(ref_lse)
     assert torch.equal(fin, torch.isfinite(lse)), "rows without visible keys differ"
     if fin.any():
@@ -407,14 +429,20 @@ def check_against_reference(q, k, v, mask, causal, scale=None):
     zero_rows = ~fin
     if zero_rows.any():
         assert out[zero_rows].abs().max().item() == 0
+    print(
+        f"sm120 vs reference {tuple(q.shape)} {tuple(k.shape)} causal={causal}: "
+        f"rel_l1={m['rel_l1']:.2e} cos={m['cos']:.6f} rmse={m['rmse']:.2e} "
+        f"(vs reference in {out_dtype}: rel_l1={m_same['rel_l1']:.2e})"
+    )
     return m
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
-def test_sm120_kernel_matches_reference(case):
-    q, k, v, mask = make_inputs(case, seed=hash(case) % 1000)
+@pytest.mark.parametrize("idx", range(len(CASES)), ids=["-".join(str(x) for x in c) for c in CASES])
+def test_sm120_kernel_matches_reference(idx):
+    case = CASES[idx]
+    q, k, v, mask = make_inputs(case, seed=1000 + idx)
     check_against_reference(q, k, v, mask, case[6])
 
 

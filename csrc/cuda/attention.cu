@@ -11,7 +11,8 @@
  *      partial min/max, and the global scales of Qs, Ks and V (fp4attn_global_scales).
  *   3. quantize_kv_kernel, one block per (kv head, 128-token tile): Ks^ along D (linear) and
  *      V^ along tokens into the tile-major V^T layout of attention.cuh, through
- *      fp4attn_quantize_block (bit-exact with the CPU backend for the same kbar).
+ *      fp4attn_quantize_block (bit-exact with the CPU backend for the same kbar), written as
+ *      the exact FP16 values code * scale that the tensor cores consume.
  * The forward kernel (attention_fwd.cuh) then quantizes each query block itself.
  */
 #include "attention.cuh"
@@ -227,13 +228,15 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(AttnArgs a) {
   }
 }
 
-__device__ __forceinline__ void pack_codes(const uint8_t *q, uint32_t &w0, uint32_t &w1) {
-  w0 = w1 = 0;
+/* 16 codes + scale -> 16 exact FP16 values code * scale, stored as two 16-byte words. */
+__device__ __forceinline__ void store_block_f16(__half *dst, const uint8_t *q, uint8_t s) {
+  const float sv = fp4attn_e4m3_decode(s);
+  uint32_t o[8];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    w0 |= (uint32_t)(q[2 * i] | (q[2 * i + 1] << 4)) << (8 * i);
-    w1 |= (uint32_t)(q[8 + 2 * i] | (q[8 + 2 * i + 1] << 4)) << (8 * i);
-  }
+  for (int i = 0; i < 8; ++i)
+    o[i] = pack_half2(fp4attn_e2m1_decode(q[2 * i]) * sv, fp4attn_e2m1_decode(q[2 * i + 1]) * sv);
+  reinterpret_cast<uint4 *>(dst)[0] = make_uint4(o[0], o[1], o[2], o[3]);
+  reinterpret_cast<uint4 *>(dst)[1] = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
 __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(AttnArgs a) {
@@ -253,9 +256,8 @@ __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(AttnArgs a) {
     const int r = job / kblocks, kb = job % kblocks;
     const int64_t tok = t0 + r;
     float xs[16];
-    uint8_t q[16];
+    uint8_t q[16] = {0};
     uint8_t s = 0;
-    uint32_t w0 = 0, w1 = 0;
     if (tok < p.len_k && kb * 16 < D) {
       const int64_t base = b * p.k_stride[0] + h * p.k_stride[1] + tok * p.k_stride[2];
 #pragma unroll
@@ -274,19 +276,15 @@ __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(AttnArgs a) {
               c0 + e < D ? __fmul_rn(__fsub_rn(v[e], sh_kbar[c0 + e]), enck) : 0.0f;
       }
       s = fp4attn_quantize_block(xs, 16, q);
-      pack_codes(q, w0, w1);
     }
-    const int64_t row = bh * w.nkp + tok;
-    *reinterpret_cast<uint2 *>(w.kcodes + row * (DP / 2) + kb * 8) = make_uint2(w0, w1);
-    w.kscales[row * (DP / 16) + kb] = s;
+    store_block_f16(w.kdq + (bh * w.nkp + tok) * DP + kb * 16, q, s);
   }
   /* V^: one channel x 16 tokens per job (adjacent threads read adjacent channels) */
   for (int job = threadIdx.x; job < DP * 8; job += blockDim.x) {
     const int d = job % DP, blk = job / DP;
     float xs[16];
-    uint8_t q[16];
+    uint8_t q[16] = {0};
     uint8_t s = 0;
-    uint32_t w0 = 0, w1 = 0;
     if (d < D && t0 + blk * 16 < p.len_k) {
       const int64_t base = b * p.v_stride[0] + h * p.v_stride[1] + d;
 #pragma unroll
@@ -297,11 +295,8 @@ __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(AttnArgs a) {
                     : 0.0f;
       }
       s = fp4attn_quantize_block(xs, 16, q);
-      pack_codes(q, w0, w1);
     }
-    const int64_t row = (bh * w.nkt + kt) * DP + d;
-    *reinterpret_cast<uint2 *>(w.vcodes + row * 64 + blk * 8) = make_uint2(w0, w1);
-    w.vscales[row * 8 + blk] = s;
+    store_block_f16(w.vdq + ((bh * w.nkt + kt) * DP + d) * kTile + blk * 16, q, s);
   }
 }
 

@@ -1,17 +1,16 @@
 /*
  * FP4 attention forward for sm_80/86/89/90 (SPEC 4.4-4.6): FlashAttention-2-style mma.sync
- * m16n8k16 over FP4 operands dequantized exactly to FP16.
+ * m16n8k16 over FP4-quantized operands held as their exact FP16 values.
  *
  * Tile: one block = NWARPS x 16 query rows (128 for head dims 64/128, 64 for 256) of one
  * (batch, query head); each warp owns 16 rows. Keys in tiles of 128 (Bkv of SPEC 4.5: the
  * per-tile row maximum t is taken over exactly these 128 keys, as in the reference).
  *
- * Pipeline per key tile j (NBUF = 2; NBUF = 1 for head dim 256 splits it with a second barrier):
- *   cp.async    FP4 codes + E4M3 scales of K^ and V^ tile j+2 -> staging smem (9 KB per operand
- *               at D=128; the workspace layout makes each tile one contiguous sweep)
- *   dequant     tile j+1: staging -> FP16 smem (value(code) * scale, exact; a 256-entry byte ->
- *               half2 table, one HMUL2 per pair), XOR-swizzled rows for conflict-free ldmatrix;
- *               the q-mean correction qbar . K_j (SPEC 4.4, keys in input precision, FP32 FMAs)
+ * Pipeline per key tile j (NBUF = 2; head dim 256 has one buffer and loads between tiles):
+ *   cp.async    K^ and V^ tile j+1 (exact FP16 values code * scale written by the pre-pass,
+ *               one contiguous sweep each) -> XOR-swizzled smem for conflict-free ldmatrix
+ *   bias        tile j+1: the q-mean correction qbar . K_j (SPEC 4.4, keys in input precision,
+ *               FP32 FMAs, all loads issued before the first FMA)
  *   compute     tile j: S = Q^ K^T (mma), S*scale*dQ*dK + correction, masks, row max t over the
  *               128 keys, Pq = 2688 * exp(S - t) kept in registers and quantized in place
  *               (phi_local, 16-key blocks = one PV k-slice: block max over the 4-thread quad,
@@ -21,10 +20,10 @@
  * Q: the block quantizes its own rows in the prologue (Q - qbar_i, global scale from the
  * pre-pass, fp4attn_quantize_block) into FP16 smem. Global scales touch only FP32 values.
  *
- * Swapping in the Blackwell FP4 MMA: the staging buffers already hold the K^/V^ bytes in the
- * order a K-contiguous FP4 fragment wants; replace dequant + the FP16 mma with ldmatrix of the
- * packed bytes and mma.m16n8k64 ... kind::mxf4nvf4 (scales as the 4X scale operands), and P^q
- * would be packed to E2M1 instead of FP16 (see docs/reference/blackwell_fp4.md).
+ * Swapping in the Blackwell FP4 MMA: keep the tiling, stage packed E2M1 bytes + E4M3 scales
+ * instead of FP16 values (the pre-pass has them before it expands), ldmatrix the bytes into
+ * mma.m16n8k64 ... kind::mxf4nvf4 fragments with the scales as 4X operands, and pack P^q to
+ * E2M1 instead of FP16 (docs/reference/blackwell_fp4.md). csrc/cuda/sm120 does exactly that.
  */
 #ifndef FP4ATTN_CUDA_ATTENTION_FWD_CUH
 #define FP4ATTN_CUDA_ATTENTION_FWD_CUH
@@ -40,6 +39,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+/* bmax / 6 for the E4M3 block scale of P: one FMA-corrected step instead of the IEEE division
+ * (whose slow-path branch splits the block pipeline). The quotient can differ from the correctly
+ * rounded one in the last bit for some inputs, but its E4M3 rounding never does: checked
+ * exhaustively for every float in [0, 4096] (P blocks are at most 2688 * (1 + 2^-22)). */
+__device__ __forceinline__ float div6_for_e4m3(float a) {
+  const float y = 0.16666667163372040f; /* fl(1/6) */
+  const float q0 = __fmul_rn(a, y);
+  const float r = __fmaf_rn(-q0, 6.0f, a);
+  return __fmaf_rn(r, y, q0);
 }
 
 /* E4M3 byte -> half2 (s, s); exact. */
@@ -64,21 +74,16 @@ template <int DP, int NWARPS, int NBUF>
 struct FwdConfig {
   static constexpr int kThreads = NWARPS * 32;
   static constexpr int kRows = NWARPS * 16;
-  static constexpr int kStages = NBUF == 2 ? 2 : 1;
-  /* staging (bytes) */
-  static constexpr int kKCodes = kTile * DP / 2, kKScales = kTile * DP / 16;
-  static constexpr int kVCodes = DP * 64, kVScales = DP * 8;
-  static constexpr int kStage = kKCodes + kKScales + kVCodes + kVScales;
   /* shared memory map (bytes) */
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kRows * DP * 2;
   static constexpr int kOffV = kOffK + NBUF * kTile * DP * 2;
-  static constexpr int kOffStage = kOffV + NBUF * DP * kTile * 2;
-  static constexpr int kOffBias = kOffStage + kStages * kStage;
-  static constexpr int kOffLut = kOffBias + NBUF * kTile * 4;
-  static constexpr int kOffQbar = kOffLut + 256 * 4;
+  static constexpr int kOffBias = kOffV + NBUF * DP * kTile * 2;
+  static constexpr int kOffQbar = kOffBias + NBUF * kTile * 4;
   static constexpr int kOffKbar = kOffQbar + DP * 4;
-  static constexpr int kSmem = kOffKbar + DP * 4;
+  static constexpr int kOffRcp = kOffKbar + DP * 4;  /* 1/s per E4M3 byte (0 for s = 0) */
+  static constexpr int kOffS2 = kOffRcp + 128 * 4;   /* (s, s) as half2 per E4M3 byte */
+  static constexpr int kSmem = kOffS2 + 128 * 4;
 };
 
 template <int DP, int NWARPS, int NBUF>
@@ -101,90 +106,88 @@ struct FwdKernel {
   static __device__ __forceinline__ __half *v_tile(const Ctx &c, int buf) {
     return reinterpret_cast<__half *>(c.smem + C::kOffV) + buf * DP * kTile;
   }
-  static __device__ __forceinline__ uint8_t *stage(const Ctx &c, int st) {
-    return reinterpret_cast<uint8_t *>(c.smem + C::kOffStage) + st * C::kStage;
-  }
   static __device__ __forceinline__ float *bias(const Ctx &c, int buf) {
     return reinterpret_cast<float *>(c.smem + C::kOffBias) + buf * kTile;
   }
 
-  /* FP4 bytes of K^/V^ tile j -> staging buffer st (cp.async, 16 B per request). */
-  static __device__ void issue_tile(const Ctx &c, int j, int st) {
+  /* K^ and V^ tile j (exact FP16 values from the pre-pass) -> buffer buf, cp.async 16 B per
+   * request into the XOR-swizzled layout that ldmatrix reads conflict-free. */
+  static __device__ void issue_tile(const Ctx &c, int j, int buf) {
     const AttnWorkspace &w = c.a->ws;
-    uint8_t *dst = stage(c, st);
-    const uint8_t *kc = w.kcodes + (c.bhk * w.nkp + (int64_t)j * kTile) * (DP / 2);
-    const uint8_t *ks = w.kscales + (c.bhk * w.nkp + (int64_t)j * kTile) * (DP / 16);
-    const uint8_t *vc = w.vcodes + ((c.bhk * w.nkt + j) * DP) * 64;
-    const uint8_t *vs = w.vscales + ((c.bhk * w.nkt + j) * DP) * 8;
-    for (int i = threadIdx.x; i < C::kKCodes / 16; i += C::kThreads)
-      cp_async_16(dst + i * 16, kc + i * 16);
-    for (int i = threadIdx.x; i < C::kKScales / 16; i += C::kThreads)
-      cp_async_16(dst + C::kKCodes + i * 16, ks + i * 16);
-    uint8_t *dv = dst + C::kKCodes + C::kKScales;
-    for (int i = threadIdx.x; i < C::kVCodes / 16; i += C::kThreads)
-      cp_async_16(dv + i * 16, vc + i * 16);
-    for (int i = threadIdx.x; i < C::kVScales / 16; i += C::kThreads)
-      cp_async_16(dv + C::kVCodes + i * 16, vs + i * 16);
-  }
-
-  /* One 16-value block: 8 code bytes + scale -> 16 FP16 values (two 16-byte smem stores). */
-  static __device__ __forceinline__ void dequant_block(const uint32_t *lut, uint2 codes, uint8_t s,
-                                                       __half *dst0, __half *dst1) {
-    const uint32_t s2 = e4m3_half2(s);
-    uint32_t o[8];
+    const __half *kg = w.kdq + (c.bhk * w.nkp + (int64_t)j * kTile) * DP;
+    const __half *vg = w.vdq + (c.bhk * w.nkt + j) * (int64_t)DP * kTile;
+    __half *kt = k_tile(c, buf), *vt = v_tile(c, buf);
+    constexpr int KCH = DP / 8, VCH = kTile / 8; /* 16-byte chunks per row */
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      o[i] = hmul2_bits(lut[(codes.x >> (8 * i)) & 0xFF], s2);
-      o[4 + i] = hmul2_bits(lut[(codes.y >> (8 * i)) & 0xFF], s2);
+    for (int it = 0; it < kTile * KCH / C::kThreads; ++it) {
+      const int i = threadIdx.x + it * C::kThreads;
+      const int r = i / KCH, ch = i % KCH;
+      cp_async_16(kt + swz<DP>(r, ch * 8), kg + (int64_t)i * 8);
     }
-    *reinterpret_cast<uint4 *>(dst0) = make_uint4(o[0], o[1], o[2], o[3]);
-    *reinterpret_cast<uint4 *>(dst1) = make_uint4(o[4], o[5], o[6], o[7]);
-  }
-
-  static __device__ void dequant_tile(const Ctx &c, int st, int buf) {
-    const uint32_t *lut = reinterpret_cast<const uint32_t *>(c.smem + C::kOffLut);
-    const uint8_t *src = stage(c, st);
-    __half *kt = k_tile(c, buf);
-    constexpr int KB = DP / 16;
-    for (int job = threadIdx.x; job < kTile * KB; job += C::kThreads) {
-      const int r = job / KB, kb = job % KB;
-      const uint2 codes = *reinterpret_cast<const uint2 *>(src + r * (DP / 2) + kb * 8);
-      const uint8_t s = src[C::kKCodes + r * KB + kb];
-      dequant_block(lut, codes, s, kt + swz<DP>(r, kb * 16), kt + swz<DP>(r, kb * 16 + 8));
-    }
-    const uint8_t *vsrc = src + C::kKCodes + C::kKScales;
-    __half *vt = v_tile(c, buf);
-    for (int job = threadIdx.x; job < DP * 8; job += C::kThreads) {
-      const int d = job >> 3, blk = job & 7;
-      const uint2 codes = *reinterpret_cast<const uint2 *>(vsrc + d * 64 + blk * 8);
-      const uint8_t s = vsrc[C::kVCodes + d * 8 + blk];
-      dequant_block(lut, codes, s, vt + swz<kTile>(d, blk * 16), vt + swz<kTile>(d, blk * 16 + 8));
+#pragma unroll
+    for (int it = 0; it < DP * VCH / C::kThreads; ++it) {
+      const int i = threadIdx.x + it * C::kThreads;
+      const int r = i / VCH, ch = i % VCH;
+      cp_async_16(vt + swz<kTile>(r, ch * 8), vg + (int64_t)i * 8);
     }
   }
 
-  /* bias[key] = scale * log2(e) * (qbar_i . K_j[key]) with K in input precision, FP32. */
+  /* bias[key] = scale * log2(e) * (qbar_i . K_j[key]) with K in input precision, FP32. All of a
+   * thread's loads are issued before the first FMA (one L2 round trip per tile, not eight). */
   static __device__ void compute_bias(const Ctx &c, int j, int buf) {
     const fp4attn_attention_params &p = c.a->p;
     const float *qbar = reinterpret_cast<const float *>(c.smem + C::kOffQbar);
     constexpr int TPK = C::kThreads / kTile; /* threads per key: 2 or 1 */
+    constexpr int PER = DP / TPK;            /* columns per thread (zeros past D) */
     const int key = threadIdx.x / TPK, part = threadIdx.x % TPK;
     const int64_t tok = (int64_t)j * kTile + key;
     const int D = (int)p.head_dim;
+    const int c0 = part * PER;
     float acc = 0.0f;
     if (tok < p.len_k) {
       const int64_t base = c.b * p.k_stride[0] + c.hk * p.k_stride[1] + tok * p.k_stride[2];
-      const int per = ((D + 7) / 8 + TPK - 1) / TPK * 8; /* columns per thread, multiple of 8 */
-      const int c0 = part * per, c1 = min(D, c0 + per);
-      for (int d = c0; d < c1; d += 8) {
-        float v[8];
-        if (c.a->vec_k && d + 8 <= D) {
-          load8_as_float(p.k, p.dtype, base + d, true, v);
-        } else {
+      if (c.a->vec_k && p.dtype != FP4ATTN_FLOAT32) {
+        constexpr int G = PER / 8 < 8 ? PER / 8 : 8; /* 16-byte loads in flight per batch */
+        const uint16_t *kp = static_cast<const uint16_t *>(p.k) + base;
+        const bool bf = p.dtype == FP4ATTN_BFLOAT16;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = d + e < D ? load_as_float(p.k, p.dtype, base + d + e) : 0.0f;
+        for (int g0 = 0; g0 < PER / 8; g0 += G) {
+          uint4 raw[G];
+#pragma unroll
+          for (int i = 0; i < G; ++i) {
+            const int d = c0 + 8 * (g0 + i);
+            raw[i] = d < D ? __ldg(reinterpret_cast<const uint4 *>(kp + d)) : make_uint4(0, 0, 0, 0);
+          }
+#pragma unroll
+          for (int i = 0; i < G; ++i) {
+            const int d = c0 + 8 * (g0 + i);
+            const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float2 f;
+              if (bf) {
+                f.x = __uint_as_float(w[e] << 16);
+                f.y = __uint_as_float(w[e] & 0xFFFF0000u);
+              } else {
+                f = __half22float2(*reinterpret_cast<const __half2 *>(&w[e]));
+              }
+              acc = fmaf(qbar[d + 2 * e], f.x, acc);
+              acc = fmaf(qbar[d + 2 * e + 1], f.y, acc);
+            }
+          }
         }
+      } else {
+        for (int d = c0; d < min(D, c0 + PER); d += 8) {
+          float v[8];
+          if (c.a->vec_k && d + 8 <= D) {
+            load8_as_float(p.k, p.dtype, base + d, true, v);
+          } else {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc = fmaf(qbar[d + e], v[e], acc);
+            for (int e = 0; e < 8; ++e) v[e] = d + e < D ? load_as_float(p.k, p.dtype, base + d + e) : 0.0f;
+          }
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc = fmaf(qbar[d + e], v[e], acc);
+        }
       }
     }
     if (TPK == 2) acc += __shfl_xor_sync(0xffffffffu, acc, 1);
@@ -338,25 +341,38 @@ struct FwdKernel {
 #pragma unroll
     for (int r = 0; r < 2; ++r) rs.l[r] = fmaf(alpha[r], rs.l[r], gsc[r] * rsum[r]);
 
-    /* ---- phi_local of Pq in 16-key blocks -> P^q as exact FP16 A fragments */
+    /* ---- phi_local of Pq in 16-key blocks -> P^q as exact FP16 A fragments. Block kb of row
+     * g (r = 0) or g+8 (r = 1) is s[2kb][2r..2r+1] and s[2kb+1][2r..2r+1] of the 4 quad lanes.
+     * Stages are written across all 16 blocks so the scheduler can interleave them. */
+    const float *rcp_tab = reinterpret_cast<const float *>(c.smem + C::kOffRcp);
+    const uint32_t *s2_tab = reinterpret_cast<const uint32_t *>(c.smem + C::kOffS2);
+    float bm[8][2];
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        bm[kb][r] = fmaxf(fmaxf(s[2 * kb][2 * r], s[2 * kb][2 * r + 1]),
+                          fmaxf(s[2 * kb + 1][2 * r], s[2 * kb + 1][2 * r + 1]));
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) bm[kb][r] = fmaxf(bm[kb][r], __shfl_xor_sync(0xffffffffu, bm[kb][r], 1));
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) bm[kb][r] = fmaxf(bm[kb][r], __shfl_xor_sync(0xffffffffu, bm[kb][r], 2));
     uint32_t pa[8][4];
 #pragma unroll
     for (int kb = 0; kb < 8; ++kb) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float* v0 = &s[2 * kb][2 * r];
-        float* v1 = &s[2 * kb + 1][2 * r];
-        float bmax = fmaxf(fmaxf(v0[0], v0[1]), fmaxf(v1[0], v1[1]));
-        bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, 1));
-        bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, 2));
-        const uint8_t sb = e4m3_encode_fast(__fdiv_rn(bmax, 6.0f));
-        const float sv = fp4attn_e4m3_decode(sb);
-        const float rcp = sb ? __frcp_rn(sv) : 0.0f;
-        const uint32_t s2 = e4m3_half2(sb);
-        const float y0 = e2m1_round_nonneg(__fmul_rn(v0[0], rcp));
-        const float y1 = e2m1_round_nonneg(__fmul_rn(v0[1], rcp));
-        const float y2 = e2m1_round_nonneg(__fmul_rn(v1[0], rcp));
-        const float y3 = e2m1_round_nonneg(__fmul_rn(v1[1], rcp));
+        const uint8_t sb = e4m3_encode_fast(div6_for_e4m3(bm[kb][r]));
+        const float rcp = rcp_tab[sb];
+        const uint32_t s2 = s2_tab[sb];
+        const float y0 = e2m1_round_nonneg(__fmul_rn(s[2 * kb][2 * r], rcp));
+        const float y1 = e2m1_round_nonneg(__fmul_rn(s[2 * kb][2 * r + 1], rcp));
+        const float y2 = e2m1_round_nonneg(__fmul_rn(s[2 * kb + 1][2 * r], rcp));
+        const float y3 = e2m1_round_nonneg(__fmul_rn(s[2 * kb + 1][2 * r + 1], rcp));
         pa[kb][r] = hmul2_bits(pack_half2(y0, y1), s2);
         pa[kb][2 + r] = hmul2_bits(pack_half2(y2, y3), s2);
       }
@@ -418,8 +434,13 @@ struct FwdKernel {
 
     /* constants in shared memory */
     {
-      uint32_t *lut = reinterpret_cast<uint32_t *>(smem + C::kOffLut);
-      for (int i = threadIdx.x; i < 256; i += C::kThreads) lut[i] = e2m1_pair_half2_bits(i);
+      float *rcp = reinterpret_cast<float *>(smem + C::kOffRcp);
+      uint32_t *s2 = reinterpret_cast<uint32_t *>(smem + C::kOffS2);
+      for (int i = threadIdx.x; i < 128; i += C::kThreads) {
+        const float sv = fp4attn_e4m3_decode((uint8_t)i);
+        rcp[i] = (i == 0 || i == 0x7F) ? 0.0f : 1.0f / sv; /* correctly rounded (SPEC 2) */
+        s2[i] = i == 0x7F ? 0u : e4m3_half2((uint8_t)i);
+      }
       float *qbar = reinterpret_cast<float *>(smem + C::kOffQbar);
       float *kbar = reinterpret_cast<float *>(smem + C::kOffKbar);
       const int64_t qblk = c.q0 / kTile;
@@ -429,8 +450,6 @@ struct FwdKernel {
       }
     }
     issue_tile(c, 0, 0);
-    cp_async_commit();
-    if (NBUF == 2 && c.ntiles > 1) issue_tile(c, 1, 1);
     cp_async_commit();
     __syncthreads();
     quantize_q(c);
@@ -446,31 +465,24 @@ struct FwdKernel {
 #pragma unroll
     for (int n = 0; n < DP / 8; ++n) rs.o[n][0] = rs.o[n][1] = rs.o[n][2] = rs.o[n][3] = 0.0f;
 
-    if (NBUF == 2) {
+    for (int j = 0; j < c.ntiles; ++j) {
       cp_async_wait_all();
-      __syncthreads();
-      dequant_tile(c, 0, 0);
-      for (int j = 0; j < c.ntiles; ++j) {
-        cp_async_wait_all();
-        __syncthreads();
+      __syncthreads(); /* tile j and bias j visible; every warp is done with tile j-1 */
+      if (NBUF == 2) {
         if (j + 1 < c.ntiles) {
-          dequant_tile(c, (j + 1) & 1, (j + 1) & 1);
+          issue_tile(c, j + 1, (j + 1) & 1); /* overlaps the compute of tile j */
+          cp_async_commit();
           compute_bias(c, j + 1, (j + 1) & 1);
         }
-        if (j + 2 < c.ntiles) issue_tile(c, j + 2, j & 1);
-        cp_async_commit();
         compute_tile(c, j, j & 1, rs, cqk, decv);
-      }
-    } else {
-      for (int j = 0; j < c.ntiles; ++j) {
-        cp_async_wait_all();
-        __syncthreads();
-        dequant_tile(c, 0, 0);
-        if (j > 0) compute_bias(c, j, 0);
-        __syncthreads();
-        if (j + 1 < c.ntiles) issue_tile(c, j + 1, 0);
-        cp_async_commit();
+      } else {
         compute_tile(c, j, 0, rs, cqk, decv);
+        if (j + 1 < c.ntiles) {
+          __syncthreads();
+          issue_tile(c, j + 1, 0);
+          cp_async_commit();
+          compute_bias(c, j + 1, 0);
+        }
       }
     }
 

@@ -25,16 +25,19 @@ fp4attn_status status(fp4attn_code code, const char *fmt, ...) {
 fp4attn_status check(const fp4attn_attention_params *p) {
   if (!p) return status(FP4ATTN_ERR_INVALID_ARGUMENT, "params must not be NULL");
   if (p->dtype != FP4ATTN_FLOAT32 && p->dtype != FP4ATTN_FLOAT16 && p->dtype != FP4ATTN_BFLOAT16)
-    return status(FP4ATTN_ERR_INVALID_ARGUMENT, "dtype must be float32, float16 or bfloat16, got %d", (int)p->dtype);
+    return status(FP4ATTN_ERR_INVALID_ARGUMENT,
+                  "dtype must be float32, float16 or bfloat16, got %d", (int)p->dtype);
   if (p->batch < 0 || p->heads_q < 0 || p->heads_kv < 0 || p->len_q < 0 || p->len_k < 0)
     return status(FP4ATTN_ERR_INVALID_ARGUMENT, "sizes must be non-negative");
   if (p->head_dim < 1 || p->head_dim > FP4ATTN_MAX_HEAD_DIM)
-    return status(FP4ATTN_ERR_UNSUPPORTED, "head_dim must be in [1, %d], got %lld", FP4ATTN_MAX_HEAD_DIM,
-                  (long long)p->head_dim);
+    return status(FP4ATTN_ERR_UNSUPPORTED, "head_dim must be in [1, %d], got %lld",
+                  FP4ATTN_MAX_HEAD_DIM, (long long)p->head_dim);
   if (p->heads_kv == 0 ? p->heads_q != 0 : p->heads_q % p->heads_kv != 0)
-    return status(FP4ATTN_ERR_INVALID_ARGUMENT, "heads_q (%lld) must be a multiple of heads_kv (%lld)",
-                  (long long)p->heads_q, (long long)p->heads_kv);
-  if (p->mask_kind != FP4ATTN_MASK_NONE && p->mask_kind != FP4ATTN_MASK_BOOL && p->mask_kind != FP4ATTN_MASK_ADDITIVE)
+    return status(FP4ATTN_ERR_INVALID_ARGUMENT,
+                  "heads_q (%lld) must be a multiple of heads_kv (%lld)", (long long)p->heads_q,
+                  (long long)p->heads_kv);
+  if (p->mask_kind != FP4ATTN_MASK_NONE && p->mask_kind != FP4ATTN_MASK_BOOL &&
+      p->mask_kind != FP4ATTN_MASK_ADDITIVE)
     return status(FP4ATTN_ERR_INVALID_ARGUMENT, "mask_kind %d is not valid", (int)p->mask_kind);
   if (p->mask_kind != FP4ATTN_MASK_NONE && !p->mask)
     return status(FP4ATTN_ERR_INVALID_ARGUMENT, "mask must not be NULL when mask_kind is set");
@@ -46,11 +49,14 @@ fp4attn_status check(const fp4attn_attention_params *p) {
     return status(FP4ATTN_ERR_INVALID_ARGUMENT, "q, k, v and out must not be NULL");
   /* grid dimensions of the pre-pass are 32-bit (y: up to 65535) */
   if (p->batch * (p->heads_q + p->heads_kv) > 65535)
-    return status(FP4ATTN_ERR_UNSUPPORTED, "batch * (heads_q + heads_kv) must be at most 65535 for the sm120 kernel");
+    return status(FP4ATTN_ERR_UNSUPPORTED,
+                  "batch * (heads_q + heads_kv) must be at most 65535 for the sm120 kernel");
   return status(FP4ATTN_OK, "");
 }
 
-__global__ void native_probe_kernel(int *out) { *out = FP4ATTN_SM120_NATIVE_MMA; }
+__global__ void native_probe_kernel(int *out) {
+  *out = FP4ATTN_SM120_NATIVE_MMA;
+}
 
 }  // namespace
 
@@ -59,22 +65,25 @@ extern "C" int64_t fp4attn_cuda_attention_sm120_workspace_bytes(const fp4attn_at
   return fp4attn_sm120::make_layout(p).total;
 }
 
-extern "C" fp4attn_status fp4attn_cuda_attention_sm120(const fp4attn_attention_params *p, void *workspace,
-                                                       void *stream) {
+extern "C" fp4attn_status fp4attn_cuda_attention_sm120(const fp4attn_attention_params *p,
+                                                       void *workspace, void *stream) {
   using namespace fp4attn_sm120;
   fp4attn_status st = check(p);
   if (st.code != FP4ATTN_OK) return st;
   const Layout L = make_layout(p);
   const int64_t items = L.B * L.Hq * L.nqb;
   if (items == 0) return st; /* nothing to write */
-  if (!workspace && L.total > 0) return status(FP4ATTN_ERR_INVALID_ARGUMENT, "workspace must not be NULL");
-  if (((uintptr_t)workspace & 255u) != 0) return status(FP4ATTN_ERR_INVALID_ARGUMENT, "workspace must be 256-byte aligned");
+  if (!workspace && L.total > 0)
+    return status(FP4ATTN_ERR_INVALID_ARGUMENT, "workspace must not be NULL");
+  if (((uintptr_t)workspace & 255u) != 0)
+    return status(FP4ATTN_ERR_INVALID_ARGUMENT, "workspace must be 256-byte aligned");
   cudaStream_t s = (cudaStream_t)stream;
   uint8_t *ws = static_cast<uint8_t *>(workspace);
   cudaError_t e = cudaSuccess;
   if (L.Nk > 0) {
     e = run_prepass_sm120(p, L, ws, s);
-    if (e != cudaSuccess) return status(FP4ATTN_ERR_CUDA, "sm120 attention pre-pass: %s", cudaGetErrorString(e));
+    if (e != cudaSuccess)
+      return status(FP4ATTN_ERR_CUDA, "sm120 attention pre-pass: %s", cudaGetErrorString(e));
   }
   KernelParams kp;
   kp.qc = ws + L.qc;
@@ -94,6 +103,12 @@ extern "C" fp4attn_status fp4attn_cuda_attention_sm120(const fp4attn_attention_p
     kp.k_stride[i] = p->k_stride[i];
     kp.out_stride[i] = p->out_stride[i];
   }
+  {
+    const int64_t es = p->dtype == FP4ATTN_FLOAT32 ? 4 : 2, hd = (L.D + 1) / 2;
+    kp.k_vec = ((uintptr_t)p->k % 16 == 0) && (p->k_stride[0] * es) % 16 == 0 &&
+               (p->k_stride[1] * es) % 16 == 0 && (p->k_stride[2] * es) % 16 == 0 &&
+               (hd * es) % 16 == 0 && (L.D % 2 == 0);
+  }
   kp.out = p->out;
   kp.lse = p->lse;
   kp.mask = p->mask;
@@ -103,20 +118,36 @@ extern "C" fp4attn_status fp4attn_cuda_attention_sm120(const fp4attn_attention_p
   kp.dtype = (int)p->dtype;
   kp.causal = p->causal ? 1 : 0;
   kp.scale = p->scale;
-  kp.B = L.B; kp.Hq = L.Hq; kp.Hkv = L.Hkv; kp.G = L.G; kp.Nq = L.Nq; kp.Nk = L.Nk; kp.D = L.D;
-  kp.nqb = L.nqb; kp.nq_pad = L.nq_pad; kp.nkt = L.nkt;
+  kp.B = L.B;
+  kp.Hq = L.Hq;
+  kp.Hkv = L.Hkv;
+  kp.G = L.G;
+  kp.Nq = L.Nq;
+  kp.Nk = L.Nk;
+  kp.D = L.D;
+  kp.nqb = L.nqb;
+  kp.nq_pad = L.nq_pad;
+  kp.nkt = L.nkt;
   kp.num_items = items;
 
   int dev = 0, sms = 0;
   e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (e != cudaSuccess) return status(FP4ATTN_ERR_CUDA, "sm120 attention: %s", cudaGetErrorString(e));
+  if (e != cudaSuccess)
+    return status(FP4ATTN_ERR_CUDA, "sm120 attention: %s", cudaGetErrorString(e));
   switch (L.Dp) {
-    case 64: e = launch_attention_sm120<64>(kp, sms, s); break;
-    case 128: e = launch_attention_sm120<128>(kp, sms, s); break;
-    default: e = launch_attention_sm120<256>(kp, sms, s); break;
+    case 64:
+      e = launch_attention_sm120<64>(kp, sms, s);
+      break;
+    case 128:
+      e = launch_attention_sm120<128>(kp, sms, s);
+      break;
+    default:
+      e = launch_attention_sm120<256>(kp, sms, s);
+      break;
   }
-  if (e != cudaSuccess) return status(FP4ATTN_ERR_CUDA, "sm120 attention kernel: %s", cudaGetErrorString(e));
+  if (e != cudaSuccess)
+    return status(FP4ATTN_ERR_CUDA, "sm120 attention kernel: %s", cudaGetErrorString(e));
   return st;
 }
 

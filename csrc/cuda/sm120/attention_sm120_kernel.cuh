@@ -34,9 +34,13 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
   const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 
 __device__ __forceinline__ float fast_exp(float x) {
   /* e^x as 2^(x log2 e); ex2.approx: about 2 ulp. exp(-inf) = 0. */
@@ -50,32 +54,38 @@ struct Smem {
   static constexpr int VC = 64 * DP; /* V^T codes: DP channels x 64 bytes */
   static constexpr int VS = 8 * DP;  /* V scales: DP x 8 */
   static constexpr int STAGE = KC + KS + VC + VS;
-  static constexpr int QBAR = 2 * STAGE;        /* float[DP] */
-  static constexpr int BIAS = QBAR + 4 * DP;    /* float[128] */
+  static constexpr int QBAR = 2 * STAGE;     /* float[DP] */
+  static constexpr int BIAS = QBAR + 4 * DP; /* float[128] */
   static constexpr int TOTAL = BIAS + 4 * kBlockKV;
 };
 
 template <int DP>
-__device__ __forceinline__ void load_tile_async(uint8_t *stage, const KernelParams &p, int64_t bkv, int64_t j) {
+__device__ __forceinline__ void load_tile_async(uint8_t *stage, const KernelParams &p, int64_t bkv,
+                                                int64_t j) {
   using S = Smem<DP>;
   const int64_t tile = bkv * p.nkt + j;
-  const uint8_t *src[4] = {p.kc + tile * S::KC, p.ks + tile * S::KS, p.vc + tile * S::VC, p.vs + tile * S::VS};
+  const uint8_t *src[4] = {p.kc + tile * S::KC, p.ks + tile * S::KS, p.vc + tile * S::VC,
+                           p.vs + tile * S::VS};
   const int off[4] = {0, S::KC, S::KC + S::KS, S::KC + S::KS + S::VC};
   const int len[4] = {S::KC, S::KS, S::VC, S::VS};
 #pragma unroll
   for (int s = 0; s < 4; ++s)
-    for (int i = threadIdx.x * 16; i < len[s]; i += kThreads * 16) cp_async16(stage + off[s] + i, src[s] + i);
+    for (int i = threadIdx.x * 16; i < len[s]; i += kThreads * 16)
+      cp_async16(stage + off[s] + i, src[s] + i);
 }
 
 /* Mask value to add to one score, or -inf if the key is not visible. */
-__device__ __forceinline__ float mask_term(const KernelParams &p, int64_t mbase, int64_t row, int64_t key) {
+__device__ __forceinline__ float mask_term(const KernelParams &p, int64_t mbase, int64_t row,
+                                           int64_t key) {
   if (p.causal && key > row) return -INFINITY;
   if (p.mask_kind == FP4ATTN_MASK_BOOL) {
-    const uint8_t m = static_cast<const uint8_t *>(p.mask)[mbase + row * p.mask_stride[2] + key * p.mask_stride[3]];
+    const uint8_t m = static_cast<const uint8_t *>(
+        p.mask)[mbase + row * p.mask_stride[2] + key * p.mask_stride[3]];
     return m ? 0.0f : -INFINITY;
   }
   if (p.mask_kind == FP4ATTN_MASK_ADDITIVE)
-    return load_f32_rt(p.mask, mbase + row * p.mask_stride[2] + key * p.mask_stride[3], p.mask_dtype);
+    return load_f32_rt(p.mask, mbase + row * p.mask_stride[2] + key * p.mask_stride[3],
+                       p.mask_dtype);
   return 0.0f;
 }
 
@@ -118,11 +128,12 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
     const int64_t bh = item % bhq, b = bh / p.Hq, h = bh % p.Hq;
     const int64_t bkv = b * p.Hkv + h / p.G;
     const int64_t row0 = qb * kBlockQ + warp * 16; /* first row of this warp */
-    const int64_t rg = row0 + g, rg8 = rg + 8;    /* this thread's two rows */
+    const int64_t rg = row0 + g, rg8 = rg + 8;     /* this thread's two rows */
     const bool warp_rows = row0 < p.Nq;
     int64_t ntiles = p.nkt;
     if (p.causal) {
-      const int64_t last_row = (qb * kBlockQ + kBlockQ - 1) < (p.Nq - 1) ? (qb * kBlockQ + kBlockQ - 1) : (p.Nq - 1);
+      const int64_t last_row =
+          (qb * kBlockQ + kBlockQ - 1) < (p.Nq - 1) ? (qb * kBlockQ + kBlockQ - 1) : (p.Nq - 1);
       const int64_t lim = last_row / kBlockKV + 1;
       ntiles = lim < ntiles ? lim : ntiles;
     }
@@ -162,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
 #pragma unroll
     for (int n = 0; n < NVT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f}; /* l: this thread's part */
-    __syncthreads(); /* qbar_s visible */
+    __syncthreads();                                              /* qbar_s visible */
 
     for (int64_t j = 0; j < ntiles; ++j) {
       uint8_t *stage = smem + (j & 1) * S::STAGE;
@@ -178,12 +189,41 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
         float acc = 0.0f;
         if (tok < p.Nk) {
           const int64_t base = kbase + tok * p.k_stride[2];
-          if (p.dtype == FP4ATTN_FLOAT16) {
-            for (int c = c0; c < c1; ++c) acc = fmaf(qbar_s[c], load_f32<FP4ATTN_FLOAT16>(p.k, base + c), acc);
+          /* same channel order in both paths: identical sums */
+          if (p.k_vec) {
+            const int per = p.dtype == FP4ATTN_FLOAT32 ? 4 : 8; /* elements per 16 bytes */
+            const uint4 *src =
+                reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(p.k) +
+                                                (base + c0) * (p.dtype == FP4ATTN_FLOAT32 ? 4 : 2));
+            for (int c = c0, i = 0; c < c1; c += per, ++i) {
+              const uint4 raw = __ldg(src + i);
+              const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+              if (p.dtype == FP4ATTN_FLOAT32) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc = fmaf(qbar_s[c + e], __uint_as_float(w[e]), acc);
+              } else if (p.dtype == FP4ATTN_FLOAT16) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                  acc = fmaf(
+                      qbar_s[c + e],
+                      __half2float(__ushort_as_half((unsigned short)(w[e >> 1] >> (16 * (e & 1))))),
+                      acc);
+              } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                  acc = fmaf(qbar_s[c + e], __uint_as_float((w[e >> 1] >> (16 * (e & 1))) << 16),
+                             acc);
+              }
+            }
+          } else if (p.dtype == FP4ATTN_FLOAT16) {
+            for (int c = c0; c < c1; ++c)
+              acc = fmaf(qbar_s[c], load_f32<FP4ATTN_FLOAT16>(p.k, base + c), acc);
           } else if (p.dtype == FP4ATTN_BFLOAT16) {
-            for (int c = c0; c < c1; ++c) acc = fmaf(qbar_s[c], load_f32<FP4ATTN_BFLOAT16>(p.k, base + c), acc);
+            for (int c = c0; c < c1; ++c)
+              acc = fmaf(qbar_s[c], load_f32<FP4ATTN_BFLOAT16>(p.k, base + c), acc);
           } else {
-            for (int c = c0; c < c1; ++c) acc = fmaf(qbar_s[c], load_f32<FP4ATTN_FLOAT32>(p.k, base + c), acc);
+            for (int c = c0; c < c1; ++c)
+              acc = fmaf(qbar_s[c], load_f32<FP4ATTN_FLOAT32>(p.k, base + c), acc);
           }
         }
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
@@ -209,16 +249,21 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
           const uint8_t *kf = kc_s + (nt * 32 + lane) * (8 * NKS);
           if constexpr (NKS == 1) {
             const uint2 v = *reinterpret_cast<const uint2 *>(kf);
-            kb[0] = v.x; kb[1] = v.y;
+            kb[0] = v.x;
+            kb[1] = v.y;
           } else {
 #pragma unroll
             for (int i = 0; i < NKS / 2; ++i) {
               const uint4 v = *reinterpret_cast<const uint4 *>(kf + 16 * i);
-              kb[4 * i] = v.x; kb[4 * i + 1] = v.y; kb[4 * i + 2] = v.z; kb[4 * i + 3] = v.w;
+              kb[4 * i] = v.x;
+              kb[4 * i + 1] = v.y;
+              kb[4 * i + 2] = v.z;
+              kb[4 * i + 3] = v.w;
             }
           }
           /* lane (g, t) supplies key position 8nt + g's scale word for k-step t */
-          const uint32_t ksc = t < NKS ? *reinterpret_cast<const uint32_t *>(ks_s + (nt * 8 + g) * NB + 4 * t) : 0u;
+          const uint32_t ksc =
+              t < NKS ? *reinterpret_cast<const uint32_t *>(ks_s + (nt * 8 + g) * NB + 4 * t) : 0u;
 #pragma unroll
           for (int ks = 0; ks < NKS; ++ks)
             mma_fp4_m16n8k64(s[nt], qa[ks], &kb[2 * ks], s[nt], qsc[ks >> 1], ksc, ks & 1, ks);
@@ -226,19 +271,23 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
 
         /* ---- scores, masks, per-tile row max. Accumulator (nt, e) of thread t is token
          * key0 + 32 (nt >> 2) + 8t + 2 (nt & 3) + (e & 1): the K permutation, inverted. */
-        const bool need_mask = p.causal || p.mask_kind != FP4ATTN_MASK_NONE || key0 + kBlockKV > p.Nk;
+        const bool need_mask =
+            p.causal || p.mask_kind != FP4ATTN_MASK_NONE || key0 + kBlockKV > p.Nk;
         float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int nt = 0; nt < 16; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int kl = 32 * (nt >> 2) + 8 * t + 2 * (nt & 3) + (e & 1);
-            float v = p.scale * (dqk * s[nt][e] + bias_s[kl]);
+            float v = __fmul_rn(
+                p.scale, __fadd_rn(__fmul_rn(dqk, s[nt][e]), bias_s[kl])); /* no FMA: as SPEC */
             if (need_mask) {
               const int64_t key = key0 + kl;
               const int64_t row = (e < 2) ? rg : rg8;
-              if (key >= p.Nk || row >= p.Nq) v = -INFINITY;
-              else v += mask_term(p, mbase, row, key);
+              if (key >= p.Nk || row >= p.Nq)
+                v = -INFINITY;
+              else
+                v += mask_term(p, mbase, row, key);
             }
             s[nt][e] = v;
             tmax[e >> 1] = fmaxf(tmax[e >> 1], v);
@@ -264,7 +313,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
         /* ---- P~ = exp(S - t), l, and P^ = phi_local(2688 P~) straight into A fragments:
          * pa[ks][0..3] = {row g keys 64ks+8t.., row g+8 same, row g keys 64ks+32+8t.., row g+8} */
         uint32_t pa[2][4];
-        uint32_t sbyte[4][2]; /* [32-key group][row half] E4M3 scale of this thread's 16-key block */
+        uint32_t sbyte[4]
+                      [2]; /* [32-key group][row half] E4M3 scale of this thread's 16-key block */
         float rs[2] = {0.0f, 0.0f};
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -288,14 +338,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
         uint32_t sfa;
         {
           const int sh = 8 * (t >> 1);
-          uint32_t own[2][2];
-#pragma unroll
-          for (int ks = 0; ks < 2; ++ks)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) own[ks][r] = (sbyte[2 * ks][r] << sh) | (sbyte[2 * ks + 1][r] << (16 + sh));
-          const int r = t & 1;
-          const uint32_t mine = (t >> 1) ? own[1][r] : own[0][r];
-          const uint32_t theirs = (t >> 1) ? own[0][r] : own[1][r];
+          const bool odd = (t & 1) != 0,
+                     upper = (t >> 1) != 0; /* selects, not indexing: no local memory */
+          const uint32_t w0 = odd ? (sbyte[0][1] << sh) | (sbyte[1][1] << (16 + sh))
+                                  : (sbyte[0][0] << sh) | (sbyte[1][0] << (16 + sh));
+          const uint32_t w1 = odd ? (sbyte[2][1] << sh) | (sbyte[3][1] << (16 + sh))
+                                  : (sbyte[2][0] << sh) | (sbyte[3][0] << (16 + sh));
+          const uint32_t mine = upper ? w1 : w0;   /* (ks = t >> 1, row half t & 1) */
+          const uint32_t theirs = upper ? w0 : w1; /* what lane t ^ 2 needs from us */
           sfa = mine | __shfl_xor_sync(0xffffffffu, theirs, 2);
         }
         /* ---- O = alpha O + (beta / 2688) (P^ V^ dV) */
@@ -303,12 +353,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
         for (int n = 0; n < NVT; ++n) {
           const uint4 vv = *reinterpret_cast<const uint4 *>(vc_s + (n * 32 + lane) * 16);
           const uint32_t vb0[2] = {vv.x, vv.y}, vb1[2] = {vv.z, vv.w};
-          const uint32_t vsc = t < 2 ? *reinterpret_cast<const uint32_t *>(vs_s + (n * 8 + g) * 8 + 4 * t) : 0u;
+          const uint32_t vsc =
+              t < 2 ? *reinterpret_cast<const uint32_t *>(vs_s + (n * 8 + g) * 8 + 4 * t) : 0u;
           float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           mma_fp4_m16n8k64(acc, pa[0], vb0, acc, sfa, vsc, 0, 0);
           mma_fp4_m16n8k64(acc, pa[1], vb1, acc, sfa, vsc, 1, 1);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) o[n][e] = alpha[e >> 1] * o[n][e] + pvf[e >> 1] * (acc[e] * dv);
+          for (int e = 0; e < 4; ++e)
+            o[n][e] = alpha[e >> 1] * o[n][e] + pvf[e >> 1] * (acc[e] * dv);
         }
       }
       __syncthreads(); /* stage (j & 1) and bias_s are free again */
@@ -335,13 +387,17 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
           const int c = 8 * n + 2 * t + e;
           if (c >= p.D) continue;
           const float val = l > 0.0f ? o[n][2 * r + e] * inv : 0.0f;
-          if (p.dtype == FP4ATTN_FLOAT16) static_cast<__half *>(p.out)[obase + c] = __float2half_rn(val);
-          else if (p.dtype == FP4ATTN_BFLOAT16) static_cast<__nv_bfloat16 *>(p.out)[obase + c] = __float2bfloat16_rn(val);
-          else static_cast<float *>(p.out)[obase + c] = val;
+          if (p.dtype == FP4ATTN_FLOAT16)
+            static_cast<__half *>(p.out)[obase + c] = __float2half_rn(val);
+          else if (p.dtype == FP4ATTN_BFLOAT16)
+            static_cast<__nv_bfloat16 *>(p.out)[obase + c] = __float2bfloat16_rn(val);
+          else
+            static_cast<float *>(p.out)[obase + c] = val;
         }
       }
       if (p.lse && t == 0)
-        p.lse[bh * p.Nq + row] = l > 0.0f ? m_r[r] + logf(l) + p.scale * p.lse_shift[bh * p.Nq + row] : -INFINITY;
+        p.lse[bh * p.Nq + row] =
+            l > 0.0f ? m_r[r] + logf(l) + p.scale * p.lse_shift[bh * p.Nq + row] : -INFINITY;
     }
   }
 }
@@ -349,10 +405,12 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
 template <int DP>
 cudaError_t launch_attention_sm120(const KernelParams &kp, int num_sms, cudaStream_t stream) {
   const int smem = Smem<DP>::TOTAL;
-  cudaError_t e = cudaFuncSetAttribute(attention_sm120_kernel<DP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t e = cudaFuncSetAttribute(attention_sm120_kernel<DP>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   int per_sm = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_sm120_kernel<DP>, kThreads, smem);
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_sm120_kernel<DP>, kThreads,
+                                                    smem);
   if (e != cudaSuccess) return e;
   if (per_sm < 1) per_sm = 1;
   int64_t grid = (int64_t)num_sms * per_sm;

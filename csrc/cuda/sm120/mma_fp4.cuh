@@ -72,7 +72,8 @@ __device__ __forceinline__ uint32_t dq_pair(uint32_t reg, int j, uint32_t scale_
   return hmul2_u32(e2m1x2_to_h2_scaled(reg >> (8 * j)), scale_h2_x128);
 }
 
-__device__ __forceinline__ void mma_f16_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+__device__ __forceinline__ void mma_f16_m16n8k16(float d[4], const uint32_t a[4],
+                                                 const uint32_t b[2]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -80,20 +81,23 @@ __device__ __forceinline__ void mma_f16_m16n8k16(float d[4], const uint32_t a[4]
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #else
-  (void)d; (void)a; (void)b;
+  (void)d;
+  (void)a;
+  (void)b;
   __trap(); /* FP4 attention kernels need sm_80 or newer */
 #endif
 }
 
 /* D = A x B + C with block scales; d may alias c. tid_a in {0,1}, tid_b in {0..3} (byte-id 0).
  * Must be called by all 32 lanes of a warp with the same tid_a / tid_b. */
-__device__ __forceinline__ void mma_fp4_m16n8k64(float d[4], const uint32_t a[4], const uint32_t b[2],
-                                                 const float c[4], uint32_t sfa, uint32_t sfb,
-                                                 int tid_a, int tid_b) {
+__device__ __forceinline__ void mma_fp4_m16n8k64(float d[4], const uint32_t a[4],
+                                                 const uint32_t b[2], const float c[4],
+                                                 uint32_t sfa, uint32_t sfb, int tid_a, int tid_b) {
 #if FP4ATTN_SM120_NATIVE_MMA
   const uint16_t bid = 0, ta = (uint16_t)tid_a, tb = (uint16_t)tid_b;
   asm volatile(
-      "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3 "
+      "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1."
+      "f32.ue4m3 "
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13}, %14, {%15,%16}, %17, {%18,%19};\n"
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),

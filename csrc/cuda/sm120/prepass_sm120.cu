@@ -21,7 +21,9 @@
 namespace fp4attn_sm120 {
 namespace {
 
-__device__ __forceinline__ uint32_t abs_bits(float x) { return fp4attn_float_bits(x) & 0x7FFFFFFFu; }
+__device__ __forceinline__ uint32_t abs_bits(float x) {
+  return fp4attn_float_bits(x) & 0x7FFFFFFFu;
+}
 
 __device__ __forceinline__ uint32_t block_umax(uint32_t v, uint32_t *red /* [32] */) {
   v = __reduce_max_sync(0xffffffffu, v);
@@ -95,7 +97,8 @@ __global__ void __launch_bounds__(256) qmean(PrepassArgs a) {
   const int64_t qbase = b * a.q_stride[0] + h * a.q_stride[1];
   float sum = 0.0f;
   if (c < a.D)
-    for (int64_t t = t0 + r; t < t1; t += lanes) sum += load_f32<DT>(a.q, qbase + t * a.q_stride[2] + c);
+    for (int64_t t = t0 + r; t < t1; t += lanes)
+      sum += load_f32<DT>(a.q, qbase + t * a.q_stride[2] + c);
   red[threadIdx.x] = sum;
   __syncthreads();
   if (r == 0) {
@@ -157,7 +160,8 @@ __global__ void __launch_bounds__(256) quant_q(PrepassArgs a) {
     const int c = blk * 16 + i;
     xs[i] = 0.0f;
     if (row < a.Nq && c < a.D) {
-      const float qsv = load_f32<DT>(a.q, qbase + c) - a.qbar[(bh * a.nqb + row / kBlockQ) * a.Dp + c];
+      const float qsv =
+          load_f32<DT>(a.q, qbase + c) - a.qbar[(bh * a.nqb + row / kBlockQ) * a.Dp + c];
       xs[i] = qsv * enc;
       shift = __fadd_rn(shift, __fmul_rn(qsv, a.kbar[bkv * a.Dp + c]));
     }
@@ -187,14 +191,16 @@ __global__ void __launch_bounds__(256) quant_k(PrepassArgs a) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int c = blk * 16 + i;
-    xs[i] = (tok < a.Nk && c < a.D) ? (load_f32<DT>(a.k, kbase + c) - a.kbar[bh * a.Dp + c]) * enc : 0.0f;
+    xs[i] = (tok < a.Nk && c < a.D) ? (load_f32<DT>(a.k, kbase + c) - a.kbar[bh * a.Dp + c]) * enc
+                                    : 0.0f;
   }
   uint8_t codes[16];
   const uint8_t s = fp4attn_quantize_block(xs, 16, codes);
   const int64_t tile = tok / kBlockKV;
   const int pos = key_perm((int)(tok % kBlockKV)); /* token l sits at position perm(l) */
   const int nt = pos >> 3, g = pos & 7;
-  uint32_t *frag = reinterpret_cast<uint32_t *>(a.kc) + ((bh * a.nkt + tile) * 16 + nt) * 32 * (2 * nks);
+  uint32_t *frag =
+      reinterpret_cast<uint32_t *>(a.kc) + ((bh * a.nkt + tile) * 16 + nt) * 32 * (2 * nks);
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
     const int wr = 2 * blk + w; /* word of the row: bytes [4wr, 4wr+4) */
@@ -227,7 +233,8 @@ __global__ void __launch_bounds__(256) quant_v(PrepassArgs a) {
   const int64_t tile = tb / 8;
   const int lb = (int)(tb % 8);
   const int ntv = ch >> 3, g = ch & 7;
-  uint32_t *frag = reinterpret_cast<uint32_t *>(a.vc) + ((bh * a.nkt + tile) * (Dp / 8) + ntv) * 32 * 4;
+  uint32_t *frag =
+      reinterpret_cast<uint32_t *>(a.vc) + ((bh * a.nkt + tile) * (Dp / 8) + ntv) * 32 * 4;
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
     const int wr = 2 * lb + w;
@@ -266,11 +273,25 @@ cudaError_t run_prepass_sm120(const fp4attn_attention_params *p, const Layout &L
     a.k_stride[i] = p->k_stride[i];
     a.v_stride[i] = p->v_stride[i];
   }
-  a.B = L.B; a.Hq = L.Hq; a.Hkv = L.Hkv; a.G = L.G; a.Nq = L.Nq; a.Nk = L.Nk; a.D = L.D;
-  a.Dp = L.Dp; a.nqb = L.nqb; a.nq_pad = L.nq_pad; a.nkt = L.nkt; a.nk_pad = L.nk_pad;
+  a.B = L.B;
+  a.Hq = L.Hq;
+  a.Hkv = L.Hkv;
+  a.G = L.G;
+  a.Nq = L.Nq;
+  a.Nk = L.Nk;
+  a.D = L.D;
+  a.Dp = L.Dp;
+  a.nqb = L.nqb;
+  a.nq_pad = L.nq_pad;
+  a.nkt = L.nkt;
+  a.nk_pad = L.nk_pad;
   a.nchunks = L.nchunks;
-  a.qc = ws + L.qc; a.qs = ws + L.qs; a.kc = ws + L.kc; a.ks = ws + L.ks;
-  a.vc = ws + L.vc; a.vs = ws + L.vs;
+  a.qc = ws + L.qc;
+  a.qs = ws + L.qs;
+  a.kc = ws + L.kc;
+  a.ks = ws + L.ks;
+  a.vc = ws + L.vc;
+  a.vs = ws + L.vs;
   a.qbar = reinterpret_cast<float *>(ws + L.qbar);
   a.lse_shift = reinterpret_cast<float *>(ws + L.lse_shift);
   a.kbar = reinterpret_cast<float *>(ws + L.kbar);
@@ -285,9 +306,12 @@ cudaError_t run_prepass_sm120(const fp4attn_attention_params *p, const Layout &L
   cudaError_t e = cudaMemsetAsync(a.amax_q, 0, (size_t)(bq + 2 * bkv) * 4, stream);
   if (e != cudaSuccess) return e;
   switch (p->dtype) {
-    case FP4ATTN_FLOAT16: return run_prepass_typed<FP4ATTN_FLOAT16>(a, stream);
-    case FP4ATTN_BFLOAT16: return run_prepass_typed<FP4ATTN_BFLOAT16>(a, stream);
-    default: return run_prepass_typed<FP4ATTN_FLOAT32>(a, stream);
+    case FP4ATTN_FLOAT16:
+      return run_prepass_typed<FP4ATTN_FLOAT16>(a, stream);
+    case FP4ATTN_BFLOAT16:
+      return run_prepass_typed<FP4ATTN_BFLOAT16>(a, stream);
+    default:
+      return run_prepass_typed<FP4ATTN_FLOAT32>(a, stream);
   }
 }
 

@@ -59,7 +59,9 @@ struct Layout {
   int64_t qc, qs, qbar, lse_shift, kc, ks, vc, vs, kbar, kpart, amax, dec, total;
 };
 
-inline int64_t align256(int64_t x) { return (x + 255) / 256 * 256; }
+inline int64_t align256(int64_t x) {
+  return (x + 255) / 256 * 256;
+}
 
 inline Layout make_layout(const fp4attn_attention_params *p) {
   Layout L;
@@ -78,18 +80,30 @@ inline Layout make_layout(const fp4attn_attention_params *p) {
   L.nchunks = (L.Nk + kMeanChunk - 1) / kMeanChunk;
   const int64_t bq = L.B * L.Hq, bkv = L.B * L.Hkv;
   int64_t o = 0;
-  L.qc = o;        o += align256(bq * L.nq_pad * (L.Dp / 2));
-  L.qs = o;        o += align256(bq * L.nq_pad * (L.Dp / 16));
-  L.qbar = o;      o += align256(bq * L.nqb * L.Dp * 4);
-  L.lse_shift = o; o += align256(bq * L.Nq * 4);
-  L.kc = o;        o += align256(bkv * L.nk_pad * (L.Dp / 2));
-  L.ks = o;        o += align256(bkv * L.nk_pad * (L.Dp / 16));
-  L.vc = o;        o += align256(bkv * L.nk_pad * (L.Dp / 2));
-  L.vs = o;        o += align256(bkv * L.nk_pad * (L.Dp / 16));
-  L.kbar = o;      o += align256(bkv * L.Dp * 4);
-  L.kpart = o;     o += align256(bkv * (L.nchunks > 0 ? L.nchunks : 1) * L.Dp * 4);
-  L.amax = o;      o += align256((bq + 2 * bkv) * 4); /* Q heads, then K heads, then V heads */
-  L.dec = o;       o += align256((bq + 2 * bkv) * 4);
+  L.qc = o;
+  o += align256(bq * L.nq_pad * (L.Dp / 2));
+  L.qs = o;
+  o += align256(bq * L.nq_pad * (L.Dp / 16));
+  L.qbar = o;
+  o += align256(bq * L.nqb * L.Dp * 4);
+  L.lse_shift = o;
+  o += align256(bq * L.Nq * 4);
+  L.kc = o;
+  o += align256(bkv * L.nk_pad * (L.Dp / 2));
+  L.ks = o;
+  o += align256(bkv * L.nk_pad * (L.Dp / 16));
+  L.vc = o;
+  o += align256(bkv * L.nk_pad * (L.Dp / 2));
+  L.vs = o;
+  o += align256(bkv * L.nk_pad * (L.Dp / 16));
+  L.kbar = o;
+  o += align256(bkv * L.Dp * 4);
+  L.kpart = o;
+  o += align256(bkv * (L.nchunks > 0 ? L.nchunks : 1) * L.Dp * 4);
+  L.amax = o;
+  o += align256((bq + 2 * bkv) * 4); /* Q heads, then K heads, then V heads */
+  L.dec = o;
+  o += align256((bq + 2 * bkv) * 4);
   L.total = o;
   return L;
 }
@@ -119,6 +133,7 @@ struct KernelParams {
   const uint8_t *kc, *ks, *vc, *vs;
   const void *k; /* the caller's K, for the qbar . K correction in input precision */
   int64_t k_stride[3];
+  int k_vec; /* K rows and both channel halves are 16-byte aligned: vector loads for qbar . K */
   void *out;
   int64_t out_stride[3];
   float *lse;

@@ -18,13 +18,14 @@ __global__ void test_mma_fp4_kernel(const uint32_t *a, const uint32_t *b, const 
   for (int i = 0; i < 2; ++i) rb[i] = b[lane * 2 + i];
   for (int i = 0; i < 4; ++i) rc[i] = c[lane * 4 + i];
   /* the selectors are immediates in the kernels: dispatch so that each call site has constants */
-#define FP4ATTN_CASE(TA, TB)                                                                     \
-  if (tid_a == TA && tid_b == TB)                                                                \
+#define FP4ATTN_CASE(TA, TB)      \
+  if (tid_a == TA && tid_b == TB) \
     fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, sfa[lane], sfb[lane], TA, TB);
-  FP4ATTN_CASE(0, 0) FP4ATTN_CASE(0, 1) FP4ATTN_CASE(0, 2) FP4ATTN_CASE(0, 3)
-  FP4ATTN_CASE(1, 0) FP4ATTN_CASE(1, 1) FP4ATTN_CASE(1, 2) FP4ATTN_CASE(1, 3)
+  FP4ATTN_CASE(0, 0)
+  FP4ATTN_CASE(0, 1) FP4ATTN_CASE(0, 2) FP4ATTN_CASE(0, 3) FP4ATTN_CASE(1, 0) FP4ATTN_CASE(1, 1)
+      FP4ATTN_CASE(1, 2) FP4ATTN_CASE(1, 3)
 #undef FP4ATTN_CASE
-  for (int i = 0; i < 4; ++i) d[lane * 4 + i] = rd[i];
+          for (int i = 0; i < 4; ++i) d[lane * 4 + i] = rd[i];
 }
 
 fp4attn_status make_status(fp4attn_code code, const char *msg) {
@@ -51,7 +52,8 @@ extern "C" fp4attn_status fp4attn_cuda_test_mma_fp4(const uint32_t *a, const uin
   if (err != cudaSuccess) {
     fp4attn_status s;
     s.code = FP4ATTN_ERR_CUDA;
-    snprintf(s.message, sizeof s.message, "test_mma_fp4: launch failed: %s", cudaGetErrorString(err));
+    snprintf(s.message, sizeof s.message, "test_mma_fp4: launch failed: %s",
+             cudaGetErrorString(err));
     return s;
   }
   return make_status(FP4ATTN_OK, "");

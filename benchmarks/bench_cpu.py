@@ -1,0 +1,87 @@
+"""CPU benchmark: fp4attn's C backend (quantization included) next to torch's own CPU SDPA (FP32)
+on the same shapes, in one run. Prints a table and writes CSV (and a PNG if matplotlib exists).
+
+    python benchmarks/bench_cpu.py [--quick] [--out results/]
+
+Target (issue 2): at most 5x torch's CPU SDPA time at B=1, H=8, N=1024, D=64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import time
+
+import torch
+
+import fp4attn
+from fp4attn.sdpa import ORIGINAL_SDPA
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # warm-up: thread pool start, first-touch of buffers
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="only the target shape and one more")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results", help="folder for bench_cpu.csv/.png")
+    args = ap.parse_args()
+
+    shapes = [(1, 8, 1024, 64, False), (1, 8, 1024, 64, True)]
+    if not args.quick:
+        shapes += [(1, 8, 256, 64, False), (1, 8, 2048, 64, False), (1, 8, 4096, 64, False),
+                   (1, 8, 1024, 128, False), (1, 8, 2048, 128, True), (2, 9, 512, 64, True)]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"fp4attn OpenMP {'on' if fp4attn.build_info()['openmp'] else 'off'}")
+    rows = []
+    for B, H, N, D, causal in shapes:
+        q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
+        t_fp4 = median_time(lambda: fp4attn.sdpa(q, k, v, is_causal=causal), args.repeats)
+        t_ref = median_time(lambda: ORIGINAL_SDPA(q, k, v, is_causal=causal), args.repeats)
+        rows.append({"B": B, "H": H, "N": N, "D": D, "causal": causal,
+                     "fp4attn_ms": 1e3 * t_fp4, "torch_sdpa_fp32_ms": 1e3 * t_ref,
+                     "ratio": t_fp4 / t_ref})
+    print("| B | H | N | D | causal | fp4attn ms | torch SDPA FP32 ms | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['B']} | {r['H']} | {r['N']} | {r['D']} | {r['causal']} | "
+              f"{r['fp4attn_ms']:.1f} | {r['torch_sdpa_fp32_ms']:.1f} | {r['ratio']:.2f}x |")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_cpu.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        labels = [f"N={r['N']} D={r['D']}{' c' if r['causal'] else ''}" for r in rows]
+        x = range(len(rows))
+        plt.figure(figsize=(8, 3.5))
+        plt.bar([i - 0.2 for i in x], [r["fp4attn_ms"] for r in rows], 0.4, label="fp4attn (C)")
+        plt.bar([i + 0.2 for i in x], [r["torch_sdpa_fp32_ms"] for r in rows], 0.4, label="torch SDPA FP32")
+        plt.xticks(list(x), labels, rotation=30, ha="right", fontsize=7)
+        plt.ylabel("ms")
+        plt.legend()
+        plt.tight_layout()
+        plt.savefig(os.path.join(args.out, "bench_cpu.png"), dpi=120)
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+    target = next(r for r in rows if (r["N"], r["D"], r["causal"]) == (1024, 64, False))
+    print(f"target shape B=1 H=8 N=1024 D=64: {target['ratio']:.2f}x torch CPU SDPA (goal <= 5x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

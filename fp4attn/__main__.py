@@ -1,0 +1,51 @@
+"""python -m fp4attn {info,demo,report} ..."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+import torch
+
+
+def info(argv: list[str]) -> int:
+    from . import __version__, build_info
+
+    b = build_info()
+    print(f"fp4attn {__version__}")
+    print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda})")
+    print(f"CPU backend: C11, OpenMP {'on' if b['openmp'] else 'off'}, "
+          f"{torch.get_num_threads()} threads")
+    if b["cuda"]:
+        print(f"CUDA backend: compiled for {b['cuda_archs'].replace('_', ', ')}")
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            kernel = "sm120 block-scaled FP4 MMA" if p.major == 12 else "FP16-MMA (exact dequantization)"
+            print(f"  cuda:{i} {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs -> {kernel}")
+    else:
+        print("CUDA backend: not compiled (CPU-only build)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"info": info}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("info", "demo", "report"):
+        print("usage: python -m fp4attn {info,demo,report} [options]\n"
+              "  info    backends compiled, architectures, versions\n"
+              "  demo    FP4 attention vs exact attention and FP16 SDPA, with timings\n"
+              "  report  per-layer accuracy on real models (see --help)")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
+    if argv[0] == "report":
+        from .report import main as report_main
+
+        return report_main(argv[1:])
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Front-end semantics: errors, explicit fallbacks, strict mode, the monkey-patch, op schemas."""
+
+import importlib
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp4attn
+sdpa_module = importlib.import_module("fp4attn.sdpa")  # the module, not the function
+
+
+def qkv(*shape, dtype=torch.float32, requires_grad=False):
+    return [torch.randn(*shape, dtype=dtype, requires_grad=requires_grad) for _ in range(3)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    monkeypatch.setattr(sdpa_module, "_warned", set())
+    monkeypatch.delenv("FP4ATTN_STRICT", raising=False)
+    yield
+    fp4attn.unpatch()
+
+
+def test_errors_name_the_argument():
+    q, k, v = qkv(1, 2, 16, 32)
+    with pytest.raises(TypeError, match="query must be a torch.Tensor"):
+        fp4attn.sdpa(q.numpy(), k, v)
+    with pytest.raises(ValueError, match="key must have at least 3 dims"):
+        fp4attn.sdpa(q, k[0, 0], v)
+    with pytest.raises(TypeError, match="one dtype"):
+        fp4attn.sdpa(q, k.half(), v)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        fp4attn.sdpa(torch.randn(1, 4, 16, 32), k, v)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        fp4attn.sdpa(torch.randn(1, 3, 16, 32), k, v, enable_gqa=True)
+    with pytest.raises(ValueError, match="key head dim"):
+        fp4attn.sdpa(q, torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16))
+    with pytest.raises(ValueError, match="attn_mask and is_causal"):
+        fp4attn.sdpa(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ValueError, match="attn_mask of shape"):
+        fp4attn.sdpa(q, k, v, attn_mask=torch.ones(3, 16, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attn_mask must be bool or floating"):
+        fp4attn.sdpa(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.int64))
+
+
+def test_op_level_errors_from_the_binding():
+    q, k, v = qkv(1, 2, 16, 32)
+    with pytest.raises(RuntimeError, match="query must be 4-D"):
+        torch.ops.fp4attn.attention(q[0], k, v, None, False, 1.0, False, 0)
+    with pytest.raises(RuntimeError, match="kernel must be"):
+        torch.ops.fp4attn.attention(q, k, v, None, False, 1.0, False, 7)
+
+
+@pytest.mark.parametrize("case", ["dropout", "grad", "dtype", "value_dim"])
+def test_fallbacks_warn_once_and_match_torch(case):
+    q, k, v = qkv(1, 2, 16, 32)
+    kwargs = {}
+    if case == "dropout":
+        kwargs = {"dropout_p": 0.5}
+    elif case == "grad":
+        q.requires_grad_(True)
+    elif case == "dtype":
+        q, k, v = (t.double() for t in (q, k, v))
+    elif case == "value_dim":
+        v = torch.randn(1, 2, 16, 48)
+    with pytest.warns(UserWarning, match="falling back to torch SDPA"):
+        out = fp4attn.sdpa(q, k, v, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call must not warn again
+        out2 = fp4attn.sdpa(q, k, v, **kwargs)
+    if case != "dropout":
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+        torch.testing.assert_close(out2, out)
+    if case == "grad":
+        out.sum().backward()  # the fallback keeps autograd working
+        assert q.grad is not None
+
+
+def test_strict_mode_keyword_and_env(monkeypatch):
+    q, k, v = qkv(1, 2, 16, 32)
+    with pytest.raises(fp4attn.FP4AttnFallbackError, match="dropout"):
+        fp4attn.sdpa(q, k, v, dropout_p=0.1, strict=True)
+    monkeypatch.setenv("FP4ATTN_STRICT", "1")
+    with pytest.raises(fp4attn.FP4AttnFallbackError, match="dtype"):
+        fp4attn.sdpa(*(t.double() for t in (q, k, v)))
+    fp4attn.sdpa(q, k, v)  # the FP4 path is fine in strict mode
+    with pytest.raises(fp4attn.FP4AttnFallbackError):
+        fp4attn.sdpa(q, k, v, return_lse=True, dropout_p=0.1, strict=False)
+
+
+def test_no_grad_inputs_with_requires_grad_use_fp4():
+    q, k, v = qkv(1, 2, 16, 32, requires_grad=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = fp4attn.sdpa(q, k, v)
+    assert not out.requires_grad
+
+
+def test_patch_is_idempotent_and_reversible():
+    original = F.scaled_dot_product_attention
+    fp4attn.patch()
+    fp4attn.patch()
+    assert fp4attn.is_patched() and F.scaled_dot_product_attention is not original
+    fp4attn.unpatch()
+    assert F.scaled_dot_product_attention is original
+    fp4attn.unpatch()
+    assert F.scaled_dot_product_attention is original
+    with fp4attn.patched():
+        assert fp4attn.is_patched()
+        with fp4attn.patched():
+            pass
+        assert fp4attn.is_patched()  # inner exit keeps the outer state
+    assert F.scaled_dot_product_attention is original
+
+
+def test_patched_function_computes_fp4():
+    q, k, v = qkv(1, 2, 64, 32)
+    with fp4attn.patched():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, fp4attn.sdpa(q, k, v, is_causal=True), rtol=0, atol=0)
+    assert not torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_patch_preserves_the_function_in_place_before():
+    calls = []
+    prior = F.scaled_dot_product_attention
+
+    def wrapper(*a, **kw):
+        calls.append(1)
+        return prior(*a, **kw)
+
+    F.scaled_dot_product_attention = wrapper
+    try:
+        fp4attn.patch()
+        fp4attn.unpatch()
+        assert F.scaled_dot_product_attention is wrapper
+    finally:
+        F.scaled_dot_product_attention = prior
+
+
+def test_build_info():
+    info = fp4attn.build_info()
+    assert set(info) >= {"cuda", "cuda_archs", "openmp"}
+
+
+@pytest.mark.parametrize("op", ["quantize", "dequantize", "fp4mm", "attention"])
+def test_opcheck(op):
+    x = torch.randn(2, 20, 40)
+    if op == "quantize":
+        args = (x,)
+    elif op == "dequantize":
+        codes, scales, dec = torch.ops.fp4attn.quantize(x)
+        args = (codes, scales, dec, 40)
+    elif op == "fp4mm":
+        a = torch.ops.fp4attn.quantize(x)
+        b = torch.ops.fp4attn.quantize(torch.randn(2, 12, 40))
+        args = (*a, *b, 40, torch.float16)
+    else:
+        q, k, v = qkv(1, 2, 20, 32)
+        args = (q, k, v, torch.rand(20, 20) > 0.2, False, 0.2, True, 0)
+    torch.library.opcheck(getattr(torch.ops.fp4attn, op).default, args)
+
+
+def test_torch_compile_fullgraph_cpu():
+    q, k, v = qkv(1, 2, 40, 32)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(q, k, v):
+        return torch.ops.fp4attn.attention(q, k, v, None, True, 0.125, False, 0)[0] * 2
+
+    torch.testing.assert_close(f(q, k, v), 2 * fp4attn.sdpa(q, k, v, is_causal=True, scale=0.125))

@@ -1,0 +1,168 @@
+"""CPU FP4 attention: against fp4attn.reference (same numerics, rel_l1 < 2e-3) and against exact
+attention (accuracy on structured inputs), over the shape/mask/dtype matrix of SPEC 4."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import fp4attn
+from fp4attn import reference as R
+
+TOL = 2e-3  # SPEC 5: only accumulation order and exp rounding differ from the reference
+
+
+def make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float32, k_bias=0.0, scale=1.0):
+    q = torch.randn(B, Hq, Nq, D) * scale
+    k = (torch.randn(B, Hkv, Nk, D) + k_bias) * scale
+    v = torch.randn(B, Hkv, Nk, D) * scale
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def check_against_reference(q, k, v, **kw):
+    out, lse = fp4attn.sdpa(q, k, v, enable_gqa=True, return_lse=True, **kw)
+    ref, ref_lse = R.attention(q, k, v, return_lse=True, **kw)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert torch.isfinite(out).all()
+    m = R.metrics(out.float(), ref)
+    tol = TOL if q.dtype == torch.float32 else 5e-3  # output rounding to fp16/bf16
+    assert m["rel_l1"] < tol, m
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=1e-4, atol=1e-3)
+    return m
+
+
+LENGTHS = [1, 17, 127, 333]
+HEAD_DIMS = [32, 64, 80, 128, 256]
+
+
+@pytest.mark.parametrize("nq,nk", [(n, n) for n in LENGTHS] + [(17, 333), (333, 127), (1, 333)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lengths_and_causal(nq, nk, causal):
+    check_against_reference(*make_qkv(1, 2, 2, nq, nk, 64), is_causal=causal)
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dims(d, causal):
+    check_against_reference(*make_qkv(1, 2, 1, 130, 200, d), is_causal=causal)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (6, 1)])
+def test_gqa_mqa(hq, hkv):
+    check_against_reference(*make_qkv(2, hq, hkv, 140, 150, 64), is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dtypes(dtype):
+    check_against_reference(*make_qkv(1, 2, 2, 200, 200, 64, dtype=dtype))
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("shape", ["full", "key_padding", "per_head", "2d"])
+def test_masks(kind, shape):
+    B, H, Nq, Nk = 2, 3, 150, 140
+    q, k, v = make_qkv(B, H, H, Nq, Nk, 64)
+    sizes = {"full": (B, H, Nq, Nk), "key_padding": (B, 1, 1, Nk), "per_head": (1, H, Nq, Nk),
+             "2d": (Nq, Nk)}[shape]
+    keep = torch.rand(sizes) > 0.3
+    mask = keep if kind == "bool" else torch.where(keep, torch.randn(sizes), float("-inf"))
+    check_against_reference(q, k, v, attn_mask=mask)
+
+
+def test_scale_argument_is_used():
+    q, k, v = make_qkv(1, 2, 2, 100, 100, 64)
+    m = check_against_reference(q, k, v, scale=0.37)
+    a = fp4attn.sdpa(q, k, v, scale=0.37)
+    b = fp4attn.sdpa(q, k, v)
+    assert not torch.allclose(a, b)
+    assert m["rel_l1"] < TOL
+
+
+def test_fully_masked_rows_give_zero():
+    q, k, v = make_qkv(1, 1, 1, 20, 30, 32)
+    mask = torch.ones(20, 30, dtype=torch.bool)
+    mask[3] = False
+    out, lse = fp4attn.sdpa(q, k, v, attn_mask=mask, return_lse=True)
+    assert torch.isfinite(out).all() and (out[0, 0, 3] == 0).all()
+    assert lse[0, 0, 3] == -math.inf and torch.isfinite(lse[0, 0, :3]).all()
+
+
+def test_3d_and_5d_inputs():
+    q, k, v = make_qkv(1, 2, 2, 40, 50, 32)
+    out3 = fp4attn.sdpa(q[0], k[0], v[0])
+    torch.testing.assert_close(out3, fp4attn.sdpa(q, k, v)[0])
+    q5, k5, v5 = (t.unsqueeze(0).expand(2, *t.shape) for t in (q, k, v))
+    out5 = fp4attn.sdpa(q5, k5, v5)
+    assert out5.shape == (2, 1, 2, 40, 32)
+    torch.testing.assert_close(out5[1], fp4attn.sdpa(q, k, v))
+
+
+def test_noncontiguous_bnhd_layout():
+    # transformers/diffusers often hand [B, N, H, D] tensors transposed to [B, H, N, D]
+    q = torch.randn(2, 90, 4, 64).transpose(1, 2)
+    k = torch.randn(2, 70, 4, 64).transpose(1, 2)
+    v = torch.randn(2, 70, 4, 64).transpose(1, 2)
+    out = fp4attn.sdpa(q, k, v)
+    torch.testing.assert_close(out, fp4attn.sdpa(q.contiguous(), k.contiguous(), v.contiguous()),
+                               rtol=0, atol=0)
+
+
+def test_inputs_not_mutated():
+    q, k, v = make_qkv(1, 2, 2, 130, 130, 64, k_bias=5.0)
+    mask = torch.randn(130, 130)
+    copies = [t.clone() for t in (q, k, v, mask)]
+    fp4attn.sdpa(q, k, v, attn_mask=mask)
+    for t, c in zip((q, k, v, mask), copies):
+        assert torch.equal(t, c)
+
+
+# ---- accuracy against exact attention on structured inputs (report the metrics) -------------
+
+def accuracy(q, k, v, **kw):
+    out = fp4attn.sdpa(q, k, v, **kw)
+    return R.metrics(out.float(), R.exact_attention(q, k, v, **kw))
+
+
+def test_accuracy_key_bias_is_smoothed_away():
+    torch.manual_seed(1)
+    base = accuracy(*make_qkv(1, 4, 4, 512, 512, 64))
+    biased = accuracy(*make_qkv(1, 4, 4, 512, 512, 64, k_bias=20.0))
+    print(f"\nunbiased K: {base}\nK + 20 channel bias: {biased}")
+    assert base["cos"] > 0.97
+    assert biased["cos"] > base["cos"] - 0.005  # same accuracy: smoothing removes the bias
+
+
+def test_accuracy_independent_of_input_scale():
+    torch.manual_seed(2)
+    q, k, v = make_qkv(1, 4, 4, 256, 256, 64)
+    unit = accuracy(q, k, v)
+    # scale Q and K by 1e-3 and compensate in `scale`, and V by 1e-3: same attention map
+    small = fp4attn.sdpa(q * 1e-3, k * 1e-3, v * 1e-3, scale=1e6 / 8.0)
+    ref_small = R.exact_attention(q * 1e-3, k * 1e-3, v * 1e-3, scale=1e6 / 8.0)
+    small_m = R.metrics(small, ref_small)
+    print(f"\nunit scale: {unit}\n1e-3 scale: {small_m}")
+    assert abs(small_m["cos"] - unit["cos"]) < 1e-3
+    assert small_m["rel_l1"] < unit["rel_l1"] * 1.05
+
+
+def test_accuracy_peaked_attention():
+    # A realistic, peaked attention map (queries aligned with some keys) is far more accurate
+    # than the Gaussian worst case.
+    torch.manual_seed(3)
+    k = torch.randn(1, 2, 512, 64)
+    q = k[:, :, torch.randint(0, 512, (512,))] * 2 + 0.3 * torch.randn(1, 2, 512, 64)
+    v = torch.randn(1, 2, 512, 64)
+    m = accuracy(q, k, v, is_causal=False)
+    print(f"\npeaked: {m}")
+    assert m["cos"] > 0.995
+
+
+@pytest.mark.parametrize("causal,masked", list(itertools.product([False, True], [False, True])))
+def test_accuracy_vs_exact(causal, masked):
+    q, k, v = make_qkv(1, 2, 2, 300, 300, 64)
+    mask = (torch.rand(300, 300) > 0.2) if masked and not causal else None
+    m = accuracy(q, k, v, attn_mask=mask, is_causal=causal)
+    assert m["cos"] > 0.97, m
