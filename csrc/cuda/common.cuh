@@ -191,21 +191,6 @@ __device__ __forceinline__ uint8_t e4m3_encode_fast(float v) {
 #endif
 }
 
-/* value(code) for a byte holding two E2M1 codes, as a half2 (low nibble in .x). */
-__host__ __device__ __forceinline__ uint32_t e2m1_pair_half2_bits(uint32_t byte) {
-  const float lo = fp4attn_e2m1_decode((uint8_t)(byte & 0xF));
-  const float hi = fp4attn_e2m1_decode((uint8_t)(byte >> 4));
-  /* every E2M1 value is exact in binary16; build the bits by hand so the host can run this */
-  auto h = [](float f) -> uint32_t {
-    uint32_t b = fp4attn_float_bits(f);
-    uint32_t sign = (b >> 16) & 0x8000u;
-    b &= 0x7FFFFFFFu;
-    if (b == 0) return sign;
-    return sign | (((b >> 23) - 112u) << 10) | ((b >> 13) & 0x3FFu);
-  };
-  return h(lo) | (h(hi) << 16);
-}
-
 /* -------------------------------------------------------------- tensor-core primitives */
 
 __device__ __forceinline__ uint32_t smem_u32(const void *p) {
