@@ -18,9 +18,14 @@ ops = torch.ops.fp4attn
 BLOCK = 16
 
 
+# Read once at import: a pybind call inside sdpa() would break torch.compile(fullgraph=True).
+_BUILD_INFO = dict(_C.build_info())
+HAS_CUDA_BACKEND = bool(_BUILD_INFO["cuda"])
+
+
 def build_info() -> dict:
     """Which backends this build of fp4attn._C contains."""
-    return dict(_C.build_info())
+    return dict(_BUILD_INFO)
 
 
 def code_bytes(cols: int) -> int:

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from ._ops import build_info, ops
+from ._ops import HAS_CUDA_BACKEND, ops
 
 # Captured before anyone (fp4attn.patch included) can replace it.
 ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -50,7 +50,7 @@ def _fallback_reason(query, key, value, attn_mask, dropout_p) -> str | None:
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {query.dtype} (supported: float16, bfloat16, float32)"
     dev = query.device.type
-    if dev == "cuda" and not build_info()["cuda"]:
+    if dev == "cuda" and not HAS_CUDA_BACKEND:
         return "CUDA tensors, but this fp4attn build has no CUDA backend"
     if dev not in ("cpu", "cuda"):
         return f"device {query.device} (supported: cpu, cuda)"

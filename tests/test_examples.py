@@ -1,0 +1,76 @@
+"""Every example runs, offline, at a small size (subprocesses, as a user would run them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp4attn import models as M
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_example(name: str, *args: str, timeout: int = 300) -> str:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from the network
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{name} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+    return p.stdout
+
+
+def _smollm2_missing() -> str | None:
+    try:
+        M.smollm2_gguf()
+    except M.MissingResourceError as exc:
+        return str(exc)
+    for mod, line in (("gguf", "pip install --no-deps gguf"), ("accelerate", "pip install accelerate")):
+        if importlib.util.find_spec(mod) is None:
+            return f"needs {mod}: {line}"
+    return None
+
+
+needs_smollm2 = pytest.mark.skipif(_smollm2_missing() is not None, reason=_smollm2_missing() or "")
+
+
+def test_quantize_fp4mm_random():
+    out = run_example("quantize_fp4mm.py", "--random")
+    assert "random normal 1536 x 384" in out
+    assert "4.50 bits per weight" in out
+    line = next(l for l in out.splitlines() if "dequantize-then-matmul" in l)
+    assert float(line.split("rel_l1")[1].split()[0]) < 1e-5
+
+
+def test_quantize_fp4mm_real_weight():
+    try:
+        M.minilm_dir()
+    except M.MissingResourceError as exc:
+        pytest.skip(str(exc))
+    out = run_example("quantize_fp4mm.py")
+    assert "all-MiniLM-L6-v2 encoder.layer.0.intermediate.dense" in out
+    cos = float(next(l for l in out.splitlines() if "fp4mm (NVFP4" in l).split("cos")[1])
+    assert cos > 0.98
+
+
+@pytest.mark.models
+@needs_smollm2
+def test_generate_patch():
+    out = run_example("generate_patch.py", "--max-new-tokens", "6")
+    assert "--- exact attention" in out and "--- fp4attn.patched()" in out
+    exact, fp4 = out.split("--- fp4attn.patched()")
+    assert len(exact.splitlines()) >= 2 and len(fp4.splitlines()) >= 2
+
+
+@pytest.mark.models
+@needs_smollm2
+def test_generate_attn_implementation():
+    out = run_example("generate_attn_implementation.py", "--max-new-tokens", "6")
+    assert "attention implementation: fp4attn" in out
+    assert "--- fp4attn" in out and "--- sdpa (exact)" in out
