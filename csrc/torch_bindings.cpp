@@ -3,6 +3,11 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
 #ifdef FP4ATTN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -22,9 +27,47 @@ namespace {
 #define FP4ATTN_CUDA_ARCHS_STR ""
 #endif
 
+// Error messages are formatted with snprintf and handed to TORCH_CHECK as one C string, which
+// c10 passes through without an ostringstream. Why: on a machine whose g++ is newer than the
+// libstdc++ loaded at run time (seen on the H200 image: /opt/gcc g++ 13), number formatting
+// through std::ostream compiled into this library calls into an incompatible locale facet and
+// crashes (SIGSEGV) instead of raising.
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+[[noreturn]] void fail(bool not_implemented, const char *fmt, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  const char *msg = buf;
+  TORCH_CHECK_NOT_IMPLEMENTED(!not_implemented, msg);
+  TORCH_CHECK(false, msg);
+  std::abort();  // unreachable: both checks above throw
+}
+
+#define CHECK_ARG(cond, ...) \
+  do {                       \
+    if (!(cond)) fail(false, __VA_ARGS__); \
+  } while (0)
+
+// "[2, 3, 4]" for messages.
+std::string shape_str(at::IntArrayRef sizes) {
+  std::string out = "[";
+  char buf[32];
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    snprintf(buf, sizeof buf, i ? ", %lld" : "%lld", static_cast<long long>(sizes[i]));
+    out += buf;
+  }
+  return out + "]";
+}
+
+const char *dtype_str(at::ScalarType t) { return c10::toString(t); }
+
 void check_status(const fp4attn_status &s) {
-  TORCH_CHECK_NOT_IMPLEMENTED(s.code != FP4ATTN_ERR_UNSUPPORTED, "fp4attn: ", s.message);
-  TORCH_CHECK(s.code == FP4ATTN_OK, "fp4attn: ", s.message);
+  if (s.code == FP4ATTN_ERR_UNSUPPORTED) fail(true, "fp4attn: %s", s.message);
+  if (s.code != FP4ATTN_OK) fail(false, "fp4attn: %s", s.message);
 }
 
 fp4attn_dtype to_c_dtype(at::ScalarType t, const char *arg) {
@@ -32,20 +75,21 @@ fp4attn_dtype to_c_dtype(at::ScalarType t, const char *arg) {
   case at::kFloat: return FP4ATTN_FLOAT32;
   case at::kHalf: return FP4ATTN_FLOAT16;
   case at::kBFloat16: return FP4ATTN_BFLOAT16;
-  default: TORCH_CHECK(false, arg, " must be float16, bfloat16 or float32, got ", t);
+  default: fail(false, "%s must be float16, bfloat16 or float32, got %s", arg, dtype_str(t));
   }
   return FP4ATTN_FLOAT32;
 }
 
-bool on_cuda(const at::Tensor &t) { return t.device().is_cuda(); }
+[[maybe_unused]] bool on_cuda(const at::Tensor &t) { return t.device().is_cuda(); }
 
 // ---------------------------------------------------------------- quantize / dequantize
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor &x) {
-  TORCH_CHECK(x.dim() >= 2, "x must have at least 2 dims [..., rows, cols], got shape ", x.sizes());
+  CHECK_ARG(x.dim() >= 2, "x must have at least 2 dims [..., rows, cols], got shape %s",
+            shape_str(x.sizes()).c_str());
   const fp4attn_dtype dtype = to_c_dtype(x.scalar_type(), "x");
   const int64_t rows = x.size(-2), cols = x.size(-1);
-  TORCH_CHECK(cols >= 1, "x must have at least one column, got shape ", x.sizes());
+  CHECK_ARG(cols >= 1, "x must have at least one column, got shape %s", shape_str(x.sizes()).c_str());
   // A view with unit last-dim stride when possible; reshape copies only if it must.
   at::Tensor x3 = x.reshape({-1, rows, cols});
   if (x3.stride(2) != 1) x3 = x3.contiguous();
@@ -75,28 +119,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor &x) {
     return {codes, scales, dec};
   }
 #endif
-  TORCH_CHECK(x.device().is_cpu(), "x must be a CPU or CUDA tensor, got ", x.device());
+  CHECK_ARG(x.device().is_cpu(), "x must be a CPU or CUDA tensor, got %s", x.device().str().c_str());
   check_status(fp4attn_cpu_quantize(&p));
   return {codes, scales, dec};
 }
 
 void check_quantized(const at::Tensor &codes, const at::Tensor &scales, const at::Tensor &dec,
                      int64_t cols, const char *name) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte, name, "codes must be uint8, got ", codes.scalar_type());
-  TORCH_CHECK(scales.scalar_type() == at::kByte || scales.scalar_type() == at::kFloat8_e4m3fn,
-              name, "scales must be uint8 or float8_e4m3fn, got ", scales.scalar_type());
-  TORCH_CHECK(dec.scalar_type() == at::kFloat, name, "dec must be float32, got ", dec.scalar_type());
-  TORCH_CHECK(cols >= 1, "cols must be >= 1, got ", cols);
-  TORCH_CHECK(codes.dim() >= 2 && codes.size(-1) == fp4attn_code_bytes(cols), name,
-              "codes must be [..., rows, ", fp4attn_code_bytes(cols), "] for ", cols,
-              " columns, got ", codes.sizes());
-  TORCH_CHECK(scales.dim() == codes.dim() && scales.size(-2) == codes.size(-2) &&
-                  scales.size(-1) == fp4attn_scale_count(cols),
-              name, "scales must be [..., rows, ", fp4attn_scale_count(cols), "], got ", scales.sizes());
-  TORCH_CHECK(dec.numel() * codes.size(-2) * codes.size(-1) == codes.numel(), name,
-              "dec must hold one scale per matrix, got ", dec.sizes(), " for codes ", codes.sizes());
-  TORCH_CHECK(codes.device() == scales.device() && codes.device() == dec.device(), name,
-              "codes, scales and dec must be on one device");
+  CHECK_ARG(codes.scalar_type() == at::kByte, "%scodes must be uint8, got %s", name,
+            dtype_str(codes.scalar_type()));
+  CHECK_ARG(scales.scalar_type() == at::kByte || scales.scalar_type() == at::kFloat8_e4m3fn,
+            "%sscales must be uint8 or float8_e4m3fn, got %s", name, dtype_str(scales.scalar_type()));
+  CHECK_ARG(dec.scalar_type() == at::kFloat, "%sdec must be float32, got %s", name,
+            dtype_str(dec.scalar_type()));
+  CHECK_ARG(cols >= 1, "cols must be >= 1, got %lld", static_cast<long long>(cols));
+  CHECK_ARG(codes.dim() >= 2 && codes.size(-1) == fp4attn_code_bytes(cols),
+            "%scodes must be [..., rows, %lld] for %lld columns, got %s", name,
+            static_cast<long long>(fp4attn_code_bytes(cols)), static_cast<long long>(cols),
+            shape_str(codes.sizes()).c_str());
+  CHECK_ARG(scales.dim() == codes.dim() && scales.size(-2) == codes.size(-2) &&
+                scales.size(-1) == fp4attn_scale_count(cols),
+            "%sscales must be [..., rows, %lld], got %s", name,
+            static_cast<long long>(fp4attn_scale_count(cols)), shape_str(scales.sizes()).c_str());
+  CHECK_ARG(dec.numel() * codes.size(-2) * codes.size(-1) == codes.numel(),
+            "%sdec must hold one scale per matrix, got %s for codes %s", name,
+            shape_str(dec.sizes()).c_str(), shape_str(codes.sizes()).c_str());
+  CHECK_ARG(codes.device() == scales.device() && codes.device() == dec.device(),
+            "%scodes, scales and dec must be on one device", name);
 }
 
 at::Tensor dequantize(const at::Tensor &codes, const at::Tensor &scales, const at::Tensor &dec,
@@ -134,13 +183,14 @@ at::Tensor fp4mm(const at::Tensor &a_codes, const at::Tensor &a_scales, const at
                  int64_t k, at::ScalarType out_dtype) {
   check_quantized(a_codes, a_scales, a_dec, k, "a_");
   check_quantized(b_codes, b_scales, b_dec, k, "b_");
-  TORCH_CHECK(a_codes.device() == b_codes.device(), "a and b must be on the same device, got ",
-              a_codes.device(), " and ", b_codes.device());
+  CHECK_ARG(a_codes.device() == b_codes.device(), "a and b must be on the same device, got %s and %s",
+            a_codes.device().str().c_str(), b_codes.device().str().c_str());
   const fp4attn_dtype odt = to_c_dtype(out_dtype, "out_dtype");
   const int64_t m = a_codes.size(-2), n = b_codes.size(-2);
   const int64_t ba = a_dec.numel(), bb = b_dec.numel();
-  TORCH_CHECK(ba == bb || ba == 1 || bb == 1,
-              "a and b must have the same number of matrices (or one of them 1), got ", ba, " and ", bb);
+  CHECK_ARG(ba == bb || ba == 1 || bb == 1,
+            "a and b must have the same number of matrices (or one of them 1), got %lld and %lld",
+            static_cast<long long>(ba), static_cast<long long>(bb));
   auto lead = (ba >= bb ? a_codes : b_codes).sizes().vec();
   lead.resize(lead.size() - 2);
   auto shape = lead;
@@ -188,26 +238,41 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
                                              const c10::optional<at::Tensor> &attn_mask,
                                              bool is_causal, double scale, bool return_lse,
                                              int64_t kernel) {
-  TORCH_CHECK(q_in.dim() == 4, "query must be 4-D [batch, heads, len_q, head_dim], got shape ", q_in.sizes());
-  TORCH_CHECK(k_in.dim() == 4, "key must be 4-D [batch, heads_kv, len_k, head_dim], got shape ", k_in.sizes());
-  TORCH_CHECK(v_in.dim() == 4, "value must be 4-D [batch, heads_kv, len_k, head_dim], got shape ", v_in.sizes());
+  CHECK_ARG(q_in.dim() == 4, "query must be 4-D [batch, heads, len_q, head_dim], got shape %s",
+            shape_str(q_in.sizes()).c_str());
+  CHECK_ARG(k_in.dim() == 4, "key must be 4-D [batch, heads_kv, len_k, head_dim], got shape %s",
+            shape_str(k_in.sizes()).c_str());
+  CHECK_ARG(v_in.dim() == 4, "value must be 4-D [batch, heads_kv, len_k, head_dim], got shape %s",
+            shape_str(v_in.sizes()).c_str());
   const fp4attn_dtype dtype = to_c_dtype(q_in.scalar_type(), "query");
-  TORCH_CHECK(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
-              "query, key and value must have one dtype, got ", q_in.scalar_type(), ", ",
-              k_in.scalar_type(), ", ", v_in.scalar_type());
-  TORCH_CHECK(k_in.device() == q_in.device() && v_in.device() == q_in.device(),
-              "query, key and value must be on one device, got ", q_in.device(), ", ",
-              k_in.device(), ", ", v_in.device());
+  CHECK_ARG(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
+            "query, key and value must have one dtype, got %s, %s, %s", dtype_str(q_in.scalar_type()),
+            dtype_str(k_in.scalar_type()), dtype_str(v_in.scalar_type()));
+  CHECK_ARG(k_in.device() == q_in.device() && v_in.device() == q_in.device(),
+            "query, key and value must be on one device, got %s, %s, %s",
+            q_in.device().str().c_str(), k_in.device().str().c_str(), v_in.device().str().c_str());
   const int64_t B = q_in.size(0), Hq = q_in.size(1), Nq = q_in.size(2), D = q_in.size(3);
   const int64_t Hkv = k_in.size(1), Nk = k_in.size(2);
-  TORCH_CHECK(k_in.size(0) == B && v_in.size(0) == B, "key and value batch must equal query batch ", B);
-  TORCH_CHECK(k_in.size(3) == D, "key head_dim must equal query head_dim ", D, ", got ", k_in.size(3));
-  TORCH_CHECK(v_in.size(3) == D, "value head_dim must equal query head_dim ", D, " (different value head dims are not supported), got ", v_in.size(3));
-  TORCH_CHECK(v_in.size(1) == Hkv && v_in.size(2) == Nk, "value must have the shape of key ",
-              k_in.sizes(), ", got ", v_in.sizes());
-  TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "query heads (", Hq, ") must be a multiple of key/value heads (", Hkv, ")");
-  TORCH_CHECK(D >= 1 && D <= FP4ATTN_MAX_HEAD_DIM, "head_dim must be in [1, ", FP4ATTN_MAX_HEAD_DIM, "], got ", D);
-  TORCH_CHECK(kernel >= 0 && kernel <= 2, "kernel must be 0 (auto), 1 (fp16 mma) or 2 (sm120), got ", kernel);
+  CHECK_ARG(k_in.size(0) == B && v_in.size(0) == B,
+            "key and value batch must equal query batch %lld, got %lld and %lld",
+            static_cast<long long>(B), static_cast<long long>(k_in.size(0)),
+            static_cast<long long>(v_in.size(0)));
+  CHECK_ARG(k_in.size(3) == D, "key head_dim must equal query head_dim %lld, got %lld",
+            static_cast<long long>(D), static_cast<long long>(k_in.size(3)));
+  CHECK_ARG(v_in.size(3) == D,
+            "value head_dim must equal query head_dim %lld (different value head dims are not "
+            "supported), got %lld",
+            static_cast<long long>(D), static_cast<long long>(v_in.size(3)));
+  CHECK_ARG(v_in.size(1) == Hkv && v_in.size(2) == Nk, "value must have the shape of key %s, got %s",
+            shape_str(k_in.sizes()).c_str(), shape_str(v_in.sizes()).c_str());
+  CHECK_ARG(Hkv >= 1 && Hq % Hkv == 0,
+            "query heads (%lld) must be a multiple of key/value heads (%lld)",
+            static_cast<long long>(Hq), static_cast<long long>(Hkv));
+  CHECK_ARG(D >= 1 && D <= FP4ATTN_MAX_HEAD_DIM, "head_dim must be in [1, %d], got %lld",
+            FP4ATTN_MAX_HEAD_DIM, static_cast<long long>(D));
+  CHECK_ARG(kernel >= 0 && kernel <= 2,
+            "kernel must be 0 (auto), 1 (fp16 mma) or 2 (sm120), got %lld",
+            static_cast<long long>(kernel));
 
   // Unit stride along head_dim is required; other strides are passed through (no copies).
   at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
@@ -217,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
   at::Tensor lse = return_lse ? at::empty({B, Hq, Nq}, q.options().dtype(at::kFloat))
                               : at::empty({0}, q.options().dtype(at::kFloat));
   if (out.numel() == 0) return {out, lse};
-  TORCH_CHECK(Nk >= 1, "key must have at least one token");
+  CHECK_ARG(Nk >= 1, "key must have at least one token");
 
   fp4attn_attention_params p{};
   p.q = q.data_ptr();
@@ -242,17 +307,21 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
   at::Tensor mask;
   if (attn_mask.has_value() && attn_mask->defined()) {
     const at::Tensor &m = *attn_mask;
-    TORCH_CHECK(m.device() == q.device(), "attn_mask must be on the device of query (", q.device(), "), got ", m.device());
-    TORCH_CHECK(m.dim() <= 4, "attn_mask must have at most 4 dims, got ", m.dim());
+    CHECK_ARG(m.device() == q.device(), "attn_mask must be on the device of query (%s), got %s",
+              q.device().str().c_str(), m.device().str().c_str());
+    CHECK_ARG(m.dim() <= 4, "attn_mask must have at most 4 dims, got %lld",
+              static_cast<long long>(m.dim()));
     if (m.scalar_type() == at::kBool) {
       p.mask_kind = FP4ATTN_MASK_BOOL;
     } else {
       p.mask_kind = FP4ATTN_MASK_ADDITIVE;
       p.mask_dtype = to_c_dtype(m.scalar_type(), "attn_mask");
     }
-    TORCH_CHECK(at::is_expandable_to(m.sizes(), {B, Hq, Nq, Nk}), "attn_mask of shape ", m.sizes(),
-                " must be broadcastable to [batch, heads, len_q, len_k] = ", at::IntArrayRef({B, Hq, Nq, Nk}));
-    mask = m.expand({B, Hq, Nq, Nk});  // a view: broadcast dims get stride 0
+    const std::vector<int64_t> target{B, Hq, Nq, Nk};
+    CHECK_ARG(at::is_expandable_to(m.sizes(), target),
+              "attn_mask of shape %s must be broadcastable to [batch, heads, len_q, len_k] = %s",
+              shape_str(m.sizes()).c_str(), shape_str(target).c_str());
+    mask = m.expand(target);  // a view: broadcast dims get stride 0
     p.mask = mask.data_ptr();
     for (int i = 0; i < 4; ++i) p.mask_stride[i] = mask.size(i) == 1 ? 0 : mask.stride(i);
   }
@@ -260,14 +329,14 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
   if (on_cuda(q)) {
     c10::cuda::CUDAGuard guard(q.device());
     const int64_t ws_bytes = fp4attn_cuda_attention_workspace_bytes(&p);
-    TORCH_CHECK(ws_bytes >= 0, "fp4attn: could not size the attention workspace");
+    CHECK_ARG(ws_bytes >= 0, "fp4attn: could not size the attention workspace");
     at::Tensor workspace = at::empty({std::max<int64_t>(ws_bytes, 1)}, q.options().dtype(at::kByte));
     check_status(fp4attn_cuda_attention(&p, workspace.data_ptr(), at::cuda::getCurrentCUDAStream().stream()));
     return {out, lse};
   }
 #endif
-  TORCH_CHECK(q.device().is_cpu(), "query must be a CPU or CUDA tensor, got ", q.device());
-  TORCH_CHECK(kernel != 2, "kernel=2 (sm120) needs a CUDA tensor");
+  CHECK_ARG(q.device().is_cpu(), "query must be a CPU or CUDA tensor, got %s", q.device().str().c_str());
+  CHECK_ARG(kernel != 2, "kernel=2 (sm120) needs a CUDA tensor");
   check_status(fp4attn_cpu_attention(&p));
   return {out, lse};
 }
@@ -276,17 +345,19 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
 at::Tensor test_mma_fp4(const at::Tensor &a, const at::Tensor &b, const at::Tensor &c,
                         const at::Tensor &sfa, const at::Tensor &sfb, int64_t tid_a, int64_t tid_b) {
   auto check = [](const at::Tensor &t, const char *name, at::ScalarType dt, at::IntArrayRef shape) {
-    TORCH_CHECK(t.is_cuda() && t.scalar_type() == dt && t.sizes() == shape && t.is_contiguous(),
-                name, " must be a contiguous CUDA ", dt, " tensor of shape ", shape, ", got ",
-                t.scalar_type(), " ", t.sizes(), " on ", t.device());
+    CHECK_ARG(t.is_cuda() && t.scalar_type() == dt && t.sizes() == shape && t.is_contiguous(),
+              "%s must be a contiguous CUDA %s tensor of shape %s, got %s %s on %s", name,
+              dtype_str(dt), shape_str(shape).c_str(), dtype_str(t.scalar_type()),
+              shape_str(t.sizes()).c_str(), t.device().str().c_str());
   };
   check(a, "a", at::kInt, {32, 4});
   check(b, "b", at::kInt, {32, 2});
   check(c, "c", at::kFloat, {32, 4});
   check(sfa, "sfa", at::kInt, {32});
   check(sfb, "sfb", at::kInt, {32});
-  TORCH_CHECK(tid_a >= 0 && tid_a <= 1, "tid_a must be 0 or 1, got ", tid_a);
-  TORCH_CHECK(tid_b >= 0 && tid_b <= 3, "tid_b must be in [0, 3], got ", tid_b);
+  CHECK_ARG(tid_a >= 0 && tid_a <= 1, "tid_a must be 0 or 1, got %lld", static_cast<long long>(tid_a));
+  CHECK_ARG(tid_b >= 0 && tid_b <= 3, "tid_b must be in [0, 3], got %lld",
+            static_cast<long long>(tid_b));
   c10::cuda::CUDAGuard guard(a.device());
   at::Tensor d = at::empty_like(c);
   check_status(fp4attn_cuda_test_mma_fp4(
