@@ -32,10 +32,10 @@ def real_weight_and_input():
     dense = model.encoder.layer[0].intermediate.dense  # Linear(384 -> 1536)
     seen = {}
     handle = dense.register_forward_pre_hook(lambda m, inp: seen.setdefault("x", inp[0]))
-    sentences = ["It is a truth universally acknowledged, that a single man in possession of a "
-                 "good fortune, must be in want of a wife.",
-                 "Emma Woodhouse, handsome, clever, and rich, seemed to unite some of the best "
-                 "blessings of existence."]
+    sentences = [("It is a truth universally acknowledged, that a single man in possession of "
+                  "a good fortune, must be in want of a wife."),
+                 ("Emma Woodhouse, handsome, clever, and rich, seemed to unite some of the best "
+                  "blessings of existence.")]
     with torch.no_grad():
         model(**tok(sentences, padding=True, return_tensors="pt"))
     handle.remove()

@@ -70,7 +70,7 @@ def _package_dir(module: str) -> Path | None:
         return None
     if spec is None or not spec.submodule_search_locations:
         return None
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def smollm2_gguf() -> Path:
@@ -143,7 +143,7 @@ def fetch_corpus(dest: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         # apt-get download as root warns that the _apt user cannot write here; harmless.
         r = subprocess.run(["apt-get", "download", CORPUS_DEB], cwd=tmp, capture_output=True,
-                           text=True)
+                           text=True, check=False)
         debs = list(Path(tmp).glob(f"{CORPUS_DEB}_*.deb"))
         if r.returncode != 0 or not debs:
             raise MissingResourceError(
@@ -387,7 +387,7 @@ def austen_paragraphs(book: str = "prideprejudice") -> list[str]:
         if line:
             cur.append(line)
         elif cur:
-            p = " ".join(cur)
+            p = re.sub(r"\s+", " ", " ".join(cur))
             cur = []
             if heading.fullmatch(p):
                 started = started or p.lower().startswith("chapter")
@@ -456,6 +456,7 @@ def load_smollm2(*, dtype=None, attn_implementation: str = "sdpa", use_cache: bo
         model = AutoModelForCausalLM.from_pretrained(
             cached, dtype=dtype, attn_implementation=attn_implementation)
         tok = AutoTokenizer.from_pretrained(cached)
+        tok.clean_up_tokenization_spaces = False  # a BPE tokenizer: decoding must not edit text
         return model.eval(), tok
 
     _require("gguf", "pip install --no-deps gguf")
@@ -473,6 +474,7 @@ def load_smollm2(*, dtype=None, attn_implementation: str = "sdpa", use_cache: bo
         except OSError as exc:  # a read-only cache is not fatal
             print(f"[fp4attn] could not cache the converted model in {cached}: {exc}",
                   file=sys.stderr)
+    tok.clean_up_tokenization_spaces = False
     return model.to(dtype).eval(), tok
 
 

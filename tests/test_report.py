@@ -182,10 +182,11 @@ def test_report_on_real_models(tmp_path):
     assert "## SmolLM2-135M-Instruct" in text and "## all-MiniLM-L6-v2" in text
     assert "Targets and closing note" in text
 
-    rows = list(csv.DictReader(open(out / "smollm2_layers.csv")))
+    with open(out / "smollm2_layers.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
     by = {(int(r["layer"]), r["method"]): r for r in rows}
     assert {layer for layer, _ in by} == {0, 1}
-    assert {m for _, m in by} == set(RP.MAIN_METHODS + RP.ABLATIONS + RP.SINGLE)
+    assert {m for _, m in by} == set(RP.MAIN_METHODS + RP.ABLATIONS + RP.SINGLE + RP.HALVES)
     for layer in (0, 1):
         fp4 = float(by[layer, "fp4attn"]["cos"])
         assert 0.95 < fp4 <= 1.0, fp4  # real activations, FP4 numerics
