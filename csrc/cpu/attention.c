@@ -391,33 +391,8 @@ static int attend_block(attention_state *st, int64_t b, int64_t h, int64_t qb) {
   return ok;
 }
 
-static fp4attn_status check_params(const fp4attn_attention_params *p) {
-  if (!p || !p->q || !p->k || !p->v || !p->out)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: null tensor pointer");
-  if (!fp4attn_valid_dtype(p->dtype))
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: unsupported dtype %d", (int)p->dtype);
-  if (p->batch < 1 || p->heads_q < 1 || p->heads_kv < 1 || p->len_q < 1 || p->len_k < 1)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
-                         "attention: sizes must be >= 1, got batch=%lld heads_q=%lld "
-                         "heads_kv=%lld len_q=%lld len_k=%lld",
-                         (long long)p->batch, (long long)p->heads_q, (long long)p->heads_kv,
-                         (long long)p->len_q, (long long)p->len_k);
-  if (p->heads_q % p->heads_kv != 0)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
-                         "attention: heads_q (%lld) must be a multiple of heads_kv (%lld)",
-                         (long long)p->heads_q, (long long)p->heads_kv);
-  if (p->head_dim < 1 || p->head_dim > FP4ATTN_MAX_HEAD_DIM)
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: head_dim must be in [1, %d], got %lld",
-                         FP4ATTN_MAX_HEAD_DIM, (long long)p->head_dim);
-  if (p->mask_kind != FP4ATTN_MASK_NONE && !p->mask)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: mask kind set but mask is null");
-  if (p->mask_kind == FP4ATTN_MASK_ADDITIVE && !fp4attn_valid_dtype(p->mask_dtype))
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: unsupported mask dtype");
-  return fp4attn_ok();
-}
-
 fp4attn_status fp4attn_cpu_attention(const fp4attn_attention_params *p) {
-  fp4attn_status status = check_params(p);
+  fp4attn_status status = fp4attn_check_attention_params(p);
   if (status.code != FP4ATTN_OK) return status;
   attention_state st;
   memset(&st, 0, sizeof st);

@@ -1,37 +1,14 @@
-/* Internal helpers of the C CPU backend: status construction and dtype conversions. */
+/* Internal helpers of the C CPU backend: dtype conversions and the row quantizer. */
 #ifndef FP4ATTN_CPU_COMMON_H
 #define FP4ATTN_CPU_COMMON_H
 
-#include <stdarg.h>
-#include <stdio.h>
-
+#include "fp4attn/checks.h"
 #include "fp4attn/fp4attn.h"
 #include "fp4attn/numerics.h"
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-static inline fp4attn_status fp4attn_ok(void) {
-  fp4attn_status s;
-  s.code = FP4ATTN_OK;
-  s.message[0] = '\0';
-  return s;
-}
-
-#if defined(__GNUC__)
-__attribute__((format(printf, 2, 3)))
-#endif
-static inline fp4attn_status
-fp4attn_error(fp4attn_code code, const char *fmt, ...) {
-  fp4attn_status s;
-  va_list ap;
-  s.code = code;
-  va_start(ap, fmt);
-  vsnprintf(s.message, sizeof s.message, fmt, ap);
-  va_end(ap);
-  return s;
-}
 
 /* IEEE binary16 -> binary32 (exact). */
 static inline float fp4attn_f16_to_f32(uint16_t h) {
@@ -85,10 +62,6 @@ static inline void fp4attn_store(void *base, fp4attn_dtype dtype, int64_t i, flo
   case FP4ATTN_BFLOAT16: ((uint16_t *)base)[i] = fp4attn_f32_to_bf16(v); break;
   default: ((float *)base)[i] = v; break;
   }
-}
-
-static inline int fp4attn_valid_dtype(fp4attn_dtype d) {
-  return d == FP4ATTN_FLOAT32 || d == FP4ATTN_FLOAT16 || d == FP4ATTN_BFLOAT16;
 }
 
 /* Quantize one row of `cols` float values (already in FP32, not yet multiplied by enc) into

@@ -307,33 +307,6 @@ bool vec_ok(const void *ptr, const int64_t *stride, int64_t d) {
          stride[2] % 8 == 0;
 }
 
-fp4attn_status check_params(const fp4attn_attention_params *p) {
-  if (!p || !p->q || !p->k || !p->v || !p->out)
-    return error_status(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: null tensor pointer");
-  if (p->dtype != FP4ATTN_FLOAT32 && p->dtype != FP4ATTN_FLOAT16 && p->dtype != FP4ATTN_BFLOAT16)
-    return error_status(FP4ATTN_ERR_UNSUPPORTED, "attention: unsupported dtype %d", (int)p->dtype);
-  if (p->batch < 1 || p->heads_q < 1 || p->heads_kv < 1 || p->len_q < 1 || p->len_k < 1)
-    return error_status(FP4ATTN_ERR_INVALID_ARGUMENT,
-                        "attention: sizes must be >= 1, got batch=%lld heads_q=%lld heads_kv=%lld "
-                        "len_q=%lld len_k=%lld",
-                        (long long)p->batch, (long long)p->heads_q, (long long)p->heads_kv,
-                        (long long)p->len_q, (long long)p->len_k);
-  if (p->heads_q % p->heads_kv != 0)
-    return error_status(FP4ATTN_ERR_INVALID_ARGUMENT,
-                        "attention: heads_q (%lld) must be a multiple of heads_kv (%lld)",
-                        (long long)p->heads_q, (long long)p->heads_kv);
-  if (p->head_dim < 1 || p->head_dim > FP4ATTN_MAX_HEAD_DIM)
-    return error_status(FP4ATTN_ERR_UNSUPPORTED, "attention: head_dim must be in [1, %d], got %lld",
-                        FP4ATTN_MAX_HEAD_DIM, (long long)p->head_dim);
-  if (p->mask_kind != FP4ATTN_MASK_NONE && !p->mask)
-    return error_status(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: mask kind set but mask is null");
-  if (p->mask_kind == FP4ATTN_MASK_ADDITIVE && p->mask_dtype != FP4ATTN_FLOAT32 &&
-      p->mask_dtype != FP4ATTN_FLOAT16 && p->mask_dtype != FP4ATTN_BFLOAT16)
-    return error_status(FP4ATTN_ERR_UNSUPPORTED, "attention: unsupported mask dtype %d",
-                        (int)p->mask_dtype);
-  return ok_status();
-}
-
 bool use_sm120(const fp4attn_attention_params *p) {
 #if defined(FP4ATTN_HAVE_SM120)
   if (p->kernel == FP4ATTN_KERNEL_SM120) return true;
@@ -347,7 +320,7 @@ bool use_sm120(const fp4attn_attention_params *p) {
 }  // namespace
 
 extern "C" int64_t fp4attn_cuda_attention_workspace_bytes(const fp4attn_attention_params *p) {
-  if (!p || check_params(p).code != FP4ATTN_OK) return 0;
+  if (!p || fp4attn_check_attention_params(p).code != FP4ATTN_OK) return 0;
   int64_t bytes = attn_workspace_layout(p, nullptr).bytes;
 #if defined(FP4ATTN_HAVE_SM120)
   if (p->kernel == FP4ATTN_KERNEL_SM120 || p->kernel == FP4ATTN_KERNEL_AUTO) {
@@ -360,11 +333,11 @@ extern "C" int64_t fp4attn_cuda_attention_workspace_bytes(const fp4attn_attentio
 
 extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params *p,
                                                  void *workspace, void *stream) {
-  fp4attn_status st = check_params(p);
+  fp4attn_status st = fp4attn_check_attention_params(p);
   if (st.code != FP4ATTN_OK) return st;
   if (p->kernel != FP4ATTN_KERNEL_AUTO && p->kernel != FP4ATTN_KERNEL_FP16_MMA &&
       p->kernel != FP4ATTN_KERNEL_SM120)
-    return error_status(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: unknown kernel %d",
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: unknown kernel %d",
                         (int)p->kernel);
   if (use_sm120(p)) {
 #if defined(FP4ATTN_HAVE_SM120)
@@ -373,16 +346,16 @@ extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params 
   }
 #if !defined(FP4ATTN_HAVE_SM120)
   if (p->kernel == FP4ATTN_KERNEL_SM120)
-    return error_status(FP4ATTN_ERR_UNSUPPORTED,
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
                         "attention: this build has no sm120 kernel (csrc/cuda/sm120 missing)");
 #endif
   if (!workspace)
-    return error_status(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: workspace is null");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: workspace is null");
   if (reinterpret_cast<uintptr_t>(workspace) & 255u)
-    return error_status(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: workspace must be 256-byte aligned");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: workspace must be 256-byte aligned");
   if (p->q_stride[0] < 0 || p->q_stride[1] < 0 || p->q_stride[2] < 0 || p->k_stride[2] < 0 ||
       p->v_stride[2] < 0 || p->out_stride[2] < 0)
-    return error_status(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: negative strides");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: negative strides");
 
   AttnArgs a;
   a.p = *p;
@@ -398,7 +371,7 @@ extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int64_t nstat = p->batch * p->heads_q * a.ws.nqb + p->batch * p->heads_kv * a.ws.nkt;
   if (nstat > 0x7FFFFFFFLL)
-    return error_status(FP4ATTN_ERR_UNSUPPORTED, "attention: problem too large for one grid");
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: problem too large for one grid");
   stats_kernel<<<(unsigned)nstat, kThreads, 0, s>>>(a);
   st = launch_status("attention: stats kernel");
   if (st.code != FP4ATTN_OK) return st;

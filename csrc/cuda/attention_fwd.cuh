@@ -552,7 +552,7 @@ fp4attn_status launch_attention_fwd(const AttnArgs &a, cudaStream_t s) {
     int optin = 0;
     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     if (optin < C::kSmem)
-      return error_status(FP4ATTN_ERR_UNSUPPORTED,
+      return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
                           "attention: head dim %d needs %d bytes of shared memory per block, the "
                           "device allows %d",
                           DP, C::kSmem, optin);
@@ -563,7 +563,7 @@ fp4attn_status launch_attention_fwd(const AttnArgs &a, cudaStream_t s) {
   }
   const int64_t blocks = a.p.batch * a.p.heads_q * ceil_div(a.p.len_q, C::kRows);
   if (blocks > 0x7FFFFFFFLL)
-    return error_status(FP4ATTN_ERR_UNSUPPORTED, "attention: too many query blocks");
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: too many query blocks");
   kernel<<<(unsigned)blocks, C::kThreads, C::kSmem, s>>>(a);
   return launch_status("attention: forward kernel");
 }

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "fp4attn/checks.h"
 #include "fp4attn/fp4attn.h"
 #include "fp4attn/numerics.h"
 
@@ -24,34 +25,13 @@ namespace fp4attn_cuda {
 
 /* ---------------------------------------------------------------------------------- status */
 
-static inline fp4attn_status ok_status() {
-  fp4attn_status s;
-  s.code = FP4ATTN_OK;
-  s.message[0] = '\0';
-  return s;
-}
-
-#if defined(__GNUC__)
-__attribute__((format(printf, 2, 3)))
-#endif
-static inline fp4attn_status
-error_status(fp4attn_code code, const char *fmt, ...) {
-  fp4attn_status s;
-  s.code = code;
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(s.message, sizeof s.message, fmt, ap);
-  va_end(ap);
-  return s;
-}
-
 /* Status of the last launch (cudaGetLastError also clears a sticky launch error). */
 static inline fp4attn_status launch_status(const char *what) {
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
-    return error_status(FP4ATTN_ERR_CUDA, "%s: CUDA error %s (%s)", what, cudaGetErrorName(e),
+    return fp4attn_error(FP4ATTN_ERR_CUDA, "%s: CUDA error %s (%s)", what, cudaGetErrorName(e),
                         cudaGetErrorString(e));
-  return ok_status();
+  return fp4attn_ok();
 }
 
 /* Multiprocessor count of the current device, cached per device (read once, never assumed). */

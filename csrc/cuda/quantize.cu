@@ -103,12 +103,12 @@ int grid_for(int64_t work, int threads) {
 
 extern "C" fp4attn_status fp4attn_cuda_quantize(const fp4attn_quantize_params *p, void *stream) {
   if (!p || !p->x || !p->codes || !p->scales || !p->dec)
-    return error_status(FP4ATTN_ERR_INVALID_ARGUMENT, "quantize: null pointer argument");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "quantize: null pointer argument");
   if (p->dtype != FP4ATTN_FLOAT32 && p->dtype != FP4ATTN_FLOAT16 && p->dtype != FP4ATTN_BFLOAT16)
-    return error_status(FP4ATTN_ERR_UNSUPPORTED, "quantize: unsupported dtype %d", (int)p->dtype);
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "quantize: unsupported dtype %d", (int)p->dtype);
   if (p->batch < 0 || p->rows < 0 || p->cols < 0)
-    return error_status(FP4ATTN_ERR_INVALID_ARGUMENT, "quantize: negative size");
-  if (p->batch == 0) return ok_status();
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "quantize: negative size");
+  if (p->batch == 0) return fp4attn_ok();
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (cudaMemsetAsync(p->dec, 0, sizeof(float) * (size_t)p->batch, s) != cudaSuccess)
     return launch_status("quantize: memset");
@@ -128,11 +128,11 @@ extern "C" fp4attn_status fp4attn_cuda_quantize(const fp4attn_quantize_params *p
 extern "C" fp4attn_status fp4attn_cuda_dequantize(const fp4attn_dequantize_params *p,
                                                   void *stream) {
   if (!p || !p->codes || !p->scales || !p->dec || !p->out)
-    return error_status(FP4ATTN_ERR_INVALID_ARGUMENT, "dequantize: null pointer argument");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "dequantize: null pointer argument");
   if (p->batch < 0 || p->rows < 0 || p->cols < 0)
-    return error_status(FP4ATTN_ERR_INVALID_ARGUMENT, "dequantize: negative size");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "dequantize: negative size");
   const int64_t total = p->batch * p->rows * ((p->cols + 1) / 2);
-  if (total == 0) return ok_status();
+  if (total == 0) return fp4attn_ok();
   dequantize_kernel<<<grid_for(total, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(*p);
   return launch_status("dequantize kernel");
 }

@@ -7,51 +7,20 @@
 #include <stdio.h>
 
 #include "attention_sm120.h"
+#include "fp4attn/checks.h"
 #include "mma_fp4.cuh"
 #include "sm120_common.cuh"
 
 namespace {
 
-fp4attn_status status(fp4attn_code code, const char *fmt, ...) {
-  fp4attn_status s;
-  s.code = code;
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(s.message, sizeof s.message, fmt, ap);
-  va_end(ap);
-  return s;
-}
-
 fp4attn_status check(const fp4attn_attention_params *p) {
-  if (!p) return status(FP4ATTN_ERR_INVALID_ARGUMENT, "params must not be NULL");
-  if (p->dtype != FP4ATTN_FLOAT32 && p->dtype != FP4ATTN_FLOAT16 && p->dtype != FP4ATTN_BFLOAT16)
-    return status(FP4ATTN_ERR_INVALID_ARGUMENT,
-                  "dtype must be float32, float16 or bfloat16, got %d", (int)p->dtype);
-  if (p->batch < 0 || p->heads_q < 0 || p->heads_kv < 0 || p->len_q < 0 || p->len_k < 0)
-    return status(FP4ATTN_ERR_INVALID_ARGUMENT, "sizes must be non-negative");
-  if (p->head_dim < 1 || p->head_dim > FP4ATTN_MAX_HEAD_DIM)
-    return status(FP4ATTN_ERR_UNSUPPORTED, "head_dim must be in [1, %d], got %lld",
-                  FP4ATTN_MAX_HEAD_DIM, (long long)p->head_dim);
-  if (p->heads_kv == 0 ? p->heads_q != 0 : p->heads_q % p->heads_kv != 0)
-    return status(FP4ATTN_ERR_INVALID_ARGUMENT,
-                  "heads_q (%lld) must be a multiple of heads_kv (%lld)", (long long)p->heads_q,
-                  (long long)p->heads_kv);
-  if (p->mask_kind != FP4ATTN_MASK_NONE && p->mask_kind != FP4ATTN_MASK_BOOL &&
-      p->mask_kind != FP4ATTN_MASK_ADDITIVE)
-    return status(FP4ATTN_ERR_INVALID_ARGUMENT, "mask_kind %d is not valid", (int)p->mask_kind);
-  if (p->mask_kind != FP4ATTN_MASK_NONE && !p->mask)
-    return status(FP4ATTN_ERR_INVALID_ARGUMENT, "mask must not be NULL when mask_kind is set");
-  if (p->mask_kind == FP4ATTN_MASK_ADDITIVE && p->mask_dtype != FP4ATTN_FLOAT32 &&
-      p->mask_dtype != FP4ATTN_FLOAT16 && p->mask_dtype != FP4ATTN_BFLOAT16)
-    return status(FP4ATTN_ERR_INVALID_ARGUMENT, "mask_dtype must be float32, float16 or bfloat16");
-  const int64_t work = p->batch * p->heads_q * p->len_q;
-  if (work > 0 && (!p->q || !p->k || !p->v || !p->out))
-    return status(FP4ATTN_ERR_INVALID_ARGUMENT, "q, k, v and out must not be NULL");
+  const fp4attn_status st = fp4attn_check_attention_params(p);
+  if (st.code != FP4ATTN_OK) return st;
   /* grid dimensions of the pre-pass are 32-bit (y: up to 65535) */
   if (p->batch * (p->heads_q + p->heads_kv) > 65535)
-    return status(FP4ATTN_ERR_UNSUPPORTED,
-                  "batch * (heads_q + heads_kv) must be at most 65535 for the sm120 kernel");
-  return status(FP4ATTN_OK, "");
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                         "batch * (heads_q + heads_kv) must be at most 65535 for the sm120 kernel");
+  return fp4attn_ok();
 }
 
 __global__ void native_probe_kernel(int *out) {
@@ -74,16 +43,16 @@ extern "C" fp4attn_status fp4attn_cuda_attention_sm120(const fp4attn_attention_p
   const int64_t items = L.B * L.Hq * L.nqb;
   if (items == 0) return st; /* nothing to write */
   if (!workspace && L.total > 0)
-    return status(FP4ATTN_ERR_INVALID_ARGUMENT, "workspace must not be NULL");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "workspace must not be NULL");
   if (((uintptr_t)workspace & 255u) != 0)
-    return status(FP4ATTN_ERR_INVALID_ARGUMENT, "workspace must be 256-byte aligned");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "workspace must be 256-byte aligned");
   cudaStream_t s = (cudaStream_t)stream;
   uint8_t *ws = static_cast<uint8_t *>(workspace);
   cudaError_t e = cudaSuccess;
   if (L.Nk > 0) {
     e = run_prepass_sm120(p, L, ws, s);
     if (e != cudaSuccess)
-      return status(FP4ATTN_ERR_CUDA, "sm120 attention pre-pass: %s", cudaGetErrorString(e));
+      return fp4attn_error(FP4ATTN_ERR_CUDA, "sm120 attention pre-pass: %s", cudaGetErrorString(e));
   }
   KernelParams kp;
   kp.qc = ws + L.qc;
@@ -134,7 +103,7 @@ extern "C" fp4attn_status fp4attn_cuda_attention_sm120(const fp4attn_attention_p
   e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (e != cudaSuccess)
-    return status(FP4ATTN_ERR_CUDA, "sm120 attention: %s", cudaGetErrorString(e));
+    return fp4attn_error(FP4ATTN_ERR_CUDA, "sm120 attention: %s", cudaGetErrorString(e));
   switch (L.Dp) {
     case 64:
       e = launch_attention_sm120<64>(kp, sms, s);
@@ -147,7 +116,7 @@ extern "C" fp4attn_status fp4attn_cuda_attention_sm120(const fp4attn_attention_p
       break;
   }
   if (e != cudaSuccess)
-    return status(FP4ATTN_ERR_CUDA, "sm120 attention kernel: %s", cudaGetErrorString(e));
+    return fp4attn_error(FP4ATTN_ERR_CUDA, "sm120 attention kernel: %s", cudaGetErrorString(e));
   return st;
 }
 

@@ -4,6 +4,7 @@
 #include <stdio.h>
 
 #include "attention_sm120.h"
+#include "fp4attn/checks.h"
 #include "mma_fp4.cuh"
 
 namespace {
@@ -28,13 +29,6 @@ __global__ void test_mma_fp4_kernel(const uint32_t *a, const uint32_t *b, const 
           for (int i = 0; i < 4; ++i) d[lane * 4 + i] = rd[i];
 }
 
-fp4attn_status make_status(fp4attn_code code, const char *msg) {
-  fp4attn_status s;
-  s.code = code;
-  snprintf(s.message, sizeof s.message, "%s", msg);
-  return s;
-}
-
 }  // namespace
 
 extern "C" fp4attn_status fp4attn_cuda_test_mma_fp4(const uint32_t *a, const uint32_t *b,
@@ -42,19 +36,16 @@ extern "C" fp4attn_status fp4attn_cuda_test_mma_fp4(const uint32_t *a, const uin
                                                     const uint32_t *sfb, int tid_a, int tid_b,
                                                     float *d, void *stream) {
   if (!a || !b || !c || !sfa || !sfb || !d)
-    return make_status(FP4ATTN_ERR_INVALID_ARGUMENT, "test_mma_fp4: null pointer");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "test_mma_fp4: null pointer");
   if (tid_a < 0 || tid_a > 1)
-    return make_status(FP4ATTN_ERR_INVALID_ARGUMENT, "test_mma_fp4: tid_a must be 0 or 1");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "test_mma_fp4: tid_a must be 0 or 1");
   if (tid_b < 0 || tid_b > 3)
-    return make_status(FP4ATTN_ERR_INVALID_ARGUMENT, "test_mma_fp4: tid_b must be in 0..3");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "test_mma_fp4: tid_b must be in 0..3");
   test_mma_fp4_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(a, b, c, sfa, sfb, tid_a, tid_b, d);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
-    fp4attn_status s;
-    s.code = FP4ATTN_ERR_CUDA;
-    snprintf(s.message, sizeof s.message, "test_mma_fp4: launch failed: %s",
-             cudaGetErrorString(err));
-    return s;
+    return fp4attn_error(FP4ATTN_ERR_CUDA, "test_mma_fp4: launch failed: %s",
+                         cudaGetErrorString(err));
   }
-  return make_status(FP4ATTN_OK, "");
+  return fp4attn_ok();
 }
