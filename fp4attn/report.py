@@ -491,6 +491,24 @@ def report_smollm2(args) -> ModelResult:
     return res
 
 
+def report_captured(args) -> ModelResult:
+    """Per-layer report on attention inputs captured elsewhere (scripts/crosscheck_captured.py
+    capture): the way to run the report on a machine the model weights cannot reach."""
+    t0 = time.perf_counter()
+    data = torch.load(args.captured)
+    calls = [AttnCall(c["layer"], c["q"], c["k"], c["v"], c["attn_mask"], c["is_causal"],
+                      c["scale"], c["enable_gqa"]) for c in data["calls"]]
+    res = ModelResult(
+        "smollm2", f"{data['model']} (captured activations)",
+        f"{len(calls)} layers captured on {data['tokens']} tokens, read from {args.captured}; "
+        f"{calls[0].describe()}; no end-to-end numbers (the model is not loaded)")
+    res.n_layers = max(c.layer for c in calls) + 1
+    res.rows = evaluate_layers(calls, _methods(args), device=args.device, backend=args.backend,
+                               model_name="smollm2", ablation_tokens=args.ablation_tokens)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
 def fallback_policies(model, ids, res: ModelResult, args) -> list[dict]:
     """If a target fails, measure per-layer fallback policies (BF16 SDPA on some layers, FP4
     on the rest): the layers below the cosine target, and the smallest top-k of layers ranked
@@ -917,6 +935,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "pure-PyTorch reference")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    ap.add_argument("--captured", type=Path, default=None,
+                    help="report on Q/K/V captured by scripts/crosscheck_captured.py instead of "
+                         "loading a model (for machines without the model packages)")
     ap.add_argument("--out", type=Path, default=Path("fp4attn-report"),
                     help="output folder (default ./fp4attn-report)")
     ap.add_argument("--check", action="store_true",
@@ -937,7 +958,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     t0 = time.perf_counter()
     try:
-        for n in names:
+        if args.captured is not None:
+            results.append(report_captured(args))
+        for n in names if args.captured is None else []:
             results.append(report_smollm2(args) if n == "smollm2" else report_minilm(args))
     except M.MissingResourceError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -2,7 +2,8 @@
 # One device call on the lent H200: everything that needs the GPU, logs under $OUT (or $1).
 #   build (sm_90a only, to save time) + CUDA tests + quick benchmark + slow tests (gpu_check.sh),
 #   sm120 emulation tests, the CPU suite under the device's torch, info + demo on the GPU,
-#   the real-model cross-check on captured activations (.captured/, see crosscheck_captured.py),
+#   the real-model cross-check and the accuracy report on captured activations (.captured/,
+#   see crosscheck_captured.py),
 #   and a native backtrace of the error-path crash seen on this machine.
 set -uo pipefail
 LOG="${1:-${OUT:-gpu_logs}}"
@@ -27,6 +28,10 @@ python3 -m fp4attn demo --seq 4096 2>&1 | tee "$LOG/demo.log" | tail -9
 if [ -f .captured/smollm2.pt ]; then
   echo "== real-model cross-check (captured SmolLM2 activations)"
   python3 scripts/crosscheck_captured.py check .captured/smollm2.pt 2>&1 | tee "$LOG/crosscheck.log" | tail -14 || status=1
+  echo "== accuracy report on the GPU (captured activations; the weights do not travel)"
+  python3 -m fp4attn report --captured .captured/smollm2.pt --device cuda --ablation-tokens 256 \
+    --out "$LOG/report_cuda" > "$LOG/report_cuda.log" 2>&1 || status=1
+  grep -E "Per-layer cosine|done in" "$LOG/report_cuda.log"
 fi
 echo "== error-path backtrace"
 cat > /tmp/err.py <<'PY'

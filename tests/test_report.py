@@ -205,3 +205,20 @@ def test_report_on_real_models(tmp_path):
     assert emb["fp4"]["mean_cos"] > 0.95 and emb["bf16"]["mean_cos"] > 0.9999
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "smollm2_layers.png").stat().st_size > 1000
+
+
+def test_report_on_captured_activations(tmp_path):
+    # The path that runs where model weights cannot travel (the GPU machine): no model packages.
+    import torch
+
+    from fp4attn.report import main as report_main
+
+    calls = [{"layer": i, "q": torch.randn(1, 4, 70, 32).half(), "k": torch.randn(1, 2, 70, 32).half(),
+              "v": torch.randn(1, 2, 70, 32).half(), "is_causal": True, "scale": None,
+              "enable_gqa": True, "attn_mask": None} for i in (0, 3)]
+    path = tmp_path / "captured.pt"
+    torch.save({"model": "synthetic", "tokens": 70, "calls": calls}, path)
+    out = tmp_path / "report"
+    assert report_main(["--captured", str(path), "--no-ablations", "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "synthetic (captured activations)" in text and "| 3 |" in text
