@@ -273,6 +273,26 @@ static void tile_pv(const float *p, const float *v, int64_t dp, int64_t width, f
     }
 }
 
+/* SPEC 4.4 for one row of one tile: srow[c] = scale * (qk_dec * acc + bias[c]) for the first
+ * `visible` keys and -inf for the rest (padding, causal); returns the row maximum (NaN if any). */
+FP4ATTN_VECTOR_CLONES
+static float finish_scores(float *srow, const float *bias, float scale, float qk_dec,
+                           int64_t visible) {
+  v8f m = v8f_splat(-INFINITY);
+  for (int c0 = 0; c0 < BKV; c0 += 8) {
+    v8f v = v8f_splat(scale) * (v8f_splat(qk_dec) * *(const v8f *)(srow + c0) +
+                                *(const v8f *)(bias + c0));
+    for (int e = 0; e < 8; ++e)
+      if (c0 + e >= visible) v[e] = -INFINITY;
+    *(v8f *)(srow + c0) = v;
+    const v8i take = (v8i)(v > m) | (v8i)(v != v);
+    m = (v8f)(((v8i)v & take) | ((v8i)m & ~take));
+  }
+  float r = -INFINITY;
+  for (int e = 0; e < 8; ++e) r = fp4attn_nanmax(r, m[e]);
+  return r;
+}
+
 /* SPEC 4.5 for one row of one tile: exponentials relative to the tile maximum `tmax`, the sum of
  * the unquantized values (returned), and P^q dequantized exactly (value * E4M3 block scale,
  * first level puts the maximum at 2688) into srow in place. */
@@ -340,25 +360,26 @@ static int attend_block(attention_state *st, int64_t b, int64_t h, int64_t qb) {
       for (int64_t r = 0; r < BQ; ++r) {
         const int64_t i = i0 + r;
         float *srow = s + r * BKV;
-        float tmax = -INFINITY;
-        for (int64_t c = 0; c < BKV; ++c) {
-          const int64_t j = j0 + c;
-          float v;
-          if (r >= rows || c >= width || (p->causal && j > i)) {
-            v = -INFINITY;
-          } else {
-            v = p->scale * (qk_dec * srow[c] + bias[c]);
-            if (p->mask_kind != FP4ATTN_MASK_NONE) v += mask_value(p, b, h, i, j);
+        /* keys [0, visible) of this tile exist and pass the causal mask */
+        int64_t visible = r < rows ? width : 0;
+        if (p->causal && i - j0 + 1 < visible) visible = i - j0 + 1 > 0 ? i - j0 + 1 : 0;
+        const float tmax = finish_scores(srow, bias, p->scale, qk_dec, visible);
+        if (p->mask_kind != FP4ATTN_MASK_NONE && tmax != -INFINITY) {
+          float masked_max = -INFINITY;
+          for (int64_t c = 0; c < visible; ++c) {
+            srow[c] += mask_value(p, b, h, i, j0 + c);
+            masked_max = fp4attn_nanmax(masked_max, srow[c]);
           }
-          srow[c] = v;
-          tmax = fp4attn_nanmax(tmax, v);
+          tile_max[r] = masked_max;
+        } else {
+          tile_max[r] = tmax;
         }
-        tile_max[r] = tmax;
-        if (tmax == -INFINITY) { /* row masked for the whole tile: contributes nothing */
+        const float tmax_row = tile_max[r];
+        if (tmax_row == -INFINITY) { /* row masked for the whole tile: contributes nothing */
           for (int64_t c = 0; c < BKV; ++c) srow[c] = 0.0f;
           continue;
         }
-        rowsum[r] = quantize_p_row(srow, tmax);
+        rowsum[r] = quantize_p_row(srow, tmax_row);
       }
       tile_pv(s, vd + j0 * st->d_pad, st->d_pad, width, pv);
       for (int64_t r = 0; r < rows; ++r) {
