@@ -7,7 +7,6 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
 from . import reference
 from .sdpa import ORIGINAL_SDPA, sdpa

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fp4attn
+
 sdpa_module = importlib.import_module("fp4attn.sdpa")  # the module, not the function
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fp4attn
+
 patch_module = importlib.import_module("fp4attn.patch")  # the module, not the function
 
 transformers = pytest.importorskip("transformers")
