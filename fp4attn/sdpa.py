@@ -135,8 +135,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         mask = mask.expand(*query.shape[:-1], key.shape[-2]).reshape(-1, *query.shape[-3:-1], key.shape[-2])
     out, lse = ops.attention(q4, k4, v4, mask, bool(is_causal), scale, bool(return_lse),
                              _kernel_from_env())
-    out = out.reshape(*lead, *out.shape[1:]) if lead else out[0] if query.dim() == 3 else out
+    # back to the caller's leading dims (none for 3-D inputs: drop the batch of one)
+    out = out.reshape(*lead, *out.shape[1:]) if lead else out[0]
     if not return_lse:
         return out
-    lse = lse.reshape(*lead, *lse.shape[1:]) if lead else lse[0] if query.dim() == 3 else lse
+    lse = lse.reshape(*lead, *lse.shape[1:]) if lead else lse[0]
     return out, lse

@@ -26,11 +26,7 @@ int64_t fp4attn_cuda_attention_sm120_workspace_bytes(const fp4attn_attention_par
 fp4attn_status fp4attn_cuda_attention_sm120(const fp4attn_attention_params *p, void *workspace,
                                             void *stream);
 
-/* Test hook: one warp runs mma_fp4_m16n8k64 once. a [32][4], b [32][2], c/d [32][4] are the
- * per-lane fragment registers, sfa/sfb [32] the per-lane scale words; all device pointers. */
-fp4attn_status fp4attn_cuda_test_mma_fp4(const uint32_t *a, const uint32_t *b, const float *c,
-                                         const uint32_t *sfa, const uint32_t *sfb, int tid_a,
-                                         int tid_b, float *d, void *stream);
+/* fp4attn_cuda_test_mma_fp4, the test hook of mma_fp4_m16n8k64, is declared in fp4attn.h. */
 
 /* 1 when this build holds native sm_120a/sm_121a code for the device it runs on. */
 int fp4attn_cuda_sm120_native(void);

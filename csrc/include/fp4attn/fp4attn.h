@@ -133,8 +133,9 @@ fp4attn_status fp4attn_cuda_fp4mm(const fp4attn_fp4mm_params *p, void *stream);
 int64_t fp4attn_cuda_attention_workspace_bytes(const fp4attn_attention_params *p);
 fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params *p, void *workspace,
                                       void *stream);
-/* Test hook of the sm120 kernel (csrc/cuda/sm120/attention_sm120.h): one warp runs the
- * block-scaled FP4 MMA once on per-lane fragments (device pointers). */
+/* Test hook of the sm120 kernel: one warp runs mma_fp4_m16n8k64 once (native on sm_120a,
+ * emulated elsewhere). a [32][4], b [32][2], c/d [32][4] are the per-lane fragment registers,
+ * sfa/sfb [32] the per-lane scale words; all device pointers. */
 fp4attn_status fp4attn_cuda_test_mma_fp4(const uint32_t *a, const uint32_t *b, const float *c,
                                          const uint32_t *sfa, const uint32_t *sfb, int tid_a,
                                          int tid_b, float *d, void *stream);
