@@ -32,8 +32,7 @@ except ImportError:  # pragma: no cover
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fp4attn  # noqa: E402
 
-PREPASS_KERNELS = ("stats_kernel", "finalize_kernel", "quantize_kv_kernel")
-FWD_KERNEL = "attention_fwd_kernel"
+FWD_KERNEL = "attention_fwd"  # attention_fwd_kernel (mma.sync), attention_fwd_sm90_kernel (wgmma)
 
 
 class Timer:
@@ -73,7 +72,7 @@ def kernel_breakdown(fn, calls: int = 5) -> tuple[float, float]:
         dur = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
         if FWD_KERNEL in name:
             fwd.append(dur)
-        elif any(k in name for k in PREPASS_KERNELS):
+        else:  # everything else fp4attn launches is the quantization pre-pass
             pre.append(dur)
     fwd_ms = statistics.median(fwd) / 1e3 if fwd else float("nan")
     pre_ms = sum(pre) / calls / 1e3 if pre else float("nan")

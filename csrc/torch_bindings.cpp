@@ -270,8 +270,8 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
             static_cast<long long>(Hq), static_cast<long long>(Hkv));
   CHECK_ARG(D >= 1 && D <= FP4ATTN_MAX_HEAD_DIM, "head_dim must be in [1, %d], got %lld",
             FP4ATTN_MAX_HEAD_DIM, static_cast<long long>(D));
-  CHECK_ARG(kernel >= 0 && kernel <= 2,
-            "kernel must be 0 (auto), 1 (fp16 mma) or 2 (sm120), got %lld",
+  CHECK_ARG(kernel >= 0 && kernel <= 3,
+            "kernel must be 0 (auto), 1 (fp16 mma), 2 (sm120) or 3 (sm90), got %lld",
             static_cast<long long>(kernel));
 
   // Unit stride along head_dim is required; other strides are passed through (no copies).
@@ -336,7 +336,8 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
   }
 #endif
   CHECK_ARG(q.device().is_cpu(), "query must be a CPU or CUDA tensor, got %s", q.device().str().c_str());
-  CHECK_ARG(kernel != 2, "kernel=2 (sm120) needs a CUDA tensor");
+  CHECK_ARG(kernel != 2 && kernel != 3, "kernel=%lld (a GPU kernel) needs CUDA tensors",
+            static_cast<long long>(kernel));
   check_status(fp4attn_cpu_attention(&p));
   return {out, lse};
 }

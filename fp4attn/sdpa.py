@@ -21,7 +21,7 @@ from ._ops import HAS_CUDA_BACKEND, ops
 # Captured before anyone (fp4attn.patch included) can replace it.
 ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
 
-_KERNELS = {"auto": 0, "fp16": 1, "sm120": 2}
+_KERNELS = {"auto": 0, "fp16": 1, "sm120": 2, "sm90": 3}
 _warned: set[str] = set()
 
 

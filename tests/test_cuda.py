@@ -36,6 +36,22 @@ def _need_backend():
         pytest.skip("fp4attn was built without its CUDA backend")
 
 
+def sm90_available() -> bool:
+    """The Hopper wgmma kernel runs here: compute capability 9.0 and an sm_90a build."""
+    if not (HAS_CUDA and has_cuda_backend()):
+        return False
+    return torch.cuda.get_device_capability() == (9, 0) and "90a" in fp4attn.build_info()["cuda_archs"]
+
+
+KERNEL_MMA, KERNEL_SM90 = 1, 3
+# every attention check runs on the mma.sync kernel and, on Hopper, on the wgmma kernel
+KERNELS = [
+    pytest.param(KERNEL_MMA, id="mma"),
+    pytest.param(KERNEL_SM90, id="sm90",
+                 marks=pytest.mark.skipif(not sm90_available(), reason="needs CC 9.0 + sm_90a build")),
+]
+
+
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -181,15 +197,18 @@ def make_mask(kind, B, H, Nq, Nk, device="cuda", dtype=torch.float16):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_attention_vs_reference(case, dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_vs_reference(case, dtype, kernel):
     B, Hq, Hkv, Nq, Nk, D, causal, mkind = case
+    if kernel == KERNEL_SM90 and D > 128:
+        pytest.skip("the sm90 kernel covers head dims up to 128 (test_sm90_rejects_large_head_dim)")
     seed = Nq * 7 + Nk * 3 + D
     q = rand((B, Hq, Nq, D), dtype, seed)
     k = rand((B, Hkv, Nk, D), dtype, seed + 1)
     v = rand((B, Hkv, Nk, D), dtype, seed + 2)
     q = q + 0.5 * rand((1, 1, 1, D), dtype, seed + 3)  # a mean offset: the smoothing matters
     mask = make_mask(mkind, B, Hq, Nq, Nk, dtype=dtype)
-    out, lse = attn_cuda(q, k, v, mask, causal, lse=True)
+    out, lse = attn_cuda(q, k, v, mask, causal, lse=True, kernel=kernel)
     torch.cuda.synchronize()
     assert out.dtype == dtype and out.shape == (B, Hq, Nq, D)
     ref, ref_lse = attn_ref(q, k, v, mask, causal, lse=True)
@@ -201,36 +220,56 @@ def test_attention_vs_reference(case, dtype):
     assert (lse.cpu()[fin] - ref_lse[fin]).abs().max().item() < 2e-3
 
 
-def test_attention_float32_input_and_scale():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_float32_input_and_scale(kernel):
     q, k, v = (rand((1, 2, 190, 64), torch.float32, s) for s in (1, 2, 3))
-    out = attn_cuda(q, k, v, scale=0.3)
+    out = attn_cuda(q, k, v, scale=0.3, kernel=kernel)
     assert out.dtype == torch.float32
     assert rel_l1(out, attn_ref(q, k, v, scale=0.3)) < 2e-3
 
 
-def test_attention_deterministic():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_deterministic(kernel):
     q, k, v = (rand((2, 4, 700, 128), torch.float16, s) for s in (4, 5, 6))
-    a = attn_cuda(q, k, v, causal=True)
-    b = attn_cuda(q, k, v, causal=True)
+    a = attn_cuda(q, k, v, causal=True, kernel=kernel)
+    b = attn_cuda(q, k, v, causal=True, kernel=kernel)
     assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(not sm90_available(), reason="needs CC 9.0 + sm_90a build")
+def test_sm90_matches_mma_kernel_and_is_auto():
+    """Same numerics as the mma.sync kernel (only accumulation order differs), and the default."""
+    q, k, v = (rand((2, 4, 1000, 128), torch.bfloat16, s) for s in (51, 52, 53))
+    a = attn_cuda(q, k, v, causal=True, kernel=KERNEL_MMA)
+    b = attn_cuda(q, k, v, causal=True, kernel=KERNEL_SM90)
+    assert rel_l1(a, b) < 1e-3
+    assert torch.equal(b, attn_cuda(q, k, v, causal=True, kernel=0))
+
+
+def test_sm90_rejects_where_it_cannot_run():
+    q = rand((1, 2, 64, 256 if sm90_available() else 64), torch.float16, 54)
+    with pytest.raises(RuntimeError, match="kernel sm90 needs"):
+        attn_cuda(q, q, q, kernel=KERNEL_SM90)
+
+
 @pytest.mark.slow
-def test_attention_long_sequence_16k():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_long_sequence_16k(kernel):
     q, k, v = (rand((1, 1, 16384, 64), torch.float16, s) for s in (7, 8, 9))
     for causal in (False, True):
-        out = attn_cuda(q, k, v, causal=causal)
+        out = attn_cuda(q, k, v, causal=causal, kernel=kernel)
         assert rel_l1(out, attn_ref(q, k, v, causal=causal)) < 2e-3
 
 
 @pytest.mark.slow
-def test_attention_more_than_2_31_elements():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_more_than_2_31_elements(kernel):
     B, H, N, D = 16400, 8, 128, 128  # B*H*N*D = 2.15e9 > 2^31 (int64 offsets)
     assert B * H * N * D > 2**31
     q = torch.randn(B, H, N, D, device="cuda", dtype=torch.float16)
     k = torch.randn(B, H, N, D, device="cuda", dtype=torch.float16)
     v = torch.randn(B, H, N, D, device="cuda", dtype=torch.float16)
-    out = attn_cuda(q, k, v)
+    out = attn_cuda(q, k, v, kernel=kernel)
     for b, h in [(0, 0), (B // 2, 3), (B - 1, H - 1)]:
         sl = lambda t: t[b : b + 1, h : h + 1]  # noqa: E731
         assert rel_l1(sl(out), attn_ref(sl(q), sl(k), sl(v))) < 2e-3

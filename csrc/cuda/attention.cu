@@ -336,7 +336,7 @@ extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params 
   fp4attn_status st = fp4attn_check_attention_params(p);
   if (st.code != FP4ATTN_OK) return st;
   if (p->kernel != FP4ATTN_KERNEL_AUTO && p->kernel != FP4ATTN_KERNEL_FP16_MMA &&
-      p->kernel != FP4ATTN_KERNEL_SM120)
+      p->kernel != FP4ATTN_KERNEL_SM120 && p->kernel != FP4ATTN_KERNEL_SM90)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: unknown kernel %d",
                         (int)p->kernel);
   if (use_sm120(p)) {

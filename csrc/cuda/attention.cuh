@@ -76,10 +76,20 @@ static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params
   return w;
 }
 
-/* Forward kernels, one per padded head dim (attention_fwd_d*.cu). */
+/* Forward kernels, one per padded head dim (attention_fwd_d*.cu). Each picks between the
+ * mma.sync kernel and, on Hopper, the wgmma kernel (hopper/attention_fwd_sm90.cu). */
 fp4attn_status launch_attention_fwd_d64(const AttnArgs &a, cudaStream_t s);
 fp4attn_status launch_attention_fwd_d128(const AttnArgs &a, cudaStream_t s);
 fp4attn_status launch_attention_fwd_d256(const AttnArgs &a, cudaStream_t s);
+
+/* The Hopper kernel runs for kernel = SM90, or AUTO on compute capability 9.0, when the build
+ * has sm_90a and the padded head dim is at most 128; SM90 requested where it cannot run is an
+ * FP4ATTN_ERR_UNSUPPORTED error (sm90_unavailable). */
+enum Sm90Choice { SM90_NO, SM90_YES, SM90_UNAVAILABLE };
+Sm90Choice choose_sm90(const fp4attn_attention_params &p, int64_t dp);
+fp4attn_status sm90_unavailable(int64_t head_dim);
+fp4attn_status launch_attention_fwd_sm90_d64(const AttnArgs &a, cudaStream_t s);
+fp4attn_status launch_attention_fwd_sm90_d128(const AttnArgs &a, cudaStream_t s);
 
 }  // namespace fp4attn_cuda
 

@@ -28,40 +28,9 @@
 #ifndef FP4ATTN_CUDA_ATTENTION_FWD_CUH
 #define FP4ATTN_CUDA_ATTENTION_FWD_CUH
 
-#include "attention.cuh"
+#include "attention_tile.cuh"
 
 namespace fp4attn_cuda {
-
-constexpr float kLog2_2688 = 11.392317422778760f; /* log2(2688) */
-constexpr float kLn2 = 0.69314718055994531f;
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-/* bmax / 6 for the E4M3 block scale of P: one FMA-corrected step instead of the IEEE division
- * (whose slow-path branch splits the block pipeline). The quotient can differ from the correctly
- * rounded one in the last bit for some inputs, but its E4M3 rounding never does: checked
- * exhaustively for every float in [0, 4096] (P blocks are at most 2688 * (1 + 2^-22)). */
-__device__ __forceinline__ float div6_for_e4m3(float a) {
-  const float y = 0.16666667163372040f; /* fl(1/6) */
-  const float q0 = __fmul_rn(a, y);
-  const float r = __fmaf_rn(-q0, 6.0f, a);
-  return __fmaf_rn(r, y, q0);
-}
-
-/* E4M3 byte -> half2 (s, s); exact. */
-__device__ __forceinline__ uint32_t e4m3_half2(uint8_t s) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  __half_raw hr = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)s, __NV_E4M3);
-  return (uint32_t)hr.x | ((uint32_t)hr.x << 16);
-#else
-  const float f = fp4attn_e4m3_decode(s);
-  return pack_half2(f, f);
-#endif
-}
 
 /* Element offset of (row, col) in a [rows][W] FP16 tile whose 16-byte chunks are XOR-swizzled
  * by the row (W >= 64): ldmatrix rows r..r+7 of one chunk land in 8 different bank groups. */
@@ -131,111 +100,28 @@ struct FwdKernel {
     }
   }
 
-  /* bias[key] = scale * log2(e) * (qbar_i . K_j[key]) with K in input precision, FP32. All of a
-   * thread's loads are issued before the first FMA (one L2 round trip per tile, not eight). */
-  static __device__ void compute_bias(const Ctx &c, int j, int buf) {
-    const fp4attn_attention_params &p = c.a->p;
+  /* bias of tile j (attention_tile.cuh): one or two threads per key. */
+  static __device__ void compute_bias_tile(const Ctx &c, int j, int buf) {
     const float *qbar = reinterpret_cast<const float *>(c.smem + C::kOffQbar);
     constexpr int TPK = C::kThreads / kTile; /* threads per key: 2 or 1 */
-    constexpr int PER = DP / TPK;            /* columns per thread (zeros past D) */
-    const int key = threadIdx.x / TPK, part = threadIdx.x % TPK;
-    const int64_t tok = (int64_t)j * kTile + key;
-    const int D = (int)p.head_dim;
-    const int c0 = part * PER;
-    float acc = 0.0f;
-    if (tok < p.len_k) {
-      const int64_t base = c.b * p.k_stride[0] + c.hk * p.k_stride[1] + tok * p.k_stride[2];
-      if (c.a->vec_k && p.dtype != FP4ATTN_FLOAT32) {
-        constexpr int G = PER / 8 < 8 ? PER / 8 : 8; /* 16-byte loads in flight per batch */
-        const uint16_t *kp = static_cast<const uint16_t *>(p.k) + base;
-        const bool bf = p.dtype == FP4ATTN_BFLOAT16;
-#pragma unroll
-        for (int g0 = 0; g0 < PER / 8; g0 += G) {
-          uint4 raw[G];
-#pragma unroll
-          for (int i = 0; i < G; ++i) {
-            const int d = c0 + 8 * (g0 + i);
-            raw[i] = d < D ? __ldg(reinterpret_cast<const uint4 *>(kp + d)) : make_uint4(0, 0, 0, 0);
-          }
-#pragma unroll
-          for (int i = 0; i < G; ++i) {
-            const int d = c0 + 8 * (g0 + i);
-            const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              float2 f;
-              if (bf) {
-                f.x = __uint_as_float(w[e] << 16);
-                f.y = __uint_as_float(w[e] & 0xFFFF0000u);
-              } else {
-                f = __half22float2(*reinterpret_cast<const __half2 *>(&w[e]));
-              }
-              acc = fmaf(qbar[d + 2 * e], f.x, acc);
-              acc = fmaf(qbar[d + 2 * e + 1], f.y, acc);
-            }
-          }
-        }
-      } else {
-        for (int d = c0; d < min(D, c0 + PER); d += 8) {
-          float v[8];
-          if (c.a->vec_k && d + 8 <= D) {
-            load8_as_float(p.k, p.dtype, base + d, true, v);
-          } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) v[e] = d + e < D ? load_as_float(p.k, p.dtype, base + d + e) : 0.0f;
-          }
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc = fmaf(qbar[d + e], v[e], acc);
-        }
-      }
-    }
-    if (TPK == 2) acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    if (part == 0) bias(c, buf)[key] = acc * c.a->scale_log2;
+    const int key = threadIdx.x / TPK;
+    compute_bias<DP, TPK>(*c.a, c.b, c.hk, (int64_t)j * kTile + key, threadIdx.x % TPK, qbar,
+                          bias(c, buf) + key);
   }
 
   /* Q prologue: quantize this block's rows (SPEC 4.2-4.3) into FP16 smem. */
   static __device__ void quantize_q(const Ctx &c) {
-    const fp4attn_attention_params &p = c.a->p;
     const float *qbar = reinterpret_cast<const float *>(c.smem + C::kOffQbar);
-    const float encq = c.a->ws.qscale[c.bh * 2 + 0];
-    const int D = (int)p.head_dim;
-    constexpr int KB = DP / 16;
     __half *qt = q_tile(c);
-    for (int job = threadIdx.x; job < C::kRows * KB; job += C::kThreads) {
-      const int r = job / KB, kb = job % KB;
-      const int64_t row = c.q0 + r;
-      uint32_t o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      if (row < p.len_q && kb * 16 < D) {
-        const int64_t base = c.b * p.q_stride[0] + c.h * p.q_stride[1] + row * p.q_stride[2];
-        float xs[16];
-        uint8_t q[16];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int c0 = kb * 16 + half * 8;
-          float v[8];
-          if (c.a->vec_q && c0 + 8 <= D) {
-            load8_as_float(p.q, p.dtype, base + c0, true, v);
-          } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) v[e] = c0 + e < D ? load_as_float(p.q, p.dtype, base + c0 + e) : 0.0f;
-          }
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            xs[half * 8 + e] = c0 + e < D ? __fmul_rn(__fsub_rn(v[e], qbar[c0 + e]), encq) : 0.0f;
-        }
-        const uint8_t s = fp4attn_quantize_block(xs, 16, q);
-        const float sv = fp4attn_e4m3_decode(s);
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          o[i] = pack_half2(fp4attn_e2m1_decode(q[2 * i]) * sv, fp4attn_e2m1_decode(q[2 * i + 1]) * sv);
-      }
-      *reinterpret_cast<uint4 *>(qt + swz<DP>(r, kb * 16)) = make_uint4(o[0], o[1], o[2], o[3]);
-      *reinterpret_cast<uint4 *>(qt + swz<DP>(r, kb * 16 + 8)) = make_uint4(o[4], o[5], o[6], o[7]);
-    }
+    quantize_q_rows<DP>(*c.a, c.b, c.h, c.bh, c.q0, C::kRows, qbar, threadIdx.x, C::kThreads,
+                        [&](int r, int col, const uint32_t (&o)[8]) {
+                          *reinterpret_cast<uint4 *>(qt + swz<DP>(r, col)) = make_uint4(o[0], o[1], o[2], o[3]);
+                          *reinterpret_cast<uint4 *>(qt + swz<DP>(r, col + 8)) = make_uint4(o[4], o[5], o[6], o[7]);
+                        });
   }
 
   struct RowState {
-    float m[2], l[2];
+    SoftmaxState sm;
     float o[DP / 8][4];
   };
 
@@ -244,7 +130,6 @@ struct FwdKernel {
                                                       float cqk, float decv) {
     const fp4attn_attention_params &p = c.a->p;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;
     const int wr = warp * 16;
     const __half *qt = q_tile(c);
     const __half *kt = k_tile(c, buf);
@@ -274,108 +159,13 @@ struct FwdKernel {
       }
     }
 
-    /* ---- scores in log2 units: x = scale*log2e*(dQ dK acc + qbar.K) (+ mask) */
-    const int64_t j0 = (int64_t)j * kTile;
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      const float2 bb = *reinterpret_cast<const float2 *>(bs + n * 8 + 2 * t);
-      s[n][0] = fmaf(s[n][0], cqk, bb.x);
-      s[n][1] = fmaf(s[n][1], cqk, bb.y);
-      s[n][2] = fmaf(s[n][2], cqk, bb.x);
-      s[n][3] = fmaf(s[n][3], cqk, bb.y);
-    }
-    const bool tail = j0 + kTile > p.len_k;
-    const bool diag = p.causal && j0 + kTile - 1 > c.q0 + wr;
-    if (tail || diag || p.mask_kind != FP4ATTN_MASK_NONE) {
-#pragma unroll
-      for (int n = 0; n < 16; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t tok = j0 + n * 8 + 2 * t + (e & 1);
-          const int64_t qi = c.q0 + wr + g + (e >> 1) * 8;
-          bool ok = tok < p.len_k && (!p.causal || tok <= qi);
-          float add = 0.0f;
-          if (ok && p.mask_kind != FP4ATTN_MASK_NONE && qi < p.len_q) {
-            const int64_t off = c.b * p.mask_stride[0] + c.h * p.mask_stride[1] +
-                                qi * p.mask_stride[2] + tok * p.mask_stride[3];
-            if (p.mask_kind == FP4ATTN_MASK_BOOL)
-              ok = static_cast<const uint8_t *>(p.mask)[off] != 0;
-            else
-              add = load_as_float(p.mask, p.mask_dtype, off) * 1.4426950408889634f;
-          }
-          s[n][e] = ok ? s[n][e] + add : -INFINITY;
-        }
-    }
-
-    /* ---- online softmax statistics (SPEC 4.5), rows g and g+8 */
-    float tmax[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      tmax[0] = fmaxf(tmax[0], fmaxf(s[n][0], s[n][1]));
-      tmax[1] = fmaxf(tmax[1], fmaxf(s[n][2], s[n][3]));
-    }
-    float alpha[2], gsc[2], toff[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
-      tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
-      const float mnew = fmaxf(rs.m[r], tmax[r]);
-      const bool empty = tmax[r] == -INFINITY;
-      alpha[r] = rs.m[r] == -INFINITY ? 0.0f : fast_exp2(rs.m[r] - mnew);
-      const float beta = empty ? 0.0f : fast_exp2(tmax[r] - mnew);
-      gsc[r] = beta * (1.0f / FP4ATTN_NVFP4_RANGE);
-      toff[r] = (empty ? 0.0f : tmax[r]) - kLog2_2688;
-      rs.m[r] = mnew;
-    }
-
-    /* ---- Pq = 2688 * exp(S - t); its row sums feed l (unquantized, SPEC 4.5) */
-    float rsum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = fast_exp2(s[n][e] - toff[e >> 1]);
-      rsum[0] += s[n][0] + s[n][1];
-      rsum[1] += s[n][2] + s[n][3];
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) rs.l[r] = fmaf(alpha[r], rs.l[r], gsc[r] * rsum[r]);
-
-    /* ---- phi_local of Pq in 16-key blocks -> P^q as exact FP16 A fragments. Block kb of row
-     * g (r = 0) or g+8 (r = 1) is s[2kb][2r..2r+1] and s[2kb+1][2r..2r+1] of the 4 quad lanes.
-     * Stages are written across all 16 blocks so the scheduler can interleave them. */
-    const float *rcp_tab = reinterpret_cast<const float *>(c.smem + C::kOffRcp);
-    const uint32_t *s2_tab = reinterpret_cast<const uint32_t *>(c.smem + C::kOffS2);
-    float bm[8][2];
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb)
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-        bm[kb][r] = fmaxf(fmaxf(s[2 * kb][2 * r], s[2 * kb][2 * r + 1]),
-                          fmaxf(s[2 * kb + 1][2 * r], s[2 * kb + 1][2 * r + 1]));
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) bm[kb][r] = fmaxf(bm[kb][r], __shfl_xor_sync(0xffffffffu, bm[kb][r], 1));
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) bm[kb][r] = fmaxf(bm[kb][r], __shfl_xor_sync(0xffffffffu, bm[kb][r], 2));
+    /* ---- softmax and P quantization (attention_tile.cuh) */
+    const WarpRows wrows = {c.b, c.h, c.q0 + wr};
+    const PTables tab = {reinterpret_cast<const float *>(c.smem + C::kOffRcp),
+                         reinterpret_cast<const uint32_t *>(c.smem + C::kOffS2)};
+    float alpha[2], gsc[2];
     uint32_t pa[8][4];
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const uint8_t sb = e4m3_encode_fast(div6_for_e4m3(bm[kb][r]));
-        const float rcp = rcp_tab[sb];
-        const uint32_t s2 = s2_tab[sb];
-        const float y0 = e2m1_round_nonneg(__fmul_rn(s[2 * kb][2 * r], rcp));
-        const float y1 = e2m1_round_nonneg(__fmul_rn(s[2 * kb][2 * r + 1], rcp));
-        const float y2 = e2m1_round_nonneg(__fmul_rn(s[2 * kb + 1][2 * r], rcp));
-        const float y3 = e2m1_round_nonneg(__fmul_rn(s[2 * kb + 1][2 * r + 1], rcp));
-        pa[kb][r] = hmul2_bits(pack_half2(y0, y1), s2);
-        pa[kb][2 + r] = hmul2_bits(pack_half2(y2, y3), s2);
-      }
-    }
+    softmax_quantize_p(p, wrows, (int64_t)j * kTile, cqk, bs, tab, s, rs.sm, alpha, gsc, pa);
 
     /* ---- O = alpha O + (beta/2688) dV (P^q V^), GW output columns at a time */
     constexpr int GW = DP == 256 ? 32 : 64; /* fewer live accumulators where O is largest */
@@ -397,14 +187,7 @@ struct FwdKernel {
           mma_f16_16816(acc[2 * np + 1], pa[kb], b2, b3);
         }
       }
-#pragma unroll
-      for (int n = 0; n < GW / 8; ++n) {
-        float *o = rs.o[grp * (GW / 8) + n];
-        o[0] = fmaf(alpha[0], o[0], gv0 * acc[n][0]);
-        o[1] = fmaf(alpha[0], o[1], gv0 * acc[n][1]);
-        o[2] = fmaf(alpha[1], o[2], gv1 * acc[n][2]);
-        o[3] = fmaf(alpha[1], o[3], gv1 * acc[n][3]);
-      }
+      rescale_accumulate(rs.o, grp * (GW / 8), acc, alpha, gv0, gv1);
     }
   }
 
@@ -433,13 +216,8 @@ struct FwdKernel {
 
     /* constants in shared memory */
     {
-      float *rcp = reinterpret_cast<float *>(smem + C::kOffRcp);
-      uint32_t *s2 = reinterpret_cast<uint32_t *>(smem + C::kOffS2);
-      for (int i = threadIdx.x; i < 128; i += C::kThreads) {
-        const float sv = fp4attn_e4m3_decode((uint8_t)i);
-        rcp[i] = (i == 0 || i == 0x7F) ? 0.0f : 1.0f / sv; /* correctly rounded (SPEC 2) */
-        s2[i] = i == 0x7F ? 0u : e4m3_half2((uint8_t)i);
-      }
+      fill_p_tables(reinterpret_cast<float *>(smem + C::kOffRcp),
+                    reinterpret_cast<uint32_t *>(smem + C::kOffS2), threadIdx.x, C::kThreads);
       float *qbar = reinterpret_cast<float *>(smem + C::kOffQbar);
       const int64_t qblk = c.q0 / kTile;
       for (int i = threadIdx.x; i < DP; i += C::kThreads) qbar[i] = w.qbar[(bh * w.nqb + qblk) * DP + i];
@@ -448,15 +226,15 @@ struct FwdKernel {
     cp_async_commit();
     __syncthreads();
     quantize_q(c);
-    compute_bias(c, 0, 0);
+    compute_bias_tile(c, 0, 0);
 
     const float decq = w.qscale[bh * 2 + 1];
     const float deck = w.kvscale[c.bhk * 4 + 1], decv = w.kvscale[c.bhk * 4 + 3];
     const float cqk = a.scale_log2 * (decq * deck);
 
     RowState rs;
-    rs.m[0] = rs.m[1] = -INFINITY;
-    rs.l[0] = rs.l[1] = 0.0f;
+    rs.sm.m[0] = rs.sm.m[1] = -INFINITY;
+    rs.sm.l[0] = rs.sm.l[1] = 0.0f;
 #pragma unroll
     for (int n = 0; n < DP / 8; ++n) rs.o[n][0] = rs.o[n][1] = rs.o[n][2] = rs.o[n][3] = 0.0f;
 
@@ -467,7 +245,7 @@ struct FwdKernel {
         if (j + 1 < c.ntiles) {
           issue_tile(c, j + 1, (j + 1) & 1); /* overlaps the compute of tile j */
           cp_async_commit();
-          compute_bias(c, j + 1, (j + 1) & 1);
+          compute_bias_tile(c, j + 1, (j + 1) & 1);
         }
         compute_tile(c, j, j & 1, rs, cqk, decv);
       } else {
@@ -476,58 +254,15 @@ struct FwdKernel {
           __syncthreads();
           issue_tile(c, j + 1, 0);
           cp_async_commit();
-          compute_bias(c, j + 1, 0);
+          compute_bias_tile(c, j + 1, 0);
         }
       }
     }
 
-    /* ---- epilogue (SPEC 4.6): O / l, rows without visible keys -> 0, LSE */
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int D = (int)p.head_dim;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      rs.l[r] += __shfl_xor_sync(0xffffffffu, rs.l[r], 1);
-      rs.l[r] += __shfl_xor_sync(0xffffffffu, rs.l[r], 2);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t qi = c.q0 + warp * 16 + g + r * 8;
-      const float inv = rs.l[r] > 0.0f ? 1.0f / rs.l[r] : 0.0f;
-      if (qi < p.len_q) {
-        const int64_t ob = c.b * p.out_stride[0] + c.h * p.out_stride[1] + qi * p.out_stride[2];
-#pragma unroll
-        for (int n = 0; n < DP / 8; ++n) {
-          const int d = n * 8 + 2 * t;
-          const float v0 = rs.o[n][2 * r] * inv, v1 = rs.o[n][2 * r + 1] * inv;
-          if (d + 1 < D)
-            store2_from_float(p.out, p.dtype, ob + d, v0, v1, a.out_pair);
-          else if (d < D)
-            store_from_float(p.out, p.dtype, ob + d, v0);
-        }
-      }
-    }
-    if (p.lse) {
-      /* the smoothed scores omit (q_r - qbar_i) . kbar per row; add it back (reference) */
-      const float *qbar = reinterpret_cast<const float *>(smem + C::kOffQbar);
-      const float *kbar = w.kbar + c.bhk * DP; /* global: keeps smem within sm_80's 163 KB */
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t qi = c.q0 + warp * 16 + g + r * 8;
-        float sh = 0.0f;
-        if (qi < p.len_q) {
-          const int64_t base = c.b * p.q_stride[0] + c.h * p.q_stride[1] + qi * p.q_stride[2];
-          for (int d = t; d < D; d += 4)
-            sh = fmaf(__fsub_rn(load_as_float(p.q, p.dtype, base + d), qbar[d]), kbar[d], sh);
-        }
-        sh += __shfl_xor_sync(0xffffffffu, sh, 1);
-        sh += __shfl_xor_sync(0xffffffffu, sh, 2);
-        if (qi < p.len_q && t == 0) {
-          const float lse = rs.l[r] > 0.0f ? rs.m[r] * kLn2 + logf(rs.l[r]) + p.scale * sh : -INFINITY;
-          p.lse[c.bh * p.len_q + qi] = lse;
-        }
-      }
-    }
+    /* ---- epilogue (SPEC 4.6) */
+    const WarpRows wrows = {c.b, c.h, c.q0 + (threadIdx.x >> 5) * 16};
+    store_rows<DP>(a, wrows, c.bh, rs.o, rs.sm, reinterpret_cast<const float *>(smem + C::kOffQbar),
+                   w.kbar + c.bhk * DP); /* kbar from global: keeps smem within sm_80's 163 KB */
   }
 
   static __device__ __forceinline__ int64_t ceil_div_dev(int64_t a, int64_t b) {

@@ -7,7 +7,11 @@
 namespace fp4attn_cuda {
 
 fp4attn_status launch_attention_fwd_d128(const AttnArgs &a, cudaStream_t s) {
-  return launch_attention_fwd<128, 8, 2>(a, s);
+  switch (choose_sm90(a.p, 128)) {
+    case SM90_YES: return launch_attention_fwd_sm90_d128(a, s);
+    case SM90_UNAVAILABLE: return sm90_unavailable(a.p.head_dim);
+    default: return launch_attention_fwd<128, 8, 2>(a, s);
+  }
 }
 
 }  // namespace fp4attn_cuda

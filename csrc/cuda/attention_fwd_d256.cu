@@ -7,6 +7,7 @@
 namespace fp4attn_cuda {
 
 fp4attn_status launch_attention_fwd_d256(const AttnArgs &a, cudaStream_t s) {
+  if (choose_sm90(a.p, 256) == SM90_UNAVAILABLE) return sm90_unavailable(a.p.head_dim);
   return launch_attention_fwd<256, 4, 1>(a, s);
 }
 

@@ -48,6 +48,7 @@ typedef enum {
   FP4ATTN_KERNEL_AUTO = 0,
   FP4ATTN_KERNEL_FP16_MMA = 1, /* sm_80/86/89/90: exact dequantization to FP16/BF16 MMA */
   FP4ATTN_KERNEL_SM120 = 2,    /* block-scaled FP4 MMA; on non-Blackwell GPUs, its emulation */
+  FP4ATTN_KERNEL_SM90 = 3,     /* Hopper (sm_90a build, compute capability 9.0): wgmma, warp-specialized */
 } fp4attn_kernel;
 
 typedef enum {

@@ -1,0 +1,367 @@
+/*
+ * The per-warp part of the FP4 attention forward that both FP16-operand kernels share: the
+ * mma.sync kernel (attention_fwd.cuh, sm_80/86/89/90) and the Hopper wgmma kernel
+ * (hopper/attention_fwd_sm90.cuh). Both hold one warp's 16 query rows x 128 keys of S in the
+ * m16n8k16 accumulator layout (wgmma m64nNk16 gives each warp of the warpgroup exactly that
+ * layout for its 16 rows), so the score epilogue, the online softmax with two-level P
+ * quantization (SPEC 4.5) and the output epilogue (SPEC 4.6) are written once, here.
+ *
+ * Accumulator layout of one warp: s[n][e] is row g + 8*(e >> 1), key 8n + 2t + (e & 1), with
+ * g = lane / 4 and t = lane % 4. The A-operand fragment of P for 16-key block kb is
+ * {s[2kb][0..1], s[2kb][2..3], s[2kb+1][0..1], s[2kb+1][2..3]} packed to half2: no shuffles.
+ */
+#ifndef FP4ATTN_CUDA_ATTENTION_TILE_CUH
+#define FP4ATTN_CUDA_ATTENTION_TILE_CUH
+
+#include "attention.cuh"
+
+namespace fp4attn_cuda {
+
+constexpr float kLog2_2688 = 11.392317422778760f; /* log2(2688) */
+constexpr float kLn2 = 0.69314718055994531f;
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/* bmax / 6 for the E4M3 block scale of P: one FMA-corrected step instead of the IEEE division
+ * (whose slow-path branch splits the block pipeline). The quotient can differ from the correctly
+ * rounded one in the last bit for some inputs, but its E4M3 rounding never does: checked
+ * exhaustively for every float in [0, 4096] (P blocks are at most 2688 * (1 + 2^-22)). */
+__device__ __forceinline__ float div6_for_e4m3(float a) {
+  const float y = 0.16666667163372040f; /* fl(1/6) */
+  const float q0 = __fmul_rn(a, y);
+  const float r = __fmaf_rn(-q0, 6.0f, a);
+  return __fmaf_rn(r, y, q0);
+}
+
+/* E4M3 byte -> half2 (s, s); exact. */
+__device__ __forceinline__ uint32_t e4m3_half2(uint8_t s) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  __half_raw hr = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)s, __NV_E4M3);
+  return (uint32_t)hr.x | ((uint32_t)hr.x << 16);
+#else
+  const float f = fp4attn_e4m3_decode(s);
+  return pack_half2(f, f);
+#endif
+}
+
+/* Per-E4M3-byte tables of the P quantization, in shared memory: 1/s correctly rounded (0 for
+ * s = 0 and NaN) and (s, s) as half2. Filled once per block by fill_p_tables. */
+struct PTables {
+  const float *rcp;
+  const uint32_t *s2;
+};
+
+__device__ __forceinline__ void fill_p_tables(float *rcp, uint32_t *s2, int tid, int nthreads) {
+  for (int i = tid; i < 128; i += nthreads) {
+    const float sv = fp4attn_e4m3_decode((uint8_t)i);
+    rcp[i] = (i == 0 || i == 0x7F) ? 0.0f : 1.0f / sv; /* correctly rounded (SPEC 2) */
+    s2[i] = i == 0x7F ? 0u : e4m3_half2((uint8_t)i);
+  }
+}
+
+/* Where one warp's 16 rows sit: (batch, query head) and the query row of accumulator row 0. */
+struct WarpRows {
+  int64_t b, h, row0;
+};
+
+/* Online-softmax state of a warp's rows g and g+8 (this lane's partial sums of l). */
+struct SoftmaxState {
+  float m[2], l[2];
+};
+
+/* Scores of one 128-key tile (starting at key j0) -> P^q fragments, updating m and l.
+ *   in:  s = the raw FP16-MMA accumulators Q^ K^T; bias[key] = scale*log2e*(qbar . K[key]);
+ *        cqk = scale*log2e*dQ*dK
+ *   out: pa = P^q as exact FP16 A fragments, 16-key block kb in pa[kb];
+ *        alpha = exp(m_old - m_new) and gsc = exp(t - m_new) / 2688 per row (r = 0: g, 1: g+8)
+ * SPEC 4.4-4.5 in log2 units. Masks: causal (top-left), bool/additive attn_mask, key padding. */
+__device__ __forceinline__ void softmax_quantize_p(const fp4attn_attention_params &p,
+                                                   const WarpRows &w, int64_t j0, float cqk,
+                                                   const float *bias, const PTables &tab,
+                                                   float (&s)[16][4], SoftmaxState &st,
+                                                   float (&alpha)[2], float (&gsc)[2],
+                                                   uint32_t (&pa)[8][4]) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+
+  /* ---- scores in log2 units: x = scale*log2e*(dQ dK acc + qbar.K) (+ mask) */
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    const float2 bb = *reinterpret_cast<const float2 *>(bias + n * 8 + 2 * t);
+    s[n][0] = fmaf(s[n][0], cqk, bb.x);
+    s[n][1] = fmaf(s[n][1], cqk, bb.y);
+    s[n][2] = fmaf(s[n][2], cqk, bb.x);
+    s[n][3] = fmaf(s[n][3], cqk, bb.y);
+  }
+  const bool tail = j0 + kTile > p.len_k;
+  const bool diag = p.causal && j0 + kTile - 1 > w.row0;
+  if (tail || diag || p.mask_kind != FP4ATTN_MASK_NONE) {
+#pragma unroll
+    for (int n = 0; n < 16; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t tok = j0 + n * 8 + 2 * t + (e & 1);
+        const int64_t qi = w.row0 + g + (e >> 1) * 8;
+        bool ok = tok < p.len_k && (!p.causal || tok <= qi);
+        float add = 0.0f;
+        if (ok && p.mask_kind != FP4ATTN_MASK_NONE && qi < p.len_q) {
+          const int64_t off = w.b * p.mask_stride[0] + w.h * p.mask_stride[1] +
+                              qi * p.mask_stride[2] + tok * p.mask_stride[3];
+          if (p.mask_kind == FP4ATTN_MASK_BOOL)
+            ok = static_cast<const uint8_t *>(p.mask)[off] != 0;
+          else
+            add = load_as_float(p.mask, p.mask_dtype, off) * 1.4426950408889634f;
+        }
+        s[n][e] = ok ? s[n][e] + add : -INFINITY;
+      }
+  }
+
+  /* ---- online softmax statistics (SPEC 4.5), rows g and g+8 */
+  float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    tmax[0] = fmaxf(tmax[0], fmaxf(s[n][0], s[n][1]));
+    tmax[1] = fmaxf(tmax[1], fmaxf(s[n][2], s[n][3]));
+  }
+  float toff[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
+    tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
+    const float mnew = fmaxf(st.m[r], tmax[r]);
+    const bool empty = tmax[r] == -INFINITY;
+    alpha[r] = st.m[r] == -INFINITY ? 0.0f : fast_exp2(st.m[r] - mnew);
+    const float beta = empty ? 0.0f : fast_exp2(tmax[r] - mnew);
+    gsc[r] = beta * (1.0f / FP4ATTN_NVFP4_RANGE);
+    toff[r] = (empty ? 0.0f : tmax[r]) - kLog2_2688;
+    st.m[r] = mnew;
+  }
+
+  /* ---- Pq = 2688 * exp(S - t); its row sums feed l (unquantized, SPEC 4.5) */
+  float rsum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[n][e] = fast_exp2(s[n][e] - toff[e >> 1]);
+    rsum[0] += s[n][0] + s[n][1];
+    rsum[1] += s[n][2] + s[n][3];
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) st.l[r] = fmaf(alpha[r], st.l[r], gsc[r] * rsum[r]);
+
+  /* ---- phi_local of Pq in 16-key blocks -> P^q as exact FP16 A fragments. Block kb of row
+   * g (r = 0) or g+8 (r = 1) is s[2kb][2r..2r+1] and s[2kb+1][2r..2r+1] of the 4 quad lanes.
+   * Stages are written across all 16 blocks so the scheduler can interleave them. */
+  float bm[8][2];
+#pragma unroll
+  for (int kb = 0; kb < 8; ++kb)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      bm[kb][r] = fmaxf(fmaxf(s[2 * kb][2 * r], s[2 * kb][2 * r + 1]),
+                        fmaxf(s[2 * kb + 1][2 * r], s[2 * kb + 1][2 * r + 1]));
+#pragma unroll
+  for (int kb = 0; kb < 8; ++kb)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) bm[kb][r] = fmaxf(bm[kb][r], __shfl_xor_sync(0xffffffffu, bm[kb][r], 1));
+#pragma unroll
+  for (int kb = 0; kb < 8; ++kb)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) bm[kb][r] = fmaxf(bm[kb][r], __shfl_xor_sync(0xffffffffu, bm[kb][r], 2));
+#pragma unroll
+  for (int kb = 0; kb < 8; ++kb) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint8_t sb = e4m3_encode_fast(div6_for_e4m3(bm[kb][r]));
+      const float rcp = tab.rcp[sb];
+      const uint32_t s2 = tab.s2[sb];
+      const float y0 = e2m1_round_nonneg(__fmul_rn(s[2 * kb][2 * r], rcp));
+      const float y1 = e2m1_round_nonneg(__fmul_rn(s[2 * kb][2 * r + 1], rcp));
+      const float y2 = e2m1_round_nonneg(__fmul_rn(s[2 * kb + 1][2 * r], rcp));
+      const float y3 = e2m1_round_nonneg(__fmul_rn(s[2 * kb + 1][2 * r + 1], rcp));
+      pa[kb][r] = hmul2_bits(pack_half2(y0, y1), s2);
+      pa[kb][2 + r] = hmul2_bits(pack_half2(y2, y3), s2);
+    }
+  }
+}
+
+/* O[n0 + n] = alpha O[n0 + n] + (beta/2688) dV acc[n] for NB 8-column groups (acc = P^q V^ of
+ * this tile, gv = beta/2688 dV per row). */
+template <int NO, int NB>
+__device__ __forceinline__ void rescale_accumulate(float (&o)[NO][4], int n0, const float (&acc)[NB][4],
+                                                   const float (&alpha)[2], float gv0, float gv1) {
+#pragma unroll
+  for (int n = 0; n < NB; ++n) {
+    o[n0 + n][0] = fmaf(alpha[0], o[n0 + n][0], gv0 * acc[n][0]);
+    o[n0 + n][1] = fmaf(alpha[0], o[n0 + n][1], gv0 * acc[n][1]);
+    o[n0 + n][2] = fmaf(alpha[1], o[n0 + n][2], gv1 * acc[n][2]);
+    o[n0 + n][3] = fmaf(alpha[1], o[n0 + n][3], gv1 * acc[n][3]);
+  }
+}
+
+/* SPEC 4.6 for one warp's rows: O / l (rows without visible keys -> 0) cast to the output dtype,
+ * and the LSE m ln2 + log l + scale (q - qbar).kbar when requested. qbar: this block's query
+ * mean (any memory), kbar: the key mean of the KV head (global). */
+template <int DP>
+__device__ __forceinline__ void store_rows(const AttnArgs &a, const WarpRows &w, int64_t bh,
+                                           const float (&o)[DP / 8][4], SoftmaxState &st,
+                                           const float *qbar, const float *kbar) {
+  const fp4attn_attention_params &p = a.p;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int D = (int)p.head_dim;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 1);
+    st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t qi = w.row0 + g + r * 8;
+    const float inv = st.l[r] > 0.0f ? 1.0f / st.l[r] : 0.0f;
+    if (qi < p.len_q) {
+      const int64_t ob = w.b * p.out_stride[0] + w.h * p.out_stride[1] + qi * p.out_stride[2];
+#pragma unroll
+      for (int n = 0; n < DP / 8; ++n) {
+        const int d = n * 8 + 2 * t;
+        const float v0 = o[n][2 * r] * inv, v1 = o[n][2 * r + 1] * inv;
+        if (d + 1 < D)
+          store2_from_float(p.out, p.dtype, ob + d, v0, v1, a.out_pair);
+        else if (d < D)
+          store_from_float(p.out, p.dtype, ob + d, v0);
+      }
+    }
+  }
+  if (p.lse) {
+    /* the smoothed scores omit (q_r - qbar_i) . kbar per row; add it back (reference) */
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t qi = w.row0 + g + r * 8;
+      float sh = 0.0f;
+      if (qi < p.len_q) {
+        const int64_t base = w.b * p.q_stride[0] + w.h * p.q_stride[1] + qi * p.q_stride[2];
+        for (int d = t; d < D; d += 4)
+          sh = fmaf(__fsub_rn(load_as_float(p.q, p.dtype, base + d), qbar[d]), kbar[d], sh);
+      }
+      sh += __shfl_xor_sync(0xffffffffu, sh, 1);
+      sh += __shfl_xor_sync(0xffffffffu, sh, 2);
+      if (qi < p.len_q && t == 0) {
+        const float lse = st.l[r] > 0.0f ? st.m[r] * kLn2 + logf(st.l[r]) + p.scale * sh : -INFINITY;
+        p.lse[bh * p.len_q + qi] = lse;
+      }
+    }
+  }
+}
+
+/* bias[key] = scale * log2(e) * (qbar . K[tok0 + key]) for one key per thread group of TPK
+ * threads (PER = DP / TPK columns each), K in input precision, FP32 FMAs (SPEC 4.4). All of a
+ * thread's loads are issued before the first FMA (one L2 round trip per tile, not eight).
+ * `key`/`part` select this thread's work; the TPK partial sums are combined by shuffles, so the
+ * TPK threads of a key must be adjacent lanes. */
+template <int DP, int TPK>
+__device__ __forceinline__ void compute_bias(const AttnArgs &a, int64_t b, int64_t hk, int64_t tok,
+                                             int part, const float *qbar, float *bias_out) {
+  const fp4attn_attention_params &p = a.p;
+  constexpr int PER = DP / TPK; /* columns per thread (zeros past D) */
+  const int D = (int)p.head_dim;
+  const int c0 = part * PER;
+  float acc = 0.0f;
+  if (tok < p.len_k) {
+    const int64_t base = b * p.k_stride[0] + hk * p.k_stride[1] + tok * p.k_stride[2];
+    if (a.vec_k && p.dtype != FP4ATTN_FLOAT32) {
+      constexpr int G = PER / 8 < 8 ? PER / 8 : 8; /* 16-byte loads in flight per batch */
+      const uint16_t *kp = static_cast<const uint16_t *>(p.k) + base;
+      const bool bf = p.dtype == FP4ATTN_BFLOAT16;
+#pragma unroll
+      for (int g0 = 0; g0 < PER / 8; g0 += G) {
+        uint4 raw[G];
+#pragma unroll
+        for (int i = 0; i < G; ++i) {
+          const int d = c0 + 8 * (g0 + i);
+          raw[i] = d < D ? __ldg(reinterpret_cast<const uint4 *>(kp + d)) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < G; ++i) {
+          const int d = c0 + 8 * (g0 + i);
+          const uint32_t wv[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float2 f;
+            if (bf) {
+              f.x = __uint_as_float(wv[e] << 16);
+              f.y = __uint_as_float(wv[e] & 0xFFFF0000u);
+            } else {
+              f = __half22float2(*reinterpret_cast<const __half2 *>(&wv[e]));
+            }
+            acc = fmaf(qbar[d + 2 * e], f.x, acc);
+            acc = fmaf(qbar[d + 2 * e + 1], f.y, acc);
+          }
+        }
+      }
+    } else {
+      for (int d = c0; d < min(D, c0 + PER); d += 8) {
+        float v[8];
+        if (a.vec_k && d + 8 <= D) {
+          load8_as_float(p.k, p.dtype, base + d, true, v);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = d + e < D ? load_as_float(p.k, p.dtype, base + d + e) : 0.0f;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc = fmaf(qbar[d + e], v[e], acc);
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 1; o < TPK; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (part == 0) *bias_out = acc * a.scale_log2;
+}
+
+/* Quantize query rows [q0, q0 + rows) of (b, h) (SPEC 4.2-4.3: Q - qbar, global scale, phi
+ * along D) and store the exact FP16 values through store16(row, col, 8 words). */
+template <int DP, typename Store16>
+__device__ __forceinline__ void quantize_q_rows(const AttnArgs &a, int64_t b, int64_t h, int64_t bh,
+                                                int64_t q0, int rows, const float *qbar, int tid,
+                                                int nthreads, Store16 store16) {
+  const fp4attn_attention_params &p = a.p;
+  const float encq = a.ws.qscale[bh * 2 + 0];
+  const int D = (int)p.head_dim;
+  constexpr int KB = DP / 16;
+  for (int job = tid; job < rows * KB; job += nthreads) {
+    const int r = job / KB, kb = job % KB;
+    const int64_t row = q0 + r;
+    uint32_t o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (row < p.len_q && kb * 16 < D) {
+      const int64_t base = b * p.q_stride[0] + h * p.q_stride[1] + row * p.q_stride[2];
+      float xs[16];
+      uint8_t q[16];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int c0 = kb * 16 + half * 8;
+        float v[8];
+        if (a.vec_q && c0 + 8 <= D) {
+          load8_as_float(p.q, p.dtype, base + c0, true, v);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = c0 + e < D ? load_as_float(p.q, p.dtype, base + c0 + e) : 0.0f;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          xs[half * 8 + e] = c0 + e < D ? __fmul_rn(__fsub_rn(v[e], qbar[c0 + e]), encq) : 0.0f;
+      }
+      const uint8_t s = fp4attn_quantize_block(xs, 16, q);
+      const float sv = fp4attn_e4m3_decode(s);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        o[i] = pack_half2(fp4attn_e2m1_decode(q[2 * i]) * sv, fp4attn_e2m1_decode(q[2 * i + 1]) * sv);
+    }
+    store16(r, kb * 16, o);
+  }
+}
+
+}  // namespace fp4attn_cuda
+
+#endif /* FP4ATTN_CUDA_ATTENTION_TILE_CUH */

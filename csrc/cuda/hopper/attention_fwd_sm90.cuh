@@ -1,0 +1,235 @@
+/*
+ * FP4 attention forward for Hopper (sm_90a), head dims padded to 64 and 128: the numerics of
+ * attention_fwd.cuh (FP4 operands held as exact FP16 values, SPEC 4.4-4.6), with the matrix work
+ * on wgmma and the loads on a producer warpgroup.
+ *
+ * Block: 128 query rows of one (batch, query head), 3 warpgroups.
+ *   warpgroup 0, producer (setmaxnreg down to kProducerRegs): per 128-key tile, cp.async of the
+ *     K^ and V^ tiles (exact FP16 values written by the pre-pass) into 128-byte-swizzled shared
+ *     memory, the q-mean correction bias[key] = scale log2e qbar . K[key] from K in input
+ *     precision, then signals "full". Two buffers; it refills one when both consumers signal
+ *     "empty".
+ *   warpgroups 1 and 2, consumers (setmaxnreg up): 64 rows each. S = Q^ K^T by wgmma
+ *     m64n128k16 with Q^ and K^ in shared memory; the score epilogue, online softmax and P
+ *     quantization in registers (attention_tile.cuh, shared with the mma.sync kernel: the wgmma
+ *     accumulator layout of each warp is the m16n8k16 layout of its 16 rows); P^q V^ by wgmma
+ *     m64n{DP}k16 with P^q from registers; O = alpha O + (beta/2688) dV (P^q V^) in FP32.
+ * The two consumer warpgroups run independently between the shared barriers, so one's softmax
+ * overlaps the other's tensor-core work.
+ * Q: all 384 threads quantize the block's rows in the prologue (Q - qbar, global scale, phi).
+ */
+#ifndef FP4ATTN_CUDA_HOPPER_ATTENTION_FWD_SM90_CUH
+#define FP4ATTN_CUDA_HOPPER_ATTENTION_FWD_SM90_CUH
+
+#include "../attention_tile.cuh"
+#include "wgmma.cuh"
+
+namespace fp4attn_cuda {
+namespace sm90 {
+
+constexpr int kThreads = 384;      /* producer + 2 consumer warpgroups */
+constexpr int kRows = 128;         /* query rows per block (SPEC 4 Bq) */
+constexpr int kProducerRegs = 56;  /* 56 x 128 + 224 x 256 <= 64K registers */
+constexpr int kConsumerRegs = 224;
+constexpr int kBarFull = 1;        /* + buffer: K^/V^/bias of the tile are in shared memory */
+constexpr int kBarEmpty = 3;       /* + buffer: both consumers are done with it */
+
+template <int DP>
+struct Config {
+  static constexpr int kQBytes = kRows * DP * 2;
+  static constexpr int kKBytes = kTile * DP * 2;
+  static constexpr int kVBytes = DP * kTile * 2;
+  /* shared memory map (bytes from a 1024-aligned base; the operand tiles first, all 1024-aligned) */
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffK = kOffQ + kQBytes;
+  static constexpr int kOffV = kOffK + 2 * kKBytes;
+  static constexpr int kOffBias = kOffV + 2 * kVBytes;
+  static constexpr int kOffQbar = kOffBias + 2 * kTile * 4;
+  static constexpr int kOffRcp = kOffQbar + DP * 4;
+  static constexpr int kOffS2 = kOffRcp + 128 * 4;
+  static constexpr int kSmem = kOffS2 + 128 * 4 + 1024; /* + slack to align the base */
+};
+
+template <int DP>
+struct Kernel {
+  using C = Config<DP>;
+
+  struct Block {
+    const AttnArgs *a;
+    int64_t b, h, bh, hk, bhk, q0;
+    int ntiles;
+    char *smem;
+    __device__ __half *tile(int off) const { return reinterpret_cast<__half *>(smem + off); }
+    __device__ float *bias(int buf) const { return reinterpret_cast<float *>(smem + C::kOffBias) + buf * kTile; }
+    __device__ float *qbar() const { return reinterpret_cast<float *>(smem + C::kOffQbar); }
+  };
+
+#if defined(FP4ATTN_SM90_WGMMA)
+  /* ---------------------------------------------------------------- producer warpgroup */
+  static __device__ void producer(const Block &k) {
+    const AttnWorkspace &w = k.a->ws;
+    const int tid = threadIdx.x; /* 0..127 */
+    for (int j = 0; j < k.ntiles; ++j) {
+      const int buf = j & 1;
+      if (j >= 2) named_sync(kBarEmpty + buf, kThreads);
+      const __half *kg = w.kdq + (k.bhk * w.nkp + (int64_t)j * kTile) * DP; /* [128][DP] */
+      const __half *vg = w.vdq + (k.bhk * w.nkt + j) * (int64_t)DP * kTile; /* [DP][128] */
+      __half *ks = k.tile(C::kOffK + buf * C::kKBytes);
+      __half *vs = k.tile(C::kOffV + buf * C::kVBytes);
+      constexpr int KCH = DP / 8, VCH = kTile / 8; /* 16-byte chunks per row */
+#pragma unroll 4
+      for (int i = tid; i < kTile * KCH; i += 128)
+        cp_async_16(ks + sw128_offset(kTile, i / KCH, (i % KCH) * 8), kg + (int64_t)i * 8);
+#pragma unroll 4
+      for (int i = tid; i < DP * VCH; i += 128)
+        cp_async_16(vs + sw128_offset(DP, i / VCH, (i % VCH) * 8), vg + (int64_t)i * 8);
+      cp_async_commit();
+      compute_bias<DP, 1>(*k.a, k.b, k.hk, (int64_t)j * kTile + tid, 0, k.qbar(), k.bias(buf) + tid);
+      cp_async_wait_all();
+      fence_proxy_async(); /* the tiles are read by wgmma (async proxy) */
+      named_arrive(kBarFull + buf, kThreads);
+    }
+  }
+
+  /* ---------------------------------------------------------------- consumer warpgroups */
+  static __device__ void consumer(const Block &k) {
+    const AttnArgs &a = *k.a;
+    const AttnWorkspace &w = a.ws;
+    const int ctid = threadIdx.x - 128;                 /* 0..255 */
+    const int cwg = ctid >> 7, wwarp = (ctid >> 5) & 3; /* consumer warpgroup, warp in it */
+    const WarpRows rows = {k.b, k.h, k.q0 + cwg * 64 + wwarp * 16};
+    const PTables tab = {reinterpret_cast<const float *>(k.smem + C::kOffRcp),
+                         reinterpret_cast<const uint32_t *>(k.smem + C::kOffS2)};
+    const float decq = w.qscale[k.bh * 2 + 1];
+    const float deck = w.kvscale[k.bhk * 4 + 1], decv = w.kvscale[k.bhk * 4 + 3];
+    const float cqk = a.scale_log2 * (decq * deck);
+    /* this warpgroup's 64 rows of Q^: 64 x 128 bytes into each column block */
+    const uint32_t q_addr = smem_u32(k.smem + C::kOffQ) + cwg * 64 * 128;
+
+    SoftmaxState st;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.0f;
+    float o[DP / 8][4];
+#pragma unroll
+    for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+
+    for (int j = 0; j < k.ntiles; ++j) {
+      const int buf = j & 1;
+      const uint32_t k_addr = smem_u32(k.smem + C::kOffK + buf * C::kKBytes);
+      const uint32_t v_addr = smem_u32(k.smem + C::kOffV + buf * C::kVBytes);
+      named_sync(kBarFull + buf, kThreads);
+
+      /* S = Q^ K^T: 64 rows x 128 keys, reduction over DP in k16 steps */
+      float s[16][4];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < DP / 16; ++kk) {
+        const uint32_t step = (kk & 3) * 32; /* k16 step inside a 64-column block */
+        Wgmma<128>::ss(s, sw128_desc(q_addr + (kk >> 2) * (kRows * 128) + step),
+                       sw128_desc(k_addr + (kk >> 2) * (kTile * 128) + step), kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(s);
+
+      float alpha[2], gsc[2];
+      uint32_t pa[8][4];
+      softmax_quantize_p(a.p, rows, (int64_t)j * kTile, cqk, k.bias(buf), tab, s, st, alpha, gsc, pa);
+
+      /* P^q V^: 64 rows x DP columns, reduction over the 128 keys in k16 steps */
+      float acc[DP / 8][4];
+      wgmma_fence();
+#pragma unroll
+      for (int kb = 0; kb < 8; ++kb)
+        Wgmma<DP>::rs(acc, pa[kb], sw128_desc(v_addr + (kb >> 2) * (DP * 128) + (kb & 3) * 32), kb > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(acc);
+      if (j + 2 < k.ntiles) named_arrive(kBarEmpty + buf, kThreads);
+
+      rescale_accumulate(o, 0, acc, alpha, gsc[0] * decv, gsc[1] * decv);
+    }
+    store_rows<DP>(a, rows, k.bh, o, st, k.qbar(), w.kbar + k.bhk * DP);
+  }
+
+  static __device__ void run(const AttnArgs &a, char *smem) {
+    const fp4attn_attention_params &p = a.p;
+    const AttnWorkspace &w = a.ws;
+    Block k;
+    k.a = &a;
+    k.smem = smem;
+    const int64_t nqt = (p.len_q + kRows - 1) / kRows;
+    const int64_t bh = blockIdx.x / nqt;
+    int64_t qt = blockIdx.x % nqt;
+    if (p.causal) qt = nqt - 1 - qt; /* longest rows first */
+    k.bh = bh;
+    k.b = bh / p.heads_q;
+    k.h = bh % p.heads_q;
+    k.hk = k.h / (p.heads_q / p.heads_kv);
+    k.bhk = k.b * p.heads_kv + k.hk;
+    k.q0 = qt * kRows;
+    int64_t ntiles = w.nkt;
+    if (p.causal) ntiles = min(ntiles, (min(k.q0 + kRows, p.len_q) - 1) / kTile + 1);
+    k.ntiles = (int)ntiles;
+
+    /* prologue, all threads: tables, qbar, Q^ (exact FP16 values, swizzled for wgmma) */
+    fill_p_tables(reinterpret_cast<float *>(smem + C::kOffRcp),
+                  reinterpret_cast<uint32_t *>(smem + C::kOffS2), threadIdx.x, kThreads);
+    for (int i = threadIdx.x; i < DP; i += kThreads) k.qbar()[i] = w.qbar[(bh * w.nqb + k.q0 / kTile) * DP + i];
+    __syncthreads();
+    __half *qs = k.tile(C::kOffQ);
+    quantize_q_rows<DP>(a, k.b, k.h, bh, k.q0, kRows, k.qbar(), threadIdx.x, kThreads,
+                        [&](int r, int col, const uint32_t (&v)[8]) {
+                          *reinterpret_cast<uint4 *>(qs + sw128_offset(kRows, r, col)) = make_uint4(v[0], v[1], v[2], v[3]);
+                          *reinterpret_cast<uint4 *>(qs + sw128_offset(kRows, r, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
+                        });
+    fence_proxy_async();
+    __syncthreads();
+
+    if (threadIdx.x < 128) {
+      regs_dealloc<kProducerRegs>();
+      producer(k);
+    } else {
+      regs_alloc<kConsumerRegs>();
+      consumer(k);
+    }
+  }
+#endif /* FP4ATTN_SM90_WGMMA */
+};
+
+template <int DP>
+__global__ void __launch_bounds__(kThreads, 1) attention_fwd_sm90_kernel(const __grid_constant__ AttnArgs a) {
+#if defined(FP4ATTN_SM90_WGMMA)
+  extern __shared__ __align__(16) char smem_raw[];
+  /* operand tiles need 1024-byte alignment (the swizzle works on address bits) */
+  const uint32_t raw = smem_u32(smem_raw);
+  char *smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
+  Kernel<DP>::run(a, smem);
+#else
+  __trap(); /* never launched: the host launches this kernel only for sm_90a builds on CC 9.0 */
+#endif
+}
+
+template <int DP>
+fp4attn_status launch(const AttnArgs &a, cudaStream_t s) {
+  using C = Config<DP>;
+  auto kernel = attention_fwd_sm90_kernel<DP>;
+  static bool configured[64] = {false};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64 || !configured[dev]) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem) != cudaSuccess)
+      return launch_status("attention (sm90): cudaFuncSetAttribute");
+    if (dev >= 0 && dev < 64) configured[dev] = true;
+  }
+  const int64_t blocks = a.p.batch * a.p.heads_q * ceil_div(a.p.len_q, kRows);
+  if (blocks > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: too many query blocks");
+  kernel<<<(unsigned)blocks, kThreads, C::kSmem, s>>>(a);
+  return launch_status("attention (sm90): forward kernel");
+}
+
+}  // namespace sm90
+}  // namespace fp4attn_cuda
+
+#endif /* FP4ATTN_CUDA_HOPPER_ATTENTION_FWD_SM90_CUH */
