@@ -49,9 +49,7 @@ struct FwdConfig {
   static constexpr int kOffV = kOffK + NBUF * kTile * DP * 2;
   static constexpr int kOffBias = kOffV + NBUF * DP * kTile * 2;
   static constexpr int kOffQbar = kOffBias + NBUF * kTile * 4;
-  static constexpr int kOffRcp = kOffQbar + DP * 4;  /* 1/s per E4M3 byte (0 for s = 0) */
-  static constexpr int kOffS2 = kOffRcp + 128 * 4;   /* (s, s) as half2 per E4M3 byte */
-  static constexpr int kSmem = kOffS2 + 128 * 4;
+  static constexpr int kSmem = kOffQbar + DP * 4;
 };
 
 template <int DP, int NWARPS, int NBUF>
@@ -161,11 +159,9 @@ struct FwdKernel {
 
     /* ---- softmax and P quantization (attention_tile.cuh) */
     const WarpRows wrows = {c.b, c.h, c.q0 + wr};
-    const PTables tab = {reinterpret_cast<const float *>(c.smem + C::kOffRcp),
-                         reinterpret_cast<const uint32_t *>(c.smem + C::kOffS2)};
     float alpha[2], gsc[2];
     uint32_t pa[8][4];
-    softmax_quantize_p(p, wrows, (int64_t)j * kTile, cqk, bs, tab, s, rs.sm, alpha, gsc, pa);
+    softmax_quantize_p(p, wrows, (int64_t)j * kTile, cqk, bs, s, rs.sm, alpha, gsc, pa);
 
     /* ---- O = alpha O + (beta/2688) dV (P^q V^), GW output columns at a time */
     constexpr int GW = DP == 256 ? 32 : 64; /* fewer live accumulators where O is largest */
@@ -216,8 +212,6 @@ struct FwdKernel {
 
     /* constants in shared memory */
     {
-      fill_p_tables(reinterpret_cast<float *>(smem + C::kOffRcp),
-                    reinterpret_cast<uint32_t *>(smem + C::kOffS2), threadIdx.x, C::kThreads);
       float *qbar = reinterpret_cast<float *>(smem + C::kOffQbar);
       const int64_t qblk = c.q0 / kTile;
       for (int i = threadIdx.x; i < DP; i += C::kThreads) qbar[i] = w.qbar[(bh * w.nqb + qblk) * DP + i];

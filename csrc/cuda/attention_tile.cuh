@@ -26,41 +26,41 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-/* bmax / 6 for the E4M3 block scale of P: one FMA-corrected step instead of the IEEE division
- * (whose slow-path branch splits the block pipeline). The quotient can differ from the correctly
- * rounded one in the last bit for some inputs, but its E4M3 rounding never does: checked
- * exhaustively for every float in [0, 4096] (P blocks are at most 2688 * (1 + 2^-22)). */
-__device__ __forceinline__ float div6_for_e4m3(float a) {
-  const float y = 0.16666667163372040f; /* fl(1/6) */
-  const float q0 = __fmul_rn(a, y);
-  const float r = __fmaf_rn(-q0, 6.0f, a);
-  return __fmaf_rn(r, y, q0);
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
-/* E4M3 byte -> half2 (s, s); exact. */
-__device__ __forceinline__ uint32_t e4m3_half2(uint8_t s) {
+/* E4M3 block scales of two P blocks (rows g and g+8) from their maxima: s = rne_e4m3_sat(bmax/6)
+ * as float (sv) and as the half2 (s, s) (s2). bmax * fl(1/6) is within one unit in the last
+ * place of bmax / 6, so the E4M3 rounding can differ from SPEC 2 only on an exact tie. */
+__device__ __forceinline__ void block_scales(float bmax0, float bmax1, float (&sv)[2], uint32_t (&s2)[2]) {
+  const float y = 0.16666667163372040f; /* fl(1/6) */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  __half_raw hr = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)s, __NV_E4M3);
-  return (uint32_t)hr.x | ((uint32_t)hr.x << 16);
+  const __nv_fp8x2_storage_t b2 = __nv_cvt_float2_to_fp8x2(make_float2(bmax0 * y, bmax1 * y), __NV_SATFINITE, __NV_E4M3);
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(b2, __NV_E4M3); /* .x = row g, .y = row g+8 */
+  const uint32_t hw = (uint32_t)h.x | ((uint32_t)h.y << 16);
+  s2[0] = __byte_perm(hw, 0, 0x1010);
+  s2[1] = __byte_perm(hw, 0, 0x3232);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&hw));
+  sv[0] = f.x, sv[1] = f.y;
 #else
-  const float f = fp4attn_e4m3_decode(s);
-  return pack_half2(f, f);
+  sv[0] = fp4attn_e4m3_decode(fp4attn_e4m3_encode_sat(bmax0 * y));
+  sv[1] = fp4attn_e4m3_decode(fp4attn_e4m3_encode_sat(bmax1 * y));
+  s2[0] = pack_half2(sv[0], sv[0]);
+  s2[1] = pack_half2(sv[1], sv[1]);
 #endif
 }
 
-/* Per-E4M3-byte tables of the P quantization, in shared memory: 1/s correctly rounded (0 for
- * s = 0 and NaN) and (s, s) as half2. Filled once per block by fill_p_tables. */
-struct PTables {
-  const float *rcp;
-  const uint32_t *s2;
-};
-
-__device__ __forceinline__ void fill_p_tables(float *rcp, uint32_t *s2, int tid, int nthreads) {
-  for (int i = tid; i < 128; i += nthreads) {
-    const float sv = fp4attn_e4m3_decode((uint8_t)i);
-    rcp[i] = (i == 0 || i == 0x7F) ? 0.0f : 1.0f / sv; /* correctly rounded (SPEC 2) */
-    s2[i] = i == 0x7F ? 0u : e4m3_half2((uint8_t)i);
-  }
+/* rne_e2m1 (SPEC 1) of two non-negative values below 2^100, as the FP16 pair of rounded values
+ * (e2m1_grid_nonneg puts each on the grid, hmin2 saturates at 6). The rounding stays in FP32:
+ * rounding to FP16 first (half the instructions) moved values lying within half an FP16 unit of an
+ * E2M1 tie and pushed rel_l1 against the reference to 2e-3..3.6e-3 on the test shapes. */
+__device__ __forceinline__ uint32_t e2m1_pair(float y0, float y1) {
+  __half2 r = __floats2half2_rn(e2m1_grid_nonneg(y0), e2m1_grid_nonneg(y1));
+  r = __hmin2(r, __float2half2_rn(6.0f));
+  return *reinterpret_cast<uint32_t *>(&r);
 }
 
 /* Where one warp's 16 rows sit: (batch, query head) and the query row of accumulator row 0. */
@@ -81,7 +81,7 @@ struct SoftmaxState {
  * SPEC 4.4-4.5 in log2 units. Masks: causal (top-left), bool/additive attn_mask, key padding. */
 __device__ __forceinline__ void softmax_quantize_p(const fp4attn_attention_params &p,
                                                    const WarpRows &w, int64_t j0, float cqk,
-                                                   const float *bias, const PTables &tab,
+                                                   const float *bias,
                                                    float (&s)[16][4], SoftmaxState &st,
                                                    float (&alpha)[2], float (&gsc)[2],
                                                    uint32_t (&pa)[8][4]) {
@@ -120,42 +120,9 @@ __device__ __forceinline__ void softmax_quantize_p(const fp4attn_attention_param
       }
   }
 
-  /* ---- online softmax statistics (SPEC 4.5), rows g and g+8 */
-  float tmax[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-  for (int n = 0; n < 16; ++n) {
-    tmax[0] = fmaxf(tmax[0], fmaxf(s[n][0], s[n][1]));
-    tmax[1] = fmaxf(tmax[1], fmaxf(s[n][2], s[n][3]));
-  }
-  float toff[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
-    tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
-    const float mnew = fmaxf(st.m[r], tmax[r]);
-    const bool empty = tmax[r] == -INFINITY;
-    alpha[r] = st.m[r] == -INFINITY ? 0.0f : fast_exp2(st.m[r] - mnew);
-    const float beta = empty ? 0.0f : fast_exp2(tmax[r] - mnew);
-    gsc[r] = beta * (1.0f / FP4ATTN_NVFP4_RANGE);
-    toff[r] = (empty ? 0.0f : tmax[r]) - kLog2_2688;
-    st.m[r] = mnew;
-  }
-
-  /* ---- Pq = 2688 * exp(S - t); its row sums feed l (unquantized, SPEC 4.5) */
-  float rsum[2] = {0.0f, 0.0f};
-#pragma unroll
-  for (int n = 0; n < 16; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[n][e] = fast_exp2(s[n][e] - toff[e >> 1]);
-    rsum[0] += s[n][0] + s[n][1];
-    rsum[1] += s[n][2] + s[n][3];
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) st.l[r] = fmaf(alpha[r], st.l[r], gsc[r] * rsum[r]);
-
-  /* ---- phi_local of Pq in 16-key blocks -> P^q as exact FP16 A fragments. Block kb of row
-   * g (r = 0) or g+8 (r = 1) is s[2kb][2r..2r+1] and s[2kb+1][2r..2r+1] of the 4 quad lanes.
-   * Stages are written across all 16 blocks so the scheduler can interleave them. */
+  /* ---- block maxima of the log2 scores (16-key block kb of row g + 8r is s[2kb][2r..2r+1] and
+   * s[2kb+1][2r..2r+1] of the 4 quad lanes); the tile row max t is their maximum. exp2 is
+   * monotonic, so exp2(bm - off) is the block maximum of Pq without a pass over Pq. */
   float bm[8][2];
 #pragma unroll
   for (int kb = 0; kb < 8; ++kb)
@@ -171,28 +138,69 @@ __device__ __forceinline__ void softmax_quantize_p(const fp4attn_attention_param
   for (int kb = 0; kb < 8; ++kb)
 #pragma unroll
     for (int r = 0; r < 2; ++r) bm[kb][r] = fmaxf(bm[kb][r], __shfl_xor_sync(0xffffffffu, bm[kb][r], 2));
+
+  /* ---- online softmax statistics (SPEC 4.5), rows g and g+8 */
+  float toff[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float tmax = bm[0][r];
+#pragma unroll
+    for (int kb = 1; kb < 8; ++kb) tmax = fmaxf(tmax, bm[kb][r]);
+    const float mnew = fmaxf(st.m[r], tmax);
+    const bool empty = tmax == -INFINITY;
+    alpha[r] = st.m[r] == -INFINITY ? 0.0f : fast_exp2(st.m[r] - mnew);
+    const float beta = empty ? 0.0f : fast_exp2(tmax - mnew);
+    gsc[r] = beta * (1.0f / FP4ATTN_NVFP4_RANGE);
+    toff[r] = (empty ? 0.0f : tmax) - kLog2_2688; /* Pq = 2688 exp2(x - t) = exp2(x - toff) */
+    st.m[r] = mnew;
+  }
+
+  /* ---- phi_local of Pq per 16-key block, fused into the exponential: with the block scale
+   * s = rne_e4m3_sat(max Pq / 6), Pq / s = exp2(x - (toff + log2 s)), so one exp2 per score
+   * gives the value to round onto the E2M1 grid (s = 0: offset +inf, everything rounds to 0).
+   * The row sum of Pq (unquantized, SPEC 4.5) is s * sum(Pq / s); P^q = code * s is exact in
+   * FP16. The approximate exp2/log2 move Pq / s by a few units in the last place, which changes
+   * its E2M1 code only when it sits on a rounding tie: the same kind of difference the approximate
+   * exp always made, within SPEC 4's rel_l1 < 2e-3 against the reference. */
+  float rsum[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int kb = 0; kb < 8; ++kb) {
+    float sv[2], off[2];
+    uint32_t s2[2];
+    block_scales(fast_exp2(bm[kb][0] - toff[0]), fast_exp2(bm[kb][1] - toff[1]), sv, s2);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) off[r] = sv[r] == 0.0f ? INFINITY : toff[r] + fast_log2(sv[r]);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const uint8_t sb = e4m3_encode_fast(div6_for_e4m3(bm[kb][r]));
-      const float rcp = tab.rcp[sb];
-      const uint32_t s2 = tab.s2[sb];
-      const float y0 = e2m1_round_nonneg(__fmul_rn(s[2 * kb][2 * r], rcp));
-      const float y1 = e2m1_round_nonneg(__fmul_rn(s[2 * kb][2 * r + 1], rcp));
-      const float y2 = e2m1_round_nonneg(__fmul_rn(s[2 * kb + 1][2 * r], rcp));
-      const float y3 = e2m1_round_nonneg(__fmul_rn(s[2 * kb + 1][2 * r + 1], rcp));
-      pa[kb][r] = hmul2_bits(pack_half2(y0, y1), s2);
-      pa[kb][2 + r] = hmul2_bits(pack_half2(y2, y3), s2);
+      const float y0 = fast_exp2(s[2 * kb][2 * r] - off[r]);
+      const float y1 = fast_exp2(s[2 * kb][2 * r + 1] - off[r]);
+      const float y2 = fast_exp2(s[2 * kb + 1][2 * r] - off[r]);
+      const float y3 = fast_exp2(s[2 * kb + 1][2 * r + 1] - off[r]);
+      rsum[r] = fmaf((y0 + y1) + (y2 + y3), sv[r], rsum[r]);
+      pa[kb][r] = hmul2_bits(e2m1_pair(y0, y1), s2[r]);
+      pa[kb][2 + r] = hmul2_bits(e2m1_pair(y2, y3), s2[r]);
     }
   }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) st.l[r] = fmaf(alpha[r], st.l[r], gsc[r] * rsum[r]);
 }
 
 /* O[n0 + n] = alpha O[n0 + n] + (beta/2688) dV acc[n] for NB 8-column groups (acc = P^q V^ of
- * this tile, gv = beta/2688 dV per row). */
+ * this tile, gv = beta/2688 dV per row). Once the running maxima settle, alpha is 1 for every
+ * row of the warp and the update is one FMA per element (the test is warp-uniform). */
 template <int NO, int NB>
 __device__ __forceinline__ void rescale_accumulate(float (&o)[NO][4], int n0, const float (&acc)[NB][4],
                                                    const float (&alpha)[2], float gv0, float gv1) {
+  if (__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) {
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+      o[n0 + n][0] = fmaf(gv0, acc[n][0], o[n0 + n][0]);
+      o[n0 + n][1] = fmaf(gv0, acc[n][1], o[n0 + n][1]);
+      o[n0 + n][2] = fmaf(gv1, acc[n][2], o[n0 + n][2]);
+      o[n0 + n][3] = fmaf(gv1, acc[n][3], o[n0 + n][3]);
+    }
+    return;
+  }
 #pragma unroll
   for (int n = 0; n < NB; ++n) {
     o[n0 + n][0] = fmaf(alpha[0], o[n0 + n][0], gv0 * acc[n][0]);

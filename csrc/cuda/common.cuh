@@ -4,7 +4,7 @@
  * non-negative E2M1 rounding used for P, and the cached SM count.
  *
  * Every rounding that must be bit-exact with the CPU backend goes through numerics.h or through
- * a helper here that is proven equal to it (see e2m1_round_nonneg).
+ * a helper here that is proven equal to it (see e2m1_grid_nonneg).
  */
 #ifndef FP4ATTN_CUDA_COMMON_CUH
 #define FP4ATTN_CUDA_COMMON_CUH
@@ -142,22 +142,28 @@ __device__ __forceinline__ void load8_as_float(const void *base, fp4attn_dtype d
 
 /* ------------------------------------------------------------------------ FP4 helpers */
 
-/* rne_e2m1 of SPEC 1 for y >= 0 (finite, below 2^100), returned as the rounded value.
- * Adding C = 2^(max(e, 0) + 22), e the binary exponent of y, leaves a float32 whose unit in the
- * last place is the E2M1 spacing of y's binade (0.5 below 2, 1 in [2, 4), 2 in [4, 8)); the
- * hardware's round-to-nearest-even then rounds y onto the E2M1 grid with the ties of SPEC 1
- * (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), and subtracting C
- * is exact. Values above 6 saturate. Checked exhaustively against fp4attn_e2m1_encode. */
-__host__ __device__ __forceinline__ float e2m1_round_nonneg(float y) {
-  uint32_t e = fp4attn_float_bits(y) & 0x7F800000u;
-  e = (e > 0x3F800000u ? e : 0x3F800000u) + 0x0B000000u;
-  const float c = fp4attn_bits_float(e);
+/* rne_e2m1 of SPEC 1 for y >= 0 (finite, below 2^100) as the rounded value, before saturation
+ * (values above 6 come out as 8 or more: clamp at 6). With 2^e the power of two at or below
+ * max(y, 1), the sum y + 2^(e+22) is a float32 whose unit in the last place is the E2M1 spacing
+ * of y's binade (0.5 below 2, 1 in [2, 4), 2 in [4, 8)); its round-to-nearest-even puts y on the
+ * E2M1 grid with the ties of SPEC 1 (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2,
+ * 3.5 -> 4, 5 -> 4), and subtracting 2^(e+22) again is exact. Both steps are FMAs with 2^22
+ * (one rounding each, like the adds), so the whole is max, and, FMA, FMA.
+ * min(e2m1_grid_nonneg(y), 6) equals value(fp4attn_e2m1_encode(y)) for every float in [0, 16]
+ * (tests/cuda_harness/check_fast_rounding.cu, run by CI). */
+__host__ __device__ __forceinline__ float e2m1_grid_nonneg(float y) {
+  const float p2 = fp4attn_bits_float(fp4attn_float_bits(y > 1.0f ? y : 1.0f) & 0x7F800000u);
 #if defined(__CUDA_ARCH__)
-  const float r = __fsub_rn(__fadd_rn(y, c), c);
+  return __fmaf_rn(-p2, 4194304.0f, __fmaf_rn(p2, 4194304.0f, y));
 #else
-  volatile float t = y + c; /* keep the two roundings separate on the host too */
-  const float r = t - c;
+  volatile float t = fmaf(p2, 4194304.0f, y); /* keep the two roundings separate on the host too */
+  return fmaf(-p2, 4194304.0f, t);
 #endif
+}
+
+/* rne_e2m1 of SPEC 1 for y >= 0 (finite, below 2^100), saturated: the rounded value. */
+__host__ __device__ __forceinline__ float e2m1_round_nonneg(float y) {
+  const float r = e2m1_grid_nonneg(y);
   return r < 6.0f ? r : 6.0f;
 }
 

@@ -7,8 +7,8 @@
  *   warpgroup 0, producer (setmaxnreg down to kProducerRegs): per 128-key tile, cp.async of the
  *     K^ and V^ tiles (exact FP16 values written by the pre-pass) into 128-byte-swizzled shared
  *     memory, the q-mean correction bias[key] = scale log2e qbar . K[key] from K in input
- *     precision, then signals "full". Two buffers; it refills one when both consumers signal
- *     "empty".
+ *     precision, then signals "full". A ring of kStages buffers; it refills one when both
+ *     consumers signal "empty", so loads run up to two tiles ahead of the tensor cores.
  *   warpgroups 1 and 2, consumers (setmaxnreg up): 64 rows each. S = Q^ K^T by wgmma
  *     m64n128k16 with Q^ and K^ in shared memory; the score epilogue, online softmax and P
  *     quantization in registers (attention_tile.cuh, shared with the mma.sync kernel: the wgmma
@@ -31,23 +31,25 @@ constexpr int kThreads = 384;      /* producer + 2 consumer warpgroups */
 constexpr int kRows = 128;         /* query rows per block (SPEC 4 Bq) */
 constexpr int kProducerRegs = 56;  /* 56 x 128 + 224 x 256 <= 64K registers */
 constexpr int kConsumerRegs = 224;
-constexpr int kBarFull = 1;        /* + buffer: K^/V^/bias of the tile are in shared memory */
-constexpr int kBarEmpty = 3;       /* + buffer: both consumers are done with it */
+constexpr int kStages = 3;         /* K^/V^/bias ring: the producer runs up to 2 tiles ahead */
+constexpr int kBarFull = 1;        /* + stage: K^/V^/bias of the tile are in shared memory */
+constexpr int kBarEmpty = 1 + kStages; /* + stage: both consumers are done with it */
 
 template <int DP>
 struct Config {
   static constexpr int kQBytes = kRows * DP * 2;
   static constexpr int kKBytes = kTile * DP * 2;
   static constexpr int kVBytes = DP * kTile * 2;
-  /* shared memory map (bytes from a 1024-aligned base; the operand tiles first, all 1024-aligned) */
+  /* shared memory map. Small arrays from the (16-byte aligned) base: */
+  static constexpr int kOffBias = 0;
+  static constexpr int kOffQbar = kOffBias + kStages * kTile * 4;
+  static constexpr int kSmall = kOffQbar + DP * 4;
+  /* operand tiles from the first 1024-byte boundary after them (offsets from that boundary): */
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
-  static constexpr int kOffV = kOffK + 2 * kKBytes;
-  static constexpr int kOffBias = kOffV + 2 * kVBytes;
-  static constexpr int kOffQbar = kOffBias + 2 * kTile * 4;
-  static constexpr int kOffRcp = kOffQbar + DP * 4;
-  static constexpr int kOffS2 = kOffRcp + 128 * 4;
-  static constexpr int kSmem = kOffS2 + 128 * 4 + 1024; /* + slack to align the base */
+  static constexpr int kOffV = kOffK + kStages * kKBytes;
+  static constexpr int kTiles = kOffV + kStages * kVBytes;
+  static constexpr int kSmem = kSmall + 1023 + kTiles; /* 232447 bytes for DP = 128 (H100/H200: 232448) */
 };
 
 template <int DP>
@@ -58,10 +60,10 @@ struct Kernel {
     const AttnArgs *a;
     int64_t b, h, bh, hk, bhk, q0;
     int ntiles;
-    char *smem;
-    __device__ __half *tile(int off) const { return reinterpret_cast<__half *>(smem + off); }
-    __device__ float *bias(int buf) const { return reinterpret_cast<float *>(smem + C::kOffBias) + buf * kTile; }
-    __device__ float *qbar() const { return reinterpret_cast<float *>(smem + C::kOffQbar); }
+    char *small, *tiles; /* see Config */
+    __device__ __half *tile(int off) const { return reinterpret_cast<__half *>(tiles + off); }
+    __device__ float *bias(int stage) const { return reinterpret_cast<float *>(small + C::kOffBias) + stage * kTile; }
+    __device__ float *qbar() const { return reinterpret_cast<float *>(small + C::kOffQbar); }
   };
 
 #if defined(FP4ATTN_SM90_WGMMA)
@@ -69,9 +71,8 @@ struct Kernel {
   static __device__ void producer(const Block &k) {
     const AttnWorkspace &w = k.a->ws;
     const int tid = threadIdx.x; /* 0..127 */
-    for (int j = 0; j < k.ntiles; ++j) {
-      const int buf = j & 1;
-      if (j >= 2) named_sync(kBarEmpty + buf, kThreads);
+    for (int j = 0, buf = 0; j < k.ntiles; ++j, buf = buf + 1 == kStages ? 0 : buf + 1) {
+      if (j >= kStages) named_sync(kBarEmpty + buf, kThreads);
       const __half *kg = w.kdq + (k.bhk * w.nkp + (int64_t)j * kTile) * DP; /* [128][DP] */
       const __half *vg = w.vdq + (k.bhk * w.nkt + j) * (int64_t)DP * kTile; /* [DP][128] */
       __half *ks = k.tile(C::kOffK + buf * C::kKBytes);
@@ -98,13 +99,11 @@ struct Kernel {
     const int ctid = threadIdx.x - 128;                 /* 0..255 */
     const int cwg = ctid >> 7, wwarp = (ctid >> 5) & 3; /* consumer warpgroup, warp in it */
     const WarpRows rows = {k.b, k.h, k.q0 + cwg * 64 + wwarp * 16};
-    const PTables tab = {reinterpret_cast<const float *>(k.smem + C::kOffRcp),
-                         reinterpret_cast<const uint32_t *>(k.smem + C::kOffS2)};
     const float decq = w.qscale[k.bh * 2 + 1];
     const float deck = w.kvscale[k.bhk * 4 + 1], decv = w.kvscale[k.bhk * 4 + 3];
     const float cqk = a.scale_log2 * (decq * deck);
     /* this warpgroup's 64 rows of Q^: 64 x 128 bytes into each column block */
-    const uint32_t q_addr = smem_u32(k.smem + C::kOffQ) + cwg * 64 * 128;
+    const uint32_t q_addr = smem_u32(k.tiles + C::kOffQ) + cwg * 64 * 128;
 
     SoftmaxState st;
     st.m[0] = st.m[1] = -INFINITY;
@@ -113,10 +112,9 @@ struct Kernel {
 #pragma unroll
     for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
-    for (int j = 0; j < k.ntiles; ++j) {
-      const int buf = j & 1;
-      const uint32_t k_addr = smem_u32(k.smem + C::kOffK + buf * C::kKBytes);
-      const uint32_t v_addr = smem_u32(k.smem + C::kOffV + buf * C::kVBytes);
+    for (int j = 0, buf = 0; j < k.ntiles; ++j, buf = buf + 1 == kStages ? 0 : buf + 1) {
+      const uint32_t k_addr = smem_u32(k.tiles + C::kOffK + buf * C::kKBytes);
+      const uint32_t v_addr = smem_u32(k.tiles + C::kOffV + buf * C::kVBytes);
       named_sync(kBarFull + buf, kThreads);
 
       /* S = Q^ K^T: 64 rows x 128 keys, reduction over DP in k16 steps */
@@ -134,7 +132,7 @@ struct Kernel {
 
       float alpha[2], gsc[2];
       uint32_t pa[8][4];
-      softmax_quantize_p(a.p, rows, (int64_t)j * kTile, cqk, k.bias(buf), tab, s, st, alpha, gsc, pa);
+      softmax_quantize_p(a.p, rows, (int64_t)j * kTile, cqk, k.bias(buf), s, st, alpha, gsc, pa);
 
       /* P^q V^: 64 rows x DP columns, reduction over the 128 keys in k16 steps */
       float acc[DP / 8][4];
@@ -145,7 +143,7 @@ struct Kernel {
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(acc);
-      if (j + 2 < k.ntiles) named_arrive(kBarEmpty + buf, kThreads);
+      if (j + kStages < k.ntiles) named_arrive(kBarEmpty + buf, kThreads);
 
       rescale_accumulate(o, 0, acc, alpha, gsc[0] * decv, gsc[1] * decv);
     }
@@ -153,11 +151,14 @@ struct Kernel {
   }
 
   static __device__ void run(const AttnArgs &a, char *smem) {
+    /* the operand tiles need 1024-byte alignment (the swizzle works on address bits) */
+    const uint32_t tiles_at = (smem_u32(smem) + C::kSmall + 1023u) & ~1023u;
     const fp4attn_attention_params &p = a.p;
     const AttnWorkspace &w = a.ws;
     Block k;
     k.a = &a;
-    k.smem = smem;
+    k.small = smem;
+    k.tiles = smem + (tiles_at - smem_u32(smem));
     const int64_t nqt = (p.len_q + kRows - 1) / kRows;
     const int64_t bh = blockIdx.x / nqt;
     int64_t qt = blockIdx.x % nqt;
@@ -172,9 +173,7 @@ struct Kernel {
     if (p.causal) ntiles = min(ntiles, (min(k.q0 + kRows, p.len_q) - 1) / kTile + 1);
     k.ntiles = (int)ntiles;
 
-    /* prologue, all threads: tables, qbar, Q^ (exact FP16 values, swizzled for wgmma) */
-    fill_p_tables(reinterpret_cast<float *>(smem + C::kOffRcp),
-                  reinterpret_cast<uint32_t *>(smem + C::kOffS2), threadIdx.x, kThreads);
+    /* prologue, all threads: qbar, Q^ (exact FP16 values, swizzled for wgmma) */
     for (int i = threadIdx.x; i < DP; i += kThreads) k.qbar()[i] = w.qbar[(bh * w.nqb + k.q0 / kTile) * DP + i];
     __syncthreads();
     __half *qs = k.tile(C::kOffQ);
@@ -200,10 +199,7 @@ struct Kernel {
 template <int DP>
 __global__ void __launch_bounds__(kThreads, 1) attention_fwd_sm90_kernel(const __grid_constant__ AttnArgs a) {
 #if defined(FP4ATTN_SM90_WGMMA)
-  extern __shared__ __align__(16) char smem_raw[];
-  /* operand tiles need 1024-byte alignment (the swizzle works on address bits) */
-  const uint32_t raw = smem_u32(smem_raw);
-  char *smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
+  extern __shared__ __align__(16) char smem[];
   Kernel<DP>::run(a, smem);
 #else
   __trap(); /* never launched: the host launches this kernel only for sm_90a builds on CC 9.0 */
@@ -218,6 +214,13 @@ fp4attn_status launch(const AttnArgs &a, cudaStream_t s) {
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 0 || dev >= 64 || !configured[dev]) {
+    int optin = 0;
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (optin < C::kSmem)
+      return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                          "attention (sm90): head dim %d needs %d bytes of shared memory per block, "
+                          "the device allows %d",
+                          DP, C::kSmem, optin);
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem) != cudaSuccess)
       return launch_status("attention (sm90): cudaFuncSetAttribute");
     if (dev >= 0 && dev < 64) configured[dev] = true;
