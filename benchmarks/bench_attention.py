@@ -6,6 +6,8 @@ For every (head dim, N, causal, dtype) it times, on the same inputs:
                (per-kernel device times from torch.profiler, medians over the profiled calls)
   flash, cudnn, efficient   torch.nn.functional.scaled_dot_product_attention pinned to a backend
 Timing: L2 flushed before every call (a 256 MB write), warm-up, CUDA events, median of --reps.
+prepass % copy bw: bytes the pre-pass moves (Q, K, V read once; K^, V^ written as the FP16
+values the workspace holds) per second, over the device-to-device copy bandwidth (read + written).
 TFLOPS = 4*B*H*N^2*D / t, halved for causal. Tokens per config: B*N = --tokens (B >= 1), H*D = 2048.
 Writes CSV and PNG to --out and prints a table. --quick fits in about two minutes on an H200.
 
@@ -150,7 +152,7 @@ def main() -> int:
                     row["fp4_kernel_tflops"] = flops / fwd_ms / 1e9
                     row["fp4_prepass_ms"] = pre_ms
                     in_bytes = 3 * q.numel() * q.element_size()
-                    out_bytes = 2 * k.numel() * (0.5 + 1 / 16)  # K^, V^ codes + scales
+                    out_bytes = 2 * k.numel() * 2  # K^, V^ as the exact FP16 values the workspace holds
                     row["prepass_gbps"] = (in_bytes + out_bytes) / pre_ms / 1e6
                     row["prepass_frac_copy"] = row["prepass_gbps"] / bw
                     for name in baselines:

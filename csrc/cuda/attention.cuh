@@ -15,6 +15,9 @@
  *                                  values code * E4M3 scale (no global scale; padding is 0)
  *   vdq     f16 [BHk][nkt][Dp][128] V^ quantized along tokens, the same way, tile-major V^T:
  *                                  one 128-token tile is Dp*256 contiguous bytes
+ *   sync    u64 [2], u32 [BHk], u32 [BHq], u32 [BHk], u32 [BHk][Dp] x 2: work tickets, per-head
+ *                                  counters, max |V| and column min/max keys of the fused pre-pass
+ *                                  (prepass.cu), zeroed on the stream before each use
  * Storing the dequantized values (exact: at most 6 significant bits) rather than packed FP4 moves
  * the dequantization out of the attention kernel's inner loop, where it cost ~30% of the issued
  * instructions on Hopper; the bits are the same as dequantizing the FP4 codes in the kernel.
@@ -33,6 +36,7 @@ struct AttnWorkspace {
   int64_t dp, nqb, nkt, nkp;
   float *qbar, *qamax, *ksum, *kmin, *kmax, *vamax, *kbar, *qscale, *kvscale;
   __half *kdq, *vdq;
+  void *sync;
   int64_t bytes;
 };
 
@@ -45,6 +49,11 @@ struct AttnArgs {
 };
 
 static inline int64_t padded_head_dim(int64_t d) { return d <= 64 ? 64 : (d <= 128 ? 128 : 256); }
+
+/* Bytes of the sync section (see the layout above). */
+static inline int64_t attn_sync_bytes(int64_t bhk, int64_t bhq, int64_t dp) {
+  return 16 + 4 * (2 * bhk + bhq) + 8 * bhk * dp;
+}
 
 /* Fills the section pointers for `base` (may be null to only compute the size). */
 static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params *p, void *base) {
@@ -72,6 +81,7 @@ static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params
   w.kvscale = (float *)take(4 * bhk * 4);
   w.kdq = (__half *)take(2 * bhk * w.nkp * w.dp);
   w.vdq = (__half *)take(2 * bhk * w.nkp * w.dp);
+  w.sync = take(attn_sync_bytes(bhk, bhq, w.dp));
   w.bytes = off;
   return w;
 }

@@ -1,0 +1,1122 @@
+/*
+ * Quantization pre-pass of the CUDA attention (SPEC 4.1-4.3): qbar and max |Q - qbar| per
+ * 128-row query block, kbar, the global scales of Qs, Ks and V, Ks^ quantized along D into
+ * kdq and V^ along tokens into the tile-major vdq (layouts in attention.cuh).
+ *
+ * Two implementations with byte-identical results (every sum in the same fixed order):
+ *
+ * Fused single-read path (fused_quantize_kv_kernel; the default where it applies): one
+ * persistent cooperative launch after a memset of its counters (the sync section of the
+ * workspace). Work items come from two global tickets: 128-token K/V chunks in (batch, kv head,
+ * chunk) order, then query blocks. A K/V item copies its K and V chunk into shared memory once
+ * (cp.async, 16 bytes per copy), computes the chunk's K column sums (stored), K column min/max
+ * and max |V| (combined per head with atomicMax on order-preserving keys: a min or max is exact
+ * in any order), and counts itself in on a per-head counter. The last chunk of a head to arrive
+ * adds the column sums of all the head's chunks in chunk order (kbar, then the global scales,
+ * finalize_kernel's arithmetic) and releases the head; the others wait for that release, taking
+ * query blocks (which never wait) meanwhile; then every chunk quantizes itself from shared
+ * memory (quantize_half_block: two lanes per 16-value block, hardware E4M3, table reciprocal,
+ * add/subtract E2M1 rounding, one FP16 multiply per pair). The next chunk's ticket is taken after
+ * the wait and its copies start as soon as each buffer is quantized, so loads overlap the
+ * quantization. K and V are read from device memory once, Q once, K^/V^ written once.
+ *   Deadlock freedom: a CTA publishes its chunk before it waits, waits only for chunks of its
+ *   own head, and takes its next ticket only after the wait. Tickets are taken in order, so
+ *   only the head of the newest ticket can be incomplete while all its taken chunks wait; it
+ *   completes once every chunk of it is held, which needs nkt CTAs resident at once. The launch
+ *   is cooperative (all CTAs co-resident, or the launch fails) and is used only when nkt <= its
+ *   grid; otherwise the two-read path runs. A wait longer than 10 s traps instead of hanging.
+ *   The counters are zeroed by cudaMemsetAsync on the same stream (graph-capture safe).
+ *
+ * Two-read path (stats_kernel, finalize_kernel, quantize_kv_kernel): the fallback for inputs
+ * without 16-byte vector access, for heads with more chunks than fit on the GPU at once, and
+ * for chunks too large for shared memory (fp32 with head dim above 128).
+ *   1. stats_kernel, one block of 256 threads per 128-row query block and per 128-token K/V
+ *      chunk: column sums, minima and maxima (16-byte loads where aligned). A query block gets
+ *      its mean qbar and max |Q - qbar| directly (by monotonicity of rounding,
+ *      max_j |fl(x_j - c)| = max(|fl(max x - c)|, |fl(c - min x)|), so no second pass over Q);
+ *      a K chunk stores its partials, a V chunk its max |V|. Deterministic: fixed-order sums.
+ *   2. finalize_kernel, one block per (batch, head): kbar = sum / Nk, the amax of Ks from the
+ *      partial min/max, and the global scales of Qs, Ks and V (fp4attn_global_scales).
+ *   3. quantize_kv_kernel, one block per (kv head, 128-token tile): Ks^ along D (linear) and
+ *      V^ along tokens into the tile-major V^T layout of attention.cuh, through
+ *      fp4attn_quantize_block (bit-exact with the CPU backend for the same kbar), written as
+ *      the exact FP16 values code * scale that the tensor cores consume.
+ *
+ * Summation order shared by both paths (it defines the bits of qbar and kbar): a 128-row block
+ * of D columns is read by 256 threads as CG = D/8 groups of 8 columns x RG = 256/CG row groups
+ * (the 8-wide column_stats below; inputs without vector access use 1-wide groups, two-read path
+ * only). Row group g sums rows g, g+RG, ... in order from 0; the block sum adds the RG group
+ * sums in order from 0; kbar adds the chunk sums in chunk order from 0 and divides by Nk.
+ */
+#include <mutex>
+
+#include "attention.cuh"
+
+namespace fp4attn_cuda {
+/* path: 0 = automatic, 1 = the two-read path, 2 = the fused path (UNSUPPORTED where it cannot
+ * run). attention.cu calls it with 0; tests/cuda_harness/check_prepass.cu compares 1 and 2. */
+fp4attn_status launch_attention_prepass(const AttnArgs &a, cudaStream_t s, int path);
+}  // namespace fp4attn_cuda
+
+using namespace fp4attn_cuda;
+
+namespace {
+
+constexpr int kThreads = 256;
+
+/* ====================================================================== two-read path */
+
+/* Column statistics of `rows` rows x D columns (rows at `base + r * row_stride`), by 256
+ * threads: thread (rg, cg) handles E consecutive columns of every RG-th row. Results for
+ * column c < D land in red_sum/min/max[c]; |x| maximum in *red_amax when want_abs. */
+template <int E>
+__device__ void column_stats(const void *base, fp4attn_dtype dt, int64_t row_stride, int64_t rows,
+                             int D, bool want_sum, float *sh_sum, float *sh_min, float *sh_max,
+                             float *sh_abs) {
+  const int CG = (D + E - 1) / E;
+  const int RG = kThreads / CG;
+  const int tid = threadIdx.x, rg = tid / CG, cg = tid % CG;
+  float sum[E], mn[E], mx[E], am = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) sum[e] = 0.0f, mn[e] = INFINITY, mx[e] = -INFINITY;
+  if (rg < RG) {
+    for (int64_t r = rg; r < rows; r += RG) {
+      float v[E];
+      const int64_t off = r * row_stride + (int64_t)cg * E;
+      if (E == 8) {
+        load8_as_float(base, dt, off, true, v);
+      } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) v[e] = load_as_float(base, dt, off + e);
+      }
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        if (want_sum) {
+          sum[e] = __fadd_rn(sum[e], v[e]);
+          mn[e] = fminf(mn[e], v[e]);
+          mx[e] = fmaxf(mx[e], v[e]);
+        } else {
+          am = fp4attn_nanmax(am, fabsf(v[e]));
+        }
+      }
+    }
+  }
+  /* [RG][D] partials in shared memory, reduced in fixed rg order */
+  __syncthreads();
+  if (rg < RG) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int c = cg * E + e;
+      if (c < D) {
+        if (want_sum) {
+          sh_sum[rg * D + c] = sum[e];
+          sh_min[rg * D + c] = mn[e];
+          sh_max[rg * D + c] = mx[e];
+        } else {
+          sh_abs[rg * D + c] = am;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (tid < D) {
+    if (want_sum) {
+      float s = 0.0f, a = INFINITY, b = -INFINITY;
+      for (int i = 0; i < RG; ++i) {
+        s = __fadd_rn(s, sh_sum[i * D + tid]);
+        a = fminf(a, sh_min[i * D + tid]);
+        b = fmaxf(b, sh_max[i * D + tid]);
+      }
+      sh_sum[tid] = s, sh_min[tid] = a, sh_max[tid] = b;
+    } else {
+      float a = 0.0f;
+      for (int i = 0; i < RG; ++i) a = fp4attn_nanmax(a, sh_abs[i * D + tid]);
+      sh_abs[tid] = a;
+    }
+  }
+  __syncthreads();
+}
+
+/* NaN-propagating max over the block of one value per thread; result valid in every thread. */
+__device__ float block_nanmax(float v, float *sh) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fp4attn_nanmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float r = 0.0f;
+  for (int i = 0; i < (int)(blockDim.x >> 5); ++i) r = fp4attn_nanmax(r, sh[i]);
+  return r;
+}
+
+__global__ void __launch_bounds__(kThreads) stats_kernel(AttnArgs a) {
+  const fp4attn_attention_params &p = a.p;
+  const AttnWorkspace &w = a.ws;
+  __shared__ float sh_sum[kThreads * 8], sh_min[kThreads * 8], sh_max[kThreads * 8];
+  __shared__ float sh_red[32];
+  const int D = (int)p.head_dim;
+  const int64_t nq_blocks = p.batch * p.heads_q * w.nqb;
+  const int64_t bid = blockIdx.x;
+  if (bid < nq_blocks) {
+    const int64_t bh = bid / w.nqb, qb = bid % w.nqb;
+    const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+    const int64_t r0 = qb * kTile, rows = min((int64_t)kTile, p.len_q - r0);
+    const char *base = static_cast<const char *>(p.q) +
+                       (b * p.q_stride[0] + h * p.q_stride[1] + r0 * p.q_stride[2]) *
+                           (int64_t)dtype_size(p.dtype);
+    if (a.vec_q)
+      column_stats<8>(base, p.dtype, p.q_stride[2], rows, D, true, sh_sum, sh_min, sh_max, nullptr);
+    else
+      column_stats<1>(base, p.dtype, p.q_stride[2], rows, D, true, sh_sum, sh_min, sh_max, nullptr);
+    const int c = threadIdx.x;
+    float am = 0.0f;
+    if (c < w.dp) {
+      float mean = 0.0f;
+      if (c < D) {
+        mean = __fdiv_rn(sh_sum[c], (float)rows);
+        am = fp4attn_nanmax(fabsf(__fsub_rn(sh_max[c], mean)), fabsf(__fsub_rn(mean, sh_min[c])));
+        am = fp4attn_nanmax(am, fabsf(mean - mean)); /* NaN mean (NaN/Inf input) -> NaN */
+      }
+      w.qbar[(bh * w.nqb + qb) * w.dp + c] = mean;
+    }
+    am = block_nanmax(am, sh_red);
+    if (threadIdx.x == 0) w.qamax[bh * w.nqb + qb] = am;
+    return;
+  }
+  const int64_t kid = bid - nq_blocks;
+  const int64_t bh = kid / w.nkt, kt = kid % w.nkt;
+  const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
+  const int64_t r0 = kt * kTile, rows = min((int64_t)kTile, p.len_k - r0);
+  const int64_t esz = (int64_t)dtype_size(p.dtype);
+  const char *kb = static_cast<const char *>(p.k) +
+                   (b * p.k_stride[0] + h * p.k_stride[1] + r0 * p.k_stride[2]) * esz;
+  if (a.vec_k)
+    column_stats<8>(kb, p.dtype, p.k_stride[2], rows, D, true, sh_sum, sh_min, sh_max, nullptr);
+  else
+    column_stats<1>(kb, p.dtype, p.k_stride[2], rows, D, true, sh_sum, sh_min, sh_max, nullptr);
+  const int c = threadIdx.x;
+  if (c < D) {
+    const int64_t o = (bh * w.nkt + kt) * w.dp + c;
+    w.ksum[o] = sh_sum[c];
+    w.kmin[o] = sh_min[c];
+    w.kmax[o] = sh_max[c];
+  }
+  const char *vb = static_cast<const char *>(p.v) +
+                   (b * p.v_stride[0] + h * p.v_stride[1] + r0 * p.v_stride[2]) * esz;
+  if (a.vec_v)
+    column_stats<8>(vb, p.dtype, p.v_stride[2], rows, D, false, nullptr, nullptr, nullptr, sh_sum);
+  else
+    column_stats<1>(vb, p.dtype, p.v_stride[2], rows, D, false, nullptr, nullptr, nullptr, sh_sum);
+  const float am = block_nanmax(c < D ? sh_sum[c] : 0.0f, sh_red);
+  if (threadIdx.x == 0) w.vamax[bh * w.nkt + kt] = am;
+}
+
+__global__ void __launch_bounds__(kThreads) finalize_kernel(AttnArgs a) {
+  const fp4attn_attention_params &p = a.p;
+  const AttnWorkspace &w = a.ws;
+  __shared__ float sh_red[32];
+  const int D = (int)p.head_dim;
+  const int64_t bhk = p.batch * p.heads_kv;
+  const int c = threadIdx.x;
+  if ((int64_t)blockIdx.x < bhk) {
+    const int64_t bh = blockIdx.x;
+    float am = 0.0f;
+    if (c < w.dp) {
+      float kbar = 0.0f;
+      if (c < D) {
+        float s = 0.0f, mn = INFINITY, mx = -INFINITY;
+        for (int64_t t = 0; t < w.nkt; ++t) {
+          const int64_t o = (bh * w.nkt + t) * w.dp + c;
+          s = __fadd_rn(s, w.ksum[o]);
+          mn = fminf(mn, w.kmin[o]);
+          mx = fmaxf(mx, w.kmax[o]);
+        }
+        kbar = __fdiv_rn(s, (float)p.len_k);
+        am = fp4attn_nanmax(fabsf(__fsub_rn(mx, kbar)), fabsf(__fsub_rn(kbar, mn)));
+        am = fp4attn_nanmax(am, fabsf(kbar - kbar));
+      }
+      w.kbar[bh * w.dp + c] = kbar;
+    }
+    const float kam = block_nanmax(am, sh_red);
+    float vam = 0.0f;
+    for (int64_t t = c; t < w.nkt; t += blockDim.x) vam = fp4attn_nanmax(vam, w.vamax[bh * w.nkt + t]);
+    vam = block_nanmax(vam, sh_red);
+    if (c == 0) {
+      float enc, dec;
+      fp4attn_global_scales(kam, &enc, &dec);
+      w.kvscale[bh * 4 + 0] = enc;
+      w.kvscale[bh * 4 + 1] = dec;
+      fp4attn_global_scales(vam, &enc, &dec);
+      w.kvscale[bh * 4 + 2] = enc;
+      w.kvscale[bh * 4 + 3] = dec;
+    }
+    return;
+  }
+  const int64_t bh = blockIdx.x - bhk;
+  float am = 0.0f;
+  for (int64_t t = c; t < w.nqb; t += blockDim.x) am = fp4attn_nanmax(am, w.qamax[bh * w.nqb + t]);
+  am = block_nanmax(am, sh_red);
+  if (c == 0) {
+    float enc, dec;
+    fp4attn_global_scales(am, &enc, &dec);
+    w.qscale[bh * 2 + 0] = enc;
+    w.qscale[bh * 2 + 1] = dec;
+  }
+}
+
+/* 16 codes + scale -> 16 exact FP16 values code * scale, stored as two 16-byte words. */
+__device__ __forceinline__ void store_block_f16(__half *dst, const uint8_t *q, uint8_t s) {
+  const float sv = fp4attn_e4m3_decode(s);
+  uint32_t o[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    o[i] = pack_half2(fp4attn_e2m1_decode(q[2 * i]) * sv, fp4attn_e2m1_decode(q[2 * i + 1]) * sv);
+  reinterpret_cast<uint4 *>(dst)[0] = make_uint4(o[0], o[1], o[2], o[3]);
+  reinterpret_cast<uint4 *>(dst)[1] = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+__global__ void __launch_bounds__(kThreads) quantize_kv_kernel(AttnArgs a) {
+  const fp4attn_attention_params &p = a.p;
+  const AttnWorkspace &w = a.ws;
+  __shared__ float sh_kbar[256];
+  const int D = (int)p.head_dim, DP = (int)w.dp;
+  const int64_t bh = blockIdx.x / w.nkt, kt = blockIdx.x % w.nkt;
+  const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
+  for (int c = threadIdx.x; c < DP; c += blockDim.x) sh_kbar[c] = w.kbar[bh * DP + c];
+  __syncthreads();
+  const float enck = w.kvscale[bh * 4 + 0], encv = w.kvscale[bh * 4 + 2];
+  const int64_t t0 = kt * kTile;
+  /* Ks^: one 16-column block of one token per job */
+  const int kblocks = DP / 16;
+  for (int job = threadIdx.x; job < kTile * kblocks; job += blockDim.x) {
+    const int r = job / kblocks, kb = job % kblocks;
+    const int64_t tok = t0 + r;
+    float xs[16];
+    uint8_t q[16] = {0};
+    uint8_t s = 0;
+    if (tok < p.len_k && kb * 16 < D) {
+      const int64_t base = b * p.k_stride[0] + h * p.k_stride[1] + tok * p.k_stride[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int c0 = kb * 16 + half * 8;
+        float v[8];
+        if (a.vec_k && c0 + 8 <= D) {
+          load8_as_float(p.k, p.dtype, base + c0, true, v);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = c0 + e < D ? load_as_float(p.k, p.dtype, base + c0 + e) : 0.0f;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          xs[half * 8 + e] =
+              c0 + e < D ? __fmul_rn(__fsub_rn(v[e], sh_kbar[c0 + e]), enck) : 0.0f;
+      }
+      s = fp4attn_quantize_block(xs, 16, q);
+    }
+    store_block_f16(w.kdq + (bh * w.nkp + tok) * DP + kb * 16, q, s);
+  }
+  /* V^: one channel x 16 tokens per job (adjacent threads read adjacent channels) */
+  for (int job = threadIdx.x; job < DP * 8; job += blockDim.x) {
+    const int d = job % DP, blk = job / DP;
+    float xs[16];
+    uint8_t q[16] = {0};
+    uint8_t s = 0;
+    if (d < D && t0 + blk * 16 < p.len_k) {
+      const int64_t base = b * p.v_stride[0] + h * p.v_stride[1] + d;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int64_t tok = t0 + blk * 16 + i;
+        xs[i] = tok < p.len_k
+                    ? __fmul_rn(load_as_float(p.v, p.dtype, base + tok * p.v_stride[2]), encv)
+                    : 0.0f;
+      }
+      s = fp4attn_quantize_block(xs, 16, q);
+    }
+    store_block_f16(w.vdq + ((bh * w.nkt + kt) * DP + d) * kTile + blk * 16, q, s);
+  }
+}
+
+fp4attn_status launch_two_read(const AttnArgs &a, cudaStream_t s) {
+  const fp4attn_attention_params *p = &a.p;
+  const int64_t nstat = p->batch * p->heads_q * a.ws.nqb + p->batch * p->heads_kv * a.ws.nkt;
+  if (nstat > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: problem too large for one grid");
+  stats_kernel<<<(unsigned)nstat, kThreads, 0, s>>>(a);
+  fp4attn_status st = launch_status("attention: stats kernel");
+  if (st.code != FP4ATTN_OK) return st;
+  finalize_kernel<<<(unsigned)(p->batch * (p->heads_q + p->heads_kv)), kThreads, 0, s>>>(a);
+  st = launch_status("attention: finalize kernel");
+  if (st.code != FP4ATTN_OK) return st;
+  quantize_kv_kernel<<<(unsigned)(p->batch * p->heads_kv * a.ws.nkt), kThreads, 0, s>>>(a);
+  return launch_status("attention: quantize kernel");
+}
+
+/* ======================================================================== fused path */
+
+/* Eight consecutive input elements as raw bits: one 16-byte word (fp16, bf16) or two (fp32). */
+template <typename T>
+struct Raw8 {
+  uint4 w[sizeof(T) / 2];
+};
+
+__device__ __forceinline__ uint32_t word_of(const uint4 &u, int k) {
+  return k == 0 ? u.x : (k == 1 ? u.y : (k == 2 ? u.z : u.w)); /* k is a constant after unrolling */
+}
+
+/* Element j (0..7, a constant after unrolling) of a Raw8 as float (exact). */
+template <typename T>
+__device__ __forceinline__ float raw8_elem(const Raw8<T> &r, int j);
+template <>
+__device__ __forceinline__ float raw8_elem<__half>(const Raw8<__half> &r, int j) {
+  const uint32_t u = word_of(r.w[0], j >> 1);
+  return __half2float(__ushort_as_half((unsigned short)((j & 1) ? (u >> 16) : (u & 0xFFFFu))));
+}
+template <>
+__device__ __forceinline__ float raw8_elem<__nv_bfloat16>(const Raw8<__nv_bfloat16> &r, int j) {
+  const uint32_t u = word_of(r.w[0], j >> 1);
+  return __uint_as_float((j & 1) ? (u & 0xFFFF0000u) : (u << 16));
+}
+template <>
+__device__ __forceinline__ float raw8_elem<float>(const Raw8<float> &r, int j) {
+  return __uint_as_float(word_of(r.w[j >> 2], j & 3));
+}
+
+template <typename T>
+__device__ __forceinline__ void raw8_to_float(const Raw8<T> &r, float *v) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = raw8_elem<T>(r, j);
+}
+
+template <typename T>
+__device__ __forceinline__ Raw8<T> raw8_zero() {
+  Raw8<T> r;
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) r.w[i] = make_uint4(0u, 0u, 0u, 0u);
+  return r;
+}
+
+/* Loads of 8 elements: from shared memory, or from global memory read once (evict-first). */
+template <typename T>
+__device__ __forceinline__ Raw8<T> raw8_shared(const T *p) {
+  Raw8<T> r;
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) r.w[i] = reinterpret_cast<const uint4 *>(p)[i];
+  return r;
+}
+template <typename T>
+__device__ __forceinline__ Raw8<T> raw8_stream(const T *p) {
+  Raw8<T> r;
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) r.w[i] = __ldcs(reinterpret_cast<const uint4 *>(p) + i);
+  return r;
+}
+
+/* max that returns NaN when either operand is NaN (max.NaN, sm_80+). */
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+/* bmax / 6 for the E4M3 block scale: one FMA-corrected step instead of the IEEE division. The
+ * quotient may differ from the correctly rounded one in the last bit, its E4M3 rounding never
+ * does (checked exhaustively over [0, 2^96] by tests/cuda_harness/check_prepass.cu and over
+ * [0, 4096] by check_fast_rounding.cu; above 2688 both saturate to 448). */
+__device__ __forceinline__ float div6_e4m3(float a) {
+  const float y = 0.16666667163372040f; /* fl(1/6) */
+  const float q0 = __fmul_rn(a, y);
+  const float r = __fmaf_rn(-q0, 6.0f, a);
+  return __fmaf_rn(r, y, q0);
+}
+
+/* value(rne_e2m1(y)) (SPEC 1) with y's sign, before saturation, for |y| < 8: adding
+ * C = 1.5 * 2^(max(e, 0) + 22), e the binary exponent of |y|, leaves a float32 in C's binade
+ * whose last place is the E2M1 spacing of |y|'s binade (0.5 below 2, 1 in [2, 4), 2 in [4, 8)),
+ * so round-to-nearest-even puts y on the E2M1 grid with the ties of SPEC 1 (C's last mantissa
+ * bit is 0, so "even" is the even grid point), symmetrically in sign; subtracting C is exact and
+ * gives +0 for a zero result (the code 0 of fp4attn_e2m1_encode is +0 too). Results of 8 (|y| in
+ * [7, 8)) need the saturation to 6: callers clamp y to [-6, 6] first when that can happen.
+ * Checked bit for bit against fp4attn_e2m1_decode(fp4attn_e2m1_encode(y)) on every float with
+ * |y| < 7, and after the clamp on every float below 2^100, by tests/cuda_harness/check_prepass.cu. */
+__device__ __forceinline__ float e2m1_round_signed(float y) {
+  uint32_t e = __float_as_uint(y) & 0x7F800000u;
+  e = (e > 0x3F800000u ? e : 0x3F800000u) + 0x0B400000u;
+  const float c = __uint_as_float(e);
+  return __fsub_rn(__fadd_rn(y, c), c);
+}
+
+__device__ __forceinline__ float clamp6(float y) { return fminf(fmaxf(y, -6.0f), 6.0f); }
+
+/* a * b on two FP16 lanes (exact for the products used here: code * E4M3 scale). */
+__device__ __forceinline__ uint32_t h2_mul(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+/* rne_e4m3_sat (SPEC 1) of a finite v >= 0 as the E4M3 byte: the hardware conversion on sm_89+,
+ * which SPEC 1 names as the definition (checked against fp4attn_e4m3_encode_sat for every float
+ * by check_prepass.cu), numerics.h before. */
+__device__ __forceinline__ uint8_t e4m3_byte(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+#else
+  return fp4attn_e4m3_encode_sat(v);
+#endif
+}
+
+/* Per-E4M3-byte tables in shared memory: 1/scale correctly rounded (SPEC 2; 0 for the zero
+ * scale, so that a zero block quantizes to zeros without a branch) and (scale, scale) as half2
+ * (exact: E4M3 values are FP16 normals). */
+struct ScaleTables {
+  float rcp[128];
+  uint32_t sv2[128];
+};
+
+__device__ void fill_scale_tables(ScaleTables *t) {
+  for (int i = threadIdx.x; i < 128; i += blockDim.x) {
+    const float sv = fp4attn_e4m3_decode((uint8_t)i);
+    t->rcp[i] = (i == 0 || i == 0x7F) ? 0.0f : 1.0f / sv;
+    t->sv2[i] = i == 0x7F ? 0u : pack_half2(sv, sv);
+  }
+}
+
+/* The rare blocks with NaN, Inf or magnitudes above 2^96: numerics.h itself, out of line. */
+__device__ __noinline__ uint4 quantize_half_block_slow(float4 lo, float4 hi, float m) {
+  const float xs[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  const uint8_t s = fp4attn_e4m3_encode_sat(m / 6.0f);
+  const float sv = fp4attn_e4m3_decode(s);
+  const float r = 1.0f / sv;
+  uint32_t o[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float v[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      v[e] = sv == 0.0f ? 0.0f : fp4attn_e2m1_decode(fp4attn_e2m1_encode(xs[2 * k + e] * r)) * sv;
+    o[k] = pack_half2(v[0], v[1]);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+/* Quantizes 8 of the 16 values of one block (SPEC 2 with the global scale already applied:
+ * xs = x * enc); the other 8 are held by lane (lane ^ partner), and all 32 lanes of the warp call
+ * this together. Returns the 8 FP16 values code * scale as one 16-byte word, byte-identical to
+ * fp4attn_quantize_block + store_block_f16 (the block max m is the same whatever the order; a
+ * NaN anywhere makes it NaN):
+ *   finite blocks: hardware E4M3 of m/6, table 1/s, E2M1 rounding by e2m1_round_signed
+ *   (clamped first only in warps where some |y| can reach 7), code * s as one FP16 multiply;
+ *   other blocks: quantize_half_block_slow. */
+__device__ __forceinline__ uint4 quantize_half_block(const float *xs, int partner,
+                                                     const ScaleTables *tab) {
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m = max_nan(m, fabsf(xs[i]));
+  m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, partner));
+  const bool fast = m <= 7.9228163e28f; /* 2^96; false for NaN */
+  const uint8_t s = e4m3_byte(div6_e4m3(m)) & 0x7F;
+  const float r = tab->rcp[s];
+  const uint32_t sv2 = tab->sv2[s];
+  const bool clamp = __any_sync(0xffffffffu, fast && __fmul_rn(m, r) >= 7.0f);
+  if (!fast)
+    return quantize_half_block_slow(make_float4(xs[0], xs[1], xs[2], xs[3]),
+                                    make_float4(xs[4], xs[5], xs[6], xs[7]), m);
+  uint32_t o[4];
+  if (clamp) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float q0 = e2m1_round_signed(clamp6(__fmul_rn(xs[2 * k], r)));
+      const float q1 = e2m1_round_signed(clamp6(__fmul_rn(xs[2 * k + 1], r)));
+      o[k] = h2_mul(pack_half2(q0, q1), sv2);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float q0 = e2m1_round_signed(__fmul_rn(xs[2 * k], r));
+      const float q1 = e2m1_round_signed(__fmul_rn(xs[2 * k + 1], r));
+      o[k] = h2_mul(pack_half2(q0, q1), sv2);
+    }
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+/* Everything a fused block keeps in static shared memory (about 10 KB: with a 64 KB chunk
+ * buffer, three blocks fit on an SM of 228 KB). */
+struct __align__(16) FusedShared {
+  float red[kThreads * 8]; /* [RG][D] partials of the column statistics; the head reduction's
+                              column minima (red[0..255]) and maxima (red[256..511]) */
+  float kbar[256];
+  float small[32];
+  ScaleTables tab;
+  float enck, encv;
+  unsigned long long ticket;
+  unsigned int arrived;
+  int flag;
+  int q_left; /* 0 once the query queue is seen empty */
+};
+
+/* The sync section of the workspace (attention.cuh), zeroed before every launch. */
+struct FusedParams {
+  unsigned long long *kv_ticket, *q_ticket;
+  unsigned int *kv_count; /* [BHk]: chunks published; nkt + 1 once kbar and the scales are out */
+  unsigned int *q_count;  /* [BHq]: query blocks done */
+  unsigned int *vmax;     /* [BHk]: max |V| bits (NaN above Inf), atomicMax */
+  unsigned int *kmin, *kmax; /* [BHk][Dp]: order keys of the column minima (inverted) / maxima */
+  int64_t n_kv, n_q;
+  int q_fill; /* waiting blocks take query blocks */
+};
+
+/* Order-preserving map of a float (not NaN) to a nonzero unsigned key: the column minima and
+ * maxima of a head are exact whatever the order, so the chunks combine them with atomicMax on
+ * these keys (zeroed memory is below every key) instead of the head's last chunk reading them. */
+__device__ __forceinline__ unsigned int float_key(float x) {
+  const unsigned int b = __float_as_uint(x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float key_float(unsigned int k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
+__device__ __forceinline__ unsigned int load_acquire(const unsigned int *p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+/* Takes the next ticket of a queue (thread 0) and hands it to the whole block. */
+__device__ __forceinline__ unsigned long long take_ticket(unsigned long long *queue, FusedShared &sh) {
+  __syncthreads(); /* everyone has read the previous ticket */
+  if (threadIdx.x == 0) sh.ticket = atomicAdd(queue, 1ull);
+  __syncthreads();
+  return sh.ticket;
+}
+
+/* Column statistics of one 128-row block of D columns (D % 8 == 0) in the order of
+ * column_stats<8>: thread (rg, cg) sums rows rg, rg + RG, ... of its 8 columns, then the RG
+ * partials are added in rg order (through sh.red, one round each for sum, min and max).
+ * kShared: rows are in shared memory with stride D; otherwise in global memory, read once,
+ * all loads of a thread issued before the first use. Thread c < D returns column c. */
+template <typename T, int DP, bool kShared>
+__device__ void block_column_stats(const T *base, int64_t row_stride, int rows, int D,
+                                   FusedShared &sh, float &sum_c, float &min_c, float &max_c) {
+  constexpr int kMaxRows = DP / 16; /* ceil(128 / RG) for any D <= DP */
+  const int CG = D / 8, RG = kThreads / CG;
+  const int tid = threadIdx.x, rg = tid / CG, cg = tid % CG;
+  Raw8<T> raw[kMaxRows];
+#pragma unroll
+  for (int i = 0; i < kMaxRows; ++i) {
+    const int r = rg + i * RG;
+    const T *src = base + (int64_t)r * row_stride + cg * 8;
+    raw[i] = (rg < RG && r < rows) ? (kShared ? raw8_shared<T>(src) : raw8_stream<T>(src))
+                                   : raw8_zero<T>();
+  }
+  float sum[8], mn[8], mx[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) sum[e] = 0.0f, mn[e] = INFINITY, mx[e] = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kMaxRows; ++i) {
+    if (rg + i * RG < rows) {
+      float v[8];
+      raw8_to_float<T>(raw[i], v);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        sum[e] = __fadd_rn(sum[e], v[e]);
+        mn[e] = fminf(mn[e], v[e]);
+        mx[e] = fmaxf(mx[e], v[e]);
+      }
+    }
+  }
+  float *red = sh.red;
+#pragma unroll
+  for (int round = 0; round < 3; ++round) {
+    __syncthreads(); /* red is free */
+    if (rg < RG) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) red[rg * D + cg * 8 + e] = round == 0 ? sum[e] : (round == 1 ? mn[e] : mx[e]);
+    }
+    __syncthreads();
+    if (tid < D) {
+      if (round == 0) {
+        float s = 0.0f;
+        for (int i = 0; i < RG; ++i) s = __fadd_rn(s, red[i * D + tid]);
+        sum_c = s;
+      } else if (round == 1) {
+        float s = INFINITY;
+        for (int i = 0; i < RG; ++i) s = fminf(s, red[i * D + tid]);
+        min_c = s;
+      } else {
+        float s = -INFINITY;
+        for (int i = 0; i < RG; ++i) s = fmaxf(s, red[i * D + tid]);
+        max_c = s;
+      }
+    }
+  }
+}
+
+/* One query block: qbar and max |Q - qbar| (as stats_kernel), and for the last block of its
+ * head to finish, the global scales of Qs (as finalize_kernel; a max, so any order). */
+template <typename T, int DP>
+__device__ void fused_q_block(const AttnArgs &a, const FusedParams &f, int64_t item, FusedShared &sh) {
+  const fp4attn_attention_params &p = a.p;
+  const AttnWorkspace &w = a.ws;
+  const int D = (int)p.head_dim, tid = threadIdx.x;
+  const int64_t bh = item / w.nqb, qb = item % w.nqb;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t r0 = qb * kTile;
+  const int rows = (int)min((int64_t)kTile, p.len_q - r0);
+  const T *base = static_cast<const T *>(p.q) + b * p.q_stride[0] + h * p.q_stride[1] + r0 * p.q_stride[2];
+  float s = 0.0f, mn = 0.0f, mx = 0.0f;
+  block_column_stats<T, DP, false>(base, p.q_stride[2], rows, D, sh, s, mn, mx);
+  float am = 0.0f;
+  if (tid < DP) {
+    float mean = 0.0f;
+    if (tid < D) {
+      mean = __fdiv_rn(s, (float)rows);
+      am = fp4attn_nanmax(fabsf(__fsub_rn(mx, mean)), fabsf(__fsub_rn(mean, mn)));
+      am = fp4attn_nanmax(am, fabsf(mean - mean)); /* NaN mean (NaN/Inf input) -> NaN */
+    }
+    w.qbar[(bh * w.nqb + qb) * DP + tid] = mean;
+  }
+  am = block_nanmax(am, sh.small);
+  if (tid == 0) {
+    w.qamax[bh * w.nqb + qb] = am;
+    __threadfence(); /* qamax visible before the count */
+    sh.arrived = atomicAdd(&f.q_count[bh], 1u);
+  }
+  __syncthreads();
+  if (sh.arrived != (unsigned)(w.nqb - 1)) return;
+  __threadfence(); /* see the other blocks' qamax */
+  float qm = 0.0f;
+  for (int64_t t = tid; t < w.nqb; t += kThreads) qm = fp4attn_nanmax(qm, __ldcg(&w.qamax[bh * w.nqb + t]));
+  qm = block_nanmax(qm, sh.small);
+  if (tid == 0) {
+    float enc, dec;
+    fp4attn_global_scales(qm, &enc, &dec);
+    w.qscale[bh * 2 + 0] = enc;
+    w.qscale[bh * 2 + 1] = dec;
+  }
+}
+
+/* Copies rows [0, rows) of a chunk (row stride `stride` elements in global memory, D elements
+ * per row, 16-byte aligned) into shared memory with row stride D, 16 bytes per cp.async. */
+template <typename T>
+__device__ __forceinline__ void copy_chunk_async(T *dst, const T *src, int64_t stride, int rows, int D) {
+  const int upr = D * (int)sizeof(T) / 16; /* 16-byte units per row, <= 64 */
+  const int rpi = kThreads / upr;          /* rows per pass */
+  const int tid = threadIdx.x;
+  if (tid >= rpi * upr) return;
+  const int u = tid % upr;
+  for (int r = tid / upr; r < rows; r += rpi)
+    cp_async_16(reinterpret_cast<char *>(dst + (int64_t)r * D) + 16 * u,
+                reinterpret_cast<const char *>(src + (int64_t)r * stride) + 16 * u);
+}
+
+/* max |V| of the chunk in shared memory (NaN if any NaN): a max, so any order. */
+template <typename T>
+__device__ float chunk_absmax(const T *buf, int rows, int D) {
+  const int n8 = rows * D / 8;
+  float m = 0.0f;
+  for (int i = threadIdx.x; i < n8; i += kThreads) {
+    float v[8];
+    raw8_to_float<T>(raw8_shared<T>(buf + 8 * i), v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) m = max_nan(m, fabsf(v[e]));
+  }
+  return m;
+}
+
+/* The last chunk of a head: kbar = (sum of the chunk sums in chunk order) / Nk, the amax of Ks
+ * from the column minima and maxima, max |V|, and the global scales; exactly finalize_kernel's
+ * arithmetic. Leaves kbar and the scales in shared memory and in the workspace.
+ * The chunk sums of 4 columns are float4 loads; P threads per 4 columns each load a run of 8
+ * chunks at once, then add them in turn, passing the running sums on through shared memory, so
+ * that the serial chain waits for one round of loads instead of one per chunk. */
+template <int DP>
+__device__ void reduce_head(const AttnArgs &a, const FusedParams &f, int64_t bh, FusedShared &sh) {
+  const fp4attn_attention_params &p = a.p;
+  const AttnWorkspace &w = a.ws;
+  const int D = (int)p.head_dim, tid = threadIdx.x;
+  const int64_t nkt = w.nkt;
+  /* order-free parts first, so that their loads overlap the chain's */
+  float mn = 0.0f, mx = 0.0f;
+  if (tid < D) {
+    mn = key_float(~__ldcg(&f.kmin[bh * DP + tid]));
+    mx = key_float(__ldcg(&f.kmax[bh * DP + tid]));
+  }
+  const float vam = __uint_as_float(__ldcg(&f.vmax[bh]));
+  constexpr int kRun = 8;
+  const int QC = D / 4;                         /* column quads */
+  const int64_t runs = (nkt + kRun - 1) / kRun; /* runs of 8 chunks */
+  const int P = (int)min((int64_t)(kThreads / QC), runs);
+  const int q = tid % QC, part = tid / QC;
+  float4 *carry = reinterpret_cast<float4 *>(sh.red); /* [QC] running sums */
+  const float *ksum = w.ksum + bh * nkt * DP + 4 * q;
+  for (int64_t t0 = 0; t0 < nkt; t0 += (int64_t)kRun * P) {
+    const int64_t mine = t0 + (int64_t)part * kRun;
+    float4 v[kRun];
+#pragma unroll
+    for (int i = 0; i < kRun; ++i)
+      v[i] = (part < P && mine + i < nkt) ? __ldcg(reinterpret_cast<const float4 *>(ksum + (mine + i) * DP))
+                                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int step = 0; step < P; ++step) {
+      __syncthreads(); /* the previous step's running sums are visible */
+      if (part == step) {
+        float4 c = (t0 == 0 && step == 0) ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : carry[q];
+#pragma unroll
+        for (int i = 0; i < kRun; ++i) {
+          if (mine + i < nkt) {
+            c.x = __fadd_rn(c.x, v[i].x);
+            c.y = __fadd_rn(c.y, v[i].y);
+            c.z = __fadd_rn(c.z, v[i].z);
+            c.w = __fadd_rn(c.w, v[i].w);
+          }
+        }
+        carry[q] = c;
+      }
+    }
+  }
+  __syncthreads();
+  float am = 0.0f;
+  if (tid < DP) {
+    float kbar = 0.0f;
+    if (tid < D) {
+      const float4 c = carry[tid / 4];
+      const float s = (tid & 3) == 0 ? c.x : ((tid & 3) == 1 ? c.y : ((tid & 3) == 2 ? c.z : c.w));
+      kbar = __fdiv_rn(s, (float)p.len_k);
+      am = fp4attn_nanmax(fabsf(__fsub_rn(mx, kbar)), fabsf(__fsub_rn(kbar, mn)));
+      am = fp4attn_nanmax(am, fabsf(kbar - kbar));
+    }
+    w.kbar[bh * DP + tid] = kbar;
+    sh.kbar[tid] = kbar;
+  }
+  const float kam = block_nanmax(am, sh.small);
+  if (tid == 0) {
+    float enc, dec;
+    fp4attn_global_scales(kam, &enc, &dec);
+    w.kvscale[bh * 4 + 0] = enc;
+    w.kvscale[bh * 4 + 1] = dec;
+    sh.enck = enc;
+    fp4attn_global_scales(vam, &enc, &dec);
+    w.kvscale[bh * 4 + 2] = enc;
+    w.kvscale[bh * 4 + 3] = dec;
+    sh.encv = enc;
+  }
+}
+
+/* Waits until the head's kbar and scales are out (count == nkt + 1), meanwhile doing query
+ * blocks, which never wait; then loads kbar and the scales into shared memory. A wait far
+ * longer than any pre-pass (10 s) traps instead of hanging the device. */
+template <typename T, int DP>
+__device__ void wait_for_head(const AttnArgs &a, const FusedParams &f, int64_t bh, FusedShared &sh) {
+  const AttnWorkspace &w = a.ws;
+  const unsigned int target = (unsigned int)w.nkt + 1u;
+  const uint64_t t_start = global_timer_ns();
+  for (;;) {
+    __syncthreads();
+    if (threadIdx.x == 0) sh.flag = load_acquire(&f.kv_count[bh]) >= target;
+    __syncthreads();
+    if (sh.flag) break;
+    if (f.q_fill && sh.q_left) {
+      const unsigned long long t = take_ticket(f.q_ticket, sh);
+      if ((int64_t)t < f.n_q) {
+        fused_q_block<T, DP>(a, f, (int64_t)t, sh);
+        continue;
+      }
+      if (threadIdx.x == 0) sh.q_left = 0; /* read after the next barrier */
+    }
+    if (threadIdx.x == 0) {
+      __nanosleep(256);
+      if (global_timer_ns() - t_start > 10000000000ull) __trap();
+    }
+  }
+  __threadfence();
+  for (int c = threadIdx.x; c < DP; c += kThreads) sh.kbar[c] = __ldcg(&w.kbar[bh * DP + c]);
+  if (threadIdx.x == 0) {
+    sh.enck = __ldcg(&w.kvscale[bh * 4 + 0]);
+    sh.encv = __ldcg(&w.kvscale[bh * 4 + 2]);
+  }
+  __syncthreads();
+}
+
+/* Ks^ of the chunk from shared memory: job (row r, 8-column group g), lanes 2i and 2i+1 hold the
+ * two halves of one 16-column block. Rows past the end and columns past D are zeros. */
+template <typename T, int DP>
+__device__ void quantize_k_chunk(const T *kbuf, int rows, int D, const FusedShared &sh, __half *dst) {
+  constexpr int G = DP / 8;
+  const int g = threadIdx.x % G; /* the same group in every job of this thread */
+  const bool live_g = g * 8 < D;
+  float kb[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) kb[e] = live_g ? sh.kbar[g * 8 + e] : 0.0f;
+  const float enck = sh.enck;
+#pragma unroll 2
+  for (int r = threadIdx.x / G; r < kTile; r += kThreads / G) {
+    float xs[8];
+    if (live_g && r < rows) {
+      float v[8];
+      raw8_to_float<T>(raw8_shared<T>(kbuf + r * D + g * 8), v);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xs[e] = __fmul_rn(__fsub_rn(v[e], kb[e]), enck);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xs[e] = 0.0f;
+    }
+    const uint4 o = quantize_half_block(xs, 1, &sh.tab);
+    __stcs(reinterpret_cast<uint4 *>(dst + (int64_t)r * DP + g * 8), o);
+  }
+}
+
+/* V^ of the chunk from shared memory into the tile-major V^T [Dp][128]: job (8-channel group g,
+ * 8-token half block hh); the two halves of a 16-token block sit GW lanes apart in one warp,
+ * and GW consecutive lanes read GW consecutive 16-byte pieces of one token row. */
+template <typename T, int DP>
+__device__ void quantize_v_chunk(const T *vbuf, int rows, int D, const FusedShared &sh, __half *dst) {
+  constexpr int G = DP / 8, GW = G < 16 ? G : 16, NJ = G * 16;
+  const float encv = sh.encv;
+  for (int j = threadIdx.x; j < NJ; j += kThreads) {
+    const int gl = j % GW, hb = (j / GW) & 1, rest = j / (2 * GW);
+    const int g = (rest % (G / GW)) * GW + gl, hh = (rest / (G / GW)) * 2 + hb;
+    const bool live_g = g * 8 < D;
+    Raw8<T> raw[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int t = hh * 8 + i;
+      raw[i] = (live_g && t < rows) ? raw8_shared<T>(vbuf + t * D + g * 8) : raw8_zero<T>();
+    }
+#pragma unroll
+    for (int ch = 0; ch < 8; ++ch) {
+      float xs[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) xs[i] = hh * 8 + i < rows ? __fmul_rn(raw8_elem<T>(raw[i], ch), encv) : 0.0f;
+      const uint4 o = quantize_half_block(xs, GW, &sh.tab);
+      __stcs(reinterpret_cast<uint4 *>(dst + (int64_t)(g * 8 + ch) * kTile + hh * 8), o);
+    }
+  }
+}
+
+/* Starts the copy of K/V chunk `item` into `buf` (one cp.async group). */
+template <typename T>
+__device__ __forceinline__ void load_chunk(const AttnArgs &a, int64_t item, bool is_v, T *buf) {
+  const fp4attn_attention_params &p = a.p;
+  const int64_t bh = item / a.ws.nkt, kt = item % a.ws.nkt;
+  const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv, r0 = kt * kTile;
+  const int rows = (int)min((int64_t)kTile, p.len_k - r0);
+  const int64_t *st = is_v ? p.v_stride : p.k_stride;
+  const T *src = static_cast<const T *>(is_v ? p.v : p.k) + b * st[0] + h * st[1] + r0 * st[2];
+  copy_chunk_async<T>(buf, src, st[2], rows, (int)p.head_dim);
+  cp_async_commit();
+}
+
+/* One 128-token K/V chunk whose K and V copies are in flight (two cp.async groups): publish the
+ * partials, wait for (or compute) the head's kbar and scales, quantize from shared memory. The
+ * next chunk's ticket is taken once this one can no longer wait, and its K and V copies are
+ * started as soon as the buffers are free, overlapping this chunk's V quantization and the next
+ * chunk's K statistics. Returns the next ticket. */
+template <typename T, int DP>
+__device__ unsigned long long fused_kv_chunk(const AttnArgs &a, const FusedParams &f, int64_t item,
+                                             T *kbuf, T *vbuf, FusedShared &sh) {
+  const fp4attn_attention_params &p = a.p;
+  const AttnWorkspace &w = a.ws;
+  const int D = (int)p.head_dim, tid = threadIdx.x;
+  const int64_t bh = item / w.nkt, kt = item % w.nkt;
+  const int64_t r0 = kt * kTile;
+  const int rows = (int)min((int64_t)kTile, p.len_k - r0);
+  asm volatile("cp.async.wait_group 1;\n" ::); /* K has landed; V may still be in flight */
+  __syncthreads();
+  float s = 0.0f, mn = 0.0f, mx = 0.0f;
+  block_column_stats<T, DP, true>(kbuf, D, rows, D, sh, s, mn, mx);
+  if (tid < D) {
+    w.ksum[(bh * w.nkt + kt) * DP + tid] = s;
+    atomicMax(&f.kmin[bh * DP + tid], ~float_key(mn));
+    atomicMax(&f.kmax[bh * DP + tid], float_key(mx));
+  }
+  cp_async_wait_all();
+  __syncthreads();
+  const float vam = block_nanmax(chunk_absmax<T>(vbuf, rows, D), sh.small);
+  __threadfence(); /* every thread's partials visible before thread 0 counts the chunk in */
+  __syncthreads();
+  if (tid == 0) {
+    atomicMax(&f.vmax[bh], __float_as_uint(vam) & 0x7FFFFFFFu);
+    __threadfence();
+    sh.arrived = atomicAdd(&f.kv_count[bh], 1u);
+  }
+  __syncthreads();
+  if (sh.arrived == (unsigned int)(w.nkt - 1)) {
+    __threadfence(); /* see the other chunks' partials */
+    reduce_head<DP>(a, f, bh, sh);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) atomicAdd(&f.kv_count[bh], 1u); /* release: count = nkt + 1 */
+    __syncthreads();
+  } else {
+    wait_for_head<T, DP>(a, f, bh, sh);
+  }
+  const unsigned long long next = take_ticket(f.kv_ticket, sh);
+  const bool more = (int64_t)next < f.n_kv;
+  quantize_k_chunk<T, DP>(kbuf, rows, D, sh, w.kdq + (bh * w.nkp + r0) * DP);
+  __syncthreads(); /* kbuf free */
+  if (more) load_chunk<T>(a, (int64_t)next, false, kbuf);
+  quantize_v_chunk<T, DP>(vbuf, rows, D, sh, w.vdq + (bh * w.nkt + kt) * DP * kTile);
+  __syncthreads(); /* vbuf free */
+  if (more) load_chunk<T>(a, (int64_t)next, true, vbuf);
+  return next;
+}
+
+template <typename T, int DP>
+constexpr int fused_min_blocks() {
+  return 2 * kTile * DP * (int)sizeof(T) <= 32768 ? 4 : (2 * kTile * DP * (int)sizeof(T) <= 65536 ? 3 : 1);
+}
+
+/* Persistent: K/V chunks while there are any, then the query blocks that are left. */
+template <typename T, int DP>
+__global__ void __launch_bounds__(kThreads, fused_min_blocks<T, DP>())
+    fused_quantize_kv_kernel(AttnArgs a, FusedParams f) {
+  extern __shared__ uint4 fused_dyn[];
+  __shared__ FusedShared sh;
+  T *kbuf = reinterpret_cast<T *>(fused_dyn);
+  T *vbuf = kbuf + kTile * a.p.head_dim;
+  fill_scale_tables(&sh.tab);
+  if (threadIdx.x == 0) sh.q_left = 1;
+  unsigned long long t = take_ticket(f.kv_ticket, sh);
+  if ((int64_t)t < f.n_kv) {
+    load_chunk<T>(a, (int64_t)t, false, kbuf);
+    load_chunk<T>(a, (int64_t)t, true, vbuf);
+  }
+  while ((int64_t)t < f.n_kv) t = fused_kv_chunk<T, DP>(a, f, (int64_t)t, kbuf, vbuf, sh);
+  /* the query blocks left; the next ticket is taken while the current block loads */
+  t = take_ticket(f.q_ticket, sh);
+  while ((int64_t)t < f.n_q) {
+    __syncthreads(); /* everyone has read sh.ticket */
+    if (threadIdx.x == 0) sh.ticket = atomicAdd(f.q_ticket, 1ull);
+    fused_q_block<T, DP>(a, f, (int64_t)t, sh); /* has barriers: sh.ticket is visible after */
+    __syncthreads();
+    t = sh.ticket;
+  }
+}
+
+/* Knobs for tests/cuda_harness/check_prepass.cu (timing variants); the defaults are the product. */
+struct FusedTuning {
+  int max_blocks_per_sm; /* 0: as many as fit */
+  int q_fill;
+};
+FusedTuning g_fused_tuning = {0, 1};
+
+typedef void (*FusedKernel)(AttnArgs, FusedParams);
+
+template <typename T>
+FusedKernel fused_kernel_for(int64_t dp) {
+  if (dp == 64) return fused_quantize_kv_kernel<T, 64>;
+  if (dp == 128) return fused_quantize_kv_kernel<T, 128>;
+  if constexpr (sizeof(T) == 4) return nullptr; /* 256 KB of fp32 chunks: never fits in smem */
+  else return fused_quantize_kv_kernel<T, 256>;
+}
+
+/* Blocks of `kernel` with `smem` bytes of dynamic shared memory that fit on one SM of the current
+ * device, 0 where the fused path cannot run there (no cooperative launch, too much shared
+ * memory). Sets the kernel's shared-memory attributes once and caches the answer, so that a
+ * call costs no driver round trips. */
+int fused_blocks_per_sm(FusedKernel kernel, size_t smem) {
+  struct Entry {
+    int dev;
+    FusedKernel kernel;
+    size_t smem;
+    int blocks;
+  };
+  static Entry cache[32];
+  static int used = 0;
+  static std::mutex lock;
+  std::lock_guard<std::mutex> guard(lock);
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  for (int i = 0; i < used; ++i)
+    if (cache[i].dev == dev && cache[i].kernel == kernel && cache[i].smem == smem) return cache[i].blocks;
+  int optin = 0, coop = 0, blocks = 0;
+  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev);
+  if (coop && smem + sizeof(FusedShared) <= (size_t)optin &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) == cudaSuccess &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) == cudaSuccess &&
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) == cudaSuccess) {
+  } else {
+    blocks = 0;
+  }
+  cudaGetLastError(); /* no sticky error from a refused attribute */
+  if (used < 32) cache[used++] = {dev, kernel, smem, blocks};
+  return blocks;
+}
+
+/* Launches the fused path; FP4ATTN_ERR_UNSUPPORTED (nothing launched) where it cannot run. */
+fp4attn_status launch_fused(const AttnArgs &a, cudaStream_t s) {
+  const fp4attn_attention_params &p = a.p;
+  const AttnWorkspace &w = a.ws;
+  fp4attn_status unsupported;
+  unsupported.code = FP4ATTN_ERR_UNSUPPORTED; /* never reported: the caller falls back */
+  unsupported.message[0] = '\0';
+  if (!(a.vec_q && a.vec_k && a.vec_v) || p.head_dim % 8 != 0 || p.head_dim > 256) return unsupported;
+  /* A cooperative launch inside stream capture is refused on the H200 image (CUDA 13.0 driver) and
+   * invalidates the capture: graphs get the two-read path. */
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(s, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone)
+    return unsupported;
+  FusedKernel kernel = p.dtype == FP4ATTN_FLOAT16    ? fused_kernel_for<__half>(w.dp)
+                       : p.dtype == FP4ATTN_BFLOAT16 ? fused_kernel_for<__nv_bfloat16>(w.dp)
+                                                     : fused_kernel_for<float>(w.dp);
+  if (!kernel) return unsupported;
+  const size_t smem = 2 * (size_t)kTile * (size_t)p.head_dim * (size_t)dtype_size(p.dtype);
+  const int per_sm_max = fused_blocks_per_sm(kernel, smem);
+  if (per_sm_max < 1) return unsupported;
+  int per_sm = per_sm_max;
+  if (g_fused_tuning.max_blocks_per_sm > 0 && per_sm > g_fused_tuning.max_blocks_per_sm)
+    per_sm = g_fused_tuning.max_blocks_per_sm;
+  FusedParams f;
+  f.n_kv = p.batch * p.heads_kv * w.nkt;
+  f.n_q = p.batch * p.heads_q * w.nqb;
+  f.q_fill = g_fused_tuning.q_fill;
+  const int64_t grid = min((int64_t)per_sm * sm_count(), f.n_kv + f.n_q);
+  /* every chunk of a head must be resident at once (see the top of this file) */
+  if (per_sm < 1 || w.nkt > grid) return unsupported;
+  const int64_t bhk = p.batch * p.heads_kv, bhq = p.batch * p.heads_q;
+  f.kv_ticket = reinterpret_cast<unsigned long long *>(w.sync);
+  f.q_ticket = f.kv_ticket + 1;
+  f.kv_count = reinterpret_cast<unsigned int *>(f.q_ticket + 1);
+  f.q_count = f.kv_count + bhk;
+  f.vmax = f.q_count + bhq;
+  f.kmin = f.vmax + bhk;
+  f.kmax = f.kmin + bhk * w.dp;
+  const size_t sync_bytes = attn_sync_bytes(bhk, bhq, w.dp);
+  if (cudaMemsetAsync(w.sync, 0, sync_bytes, s) != cudaSuccess) return launch_status("attention: counter reset");
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.gridDim = dim3((unsigned)grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaLaunchKernelEx(&cfg, kernel, a, f) != cudaSuccess) {
+    cudaGetLastError(); /* e.g. a cooperative grid that does not fit next to other work */
+    return unsupported;
+  }
+  return fp4attn_ok();
+}
+
+}  // namespace
+
+fp4attn_status fp4attn_cuda::launch_attention_prepass(const AttnArgs &a, cudaStream_t s, int path) {
+  if (path != 1) {
+    const fp4attn_status st = launch_fused(a, s);
+    if (st.code != FP4ATTN_ERR_UNSUPPORTED || path == 2) return st;
+  }
+  return launch_two_read(a, s);
+}

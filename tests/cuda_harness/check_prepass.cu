@@ -1,0 +1,523 @@
+/*
+ * GPU check of the attention pre-pass (csrc/cuda/prepass.cu), no torch needed:
+ *   1. exhaustive: the fast E4M3 byte of m/6 (FMA-corrected quotient, hardware conversion) equals
+ *      numerics.h on every float in [0, 2^96]; the signed add/subtract E2M1 rounding equals
+ *      fp4attn_e2m1_encode bit for bit (+0 for zero codes) on every float of magnitude below 7,
+ *      and after clamping to [-6, 6] on every float of magnitude below 2^100;
+ *   2. quantize_half_block (pairs of lanes) == fp4attn_quantize_block + store_block_f16 on random
+ *      blocks of every magnitude, with zeros, -0, NaN and Inf;
+ *   3. the fused single-read pre-pass against the two-read pre-pass: qbar, qamax, kbar, qscale,
+ *      kvscale, kdq and vdq byte-identical (workspaces pre-filled with different bytes), over
+ *      dtypes, head dims, lengths, GQA, strided / packed / unaligned layouts and special values;
+ *      determinism; CUDA graph capture and replay;
+ *   4. timing at the shapes of benchmarks/bench_attention.py (fp16, B*N = 16K, H*D = 2048):
+ *      CUDA events around the pre-pass (counter memset included), L2 flushed before each call.
+ * Build and run on a GPU machine (scripts/bench_prepass.sh does both):
+ *   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include \
+ *     -gencode arch=compute_90a,code=sm_90a tests/cuda_harness/check_prepass.cu -o /tmp/chk
+ *   /tmp/chk            (exit code 1 on any mismatch)
+ *   /tmp/chk --quick    (skips the exhaustive sweeps)
+ */
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "../../csrc/cuda/prepass.cu"
+
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));        \
+      exit(2);                                                                                  \
+    }                                                                                           \
+  } while (0)
+
+static int g_fail = 0;
+
+/* ------------------------------------------------------------------ 1. exhaustive sweeps */
+
+__global__ void sweep_kernel(uint32_t lo, uint32_t hi, unsigned long long *bad_div,
+                             unsigned long long *bad_e2m1, uint32_t div_hi, uint32_t e2m1_hi) {
+  unsigned long long nd = 0, ne = 0;
+  for (uint64_t u = lo + (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; u < hi;
+       u += (uint64_t)gridDim.x * blockDim.x) {
+    const float x = __uint_as_float((uint32_t)u);
+    if (u <= div_hi && e4m3_byte(div6_e4m3(x)) != fp4attn_e4m3_encode_sat(x / 6.0f)) ++nd;
+    if (u < e2m1_hi) {
+      for (int sgn = 0; sgn < 2; ++sgn) {
+        const float y = sgn ? -x : x;
+        const uint32_t want = __float_as_uint(fp4attn_e2m1_decode(fp4attn_e2m1_encode(y)));
+        if (x < 7.0f && __float_as_uint(e2m1_round_signed(y)) != want) ++ne;
+        if (__float_as_uint(e2m1_round_signed(clamp6(y))) != want) ++ne;
+      }
+    }
+  }
+  atomicAdd(bad_div, nd);
+  atomicAdd(bad_e2m1, ne);
+}
+
+static void exhaustive_checks() {
+  unsigned long long *d;
+  CK(cudaMalloc(&d, 16));
+  CK(cudaMemset(d, 0, 16));
+  const uint32_t div_hi = 0x6F800000u;  /* 2^96 */
+  const uint32_t e2m1_hi = 0x71800000u; /* 2^100 */
+  sweep_kernel<<<4096, 256>>>(0u, e2m1_hi, d, d + 1, div_hi, e2m1_hi);
+  CK(cudaGetLastError());
+  unsigned long long h[2];
+  CK(cudaMemcpy(h, d, 16, cudaMemcpyDeviceToHost));
+  printf("exhaustive: E4M3(m/6) mismatches on [0, 2^96]: %llu; E2M1 rounding mismatches on (-2^100, 2^100): %llu\n",
+         h[0], h[1]);
+  if (h[0] || h[1]) g_fail = 1;
+  CK(cudaFree(d));
+}
+
+/* ------------------------------------------------------------------ 2. block quantizer */
+
+__device__ uint32_t hash32(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return (uint32_t)x;
+}
+
+__device__ float block_value(uint64_t blk, int i) {
+  const uint32_t h = hash32(blk * 64 + i), hb = hash32(blk * 7919 + 1);
+  const int kind = hb % 16;
+  if (kind == 0) return 0.0f;
+  if (kind == 1 && i == 3) return __uint_as_float(0x7FC00000u);
+  if (kind == 2 && i == 5) return (h & 1) ? INFINITY : -INFINITY;
+  if (kind == 3) return (h & 1) ? -0.0f : 0.0f;
+  /* a random magnitude per block, 2^-150 .. 2^20, random per-element spread and sign; some
+   * elements exactly on E2M1 ties relative to a power-of-two scale */
+  const int be = (int)((hb >> 8) % 171) - 150;
+  if (kind == 4) {
+    const float ties[8] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 6.0f};
+    return ldexpf(ties[h % 8], be) * ((h >> 4) & 1 ? -1.0f : 1.0f);
+  }
+  const float mant = 1.0f + (float)(h >> 9) * (1.0f / 8388608.0f);
+  const int spread = (int)((h >> 3) % 12);
+  return ldexpf(mant, be - spread) * ((h & 1) ? -1.0f : 1.0f);
+}
+
+__global__ void block_check_kernel(uint64_t nblocks, unsigned long long *bad) {
+  __shared__ ScaleTables tab;
+  fill_scale_tables(&tab);
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  unsigned long long nbad = 0;
+  const uint64_t warps = (uint64_t)gridDim.x * (blockDim.x / 32);
+  for (uint64_t w0 = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; w0 * 16 < nblocks; w0 += warps) {
+    const uint64_t blk = w0 * 16 + lane / 2; /* 16 blocks per warp, two lanes each */
+    float xs[8];
+    for (int i = 0; i < 8; ++i) xs[i] = block_value(blk, (lane & 1) * 8 + i);
+    const uint4 got = quantize_half_block(xs, 1, &tab);
+    float all[16];
+    for (int i = 0; i < 16; ++i) all[i] = block_value(blk, i);
+    uint8_t q[16];
+    const uint8_t s = fp4attn_quantize_block(all, 16, q);
+    __align__(16) __half ref[16];
+    store_block_f16(ref, q, s);
+    const uint4 want = reinterpret_cast<const uint4 *>(ref)[lane & 1];
+    if (got.x != want.x || got.y != want.y || got.z != want.z || got.w != want.w) ++nbad;
+  }
+  atomicAdd(bad, nbad);
+}
+
+static void block_checks() {
+  unsigned long long *d;
+  CK(cudaMalloc(&d, 8));
+  CK(cudaMemset(d, 0, 8));
+  const uint64_t n = 1ull << 26;
+  block_check_kernel<<<2048, 256>>>(n, d);
+  CK(cudaGetLastError());
+  unsigned long long h;
+  CK(cudaMemcpy(&h, d, 8, cudaMemcpyDeviceToHost));
+  printf("block quantizer: %llu of %llu random blocks differ from fp4attn_quantize_block\n", h,
+         (unsigned long long)n);
+  if (h) g_fail = 1;
+  CK(cudaFree(d));
+}
+
+/* ------------------------------------------------------------------ 3. pre-pass paths */
+
+/* modes: 0 normal + column offsets, 1 mixed magnitudes, 2 normal with NaN/Inf/-0 sprinkled,
+ * 3 constant, 4 large, 5 tiny, 6 zeros */
+template <typename T>
+__global__ void init_kernel(T *p, int64_t n, uint32_t seed, int mode) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const uint32_t h1 = hash32(((uint64_t)seed << 40) ^ (uint64_t)i), h2 = hash32(((uint64_t)seed << 40) ^ (uint64_t)i ^ 0x5555555555ull);
+    const float u1 = ((h1 >> 8) + 0.5f) * (1.0f / 16777216.0f), u2 = ((h2 >> 8) + 0.5f) * (1.0f / 16777216.0f);
+    float x = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2) + 0.5f * (float)((int)(i % 7) - 3);
+    if (mode == 1) x = ldexpf(x, -(int)(h1 % 40));
+    if (mode == 2) {
+      const uint32_t r = h2 % 100000;
+      if (r == 7) x = __uint_as_float(0x7FC00000u);
+      else if (r == 11) x = INFINITY;
+      else if (r < 3000) x = -0.0f;
+    }
+    if (mode == 3) x = 1.25f;
+    if (mode == 4) x *= sizeof(T) == 4 ? 1e30f : 9000.0f;
+    if (mode == 5) x *= sizeof(T) == 4 ? 1e-36f : 1e-5f;
+    if (mode == 6) x = 0.0f;
+    if (sizeof(T) == 4) reinterpret_cast<float *>(p)[i] = x;
+    else if (sizeof(T) == 2 && std::is_same<T, __half>::value) reinterpret_cast<__half *>(p)[i] = __float2half_rn(x);
+    else reinterpret_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(x);
+  }
+}
+
+static void init_buf(void *p, fp4attn_dtype dt, int64_t n, uint32_t seed, int mode) {
+  if (dt == FP4ATTN_FLOAT16) init_kernel<__half><<<1024, 256>>>((__half *)p, n, seed, mode);
+  else if (dt == FP4ATTN_BFLOAT16) init_kernel<__nv_bfloat16><<<1024, 256>>>((__nv_bfloat16 *)p, n, seed, mode);
+  else init_kernel<float><<<1024, 256>>>((float *)p, n, seed, mode);
+  CK(cudaGetLastError());
+}
+
+struct Case {
+  fp4attn_dtype dt;
+  int64_t B, Hq, Hkv, Nq, Nk, D;
+  int layout; /* 0 BHND, 1 BNHD, 2 packed qkv [B,N,3,H,D+8], 3 BHND + 1-element offset */
+  int qmode, kmode, vmode;
+};
+
+static const char *dt_name(fp4attn_dtype d) {
+  return d == FP4ATTN_FLOAT16 ? "f16" : (d == FP4ATTN_BFLOAT16 ? "bf16" : "f32");
+}
+
+static bool aligned16h(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+static bool vec_ok_h(const void *ptr, const int64_t *stride, int64_t d) {
+  return aligned16h(ptr) && d % 8 == 0 && stride[0] % 8 == 0 && stride[1] % 8 == 0 && stride[2] % 8 == 0;
+}
+
+struct Inputs {
+  void *qb = nullptr, *kb = nullptr, *vb = nullptr, *ob = nullptr;
+  fp4attn_attention_params p;
+};
+
+static Inputs make_inputs(const Case &c, uint32_t seed) {
+  Inputs in;
+  memset(&in.p, 0, sizeof in.p);
+  fp4attn_attention_params &p = in.p;
+  const int64_t es = dtype_size(c.dt);
+  p.dtype = c.dt;
+  p.batch = c.B, p.heads_q = c.Hq, p.heads_kv = c.Hkv, p.len_q = c.Nq, p.len_k = c.Nk, p.head_dim = c.D;
+  p.scale = 1.0f;
+  auto alloc = [&](int64_t elems, void **buf) {
+    CK(cudaMalloc(buf, (elems + 64) * es));
+    return elems + 64;
+  };
+  if (c.layout == 2) {
+    const int64_t H = c.Hq, W = c.D + 8, n = c.B * c.Nq * 3 * H * W;
+    const int64_t total = alloc(n, &in.qb);
+    const char *base = (const char *)in.qb;
+    p.q = base, p.k = base + H * W * es, p.v = base + 2 * H * W * es;
+    const int64_t st[3] = {c.Nq * 3 * H * W, W, 3 * H * W};
+    for (int i = 0; i < 3; ++i) p.q_stride[i] = p.k_stride[i] = p.v_stride[i] = st[i];
+    init_buf(in.qb, c.dt, total, seed, c.qmode);
+    return in;
+  }
+  const int64_t off = c.layout == 3 ? 1 : 0;
+  auto make = [&](int64_t H, int64_t N, void **buf, int64_t *stride, const void **ptr, int mode, uint32_t sd) {
+    const int64_t n = c.B * H * N * c.D;
+    const int64_t total = alloc(n + off, buf);
+    *ptr = (const char *)*buf + off * es;
+    if (c.layout == 1) stride[0] = N * H * c.D, stride[1] = c.D, stride[2] = H * c.D;
+    else stride[0] = H * N * c.D, stride[1] = N * c.D, stride[2] = c.D;
+    init_buf(*buf, c.dt, total, sd, mode);
+  };
+  make(c.Hq, c.Nq, &in.qb, p.q_stride, &p.q, c.qmode, seed);
+  make(c.Hkv, c.Nk, &in.kb, p.k_stride, &p.k, c.kmode, seed + 1);
+  make(c.Hkv, c.Nk, &in.vb, p.v_stride, &p.v, c.vmode, seed + 2);
+  return in;
+}
+
+static void free_inputs(Inputs &in) {
+  if (in.qb) CK(cudaFree(in.qb));
+  if (in.kb) CK(cudaFree(in.kb));
+  if (in.vb) CK(cudaFree(in.vb));
+}
+
+static AttnArgs make_args(const fp4attn_attention_params &p, void *ws) {
+  AttnArgs a;
+  memset(&a, 0, sizeof a);
+  a.p = p;
+  a.ws = attn_workspace_layout(&p, ws);
+  a.vec_q = vec_ok_h(p.q, p.q_stride, p.head_dim);
+  a.vec_k = vec_ok_h(p.k, p.k_stride, p.head_dim);
+  a.vec_v = vec_ok_h(p.v, p.v_stride, p.head_dim);
+  return a;
+}
+
+/* Bytes of the sections the forward kernels read, as [name, offset, size] from the layout. */
+struct Section {
+  const char *name;
+  int64_t off, bytes;
+};
+
+static std::vector<Section> sections(const fp4attn_attention_params &p) {
+  const AttnWorkspace w = attn_workspace_layout(&p, (void *)0x100000); /* fake base: offsets */
+  const int64_t bhq = p.batch * p.heads_q, bhk = p.batch * p.heads_kv;
+  auto off = [&](const void *ptr) { return (int64_t)((const char *)ptr - (const char *)0x100000); };
+  return {{"qbar", off(w.qbar), 4 * bhq * w.nqb * w.dp},
+          {"qamax", off(w.qamax), 4 * bhq * w.nqb},
+          {"kbar", off(w.kbar), 4 * bhk * w.dp},
+          {"qscale", off(w.qscale), 4 * bhq * 2},
+          {"kvscale", off(w.kvscale), 4 * bhk * 4},
+          {"kdq", off(w.kdq), 2 * bhk * w.nkp * w.dp},
+          {"vdq", off(w.vdq), 2 * bhk * w.nkp * w.dp}};
+}
+
+static std::vector<uint8_t> run_path(const fp4attn_attention_params &p, int path, uint8_t fill, bool *ran_fused) {
+  const AttnWorkspace w0 = attn_workspace_layout(&p, nullptr);
+  void *ws;
+  CK(cudaMalloc(&ws, w0.bytes));
+  CK(cudaMemset(ws, fill, w0.bytes));
+  const AttnArgs a = make_args(p, ws);
+  fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, 0, path);
+  if (ran_fused) *ran_fused = st.code == FP4ATTN_OK;
+  if (st.code == FP4ATTN_ERR_UNSUPPORTED && path == 2) st = fp4attn_cuda::launch_attention_prepass(a, 0, 1);
+  if (st.code != FP4ATTN_OK) {
+    fprintf(stderr, "pre-pass failed: %s\n", st.message);
+    exit(2);
+  }
+  CK(cudaDeviceSynchronize());
+  std::vector<uint8_t> h(w0.bytes);
+  CK(cudaMemcpy(h.data(), ws, w0.bytes, cudaMemcpyDeviceToHost));
+  CK(cudaFree(ws));
+  return h;
+}
+
+/* first differing section, or "" */
+static std::string compare(const fp4attn_attention_params &p, const std::vector<uint8_t> &x,
+                           const std::vector<uint8_t> &y) {
+  for (const Section &s : sections(p)) {
+    if (memcmp(x.data() + s.off, y.data() + s.off, s.bytes) != 0) {
+      int64_t i = 0;
+      while (x[s.off + i] == y[s.off + i]) ++i;
+      char buf[160];
+      snprintf(buf, sizeof buf, "%s (byte %lld of %lld: %02x vs %02x)", s.name, (long long)i,
+               (long long)s.bytes, x[s.off + i], y[s.off + i]);
+      return buf;
+    }
+  }
+  return "";
+}
+
+static void check_case(const Case &c, uint32_t seed) {
+  Inputs in = make_inputs(c, seed);
+  bool fused = false;
+  const std::vector<uint8_t> ref = run_path(in.p, 1, 0xAB, nullptr);
+  const std::vector<uint8_t> got = run_path(in.p, 2, 0x5C, &fused);
+  std::string diff = compare(in.p, ref, got);
+  if (diff.empty() && fused) { /* determinism: a second fused run, other fill */
+    const std::vector<uint8_t> again = run_path(in.p, 2, 0x33, nullptr);
+    diff = compare(in.p, got, again);
+    if (!diff.empty()) diff = "NONDETERMINISTIC " + diff;
+  }
+  const bool ok = diff.empty();
+  if (!ok) g_fail = 1;
+  printf("%-4s %s B=%lld Hq=%lld Hkv=%lld Nq=%lld Nk=%lld D=%lld layout=%d modes=%d%d%d %s %s\n",
+         ok ? "ok" : "FAIL", dt_name(c.dt), (long long)c.B, (long long)c.Hq, (long long)c.Hkv,
+         (long long)c.Nq, (long long)c.Nk, (long long)c.D, c.layout, c.qmode, c.kmode, c.vmode,
+         fused ? "fused" : "two-read(fallback)", diff.c_str());
+  free_inputs(in);
+}
+
+static void path_checks(bool quick) {
+  std::vector<Case> cases;
+  const fp4attn_dtype dts[3] = {FP4ATTN_FLOAT16, FP4ATTN_BFLOAT16, FP4ATTN_FLOAT32};
+  /* head dims x lengths, contiguous */
+  for (fp4attn_dtype dt : dts)
+    for (int64_t D : {8, 16, 24, 40, 64, 72, 80, 96, 128, 136, 160, 200, 256})
+      for (int64_t N : {1, 17, 129, 300}) cases.push_back({dt, 1, 2, 2, N, N + 40, D, 0, 0, 0, 0});
+  /* GQA, batches, Nq != Nk, longer */
+  for (fp4attn_dtype dt : dts) {
+    cases.push_back({dt, 2, 4, 2, 127, 333, 64, 0, 0, 0, 0});
+    cases.push_back({dt, 1, 8, 2, 513, 1000, 128, 0, 0, 0, 0});
+    cases.push_back({dt, 3, 6, 1, 1000, 128, 128, 0, 0, 0, 0});
+    cases.push_back({dt, 2, 2, 2, 4096, 4100, 64, 0, 0, 0, 0});
+  }
+  /* layouts */
+  for (fp4attn_dtype dt : dts)
+    for (int layout : {1, 2, 3}) {
+      cases.push_back({dt, 2, 4, 4, 300, 300, 64, layout, 0, 0, 0});
+      cases.push_back({dt, 1, 2, 2, 257, 257, 128, layout, 0, 0, 0});
+    }
+  cases.push_back({FP4ATTN_FLOAT16, 1, 4, 2, 300, 300, 64, 1, 0, 0, 0}); /* BNHD + GQA */
+  cases.push_back({FP4ATTN_FLOAT16, 1, 2, 2, 100, 100, 33, 0, 0, 0, 0}); /* D % 8 != 0 */
+  /* special values */
+  for (fp4attn_dtype dt : dts)
+    for (int m = 1; m <= 6; ++m) {
+      cases.push_back({dt, 1, 2, 2, 300, 300, 128, 0, m, m, m});
+      cases.push_back({dt, 1, 2, 2, 200, 260, 64, 0, 0, m, (m + 1) % 7});
+    }
+  /* bench shapes (fp16, B*N = 16K, H*D = 2048), bf16 too, and heads with many chunks */
+  if (!quick) {
+    for (int64_t D : {64, 128})
+      for (int64_t N : {1024, 4096, 16384}) cases.push_back({FP4ATTN_FLOAT16, 16384 / N, 2048 / D, 2048 / D, N, N, D, 0, 0, 0, 0});
+    cases.push_back({FP4ATTN_BFLOAT16, 1, 16, 16, 16384, 16384, 128, 1, 0, 0, 0});
+    cases.push_back({FP4ATTN_FLOAT16, 1, 4, 2, 1024, 32768, 128, 0, 0, 0, 0});  /* 256 chunks per head */
+    cases.push_back({FP4ATTN_FLOAT16, 1, 2, 1, 1024, 100000, 128, 0, 0, 0, 0}); /* 782: fallback */
+    cases.push_back({FP4ATTN_FLOAT16, 4100, 8, 8, 128, 128, 128, 0, 0, 0, 0});  /* many heads */
+    cases.push_back({FP4ATTN_FLOAT32, 1, 4, 4, 8192, 8192, 128, 0, 0, 0, 0});   /* 1 block per SM */
+  }
+  uint32_t seed = 1;
+  for (const Case &c : cases) check_case(c, seed += 3);
+}
+
+/* Capture path 0 in a graph, replay with two input sets, compare with direct runs. */
+static void graph_check() {
+  const Case c = {FP4ATTN_FLOAT16, 2, 4, 2, 300, 700, 128, 0, 0, 0, 0};
+  Inputs in = make_inputs(c, 99);
+  const AttnWorkspace w0 = attn_workspace_layout(&in.p, nullptr);
+  void *ws;
+  CK(cudaMalloc(&ws, w0.bytes));
+  CK(cudaMemset(ws, 0x77, w0.bytes));
+  const AttnArgs a = make_args(in.p, ws);
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  fp4attn_cuda::launch_attention_prepass(a, s, 0); /* warm-up (attributes) outside the capture */
+  CK(cudaStreamSynchronize(s));
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, s, 0);
+  CK(cudaStreamEndCapture(s, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  bool ok = st.code == FP4ATTN_OK;
+  for (uint32_t seed : {5u, 9u}) {
+    init_buf(in.kb, c.dt, c.B * c.Hkv * c.Nk * c.D, seed, 0);
+    init_buf(in.vb, c.dt, c.B * c.Hkv * c.Nk * c.D, seed + 1, 1);
+    CK(cudaDeviceSynchronize());
+    CK(cudaGraphLaunch(ge, s));
+    CK(cudaStreamSynchronize(s));
+    std::vector<uint8_t> got(w0.bytes);
+    CK(cudaMemcpy(got.data(), ws, w0.bytes, cudaMemcpyDeviceToHost));
+    const std::vector<uint8_t> ref = run_path(in.p, 1, 0xAB, nullptr);
+    const std::string d = compare(in.p, ref, got);
+    if (!d.empty()) {
+      ok = false;
+      printf("graph replay differs: %s\n", d.c_str());
+    }
+  }
+  printf("%-4s CUDA graph capture + replay of the pre-pass\n", ok ? "ok" : "FAIL");
+  if (!ok) g_fail = 1;
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  CK(cudaStreamDestroy(s));
+  CK(cudaFree(ws));
+  free_inputs(in);
+}
+
+/* ------------------------------------------------------------------ 4. timing */
+
+static float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+static void timing() {
+  void *flush;
+  const size_t flush_bytes = 256u << 20;
+  CK(cudaMalloc(&flush, flush_bytes));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  /* device-to-device copy bandwidth, bytes read + written */
+  {
+    void *x, *y;
+    const size_t n = 1u << 30;
+    CK(cudaMalloc(&x, n));
+    CK(cudaMalloc(&y, n));
+    std::vector<float> t;
+    for (int i = 0; i < 12; ++i) {
+      CK(cudaEventRecord(e0));
+      CK(cudaMemcpyAsync(y, x, n, cudaMemcpyDeviceToDevice));
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      if (i >= 2) t.push_back(ms);
+    }
+    const float bw = 2.0f * n / median(t) / 1e6f;
+    printf("\ncopy bandwidth: %.0f GB/s (read + write)\n", bw);
+    CK(cudaFree(x));
+    CK(cudaFree(y));
+    struct Variant {
+      const char *name;
+      int path, max_blocks, q_fill;
+    };
+    const Variant variants[] = {{"two-read", 1, 0, 1}, {"fused", 2, 0, 1}, {"fused no-qfill", 2, 0, 0},
+                                {"fused 2/SM", 2, 2, 1}};
+    printf("%-5s %-6s %-3s | %-16s %8s %9s %8s %8s\n", "D", "N", "B", "variant", "ms", "GB/s(b)", "%copy", "%copy*");
+    for (int64_t D : {64, 128})
+      for (int64_t N : {1024, 4096, 16384}) {
+        const Case c = {FP4ATTN_FLOAT16, 16384 / N, 2048 / D, 2048 / D, N, N, D, 0, 0, 0, 0};
+        Inputs in = make_inputs(c, 7);
+        const AttnWorkspace w0 = attn_workspace_layout(&in.p, nullptr);
+        void *ws;
+        CK(cudaMalloc(&ws, w0.bytes));
+        const AttnArgs a = make_args(in.p, ws);
+        const double elems = (double)c.B * c.Hq * N * D;
+        /* bench_attention.py's metric: inputs + K^/V^ as FP4 codes + scales; and the bytes the
+         * workspace layout really moves: inputs + K^/V^ as FP16 */
+        const double bench_bytes = 3 * elems * 2 + 2 * elems * (0.5 + 1.0 / 16);
+        const double real_bytes = 3 * elems * 2 + 2 * elems * 2;
+        for (const Variant &v : variants) {
+          g_fused_tuning.max_blocks_per_sm = v.max_blocks;
+          g_fused_tuning.q_fill = v.q_fill;
+          std::vector<float> t;
+          for (int i = 0; i < 23; ++i) {
+            CK(cudaMemsetAsync(flush, i & 0xFF, flush_bytes));
+            CK(cudaEventRecord(e0));
+            const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, 0, v.path);
+            CK(cudaEventRecord(e1));
+            CK(cudaEventSynchronize(e1));
+            if (st.code != FP4ATTN_OK) {
+              printf("  %s: %s\n", v.name, st.code == FP4ATTN_ERR_UNSUPPORTED ? "not applicable" : st.message);
+              break;
+            }
+            float ms;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            if (i >= 3) t.push_back(ms);
+          }
+          if (t.empty()) continue;
+          const float ms = median(t);
+          printf("%-5lld %-6lld %-3lld | %-16s %8.4f %9.0f %7.1f%% %7.1f%%\n", (long long)D, (long long)N,
+                 (long long)c.B, v.name, ms, bench_bytes / ms / 1e6, 100 * bench_bytes / ms / 1e6 / bw,
+                 100 * real_bytes / ms / 1e6 / bw);
+        }
+        g_fused_tuning = {0, 1};
+        CK(cudaFree(ws));
+        free_inputs(in);
+      }
+    printf("GB/s(b), %%copy: bench_attention.py's bytes (inputs + K^/V^ as FP4 codes + scales);\n"
+           "%%copy*: bytes moved with the FP16 K^/V^ workspace (inputs + 2 x K-sized FP16 outputs)\n");
+  }
+  CK(cudaFree(flush));
+}
+
+int main(int argc, char **argv) {
+  const bool quick = argc > 1 && !strcmp(argv[1], "--quick");
+  const bool only_time = argc > 1 && !strcmp(argv[1], "--time");
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  if (argc > 1 && !strcmp(argv[1], "--probe")) return 0;
+  if (!only_time) {
+    if (!quick) exhaustive_checks();
+    block_checks();
+    path_checks(quick);
+    graph_check();
+    printf("\n%s\n", g_fail ? "CHECKS FAILED" : "all checks passed");
+  }
+  timing();
+  return g_fail;
+}
