@@ -86,6 +86,33 @@ static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params
   return w;
 }
 
+/* Launches forward kernel `kernel` (one block of `threads` per `rows` query rows of every
+ * (batch, query head)) with `smem` bytes of dynamic shared memory on stream s. The first launch
+ * on a device raises the kernel's shared-memory limit (`configured`: the kernel's per-device
+ * flags), or returns FP4ATTN_ERR_UNSUPPORTED where the device has less. */
+template <typename Kernel>
+fp4attn_status launch_forward(Kernel kernel, const AttnArgs &a, int rows, int threads, int smem,
+                              bool (&configured)[64], const char *name, cudaStream_t s) {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64 || !configured[dev]) {
+    int optin = 0;
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (optin < smem)
+      return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                          "%s: head dim %lld needs %d bytes of shared memory per block, the device "
+                          "allows %d",
+                          name, (long long)padded_head_dim(a.p.head_dim), smem, optin);
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+      return launch_status(name);
+    if (dev >= 0 && dev < 64) configured[dev] = true;
+  }
+  const int64_t blocks = a.p.batch * a.p.heads_q * ceil_div(a.p.len_q, rows);
+  if (blocks > 0x7FFFFFFFLL) return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "%s: too many query blocks", name);
+  kernel<<<(unsigned)blocks, threads, smem, s>>>(a);
+  return launch_status(name);
+}
+
 /* Forward kernels, one per padded head dim (attention_fwd_d*.cu). Each picks between the
  * mma.sync kernel and, on Hopper, the wgmma kernel (hopper/attention_fwd_sm90.cu). */
 fp4attn_status launch_attention_fwd_d64(const AttnArgs &a, cudaStream_t s);

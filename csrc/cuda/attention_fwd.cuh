@@ -56,10 +56,8 @@ template <int DP, int NWARPS, int NBUF>
 struct FwdKernel {
   using C = FwdConfig<DP, NWARPS, NBUF>;
 
-  struct Ctx {
+  struct Ctx : QueryBlock {
     const AttnArgs *a;
-    int64_t b, h, bh, bhk, hk, q0;
-    int ntiles;
     char *smem;
   };
 
@@ -193,28 +191,13 @@ struct FwdKernel {
     Ctx c;
     c.a = &a;
     c.smem = smem;
-    const int64_t nqt = ceil_div_dev(p.len_q, C::kRows);
-    const int64_t bh = blockIdx.x / nqt;
-    int64_t qt = blockIdx.x % nqt;
-    if (p.causal) qt = nqt - 1 - qt; /* longest rows first */
-    c.bh = bh;
-    c.b = bh / p.heads_q;
-    c.h = bh % p.heads_q;
-    c.hk = c.h / (p.heads_q / p.heads_kv);
-    c.bhk = c.b * p.heads_kv + c.hk;
-    c.q0 = qt * C::kRows;
-    int64_t ntiles = w.nkt;
-    if (p.causal) {
-      const int64_t last = min(c.q0 + C::kRows, p.len_q) - 1;
-      ntiles = min(ntiles, last / kTile + 1);
-    }
-    c.ntiles = (int)ntiles;
+    static_cast<QueryBlock &>(c) = query_block(p, w, C::kRows);
 
     /* constants in shared memory */
     {
       float *qbar = reinterpret_cast<float *>(smem + C::kOffQbar);
       const int64_t qblk = c.q0 / kTile;
-      for (int i = threadIdx.x; i < DP; i += C::kThreads) qbar[i] = w.qbar[(bh * w.nqb + qblk) * DP + i];
+      for (int i = threadIdx.x; i < DP; i += C::kThreads) qbar[i] = w.qbar[(c.bh * w.nqb + qblk) * DP + i];
     }
     issue_tile(c, 0, 0);
     cp_async_commit();
@@ -222,7 +205,7 @@ struct FwdKernel {
     quantize_q(c);
     compute_bias_tile(c, 0, 0);
 
-    const float decq = w.qscale[bh * 2 + 1];
+    const float decq = w.qscale[c.bh * 2 + 1];
     const float deck = w.kvscale[c.bhk * 4 + 1], decv = w.kvscale[c.bhk * 4 + 3];
     const float cqk = a.scale_log2 * (decq * deck);
 
@@ -258,10 +241,6 @@ struct FwdKernel {
     store_rows<DP>(a, wrows, c.bh, rs.o, rs.sm, reinterpret_cast<const float *>(smem + C::kOffQbar),
                    w.kbar + c.bhk * DP); /* kbar from global: keeps smem within sm_80's 163 KB */
   }
-
-  static __device__ __forceinline__ int64_t ceil_div_dev(int64_t a, int64_t b) {
-    return (a + b - 1) / b;
-  }
 };
 
 template <int DP, int NWARPS, int NBUF>
@@ -273,28 +252,9 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) attention_fwd_kernel(const __g
 template <int DP, int NWARPS, int NBUF>
 fp4attn_status launch_attention_fwd(const AttnArgs &a, cudaStream_t s) {
   using C = FwdConfig<DP, NWARPS, NBUF>;
-  auto kernel = attention_fwd_kernel<DP, NWARPS, NBUF>;
   static bool configured[64] = {false};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64 || !configured[dev]) {
-    int optin = 0;
-    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    if (optin < C::kSmem)
-      return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
-                          "attention: head dim %d needs %d bytes of shared memory per block, the "
-                          "device allows %d",
-                          DP, C::kSmem, optin);
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem) !=
-        cudaSuccess)
-      return launch_status("attention: cudaFuncSetAttribute");
-    if (dev >= 0 && dev < 64) configured[dev] = true;
-  }
-  const int64_t blocks = a.p.batch * a.p.heads_q * ceil_div(a.p.len_q, C::kRows);
-  if (blocks > 0x7FFFFFFFLL)
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: too many query blocks");
-  kernel<<<(unsigned)blocks, C::kThreads, C::kSmem, s>>>(a);
-  return launch_status("attention: forward kernel");
+  return launch_forward(attention_fwd_kernel<DP, NWARPS, NBUF>, a, C::kRows, C::kThreads, C::kSmem,
+                        configured, "attention", s);
 }
 
 }  // namespace fp4attn_cuda

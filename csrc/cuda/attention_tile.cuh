@@ -63,6 +63,32 @@ __device__ __forceinline__ uint32_t e2m1_pair(float y0, float y1) {
   return *reinterpret_cast<uint32_t *>(&r);
 }
 
+/* The query rows one CUDA block owns: (batch, query head) bh = (b, h), its KV head hk (bhk), the
+ * first row q0 of its `rows`-row block (blocks in reverse order when causal: longest rows first,
+ * so the short ones fill the tail of the grid), and how many 128-key tiles it visits. */
+struct QueryBlock {
+  int64_t bh, b, h, hk, bhk, q0;
+  int ntiles;
+};
+
+__device__ __forceinline__ QueryBlock query_block(const fp4attn_attention_params &p,
+                                                  const AttnWorkspace &w, int rows) {
+  QueryBlock k;
+  const int64_t nqt = (p.len_q + rows - 1) / rows;
+  k.bh = blockIdx.x / nqt;
+  int64_t qt = blockIdx.x % nqt;
+  if (p.causal) qt = nqt - 1 - qt;
+  k.b = k.bh / p.heads_q;
+  k.h = k.bh % p.heads_q;
+  k.hk = k.h / (p.heads_q / p.heads_kv);
+  k.bhk = k.b * p.heads_kv + k.hk;
+  k.q0 = qt * rows;
+  int64_t ntiles = w.nkt;
+  if (p.causal) ntiles = min(ntiles, (min(k.q0 + rows, p.len_q) - 1) / kTile + 1);
+  k.ntiles = (int)ntiles;
+  return k;
+}
+
 /* Where one warp's 16 rows sit: (batch, query head) and the query row of accumulator row 0. */
 struct WarpRows {
   int64_t b, h, row0;

@@ -56,10 +56,8 @@ template <int DP>
 struct Kernel {
   using C = Config<DP>;
 
-  struct Block {
+  struct Block : QueryBlock {
     const AttnArgs *a;
-    int64_t b, h, bh, hk, bhk, q0;
-    int ntiles;
     char *small, *tiles; /* see Config */
     __device__ __half *tile(int off) const { return reinterpret_cast<__half *>(tiles + off); }
     __device__ float *bias(int stage) const { return reinterpret_cast<float *>(small + C::kOffBias) + stage * kTile; }
@@ -159,25 +157,13 @@ struct Kernel {
     k.a = &a;
     k.small = smem;
     k.tiles = smem + (tiles_at - smem_u32(smem));
-    const int64_t nqt = (p.len_q + kRows - 1) / kRows;
-    const int64_t bh = blockIdx.x / nqt;
-    int64_t qt = blockIdx.x % nqt;
-    if (p.causal) qt = nqt - 1 - qt; /* longest rows first */
-    k.bh = bh;
-    k.b = bh / p.heads_q;
-    k.h = bh % p.heads_q;
-    k.hk = k.h / (p.heads_q / p.heads_kv);
-    k.bhk = k.b * p.heads_kv + k.hk;
-    k.q0 = qt * kRows;
-    int64_t ntiles = w.nkt;
-    if (p.causal) ntiles = min(ntiles, (min(k.q0 + kRows, p.len_q) - 1) / kTile + 1);
-    k.ntiles = (int)ntiles;
+    static_cast<QueryBlock &>(k) = query_block(p, w, kRows);
 
     /* prologue, all threads: qbar, Q^ (exact FP16 values, swizzled for wgmma) */
-    for (int i = threadIdx.x; i < DP; i += kThreads) k.qbar()[i] = w.qbar[(bh * w.nqb + k.q0 / kTile) * DP + i];
+    for (int i = threadIdx.x; i < DP; i += kThreads) k.qbar()[i] = w.qbar[(k.bh * w.nqb + k.q0 / kTile) * DP + i];
     __syncthreads();
     __half *qs = k.tile(C::kOffQ);
-    quantize_q_rows<DP>(a, k.b, k.h, bh, k.q0, kRows, k.qbar(), threadIdx.x, kThreads,
+    quantize_q_rows<DP>(a, k.b, k.h, k.bh, k.q0, kRows, k.qbar(), threadIdx.x, kThreads,
                         [&](int r, int col, const uint32_t (&v)[8]) {
                           *reinterpret_cast<uint4 *>(qs + sw128_offset(kRows, r, col)) = make_uint4(v[0], v[1], v[2], v[3]);
                           *reinterpret_cast<uint4 *>(qs + sw128_offset(kRows, r, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
@@ -208,28 +194,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd_sm90_kernel(const _
 
 template <int DP>
 fp4attn_status launch(const AttnArgs &a, cudaStream_t s) {
-  using C = Config<DP>;
-  auto kernel = attention_fwd_sm90_kernel<DP>;
   static bool configured[64] = {false};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64 || !configured[dev]) {
-    int optin = 0;
-    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    if (optin < C::kSmem)
-      return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
-                          "attention (sm90): head dim %d needs %d bytes of shared memory per block, "
-                          "the device allows %d",
-                          DP, C::kSmem, optin);
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem) != cudaSuccess)
-      return launch_status("attention (sm90): cudaFuncSetAttribute");
-    if (dev >= 0 && dev < 64) configured[dev] = true;
-  }
-  const int64_t blocks = a.p.batch * a.p.heads_q * ceil_div(a.p.len_q, kRows);
-  if (blocks > 0x7FFFFFFFLL)
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: too many query blocks");
-  kernel<<<(unsigned)blocks, kThreads, C::kSmem, s>>>(a);
-  return launch_status("attention (sm90): forward kernel");
+  return launch_forward(attention_fwd_sm90_kernel<DP>, a, kRows, kThreads, Config<DP>::kSmem, configured,
+                        "attention (sm90 kernel)", s);
 }
 
 }  // namespace sm90
