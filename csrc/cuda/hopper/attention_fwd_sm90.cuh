@@ -15,7 +15,7 @@
  *     accumulator layout of each warp is the m16n8k16 layout of its 16 rows); P^q V^ by wgmma
  *     m64n{DP}k16 with P^q from registers; O = alpha O + (beta/2688) dV (P^q V^) in FP32.
  * The two consumer warpgroups run independently between the shared barriers, so one's softmax
- * overlaps the other's tensor-core work.
+ * can overlap the other's tensor-core work (nothing enforces it; see docs/cuda_notes.md).
  * Q: all 384 threads quantize the block's rows in the prologue (Q - qbar, global scale, phi).
  */
 #ifndef FP4ATTN_CUDA_HOPPER_ATTENTION_FWD_SM90_CUH
