@@ -52,6 +52,22 @@ def test_op_level_errors_from_the_binding():
         torch.ops.fp4attn.attention(q[0], k, v, None, False, 1.0, False, 0)
     with pytest.raises(RuntimeError, match="kernel must be"):
         torch.ops.fp4attn.attention(q, k, v, None, False, 1.0, False, 7)
+    for gpu_kernel in (2, 3):  # sm120, sm90
+        with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+            torch.ops.fp4attn.attention(q, k, v, None, False, 1.0, False, gpu_kernel)
+
+
+def test_kernel_env_names(monkeypatch):
+    import importlib
+
+    front = importlib.import_module("fp4attn.sdpa")  # the module (fp4attn.sdpa is the function)
+
+    for name, value in (("auto", 0), ("fp16", 1), ("sm120", 2), ("sm90", 3)):
+        monkeypatch.setenv("FP4ATTN_KERNEL", name)
+        assert front._kernel_from_env() == value
+    monkeypatch.setenv("FP4ATTN_KERNEL", "hopper")
+    with pytest.raises(ValueError, match="FP4ATTN_KERNEL must be one of"):
+        front._kernel_from_env()
 
 
 @pytest.mark.parametrize("case", ["dropout", "grad", "dtype", "value_dim"])
