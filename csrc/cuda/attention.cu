@@ -32,7 +32,7 @@ bool vec_ok(const void *ptr, const int64_t *stride, int64_t d) {
 bool use_sm120(const fp4attn_attention_params *p) {
 #if defined(FP4ATTN_HAVE_SM120)
   if (p->kernel == FP4ATTN_KERNEL_SM120) return true;
-  if (p->kernel == FP4ATTN_KERNEL_AUTO && device_major() == 12) return true;
+  if (p->kernel == FP4ATTN_KERNEL_AUTO && device_capability() / 10 == 12) return true;
 #else
   (void)p;
 #endif

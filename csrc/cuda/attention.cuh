@@ -86,6 +86,31 @@ static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params
   return w;
 }
 
+/* Columns kb*16 .. kb*16+15 of the row at element `row` of x, smoothed and scaled for phi
+ * (SPEC 4.1-4.3: (x - mean) * enc, two roundings), zeros from column D on. */
+__device__ __forceinline__ void smoothed_block16(const void *x, fp4attn_dtype dt, int64_t row, int kb,
+                                                 int D, bool vec, const float *mean, float enc,
+                                                 float (&xs)[16]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int c0 = kb * 16 + half * 8;
+    float v[8];
+    load8_padded(x, dt, row, c0, D, vec, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      xs[half * 8 + e] = c0 + e < D ? __fmul_rn(__fsub_rn(v[e], mean[c0 + e]), enc) : 0.0f;
+  }
+}
+
+/* The exact FP16 values code * scale of one quantized 16-value block (codes q, E4M3 scale s) as
+ * 8 half2 words: the form the workspace and the kernels' shared memory hold. */
+__device__ __forceinline__ void block_f16_words(const uint8_t *q, uint8_t s, uint32_t (&o)[8]) {
+  const float sv = fp4attn_e4m3_decode(s);
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    o[i] = pack_half2(fp4attn_e2m1_decode(q[2 * i]) * sv, fp4attn_e2m1_decode(q[2 * i + 1]) * sv);
+}
+
 /* Launches forward kernel `kernel` (one block of `threads` per `rows` query rows of every
  * (batch, query head)) with `smem` bytes of dynamic shared memory on stream s. The first launch
  * on a device raises the kernel's shared-memory limit (`configured`: the kernel's per-device

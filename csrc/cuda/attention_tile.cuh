@@ -338,12 +338,7 @@ __device__ __forceinline__ void compute_bias(const AttnArgs &a, int64_t b, int64
     } else {
       for (int d = c0; d < min(D, c0 + PER); d += 8) {
         float v[8];
-        if (a.vec_k && d + 8 <= D) {
-          load8_as_float(p.k, p.dtype, base + d, true, v);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = d + e < D ? load_as_float(p.k, p.dtype, base + d + e) : 0.0f;
-        }
+        load8_padded(p.k, p.dtype, base, d, D, a.vec_k, v);
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc = fmaf(qbar[d + e], v[e], acc);
       }
@@ -372,25 +367,8 @@ __device__ __forceinline__ void quantize_q_rows(const AttnArgs &a, int64_t b, in
       const int64_t base = b * p.q_stride[0] + h * p.q_stride[1] + row * p.q_stride[2];
       float xs[16];
       uint8_t q[16];
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int c0 = kb * 16 + half * 8;
-        float v[8];
-        if (a.vec_q && c0 + 8 <= D) {
-          load8_as_float(p.q, p.dtype, base + c0, true, v);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = c0 + e < D ? load_as_float(p.q, p.dtype, base + c0 + e) : 0.0f;
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          xs[half * 8 + e] = c0 + e < D ? __fmul_rn(__fsub_rn(v[e], qbar[c0 + e]), encq) : 0.0f;
-      }
-      const uint8_t s = fp4attn_quantize_block(xs, 16, q);
-      const float sv = fp4attn_e4m3_decode(s);
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        o[i] = pack_half2(fp4attn_e2m1_decode(q[2 * i]) * sv, fp4attn_e2m1_decode(q[2 * i + 1]) * sv);
+      smoothed_block16(p.q, p.dtype, base, kb, D, a.vec_q, qbar, encq, xs);
+      block_f16_words(q, fp4attn_quantize_block(xs, 16, q), o);
     }
     store16(r, kb * 16, o);
   }

@@ -52,15 +52,18 @@ static inline int sm_count() {
   return cache[dev];
 }
 
-static inline int device_major() {
+/* Compute capability of the current device as 10 * major + minor (90 for H100/H200), cached per
+ * device; 0 if it cannot be read. */
+static inline int device_capability() {
   static int cache[64] = {0};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return 0;
   if (dev < 0 || dev >= 64) return 0;
   if (cache[dev] == 0) {
-    int n = 0;
-    cudaDeviceGetAttribute(&n, cudaDevAttrComputeCapabilityMajor, dev);
-    cache[dev] = n;
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    cache[dev] = 10 * major + minor;
   }
   return cache[dev];
 }
@@ -140,6 +143,18 @@ __device__ __forceinline__ void load8_as_float(const void *base, fp4attn_dtype d
   for (int k = 0; k < 8; ++k) out[k] = load_as_float(base, dt, i + k);
 }
 
+/* Elements col .. col+7 of a row starting at element `row` as float, zeros from column D on;
+ * 16-byte loads when `vec` (load8_as_float's alignment) and all 8 are inside the row. */
+__device__ __forceinline__ void load8_padded(const void *base, fp4attn_dtype dt, int64_t row, int col,
+                                             int D, bool vec, float *out) {
+  if (vec && col + 8 <= D) {
+    load8_as_float(base, dt, row + col, true, out);
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) out[e] = col + e < D ? load_as_float(base, dt, row + col + e) : 0.0f;
+}
+
 /* ------------------------------------------------------------------------ FP4 helpers */
 
 /* rne_e2m1 of SPEC 1 for y >= 0 (finite, below 2^100) as the rounded value, before saturation
@@ -161,14 +176,10 @@ __host__ __device__ __forceinline__ float e2m1_grid_nonneg(float y) {
 #endif
 }
 
-/* rne_e2m1 of SPEC 1 for y >= 0 (finite, below 2^100), saturated: the rounded value. */
-__host__ __device__ __forceinline__ float e2m1_round_nonneg(float y) {
-  const float r = e2m1_grid_nonneg(y);
-  return r < 6.0f ? r : 6.0f;
-}
-
-/* rne_e4m3_sat (SPEC 1) of v >= 0, finite: byte and value. sm_89+ have the conversion in
- * hardware (cvt.rn.satfinite.e4m3x2.f32, which SPEC 1 names as the definition). */
+/* rne_e4m3_sat (SPEC 1) of a finite v >= 0 as the E4M3 byte: the hardware conversion on sm_89+
+ * (cvt.rn.satfinite.e4m3x2.f32, which SPEC 1 names as the definition; checked against
+ * fp4attn_e4m3_encode_sat for every float by tests/cuda_harness/check_prepass.cu), numerics.h
+ * before. */
 __device__ __forceinline__ uint8_t e4m3_encode_fast(float v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);

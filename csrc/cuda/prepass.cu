@@ -242,13 +242,8 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(AttnArgs a) {
     for (int64_t t = c; t < w.nkt; t += blockDim.x) vam = fp4attn_nanmax(vam, w.vamax[bh * w.nkt + t]);
     vam = block_nanmax(vam, sh_red);
     if (c == 0) {
-      float enc, dec;
-      fp4attn_global_scales(kam, &enc, &dec);
-      w.kvscale[bh * 4 + 0] = enc;
-      w.kvscale[bh * 4 + 1] = dec;
-      fp4attn_global_scales(vam, &enc, &dec);
-      w.kvscale[bh * 4 + 2] = enc;
-      w.kvscale[bh * 4 + 3] = dec;
+      fp4attn_global_scales(kam, &w.kvscale[bh * 4 + 0], &w.kvscale[bh * 4 + 1]);
+      fp4attn_global_scales(vam, &w.kvscale[bh * 4 + 2], &w.kvscale[bh * 4 + 3]);
     }
     return;
   }
@@ -256,21 +251,13 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(AttnArgs a) {
   float am = 0.0f;
   for (int64_t t = c; t < w.nqb; t += blockDim.x) am = fp4attn_nanmax(am, w.qamax[bh * w.nqb + t]);
   am = block_nanmax(am, sh_red);
-  if (c == 0) {
-    float enc, dec;
-    fp4attn_global_scales(am, &enc, &dec);
-    w.qscale[bh * 2 + 0] = enc;
-    w.qscale[bh * 2 + 1] = dec;
-  }
+  if (c == 0) fp4attn_global_scales(am, &w.qscale[bh * 2 + 0], &w.qscale[bh * 2 + 1]);
 }
 
 /* 16 codes + scale -> 16 exact FP16 values code * scale, stored as two 16-byte words. */
 __device__ __forceinline__ void store_block_f16(__half *dst, const uint8_t *q, uint8_t s) {
-  const float sv = fp4attn_e4m3_decode(s);
   uint32_t o[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    o[i] = pack_half2(fp4attn_e2m1_decode(q[2 * i]) * sv, fp4attn_e2m1_decode(q[2 * i + 1]) * sv);
+  block_f16_words(q, s, o);
   reinterpret_cast<uint4 *>(dst)[0] = make_uint4(o[0], o[1], o[2], o[3]);
   reinterpret_cast<uint4 *>(dst)[1] = make_uint4(o[4], o[5], o[6], o[7]);
 }
@@ -296,21 +283,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(AttnArgs a) {
     uint8_t s = 0;
     if (tok < p.len_k && kb * 16 < D) {
       const int64_t base = b * p.k_stride[0] + h * p.k_stride[1] + tok * p.k_stride[2];
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int c0 = kb * 16 + half * 8;
-        float v[8];
-        if (a.vec_k && c0 + 8 <= D) {
-          load8_as_float(p.k, p.dtype, base + c0, true, v);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = c0 + e < D ? load_as_float(p.k, p.dtype, base + c0 + e) : 0.0f;
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          xs[half * 8 + e] =
-              c0 + e < D ? __fmul_rn(__fsub_rn(v[e], sh_kbar[c0 + e]), enck) : 0.0f;
-      }
+      smoothed_block16(p.k, p.dtype, base, kb, D, a.vec_k, sh_kbar, enck, xs);
       s = fp4attn_quantize_block(xs, 16, q);
     }
     store_block_f16(w.kdq + (bh * w.nkp + tok) * DP + kb * 16, q, s);
@@ -454,17 +427,6 @@ __device__ __forceinline__ uint32_t h2_mul(uint32_t a, uint32_t b) {
   return r;
 }
 
-/* rne_e4m3_sat (SPEC 1) of a finite v >= 0 as the E4M3 byte: the hardware conversion on sm_89+,
- * which SPEC 1 names as the definition (checked against fp4attn_e4m3_encode_sat for every float
- * by check_prepass.cu), numerics.h before. */
-__device__ __forceinline__ uint8_t e4m3_byte(float v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
-#else
-  return fp4attn_e4m3_encode_sat(v);
-#endif
-}
-
 /* Per-E4M3-byte tables in shared memory: 1/scale correctly rounded (SPEC 2; 0 for the zero
  * scale, so that a zero block quantizes to zeros without a branch) and (scale, scale) as half2
  * (exact: E4M3 values are FP16 normals). */
@@ -514,7 +476,7 @@ __device__ __forceinline__ uint4 quantize_half_block(const float *xs, int partne
   for (int i = 0; i < 8; ++i) m = max_nan(m, fabsf(xs[i]));
   m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, partner));
   const bool fast = m <= 7.9228163e28f; /* 2^96; false for NaN */
-  const uint8_t s = e4m3_byte(div6_e4m3(m)) & 0x7F;
+  const uint8_t s = e4m3_encode_fast(div6_e4m3(m)) & 0x7F;
   const float r = tab->rcp[s];
   const uint32_t sv2 = tab->sv2[s];
   const bool clamp = __any_sync(0xffffffffu, fast && __fmul_rn(m, r) >= 7.0f);
@@ -695,12 +657,7 @@ __device__ void fused_q_block(const AttnArgs &a, const FusedParams &f, int64_t i
   float qm = 0.0f;
   for (int64_t t = tid; t < w.nqb; t += kThreads) qm = fp4attn_nanmax(qm, __ldcg(&w.qamax[bh * w.nqb + t]));
   qm = block_nanmax(qm, sh.small);
-  if (tid == 0) {
-    float enc, dec;
-    fp4attn_global_scales(qm, &enc, &dec);
-    w.qscale[bh * 2 + 0] = enc;
-    w.qscale[bh * 2 + 1] = dec;
-  }
+  if (tid == 0) fp4attn_global_scales(qm, &w.qscale[bh * 2 + 0], &w.qscale[bh * 2 + 1]);
 }
 
 /* Copies rows [0, rows) of a chunk (row stride `stride` elements in global memory, D elements

@@ -23,24 +23,11 @@ bool built_for_sm90a() {
 #endif
 }
 
-bool device_is_cc90() {
-  static int cache[64] = {0}; /* 0 unknown, 1 yes, 2 no */
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (cache[dev] == 0) {
-    int major = 0, minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    cache[dev] = major == 9 && minor == 0 ? 1 : 2;
-  }
-  return cache[dev] == 1;
-}
-
 }  // namespace
 
 Sm90Choice choose_sm90(const fp4attn_attention_params &p, int64_t dp) {
   if (p.kernel != FP4ATTN_KERNEL_AUTO && p.kernel != FP4ATTN_KERNEL_SM90) return SM90_NO;
-  const bool available = built_for_sm90a() && device_is_cc90() && dp <= 128;
+  const bool available = built_for_sm90a() && device_capability() == 90 && dp <= 128;
   if (available) return SM90_YES;
   return p.kernel == FP4ATTN_KERNEL_SM90 ? SM90_UNAVAILABLE : SM90_NO;
 }

@@ -56,27 +56,9 @@ __device__ __forceinline__ void fence_regs(float (&d)[NB][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[n][e])::"memory");
 }
 
-/* D[64 x 64] (+)= A[64 x 16] * B[64 x 16]^T, A and B in shared memory (K-major descriptors). */
-__device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[8][4], uint64_t desc_a,
-                                                   uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-      "%32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-/* The same with A in registers: each warp's m16n8k16 A fragment of its 16 rows. */
+/* D[64 x 64] (+)= A[64 x 16] * B[64 x 16]^T, A in registers (each warp's m16n8k16 A fragment of
+ * its 16 rows), B in shared memory (K-major descriptor). S always has 128 key columns, so only
+ * P V uses N = 64 (head dim 64). */
 __device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[8][4], const uint32_t (&a)[4],
                                                    uint64_t desc_b, int accumulate) {
   asm volatile(
@@ -158,7 +140,6 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[16][4], const uin
 
 template <int N> struct Wgmma;
 template <> struct Wgmma<64> {
-  static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t a, uint64_t b, int acc) { wgmma_ss_m64n64k16(d, a, b, acc); }
   static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b, int acc) { wgmma_rs_m64n64k16(d, a, b, acc); }
 };
 template <> struct Wgmma<128> {
