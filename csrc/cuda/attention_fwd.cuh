@@ -238,7 +238,8 @@ struct FwdKernel {
 
     /* ---- epilogue (SPEC 4.6) */
     const WarpRows wrows = {c.b, c.h, c.q0 + (threadIdx.x >> 5) * 16};
-    store_rows<DP>(a, wrows, c.bh, rs.o, rs.sm, reinterpret_cast<const float *>(smem + C::kOffQbar),
+    const float unit[2] = {1.0f, 1.0f}; /* o is O: the scales were applied per tile */
+    store_rows<DP>(a, wrows, c.bh, rs.o, unit, rs.sm, reinterpret_cast<const float *>(smem + C::kOffQbar),
                    w.kbar + c.bhk * DP); /* kbar from global: keeps smem within sm_80's 163 KB */
   }
 };

@@ -99,22 +99,14 @@ struct SoftmaxState {
   float m[2], l[2];
 };
 
-/* Scores of one 128-key tile (starting at key j0) -> P^q fragments, updating m and l.
- *   in:  s = the raw FP16-MMA accumulators Q^ K^T; bias[key] = scale*log2e*(qbar . K[key]);
- *        cqk = scale*log2e*dQ*dK
- *   out: pa = P^q as exact FP16 A fragments, 16-key block kb in pa[kb];
- *        alpha = exp(m_old - m_new) and gsc = exp(t - m_new) / 2688 per row (r = 0: g, 1: g+8)
- * SPEC 4.4-4.5 in log2 units. Masks: causal (top-left), bool/additive attn_mask, key padding. */
-__device__ __forceinline__ void softmax_quantize_p(const fp4attn_attention_params &p,
-                                                   const WarpRows &w, int64_t j0, float cqk,
-                                                   const float *bias,
-                                                   float (&s)[16][4], SoftmaxState &st,
-                                                   float (&alpha)[2], float (&gsc)[2],
-                                                   uint32_t (&pa)[8][4]) {
+/* Scores of one 128-key tile (starting at key j0) in log2 units, in place:
+ *   s = scale*log2e*(dQ dK acc + qbar.K) (+ mask), with bias[key] = scale*log2e*(qbar . K[key])
+ *   and cqk = scale*log2e*dQ*dK. Masks: causal (top-left), bool/additive attn_mask, key padding. */
+__device__ __forceinline__ void tile_scores_log2(const fp4attn_attention_params &p, const WarpRows &w,
+                                                 int64_t j0, float cqk, const float *bias,
+                                                 float (&s)[16][4]) {
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-
-  /* ---- scores in log2 units: x = scale*log2e*(dQ dK acc + qbar.K) (+ mask) */
 #pragma unroll
   for (int n = 0; n < 16; ++n) {
     const float2 bb = *reinterpret_cast<const float2 *>(bias + n * 8 + 2 * t);
@@ -145,11 +137,12 @@ __device__ __forceinline__ void softmax_quantize_p(const fp4attn_attention_param
         s[n][e] = ok ? s[n][e] + add : -INFINITY;
       }
   }
+}
 
-  /* ---- block maxima of the log2 scores (16-key block kb of row g + 8r is s[2kb][2r..2r+1] and
-   * s[2kb+1][2r..2r+1] of the 4 quad lanes); the tile row max t is their maximum. exp2 is
-   * monotonic, so exp2(bm - off) is the block maximum of Pq without a pass over Pq. */
-  float bm[8][2];
+/* Block maxima of the log2 scores: bm[kb][r] is the maximum of 16-key block kb of row g + 8r
+ * (s[2kb][2r..2r+1] and s[2kb+1][2r..2r+1] of the 4 quad lanes), in every lane of the quad.
+ * exp2 is monotonic, so exp2(bm - off) is the block maximum of Pq without a pass over Pq. */
+__device__ __forceinline__ void block_maxima(const float (&s)[16][4], float (&bm)[8][2]) {
 #pragma unroll
   for (int kb = 0; kb < 8; ++kb)
 #pragma unroll
@@ -164,31 +157,27 @@ __device__ __forceinline__ void softmax_quantize_p(const fp4attn_attention_param
   for (int kb = 0; kb < 8; ++kb)
 #pragma unroll
     for (int r = 0; r < 2; ++r) bm[kb][r] = fmaxf(bm[kb][r], __shfl_xor_sync(0xffffffffu, bm[kb][r], 2));
+}
 
-  /* ---- online softmax statistics (SPEC 4.5), rows g and g+8 */
-  float toff[2];
+__device__ __forceinline__ float tile_row_max(const float (&bm)[8][2], int r) {
+  float tmax = bm[0][r];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float tmax = bm[0][r];
-#pragma unroll
-    for (int kb = 1; kb < 8; ++kb) tmax = fmaxf(tmax, bm[kb][r]);
-    const float mnew = fmaxf(st.m[r], tmax);
-    const bool empty = tmax == -INFINITY;
-    alpha[r] = st.m[r] == -INFINITY ? 0.0f : fast_exp2(st.m[r] - mnew);
-    const float beta = empty ? 0.0f : fast_exp2(tmax - mnew);
-    gsc[r] = beta * (1.0f / FP4ATTN_NVFP4_RANGE);
-    toff[r] = (empty ? 0.0f : tmax) - kLog2_2688; /* Pq = 2688 exp2(x - t) = exp2(x - toff) */
-    st.m[r] = mnew;
-  }
+  for (int kb = 1; kb < 8; ++kb) tmax = fmaxf(tmax, bm[kb][r]);
+  return tmax;
+}
 
-  /* ---- phi_local of Pq per 16-key block, fused into the exponential: with the block scale
-   * s = rne_e4m3_sat(max Pq / 6), Pq / s = exp2(x - (toff + log2 s)), so one exp2 per score
-   * gives the value to round onto the E2M1 grid (s = 0: offset +inf, everything rounds to 0).
-   * The row sum of Pq (unquantized, SPEC 4.5) is s * sum(Pq / s); P^q = code * s is exact in
-   * FP16. The approximate exp2/log2 move Pq / s by a few units in the last place, which changes
-   * its E2M1 code only when it sits on a rounding tie: the same kind of difference the approximate
-   * exp always made, within SPEC 4's rel_l1 < 2e-3 against the reference. */
-  float rsum[2] = {0.0f, 0.0f};
+/* phi_local of Pq = exp2(s - toff) per 16-key block, fused into the exponential: with the block
+ * scale s = rne_e4m3_sat(max Pq / 6), Pq / s = exp2(x - (toff + log2 s)), so one exp2 per score
+ * gives the value to round onto the E2M1 grid (s = 0 or toff = +inf: offset +inf, everything
+ * rounds to 0). Returns this lane's part of the row sums of Pq (unquantized, SPEC 4.5) as
+ * s * sum(Pq / s); P^q = code * s is exact in FP16. The approximate exp2/log2 move Pq / s by a few
+ * units in the last place, which changes its E2M1 code only when it sits on a rounding tie: the
+ * same kind of difference the approximate exp always made, within SPEC 4's rel_l1 < 2e-3 against
+ * the reference. */
+__device__ __forceinline__ void quantize_p_blocks(const float (&s)[16][4], const float (&bm)[8][2],
+                                                  const float (&toff)[2], uint32_t (&pa)[8][4],
+                                                  float (&rsum)[2]) {
+  rsum[0] = rsum[1] = 0.0f;
 #pragma unroll
   for (int kb = 0; kb < 8; ++kb) {
     float sv[2], off[2];
@@ -207,8 +196,97 @@ __device__ __forceinline__ void softmax_quantize_p(const fp4attn_attention_param
       pa[kb][2 + r] = hmul2_bits(e2m1_pair(y2, y3), s2[r]);
     }
   }
+}
+
+/* Scores of one 128-key tile (raw FP16-MMA accumulators Q^ K^T, see tile_scores_log2) -> P^q
+ * fragments, updating m and l, for a caller that accumulates P^q V^ of the tile separately:
+ *   out: pa = P^q as exact FP16 A fragments, 16-key block kb in pa[kb];
+ *        alpha = exp(m_old - m_new) and gsc = exp(t - m_new) / 2688 per row (r = 0: g, 1: g+8),
+ *        so that O = alpha O + gsc dV (P^q V^).
+ * SPEC 4.4-4.5 in log2 units. */
+__device__ __forceinline__ void softmax_quantize_p(const fp4attn_attention_params &p,
+                                                   const WarpRows &w, int64_t j0, float cqk,
+                                                   const float *bias,
+                                                   float (&s)[16][4], SoftmaxState &st,
+                                                   float (&alpha)[2], float (&gsc)[2],
+                                                   uint32_t (&pa)[8][4]) {
+  tile_scores_log2(p, w, j0, cqk, bias, s);
+  float bm[8][2];
+  block_maxima(s, bm);
+  float toff[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float tmax = tile_row_max(bm, r);
+    const float mnew = fmaxf(st.m[r], tmax);
+    const bool empty = tmax == -INFINITY;
+    alpha[r] = st.m[r] == -INFINITY ? 0.0f : fast_exp2(st.m[r] - mnew);
+    const float beta = empty ? 0.0f : fast_exp2(tmax - mnew);
+    gsc[r] = beta * (1.0f / FP4ATTN_NVFP4_RANGE);
+    toff[r] = (empty ? 0.0f : tmax) - kLog2_2688; /* Pq = 2688 exp2(x - t) = exp2(x - toff) */
+    st.m[r] = mnew;
+  }
+  float rsum[2];
+  quantize_p_blocks(s, bm, toff, pa, rsum);
 #pragma unroll
   for (int r = 0; r < 2; ++r) st.l[r] = fmaf(alpha[r], st.l[r], gsc[r] * rsum[r]);
+}
+
+/* A tile whose row maximum t lies this far (log2 units) below the running maximum m adds at most
+ * 128 * 2^-64 to l >= 1 (the maximum's own term): nothing in FP32. Such rows are skipped by the
+ * in-place accumulation, which keeps its O scale within 2^64 of exp2(m). */
+constexpr float kNegligibleLog2 = 64.0f;
+
+/* Online-softmax state of a caller that accumulates P^q V^ in place, O_acc += P^q V^ (wgmma
+ * accumulators): the true O (SPEC 4.5) is O_acc * exp2(ref - m) dV / 2688, where ref is the row
+ * maximum t of the last tile that contributed. */
+struct InPlaceSoftmaxState : SoftmaxState {
+  float ref[2];
+};
+
+/* softmax_quantize_p for in-place accumulation: before P^q V^ of this tile is added, O_acc must
+ * be multiplied by ofac = exp2(ref - t) per row (then ref = t), since
+ *   O = alpha O + (beta/2688) dV P^qV^  with alpha = exp2(m_old - m_new), beta = exp2(t - m_new)
+ * becomes, dividing by exp2(t - m_new) dV / 2688, O_acc = exp2(ref - t) O_acc + P^q V^. The FP4
+ * operands stay exact; the first-level scale lives only in FP32 (ofac, the epilogue's factor).
+ * Rows the tile does not reach (fully masked, or negligible as above) get P^q = 0 and ofac = 1. */
+__device__ __forceinline__ void softmax_quantize_p_inplace(const fp4attn_attention_params &p,
+                                                           const WarpRows &w, int64_t j0, float cqk,
+                                                           const float *bias, float (&s)[16][4],
+                                                           InPlaceSoftmaxState &st, float (&ofac)[2],
+                                                           uint32_t (&pa)[8][4]) {
+  tile_scores_log2(p, w, j0, cqk, bias, s);
+  float bm[8][2];
+  block_maxima(s, bm);
+  float toff[2], alpha[2], lsc[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float tmax = tile_row_max(bm, r);
+    const float mnew = fmaxf(st.m[r], tmax);
+    const bool used = tmax != -INFINITY && tmax >= mnew - kNegligibleLog2;
+    alpha[r] = st.m[r] == -INFINITY ? 0.0f : fast_exp2(st.m[r] - mnew);
+    lsc[r] = used ? fast_exp2(tmax - mnew) * (1.0f / FP4ATTN_NVFP4_RANGE) : 0.0f;
+    ofac[r] = !used ? 1.0f : st.ref[r] == -INFINITY ? 0.0f : fast_exp2(st.ref[r] - tmax);
+    toff[r] = used ? tmax - kLog2_2688 : INFINITY; /* Pq = 2688 exp2(x - t) = exp2(x - toff) */
+    if (used) st.ref[r] = tmax;
+    st.m[r] = mnew;
+  }
+  float rsum[2];
+  quantize_p_blocks(s, bm, toff, pa, rsum);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) st.l[r] = fmaf(alpha[r], st.l[r], lsc[r] * rsum[r]);
+}
+
+/* O_acc *= ofac per row (rows g and g+8); nothing when the factor is 1 for the whole warp. */
+template <int NO>
+__device__ __forceinline__ void rescale_rows(float (&o)[NO][4], const float (&ofac)[2]) {
+  if (__all_sync(0xffffffffu, ofac[0] == 1.0f && ofac[1] == 1.0f)) return;
+#pragma unroll
+  for (int n = 0; n < NO; ++n) {
+    o[n][0] *= ofac[0];
+    o[n][1] *= ofac[0];
+    o[n][2] *= ofac[1];
+    o[n][3] *= ofac[1];
+  }
 }
 
 /* O[n0 + n] = alpha O[n0 + n] + (beta/2688) dV acc[n] for NB 8-column groups (acc = P^q V^ of
@@ -236,13 +314,13 @@ __device__ __forceinline__ void rescale_accumulate(float (&o)[NO][4], int n0, co
   }
 }
 
-/* SPEC 4.6 for one warp's rows: O / l (rows without visible keys -> 0) cast to the output dtype,
- * and the LSE m ln2 + log l + scale (q - qbar).kbar when requested. qbar: this block's query
- * mean (any memory), kbar: the key mean of the KV head (global). */
+/* SPEC 4.6 for one warp's rows: O / l with O = omul * o per row (rows without visible keys -> 0)
+ * cast to the output dtype, and the LSE m ln2 + log l + scale (q - qbar).kbar when requested.
+ * qbar: this block's query mean (any memory), kbar: the key mean of the KV head (global). */
 template <int DP>
 __device__ __forceinline__ void store_rows(const AttnArgs &a, const WarpRows &w, int64_t bh,
-                                           const float (&o)[DP / 8][4], SoftmaxState &st,
-                                           const float *qbar, const float *kbar) {
+                                           const float (&o)[DP / 8][4], const float (&omul)[2],
+                                           SoftmaxState &st, const float *qbar, const float *kbar) {
   const fp4attn_attention_params &p = a.p;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -255,7 +333,7 @@ __device__ __forceinline__ void store_rows(const AttnArgs &a, const WarpRows &w,
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t qi = w.row0 + g + r * 8;
-    const float inv = st.l[r] > 0.0f ? 1.0f / st.l[r] : 0.0f;
+    const float inv = st.l[r] > 0.0f ? omul[r] * (1.0f / st.l[r]) : 0.0f;
     if (qi < p.len_q) {
       const int64_t ob = w.b * p.out_stride[0] + w.h * p.out_stride[1] + qi * p.out_stride[2];
 #pragma unroll
@@ -348,6 +426,100 @@ __device__ __forceinline__ void compute_bias(const AttnArgs &a, int64_t b, int64
   for (int o = 1; o < TPK; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   if (part == 0) *bias_out = acc * a.scale_log2;
 }
+
+/* The q-mean correction on the tensor cores, for one warp and 32 keys (SPEC 4.4: qbar . K with K in
+ * input precision, FP32 accumulation). qbar (FP32) is split into parts exactly representable in
+ * K's 16-bit type, qbar = sum of parts up to 2^-22 relative (FP16: 2 parts of 11 bits; BF16: 3 of
+ * 8), each part in its own row of the A operand of mma.m16n8k16; every product part x K is exact in
+ * FP32, the MMA sums them in FP32, and the rows are added in FP32. This replaces 2 x DP FP32
+ * instructions per key (convert + FMA) by DP/16 MMAs per 8 keys. Needs 16-byte loads (vec_k) and a
+ * 16-bit dtype; compute_bias covers the rest.
+ *
+ * Fragment mapping (g = lane / 4, t = lane % 4): lane t loads 8-column chunks c = 4i + t of key
+ * g's row; k16 step m uses chunk 4 (m / 2) + t, half m % 2, so the step's reduction index k = 2t + e
+ * (b0) is column 8c + 4 (m % 2) + e and k = 2t + 8 + e (b1) is column 8c + 4 (m % 2) + 2 + e. */
+template <int DP>
+struct BiasMma {
+  static constexpr int kSteps = DP / 16;
+  static constexpr int kChunks = DP / 32; /* 16-byte chunks per lane and key */
+  uint32_t a[kSteps][2];                  /* A fragment words a0, a2 of every k16 step (a1 = a3 = 0) */
+  bool bf16;
+
+  /* Build the A fragments from qbar (shared memory, DP floats, zero past D). */
+  __device__ void init(const float *qbar, bool is_bf16) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    bf16 = is_bf16;
+    const int nparts = bf16 ? 3 : 2;
+#pragma unroll
+    for (int m = 0; m < kSteps; ++m)
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        const int col = 8 * (4 * (m >> 1) + t) + 4 * (m & 1) + 2 * w;
+        uint32_t word = 0;
+        if (g < nparts) word = part_bits(qbar[col], g) | (part_bits(qbar[col + 1], g) << 16);
+        a[m][w] = word;
+      }
+  }
+
+  /* Part `idx` of x: x = p0 + p1 (+ p2) with each part the rounding of what the earlier ones left. */
+  __device__ uint32_t part_bits(float x, int idx) const {
+    uint32_t bits = 0;
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      float part;
+      if (bf16) {
+        const __nv_bfloat16 h = __float2bfloat16_rn(x);
+        part = __bfloat162float(h);
+        if (i == idx) bits = __bfloat16_as_ushort(h);
+      } else {
+        const __half h = __float2half_rn(x);
+        part = __half2float(h);
+        if (i == idx) bits = __half_as_ushort(h);
+      }
+      x = x - part; /* exact */
+    }
+    return bits;
+  }
+
+  /* bias[8n + j] = scale log2e (qbar . K[tok0 + 8n + j]) for n < 4, j < 8 (keys past len_k: 0). */
+  __device__ void compute(const AttnArgs &a_, int64_t b, int64_t hk, int64_t tok0, float *bias) const {
+    const fp4attn_attention_params &p = a_.p;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int D = (int)p.head_dim;
+    const uint16_t *kp = static_cast<const uint16_t *>(p.k);
+    uint4 kv[4][kChunks];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const int64_t tok = tok0 + 8 * n + g;
+      const int64_t base = b * p.k_stride[0] + hk * p.k_stride[1] + tok * p.k_stride[2];
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const int col = 8 * (4 * i + t);
+        kv[n][i] = tok < p.len_k && col < D ? __ldg(reinterpret_cast<const uint4 *>(kp + base + col))
+                                             : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int m = 0; m < kSteps; ++m) {
+        const uint4 &q = kv[n][m >> 1];
+        const uint32_t af[4] = {a[m][0], 0u, a[m][1], 0u};
+        if (bf16)
+          mma_bf16_16816(c, af, (m & 1) ? q.z : q.x, (m & 1) ? q.w : q.y);
+        else
+          mma_f16_16816(c, af, (m & 1) ? q.z : q.x, (m & 1) ? q.w : q.y);
+      }
+      /* row r of C (part r) for keys 8n + 2t, 8n + 2t + 1 sits in lane 4r + t: c[0], c[1] */
+      float v0 = c[0] + __shfl_down_sync(0xffffffffu, c[0], 4);
+      float v1 = c[1] + __shfl_down_sync(0xffffffffu, c[1], 4);
+      const float w0 = __shfl_down_sync(0xffffffffu, c[0], 8), w1 = __shfl_down_sync(0xffffffffu, c[1], 8);
+      if (bf16) v0 += w0, v1 += w1;
+      if (g == 0) *reinterpret_cast<float2 *>(bias + 8 * n + 2 * t) = make_float2(v0 * a_.scale_log2, v1 * a_.scale_log2);
+    }
+  }
+};
 
 /* Quantize query rows [q0, q0 + rows) of (b, h) (SPEC 4.2-4.3: Q - qbar, global scale, phi
  * along D) and store the exact FP16 values through store16(row, col, 8 words). */

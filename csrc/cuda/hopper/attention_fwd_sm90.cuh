@@ -29,11 +29,16 @@ namespace sm90 {
 
 constexpr int kThreads = 384;      /* producer + 2 consumer warpgroups */
 constexpr int kRows = 128;         /* query rows per block (SPEC 4 Bq) */
-constexpr int kProducerRegs = 56;  /* 56 x 128 + 224 x 256 <= 64K registers */
-constexpr int kConsumerRegs = 224;
+constexpr int kProducerRegs = 104; /* 104 x 128 + 200 x 256 = 168 x 384, the launch allocation */
+constexpr int kConsumerRegs = 200;
 constexpr int kStages = 3;         /* K^/V^/bias ring: the producer runs up to 2 tiles ahead */
-constexpr int kBarFull = 1;        /* + stage: K^/V^/bias of the tile are in shared memory */
-constexpr int kBarEmpty = 1 + kStages; /* + stage: both consumers are done with it */
+/* Named barriers (0 is __syncthreads). "full" is per stage and consumer warpgroup, so the two
+ * consumers never wait for each other there; "empty" collects both consumers' arrivals. */
+constexpr int kBarFull = 1;                /* + 2 stage + consumer: K^/V^/bias of the tile are in */
+constexpr int kBarEmpty = 1 + 2 * kStages; /* + stage: both consumers are done with it */
+constexpr int kBarTurn = kBarEmpty + kStages; /* + consumer: its turn to issue wgmma */
+constexpr int kFullCount = 256;            /* producer arrives, one consumer warpgroup syncs */
+constexpr int kTurnCount = 256;            /* one consumer arrives, the other syncs */
 
 template <int DP>
 struct Config {
@@ -52,7 +57,7 @@ struct Config {
   static constexpr int kSmem = kSmall + 1023 + kTiles; /* 232447 bytes for DP = 128 (H100/H200: 232448) */
 };
 
-template <int DP>
+template <int DP, bool kPingPong>
 struct Kernel {
   using C = Config<DP>;
 
@@ -67,30 +72,68 @@ struct Kernel {
 #if defined(FP4ATTN_SM90_WGMMA)
   /* ---------------------------------------------------------------- producer warpgroup */
   static __device__ void producer(const Block &k) {
-    const AttnWorkspace &w = k.a->ws;
-    const int tid = threadIdx.x; /* 0..127 */
+    const AttnArgs &a = *k.a;
+    const AttnWorkspace &w = a.ws;
+    const int tid = threadIdx.x, warp = tid >> 5; /* 0..127, 0..3 */
+    /* 16-byte chunk u of this thread is chunk tid + 128 u of the tile in memory order; in the
+     * swizzled tile it lands at a fixed offset plus u whole 8-row groups (the swizzle depends on
+     * row % 8 only), so every address below is a base plus a constant. */
+    constexpr int KCH = DP / 8, VCH = kTile / 8; /* 16-byte chunks per row of K^ and of V^T */
+    constexpr int KN = kTile * KCH / 128, VN = DP * VCH / 128; /* chunks per thread */
+    const uint32_t koff = 2 * sw128_offset(kTile, tid / KCH, (tid % KCH) * 8);
+    const uint32_t voff = 2 * sw128_offset(DP, tid / VCH, (tid % VCH) * 8);
+    const bool bias_on_mma = a.vec_k && (a.p.dtype == FP4ATTN_FLOAT16 || a.p.dtype == FP4ATTN_BFLOAT16);
+    BiasMma<DP> bias_mma;
+    if (bias_on_mma) bias_mma.init(k.qbar(), a.p.dtype == FP4ATTN_BFLOAT16);
     for (int j = 0, buf = 0; j < k.ntiles; ++j, buf = buf + 1 == kStages ? 0 : buf + 1) {
       if (j >= kStages) named_sync(kBarEmpty + buf, kThreads);
-      const __half *kg = w.kdq + (k.bhk * w.nkp + (int64_t)j * kTile) * DP; /* [128][DP] */
-      const __half *vg = w.vdq + (k.bhk * w.nkt + j) * (int64_t)DP * kTile; /* [DP][128] */
-      __half *ks = k.tile(C::kOffK + buf * C::kKBytes);
-      __half *vs = k.tile(C::kOffV + buf * C::kVBytes);
-      constexpr int KCH = DP / 8, VCH = kTile / 8; /* 16-byte chunks per row */
-#pragma unroll 4
-      for (int i = tid; i < kTile * KCH; i += 128)
-        cp_async_16(ks + sw128_offset(kTile, i / KCH, (i % KCH) * 8), kg + (int64_t)i * 8);
-#pragma unroll 4
-      for (int i = tid; i < DP * VCH; i += 128)
-        cp_async_16(vs + sw128_offset(DP, i / VCH, (i % VCH) * 8), vg + (int64_t)i * 8);
+      const __half *kg = w.kdq + (k.bhk * w.nkp + (int64_t)j * kTile) * DP + tid * 8; /* [128][DP] */
+      const __half *vg = w.vdq + (k.bhk * w.nkt + j) * (int64_t)DP * kTile + tid * 8;  /* [DP][128] */
+      const uint32_t ks = smem_u32(k.tiles + C::kOffK + buf * C::kKBytes) + koff;
+      const uint32_t vs = smem_u32(k.tiles + C::kOffV + buf * C::kVBytes) + voff;
+#pragma unroll
+      for (int u = 0; u < KN; ++u) cp_async_16_u32(ks + u * (128 / KCH) * 128, kg + u * 1024);
+#pragma unroll
+      for (int u = 0; u < VN; ++u) cp_async_16_u32(vs + u * (128 / VCH) * 128, vg + u * 1024);
       cp_async_commit();
-      compute_bias<DP, 1>(*k.a, k.b, k.hk, (int64_t)j * kTile + tid, 0, k.qbar(), k.bias(buf) + tid);
+      if (bias_on_mma)
+        bias_mma.compute(a, k.b, k.hk, (int64_t)j * kTile + warp * 32, k.bias(buf) + warp * 32);
+      else
+        compute_bias<DP, 1>(a, k.b, k.hk, (int64_t)j * kTile + tid, 0, k.qbar(), k.bias(buf) + tid);
       cp_async_wait_all();
       fence_proxy_async(); /* the tiles are read by wgmma (async proxy) */
-      named_arrive(kBarFull + buf, kThreads);
+      named_arrive(kBarFull + 2 * buf + 0, kFullCount);
+      named_arrive(kBarFull + 2 * buf + 1, kFullCount);
     }
   }
 
   /* ---------------------------------------------------------------- consumer warpgroups */
+  /* S = Q^ K^T for this warpgroup's 64 rows x 128 keys, reduction over DP in k16 steps (async). */
+  static __device__ __forceinline__ void issue_scores(float (&s)[16][4], uint32_t q_addr, uint32_t k_addr) {
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+      const uint32_t step = (kk & 3) * 32; /* k16 step inside a 64-column block */
+      Wgmma<128>::ss(s, sw128_desc(q_addr + (kk >> 2) * (kRows * 128) + step),
+                     sw128_desc(k_addr + (kk >> 2) * (kTile * 128) + step), kk > 0);
+    }
+  }
+
+  /* O_acc += P^q V^: 64 rows x DP columns, reduction over the 128 keys in k16 steps (async). */
+  static __device__ __forceinline__ void issue_pv(float (&o)[DP / 8][4], const uint32_t (&pa)[8][4], uint32_t v_addr) {
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb)
+      Wgmma<DP>::rs(o, pa[kb], sw128_desc(v_addr + (kb >> 2) * (DP * 128) + (kb & 3) * 32), 1);
+  }
+
+  /* Per tile j the warpgroup issues S_j together with the deferred P^q_{j-1} V^_{j-1}, waits for
+   * both, then runs the softmax of S_j. O is accumulated in place by the wgmma
+   * (softmax_quantize_p_inplace), so tile j's factor is applied to O_acc after
+   * P^q_{j-1} V^_{j-1} has landed and before P^q_j V^_j is issued. With kPingPong the two
+   * consumer warpgroups take turns at issuing (kBarTurn): one's wgmma run while the other does its
+   * softmax, instead of both doing the same phase at once. (Overlapping the softmax with the
+   * warpgroup's own P^q V^, FA3's intra-warpgroup pipelining, needs O, P^q_{j-1} and S_j live at
+   * once: more registers than the 224 a consumer has, and ptxas then serializes every wgmma,
+   * warning C7513.) */
   static __device__ void consumer(const Block &k) {
     const AttnArgs &a = *k.a;
     const AttnWorkspace &w = a.ws;
@@ -102,50 +145,67 @@ struct Kernel {
     const float cqk = a.scale_log2 * (decq * deck);
     /* this warpgroup's 64 rows of Q^: 64 x 128 bytes into each column block */
     const uint32_t q_addr = smem_u32(k.tiles + C::kOffQ) + cwg * 64 * 128;
+    const auto k_addr = [&](int buf) { return smem_u32(k.tiles + C::kOffK + buf * C::kKBytes); };
+    const auto v_addr = [&](int buf) { return smem_u32(k.tiles + C::kOffV + buf * C::kVBytes); };
+    /* turns: consumer 0 starts; consumer 1 skips its last hand-over so no arrival is left over */
+    const auto turn_begin = [&]() { if (kPingPong) named_sync(kBarTurn + cwg, kTurnCount); };
+    const auto turn_end = [&](bool last) {
+      if (kPingPong && !(last && cwg == 1)) named_arrive(kBarTurn + (cwg ^ 1), kTurnCount);
+    };
 
-    SoftmaxState st;
-    st.m[0] = st.m[1] = -INFINITY;
+    InPlaceSoftmaxState st;
+    st.m[0] = st.m[1] = st.ref[0] = st.ref[1] = -INFINITY;
     st.l[0] = st.l[1] = 0.0f;
     float o[DP / 8][4];
 #pragma unroll
     for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
-    for (int j = 0, buf = 0; j < k.ntiles; ++j, buf = buf + 1 == kStages ? 0 : buf + 1) {
-      const uint32_t k_addr = smem_u32(k.tiles + C::kOffK + buf * C::kKBytes);
-      const uint32_t v_addr = smem_u32(k.tiles + C::kOffV + buf * C::kVBytes);
-      named_sync(kBarFull + buf, kThreads);
-
-      /* S = Q^ K^T: 64 rows x 128 keys, reduction over DP in k16 steps */
-      float s[16][4];
+    if (k.ntiles > 0) {
+      if (kPingPong && cwg == 1) named_arrive(kBarTurn + 0, kTurnCount);
+      float s[16][4], ofac[2];
+      uint32_t pa[8][4];
+      /* tile 0: S only (O_acc is zero, its factor does not matter) */
+      named_sync(kBarFull + cwg, kFullCount);
+      turn_begin();
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < DP / 16; ++kk) {
-        const uint32_t step = (kk & 3) * 32; /* k16 step inside a 64-column block */
-        Wgmma<128>::ss(s, sw128_desc(q_addr + (kk >> 2) * (kRows * 128) + step),
-                       sw128_desc(k_addr + (kk >> 2) * (kTile * 128) + step), kk > 0);
-      }
+      issue_scores(s, q_addr, k_addr(0));
       wgmma_commit();
+      turn_end(false);
       wgmma_wait<0>();
       fence_regs(s);
+      softmax_quantize_p_inplace(a.p, rows, 0, cqk, k.bias(0), s, st, ofac, pa);
 
-      float alpha[2], gsc[2];
-      uint32_t pa[8][4];
-      softmax_quantize_p(a.p, rows, (int64_t)j * kTile, cqk, k.bias(buf), s, st, alpha, gsc, pa);
-
-      /* P^q V^: 64 rows x DP columns, reduction over the 128 keys in k16 steps */
-      float acc[DP / 8][4];
+      for (int j = 1, buf = 1, prev = 0; j < k.ntiles; ++j) {
+        named_sync(kBarFull + 2 * buf + cwg, kFullCount);
+        turn_begin();
+        wgmma_fence();
+        issue_scores(s, q_addr, k_addr(buf));
+        issue_pv(o, pa, v_addr(prev));
+        wgmma_commit();
+        turn_end(false);
+        wgmma_wait<0>();
+        fence_regs(s);
+        fence_regs(o);
+        if (j - 1 + kStages < k.ntiles) named_arrive(kBarEmpty + prev, kThreads); /* stage prev is free */
+        softmax_quantize_p_inplace(a.p, rows, (int64_t)j * kTile, cqk, k.bias(buf), s, st, ofac, pa);
+        rescale_rows(o, ofac);
+        prev = buf;
+        buf = buf + 1 == kStages ? 0 : buf + 1;
+      }
+      /* the last tile's P^q V^ (its stage is never refilled) */
+      turn_begin();
       wgmma_fence();
-#pragma unroll
-      for (int kb = 0; kb < 8; ++kb)
-        Wgmma<DP>::rs(acc, pa[kb], sw128_desc(v_addr + (kb >> 2) * (DP * 128) + (kb & 3) * 32), kb > 0);
+      issue_pv(o, pa, v_addr((k.ntiles - 1) % kStages));
       wgmma_commit();
+      turn_end(true);
       wgmma_wait<0>();
-      fence_regs(acc);
-      if (j + kStages < k.ntiles) named_arrive(kBarEmpty + buf, kThreads);
-
-      rescale_accumulate(o, 0, acc, alpha, gsc[0] * decv, gsc[1] * decv);
+      fence_regs(o);
     }
-    store_rows<DP>(a, rows, k.bh, o, st, k.qbar(), w.kbar + k.bhk * DP);
+    float omul[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      omul[r] = st.ref[r] == -INFINITY ? 0.0f : fast_exp2(st.ref[r] - st.m[r]) * (decv / FP4ATTN_NVFP4_RANGE);
+    store_rows<DP>(a, rows, k.bh, o, omul, st, k.qbar(), w.kbar + k.bhk * DP);
   }
 
   static __device__ void run(const AttnArgs &a, char *smem) {
@@ -182,21 +242,35 @@ struct Kernel {
 #endif /* FP4ATTN_SM90_WGMMA */
 };
 
-template <int DP>
+template <int DP, bool kPingPong>
 __global__ void __launch_bounds__(kThreads, 1) attention_fwd_sm90_kernel(const __grid_constant__ AttnArgs a) {
 #if defined(FP4ATTN_SM90_WGMMA)
   extern __shared__ __align__(16) char smem[];
-  Kernel<DP>::run(a, smem);
+  Kernel<DP, kPingPong>::run(a, smem);
 #else
   __trap(); /* never launched: the host launches this kernel only for sm_90a builds on CC 9.0 */
 #endif
 }
 
+/* EXPERIMENT: FP4ATTN_SM90_PINGPONG=0 turns the consumer turns off (measured in bench runs). */
+inline bool sm90_pingpong() {
+  static const bool on = [] {
+    const char *e = getenv("FP4ATTN_SM90_PINGPONG");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+
 template <int DP>
 fp4attn_status launch(const AttnArgs &a, cudaStream_t s) {
+  if (sm90_pingpong()) {
+    static bool configured[64] = {false};
+    return launch_forward(attention_fwd_sm90_kernel<DP, true>, a, kRows, kThreads, Config<DP>::kSmem,
+                          configured, "attention (sm90 kernel)", s);
+  }
   static bool configured[64] = {false};
-  return launch_forward(attention_fwd_sm90_kernel<DP>, a, kRows, kThreads, Config<DP>::kSmem, configured,
-                        "attention (sm90 kernel)", s);
+  return launch_forward(attention_fwd_sm90_kernel<DP, false>, a, kRows, kThreads, Config<DP>::kSmem,
+                        configured, "attention (sm90 kernel)", s);
 }
 
 }  // namespace sm90
