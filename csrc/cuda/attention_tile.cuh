@@ -99,9 +99,18 @@ struct SoftmaxState {
   float m[2], l[2];
 };
 
+/* Whether the 128-key tile at j0 needs a mask (key padding, causal, attn_mask) for any query row
+ * from row0 on. */
+__device__ __forceinline__ bool tile_has_masks(const fp4attn_attention_params &p, int64_t j0, int64_t row0) {
+  const bool tail = j0 + kTile > p.len_k;
+  const bool diag = p.causal && j0 + kTile - 1 > row0;
+  return tail || diag || p.mask_kind != FP4ATTN_MASK_NONE;
+}
+
 /* Scores of one 128-key tile (starting at key j0) in log2 units, in place:
  *   s = scale*log2e*(dQ dK acc + qbar.K) (+ mask), with bias[key] = scale*log2e*(qbar . K[key])
  *   and cqk = scale*log2e*dQ*dK. Masks: causal (top-left), bool/additive attn_mask, key padding. */
+template <bool kMasks = true>
 __device__ __forceinline__ void tile_scores_log2(const fp4attn_attention_params &p, const WarpRows &w,
                                                  int64_t j0, float cqk, const float *bias,
                                                  float (&s)[16][4]) {
@@ -115,9 +124,7 @@ __device__ __forceinline__ void tile_scores_log2(const fp4attn_attention_params 
     s[n][2] = fmaf(s[n][2], cqk, bb.x);
     s[n][3] = fmaf(s[n][3], cqk, bb.y);
   }
-  const bool tail = j0 + kTile > p.len_k;
-  const bool diag = p.causal && j0 + kTile - 1 > w.row0;
-  if (tail || diag || p.mask_kind != FP4ATTN_MASK_NONE) {
+  if (kMasks && tile_has_masks(p, j0, w.row0)) {
 #pragma unroll
     for (int n = 0; n < 16; ++n)
 #pragma unroll
@@ -243,37 +250,51 @@ struct InPlaceSoftmaxState : SoftmaxState {
   float ref[2];
 };
 
-/* softmax_quantize_p for in-place accumulation: before P^q V^ of this tile is added, O_acc must
- * be multiplied by ofac = exp2(ref - t) per row (then ref = t), since
+/* The online-softmax step of one tile for in-place accumulation, in two phases so that the first
+ * can run while the previous tile's P^q V^ is still on the tensor cores (it touches only s and
+ * the statistics) and the second, which writes the P^q fragments, after it.
+ *
+ * Before P^q V^ of this tile is added, O_acc must be multiplied by ofac = exp2(ref - t) per row
+ * (then ref = t), since
  *   O = alpha O + (beta/2688) dV P^qV^  with alpha = exp2(m_old - m_new), beta = exp2(t - m_new)
  * becomes, dividing by exp2(t - m_new) dV / 2688, O_acc = exp2(ref - t) O_acc + P^q V^. The FP4
  * operands stay exact; the first-level scale lives only in FP32 (ofac, the epilogue's factor).
  * Rows the tile does not reach (fully masked, or negligible as above) get P^q = 0 and ofac = 1. */
-__device__ __forceinline__ void softmax_quantize_p_inplace(const fp4attn_attention_params &p,
-                                                           const WarpRows &w, int64_t j0, float cqk,
-                                                           const float *bias, float (&s)[16][4],
-                                                           InPlaceSoftmaxState &st, float (&ofac)[2],
-                                                           uint32_t (&pa)[8][4]) {
-  tile_scores_log2(p, w, j0, cqk, bias, s);
-  float bm[8][2];
-  block_maxima(s, bm);
-  float toff[2], alpha[2], lsc[2];
+struct TileStats {
+  float bm[8][2];                        /* block maxima of the log2 scores */
+  float toff[2], alpha[2], lsc[2], ofac[2]; /* per row g, g + 8 */
+};
+
+/* Phase 1: scores in log2 units (tile_scores_log2; kMasks = false when the caller knows the tile
+ * needs no mask for any of its rows), block maxima, m, ref and the factors. */
+template <bool kMasks>
+__device__ __forceinline__ void softmax_tile_stats(const fp4attn_attention_params &p, const WarpRows &w,
+                                                   int64_t j0, float cqk, const float *bias,
+                                                   float (&s)[16][4], InPlaceSoftmaxState &st,
+                                                   TileStats &ts) {
+  tile_scores_log2<kMasks>(p, w, j0, cqk, bias, s);
+  block_maxima(s, ts.bm);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float tmax = tile_row_max(bm, r);
+    const float tmax = tile_row_max(ts.bm, r);
     const float mnew = fmaxf(st.m[r], tmax);
     const bool used = tmax != -INFINITY && tmax >= mnew - kNegligibleLog2;
-    alpha[r] = st.m[r] == -INFINITY ? 0.0f : fast_exp2(st.m[r] - mnew);
-    lsc[r] = used ? fast_exp2(tmax - mnew) * (1.0f / FP4ATTN_NVFP4_RANGE) : 0.0f;
-    ofac[r] = !used ? 1.0f : st.ref[r] == -INFINITY ? 0.0f : fast_exp2(st.ref[r] - tmax);
-    toff[r] = used ? tmax - kLog2_2688 : INFINITY; /* Pq = 2688 exp2(x - t) = exp2(x - toff) */
+    ts.alpha[r] = st.m[r] == -INFINITY ? 0.0f : fast_exp2(st.m[r] - mnew);
+    ts.lsc[r] = used ? fast_exp2(tmax - mnew) * (1.0f / FP4ATTN_NVFP4_RANGE) : 0.0f;
+    ts.ofac[r] = !used ? 1.0f : st.ref[r] == -INFINITY ? 0.0f : fast_exp2(st.ref[r] - tmax);
+    ts.toff[r] = used ? tmax - kLog2_2688 : INFINITY; /* Pq = 2688 exp2(x - t) = exp2(x - toff) */
     if (used) st.ref[r] = tmax;
     st.m[r] = mnew;
   }
+}
+
+/* Phase 2: P^q fragments (quantize_p_blocks) and l. */
+__device__ __forceinline__ void softmax_tile_finish(const float (&s)[16][4], const TileStats &ts,
+                                                    InPlaceSoftmaxState &st, uint32_t (&pa)[8][4]) {
   float rsum[2];
-  quantize_p_blocks(s, bm, toff, pa, rsum);
+  quantize_p_blocks(s, ts.bm, ts.toff, pa, rsum);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) st.l[r] = fmaf(alpha[r], st.l[r], lsc[r] * rsum[r]);
+  for (int r = 0; r < 2; ++r) st.l[r] = fmaf(ts.alpha[r], st.l[r], ts.lsc[r] * rsum[r]);
 }
 
 /* O_acc *= ofac per row (rows g and g+8); nothing when the factor is 1 for the whole warp. */

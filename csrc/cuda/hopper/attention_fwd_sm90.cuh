@@ -7,15 +7,15 @@
  *   warpgroup 0, producer (setmaxnreg down to kProducerRegs): per 128-key tile, cp.async of the
  *     K^ and V^ tiles (exact FP16 values written by the pre-pass) into 128-byte-swizzled shared
  *     memory, the q-mean correction bias[key] = scale log2e qbar . K[key] from K in input
- *     precision, then signals "full". A ring of kStages buffers; it refills one when both
- *     consumers signal "empty", so loads run up to two tiles ahead of the tensor cores.
+ *     precision (on mma.sync, BiasMma), then signals "full". A ring of kStages buffers; it
+ *     refills one when both consumers signal "empty".
  *   warpgroups 1 and 2, consumers (setmaxnreg up): 64 rows each. S = Q^ K^T by wgmma
  *     m64n128k16 with Q^ and K^ in shared memory; the score epilogue, online softmax and P
  *     quantization in registers (attention_tile.cuh, shared with the mma.sync kernel: the wgmma
- *     accumulator layout of each warp is the m16n8k16 layout of its 16 rows); P^q V^ by wgmma
- *     m64n{DP}k16 with P^q from registers; O = alpha O + (beta/2688) dV (P^q V^) in FP32.
- * The two consumer warpgroups run independently between the shared barriers, so one's softmax
- * can overlap the other's tensor-core work (nothing enforces it; see docs/cuda_notes.md).
+ *     accumulator layout of each warp is the m16n8k16 layout of its 16 rows); O_acc += P^q V^ by
+ *     wgmma m64n{DP}k16 with P^q from registers, the first-level scales applied to O_acc in FP32
+ *     between tiles (softmax_tile_stats).
+ * The two consumer warpgroups take turns at issuing their wgmma (see consumer()).
  * Q: all 384 threads quantize the block's rows in the prologue (Q - qbar, global scale, phi).
  */
 #ifndef FP4ATTN_CUDA_HOPPER_ATTENTION_FWD_SM90_CUH
@@ -57,7 +57,7 @@ struct Config {
   static constexpr int kSmem = kSmall + 1023 + kTiles; /* 232447 bytes for DP = 128 (H100/H200: 232448) */
 };
 
-template <int DP, bool kPingPong>
+template <int DP>
 struct Kernel {
   using C = Config<DP>;
 
@@ -125,21 +125,24 @@ struct Kernel {
       Wgmma<DP>::rs(o, pa[kb], sw128_desc(v_addr + (kb >> 2) * (DP * 128) + (kb & 3) * 32), 1);
   }
 
-  /* Per tile j the warpgroup issues S_j together with the deferred P^q_{j-1} V^_{j-1}, waits for
-   * both, then runs the softmax of S_j. O is accumulated in place by the wgmma
-   * (softmax_quantize_p_inplace), so tile j's factor is applied to O_acc after
-   * P^q_{j-1} V^_{j-1} has landed and before P^q_j V^_j is issued. With kPingPong the two
-   * consumer warpgroups take turns at issuing (kBarTurn): one's wgmma run while the other does its
-   * softmax, instead of both doing the same phase at once. (Overlapping the softmax with the
-   * warpgroup's own P^q V^, FA3's intra-warpgroup pipelining, needs O, P^q_{j-1} and S_j live at
-   * once: more registers than the 224 a consumer has, and ptxas then serializes every wgmma,
-   * warning C7513.) */
+  /* Per tile j the warpgroup issues S_j and the deferred P^q_{j-1} V^_{j-1} (two commit groups),
+   * waits for S_j only and runs the first softmax phase (scores, maxima, statistics:
+   * softmax_tile_stats) while P^q_{j-1} V^_{j-1} is still on the tensor cores; then waits for it,
+   * frees the stage, writes P^q_j (softmax_tile_finish) and rescales O_acc by tile j's factor,
+   * ready for P^q_j V^_j. O is accumulated in place by the wgmma. The two consumer warpgroups take
+   * turns at issuing (kBarTurn, FA3's ping-pong: measured 1-3 % faster than free-running), so one's
+   * wgmma run while the other does its softmax.
+   * Tiles that need masks wait for both groups first: ptxas serializes every wgmma of the kernel
+   * (warning C7513) when registers of an in-flight group's warpgroup are written in the masks'
+   * data-dependent code, and likewise when P^q_j is built while P^q_{j-1} is in flight (more live
+   * registers than a consumer has). */
   static __device__ void consumer(const Block &k) {
     const AttnArgs &a = *k.a;
     const AttnWorkspace &w = a.ws;
     const int ctid = threadIdx.x - 128;                 /* 0..255 */
     const int cwg = ctid >> 7, wwarp = (ctid >> 5) & 3; /* consumer warpgroup, warp in it */
-    const WarpRows rows = {k.b, k.h, k.q0 + cwg * 64 + wwarp * 16};
+    const int64_t wg_row0 = k.q0 + cwg * 64; /* masks are decided per warpgroup (wgmma_wait) */
+    const WarpRows rows = {k.b, k.h, wg_row0 + wwarp * 16};
     const float decq = w.qscale[k.bh * 2 + 1];
     const float deck = w.kvscale[k.bhk * 4 + 1], decv = w.kvscale[k.bhk * 4 + 3];
     const float cqk = a.scale_log2 * (decq * deck);
@@ -148,9 +151,9 @@ struct Kernel {
     const auto k_addr = [&](int buf) { return smem_u32(k.tiles + C::kOffK + buf * C::kKBytes); };
     const auto v_addr = [&](int buf) { return smem_u32(k.tiles + C::kOffV + buf * C::kVBytes); };
     /* turns: consumer 0 starts; consumer 1 skips its last hand-over so no arrival is left over */
-    const auto turn_begin = [&]() { if (kPingPong) named_sync(kBarTurn + cwg, kTurnCount); };
+    const auto turn_begin = [&]() { named_sync(kBarTurn + cwg, kTurnCount); };
     const auto turn_end = [&](bool last) {
-      if (kPingPong && !(last && cwg == 1)) named_arrive(kBarTurn + (cwg ^ 1), kTurnCount);
+      if (!(last && cwg == 1)) named_arrive(kBarTurn + (cwg ^ 1), kTurnCount);
     };
 
     InPlaceSoftmaxState st;
@@ -161,8 +164,8 @@ struct Kernel {
     for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
     if (k.ntiles > 0) {
-      if (kPingPong && cwg == 1) named_arrive(kBarTurn + 0, kTurnCount);
-      float s[16][4], ofac[2];
+      if (cwg == 1) named_arrive(kBarTurn + 0, kTurnCount);
+      float s[16][4];
       uint32_t pa[8][4];
       /* tile 0: S only (O_acc is zero, its factor does not matter) */
       named_sync(kBarFull + cwg, kFullCount);
@@ -173,22 +176,33 @@ struct Kernel {
       turn_end(false);
       wgmma_wait<0>();
       fence_regs(s);
-      softmax_quantize_p_inplace(a.p, rows, 0, cqk, k.bias(0), s, st, ofac, pa);
+      TileStats ts;
+      softmax_tile_stats<true>(a.p, rows, 0, cqk, k.bias(0), s, st, ts);
+      softmax_tile_finish(s, ts, st, pa);
 
       for (int j = 1, buf = 1, prev = 0; j < k.ntiles; ++j) {
         named_sync(kBarFull + 2 * buf + cwg, kFullCount);
         turn_begin();
         wgmma_fence();
         issue_scores(s, q_addr, k_addr(buf));
+        wgmma_commit();
         issue_pv(o, pa, v_addr(prev));
         wgmma_commit();
         turn_end(false);
-        wgmma_wait<0>();
-        fence_regs(s);
+        if (!tile_has_masks(a.p, (int64_t)j * kTile, wg_row0)) {
+          wgmma_wait<1>(); /* S_j; phase 1 overlaps P^q_{j-1} V^_{j-1} */
+          fence_regs(s);
+          softmax_tile_stats<false>(a.p, rows, (int64_t)j * kTile, cqk, k.bias(buf), s, st, ts);
+          wgmma_wait<0>();
+        } else {
+          wgmma_wait<0>();
+          fence_regs(s);
+          softmax_tile_stats<true>(a.p, rows, (int64_t)j * kTile, cqk, k.bias(buf), s, st, ts);
+        }
         fence_regs(o);
         if (j - 1 + kStages < k.ntiles) named_arrive(kBarEmpty + prev, kThreads); /* stage prev is free */
-        softmax_quantize_p_inplace(a.p, rows, (int64_t)j * kTile, cqk, k.bias(buf), s, st, ofac, pa);
-        rescale_rows(o, ofac);
+        softmax_tile_finish(s, ts, st, pa);
+        rescale_rows(o, ts.ofac);
         prev = buf;
         buf = buf + 1 == kStages ? 0 : buf + 1;
       }
@@ -242,35 +256,21 @@ struct Kernel {
 #endif /* FP4ATTN_SM90_WGMMA */
 };
 
-template <int DP, bool kPingPong>
+template <int DP>
 __global__ void __launch_bounds__(kThreads, 1) attention_fwd_sm90_kernel(const __grid_constant__ AttnArgs a) {
 #if defined(FP4ATTN_SM90_WGMMA)
   extern __shared__ __align__(16) char smem[];
-  Kernel<DP, kPingPong>::run(a, smem);
+  Kernel<DP>::run(a, smem);
 #else
   __trap(); /* never launched: the host launches this kernel only for sm_90a builds on CC 9.0 */
 #endif
 }
 
-/* EXPERIMENT: FP4ATTN_SM90_PINGPONG=0 turns the consumer turns off (measured in bench runs). */
-inline bool sm90_pingpong() {
-  static const bool on = [] {
-    const char *e = getenv("FP4ATTN_SM90_PINGPONG");
-    return !(e && e[0] == '0');
-  }();
-  return on;
-}
-
 template <int DP>
 fp4attn_status launch(const AttnArgs &a, cudaStream_t s) {
-  if (sm90_pingpong()) {
-    static bool configured[64] = {false};
-    return launch_forward(attention_fwd_sm90_kernel<DP, true>, a, kRows, kThreads, Config<DP>::kSmem,
-                          configured, "attention (sm90 kernel)", s);
-  }
   static bool configured[64] = {false};
-  return launch_forward(attention_fwd_sm90_kernel<DP, false>, a, kRows, kThreads, Config<DP>::kSmem,
-                        configured, "attention (sm90 kernel)", s);
+  return launch_forward(attention_fwd_sm90_kernel<DP>, a, kRows, kThreads, Config<DP>::kSmem, configured,
+                        "attention (sm90 kernel)", s);
 }
 
 }  // namespace sm90
