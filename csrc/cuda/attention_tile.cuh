@@ -107,15 +107,65 @@ __device__ __forceinline__ bool tile_has_masks(const fp4attn_attention_params &p
   return tail || diag || p.mask_kind != FP4ATTN_MASK_NONE;
 }
 
+/* Which masks tile_scores_log2 may have to apply (the caller knows more than the tile). */
+enum class MaskPath {
+  kCausalTail, /* no attn_mask: causal and key padding only (branch-free, cheap) */
+  kAll,        /* anything, attn_mask included */
+};
+
+/* Causal and key-padding mask of one tile, no attn_mask: each row sees the columns up to its
+ * last visible key, so one bound per row and one compare per score. */
+__device__ __forceinline__ void mask_causal_tail(const fp4attn_attention_params &p, const WarpRows &w,
+                                                 int64_t j0, float (&s)[16][4]) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  int last[2]; /* last visible column of rows g, g + 8 (from j0, clamped to [-1, 127]) minus 2t */
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    int64_t l = p.len_k - 1 - j0;
+    if (p.causal) l = min(l, w.row0 + g + 8 * r - j0);
+    last[r] = (int)max((int64_t)-1, min(l, (int64_t)kTile - 1)) - 2 * t;
+  }
+#pragma unroll
+  for (int n = 0; n < 16; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (n * 8 + (e & 1) > last[e >> 1]) s[n][e] = -INFINITY;
+}
+
+/* Any mask: causal (top-left), bool/additive attn_mask (broadcast strides), key padding. */
+__device__ __forceinline__ void mask_general(const fp4attn_attention_params &p, const WarpRows &w,
+                                             int64_t j0, float (&s)[16][4]) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int n = 0; n < 16; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t tok = j0 + n * 8 + 2 * t + (e & 1);
+      const int64_t qi = w.row0 + g + (e >> 1) * 8;
+      bool ok = tok < p.len_k && (!p.causal || tok <= qi);
+      float add = 0.0f;
+      if (ok && qi < p.len_q) {
+        const int64_t off = w.b * p.mask_stride[0] + w.h * p.mask_stride[1] +
+                            qi * p.mask_stride[2] + tok * p.mask_stride[3];
+        if (p.mask_kind == FP4ATTN_MASK_BOOL)
+          ok = static_cast<const uint8_t *>(p.mask)[off] != 0;
+        else
+          add = load_as_float(p.mask, p.mask_dtype, off) * 1.4426950408889634f;
+      }
+      s[n][e] = ok ? s[n][e] + add : -INFINITY;
+    }
+}
+
 /* Scores of one 128-key tile (starting at key j0) in log2 units, in place:
  *   s = scale*log2e*(dQ dK acc + qbar.K) (+ mask), with bias[key] = scale*log2e*(qbar . K[key])
  *   and cqk = scale*log2e*dQ*dK. Masks: causal (top-left), bool/additive attn_mask, key padding. */
-template <bool kMasks = true>
+template <MaskPath kMasks = MaskPath::kAll>
 __device__ __forceinline__ void tile_scores_log2(const fp4attn_attention_params &p, const WarpRows &w,
                                                  int64_t j0, float cqk, const float *bias,
                                                  float (&s)[16][4]) {
-  const int lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
+  const int t = threadIdx.x & 3;
 #pragma unroll
   for (int n = 0; n < 16; ++n) {
     const float2 bb = *reinterpret_cast<const float2 *>(bias + n * 8 + 2 * t);
@@ -124,25 +174,11 @@ __device__ __forceinline__ void tile_scores_log2(const fp4attn_attention_params 
     s[n][2] = fmaf(s[n][2], cqk, bb.x);
     s[n][3] = fmaf(s[n][3], cqk, bb.y);
   }
-  if (kMasks && tile_has_masks(p, j0, w.row0)) {
-#pragma unroll
-    for (int n = 0; n < 16; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t tok = j0 + n * 8 + 2 * t + (e & 1);
-        const int64_t qi = w.row0 + g + (e >> 1) * 8;
-        bool ok = tok < p.len_k && (!p.causal || tok <= qi);
-        float add = 0.0f;
-        if (ok && p.mask_kind != FP4ATTN_MASK_NONE && qi < p.len_q) {
-          const int64_t off = w.b * p.mask_stride[0] + w.h * p.mask_stride[1] +
-                              qi * p.mask_stride[2] + tok * p.mask_stride[3];
-          if (p.mask_kind == FP4ATTN_MASK_BOOL)
-            ok = static_cast<const uint8_t *>(p.mask)[off] != 0;
-          else
-            add = load_as_float(p.mask, p.mask_dtype, off) * 1.4426950408889634f;
-        }
-        s[n][e] = ok ? s[n][e] + add : -INFINITY;
-      }
+  if (tile_has_masks(p, j0, w.row0)) {
+    if (kMasks == MaskPath::kCausalTail || p.mask_kind == FP4ATTN_MASK_NONE)
+      mask_causal_tail(p, w, j0, s);
+    else
+      mask_general(p, w, j0, s);
   }
 }
 
@@ -265,9 +301,8 @@ struct TileStats {
   float toff[2], alpha[2], lsc[2], ofac[2]; /* per row g, g + 8 */
 };
 
-/* Phase 1: scores in log2 units (tile_scores_log2; kMasks = false when the caller knows the tile
- * needs no mask for any of its rows), block maxima, m, ref and the factors. */
-template <bool kMasks>
+/* Phase 1: scores in log2 units (tile_scores_log2), block maxima, m, ref and the factors. */
+template <MaskPath kMasks>
 __device__ __forceinline__ void softmax_tile_stats(const fp4attn_attention_params &p, const WarpRows &w,
                                                    int64_t j0, float cqk, const float *bias,
                                                    float (&s)[16][4], InPlaceSoftmaxState &st,

@@ -132,17 +132,17 @@ struct Kernel {
    * ready for P^q_j V^_j. O is accumulated in place by the wgmma. The two consumer warpgroups take
    * turns at issuing (kBarTurn, FA3's ping-pong: measured 1-3 % faster than free-running), so one's
    * wgmma run while the other does its softmax.
-   * Tiles that need masks wait for both groups first: ptxas serializes every wgmma of the kernel
-   * (warning C7513) when registers of an in-flight group's warpgroup are written in the masks'
-   * data-dependent code, and likewise when P^q_j is built while P^q_{j-1} is in flight (more live
-   * registers than a consumer has). */
+   * With an attn_mask, both groups are waited for first: ptxas serializes every wgmma of the
+   * kernel (warning C7513) when the general mask code (data-dependent branches and loads) runs
+   * while a group is in flight, and likewise when P^q_j is built while P^q_{j-1} is in flight
+   * (more live registers than a consumer has). The causal and key-padding masks are branch-free
+   * (mask_causal_tail) and take the overlapped path. */
   static __device__ void consumer(const Block &k) {
     const AttnArgs &a = *k.a;
     const AttnWorkspace &w = a.ws;
     const int ctid = threadIdx.x - 128;                 /* 0..255 */
     const int cwg = ctid >> 7, wwarp = (ctid >> 5) & 3; /* consumer warpgroup, warp in it */
-    const int64_t wg_row0 = k.q0 + cwg * 64; /* masks are decided per warpgroup (wgmma_wait) */
-    const WarpRows rows = {k.b, k.h, wg_row0 + wwarp * 16};
+    const WarpRows rows = {k.b, k.h, k.q0 + cwg * 64 + wwarp * 16};
     const float decq = w.qscale[k.bh * 2 + 1];
     const float deck = w.kvscale[k.bhk * 4 + 1], decv = w.kvscale[k.bhk * 4 + 3];
     const float cqk = a.scale_log2 * (decq * deck);
@@ -177,7 +177,7 @@ struct Kernel {
       wgmma_wait<0>();
       fence_regs(s);
       TileStats ts;
-      softmax_tile_stats<true>(a.p, rows, 0, cqk, k.bias(0), s, st, ts);
+      softmax_tile_stats<MaskPath::kAll>(a.p, rows, 0, cqk, k.bias(0), s, st, ts);
       softmax_tile_finish(s, ts, st, pa);
 
       for (int j = 1, buf = 1, prev = 0; j < k.ntiles; ++j) {
@@ -189,15 +189,15 @@ struct Kernel {
         issue_pv(o, pa, v_addr(prev));
         wgmma_commit();
         turn_end(false);
-        if (!tile_has_masks(a.p, (int64_t)j * kTile, wg_row0)) {
+        if (a.p.mask_kind == FP4ATTN_MASK_NONE) {
           wgmma_wait<1>(); /* S_j; phase 1 overlaps P^q_{j-1} V^_{j-1} */
           fence_regs(s);
-          softmax_tile_stats<false>(a.p, rows, (int64_t)j * kTile, cqk, k.bias(buf), s, st, ts);
+          softmax_tile_stats<MaskPath::kCausalTail>(a.p, rows, (int64_t)j * kTile, cqk, k.bias(buf), s, st, ts);
           wgmma_wait<0>();
         } else {
           wgmma_wait<0>();
           fence_regs(s);
-          softmax_tile_stats<true>(a.p, rows, (int64_t)j * kTile, cqk, k.bias(buf), s, st, ts);
+          softmax_tile_stats<MaskPath::kAll>(a.p, rows, (int64_t)j * kTile, cqk, k.bias(buf), s, st, ts);
         }
         fence_regs(o);
         if (j - 1 + kStages < k.ntiles) named_arrive(kBarEmpty + prev, kThreads); /* stage prev is free */
