@@ -31,7 +31,9 @@ constexpr int kThreads = 384;      /* producer + 2 consumer warpgroups */
 constexpr int kRows = 128;         /* query rows per block (SPEC 4 Bq) */
 constexpr int kProducerRegs = 104; /* 104 x 128 + 200 x 256 = 168 x 384, the launch allocation */
 constexpr int kConsumerRegs = 200;
-constexpr int kStages = 3;         /* K^/V^/bias ring: the producer runs up to 2 tiles ahead */
+/* K^/V^/bias ring: a consumer holds two stages (S_j and the deferred P^q_{j-1} V^_{j-1}) while
+ * the producer fills the third */
+constexpr int kStages = 3;
 /* Named barriers (0 is __syncthreads). "full" is per stage and consumer warpgroup, so the two
  * consumers never wait for each other there; "empty" collects both consumers' arrivals. */
 constexpr int kBarFull = 1;                /* + 2 stage + consumer: K^/V^/bias of the tile are in */
