@@ -485,9 +485,10 @@ __device__ __forceinline__ void compute_bias(const AttnArgs &a, int64_t b, int64
 
 /* The q-mean correction on the tensor cores, for one warp and 32 keys (SPEC 4.4: qbar . K with K in
  * input precision, FP32 accumulation). qbar (FP32) is split into parts exactly representable in
- * K's 16-bit type, qbar = sum of parts up to 2^-22 relative (FP16: 2 parts of 11 bits; BF16: 3 of
- * 8), each part in its own row of the A operand of mma.m16n8k16; every product part x K is exact in
- * FP32, the MMA sums them in FP32, and the rows are added in FP32. This replaces 2 x DP FP32
+ * K's 16-bit type (FP16: 2 parts of 11 bits, qbar = p0 + p1 to 2^-22 relative, or 2^-25 absolute
+ * below FP16's normal range; BF16: 3 parts of 8 bits, all 24 bits of qbar), each part in its own
+ * row of the A operand of mma.m16n8k16; every product part x K is exact in FP32, the MMA sums them
+ * in FP32, and the rows are added in FP32. This replaces 2 x DP FP32
  * instructions per key (convert + FMA) by DP/16 MMAs per 8 keys. Needs 16-byte loads (vec_k) and a
  * 16-bit dtype; compute_bias covers the rest.
  *
@@ -498,7 +499,7 @@ template <int DP>
 struct BiasMma {
   static constexpr int kSteps = DP / 16;
   static constexpr int kChunks = DP / 32; /* 16-byte chunks per lane and key */
-  uint32_t a[kSteps][2];                  /* A fragment words a0, a2 of every k16 step (a1 = a3 = 0) */
+  uint32_t afrag[kSteps][2];              /* A fragment words a0, a2 of every k16 step (a1 = a3 = 0) */
   bool bf16;
 
   /* Build the A fragments from qbar (shared memory, DP floats, zero past D). */
@@ -513,7 +514,7 @@ struct BiasMma {
         const int col = 8 * (4 * (m >> 1) + t) + 4 * (m & 1) + 2 * w;
         uint32_t word = 0;
         if (g < nparts) word = part_bits(qbar[col], g) | (part_bits(qbar[col + 1], g) << 16);
-        a[m][w] = word;
+        afrag[m][w] = word;
       }
   }
 
@@ -532,14 +533,14 @@ struct BiasMma {
         part = __half2float(h);
         if (i == idx) bits = __half_as_ushort(h);
       }
-      x = x - part; /* exact */
+      x = x - part; /* exact: part is x rounded to fewer bits (|x| <= 65504 for FP16 inputs) */
     }
     return bits;
   }
 
   /* bias[8n + j] = scale log2e (qbar . K[tok0 + 8n + j]) for n < 4, j < 8 (keys past len_k: 0). */
-  __device__ void compute(const AttnArgs &a_, int64_t b, int64_t hk, int64_t tok0, float *bias) const {
-    const fp4attn_attention_params &p = a_.p;
+  __device__ void compute(const AttnArgs &a, int64_t b, int64_t hk, int64_t tok0, float *bias) const {
+    const fp4attn_attention_params &p = a.p;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int D = (int)p.head_dim;
     const uint16_t *kp = static_cast<const uint16_t *>(p.k);
@@ -561,7 +562,7 @@ struct BiasMma {
 #pragma unroll
       for (int m = 0; m < kSteps; ++m) {
         const uint4 &q = kv[n][m >> 1];
-        const uint32_t af[4] = {a[m][0], 0u, a[m][1], 0u};
+        const uint32_t af[4] = {afrag[m][0], 0u, afrag[m][1], 0u};
         if (bf16)
           mma_bf16_16816(c, af, (m & 1) ? q.z : q.x, (m & 1) ? q.w : q.y);
         else
@@ -572,7 +573,7 @@ struct BiasMma {
       float v1 = c[1] + __shfl_down_sync(0xffffffffu, c[1], 4);
       const float w0 = __shfl_down_sync(0xffffffffu, c[0], 8), w1 = __shfl_down_sync(0xffffffffu, c[1], 8);
       if (bf16) v0 += w0, v1 += w1;
-      if (g == 0) *reinterpret_cast<float2 *>(bias + 8 * n + 2 * t) = make_float2(v0 * a_.scale_log2, v1 * a_.scale_log2);
+      if (g == 0) *reinterpret_cast<float2 *>(bias + 8 * n + 2 * t) = make_float2(v0 * a.scale_log2, v1 * a.scale_log2);
     }
   }
 };
