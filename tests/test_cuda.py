@@ -235,6 +235,26 @@ def test_attention_large_query_mean(dtype, kernel):
     assert (lse.cpu() - ref_lse).abs().max().item() < 2e-3
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_tile_maxima_far_apart(causal, kernel):
+    """Key tiles whose score ranges differ by more than 2^64 (log2 units): the in-place O
+    accumulation of the sm90 kernel rescales by factors that underflow, and skips tiles far below
+    the running maximum; the result must still match the reference."""
+    B, H, Nq, Nk, D = 1, 2, 768, 768, 64
+    q = rand((B, H, Nq, D), torch.float16, 21)
+    k = rand((B, H, Nk, D), torch.float16, 22)
+    v = rand((B, H, Nk, D), torch.float16, 23)
+    factors = [2.0, 40.0, 0.05, 40.0, 80.0, 0.5]  # per 128-key tile: scores up to ~240 (natural log)
+    for i, f in enumerate(factors):
+        k[:, :, i * 128:(i + 1) * 128] *= f
+    out, lse = attn_cuda(q, k, v, None, causal, lse=True, kernel=kernel)
+    ref, ref_lse = attn_ref(q, k, v, None, causal, lse=True)
+    assert torch.isfinite(out.float()).all()
+    assert rel_l1(out, ref) < 2e-3
+    assert ((lse.cpu() - ref_lse).abs() <= 2e-3 + 1e-5 * ref_lse.abs()).all()
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_float32_input_and_scale(kernel):
     q, k, v = (rand((1, 2, 190, 64), torch.float32, s) for s in (1, 2, 3))
