@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Compiles every .cu under csrc/ on its own (no torch headers) for every target architecture of
-# the build, like setup.py does: FP4ATTN_CUDA_ARCHS (default 80;90a;120a). Fails on any error.
+# the build, like setup.py does: FP4ATTN_CUDA_ARCHS (default 80;90a;120a). Fails on any error, and
+# when ptxas reports that it serialized wgmma instructions (C7513: the sm90 kernel's overlap of
+# softmax and tensor-core work would be lost without any other sign).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 archs="${FP4ATTN_CUDA_ARCHS:-80;90a;120a}"
@@ -12,4 +14,8 @@ mapfile -t sources < <(find csrc -name '*.cu' | sort)
 echo "nvcc $(nvcc --version | tail -1): ${#sources[@]} sources x archs ${archs}"
 jobs=${MAX_JOBS:-$(nproc)}
 printf '%s\n' "${sources[@]}" | xargs -P "$jobs" -I{} sh -c \
-  'nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include '"${gencode[*]}"' -c "{}" -o "'"$out"'/$(echo {} | tr / _).o" && echo "  ok {}"'
+  'log="'"$out"'/$(echo {} | tr / _).log"
+   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -Xptxas -v '"${gencode[*]}"' -c "{}" \
+     -o "'"$out"'/$(echo {} | tr / _).o" > "$log" 2>&1 || { cat "$log"; exit 255; }
+   if grep -q C7513 "$log"; then grep C7513 "$log"; echo "FAIL {}: ptxas serialized wgmma (C7513)"; exit 255; fi
+   echo "  ok {}"'
