@@ -137,6 +137,16 @@ __device__ void column_stats(const void *base, fp4attn_dtype dt, int64_t row_str
   __syncthreads();
 }
 
+/* column_stats in 8-column groups where rows allow 16-byte loads (vec), else 1-column groups. */
+__device__ void column_stats_any(bool vec, const void *base, fp4attn_dtype dt, int64_t row_stride,
+                                 int64_t rows, int D, bool want_sum, float *sh_sum, float *sh_min,
+                                 float *sh_max, float *sh_abs) {
+  if (vec)
+    column_stats<8>(base, dt, row_stride, rows, D, want_sum, sh_sum, sh_min, sh_max, sh_abs);
+  else
+    column_stats<1>(base, dt, row_stride, rows, D, want_sum, sh_sum, sh_min, sh_max, sh_abs);
+}
+
 /* NaN-propagating max over the block of one value per thread; result valid in every thread. */
 __device__ float block_nanmax(float v, float *sh) {
 #pragma unroll
@@ -164,10 +174,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(AttnArgs a) {
     const char *base = static_cast<const char *>(p.q) +
                        (b * p.q_stride[0] + h * p.q_stride[1] + r0 * p.q_stride[2]) *
                            (int64_t)dtype_size(p.dtype);
-    if (a.vec_q)
-      column_stats<8>(base, p.dtype, p.q_stride[2], rows, D, true, sh_sum, sh_min, sh_max, nullptr);
-    else
-      column_stats<1>(base, p.dtype, p.q_stride[2], rows, D, true, sh_sum, sh_min, sh_max, nullptr);
+    column_stats_any(a.vec_q, base, p.dtype, p.q_stride[2], rows, D, true, sh_sum, sh_min, sh_max, nullptr);
     const int c = threadIdx.x;
     float am = 0.0f;
     if (c < w.dp) {
@@ -190,10 +197,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(AttnArgs a) {
   const int64_t esz = (int64_t)dtype_size(p.dtype);
   const char *kb = static_cast<const char *>(p.k) +
                    (b * p.k_stride[0] + h * p.k_stride[1] + r0 * p.k_stride[2]) * esz;
-  if (a.vec_k)
-    column_stats<8>(kb, p.dtype, p.k_stride[2], rows, D, true, sh_sum, sh_min, sh_max, nullptr);
-  else
-    column_stats<1>(kb, p.dtype, p.k_stride[2], rows, D, true, sh_sum, sh_min, sh_max, nullptr);
+  column_stats_any(a.vec_k, kb, p.dtype, p.k_stride[2], rows, D, true, sh_sum, sh_min, sh_max, nullptr);
   const int c = threadIdx.x;
   if (c < D) {
     const int64_t o = (bh * w.nkt + kt) * w.dp + c;
@@ -203,10 +207,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(AttnArgs a) {
   }
   const char *vb = static_cast<const char *>(p.v) +
                    (b * p.v_stride[0] + h * p.v_stride[1] + r0 * p.v_stride[2]) * esz;
-  if (a.vec_v)
-    column_stats<8>(vb, p.dtype, p.v_stride[2], rows, D, false, nullptr, nullptr, nullptr, sh_sum);
-  else
-    column_stats<1>(vb, p.dtype, p.v_stride[2], rows, D, false, nullptr, nullptr, nullptr, sh_sum);
+  column_stats_any(a.vec_v, vb, p.dtype, p.v_stride[2], rows, D, false, nullptr, nullptr, nullptr, sh_sum);
   const float am = block_nanmax(c < D ? sh_sum[c] : 0.0f, sh_red);
   if (threadIdx.x == 0) w.vamax[bh * w.nkt + kt] = am;
 }
