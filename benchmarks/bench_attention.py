@@ -109,6 +109,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=16384, help="B*N per config")
     ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths (overrides the sweep's)")
+    ap.add_argument("--dims", default=None, help="comma-separated head dims (overrides the sweep's)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention: needs a CUDA GPU")
@@ -121,6 +123,10 @@ def main() -> int:
         seqs, dims = [1024, 2048, 4096, 8192, 16384, 32768], [64, 128]
         causals, dtypes = [False, True], [torch.float16, torch.bfloat16]
         reps = args.reps or 30
+    if args.seqs:
+        seqs = [int(x) for x in args.seqs.split(",")]
+    if args.dims:
+        dims = [int(x) for x in args.dims.split(",")]
     timer = Timer()
     dev = torch.cuda.get_device_name()
     bw = copy_bandwidth(timer)

@@ -226,8 +226,11 @@ __device__ __forceinline__ void quantize_p_blocks(const float (&s)[16][4], const
     float sv[2], off[2];
     uint32_t s2[2];
     block_scales(fast_exp2(bm[kb][0] - toff[0]), fast_exp2(bm[kb][1] - toff[1]), sv, s2);
+    /* A block whose scale rounds to 0 (max Pq / 6 below 2^-10) gets P^q = code * 0 = 0: the log2 is
+     * taken of max(s, 2^-126) instead, which keeps y finite (below 2^121; its FP16 conversion may
+     * saturate to inf, which hmin2 turns into 6) and is one instruction where a select was two. */
 #pragma unroll
-    for (int r = 0; r < 2; ++r) off[r] = sv[r] == 0.0f ? INFINITY : toff[r] + fast_log2(sv[r]);
+    for (int r = 0; r < 2; ++r) off[r] = toff[r] + fast_log2(fmaxf(sv[r], 1.17549435e-38f));
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float y0 = fast_exp2(s[2 * kb][2 * r] - off[r]);
@@ -495,18 +498,22 @@ __device__ __forceinline__ void compute_bias(const AttnArgs &a, int64_t b, int64
  * Fragment mapping (g = lane / 4, t = lane % 4): lane t loads 8-column chunks c = 4i + t of key
  * g's row; k16 step m uses chunk 4 (m / 2) + t, half m % 2, so the step's reduction index k = 2t + e
  * (b0) is column 8c + 4 (m % 2) + e and k = 2t + 8 + e (b1) is column 8c + 4 (m % 2) + 2 + e. */
-template <int DP>
+template <int DP, bool kBf16>
 struct BiasMma {
   static constexpr int kSteps = DP / 16;
   static constexpr int kChunks = DP / 32; /* 16-byte chunks per lane and key */
   uint32_t afrag[kSteps][2];              /* A fragment words a0, a2 of every k16 step (a1 = a3 = 0) */
-  bool bf16;
+  const uint16_t *krow;                   /* K row key0 + g of tile 0, (b, hk) */
+  int64_t row_stride;                     /* elements from one key's row to the next */
+  int64_t rows_left;                      /* len_k - (key0 + g): keys from krow on that exist */
+  uint32_t chunk_ok;                      /* bit i: this lane's chunk i lies inside the head dim */
 
-  /* Build the A fragments from qbar (shared memory, DP floats, zero past D). */
-  __device__ void init(const float *qbar, bool is_bf16) {
+  /* The A fragments from qbar (shared memory, DP floats, zero past D) and this lane's K addressing
+   * for the warp's 32 keys key0 .. key0 + 31 of every tile. */
+  __device__ void init(const AttnArgs &a, int64_t b, int64_t hk, int key0, const float *qbar) {
+    const fp4attn_attention_params &p = a.p;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    bf16 = is_bf16;
-    const int nparts = bf16 ? 3 : 2;
+    const int nparts = kBf16 ? 3 : 2;
 #pragma unroll
     for (int m = 0; m < kSteps; ++m)
 #pragma unroll
@@ -516,15 +523,21 @@ struct BiasMma {
         if (g < nparts) word = part_bits(qbar[col], g) | (part_bits(qbar[col + 1], g) << 16);
         afrag[m][w] = word;
       }
+    row_stride = p.k_stride[2];
+    krow = static_cast<const uint16_t *>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1] + (key0 + g) * row_stride;
+    rows_left = p.len_k - (key0 + g);
+    chunk_ok = 0;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) chunk_ok |= (8 * (4 * i + t) < (int)p.head_dim ? 1u : 0u) << i;
   }
 
   /* Part `idx` of x: x = p0 + p1 (+ p2) with each part the rounding of what the earlier ones left. */
-  __device__ uint32_t part_bits(float x, int idx) const {
+  __device__ static uint32_t part_bits(float x, int idx) {
     uint32_t bits = 0;
 #pragma unroll
     for (int i = 0; i < 3; ++i) {
       float part;
-      if (bf16) {
+      if (kBf16) {
         const __nv_bfloat16 h = __float2bfloat16_rn(x);
         part = __bfloat162float(h);
         if (i == idx) bits = __bfloat16_as_ushort(h);
@@ -538,41 +551,47 @@ struct BiasMma {
     return bits;
   }
 
-  /* bias[8n + j] = scale log2e (qbar . K[tok0 + 8n + j]) for n < 4, j < 8 (keys past len_k: 0). */
-  __device__ void compute(const AttnArgs &a, int64_t b, int64_t hk, int64_t tok0, float *bias) const {
-    const fp4attn_attention_params &p = a.p;
+  /* bias[8n + j] = scale log2e (qbar . K[key]) for key = tile * 128 + key0 + 8n + j, n < 4, j < 8
+   * (keys past len_k: 0). All 4 x kChunks loads are in flight before the first MMA, and the four
+   * 8-key accumulators are independent chains, interleaved step by step. */
+  __device__ void compute(const AttnArgs &a, int tile, float *bias) const {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int D = (int)p.head_dim;
-    const uint16_t *kp = static_cast<const uint16_t *>(p.k);
+    const int64_t row0 = (int64_t)tile * kTile;
+    const uint16_t *kp = krow + row0 * row_stride;
     uint4 kv[4][kChunks];
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
-      const int64_t tok = tok0 + 8 * n + g;
-      const int64_t base = b * p.k_stride[0] + hk * p.k_stride[1] + tok * p.k_stride[2];
+      const bool row_ok = row0 + 8 * n < rows_left;
 #pragma unroll
-      for (int i = 0; i < kChunks; ++i) {
-        const int col = 8 * (4 * i + t);
-        kv[n][i] = tok < p.len_k && col < D ? __ldg(reinterpret_cast<const uint4 *>(kp + base + col))
-                                             : make_uint4(0, 0, 0, 0);
+      for (int i = 0; i < kChunks; ++i)
+        kv[n][i] = row_ok && (chunk_ok >> i & 1u)
+                       ? __ldg(reinterpret_cast<const uint4 *>(kp + 8 * n * row_stride + 8 * (4 * i + t)))
+                       : make_uint4(0, 0, 0, 0);
+    }
+    float c[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+#pragma unroll
+    for (int m = 0; m < kSteps; ++m) {
+      const uint32_t af[4] = {afrag[m][0], 0u, afrag[m][1], 0u};
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const uint4 &q = kv[n][m >> 1];
+        if (kBf16)
+          mma_bf16_16816(c[n], af, (m & 1) ? q.z : q.x, (m & 1) ? q.w : q.y);
+        else
+          mma_f16_16816(c[n], af, (m & 1) ? q.z : q.x, (m & 1) ? q.w : q.y);
       }
     }
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int m = 0; m < kSteps; ++m) {
-        const uint4 &q = kv[n][m >> 1];
-        const uint32_t af[4] = {afrag[m][0], 0u, afrag[m][1], 0u};
-        if (bf16)
-          mma_bf16_16816(c, af, (m & 1) ? q.z : q.x, (m & 1) ? q.w : q.y);
-        else
-          mma_f16_16816(c, af, (m & 1) ? q.z : q.x, (m & 1) ? q.w : q.y);
-      }
       /* row r of C (part r) for keys 8n + 2t, 8n + 2t + 1 sits in lane 4r + t: c[0], c[1] */
-      float v0 = c[0] + __shfl_down_sync(0xffffffffu, c[0], 4);
-      float v1 = c[1] + __shfl_down_sync(0xffffffffu, c[1], 4);
-      const float w0 = __shfl_down_sync(0xffffffffu, c[0], 8), w1 = __shfl_down_sync(0xffffffffu, c[1], 8);
-      if (bf16) v0 += w0, v1 += w1;
+      float v0 = c[n][0] + __shfl_down_sync(0xffffffffu, c[n][0], 4);
+      float v1 = c[n][1] + __shfl_down_sync(0xffffffffu, c[n][1], 4);
+      if (kBf16) {
+        v0 += __shfl_down_sync(0xffffffffu, c[n][0], 8);
+        v1 += __shfl_down_sync(0xffffffffu, c[n][1], 8);
+      }
       if (g == 0) *reinterpret_cast<float2 *>(bias + 8 * n + 2 * t) = make_float2(v0 * a.scale_log2, v1 * a.scale_log2);
     }
   }

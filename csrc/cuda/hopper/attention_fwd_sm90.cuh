@@ -4,7 +4,7 @@
  * on wgmma and the loads on a producer warpgroup.
  *
  * Block: 128 query rows of one (batch, query head), 3 warpgroups.
- *   warpgroup 0, producer (setmaxnreg down to kProducerRegs): per 128-key tile, cp.async of the
+ *   warpgroup 0, producer (setmaxnreg down to Config::kProducerRegs): per 128-key tile, cp.async of the
  *     K^ and V^ tiles (exact FP16 values written by the pre-pass) into 128-byte-swizzled shared
  *     memory, the q-mean correction bias[key] = scale log2e qbar . K[key] from K in input
  *     precision (on mma.sync, BiasMma), then signals "full". A ring of kStages buffers; it
@@ -29,8 +29,6 @@ namespace sm90 {
 
 constexpr int kThreads = 384;      /* producer + 2 consumer warpgroups */
 constexpr int kRows = 128;         /* query rows per block (SPEC 4 Bq) */
-constexpr int kProducerRegs = 104; /* 104 x 128 + 200 x 256 = 168 x 384, the launch allocation */
-constexpr int kConsumerRegs = 200;
 /* K^/V^/bias ring: a consumer holds two stages (S_j and the deferred P^q_{j-1} V^_{j-1}) while
  * the producer fills the third */
 constexpr int kStages = 3;
@@ -44,6 +42,14 @@ constexpr int kTurnCount = 256;            /* one consumer arrives, the other sy
 
 template <int DP>
 struct Config {
+  /* setmaxnreg split of the launch allocation, 168 x 384 = P x 128 + C x 256: at DP = 128 the
+   * producer's bias MMA holds 64 registers of K and 32 of A fragments, and at 104 it spilled
+   * inside its loop with the loads in flight (ncu: consumers waited 14 % of their time for
+   * "full"); 120 / 192 measured +3-7 %. At DP = 64 104 / 200 stays (no producer spills; 120 / 192
+   * measured -1.5-3 %). */
+  static constexpr int kProducerRegs = DP > 64 ? 120 : 104;
+  static constexpr int kConsumerRegs = DP > 64 ? 192 : 200;
+  static_assert(kProducerRegs + 2 * kConsumerRegs == 3 * 168, "setmaxnreg split of 168 x 384");
   static constexpr int kQBytes = kRows * DP * 2;
   static constexpr int kKBytes = kTile * DP * 2;
   static constexpr int kVBytes = DP * kTile * 2;
@@ -73,7 +79,23 @@ struct Kernel {
 
 #if defined(FP4ATTN_SM90_WGMMA)
   /* ---------------------------------------------------------------- producer warpgroup */
+  /* How the producer computes the q-mean bias: on mma.sync (BiasMma, 16-bit K with 16-byte rows)
+   * or with FP32 FMAs (compute_bias: FP32 K, unaligned rows). One producer loop per way, so the
+   * loop carries no dtype tests. */
+  enum class BiasPath { kMmaF16, kMmaBf16, kFma };
+
   static __device__ void producer(const Block &k) {
+    const AttnArgs &a = *k.a;
+    if (a.vec_k && a.p.dtype == FP4ATTN_BFLOAT16)
+      producer_loop<BiasPath::kMmaBf16>(k);
+    else if (a.vec_k && a.p.dtype == FP4ATTN_FLOAT16)
+      producer_loop<BiasPath::kMmaF16>(k);
+    else
+      producer_loop<BiasPath::kFma>(k);
+  }
+
+  template <BiasPath kBias>
+  static __device__ void producer_loop(const Block &k) {
     const AttnArgs &a = *k.a;
     const AttnWorkspace &w = a.ws;
     const int tid = threadIdx.x, warp = tid >> 5; /* 0..127, 0..3 */
@@ -84,9 +106,8 @@ struct Kernel {
     constexpr int KN = kTile * KCH / 128, VN = DP * VCH / 128; /* chunks per thread */
     const uint32_t koff = 2 * sw128_offset(kTile, tid / KCH, (tid % KCH) * 8);
     const uint32_t voff = 2 * sw128_offset(DP, tid / VCH, (tid % VCH) * 8);
-    const bool bias_on_mma = a.vec_k && (a.p.dtype == FP4ATTN_FLOAT16 || a.p.dtype == FP4ATTN_BFLOAT16);
-    BiasMma<DP> bias_mma;
-    if (bias_on_mma) bias_mma.init(k.qbar(), a.p.dtype == FP4ATTN_BFLOAT16);
+    BiasMma<DP, kBias == BiasPath::kMmaBf16> bias_mma;
+    if (kBias != BiasPath::kFma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar());
     for (int j = 0, buf = 0; j < k.ntiles; ++j, buf = buf + 1 == kStages ? 0 : buf + 1) {
       if (j >= kStages) named_sync(kBarEmpty + buf, kThreads);
       const __half *kg = w.kdq + (k.bhk * w.nkp + (int64_t)j * kTile) * DP + tid * 8; /* [128][DP] */
@@ -98,8 +119,8 @@ struct Kernel {
 #pragma unroll
       for (int u = 0; u < VN; ++u) cp_async_16_u32(vs + u * (128 / VCH) * 128, vg + u * 1024);
       cp_async_commit();
-      if (bias_on_mma)
-        bias_mma.compute(a, k.b, k.hk, (int64_t)j * kTile + warp * 32, k.bias(buf) + warp * 32);
+      if (kBias != BiasPath::kFma)
+        bias_mma.compute(a, j, k.bias(buf) + warp * 32);
       else
         compute_bias<DP, 1>(a, k.b, k.hk, (int64_t)j * kTile + tid, 0, k.qbar(), k.bias(buf) + tid);
       cp_async_wait_all();
@@ -110,21 +131,23 @@ struct Kernel {
   }
 
   /* ---------------------------------------------------------------- consumer warpgroups */
-  /* S = Q^ K^T for this warpgroup's 64 rows x 128 keys, reduction over DP in k16 steps (async). */
-  static __device__ __forceinline__ void issue_scores(float (&s)[16][4], uint32_t q_addr, uint32_t k_addr) {
+  /* S = Q^ K^T for this warpgroup's 64 rows x 128 keys, reduction over DP in k16 steps (async).
+   * q_lo, k_lo: descriptor low words of the operands (sw128_desc_lo); a k16 step inside a
+   * 64-column block is +32 bytes, the next block +rows x 128 bytes (in 16-byte units below). */
+  static __device__ __forceinline__ void issue_scores(float (&s)[16][4], uint32_t q_lo, uint32_t k_lo) {
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk) {
-      const uint32_t step = (kk & 3) * 32; /* k16 step inside a 64-column block */
-      Wgmma<128>::ss(s, sw128_desc(q_addr + (kk >> 2) * (kRows * 128) + step),
-                     sw128_desc(k_addr + (kk >> 2) * (kTile * 128) + step), kk > 0);
+      const uint32_t step = (kk & 3) * 2;
+      Wgmma<128>::ss(s, sw128_desc(q_lo + (kk >> 2) * (kRows * 8) + step),
+                     sw128_desc(k_lo + (kk >> 2) * (kTile * 8) + step), kk > 0);
     }
   }
 
   /* O_acc += P^q V^: 64 rows x DP columns, reduction over the 128 keys in k16 steps (async). */
-  static __device__ __forceinline__ void issue_pv(float (&o)[DP / 8][4], const uint32_t (&pa)[8][4], uint32_t v_addr) {
+  static __device__ __forceinline__ void issue_pv(float (&o)[DP / 8][4], const uint32_t (&pa)[8][4], uint32_t v_lo) {
 #pragma unroll
     for (int kb = 0; kb < 8; ++kb)
-      Wgmma<DP>::rs(o, pa[kb], sw128_desc(v_addr + (kb >> 2) * (DP * 128) + (kb & 3) * 32), 1);
+      Wgmma<DP>::rs(o, pa[kb], sw128_desc(v_lo + (kb >> 2) * (DP * 8) + (kb & 3) * 2), 1);
   }
 
   /* Per tile j the warpgroup issues S_j and the deferred P^q_{j-1} V^_{j-1} (two commit groups),
@@ -149,9 +172,10 @@ struct Kernel {
     const float deck = w.kvscale[k.bhk * 4 + 1], decv = w.kvscale[k.bhk * 4 + 3];
     const float cqk = a.scale_log2 * (decq * deck);
     /* this warpgroup's 64 rows of Q^: 64 x 128 bytes into each column block */
-    const uint32_t q_addr = smem_u32(k.tiles + C::kOffQ) + cwg * 64 * 128;
-    const auto k_addr = [&](int buf) { return smem_u32(k.tiles + C::kOffK + buf * C::kKBytes); };
-    const auto v_addr = [&](int buf) { return smem_u32(k.tiles + C::kOffV + buf * C::kVBytes); };
+    const uint32_t q_lo = sw128_desc_lo(smem_u32(k.tiles + C::kOffQ) + cwg * 64 * 128);
+    const uint32_t k_lo = sw128_desc_lo(smem_u32(k.tiles + C::kOffK)), v_lo = sw128_desc_lo(smem_u32(k.tiles + C::kOffV));
+    const auto k_desc = [&](int buf) { return k_lo + buf * (C::kKBytes / 16); };
+    const auto v_desc = [&](int buf) { return v_lo + buf * (C::kVBytes / 16); };
     /* turns: consumer 0 starts; consumer 1 skips its last hand-over so no arrival is left over */
     const auto turn_begin = [&]() { named_sync(kBarTurn + cwg, kTurnCount); };
     const auto turn_end = [&](bool last) {
@@ -173,7 +197,7 @@ struct Kernel {
       named_sync(kBarFull + cwg, kFullCount);
       turn_begin();
       wgmma_fence();
-      issue_scores(s, q_addr, k_addr(0));
+      issue_scores(s, q_lo, k_desc(0));
       wgmma_commit();
       turn_end(false);
       wgmma_wait<0>();
@@ -186,9 +210,9 @@ struct Kernel {
         named_sync(kBarFull + 2 * buf + cwg, kFullCount);
         turn_begin();
         wgmma_fence();
-        issue_scores(s, q_addr, k_addr(buf));
+        issue_scores(s, q_lo, k_desc(buf));
         wgmma_commit();
-        issue_pv(o, pa, v_addr(prev));
+        issue_pv(o, pa, v_desc(prev));
         wgmma_commit();
         turn_end(false);
         if (a.p.mask_kind == FP4ATTN_MASK_NONE) {
@@ -211,7 +235,7 @@ struct Kernel {
       /* the last tile's P^q V^ (its stage is never refilled) */
       turn_begin();
       wgmma_fence();
-      issue_pv(o, pa, v_addr((k.ntiles - 1) % kStages));
+      issue_pv(o, pa, v_desc((k.ntiles - 1) % kStages));
       wgmma_commit();
       turn_end(true);
       wgmma_wait<0>();
@@ -248,10 +272,10 @@ struct Kernel {
     __syncthreads();
 
     if (threadIdx.x < 128) {
-      regs_dealloc<kProducerRegs>();
+      regs_dealloc<C::kProducerRegs>();
       producer(k);
     } else {
-      regs_alloc<kConsumerRegs>();
+      regs_alloc<C::kConsumerRegs>();
       consumer(k);
     }
   }

@@ -30,12 +30,19 @@ __device__ __forceinline__ int sw128_offset(int rows, int row, int col) {
   return (col >> 6) * rows * 64 + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7);
 }
 
-/* Descriptor of a K-major 128-byte-swizzled operand starting at shared address `addr`. */
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
-  return (uint64_t)((addr & 0x3FFFFu) >> 4)   /* start address */
-         | ((uint64_t)1 << 16)                 /* leading byte offset: unused for this layout */
-         | ((uint64_t)(1024 >> 4) << 32)       /* stride byte offset: 8 rows x 128 bytes */
-         | ((uint64_t)1 << 62);                /* 128-byte swizzle */
+/* Descriptor of a K-major 128-byte-swizzled operand, built from its low word (the start address
+ * field and the leading byte offset); the high word is the same for every operand of this layout.
+ * Shared addresses lie below 2^18, so the 14-bit start field (address >> 4) of an operand never
+ * carries: the descriptor of addr + 16 n is that of addr with n added to the low word. The kernel
+ * computes each operand's low word once and adds constants (recomputing the field from the
+ * address for every wgmma cost 5-6 instructions each). */
+__device__ __forceinline__ uint32_t sw128_desc_lo(uint32_t addr) {
+  return ((addr & 0x3FFFFu) >> 4) /* start address */
+         | (1u << 16);             /* leading byte offset: unused for this layout */
+}
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
+  return (uint64_t)lo | ((uint64_t)(1024 >> 4) << 32) /* stride byte offset: 8 rows x 128 bytes */
+         | ((uint64_t)1 << 62);                       /* 128-byte swizzle */
 }
 
 #if defined(FP4ATTN_SM90_WGMMA)
