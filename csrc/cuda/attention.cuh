@@ -111,13 +111,13 @@ __device__ __forceinline__ void block_f16_words(const uint8_t *q, uint8_t s, uin
     o[i] = pack_half2(fp4attn_e2m1_decode(q[2 * i]) * sv, fp4attn_e2m1_decode(q[2 * i + 1]) * sv);
 }
 
-/* Launches forward kernel `kernel` (one block of `threads` per `rows` query rows of every
- * (batch, query head)) with `smem` bytes of dynamic shared memory on stream s. The first launch
- * on a device raises the kernel's shared-memory limit (`configured`: the kernel's per-device
- * flags), or returns FP4ATTN_ERR_UNSUPPORTED where the device has less. */
-template <typename Kernel>
-fp4attn_status launch_forward(Kernel kernel, const AttnArgs &a, int rows, int threads, int smem,
-                              bool (&configured)[64], const char *name, cudaStream_t s) {
+/* Launches forward kernel `kernel` with parameter `args` (one block of `threads` per `rows` query
+ * rows of every (batch, query head) of p) with `smem` bytes of dynamic shared memory on stream s.
+ * The first launch on a device raises the kernel's shared-memory limit (`configured`: the
+ * kernel's per-device flags), or returns FP4ATTN_ERR_UNSUPPORTED where the device has less. */
+template <typename Kernel, typename Args>
+fp4attn_status launch_forward(Kernel kernel, const Args &args, const fp4attn_attention_params &p, int rows,
+                              int threads, int smem, bool (&configured)[64], const char *name, cudaStream_t s) {
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 0 || dev >= 64 || !configured[dev]) {
@@ -127,14 +127,14 @@ fp4attn_status launch_forward(Kernel kernel, const AttnArgs &a, int rows, int th
       return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
                           "%s: head dim %lld needs %d bytes of shared memory per block, the device "
                           "allows %d",
-                          name, (long long)padded_head_dim(a.p.head_dim), smem, optin);
+                          name, (long long)padded_head_dim(p.head_dim), smem, optin);
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
       return launch_status(name);
     if (dev >= 0 && dev < 64) configured[dev] = true;
   }
-  const int64_t blocks = a.p.batch * a.p.heads_q * ceil_div(a.p.len_q, rows);
+  const int64_t blocks = p.batch * p.heads_q * ceil_div(p.len_q, rows);
   if (blocks > 0x7FFFFFFFLL) return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "%s: too many query blocks", name);
-  kernel<<<(unsigned)blocks, threads, smem, s>>>(a);
+  kernel<<<(unsigned)blocks, threads, smem, s>>>(args);
   return launch_status(name);
 }
 

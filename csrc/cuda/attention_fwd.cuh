@@ -254,7 +254,7 @@ template <int DP, int NWARPS, int NBUF>
 fp4attn_status launch_attention_fwd(const AttnArgs &a, cudaStream_t s) {
   using C = FwdConfig<DP, NWARPS, NBUF>;
   static bool configured[64] = {false};
-  return launch_forward(attention_fwd_kernel<DP, NWARPS, NBUF>, a, C::kRows, C::kThreads, C::kSmem,
+  return launch_forward(attention_fwd_kernel<DP, NWARPS, NBUF>, a, a.p, C::kRows, C::kThreads, C::kSmem,
                         configured, "attention", s);
 }
 

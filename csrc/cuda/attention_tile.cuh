@@ -503,9 +503,9 @@ struct BiasMma {
   static constexpr int kSteps = DP / 16;
   static constexpr int kChunks = DP / 32; /* 16-byte chunks per lane and key */
   uint32_t afrag[kSteps][2];              /* A fragment words a0, a2 of every k16 step (a1 = a3 = 0) */
-  const uint16_t *krow;                   /* K row key0 + g of tile 0, (b, hk) */
-  int64_t row_stride;                     /* elements from one key's row to the next */
-  int64_t rows_left;                      /* len_k - (key0 + g): keys from krow on that exist */
+  const char *kchunk;                     /* chunk 0 (columns 8t..) of K row key0 + g of tile 0, (b, hk) */
+  int64_t row_bytes;                      /* from one key's row to the next */
+  int64_t rows_left;                      /* len_k - (key0 + g): keys from that row on that exist */
   uint32_t chunk_ok;                      /* bit i: this lane's chunk i lies inside the head dim */
 
   /* The A fragments from qbar (shared memory, DP floats, zero past D) and this lane's K addressing
@@ -523,8 +523,8 @@ struct BiasMma {
         if (g < nparts) word = part_bits(qbar[col], g) | (part_bits(qbar[col + 1], g) << 16);
         afrag[m][w] = word;
       }
-    row_stride = p.k_stride[2];
-    krow = static_cast<const uint16_t *>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1] + (key0 + g) * row_stride;
+    row_bytes = 2 * p.k_stride[2];
+    kchunk = static_cast<const char *>(p.k) + 2 * (b * p.k_stride[0] + hk * p.k_stride[1]) + (key0 + g) * row_bytes + 16 * t;
     rows_left = p.len_k - (key0 + g);
     chunk_ok = 0;
 #pragma unroll
@@ -556,17 +556,23 @@ struct BiasMma {
    * 8-key accumulators are independent chains, interleaved step by step. */
   __device__ void compute(const AttnArgs &a, int tile, float *bias) const {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int64_t row0 = (int64_t)tile * kTile;
-    const uint16_t *kp = krow + row0 * row_stride;
+    const int64_t left = rows_left - (int64_t)tile * kTile; /* keys of this lane's rows that exist */
+    const char *kp = kchunk + (int64_t)tile * kTile * row_bytes;
+    const int64_t step = 8 * row_bytes; /* rows g, g + 8, g + 16, g + 24 */
     uint4 kv[4][kChunks];
+    if (left >= 32 && chunk_ok == (1u << kChunks) - 1) { /* every tile but a key-padded last one */
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const bool row_ok = row0 + 8 * n < rows_left;
+      for (int n = 0; n < 4; ++n)
 #pragma unroll
-      for (int i = 0; i < kChunks; ++i)
-        kv[n][i] = row_ok && (chunk_ok >> i & 1u)
-                       ? __ldg(reinterpret_cast<const uint4 *>(kp + 8 * n * row_stride + 8 * (4 * i + t)))
-                       : make_uint4(0, 0, 0, 0);
+        for (int i = 0; i < kChunks; ++i) kv[n][i] = __ldg(reinterpret_cast<const uint4 *>(kp + n * step + 64 * i));
+    } else {
+      const int nleft = left < 0 ? 0 : (int)min(left, (int64_t)32);
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int i = 0; i < kChunks; ++i)
+          kv[n][i] = 8 * n < nleft && (chunk_ok >> i & 1u) ? __ldg(reinterpret_cast<const uint4 *>(kp + n * step + 64 * i))
+                                                           : make_uint4(0, 0, 0, 0);
     }
     float c[4][4];
 #pragma unroll

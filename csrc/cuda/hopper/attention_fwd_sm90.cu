@@ -39,6 +39,54 @@ fp4attn_status sm90_unavailable(int64_t head_dim) {
                       (long long)head_dim);
 }
 
+namespace sm90 {
+
+/* cuTensorMapEncodeTiled through the runtime's driver entry point (the extension does not link
+ * libcuda); looked up once. */
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void *f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+/* One 3-D FP16 map: dims (innermost first) and the byte strides of dims 1 and 2, boxes of
+ * 64 x rows x 1 elements with the 128-byte swizzle. */
+static fp4attn_status encode_map(CUtensorMap &map, void *base, const cuuint64_t (&dims)[3],
+                                 const cuuint64_t (&strides)[2], cuuint32_t rows, const char *what) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr)
+    return fp4attn_error(FP4ATTN_ERR_CUDA, "attention (sm90 kernel): the driver has no cuTensorMapEncodeTiled");
+  const cuuint32_t box[3] = {64, rows, 1}, elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, base, dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return fp4attn_error(FP4ATTN_ERR_CUDA, "attention (sm90 kernel): cuTensorMapEncodeTiled failed for %s (%d)", what, (int)r);
+  return fp4attn_ok();
+}
+
+fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &kmap, CUtensorMap &vmap) {
+  const AttnWorkspace &w = a.ws;
+  const cuuint64_t bhk = (cuuint64_t)(a.p.batch * a.p.heads_kv);
+  /* K^ [BHk][nkp][dp] */
+  const cuuint64_t kdims[3] = {(cuuint64_t)dp, (cuuint64_t)w.nkp, bhk};
+  const cuuint64_t kstrides[2] = {(cuuint64_t)dp * 2, (cuuint64_t)(w.nkp * dp * 2)};
+  fp4attn_status st = encode_map(kmap, w.kdq, kdims, kstrides, kTile, "K^");
+  if (st.code != FP4ATTN_OK) return st;
+  /* V^ [BHk][nkt][dp][128]: rows (tile, d) */
+  const cuuint64_t vdims[3] = {(cuuint64_t)kTile, (cuuint64_t)(w.nkt * dp), bhk};
+  const cuuint64_t vstrides[2] = {(cuuint64_t)kTile * 2, (cuuint64_t)(w.nkt * dp * kTile * 2)};
+  return encode_map(vmap, w.vdq, vdims, vstrides, (cuuint32_t)dp, "V^");
+}
+
+}  // namespace sm90
+
 fp4attn_status launch_attention_fwd_sm90_d64(const AttnArgs &a, cudaStream_t s) { return sm90::launch<64>(a, s); }
 fp4attn_status launch_attention_fwd_sm90_d128(const AttnArgs &a, cudaStream_t s) { return sm90::launch<128>(a, s); }
 

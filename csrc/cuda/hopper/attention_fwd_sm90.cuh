@@ -4,10 +4,11 @@
  * on wgmma and the loads on a producer warpgroup.
  *
  * Block: 128 query rows of one (batch, query head), 3 warpgroups.
- *   warpgroup 0, producer (setmaxnreg down to Config::kProducerRegs): per 128-key tile, cp.async of the
- *     K^ and V^ tiles (exact FP16 values written by the pre-pass) into 128-byte-swizzled shared
- *     memory, the q-mean correction bias[key] = scale log2e qbar . K[key] from K in input
- *     precision (on mma.sync, BiasMma), then signals "full". A ring of kStages buffers; it
+ *   warpgroup 0, producer (setmaxnreg down to Config::kProducerRegs): per 128-key tile, one thread
+ *     has the TMA load the K^ and V^ tiles (exact FP16 values written by the pre-pass; the
+ *     tensor maps apply the 128-byte swizzle wgmma reads) onto the stage's "full" mbarrier, and
+ *     all 128 threads compute the q-mean correction bias[key] = scale log2e qbar . K[key] from K
+ *     in input precision (on mma.sync, BiasMma) and arrive on it. A ring of kStages buffers; it
  *     refills one when both consumers signal "empty".
  *   warpgroups 1 and 2, consumers (setmaxnreg up): 64 rows each. S = Q^ K^T by wgmma
  *     m64n128k16 with Q^ and K^ in shared memory; the score epilogue, online softmax and P
@@ -17,9 +18,14 @@
  *     between tiles (softmax_tile_stats).
  * The two consumer warpgroups take turns at issuing their wgmma (see consumer()).
  * Q: all 384 threads quantize the block's rows in the prologue (Q - qbar, global scale, phi).
+ * The TMA replaced per-thread cp.async (32 per producer thread and tile at DP = 128, with their
+ * addressing): the producer issued a quarter of all instructions and the consumers waited for it.
  */
 #ifndef FP4ATTN_CUDA_HOPPER_ATTENTION_FWD_SM90_CUH
 #define FP4ATTN_CUDA_HOPPER_ATTENTION_FWD_SM90_CUH
+
+#include <cuda.h> /* CUtensorMap (the driver entry point is looked up at run time: no -lcuda) */
+#include <cudaTypedefs.h>
 
 #include "../attention_tile.cuh"
 #include "wgmma.cuh"
@@ -32,37 +38,42 @@ constexpr int kRows = 128;         /* query rows per block (SPEC 4 Bq) */
 /* K^/V^/bias ring: a consumer holds two stages (S_j and the deferred P^q_{j-1} V^_{j-1}) while
  * the producer fills the third */
 constexpr int kStages = 3;
-/* Named barriers (0 is __syncthreads). "full" is per stage and consumer warpgroup, so the two
- * consumers never wait for each other there; "empty" collects both consumers' arrivals. */
-constexpr int kBarFull = 1;                /* + 2 stage + consumer: K^/V^/bias of the tile are in */
-constexpr int kBarEmpty = 1 + 2 * kStages; /* + stage: both consumers are done with it */
+/* Named barriers (0 is __syncthreads). "Full" is an mbarrier per stage (Config::kOffFull): the
+ * 128 producer threads arrive after writing the bias, and the TMA completes the tile bytes. */
+constexpr int kBarEmpty = 1;                  /* + stage: both consumers are done with it */
 constexpr int kBarTurn = kBarEmpty + kStages; /* + consumer: its turn to issue wgmma */
-constexpr int kFullCount = 256;            /* producer arrives, one consumer warpgroup syncs */
-constexpr int kTurnCount = 256;            /* one consumer arrives, the other syncs */
+constexpr int kTurnCount = 256;               /* one consumer arrives, the other syncs */
+
+/* Kernel parameters: the attention arguments and this call's TMA maps of K^ and V^ (3-D,
+ * innermost first: K^ {DP, nkp, BHk}, the V^T tiles {128, nkt x DP, BHk}; boxes of 64 columns
+ * (128 bytes) with the 128-byte swizzle, so a box lands as one column block of the wgmma layout). */
+struct Params {
+  AttnArgs a;
+  CUtensorMap kmap, vmap;
+};
 
 template <int DP>
 struct Config {
-  /* setmaxnreg split of the launch allocation, 168 x 384 = P x 128 + C x 256: at DP = 128 the
-   * producer's bias MMA holds 64 registers of K and 32 of A fragments, and at 104 it spilled
-   * inside its loop with the loads in flight (ncu: consumers waited 14 % of their time for
-   * "full"); 120 / 192 measured +3-7 %. At DP = 64 104 / 200 stays (no producer spills; 120 / 192
-   * measured -1.5-3 %). */
-  static constexpr int kProducerRegs = DP > 64 ? 120 : 104;
-  static constexpr int kConsumerRegs = DP > 64 ? 192 : 200;
+  /* setmaxnreg split of the launch allocation, 168 x 384 = P x 128 + C x 256. With the TMA the
+   * producer waits for "empty" a third of its time, so its bias MMA may spill a little (at
+   * DP = 128 it holds 64 registers of K and 32 of A fragments); the consumers must not: 120 / 192
+   * at DP = 128 reloaded consumer state from local memory every tile and measured 5 % slower. */
+  static constexpr int kProducerRegs = 104;
+  static constexpr int kConsumerRegs = 200;
   static_assert(kProducerRegs + 2 * kConsumerRegs == 3 * 168, "setmaxnreg split of 168 x 384");
   static constexpr int kQBytes = kRows * DP * 2;
   static constexpr int kKBytes = kTile * DP * 2;
   static constexpr int kVBytes = DP * kTile * 2;
   /* shared memory map. Small arrays from the (16-byte aligned) base: */
   static constexpr int kOffBias = 0;
-  static constexpr int kOffQbar = kOffBias + kStages * kTile * 4;
-  static constexpr int kSmall = kOffQbar + DP * 4;
+  static constexpr int kOffFull = kOffBias + kStages * kTile * 4; /* mbarriers, 8 bytes each */
+  static constexpr int kSmall = kOffFull + kStages * 8;
   /* operand tiles from the first 1024-byte boundary after them (offsets from that boundary): */
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
   static constexpr int kOffV = kOffK + kStages * kKBytes;
   static constexpr int kTiles = kOffV + kStages * kVBytes;
-  static constexpr int kSmem = kSmall + 1023 + kTiles; /* 232447 bytes for DP = 128 (H100/H200: 232448) */
+  static constexpr int kSmem = kSmall + 1023 + kTiles; /* 231959 bytes for DP = 128 (H100/H200: 232448) */
 };
 
 template <int DP>
@@ -70,11 +81,13 @@ struct Kernel {
   using C = Config<DP>;
 
   struct Block : QueryBlock {
+    const Params *prm;
     const AttnArgs *a;
+    const float *qbar; /* this block's query mean (global, DP floats) */
     char *small, *tiles; /* see Config */
     __device__ __half *tile(int off) const { return reinterpret_cast<__half *>(tiles + off); }
     __device__ float *bias(int stage) const { return reinterpret_cast<float *>(small + C::kOffBias) + stage * kTile; }
-    __device__ float *qbar() const { return reinterpret_cast<float *>(small + C::kOffQbar); }
+    __device__ uint32_t full(int stage) const { return smem_u32(small + C::kOffFull) + stage * 8; }
   };
 
 #if defined(FP4ATTN_SM90_WGMMA)
@@ -97,36 +110,28 @@ struct Kernel {
   template <BiasPath kBias>
   static __device__ void producer_loop(const Block &k) {
     const AttnArgs &a = *k.a;
-    const AttnWorkspace &w = a.ws;
     const int tid = threadIdx.x, warp = tid >> 5; /* 0..127, 0..3 */
-    /* 16-byte chunk u of this thread is chunk tid + 128 u of the tile in memory order; in the
-     * swizzled tile it lands at a fixed offset plus u whole 8-row groups (the swizzle depends on
-     * row % 8 only), so every address below is a base plus a constant. */
-    constexpr int KCH = DP / 8, VCH = kTile / 8; /* 16-byte chunks per row of K^ and of V^T */
-    constexpr int KN = kTile * KCH / 128, VN = DP * VCH / 128; /* chunks per thread */
-    const uint32_t koff = 2 * sw128_offset(kTile, tid / KCH, (tid % KCH) * 8);
-    const uint32_t voff = 2 * sw128_offset(DP, tid / VCH, (tid % VCH) * 8);
     BiasMma<DP, kBias == BiasPath::kMmaBf16> bias_mma;
-    if (kBias != BiasPath::kFma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar());
+    if (kBias != BiasPath::kFma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
     for (int j = 0, buf = 0; j < k.ntiles; ++j, buf = buf + 1 == kStages ? 0 : buf + 1) {
       if (j >= kStages) named_sync(kBarEmpty + buf, kThreads);
-      const __half *kg = w.kdq + (k.bhk * w.nkp + (int64_t)j * kTile) * DP + tid * 8; /* [128][DP] */
-      const __half *vg = w.vdq + (k.bhk * w.nkt + j) * (int64_t)DP * kTile + tid * 8;  /* [DP][128] */
-      const uint32_t ks = smem_u32(k.tiles + C::kOffK + buf * C::kKBytes) + koff;
-      const uint32_t vs = smem_u32(k.tiles + C::kOffV + buf * C::kVBytes) + voff;
+      if (tid == 0) {
+        const uint32_t full = k.full(buf);
+        const uint32_t ks = smem_u32(k.tiles + C::kOffK + buf * C::kKBytes);
+        const uint32_t vs = smem_u32(k.tiles + C::kOffV + buf * C::kVBytes);
+        mbar_expect_tx(full, C::kKBytes + C::kVBytes);
 #pragma unroll
-      for (int u = 0; u < KN; ++u) cp_async_16_u32(ks + u * (128 / KCH) * 128, kg + u * 1024);
+        for (int cb = 0; cb < DP / 64; ++cb) /* K^ rows j*128.., columns cb*64..: [128][64] */
+          tma_load_3d(ks + cb * kTile * 128, &k.prm->kmap, cb * 64, j * kTile, (int)k.bhk, full);
 #pragma unroll
-      for (int u = 0; u < VN; ++u) cp_async_16_u32(vs + u * (128 / VCH) * 128, vg + u * 1024);
-      cp_async_commit();
+        for (int cb = 0; cb < 2; ++cb) /* V^T of tile j, keys cb*64..: [DP][64] */
+          tma_load_3d(vs + cb * DP * 128, &k.prm->vmap, cb * 64, j * DP, (int)k.bhk, full);
+      }
       if (kBias != BiasPath::kFma)
         bias_mma.compute(a, j, k.bias(buf) + warp * 32);
       else
-        compute_bias<DP, 1>(a, k.b, k.hk, (int64_t)j * kTile + tid, 0, k.qbar(), k.bias(buf) + tid);
-      cp_async_wait_all();
-      fence_proxy_async(); /* the tiles are read by wgmma (async proxy) */
-      named_arrive(kBarFull + 2 * buf + 0, kFullCount);
-      named_arrive(kBarFull + 2 * buf + 1, kFullCount);
+        compute_bias<DP, 1>(a, k.b, k.hk, (int64_t)j * kTile + tid, 0, k.qbar, k.bias(buf) + tid);
+      mbar_arrive(k.full(buf));
     }
   }
 
@@ -194,7 +199,8 @@ struct Kernel {
       float s[16][4];
       uint32_t pa[8][4];
       /* tile 0: S only (O_acc is zero, its factor does not matter) */
-      named_sync(kBarFull + cwg, kFullCount);
+      uint32_t phase = 0; /* parity of the stages' next "full" phase (flips after the last stage) */
+      mbar_wait(k.full(0), phase);
       turn_begin();
       wgmma_fence();
       issue_scores(s, q_lo, k_desc(0));
@@ -207,7 +213,8 @@ struct Kernel {
       softmax_tile_finish(s, ts, st, pa);
 
       for (int j = 1, buf = 1, prev = 0; j < k.ntiles; ++j) {
-        named_sync(kBarFull + 2 * buf + cwg, kFullCount);
+        mbar_wait(k.full(buf), phase);
+        phase ^= buf == kStages - 1;
         turn_begin();
         wgmma_fence();
         issue_scores(s, q_lo, k_desc(buf));
@@ -245,25 +252,30 @@ struct Kernel {
 #pragma unroll
     for (int r = 0; r < 2; ++r)
       omul[r] = st.ref[r] == -INFINITY ? 0.0f : fast_exp2(st.ref[r] - st.m[r]) * (decv / FP4ATTN_NVFP4_RANGE);
-    store_rows<DP>(a, rows, k.bh, o, omul, st, k.qbar(), w.kbar + k.bhk * DP);
+    store_rows<DP>(a, rows, k.bh, o, omul, st, k.qbar, w.kbar + k.bhk * DP);
   }
 
-  static __device__ void run(const AttnArgs &a, char *smem) {
+  static __device__ void run(const Params &prm, char *smem) {
+    const AttnArgs &a = prm.a;
     /* the operand tiles need 1024-byte alignment (the swizzle works on address bits) */
     const uint32_t tiles_at = (smem_u32(smem) + C::kSmall + 1023u) & ~1023u;
     const fp4attn_attention_params &p = a.p;
     const AttnWorkspace &w = a.ws;
     Block k;
+    k.prm = &prm;
     k.a = &a;
     k.small = smem;
     k.tiles = smem + (tiles_at - smem_u32(smem));
     static_cast<QueryBlock &>(k) = query_block(p, w, kRows);
 
-    /* prologue, all threads: qbar, Q^ (exact FP16 values, swizzled for wgmma) */
-    for (int i = threadIdx.x; i < DP; i += kThreads) k.qbar()[i] = w.qbar[(k.bh * w.nqb + k.q0 / kTile) * DP + i];
-    __syncthreads();
+    k.qbar = w.qbar + (k.bh * w.nqb + k.q0 / kTile) * DP;
+    /* prologue, all threads: the "full" mbarriers, Q^ (exact FP16 values, swizzled for wgmma) */
+    if (threadIdx.x == 0) {
+      for (int st = 0; st < kStages; ++st) mbar_init(k.full(st), 128);
+      mbar_init_fence();
+    }
     __half *qs = k.tile(C::kOffQ);
-    quantize_q_rows<DP>(a, k.b, k.h, k.bh, k.q0, kRows, k.qbar(), threadIdx.x, kThreads,
+    quantize_q_rows<DP>(a, k.b, k.h, k.bh, k.q0, kRows, k.qbar, threadIdx.x, kThreads,
                         [&](int r, int col, const uint32_t (&v)[8]) {
                           *reinterpret_cast<uint4 *>(qs + sw128_offset(kRows, r, col)) = make_uint4(v[0], v[1], v[2], v[3]);
                           *reinterpret_cast<uint4 *>(qs + sw128_offset(kRows, r, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
@@ -283,19 +295,27 @@ struct Kernel {
 };
 
 template <int DP>
-__global__ void __launch_bounds__(kThreads, 1) attention_fwd_sm90_kernel(const __grid_constant__ AttnArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) attention_fwd_sm90_kernel(const __grid_constant__ Params prm) {
 #if defined(FP4ATTN_SM90_WGMMA)
   extern __shared__ __align__(16) char smem[];
-  Kernel<DP>::run(a, smem);
+  Kernel<DP>::run(prm, smem);
 #else
   __trap(); /* never launched: the host launches this kernel only for sm_90a builds on CC 9.0 */
 #endif
 }
 
+/* The TMA maps of K^ and V^ for this call (see Params); host only, no stream work (fine under
+ * CUDA-graph capture). */
+fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &kmap, CUtensorMap &vmap);
+
 template <int DP>
 fp4attn_status launch(const AttnArgs &a, cudaStream_t s) {
   static bool configured[64] = {false};
-  return launch_forward(attention_fwd_sm90_kernel<DP>, a, kRows, kThreads, Config<DP>::kSmem, configured,
+  Params prm;
+  prm.a = a;
+  fp4attn_status st = encode_tensor_maps(a, DP, prm.kmap, prm.vmap);
+  if (st.code != FP4ATTN_OK) return st;
+  return launch_forward(attention_fwd_sm90_kernel<DP>, prm, a.p, kRows, kThreads, Config<DP>::kSmem, configured,
                         "attention (sm90 kernel)", s);
 }
 

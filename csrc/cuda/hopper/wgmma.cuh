@@ -1,7 +1,8 @@
 /*
  * Hopper (sm_90a) primitives for the wgmma attention kernel: shared-memory matrix descriptors,
- * warpgroup MMA (wgmma.mma_async, FP16 operands, FP32 accumulators), named barriers between the
- * producer and consumer warpgroups, and register reallocation (setmaxnreg).
+ * warpgroup MMA (wgmma.mma_async, FP16 operands, FP32 accumulators), named barriers and mbarriers
+ * between the producer and consumer warpgroups, TMA tensor loads, and register reallocation
+ * (setmaxnreg).
  *
  * Shared-memory operand layout used throughout ("K-major, 128-byte swizzle"): a tile of R rows x W
  * FP16 columns (the reduction dimension contiguous) is stored as W/64 column blocks of R rows x
@@ -139,6 +140,41 @@ __device__ __forceinline__ void named_arrive(int id, int count) {
  * tensor cores' asynchronous proxy. */
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/* mbarriers (shared memory, 8 bytes): the producer's "full" signal. A phase completes when `count`
+ * arrivals have been made and all bytes announced by expect_tx have been written by the tensor
+ * memory accelerator (TMA). */
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+/* Make initialized mbarriers visible to the async proxy (TMA) and the other threads (then sync). */
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+/* Arrive (release: this thread's earlier shared-memory writes are visible to the waiters). */
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+/* Wait (acquire) until the phase of parity `parity` (0 for the first) has completed. */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+/* TMA: box (c0, c1, c2) of the 3-D tensor map `tmap` (a __grid_constant__ kernel parameter) into
+ * shared memory at `dst` (1024-byte aligned for the 128-byte swizzle), completing `bytes` of the
+ * transaction count of mbarrier `bar`. */
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void *tmap, int c0, int c1, int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
 }
 
 template <int R>
