@@ -256,6 +256,26 @@ def test_attention_tile_maxima_far_apart(causal, kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_sum_counts_blocks_with_zero_scale(kernel):
+    """Keys whose Pq lies below 6 * 2^-10 in a 16-key block without a larger one: the block's E4M3
+    scale rounds to 0, so its P^q is 0, but its unquantized Pq still count in l (SPEC 4.5). Every
+    query row is u, so Q^ = 0 and the scores are exactly scale * u . K: per 128-key tile one key at
+    16, the others 13.4 lower (Pq = 2688 e^-13.4 = 0.004). Leaving those 112 keys per tile out of l
+    would shift the LSE by -1.7e-4."""
+    B, H, N, D = 1, 2, 512, 64
+    u = torch.ones(D)
+    c = torch.full((N,), 2.0 - 13.4 / 8.0)
+    c[::128] = 2.0
+    q = u.expand(B, H, N, D).to(torch.float16).cuda()
+    k = (c[:, None] * u).expand(B, H, N, D).to(torch.float16).cuda()
+    v = rand((B, H, N, D), torch.float16, 31)
+    out, lse = attn_cuda(q, k, v, None, False, scale=0.125, lse=True, kernel=kernel)
+    ref, ref_lse = attn_ref(q, k, v, None, False, scale=0.125, lse=True)
+    assert rel_l1(out, ref) < 2e-3
+    assert (lse.cpu() - ref_lse).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_float32_input_and_scale(kernel):
     q, k, v = (rand((1, 2, 190, 64), torch.float32, s) for s in (1, 2, 3))
     out = attn_cuda(q, k, v, scale=0.3, kernel=kernel)

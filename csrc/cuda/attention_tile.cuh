@@ -18,6 +18,7 @@
 namespace fp4attn_cuda {
 
 constexpr float kLog2_2688 = 11.392317422778760f; /* log2(2688) */
+constexpr float kLog2_6 = 2.5849625007211562f;     /* log2(6) */
 constexpr float kLn2 = 0.69314718055994531f;
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -32,25 +33,29 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
-/* E4M3 block scales of two P blocks (rows g and g+8) from their maxima: s = rne_e4m3_sat(bmax/6)
- * as float (sv) and as the half2 (s, s) (s2). bmax * fl(1/6) is within one unit in the last
- * place of bmax / 6, so the E4M3 rounding can differ from SPEC 2 only on an exact tie. */
-__device__ __forceinline__ void block_scales(float bmax0, float bmax1, float (&sv)[2], uint32_t (&s2)[2]) {
-  const float y = 0.16666667163372040f; /* fl(1/6) */
+/* E4M3 block scales of two P blocks (rows g and g+8) from their maxima over 6, u = max Pq / 6:
+ * s = rne_e4m3_sat(u) as floats (sv) and as the FP16 pair (s_g, s_g+8) (hw). u comes from one
+ * exp2 with log2(6) folded into its offset, within a few units in the last place of max Pq / 6, so
+ * the E4M3 rounding can differ from SPEC 2 only next to an exact tie. */
+__device__ __forceinline__ void block_scales(float u0, float u1, float (&sv)[2], uint32_t &hw) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  const __nv_fp8x2_storage_t b2 = __nv_cvt_float2_to_fp8x2(make_float2(bmax0 * y, bmax1 * y), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t b2 = __nv_cvt_float2_to_fp8x2(make_float2(u0, u1), __NV_SATFINITE, __NV_E4M3);
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(b2, __NV_E4M3); /* .x = row g, .y = row g+8 */
-  const uint32_t hw = (uint32_t)h.x | ((uint32_t)h.y << 16);
-  s2[0] = __byte_perm(hw, 0, 0x1010);
-  s2[1] = __byte_perm(hw, 0, 0x3232);
+  hw = (uint32_t)h.x | ((uint32_t)h.y << 16);
   const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&hw));
   sv[0] = f.x, sv[1] = f.y;
 #else
-  sv[0] = fp4attn_e4m3_decode(fp4attn_e4m3_encode_sat(bmax0 * y));
-  sv[1] = fp4attn_e4m3_decode(fp4attn_e4m3_encode_sat(bmax1 * y));
-  s2[0] = pack_half2(sv[0], sv[0]);
-  s2[1] = pack_half2(sv[1], sv[1]);
+  sv[0] = fp4attn_e4m3_decode(fp4attn_e4m3_encode_sat(u0));
+  sv[1] = fp4attn_e4m3_decode(fp4attn_e4m3_encode_sat(u1));
+  hw = pack_half2(sv[0], sv[1]);
 #endif
+}
+
+/* code * s for an FP16 pair of E2M1 values and the scale s of row half r of hw (exact). */
+__device__ __forceinline__ uint32_t scale_pair(uint32_t code2, uint32_t hw, int r) {
+  const __half2 h = *reinterpret_cast<const __half2 *>(&hw);
+  const __half2 r2 = __hmul2(*reinterpret_cast<const __half2 *>(&code2), r == 0 ? __low2half2(h) : __high2half2(h));
+  return *reinterpret_cast<const uint32_t *>(&r2);
 }
 
 /* rne_e2m1 (SPEC 1) of two non-negative values below 2^100, as the FP16 pair of rounded values
@@ -211,35 +216,40 @@ __device__ __forceinline__ float tile_row_max(const float (&bm)[8][2], int r) {
 
 /* phi_local of Pq = exp2(s - toff) per 16-key block, fused into the exponential: with the block
  * scale s = rne_e4m3_sat(max Pq / 6), Pq / s = exp2(x - (toff + log2 s)), so one exp2 per score
- * gives the value to round onto the E2M1 grid (s = 0 or toff = +inf: offset +inf, everything
- * rounds to 0). Returns this lane's part of the row sums of Pq (unquantized, SPEC 4.5) as
- * s * sum(Pq / s); P^q = code * s is exact in FP16. The approximate exp2/log2 move Pq / s by a few
- * units in the last place, which changes its E2M1 code only when it sits on a rounding tie: the
- * same kind of difference the approximate exp always made, within SPEC 4's rel_l1 < 2e-3 against
- * the reference. */
+ * gives the value to round onto the E2M1 grid (toff = +inf: everything is 0). Returns this
+ * lane's part of the row sums of Pq (unquantized, SPEC 4.5) as s * sum(Pq / s); P^q = code * s is
+ * exact in FP16. The approximate exp2/log2 move Pq / s by a few units in the last place, which
+ * changes its E2M1 code only when it sits on a rounding tie: the same kind of difference the
+ * approximate exp always made, within SPEC 4's rel_l1 < 2e-3 against the reference. */
 __device__ __forceinline__ void quantize_p_blocks(const float (&s)[16][4], const float (&bm)[8][2],
                                                   const float (&toff)[2], uint32_t (&pa)[8][4],
                                                   float (&rsum)[2]) {
   rsum[0] = rsum[1] = 0.0f;
+  const float toff6[2] = {toff[0] + kLog2_6, toff[1] + kLog2_6}; /* exp2(x - toff6) = Pq / 6 */
 #pragma unroll
   for (int kb = 0; kb < 8; ++kb) {
     float sv[2], off[2];
-    uint32_t s2[2];
-    block_scales(fast_exp2(bm[kb][0] - toff[0]), fast_exp2(bm[kb][1] - toff[1]), sv, s2);
-    /* A block whose scale rounds to 0 (max Pq / 6 below 2^-10) gets P^q = code * 0 = 0: the log2 is
-     * taken of max(s, 2^-126) instead, which keeps y finite (below 2^121; its FP16 conversion may
-     * saturate to inf, which hmin2 turns into 6) and is one instruction where a select was two. */
+    uint32_t hw;
+    block_scales(fast_exp2(bm[kb][0] - toff6[0]), fast_exp2(bm[kb][1] - toff6[1]), sv, hw);
+    /* A block whose scale rounds to 0 (max Pq / 6 below 2^-10) gets P^q = code * 0 = 0, but its
+     * unquantized Pq still count in l (SPEC 4.5): y is taken against sc = max(s, 2^-126), so
+     * y * sc = Pq for the row sum, and y stays finite (below 2^121; its FP16 conversion may
+     * saturate to inf, which hmin2 turns into 6 before the multiplication by s = 0). */
+    float sc[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) off[r] = toff[r] + fast_log2(fmaxf(sv[r], 1.17549435e-38f));
+    for (int r = 0; r < 2; ++r) {
+      sc[r] = fmaxf(sv[r], 1.17549435e-38f);
+      off[r] = toff[r] + fast_log2(sc[r]);
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float y0 = fast_exp2(s[2 * kb][2 * r] - off[r]);
       const float y1 = fast_exp2(s[2 * kb][2 * r + 1] - off[r]);
       const float y2 = fast_exp2(s[2 * kb + 1][2 * r] - off[r]);
       const float y3 = fast_exp2(s[2 * kb + 1][2 * r + 1] - off[r]);
-      rsum[r] = fmaf((y0 + y1) + (y2 + y3), sv[r], rsum[r]);
-      pa[kb][r] = hmul2_bits(e2m1_pair(y0, y1), s2[r]);
-      pa[kb][2 + r] = hmul2_bits(e2m1_pair(y2, y3), s2[r]);
+      rsum[r] = fmaf((y0 + y1) + (y2 + y3), sc[r], rsum[r]);
+      pa[kb][r] = scale_pair(e2m1_pair(y0, y1), hw, r);
+      pa[kb][2 + r] = scale_pair(e2m1_pair(y2, y3), hw, r);
     }
   }
 }

@@ -233,11 +233,6 @@ __device__ __forceinline__ uint32_t pack_half2(float a, float b) {
   return *reinterpret_cast<uint32_t *>(&h);
 }
 
-__device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t b) {
-  __half2 r = __hmul2(*reinterpret_cast<__half2 *>(&a), *reinterpret_cast<__half2 *>(&b));
-  return *reinterpret_cast<uint32_t *>(&r);
-}
-
 /* Unsigned-bits maximum of non-negative floats; NaN (0x7FC00000 after clearing the sign) is
  * larger than +Inf, so a NaN anywhere wins, like fp4attn_nanmax. */
 __device__ __forceinline__ void atomic_amax(float *addr, float v) {
