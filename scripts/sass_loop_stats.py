@@ -1,0 +1,103 @@
+"""Instruction counts of the sm90 attention kernel's loops, from SASS (no GPU needed): per
+instantiation, the consumer's main loop without its attn_mask branch (the loop with the wait for
+S_j alone, `WARPGROUP.DEPBAR.LE gsb0, 0x1`; the causal/padding mask block it contains, ~130
+instructions at D=128, runs only on tiles that need it) and every producer loop (the loops that
+issue TMA loads), with their spills. A proxy for issue cost per 128-key tile; see
+docs/cuda_notes.md.
+
+  nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -DFP4ATTN_CUDA_ARCHS=90a \\
+       -gencode arch=compute_90a,code=sm_90a -cubin -o sm90.cubin csrc/cuda/hopper/attention_fwd_sm90.cu
+  cuobjdump -sass sm90.cubin > sm90.sass      (cuobjdump: see docs/cuda_notes.md)
+  python scripts/sass_loop_stats.py sm90.sass [--ops]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+
+INSTR = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
+BRANCH = re.compile(r"BRA\s+(?:`\()?(0x[0-9a-f]+)")
+
+
+def functions(text: str):
+    for chunk in text.split("Function : ")[1:]:
+        name = chunk.split("\n", 1)[0].strip()
+        instrs = [(int(m.group(1), 16), m.group(2)) for m in map(INSTR.match, chunk.split("\n")) if m]
+        yield name, instrs
+
+
+def opcode(text: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+
+
+def loops(instrs):
+    """(start, end) of every backward branch, smallest first."""
+    found = []
+    for addr, text in instrs:
+        m = BRANCH.search(text)
+        if m and int(m.group(1), 16) < addr:
+            found.append((int(m.group(1), 16), addr))
+    return sorted(found, key=lambda se: se[1] - se[0])
+
+
+def body(instrs, start, end):
+    return [(a, t) for a, t in instrs if start <= a <= end]
+
+
+def consumer_hot_path(instrs):
+    """The consumer main loop minus its attn_mask branch: from the loop head to the first branch
+    after the wgmma issue, then from that branch's target to the back edge."""
+    for start, end in loops(instrs):
+        seg = body(instrs, start, end)
+        if any("DEPBAR.LE gsb0, 0x1" in t for _, t in seg) and sum("HGMMA" in t for _, t in seg) >= 8:
+            head, target, seen = [], None, False
+            for a, t in seg:
+                head.append((a, t))
+                seen = seen or "HGMMA" in t
+                if seen and "BRA" in t:
+                    target = int(BRANCH.search(t).group(1), 16)
+                    break
+            return start, end, head + [(a, t) for a, t in seg if target is not None and a >= target]
+    return None
+
+
+def describe(label, seg, show_ops):
+    ops = collections.Counter(opcode(t) for _, t in seg)
+    spill_st = sum(v for k, v in ops.items() if k.startswith("STL"))
+    spill_ld = sum(v for k, v in ops.items() if k.startswith("LDL"))
+    mma = sum(v for k, v in ops.items() if k.startswith(("HGMMA", "HMMA")))
+    print(f"  {label}: {len(seg)} instructions, {mma} MMA, local memory {spill_st} stores / {spill_ld} loads")
+    if show_ops:
+        for k, v in ops.most_common(25):
+            print(f"      {k:32s}{v}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sass")
+    ap.add_argument("--ops", action="store_true", help="opcode histogram of the consumer hot path")
+    args = ap.parse_args()
+    found = False
+    for name, instrs in functions(open(args.sass).read()):
+        if "attention_fwd_sm90_kernel" not in name:
+            continue
+        found = True
+        print(name)
+        hot = consumer_hot_path(instrs)
+        if hot:
+            describe(f"consumer loop {hot[0]:#x}-{hot[1]:#x} without the attn_mask branch", hot[2], args.ops)
+        for start, end in loops(instrs):
+            seg = body(instrs, start, end)
+            if any("UTMALDG" in t for _, t in seg) and len(seg) < 3000:
+                describe(f"producer loop {start:#x}-{end:#x}", seg, False)
+    if not found:
+        print("no attention_fwd_sm90_kernel in", args.sass, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
