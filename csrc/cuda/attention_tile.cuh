@@ -518,8 +518,8 @@ struct BiasMma {
   int64_t rows_left;                      /* len_k - (key0 + g): keys from that row on that exist */
   uint32_t chunk_ok;                      /* bit i: this lane's chunk i lies inside the head dim */
 
-  /* The A fragments from qbar (shared memory, DP floats, zero past D) and this lane's K addressing
-   * for the warp's 32 keys key0 .. key0 + 31 of every tile. */
+  /* The A fragments from qbar (DP floats, zero past D) and this lane's K addressing for the warp's
+   * 32 keys key0 .. key0 + 31 of every tile. */
   __device__ void init(const AttnArgs &a, int64_t b, int64_t hk, int key0, const float *qbar) {
     const fp4attn_attention_params &p = a.p;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;

@@ -168,8 +168,8 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 }
 
 /* TMA: box (c0, c1, c2) of the 3-D tensor map `tmap` (a __grid_constant__ kernel parameter) into
- * shared memory at `dst` (1024-byte aligned for the 128-byte swizzle), completing `bytes` of the
- * transaction count of mbarrier `bar`. */
+ * shared memory at `dst` (1024-byte aligned for the 128-byte swizzle); its bytes count against the
+ * transaction count announced on mbarrier `bar` (mbar_expect_tx). */
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void *tmap, int c0, int c1, int c2, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
