@@ -150,8 +150,8 @@ struct FwdKernel {
         const int row = np * 16 + (lane & 7) + (lane >> 4) * 8;
         const int col = kk * 16 + ((lane >> 3) & 1) * 8;
         ldmatrix_x4(b0, b1, b2, b3, smem_u32(kt + swz<DP>(row, col)));
-        mma_f16_16816(s[2 * np], a, b0, b1);
-        mma_f16_16816(s[2 * np + 1], a, b2, b3);
+        mma_16816(s[2 * np], a, b0, b1);
+        mma_16816(s[2 * np + 1], a, b2, b3);
       }
     }
 
@@ -177,8 +177,8 @@ struct FwdKernel {
           const int row = grp * GW + np * 16 + (lane & 7) + (lane >> 4) * 8;
           const int col = kb * 16 + ((lane >> 3) & 1) * 8;
           ldmatrix_x4(b0, b1, b2, b3, smem_u32(vt + swz<kTile>(row, col)));
-          mma_f16_16816(acc[2 * np], pa[kb], b0, b1);
-          mma_f16_16816(acc[2 * np + 1], pa[kb], b2, b3);
+          mma_16816(acc[2 * np], pa[kb], b0, b1);
+          mma_16816(acc[2 * np + 1], pa[kb], b2, b3);
         }
       }
       rescale_accumulate(rs.o, grp * (GW / 8), acc, alpha, gv0, gv1);

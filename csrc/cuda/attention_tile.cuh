@@ -593,10 +593,7 @@ struct BiasMma {
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
         const uint4 &q = kv[n][m >> 1];
-        if (kBf16)
-          mma_bf16_16816(c[n], af, (m & 1) ? q.z : q.x, (m & 1) ? q.w : q.y);
-        else
-          mma_f16_16816(c[n], af, (m & 1) ? q.z : q.x, (m & 1) ? q.w : q.y);
+        mma_16816<kBf16>(c[n], af, (m & 1) ? q.z : q.x, (m & 1) ? q.w : q.y);
       }
     }
 #pragma unroll

@@ -201,30 +201,24 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t &r0, uint32_t &r1, uint32_t
                : "r"(addr));
 }
 
-/* D = A(16x16, row) * B(16x8, col) + D, FP16 operands, FP32 accumulation. */
-__device__ __forceinline__ void mma_f16_16816(float *d, const uint32_t *a, uint32_t b0,
-                                              uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+/* D = A(16x16, row) * B(16x8, col) + D, FP16 (or, kBf16, BF16) operands, FP32 accumulation. */
+#define FP4ATTN_MMA_16816(T)                                                                      \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0,%1,%2,%3}, "           \
+               "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                          \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                   \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+template <bool kBf16 = false>
+__device__ __forceinline__ void mma_16816(float *d, const uint32_t *a, uint32_t b0, uint32_t b1) {
+  if (kBf16)
+    FP4ATTN_MMA_16816("bf16");
+  else
+    FP4ATTN_MMA_16816("f16");
 }
+#undef FP4ATTN_MMA_16816
 
-/* The same with BF16 operands. */
-__device__ __forceinline__ void mma_bf16_16816(float *d, const uint32_t *a, uint32_t b0,
-                                               uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+__device__ __forceinline__ void cp_async_16(void *smem, const void *gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
 }
-
-__device__ __forceinline__ void cp_async_16_u32(uint32_t smem_addr, const void *gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_16(void *smem, const void *gmem) { cp_async_16_u32(smem_u32(smem), gmem); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
 

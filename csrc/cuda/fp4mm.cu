@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(128) fp4mm_kernel(fp4attn_fp4mm_params p) {
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni) mma_f16_16816(acc[mi][ni], a[mi], bf[ni][0], bf[ni][1]);
+        for (int ni = 0; ni < 4; ++ni) mma_16816(acc[mi][ni], a[mi], bf[ni][0], bf[ni][1]);
     }
   }
   const float dd = __fmul_rn(p.a_dec[ia], p.b_dec[ib]);

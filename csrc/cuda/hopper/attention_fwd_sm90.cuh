@@ -82,9 +82,9 @@ struct Kernel {
 
   struct Block : QueryBlock {
     const Params *prm;
-    const AttnArgs *a;
     const float *qbar; /* this block's query mean (global, DP floats) */
     char *small, *tiles; /* see Config */
+    __device__ const AttnArgs &args() const { return prm->a; }
     __device__ __half *tile(int off) const { return reinterpret_cast<__half *>(tiles + off); }
     __device__ float *bias(int stage) const { return reinterpret_cast<float *>(small + C::kOffBias) + stage * kTile; }
     __device__ uint32_t full(int stage) const { return smem_u32(small + C::kOffFull) + stage * 8; }
@@ -98,7 +98,7 @@ struct Kernel {
   enum class BiasPath { kMmaF16, kMmaBf16, kFma };
 
   static __device__ void producer(const Block &k) {
-    const AttnArgs &a = *k.a;
+    const AttnArgs &a = k.args();
     if (a.vec_k && a.p.dtype == FP4ATTN_BFLOAT16)
       producer_loop<BiasPath::kMmaBf16>(k);
     else if (a.vec_k && a.p.dtype == FP4ATTN_FLOAT16)
@@ -109,7 +109,7 @@ struct Kernel {
 
   template <BiasPath kBias>
   static __device__ void producer_loop(const Block &k) {
-    const AttnArgs &a = *k.a;
+    const AttnArgs &a = k.args();
     const int tid = threadIdx.x, warp = tid >> 5; /* 0..127, 0..3 */
     BiasMma<DP, kBias == BiasPath::kMmaBf16> bias_mma;
     if (kBias != BiasPath::kFma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
@@ -168,7 +168,7 @@ struct Kernel {
    * (more live registers than a consumer has). The causal and key-padding masks are branch-free
    * (mask_causal_tail) and take the overlapped path. */
   static __device__ void consumer(const Block &k) {
-    const AttnArgs &a = *k.a;
+    const AttnArgs &a = k.args();
     const AttnWorkspace &w = a.ws;
     const int ctid = threadIdx.x - 128;                 /* 0..255 */
     const int cwg = ctid >> 7, wwarp = (ctid >> 5) & 3; /* consumer warpgroup, warp in it */
@@ -263,7 +263,6 @@ struct Kernel {
     const AttnWorkspace &w = a.ws;
     Block k;
     k.prm = &prm;
-    k.a = &a;
     k.small = smem;
     k.tiles = smem + (tiles_at - smem_u32(smem));
     static_cast<QueryBlock &>(k) = query_block(p, w, kRows);
