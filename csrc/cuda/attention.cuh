@@ -15,9 +15,13 @@
  *                                  values code * E4M3 scale (no global scale; padding is 0)
  *   vdq     f16 [BHk][nkt][Dp][128] V^ quantized along tokens, the same way, tile-major V^T:
  *                                  one 128-token tile is Dp*256 contiguous bytes
- *   sync    u64 [2], u32 [BHk], u32 [BHq], u32 [BHk], u32 [BHk][Dp] x 2: work tickets, per-head
- *                                  counters, max |V| and column min/max keys of the fused pre-pass
- *                                  (prepass.cu), zeroed on the stream before each use
+ *   qstage  f16 [S][128][Dp]       Q^ of the next query block of each persistent block of the
+ *                                  Hopper kernel (hopper/attention_fwd_sm90.cuh, Dp = 64), as its
+ *                                  shared-memory image; S = SM count where Dp = 64, else 0
+ *   sync    u64 [3], u32 [BHk], u32 [BHq], u32 [BHk], u32 [BHk][Dp] x 2: work tickets of the fused
+ *                                  pre-pass (2) and of the Hopper kernel (1), per-head counters,
+ *                                  max |V| and column min/max keys of the fused pre-pass
+ *                                  (prepass.cu), zeroed on the stream by every pre-pass
  * Storing the dequantized values (exact: at most 6 significant bits) rather than packed FP4 moves
  * the dequantization out of the attention kernel's inner loop, where it cost ~30% of the issued
  * instructions on Hopper; the bits are the same as dequantizing the FP4 codes in the kernel.
@@ -35,10 +39,16 @@ constexpr int kTile = 128; /* SPEC 4: Bq = Bkv = 128 */
 struct AttnWorkspace {
   int64_t dp, nqb, nkt, nkp;
   float *qbar, *qamax, *ksum, *kmin, *kmax, *vamax, *kbar, *qscale, *kvscale;
-  __half *kdq, *vdq;
+  __half *kdq, *vdq, *qstage;
+  int64_t qstage_blocks;
   void *sync;
   int64_t bytes;
 };
+
+/* The Hopper kernel's work ticket: query blocks handed out after the first grid-size ones. */
+__host__ __device__ inline unsigned long long *attn_item_ticket(const AttnWorkspace &w) {
+  return static_cast<unsigned long long *>(w.sync) + 2;
+}
 
 struct AttnArgs {
   fp4attn_attention_params p;
@@ -52,13 +62,16 @@ static inline int64_t padded_head_dim(int64_t d) { return d <= 64 ? 64 : (d <= 1
 
 /* Bytes of the sync section (see the layout above). */
 static inline int64_t attn_sync_bytes(int64_t bhk, int64_t bhq, int64_t dp) {
-  return 16 + 4 * (2 * bhk + bhq) + 8 * bhk * dp;
+  return 24 + 4 * (2 * bhk + bhq) + 8 * bhk * dp;
 }
 
-/* Fills the section pointers for `base` (may be null to only compute the size). */
+/* Fills the section pointers for `base` (may be null to only compute the size); the current
+ * device's SM count sizes qstage (the same device for both calls: the binding sizes the workspace
+ * and launches on the inputs' device). */
 static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params *p, void *base) {
   AttnWorkspace w;
   w.dp = padded_head_dim(p->head_dim);
+  w.qstage_blocks = w.dp == 64 ? sm_count() : 0;
   w.nqb = ceil_div(p->len_q, kTile);
   w.nkt = ceil_div(p->len_k, kTile);
   w.nkp = w.nkt * kTile;
@@ -81,6 +94,7 @@ static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params
   w.kvscale = (float *)take(4 * bhk * 4);
   w.kdq = (__half *)take(2 * bhk * w.nkp * w.dp);
   w.vdq = (__half *)take(2 * bhk * w.nkp * w.dp);
+  w.qstage = (__half *)take(2 * w.qstage_blocks * kTile * w.dp);
   w.sync = take(attn_sync_bytes(bhk, bhq, w.dp));
   w.bytes = off;
   return w;
@@ -111,29 +125,38 @@ __device__ __forceinline__ void block_f16_words(const uint8_t *q, uint8_t s, uin
     o[i] = pack_half2(fp4attn_e2m1_decode(q[2 * i]) * sv, fp4attn_e2m1_decode(q[2 * i + 1]) * sv);
 }
 
-/* Launches forward kernel `kernel` with parameter `args` (one block of `threads` per `rows` query
- * rows of every (batch, query head) of p) with `smem` bytes of dynamic shared memory on stream s.
- * The first launch on a device raises the kernel's shared-memory limit (`configured`: the
- * kernel's per-device flags), or returns FP4ATTN_ERR_UNSUPPORTED where the device has less. */
+/* Launches forward kernel `kernel` with parameter `args` and `smem` bytes of dynamic shared
+ * memory on stream s: one block of `threads` per `rows` query rows of every (batch, query head)
+ * of p, or, when `persistent` > 0, at most that many and no more than fit on the device at once
+ * (the kernel loops over the query blocks). The first launch on a device raises the kernel's
+ * shared-memory limit and records how many blocks are resident at once (`resident`: the kernel's
+ * per-device record, 0 until then), or returns FP4ATTN_ERR_UNSUPPORTED where the device has too
+ * little memory. */
 template <typename Kernel, typename Args>
 fp4attn_status launch_forward(Kernel kernel, const Args &args, const fp4attn_attention_params &p, int rows,
-                              int threads, int smem, bool (&configured)[64], const char *name, cudaStream_t s) {
+                              int threads, int smem, int (&resident)[64], int64_t persistent, const char *name,
+                              cudaStream_t s) {
   int dev = 0;
   cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64 || !configured[dev]) {
-    int optin = 0;
+  int at_once = dev >= 0 && dev < 64 ? resident[dev] : 0;
+  if (at_once == 0) {
+    int optin = 0, sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     if (optin < smem)
       return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
                           "%s: head dim %lld needs %d bytes of shared memory per block, the device "
                           "allows %d",
                           name, (long long)padded_head_dim(p.head_dim), smem, optin);
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess)
       return launch_status(name);
-    if (dev >= 0 && dev < 64) configured[dev] = true;
+    at_once = sms * (per_sm > 0 ? per_sm : 1);
+    if (dev >= 0 && dev < 64) resident[dev] = at_once;
   }
-  const int64_t blocks = p.batch * p.heads_q * ceil_div(p.len_q, rows);
+  int64_t blocks = p.batch * p.heads_q * ceil_div(p.len_q, rows);
   if (blocks > 0x7FFFFFFFLL) return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "%s: too many query blocks", name);
+  if (persistent > 0) blocks = min(blocks, min((int64_t)at_once, persistent));
   kernel<<<(unsigned)blocks, threads, smem, s>>>(args);
   return launch_status(name);
 }

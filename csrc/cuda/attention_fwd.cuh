@@ -191,7 +191,7 @@ struct FwdKernel {
     Ctx c;
     c.a = &a;
     c.smem = smem;
-    static_cast<QueryBlock &>(c) = query_block(p, w, C::kRows);
+    static_cast<QueryBlock &>(c) = query_block(p, w, C::kRows, blockIdx.x);
 
     /* constants in shared memory */
     {
@@ -253,9 +253,9 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) attention_fwd_kernel(const __g
 template <int DP, int NWARPS, int NBUF>
 fp4attn_status launch_attention_fwd(const AttnArgs &a, cudaStream_t s) {
   using C = FwdConfig<DP, NWARPS, NBUF>;
-  static bool configured[64] = {false};
+  static int resident[64] = {0};
   return launch_forward(attention_fwd_kernel<DP, NWARPS, NBUF>, a, a.p, C::kRows, C::kThreads, C::kSmem,
-                        configured, "attention", s);
+                        resident, 0, "attention", s);
 }
 
 }  // namespace fp4attn_cuda

@@ -14,6 +14,7 @@
 #define FP4ATTN_CUDA_ATTENTION_TILE_CUH
 
 #include "attention.cuh"
+#include "quantize_fast.cuh"
 
 namespace fp4attn_cuda {
 
@@ -68,20 +69,22 @@ __device__ __forceinline__ uint32_t e2m1_pair(float y0, float y1) {
   return *reinterpret_cast<uint32_t *>(&r);
 }
 
-/* The query rows one CUDA block owns: (batch, query head) bh = (b, h), its KV head hk (bhk), the
- * first row q0 of its `rows`-row block (blocks in reverse order when causal: longest rows first,
- * so the short ones fill the tail of the grid), and how many 128-key tiles it visits. */
+/* The query rows of work item `item` (a CUDA block, or one item of a persistent block):
+ * (batch, query head) bh = (b, h), its KV head hk (bhk), the first row q0 of its `rows`-row block
+ * (items in reverse order when causal: longest rows first, so the short ones fill the tail), and
+ * how many 128-key tiles it visits. Items run over B x Hq x ceil(Nq / rows), query blocks fastest,
+ * so that blocks running at the same time share their K/V in L2. */
 struct QueryBlock {
   int64_t bh, b, h, hk, bhk, q0;
   int ntiles;
 };
 
 __device__ __forceinline__ QueryBlock query_block(const fp4attn_attention_params &p,
-                                                  const AttnWorkspace &w, int rows) {
+                                                  const AttnWorkspace &w, int rows, int64_t item) {
   QueryBlock k;
   const int64_t nqt = (p.len_q + rows - 1) / rows;
-  k.bh = blockIdx.x / nqt;
-  int64_t qt = blockIdx.x % nqt;
+  k.bh = item / nqt;
+  int64_t qt = item % nqt;
   if (p.causal) qt = nqt - 1 - qt;
   k.b = k.bh / p.heads_q;
   k.h = k.bh % p.heads_q;
@@ -611,8 +614,10 @@ struct BiasMma {
 };
 
 /* Quantize query rows [q0, q0 + rows) of (b, h) (SPEC 4.2-4.3: Q - qbar, global scale, phi
- * along D) and store the exact FP16 values through store16(row, col, 8 words). */
-template <int DP, typename Store16>
+ * along D) and store the exact FP16 values through store16(row, col, 8 words). Thread `tid` of
+ * `nthreads` takes the 16-column blocks tid, tid + nthreads, ...; kBatch of them load before
+ * any is quantized, so that a thread with many blocks waits for memory once per batch. */
+template <int DP, int kBatch = 1, typename Store16>
 __device__ __forceinline__ void quantize_q_rows(const AttnArgs &a, int64_t b, int64_t h, int64_t bh,
                                                 int64_t q0, int rows, const float *qbar, int tid,
                                                 int nthreads, Store16 store16) {
@@ -620,18 +625,29 @@ __device__ __forceinline__ void quantize_q_rows(const AttnArgs &a, int64_t b, in
   const float encq = a.ws.qscale[bh * 2 + 0];
   const int D = (int)p.head_dim;
   constexpr int KB = DP / 16;
-  for (int job = tid; job < rows * KB; job += nthreads) {
-    const int r = job / KB, kb = job % KB;
-    const int64_t row = q0 + r;
-    uint32_t o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (row < p.len_q && kb * 16 < D) {
-      const int64_t base = b * p.q_stride[0] + h * p.q_stride[1] + row * p.q_stride[2];
-      float xs[16];
-      uint8_t q[16];
-      smoothed_block16(p.q, p.dtype, base, kb, D, a.vec_q, qbar, encq, xs);
-      block_f16_words(q, fp4attn_quantize_block(xs, 16, q), o);
+  for (int job0 = tid; job0 < rows * KB; job0 += nthreads * kBatch) {
+    float xs[kBatch][16];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int job = job0 + i * nthreads, r = job / KB, kb = job % KB;
+      const int64_t row = q0 + r;
+      if (job < rows * KB && row < p.len_q && kb * 16 < D) {
+        const int64_t base = b * p.q_stride[0] + h * p.q_stride[1] + row * p.q_stride[2];
+        smoothed_block16(p.q, p.dtype, base, kb, D, a.vec_q, qbar, encq, xs[i]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 16; ++e) xs[i][e] = 0.0f;
+      }
     }
-    store16(r, kb * 16, o);
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int job = job0 + i * nthreads;
+      if (job < rows * KB) {
+        uint32_t o[8];
+        quantize_block16(xs[i], o);
+        store16(job / KB, job % KB * 16, o);
+      }
+    }
   }
 }
 

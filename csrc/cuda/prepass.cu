@@ -51,6 +51,7 @@
 #include <mutex>
 
 #include "attention.cuh"
+#include "quantize_fast.cuh"
 
 namespace fp4attn_cuda {
 /* path: 0 = automatic, 1 = the two-read path, 2 = the fused path (UNSUPPORTED where it cannot
@@ -385,49 +386,6 @@ __device__ __forceinline__ Raw8<T> raw8_stream(const T *p) {
   return r;
 }
 
-/* max that returns NaN when either operand is NaN (max.NaN, sm_80+). */
-__device__ __forceinline__ float max_nan(float a, float b) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-
-/* bmax / 6 for the E4M3 block scale: one FMA-corrected step instead of the IEEE division. The
- * quotient may differ from the correctly rounded one in the last bit, its E4M3 rounding never
- * does (checked exhaustively over [0, 2^96] by tests/cuda_harness/check_prepass.cu and over
- * [0, 4096] by check_fast_rounding.cu; above 2688 both saturate to 448). */
-__device__ __forceinline__ float div6_e4m3(float a) {
-  const float y = 0.16666667163372040f; /* fl(1/6) */
-  const float q0 = __fmul_rn(a, y);
-  const float r = __fmaf_rn(-q0, 6.0f, a);
-  return __fmaf_rn(r, y, q0);
-}
-
-/* value(rne_e2m1(y)) (SPEC 1) with y's sign, before saturation, for |y| < 8: adding
- * C = 1.5 * 2^(max(e, 0) + 22), e the binary exponent of |y|, leaves a float32 in C's binade
- * whose last place is the E2M1 spacing of |y|'s binade (0.5 below 2, 1 in [2, 4), 2 in [4, 8)),
- * so round-to-nearest-even puts y on the E2M1 grid with the ties of SPEC 1 (C's last mantissa
- * bit is 0, so "even" is the even grid point), symmetrically in sign; subtracting C is exact and
- * gives +0 for a zero result (the code 0 of fp4attn_e2m1_encode is +0 too). Results of 8 (|y| in
- * [7, 8)) need the saturation to 6: callers clamp y to [-6, 6] first when that can happen.
- * Checked bit for bit against fp4attn_e2m1_decode(fp4attn_e2m1_encode(y)) on every float with
- * |y| < 7, and after the clamp on every float below 2^100, by tests/cuda_harness/check_prepass.cu. */
-__device__ __forceinline__ float e2m1_round_signed(float y) {
-  uint32_t e = __float_as_uint(y) & 0x7F800000u;
-  e = (e > 0x3F800000u ? e : 0x3F800000u) + 0x0B400000u;
-  const float c = __uint_as_float(e);
-  return __fsub_rn(__fadd_rn(y, c), c);
-}
-
-__device__ __forceinline__ float clamp6(float y) { return fminf(fmaxf(y, -6.0f), 6.0f); }
-
-/* a * b on two FP16 lanes (exact for the products used here: code * E4M3 scale). */
-__device__ __forceinline__ uint32_t h2_mul(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
 /* Per-E4M3-byte tables in shared memory: 1/scale correctly rounded (SPEC 2; 0 for the zero
  * scale, so that a zero block quantizes to zeros without a branch) and (scale, scale) as half2
  * (exact: E4M3 values are FP16 normals). */
@@ -442,24 +400,6 @@ __device__ void fill_scale_tables(ScaleTables *t) {
     t->rcp[i] = (i == 0 || i == 0x7F) ? 0.0f : 1.0f / sv;
     t->sv2[i] = i == 0x7F ? 0u : pack_half2(sv, sv);
   }
-}
-
-/* The rare blocks with NaN, Inf or magnitudes above 2^96: numerics.h itself, out of line. */
-__device__ __noinline__ uint4 quantize_half_block_slow(float4 lo, float4 hi, float m) {
-  const float xs[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-  const uint8_t s = fp4attn_e4m3_encode_sat(m / 6.0f);
-  const float sv = fp4attn_e4m3_decode(s);
-  const float r = 1.0f / sv;
-  uint32_t o[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    float v[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e)
-      v[e] = sv == 0.0f ? 0.0f : fp4attn_e2m1_decode(fp4attn_e2m1_encode(xs[2 * k + e] * r)) * sv;
-    o[k] = pack_half2(v[0], v[1]);
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
 /* Quantizes 8 of the 16 values of one block (SPEC 2 with the global scale already applied:
@@ -1045,13 +985,11 @@ fp4attn_status launch_fused(const AttnArgs &a, cudaStream_t s) {
   const int64_t bhk = p.batch * p.heads_kv, bhq = p.batch * p.heads_q;
   f.kv_ticket = reinterpret_cast<unsigned long long *>(w.sync);
   f.q_ticket = f.kv_ticket + 1;
-  f.kv_count = reinterpret_cast<unsigned int *>(f.q_ticket + 1);
+  f.kv_count = reinterpret_cast<unsigned int *>(f.kv_ticket + 3); /* after attn_item_ticket */
   f.q_count = f.kv_count + bhk;
   f.vmax = f.q_count + bhq;
   f.kmin = f.vmax + bhk;
   f.kmax = f.kmin + bhk * w.dp;
-  const size_t sync_bytes = attn_sync_bytes(bhk, bhq, w.dp);
-  if (cudaMemsetAsync(w.sync, 0, sync_bytes, s) != cudaSuccess) return launch_status("attention: counter reset");
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeCooperative;
@@ -1072,6 +1010,9 @@ fp4attn_status launch_fused(const AttnArgs &a, cudaStream_t s) {
 }  // namespace
 
 fp4attn_status fp4attn_cuda::launch_attention_prepass(const AttnArgs &a, cudaStream_t s, int path) {
+  /* the counters of the fused path and the forward kernel's work ticket */
+  const size_t sync_bytes = attn_sync_bytes(a.p.batch * a.p.heads_kv, a.p.batch * a.p.heads_q, a.ws.dp);
+  if (cudaMemsetAsync(a.ws.sync, 0, sync_bytes, s) != cudaSuccess) return launch_status("attention: counter reset");
   if (path != 1) {
     const fp4attn_status st = launch_fused(a, s);
     if (st.code != FP4ATTN_ERR_UNSUPPORTED || path == 2) return st;

@@ -4,8 +4,9 @@
  *      numerics.h on every float in [0, 2^96]; the signed add/subtract E2M1 rounding equals
  *      fp4attn_e2m1_encode bit for bit (+0 for zero codes) on every float of magnitude below 7,
  *      and after clamping to [-6, 6] on every float of magnitude below 2^100;
- *   2. quantize_half_block (pairs of lanes) == fp4attn_quantize_block + store_block_f16 on random
- *      blocks of every magnitude, with zeros, -0, NaN and Inf;
+ *   2. quantize_half_block (pairs of lanes) and quantize_block16 (one thread, the attention
+ *      kernels' Q^) == fp4attn_quantize_block + store_block_f16 on random blocks of every
+ *      magnitude, with zeros, -0, NaN and Inf;
  *   3. the fused single-read pre-pass against the two-read pre-pass: qbar, qamax, kbar, qscale,
  *      kvscale, kdq and vdq byte-identical (workspaces pre-filled with different bytes), over
  *      dtypes, head dims, lengths, GQA, strided / packed / unaligned layouts and special values;
@@ -127,6 +128,11 @@ __global__ void block_check_kernel(uint64_t nblocks, unsigned long long *bad) {
     store_block_f16(ref, q, s);
     const uint4 want = reinterpret_cast<const uint4 *>(ref)[lane & 1];
     if (got.x != want.x || got.y != want.y || got.z != want.z || got.w != want.w) ++nbad;
+    /* the one-thread quantizer of the attention kernels' Q^ on the same block */
+    uint32_t whole[8];
+    quantize_block16(all, whole);
+    const uint32_t *ref_words = reinterpret_cast<const uint32_t *>(ref);
+    for (int i = 0; i < 8; ++i) nbad += whole[i] != ref_words[i];
   }
   atomicAdd(bad, nbad);
 }
@@ -140,7 +146,8 @@ static void block_checks() {
   CK(cudaGetLastError());
   unsigned long long h;
   CK(cudaMemcpy(&h, d, 8, cudaMemcpyDeviceToHost));
-  printf("block quantizer: %llu of %llu random blocks differ from fp4attn_quantize_block\n", h,
+  printf("block quantizers (quantize_half_block, quantize_block16): %llu differences from "
+         "fp4attn_quantize_block over %llu random blocks\n", h,
          (unsigned long long)n);
   if (h) g_fail = 1;
   CK(cudaFree(d));

@@ -3,13 +3,18 @@
  * attention_fwd.cuh (FP4 operands held as exact FP16 values, SPEC 4.4-4.6), with the matrix work
  * on wgmma and the loads on a producer warpgroup.
  *
- * Block: 128 query rows of one (batch, query head), 3 warpgroups.
+ * Work items: 128 query rows of one (batch, query head) (item_count), with 3 warpgroups per block.
+ * At DP = 64 the blocks are persistent (Config::kPersistent: one per SM, items from a ticket); at
+ * DP = 128 there is one block per item.
  *   warpgroup 0, producer (setmaxnreg down to Config::kProducerRegs): per 128-key tile, one thread
  *     has the TMA load the K^ and V^ tiles (exact FP16 values written by the pre-pass; the
  *     tensor maps apply the 128-byte swizzle wgmma reads) onto the stage's "full" mbarrier, and
  *     all 128 threads compute the q-mean correction bias[key] = scale log2e qbar . K[key] from K
  *     in input precision (on mma.sync, BiasMma) and arrive on it. A ring of kStages buffers; it
- *     refills one when both consumers signal "empty".
+ *     refills one when both consumers signal "empty". Persistent blocks: between its tiles the
+ *     producer also quantizes the next item's Q (Q - qbar, global scale, phi) into a staging
+ *     buffer in global memory, and copies it into shared memory (one bulk copy) as soon as the
+ *     consumers are done with the current item's Q^ (producer_loop).
  *   warpgroups 1 and 2, consumers (setmaxnreg up): 64 rows each. S = Q^ K^T by wgmma
  *     m64n128k16 with Q^ and K^ in shared memory; the score epilogue, online softmax and P
  *     quantization in registers (attention_tile.cuh, shared with the mma.sync kernel: the wgmma
@@ -17,7 +22,8 @@
  *     wgmma m64n{DP}k16 with P^q from registers, the first-level scales applied to O_acc in FP32
  *     between tiles (softmax_tile_stats).
  * The two consumer warpgroups take turns at issuing their wgmma (see consumer()).
- * Q: all 384 threads quantize the block's rows in the prologue (Q - qbar, global scale, phi).
+ * Persistence hides what a block per item exposes on every item: the launch, Q's quantization
+ * (all 384 threads, before any load) and the first tiles' loads and bias.
  * The TMA replaced per-thread cp.async (32 per producer thread and tile at DP = 128, with their
  * addressing): the producer issued a quarter of all instructions and the consumers waited for it.
  */
@@ -34,7 +40,7 @@ namespace fp4attn_cuda {
 namespace sm90 {
 
 constexpr int kThreads = 384;      /* producer + 2 consumer warpgroups */
-constexpr int kRows = 128;         /* query rows per block (SPEC 4 Bq) */
+constexpr int kRows = 128;         /* query rows per work item (SPEC 4 Bq) */
 /* K^/V^/bias ring: a consumer holds two stages (S_j and the deferred P^q_{j-1} V^_{j-1}) while
  * the producer fills the third */
 constexpr int kStages = 3;
@@ -43,6 +49,8 @@ constexpr int kStages = 3;
 constexpr int kBarEmpty = 1;                  /* + stage: both consumers are done with it */
 constexpr int kBarTurn = kBarEmpty + kStages; /* + consumer: its turn to issue wgmma */
 constexpr int kTurnCount = 256;               /* one consumer arrives, the other syncs */
+constexpr int kBarQFree = kBarTurn + 2;       /* both consumers have read Q^ of their item for the last time */
+constexpr int kBarProducer = kBarQFree + 1;   /* the producer warpgroup alone */
 
 /* Kernel parameters: the attention arguments and this call's TMA maps of K^ and V^ (3-D,
  * innermost first: K^ {DP, nkp, BHk}, the V^T tiles {128, nkt x DP, BHk}; boxes of 64 columns
@@ -52,6 +60,16 @@ struct Params {
   CUtensorMap kmap, vmap;
 };
 
+/* Work items: the query blocks of 128 rows of every (batch, query head), in query_block's order
+ * (fewer than 2^31: launch_forward). Block c of a grid of G starts with item c; later items come
+ * from a ticket (G + attn_item_ticket++), like the hardware hands out blocks: at any time the
+ * running items are neighbours (they share K/V in L2), and with causal masking the long ones go
+ * first. */
+__device__ __forceinline__ int item_count(const fp4attn_attention_params &p) {
+  return (int)(p.batch * p.heads_q * ((p.len_q + kRows - 1) / kRows));
+}
+
+
 template <int DP>
 struct Config {
   /* setmaxnreg split of the launch allocation, 168 x 384 = P x 128 + C x 256. With the TMA the
@@ -59,36 +77,89 @@ struct Config {
    * DP = 128 it holds 64 registers of K and 32 of A fragments); the consumers must not: 120 / 192
    * at DP = 128 reloaded consumer state from local memory every tile and measured 5 % slower. */
   static constexpr int kProducerRegs = 104;
+  /* Persistent blocks (item_count) where the producer has the slack to quantize the next item's
+   * Q^ between its tiles: DP = 64. At DP = 128 its bias work per tile is twice as large, and
+   * measured on the H200 one block per item with all 384 threads quantizing Q in the prologue was
+   * faster at N <= 8K and with causal masking (persistent: up to 19 % slower at N = 1K, 3 % faster
+   * at N = 16K without masking). */
+  static constexpr bool kPersistent = DP == 64;
   static constexpr int kConsumerRegs = 200;
   static_assert(kProducerRegs + 2 * kConsumerRegs == 3 * 168, "setmaxnreg split of 168 x 384");
+  /* 16-column blocks of Q a thread loads before quantizing them; the producer quantizes the next
+   * item's Q^ in kQPieces pieces of kQBatch blocks per thread, one after each tile load */
+  static constexpr int kQBatch = 2;
+  static constexpr int kQPieces = kRows * (DP / 16) / (128 * kQBatch);
   static constexpr int kQBytes = kRows * DP * 2;
   static constexpr int kKBytes = kTile * DP * 2;
   static constexpr int kVBytes = DP * kTile * 2;
   /* shared memory map. Small arrays from the (16-byte aligned) base: */
   static constexpr int kOffBias = 0;
   static constexpr int kOffFull = kOffBias + kStages * kTile * 4; /* mbarriers, 8 bytes each */
-  static constexpr int kSmall = kOffFull + kStages * 8;
+  static constexpr int kOffQFull = kOffFull + kStages * 8;         /* mbarrier: Q^ of the next item */
+  static constexpr int kOffItem = kOffQFull + 8;                   /* int [2]: the consumers' next items */
+  static constexpr int kOffNext = kOffItem + 8;                    /* int: the producer's next item */
+  static constexpr int kSmall = kOffNext + 8;
   /* operand tiles from the first 1024-byte boundary after them (offsets from that boundary): */
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
   static constexpr int kOffV = kOffK + kStages * kKBytes;
   static constexpr int kTiles = kOffV + kStages * kVBytes;
-  static constexpr int kSmem = kSmall + 1023 + kTiles; /* 231959 bytes for DP = 128 (H100/H200: 232448) */
+  static constexpr int kSmem = kSmall + 1023 + kTiles; /* 231983 bytes for DP = 128 (H100/H200: 232448) */
 };
 
 template <int DP>
 struct Kernel {
   using C = Config<DP>;
 
-  struct Block : QueryBlock {
-    const Params *prm;
-    const float *qbar; /* this block's query mean (global, DP floats) */
-    char *small, *tiles; /* see Config */
-    __device__ const AttnArgs &args() const { return prm->a; }
+  /* This block's shared memory (see Config). */
+  struct Shared {
+    char *small, *tiles;
     __device__ __half *tile(int off) const { return reinterpret_cast<__half *>(tiles + off); }
     __device__ float *bias(int stage) const { return reinterpret_cast<float *>(small + C::kOffBias) + stage * kTile; }
     __device__ uint32_t full(int stage) const { return smem_u32(small + C::kOffFull) + stage * 8; }
+    __device__ uint32_t qfull() const { return smem_u32(small + C::kOffQFull); }
+    /* the item of hand-over h (the block's item h + 1) is in slot h & 1: it stays there until
+     * hand-over h + 2, which waits for the consumers to be done with item h + 2's Q^ */
+    __device__ volatile int *item(int h) const { return reinterpret_cast<volatile int *>(small + C::kOffItem) + (h & 1); }
+    __device__ volatile int *next() const { return reinterpret_cast<volatile int *>(small + C::kOffNext); }
   };
+
+  /* One work item: 128 query rows and their query mean. */
+  struct Item : QueryBlock {
+    const float *qbar; /* DP floats (global) */
+  };
+
+  static __device__ Item item_at(const AttnArgs &a, int it) {
+    Item k;
+    static_cast<QueryBlock &>(k) = query_block(a.p, a.ws, kRows, it);
+    k.qbar = a.ws.qbar + (k.bh * a.ws.nqb + k.q0 / kTile) * DP;
+    return k;
+  }
+
+  /* Rows r0 .. r0 + rows - 1 of Q^ of item `it` (Q - qbar, global scale, phi: exact FP16 values
+   * in the 128-byte-swizzled layout wgmma reads) through store(half offset in the tile, 16 bytes),
+   * by thread tid of n. */
+  template <typename Store>
+  static __device__ __forceinline__ void quantize_q(const AttnArgs &a, int it, int r0, int rows, int tid, int n,
+                                                    Store store) {
+    const Item k = item_at(a, it);
+    quantize_q_rows<DP, C::kQBatch>(a, k.b, k.h, k.bh, k.q0 + r0, rows, k.qbar, tid, n,
+                                    [&](int r, int col, const uint32_t (&v)[8]) {
+                                      store(sw128_offset(kRows, r0 + r, col), make_uint4(v[0], v[1], v[2], v[3]));
+                                      store(sw128_offset(kRows, r0 + r, col + 8), make_uint4(v[4], v[5], v[6], v[7]));
+                                    });
+  }
+
+  /* L2 prefetch of row `tid` of item `it`'s Q (one thread per row), ahead of quantize_q. */
+  static __device__ __forceinline__ void prefetch_q_row(const AttnArgs &a, int it, int tid) {
+    const fp4attn_attention_params &p = a.p;
+    const Item k = item_at(a, it);
+    if (k.q0 + tid >= p.len_q) return;
+    const char *row = static_cast<const char *>(p.q) +
+                      dtype_size(p.dtype) * (k.b * p.q_stride[0] + k.h * p.q_stride[1] + (k.q0 + tid) * p.q_stride[2]);
+    for (int64_t off = 0; off < dtype_size(p.dtype) * p.head_dim; off += 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+  }
 
 #if defined(FP4ATTN_SM90_WGMMA)
   /* ---------------------------------------------------------------- producer warpgroup */
@@ -97,42 +168,110 @@ struct Kernel {
    * loop carries no dtype tests. */
   enum class BiasPath { kMmaF16, kMmaBf16, kFma };
 
-  static __device__ void producer(const Block &k) {
-    const AttnArgs &a = k.args();
+  static __device__ void producer(const Params &prm, const Shared &sh) {
+    const AttnArgs &a = prm.a;
     if (a.vec_k && a.p.dtype == FP4ATTN_BFLOAT16)
-      producer_loop<BiasPath::kMmaBf16>(k);
+      producer_loop<BiasPath::kMmaBf16>(prm, sh);
     else if (a.vec_k && a.p.dtype == FP4ATTN_FLOAT16)
-      producer_loop<BiasPath::kMmaF16>(k);
+      producer_loop<BiasPath::kMmaF16>(prm, sh);
     else
-      producer_loop<BiasPath::kFma>(k);
+      producer_loop<BiasPath::kFma>(prm, sh);
   }
 
+  /* One item per block: its tiles (Q^ comes from the prologue).
+   * Persistent blocks, per item: the tiles and, between them, the next item's Q^ into this block's
+   * staging buffer in global memory (ws.qstage, L2-resident); then, when the consumers are done
+   * with the item's Q^ (kBarQFree), the hand-over: one bulk copy of the staged Q^ into shared
+   * memory onto the "Q^ full" mbarrier, with the next item's index (or the end) in shared memory.
+   * Q^ is quantized while the consumers work on the item before, and the ring runs on over the
+   * items, so the next item's first loads overlap the end of this one. */
   template <BiasPath kBias>
-  static __device__ void producer_loop(const Block &k) {
-    const AttnArgs &a = k.args();
+  static __device__ void producer_loop(const Params &prm, const Shared &sh) {
+    const AttnArgs &a = prm.a;
     const int tid = threadIdx.x, warp = tid >> 5; /* 0..127, 0..3 */
     BiasMma<DP, kBias == BiasPath::kMmaBf16> bias_mma;
-    if (kBias != BiasPath::kFma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
-    for (int j = 0, buf = 0; j < k.ntiles; ++j, buf = buf + 1 == kStages ? 0 : buf + 1) {
-      if (j >= kStages) named_sync(kBarEmpty + buf, kThreads);
+    int loaded = 0; /* tiles loaded, over all items */
+    int stage = 0;
+    const auto load_tile = [&](const Item &k, int j) {
+      if (loaded >= kStages) named_sync(kBarEmpty + stage, kThreads);
       if (tid == 0) {
-        const uint32_t full = k.full(buf);
-        const uint32_t ks = smem_u32(k.tiles + C::kOffK + buf * C::kKBytes);
-        const uint32_t vs = smem_u32(k.tiles + C::kOffV + buf * C::kVBytes);
+        const uint32_t full = sh.full(stage);
+        const uint32_t ks = smem_u32(sh.tiles + C::kOffK + stage * C::kKBytes);
+        const uint32_t vs = smem_u32(sh.tiles + C::kOffV + stage * C::kVBytes);
         mbar_expect_tx(full, C::kKBytes + C::kVBytes);
 #pragma unroll
         for (int cb = 0; cb < DP / 64; ++cb) /* K^ rows j*128.., columns cb*64..: [128][64] */
-          tma_load_3d(ks + cb * kTile * 128, &k.prm->kmap, cb * 64, j * kTile, (int)k.bhk, full);
+          tma_load_3d(ks + cb * kTile * 128, &prm.kmap, cb * 64, j * kTile, (int)k.bhk, full);
 #pragma unroll
         for (int cb = 0; cb < 2; ++cb) /* V^T of tile j, keys cb*64..: [DP][64] */
-          tma_load_3d(vs + cb * DP * 128, &k.prm->vmap, cb * 64, j * DP, (int)k.bhk, full);
+          tma_load_3d(vs + cb * DP * 128, &prm.vmap, cb * 64, j * DP, (int)k.bhk, full);
       }
       if (kBias != BiasPath::kFma)
-        bias_mma.compute(a, j, k.bias(buf) + warp * 32);
+        bias_mma.compute(a, j, sh.bias(stage) + warp * 32);
       else
-        compute_bias<DP, 1>(a, k.b, k.hk, (int64_t)j * kTile + tid, 0, k.qbar, k.bias(buf) + tid);
-      mbar_arrive(k.full(buf));
+        compute_bias<DP, 1>(a, k.b, k.hk, (int64_t)j * kTile + tid, 0, k.qbar, sh.bias(stage) + tid);
+      mbar_arrive(sh.full(stage));
+      ++loaded;
+      stage = stage + 1 == kStages ? 0 : stage + 1;
+    };
+    const int nitems = item_count(a.p);
+    __half *staging = a.ws.qstage + (int64_t)blockIdx.x * (kRows * DP);
+    if constexpr (C::kPersistent) {
+      /* Q^ of the first item straight into shared memory: phase 0 of "Q^ full". (All 384 threads
+       * quantizing it before the role split was faster for that item, but made the consumers
+       * spill in their tile loop.) */
+      __half *qs = sh.tile(C::kOffQ);
+      quantize_q(a, blockIdx.x, 0, kRows, tid, 128, [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; });
+      fence_proxy_async();
+      named_sync(kBarProducer, 128);
+      if (tid == 0) mbar_arrive(sh.qfull());
     }
+    if constexpr (!C::kPersistent) { /* one item per block */
+      const Item k = item_at(a, blockIdx.x);
+      if (kBias != BiasPath::kFma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
+      for (int j = 0; j < k.ntiles; ++j) load_tile(k, j);
+    }
+    int handovers = 0; /* hand-over h completes phase h + 1 of "Q^ full" */
+    for (int cur = C::kPersistent ? (int)blockIdx.x : nitems; cur < nitems;) {
+      if (tid == 0) *sh.next() = (int)gridDim.x + (int)atomicAdd(attn_item_ticket(a.ws), 1ull);
+      const Item k = item_at(a, cur);
+      if (kBias != BiasPath::kFma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
+      int j = 0;
+      for (; j < min(2, k.ntiles); ++j) load_tile(k, j);
+      /* the next item (taken from the ticket above), its Q rows on their way to L2, and, once the
+       * last copy out of the staging buffer is done, its Q^ into it piece by piece, one piece
+       * after each further tile: in the producer's slack between tiles (all at once, it made the
+       * consumers wait for tiles of short items) */
+      named_sync(kBarProducer, 128); /* *sh.next() is written */
+      const int nxt = *sh.next();
+      if (nxt < nitems) {
+        prefetch_q_row(a, nxt, tid);
+        if (handovers > 0) mbar_wait(sh.qfull(), handovers & 1); /* phase handovers: the copy out */
+      }
+      for (int piece = 0; piece < C::kQPieces; ++piece) {
+        if (j < k.ntiles) load_tile(k, j++);
+        if (nxt < nitems) {
+          constexpr int kPieceRows = kRows / C::kQPieces;
+          quantize_q(a, nxt, piece * kPieceRows, kPieceRows, tid, 128,
+                     [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(staging + off) = v; });
+          fence_proxy_async_global();
+        }
+      }
+      for (; j < k.ntiles; ++j) load_tile(k, j);
+      named_sync(kBarQFree, kThreads); /* also orders every thread's staging writes before the copy */
+      if (tid == 0) {
+        *sh.item(handovers) = nxt;
+        if (nxt < nitems) {
+          mbar_expect_tx(sh.qfull(), C::kQBytes);
+          bulk_load(smem_u32(sh.tile(C::kOffQ)), staging, C::kQBytes, sh.qfull());
+        }
+        mbar_arrive(sh.qfull());
+      }
+      ++handovers;
+      cur = nxt;
+    }
+    /* match the consumers' releases of the stages of the last tiles */
+    for (int t = loaded > kStages ? loaded - kStages : 0; t < loaded; ++t) named_sync(kBarEmpty + t % kStages, kThreads);
   }
 
   /* ---------------------------------------------------------------- consumer warpgroups */
@@ -155,139 +294,173 @@ struct Kernel {
       Wgmma<DP>::rs(o, pa[kb], sw128_desc(v_lo + (kb >> 2) * (DP * 8) + (kb & 3) * 2), 1);
   }
 
-  /* Per tile j the warpgroup issues S_j and the deferred P^q_{j-1} V^_{j-1} (two commit groups),
+  /* Position in the K^/V^ ring: the stage of the next tile and the parity of its "full" phase
+   * (the tiles of all items follow each other, as the producer loads them). */
+  struct Ring {
+    int stage = 0;
+    uint32_t phase = 0;
+    __device__ void next() {
+      if (++stage == kStages) stage = 0, phase ^= 1u;
+    }
+  };
+
+  /* Per item: run the tiles, release Q^ after the last S (kBarQFree), store O and the LSE, then
+   * wait for the next item's Q^ and index ("Q^ full", see producer_loop).
+   * Per tile j the warpgroup issues S_j and the deferred P^q_{j-1} V^_{j-1} (two commit groups),
    * waits for S_j only and runs the first softmax phase (scores, maxima, statistics:
    * softmax_tile_stats) while P^q_{j-1} V^_{j-1} is still on the tensor cores; then waits for it,
    * frees the stage, writes P^q_j (softmax_tile_finish) and rescales O_acc by tile j's factor,
    * ready for P^q_j V^_j. O is accumulated in place by the wgmma. The two consumer warpgroups take
    * turns at issuing (kBarTurn, FA3's ping-pong: measured 1-3 % faster than free-running), so one's
-   * wgmma run while the other does its softmax.
+   * wgmma run while the other does its softmax; the turns run on over the items.
    * With an attn_mask, both groups are waited for first: ptxas serializes every wgmma of the
    * kernel (warning C7513) when the general mask code (data-dependent branches and loads) runs
    * while a group is in flight, and likewise when P^q_j is built while P^q_{j-1} is in flight
    * (more live registers than a consumer has). The causal and key-padding masks are branch-free
    * (mask_causal_tail) and take the overlapped path. */
-  static __device__ void consumer(const Block &k) {
-    const AttnArgs &a = k.args();
+  static __device__ void consumer(const Params &prm, const Shared &sh) {
+    const AttnArgs &a = prm.a;
     const AttnWorkspace &w = a.ws;
-    const int ctid = threadIdx.x - 128;                 /* 0..255 */
-    const int cwg = ctid >> 7, wwarp = (ctid >> 5) & 3; /* consumer warpgroup, warp in it */
-    const WarpRows rows = {k.b, k.h, k.q0 + cwg * 64 + wwarp * 16};
-    const float decq = w.qscale[k.bh * 2 + 1];
-    const float deck = w.kvscale[k.bhk * 4 + 1], decv = w.kvscale[k.bhk * 4 + 3];
-    const float cqk = a.scale_log2 * (decq * deck);
+    const int ctid = threadIdx.x - 128; /* 0..255 */
+    /* consumer warpgroup and warp in it. Persistent blocks broadcast cwg from lane 0: the compiler
+     * then knows it is warp-uniform and keeps the Q^ descriptors in uniform registers (they
+     * spilled in the tile loop otherwise); with one item per block the plain value spills less. */
+    const int cwg = C::kPersistent ? __shfl_sync(0xffffffffu, ctid >> 7, 0) : ctid >> 7, wwarp = (ctid >> 5) & 3;
     /* this warpgroup's 64 rows of Q^: 64 x 128 bytes into each column block */
-    const uint32_t q_lo = sw128_desc_lo(smem_u32(k.tiles + C::kOffQ) + cwg * 64 * 128);
-    const uint32_t k_lo = sw128_desc_lo(smem_u32(k.tiles + C::kOffK)), v_lo = sw128_desc_lo(smem_u32(k.tiles + C::kOffV));
-    const auto k_desc = [&](int buf) { return k_lo + buf * (C::kKBytes / 16); };
-    const auto v_desc = [&](int buf) { return v_lo + buf * (C::kVBytes / 16); };
-    /* turns: consumer 0 starts; consumer 1 skips its last hand-over so no arrival is left over */
+    const uint32_t q_lo = sw128_desc_lo(smem_u32(sh.tiles + C::kOffQ) + cwg * 64 * 128);
+    const uint32_t k_lo = sw128_desc_lo(smem_u32(sh.tiles + C::kOffK)), v_lo = sw128_desc_lo(smem_u32(sh.tiles + C::kOffV));
+    const auto k_desc = [&](int stage) { return k_lo + stage * (C::kKBytes / 16); };
+    const auto v_desc = [&](int stage) { return v_lo + stage * (C::kVBytes / 16); };
+    /* turns: consumer 1 hands the first to consumer 0; consumer 0 takes back the last hand-over */
     const auto turn_begin = [&]() { named_sync(kBarTurn + cwg, kTurnCount); };
-    const auto turn_end = [&](bool last) {
-      if (!(last && cwg == 1)) named_arrive(kBarTurn + (cwg ^ 1), kTurnCount);
+    const auto turn_end = [&]() { named_arrive(kBarTurn + (cwg ^ 1), kTurnCount); };
+    if (cwg == 1) named_arrive(kBarTurn + 0, kTurnCount);
+
+    Ring ring;
+    const int nitems = item_count(a.p);
+    /* item n of this block: blockIdx.x, then from hand-over n - 1 (read where needed rather than
+     * kept: one register less in the tile loop, which spilled otherwise) */
+    const auto item_index = [&](int n) { return n == 0 ? (int)blockIdx.x : __shfl_sync(0xffffffffu, *sh.item(n - 1), 0); };
+    /* releases Q^ after the item's last S (persistent blocks only: otherwise Q^ stays) */
+    const auto q_free = [&]() {
+      if (C::kPersistent) named_arrive(kBarQFree, kThreads);
     };
-
-    InPlaceSoftmaxState st;
-    st.m[0] = st.m[1] = st.ref[0] = st.ref[1] = -INFINITY;
-    st.l[0] = st.l[1] = 0.0f;
-    float o[DP / 8][4];
+    for (int item_no = 0;; ++item_no) {
+      if constexpr (C::kPersistent) {
+        mbar_wait(sh.qfull(), item_no & 1); /* Q^ of the item, and its index (or the end) */
+        if (item_index(item_no) >= nitems) break;
+      } else if (item_no > 0) {
+        break; /* one item per block, its Q^ from the prologue */
+      }
+      const Item k = item_at(a, item_index(item_no));
+      const WarpRows rows = {k.b, k.h, k.q0 + cwg * 64 + wwarp * 16};
+      const float decq = w.qscale[k.bh * 2 + 1];
+      const float deck = w.kvscale[k.bhk * 4 + 1];
+      const float cqk = a.scale_log2 * (decq * deck);
+      InPlaceSoftmaxState st;
+      st.m[0] = st.m[1] = st.ref[0] = st.ref[1] = -INFINITY;
+      st.l[0] = st.l[1] = 0.0f;
+      float o[DP / 8][4];
 #pragma unroll
-    for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+      for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
-    if (k.ntiles > 0) {
-      if (cwg == 1) named_arrive(kBarTurn + 0, kTurnCount);
-      float s[16][4];
-      uint32_t pa[8][4];
-      /* tile 0: S only (O_acc is zero, its factor does not matter) */
-      uint32_t phase = 0; /* parity of the stages' next "full" phase (flips after the last stage) */
-      mbar_wait(k.full(0), phase);
-      turn_begin();
-      wgmma_fence();
-      issue_scores(s, q_lo, k_desc(0));
-      wgmma_commit();
-      turn_end(false);
-      wgmma_wait<0>();
-      fence_regs(s);
-      TileStats ts;
-      softmax_tile_stats<MaskPath::kAll>(a.p, rows, 0, cqk, k.bias(0), s, st, ts);
-      softmax_tile_finish(s, ts, st, pa);
-
-      for (int j = 1, buf = 1, prev = 0; j < k.ntiles; ++j) {
-        mbar_wait(k.full(buf), phase);
-        phase ^= buf == kStages - 1;
+      if (k.ntiles == 0) q_free();
+      if (k.ntiles > 0) {
+        float s[16][4];
+        uint32_t pa[8][4];
+        /* tile 0: S only (O_acc is zero, its factor does not matter) */
+        mbar_wait(sh.full(ring.stage), ring.phase);
         turn_begin();
         wgmma_fence();
-        issue_scores(s, q_lo, k_desc(buf));
+        issue_scores(s, q_lo, k_desc(ring.stage));
         wgmma_commit();
+        turn_end();
+        wgmma_wait<0>();
+        fence_regs(s);
+        if (k.ntiles == 1) q_free();
+        TileStats ts;
+        softmax_tile_stats<MaskPath::kAll>(a.p, rows, 0, cqk, sh.bias(ring.stage), s, st, ts);
+        softmax_tile_finish(s, ts, st, pa);
+        int prev = ring.stage;
+        ring.next();
+
+        for (int j = 1; j < k.ntiles; ++j) {
+          mbar_wait(sh.full(ring.stage), ring.phase);
+          turn_begin();
+          wgmma_fence();
+          issue_scores(s, q_lo, k_desc(ring.stage));
+          wgmma_commit();
+          issue_pv(o, pa, v_desc(prev));
+          wgmma_commit();
+          turn_end();
+          if (a.p.mask_kind == FP4ATTN_MASK_NONE) {
+            wgmma_wait<1>(); /* S_j; phase 1 overlaps P^q_{j-1} V^_{j-1} */
+            fence_regs(s);
+            if (j == k.ntiles - 1) q_free();
+            softmax_tile_stats<MaskPath::kCausalTail>(a.p, rows, (int64_t)j * kTile, cqk, sh.bias(ring.stage), s, st, ts);
+            wgmma_wait<0>();
+          } else {
+            wgmma_wait<0>();
+            fence_regs(s);
+            if (j == k.ntiles - 1) q_free();
+            softmax_tile_stats<MaskPath::kAll>(a.p, rows, (int64_t)j * kTile, cqk, sh.bias(ring.stage), s, st, ts);
+          }
+          fence_regs(o);
+          named_arrive(kBarEmpty + prev, kThreads); /* stage prev is free */
+          softmax_tile_finish(s, ts, st, pa);
+          rescale_rows(o, ts.ofac);
+          prev = ring.stage;
+          ring.next();
+        }
+        /* the last tile's P^q V^ */
+        turn_begin();
+        wgmma_fence();
         issue_pv(o, pa, v_desc(prev));
         wgmma_commit();
-        turn_end(false);
-        if (a.p.mask_kind == FP4ATTN_MASK_NONE) {
-          wgmma_wait<1>(); /* S_j; phase 1 overlaps P^q_{j-1} V^_{j-1} */
-          fence_regs(s);
-          softmax_tile_stats<MaskPath::kCausalTail>(a.p, rows, (int64_t)j * kTile, cqk, k.bias(buf), s, st, ts);
-          wgmma_wait<0>();
-        } else {
-          wgmma_wait<0>();
-          fence_regs(s);
-          softmax_tile_stats<MaskPath::kAll>(a.p, rows, (int64_t)j * kTile, cqk, k.bias(buf), s, st, ts);
-        }
+        turn_end();
+        wgmma_wait<0>();
         fence_regs(o);
-        if (j - 1 + kStages < k.ntiles) named_arrive(kBarEmpty + prev, kThreads); /* stage prev is free */
-        softmax_tile_finish(s, ts, st, pa);
-        rescale_rows(o, ts.ofac);
-        prev = buf;
-        buf = buf + 1 == kStages ? 0 : buf + 1;
+        named_arrive(kBarEmpty + prev, kThreads);
       }
-      /* the last tile's P^q V^ (its stage is never refilled) */
-      turn_begin();
-      wgmma_fence();
-      issue_pv(o, pa, v_desc((k.ntiles - 1) % kStages));
-      wgmma_commit();
-      turn_end(true);
-      wgmma_wait<0>();
-      fence_regs(o);
-    }
-    float omul[2];
+      /* persistent blocks: the item once more for the epilogue (recomputing it costs a few integer
+       * operations, keeping it through the tile loop cost the consumers spills there) */
+      const Item e = C::kPersistent ? item_at(a, item_index(item_no)) : k;
+      const WarpRows erows = {e.b, e.h, e.q0 + cwg * 64 + wwarp * 16};
+      const float decv = w.kvscale[e.bhk * 4 + 3];
+      float omul[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-      omul[r] = st.ref[r] == -INFINITY ? 0.0f : fast_exp2(st.ref[r] - st.m[r]) * (decv / FP4ATTN_NVFP4_RANGE);
-    store_rows<DP>(a, rows, k.bh, o, omul, st, k.qbar, w.kbar + k.bhk * DP);
+      for (int r = 0; r < 2; ++r)
+        omul[r] = st.ref[r] == -INFINITY ? 0.0f : fast_exp2(st.ref[r] - st.m[r]) * (decv / FP4ATTN_NVFP4_RANGE);
+      store_rows<DP>(a, erows, e.bh, o, omul, st, e.qbar, w.kbar + e.bhk * DP);
+    }
+    if (cwg == 0) turn_begin(); /* consumer 1's last hand-over */
   }
 
   static __device__ void run(const Params &prm, char *smem) {
-    const AttnArgs &a = prm.a;
+    if (blockIdx.x >= item_count(prm.a.p)) return;
     /* the operand tiles need 1024-byte alignment (the swizzle works on address bits) */
     const uint32_t tiles_at = (smem_u32(smem) + C::kSmall + 1023u) & ~1023u;
-    const fp4attn_attention_params &p = a.p;
-    const AttnWorkspace &w = a.ws;
-    Block k;
-    k.prm = &prm;
-    k.small = smem;
-    k.tiles = smem + (tiles_at - smem_u32(smem));
-    static_cast<QueryBlock &>(k) = query_block(p, w, kRows);
-
-    k.qbar = w.qbar + (k.bh * w.nqb + k.q0 / kTile) * DP;
-    /* prologue, all threads: the "full" mbarriers, Q^ (exact FP16 values, swizzled for wgmma) */
+    Shared sh;
+    sh.small = smem;
+    sh.tiles = smem + (tiles_at - smem_u32(smem));
     if (threadIdx.x == 0) {
-      for (int st = 0; st < kStages; ++st) mbar_init(k.full(st), 128);
+      for (int st = 0; st < kStages; ++st) mbar_init(sh.full(st), 128);
+      mbar_init(sh.qfull(), 1);
       mbar_init_fence();
     }
-    __half *qs = k.tile(C::kOffQ);
-    quantize_q_rows<DP>(a, k.b, k.h, k.bh, k.q0, kRows, k.qbar, threadIdx.x, kThreads,
-                        [&](int r, int col, const uint32_t (&v)[8]) {
-                          *reinterpret_cast<uint4 *>(qs + sw128_offset(kRows, r, col)) = make_uint4(v[0], v[1], v[2], v[3]);
-                          *reinterpret_cast<uint4 *>(qs + sw128_offset(kRows, r, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
-                        });
-    fence_proxy_async();
+    if constexpr (!C::kPersistent) { /* the block's one item: Q^ by all threads */
+      __half *qs = sh.tile(C::kOffQ);
+      quantize_q(prm.a, blockIdx.x, 0, kRows, threadIdx.x, kThreads,
+                 [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; });
+      fence_proxy_async();
+    }
     __syncthreads();
-
     if (threadIdx.x < 128) {
       regs_dealloc<C::kProducerRegs>();
-      producer(k);
+      producer(prm, sh);
     } else {
       regs_alloc<C::kConsumerRegs>();
-      consumer(k);
+      consumer(prm, sh);
     }
   }
 #endif /* FP4ATTN_SM90_WGMMA */
@@ -309,13 +482,16 @@ fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &km
 
 template <int DP>
 fp4attn_status launch(const AttnArgs &a, cudaStream_t s) {
-  static bool configured[64] = {false};
+  static int resident[64] = {0};
   Params prm;
   prm.a = a;
   fp4attn_status st = encode_tensor_maps(a, DP, prm.kmap, prm.vmap);
   if (st.code != FP4ATTN_OK) return st;
-  return launch_forward(attention_fwd_sm90_kernel<DP>, prm, a.p, kRows, kThreads, Config<DP>::kSmem, configured,
-                        "attention (sm90 kernel)", s);
+  /* persistent: at most one block per staging buffer (ws.qstage: one per SM) */
+  if (Config<DP>::kPersistent && a.ws.qstage_blocks < 1)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention (sm90 kernel): the workspace has no Q^ staging");
+  return launch_forward(attention_fwd_sm90_kernel<DP>, prm, a.p, kRows, kThreads, Config<DP>::kSmem, resident,
+                        Config<DP>::kPersistent ? a.ws.qstage_blocks : 0, "attention (sm90 kernel)", s);
 }
 
 }  // namespace sm90

@@ -177,6 +177,18 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void *tmap, int 
       : "memory");
 }
 
+/* Bulk copy of `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte
+ * aligned), counted against the transaction count announced on mbarrier `bar`. */
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+/* Make this thread's ordinary global-memory writes visible to later reads by the asynchronous
+ * proxy (bulk copies, TMA), once the reader is ordered after it (a barrier). */
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+
 template <int R>
 __device__ __forceinline__ void regs_dealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
 template <int R>
