@@ -69,7 +69,6 @@ __device__ __forceinline__ int item_count(const fp4attn_attention_params &p) {
   return (int)(p.batch * p.heads_q * ((p.len_q + kRows - 1) / kRows));
 }
 
-
 template <int DP>
 struct Config {
   /* setmaxnreg split of the launch allocation, 168 x 384 = P x 128 + C x 256. With the TMA the
@@ -77,14 +76,14 @@ struct Config {
    * DP = 128 it holds 64 registers of K and 32 of A fragments); the consumers must not: 120 / 192
    * at DP = 128 reloaded consumer state from local memory every tile and measured 5 % slower. */
   static constexpr int kProducerRegs = 104;
+  static constexpr int kConsumerRegs = 200;
+  static_assert(kProducerRegs + 2 * kConsumerRegs == 3 * 168, "setmaxnreg split of 168 x 384");
   /* Persistent blocks (item_count) where the producer has the slack to quantize the next item's
    * Q^ between its tiles: DP = 64. At DP = 128 its bias work per tile is twice as large, and
    * measured on the H200 one block per item with all 384 threads quantizing Q in the prologue was
    * faster at N <= 8K and with causal masking (persistent: up to 19 % slower at N = 1K, 3 % faster
    * at N = 16K without masking). */
   static constexpr bool kPersistent = DP == 64;
-  static constexpr int kConsumerRegs = 200;
-  static_assert(kProducerRegs + 2 * kConsumerRegs == 3 * 168, "setmaxnreg split of 168 x 384");
   /* 16-column blocks of Q a thread loads before quantizing them; the producer quantizes the next
    * item's Q^ in kQPieces pieces of kQBatch blocks per thread, one after each tile load */
   static constexpr int kQBatch = 2;
