@@ -10,8 +10,8 @@
  *     has the TMA load the K^ and V^ tiles (exact FP16 values written by the pre-pass; the
  *     tensor maps apply the 128-byte swizzle wgmma reads) onto the stage's "full" mbarrier, and
  *     all 128 threads compute the q-mean correction bias[key] = scale log2e qbar . K[key] from K
- *     in input precision (on mma.sync, BiasMma) and arrive on it. A ring of kStages buffers; it
- *     refills one when both consumers signal "empty". Persistent blocks: between its tiles the
+ *     in input precision (on mma.sync, BiasMma) and arrive on it. A ring of Config::kStages
+ *     buffers; it refills one when both consumers signal "empty". Persistent blocks: between its tiles the
  *     producer also quantizes the next item's Q (Q - qbar, global scale, phi) into a staging
  *     buffer in global memory, and copies it into shared memory (one bulk copy) as soon as the
  *     consumers are done with the current item's Q^ (producer_loop).
@@ -41,13 +41,11 @@ namespace sm90 {
 
 constexpr int kThreads = 384;      /* producer + 2 consumer warpgroups */
 constexpr int kRows = 128;         /* query rows per work item (SPEC 4 Bq) */
-/* K^/V^/bias ring: a consumer holds two stages (S_j and the deferred P^q_{j-1} V^_{j-1}) while
- * the producer fills the third */
-constexpr int kStages = 3;
+constexpr int kMaxStages = 4; /* of the K^/V^/bias ring (Config::kStages) */
 /* Named barriers (0 is __syncthreads). "Full" is an mbarrier per stage (Config::kOffFull): the
  * 128 producer threads arrive after writing the bias, and the TMA completes the tile bytes. */
-constexpr int kBarEmpty = 1;                  /* + stage: both consumers are done with it */
-constexpr int kBarTurn = kBarEmpty + kStages; /* + consumer: its turn to issue wgmma */
+constexpr int kBarEmpty = 1;                     /* + stage: both consumers are done with it */
+constexpr int kBarTurn = kBarEmpty + kMaxStages; /* + consumer: its turn to issue wgmma */
 constexpr int kTurnCount = 256;               /* one consumer arrives, the other syncs */
 constexpr int kBarQFree = kBarTurn + 2;       /* both consumers have read Q^ of their item for the last time */
 constexpr int kBarProducer = kBarQFree + 1;   /* the producer warpgroup alone */
@@ -84,6 +82,11 @@ struct Config {
    * faster at N <= 8K and with causal masking (persistent: up to 19 % slower at N = 1K, 3 % faster
    * at N = 16K without masking). */
   static constexpr bool kPersistent = DP == 64;
+  /* K^/V^/bias ring: a consumer holds two stages (S_j and the deferred P^q_{j-1} V^_{j-1}) while
+   * the producer fills the others. DP = 64 has the shared memory for a fourth, which lets the
+   * producer of a persistent block run further ahead into the next item. */
+  static constexpr int kStages = DP == 64 ? 4 : 3;
+  static_assert(kStages <= kMaxStages, "named barriers for the ring");
   /* 16-column blocks of Q a thread loads before quantizing them; the producer quantizes the next
    * item's Q^ in kQPieces pieces of kQBatch blocks per thread, one after each tile load */
   static constexpr int kQBatch = 2;
@@ -192,7 +195,7 @@ struct Kernel {
     int loaded = 0; /* tiles loaded, over all items */
     int stage = 0;
     const auto load_tile = [&](const Item &k, int j) {
-      if (loaded >= kStages) named_sync(kBarEmpty + stage, kThreads);
+      if (loaded >= C::kStages) named_sync(kBarEmpty + stage, kThreads);
       if (tid == 0) {
         const uint32_t full = sh.full(stage);
         const uint32_t ks = smem_u32(sh.tiles + C::kOffK + stage * C::kKBytes);
@@ -211,7 +214,7 @@ struct Kernel {
         compute_bias<DP, 1>(a, k.b, k.hk, (int64_t)j * kTile + tid, 0, k.qbar, sh.bias(stage) + tid);
       mbar_arrive(sh.full(stage));
       ++loaded;
-      stage = stage + 1 == kStages ? 0 : stage + 1;
+      stage = stage + 1 == C::kStages ? 0 : stage + 1;
     };
     const int nitems = item_count(a.p);
     __half *staging = a.ws.qstage + (int64_t)blockIdx.x * (kRows * DP);
@@ -270,7 +273,8 @@ struct Kernel {
       cur = nxt;
     }
     /* match the consumers' releases of the stages of the last tiles */
-    for (int t = loaded > kStages ? loaded - kStages : 0; t < loaded; ++t) named_sync(kBarEmpty + t % kStages, kThreads);
+    for (int t = loaded > C::kStages ? loaded - C::kStages : 0; t < loaded; ++t)
+      named_sync(kBarEmpty + t % C::kStages, kThreads);
   }
 
   /* ---------------------------------------------------------------- consumer warpgroups */
@@ -299,7 +303,7 @@ struct Kernel {
     int stage = 0;
     uint32_t phase = 0;
     __device__ void next() {
-      if (++stage == kStages) stage = 0, phase ^= 1u;
+      if (++stage == C::kStages) stage = 0, phase ^= 1u;
     }
   };
 
@@ -443,7 +447,7 @@ struct Kernel {
     sh.small = smem;
     sh.tiles = smem + (tiles_at - smem_u32(smem));
     if (threadIdx.x == 0) {
-      for (int st = 0; st < kStages; ++st) mbar_init(sh.full(st), 128);
+      for (int st = 0; st < C::kStages; ++st) mbar_init(sh.full(st), 128);
       mbar_init(sh.qfull(), 1);
       mbar_init_fence();
     }
