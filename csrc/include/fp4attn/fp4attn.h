@@ -127,7 +127,9 @@ int fp4attn_cpu_has_openmp(void);
 
 /* CUDA backend (csrc/cuda). `stream` is a cudaStream_t; work is enqueued on it on the current
  * device, without host synchronisation (safe under CUDA-graph capture). The attention needs a
- * device workspace of fp4attn_cuda_attention_workspace_bytes(p) bytes (256-byte aligned). */
+ * device workspace of fp4attn_cuda_attention_workspace_bytes(p) bytes (256-byte aligned), sized
+ * for the current device (it depends on its SM count): query the size and launch with the same
+ * device current. */
 fp4attn_status fp4attn_cuda_quantize(const fp4attn_quantize_params *p, void *stream);
 fp4attn_status fp4attn_cuda_dequantize(const fp4attn_dequantize_params *p, void *stream);
 fp4attn_status fp4attn_cuda_fp4mm(const fp4attn_fp4mm_params *p, void *stream);
