@@ -60,6 +60,15 @@ struct AttnArgs {
 
 static inline int64_t padded_head_dim(int64_t d) { return d <= 64 ? 64 : (d <= 128 ? 128 : 256); }
 
+/* Query blocks of `rows` rows of one (batch, query head), and of all of them: the forward
+ * kernels' blocks or work items (query_block). */
+__host__ __device__ inline int64_t query_blocks_per_head(const fp4attn_attention_params &p, int rows) {
+  return (p.len_q + rows - 1) / rows;
+}
+__host__ __device__ inline int64_t query_block_count(const fp4attn_attention_params &p, int rows) {
+  return p.batch * p.heads_q * query_blocks_per_head(p, rows);
+}
+
 /* Bytes of the sync section (see the layout above). */
 static inline int64_t attn_sync_bytes(int64_t bhk, int64_t bhq, int64_t dp) {
   return 24 + 4 * (2 * bhk + bhq) + 8 * bhk * dp;
@@ -140,7 +149,7 @@ fp4attn_status launch_forward(Kernel kernel, const Args &args, const fp4attn_att
   cudaGetDevice(&dev);
   int at_once = dev >= 0 && dev < 64 ? resident[dev] : 0;
   if (at_once == 0) {
-    int optin = 0, sms = 0, per_sm = 0;
+    int optin = 0, per_sm = 0;
     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     if (optin < smem)
       return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
@@ -148,13 +157,12 @@ fp4attn_status launch_forward(Kernel kernel, const Args &args, const fp4attn_att
                           "allows %d",
                           name, (long long)padded_head_dim(p.head_dim), smem, optin);
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess)
       return launch_status(name);
-    at_once = sms * (per_sm > 0 ? per_sm : 1);
+    at_once = sm_count() * (per_sm > 0 ? per_sm : 1);
     if (dev >= 0 && dev < 64) resident[dev] = at_once;
   }
-  int64_t blocks = p.batch * p.heads_q * ceil_div(p.len_q, rows);
+  int64_t blocks = query_block_count(p, rows);
   if (blocks > 0x7FFFFFFFLL) return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "%s: too many query blocks", name);
   if (persistent > 0) blocks = min(blocks, min((int64_t)at_once, persistent));
   kernel<<<(unsigned)blocks, threads, smem, s>>>(args);

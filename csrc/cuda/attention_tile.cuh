@@ -82,7 +82,7 @@ struct QueryBlock {
 __device__ __forceinline__ QueryBlock query_block(const fp4attn_attention_params &p,
                                                   const AttnWorkspace &w, int rows, int64_t item) {
   QueryBlock k;
-  const int64_t nqt = (p.len_q + rows - 1) / rows;
+  const int64_t nqt = query_blocks_per_head(p, rows);
   k.bh = item / nqt;
   int64_t qt = item % nqt;
   if (p.causal) qt = nqt - 1 - qt;

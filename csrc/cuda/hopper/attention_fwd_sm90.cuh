@@ -64,7 +64,7 @@ struct Params {
  * running items are neighbours (they share K/V in L2), and with causal masking the long ones go
  * first. */
 __device__ __forceinline__ int item_count(const fp4attn_attention_params &p) {
-  return (int)(p.batch * p.heads_q * ((p.len_q + kRows - 1) / kRows));
+  return (int)query_block_count(p, kRows);
 }
 
 template <int DP>
