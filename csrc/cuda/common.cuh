@@ -1,10 +1,12 @@
 /*
  * Shared device helpers of the CUDA backend (sm_80 and newer): status construction, dtype
  * conversion, tensor-core fragments (ldmatrix, mma.sync m16n8k16), cp.async, the fast
- * non-negative E2M1 rounding used for P, and the cached SM count.
+ * non-negative E2M1 roundings used for P (e2m1_grid_nonneg, e2m1_pair_sat6), and the cached SM
+ * count.
  *
  * Every rounding that must be bit-exact with the CPU backend goes through numerics.h or through
- * a helper here that is proven equal to it (see e2m1_grid_nonneg).
+ * a helper proven equal to it (quantize_fast.cuh). P's rounding (SPEC 4 asks rel_l1, not bits) may
+ * differ at exact ties: e2m1_pair_sat6.
  */
 #ifndef FP4ATTN_CUDA_COMMON_CUH
 #define FP4ATTN_CUDA_COMMON_CUH
@@ -165,7 +167,7 @@ __device__ __forceinline__ void load8_padded(const void *base, fp4attn_dtype dt,
  * 3.5 -> 4, 5 -> 4), and subtracting 2^(e+22) again is exact. Both steps are FMAs with 2^22
  * (one rounding each, like the adds), so the whole is max, and, FMA, FMA.
  * min(e2m1_grid_nonneg(y), 6) equals value(fp4attn_e2m1_encode(y)) for every float in [0, 16]
- * (tests/cuda_harness/check_fast_rounding.cu, run by CI). */
+ * (tests/cuda_harness/check_fast_rounding.cu). */
 __host__ __device__ __forceinline__ float e2m1_grid_nonneg(float y) {
   const float p2 = fp4attn_bits_float(fp4attn_float_bits(y > 1.0f ? y : 1.0f) & 0x7F800000u);
 #if defined(__CUDA_ARCH__)
@@ -173,6 +175,53 @@ __host__ __device__ __forceinline__ float e2m1_grid_nonneg(float y) {
 #else
   volatile float t = fmaf(p2, 4194304.0f, y); /* keep the two roundings separate on the host too */
   return fmaf(-p2, 4194304.0f, t);
+#endif
+}
+
+/* rne_e2m1 (SPEC 1) of two floats y0, y1 >= 0, saturated at 6, as the FP16 pair of the
+ * rounded values (y0 in the low half), in packed FP16 arithmetic (2 values per instruction):
+ *  1. h = y rounded toward zero to FP16 (above 65504: 65504), then min(h, 6), then h's last bit set.
+ *     Every E2M1 rounding tie (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is an FP16 value whose last bit
+ *     is 0, so h lies on the same side of every tie as y, or just above a tie that y is exactly.
+ *     (Rounding to nearest FP16 instead moves the values within half an FP16 unit of a tie onto it:
+ *     measured, that pushed rel_l1 against the reference to 2e-3..3.6e-3.)
+ *  2. With 2^e the power of two at or below max(h, 1), h + 2^(e+9) is an FP16 value whose unit in
+ *     the last place is the E2M1 spacing of h's binade (0.5 below 2, 1 in [2, 4), 2 in [4, 8)); its
+ *     rounding to nearest even (an FMA) puts h on the grid, and subtracting 2^(e+9) is exact.
+ * The result is value(fp4attn_e2m1_encode(y)) for every float y >= 0 except the 7 ties themselves,
+ * which round up instead of to even: a Pq/s exactly on a tie needs exp2 to land on one of 7 values,
+ * and the approximate exp2 already moves Pq/s by a few units in the last place.
+ * tests/cuda_harness/check_fast_rounding.cu checks every float, on the host (CI) and the GPU.
+ * 8 instructions per pair; rounding in FP32 first took 4 per value plus 3 per pair. */
+__host__ __device__ __forceinline__ uint32_t e2m1_pair_sat6(float y0, float y1) {
+#if defined(__CUDA_ARCH__)
+  uint32_t h, m, p2, t, r;
+  asm("cvt.rz.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(y1), "f"(y0)); /* first operand: high half */
+  asm("min.f16x2 %0, %1, %2;" : "=r"(m) : "r"(h), "r"(0x46004600u)); /* 6 */
+  m |= 0x00010001u;
+  asm("max.f16x2 %0, %1, %2;" : "=r"(p2) : "r"(m), "r"(0x3C003C00u)); /* 1 */
+  p2 &= 0x7C007C00u;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(t) : "r"(p2), "r"(0x60006000u), "r"(m));  /* 512 */
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(p2), "r"(0xE000E000u), "r"(t)); /* -512 */
+  return r;
+#else
+  /* the same steps on the host, one value at a time, in exact double arithmetic */
+  const auto one = [](float y) -> uint32_t {
+    double h; /* step 1: toward zero onto the FP16 grid (spacing 2^-24 below 2^-14), at most 6 (NaN: 6, as min.f16x2) */
+    if (!(y < 6.0f)) {
+      h = 6.0;
+    } else {
+      const int e = y < 0x1p-14f ? -14 : (int)((fp4attn_float_bits(y) >> 23) & 0xFF) - 127;
+      const double ulp = ldexp(1.0, e - 10);
+      h = floor((double)y / ulp) * ulp;
+      if (fmod(h / ulp, 2.0) == 0.0) h += ulp; /* the last bit set */
+    }
+    const double p2 = h < 1.0 ? 1.0 : ldexp(1.0, ilogb(h));
+    const double spacing = p2 / 2; /* of FP16 at 512 p2, and of E2M1 in h's binade */
+    const double r = nearbyint(h / spacing) * spacing; /* (512 p2 + h) to nearest even, minus 512 p2 */
+    return __half_as_ushort(__double2half(r));
+  };
+  return one(y0) | (one(y1) << 16);
 #endif
 }
 

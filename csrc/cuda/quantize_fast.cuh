@@ -23,8 +23,8 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 
 /* bmax / 6 for the E4M3 block scale: one FMA-corrected step instead of the IEEE division. The
  * quotient may differ from the correctly rounded one in the last bit, its E4M3 rounding never
- * does (checked exhaustively over [0, 2^96] by tests/cuda_harness/check_prepass.cu and over
- * [0, 4096] by check_fast_rounding.cu; above 2688 both saturate to 448). */
+ * does (checked exhaustively over [0, 2^96] by tests/cuda_harness/check_prepass.cu; above 2688
+ * both saturate to 448). */
 __device__ __forceinline__ float div6_e4m3(float a) {
   const float y = 0.16666667163372040f; /* fl(1/6) */
   const float q0 = __fmul_rn(a, y);
