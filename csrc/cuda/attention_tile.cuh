@@ -65,10 +65,10 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t code2, uint32_t hw, int 
  *   kPacked: e2m1_pair_sat6 (toward zero to FP16 with the last bit set, then the grid in packed
  *            FP16): 8 instructions per pair; exact ties round up.
  * The packed form has ~8 % fewer consumer instructions per tile. On the H200 it makes the sm90
- * kernel 10-13 % faster at head dim 128 but 3-5 % slower at 64 for N >= 4K (same session): there
- * the consumers' exp2 come in denser bursts, and the MIO queue they fill holds up the other
- * warpgroup's wgmma issue (ncu at N = 16K: mio_throttle stall samples 13K -> 86K, on MUFU and
- * HGMMA). */
+ * kernel 10-13 % faster at head dim 128 but 3-5 % slower at 64 for N >= 4K (same session). At 64,
+ * ncu (N = 16K) shows the MIO queue full (mio_throttle stall samples 13K -> 86K, on the MUFU and
+ * HGMMA instructions), although ptxas spreads the MUFU more evenly in that loop than with the FP32
+ * rounding (at most 26 against 41 in any 64 instructions): the cause is not understood. */
 enum class PRounding { kFp32, kPacked };
 
 /* rne_e2m1 (SPEC 1) of two non-negative values, saturated at 6, as the FP16 pair of rounded

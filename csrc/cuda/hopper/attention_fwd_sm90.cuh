@@ -88,7 +88,7 @@ struct Config {
   static constexpr int kStages = DP == 64 ? 4 : 3;
   static_assert(kStages <= kMaxStages, "named barriers for the ring");
   /* P's E2M1 rounding (attention_tile.cuh: PRounding). H200, same session: packed is 10-13 %
-   * faster at DP = 128 (N >= 4K) but 3-5 % slower at DP = 64 (MIO queue full of exp2). */
+   * faster at DP = 128 (N >= 4K) but 3-5 % slower at DP = 64 (MIO throttle, see there). */
   static constexpr PRounding kPRounding = DP == 128 ? PRounding::kPacked : PRounding::kFp32;
   /* 16-column blocks of Q a thread loads before quantizing them; the producer quantizes the next
    * item's Q^ in kQPieces pieces of kQBatch blocks per thread, one after each tile load */
