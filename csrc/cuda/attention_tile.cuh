@@ -59,30 +59,6 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t code2, uint32_t hw, int 
   return *reinterpret_cast<const uint32_t *>(&r2);
 }
 
-/* How P's E2M1 rounding runs (e2m1_pair); the choice is the kernel's, by measurement:
- *   kFp32:   e2m1_grid_nonneg on each value (max, and, FMA, FMA), then pack, min and multiply in
- *            half2: 4 FP32 instructions per value + 3 packed per pair; exact RNE.
- *   kPacked: e2m1_pair_sat6 (toward zero to FP16 with the last bit set, then the grid in packed
- *            FP16): 8 instructions per pair; exact ties round up.
- * The packed form has ~8 % fewer consumer instructions per tile. On the H200 it makes the sm90
- * kernel 10-13 % faster at head dim 128 but 3-5 % slower at 64 for N >= 4K (same session). At 64,
- * ncu (N = 16K) shows the MIO queue full (mio_throttle stall samples 13K -> 86K, on the MUFU and
- * HGMMA instructions), although ptxas spreads the MUFU more evenly in that loop than with the FP32
- * rounding (at most 26 against 41 in any 64 instructions): the cause is not understood. */
-enum class PRounding { kFp32, kPacked };
-
-/* rne_e2m1 (SPEC 1) of two non-negative values, saturated at 6, as the FP16 pair of rounded
- * values (y0 low). Rounding to FP16 first and then onto the E2M1 grid (no last bit set) moved the
- * values lying within half an FP16 unit of a tie and pushed rel_l1 against the reference to
- * 2e-3..3.6e-3 on the test shapes. */
-template <PRounding R>
-__device__ __forceinline__ uint32_t e2m1_pair(float y0, float y1) {
-  if (R == PRounding::kPacked) return e2m1_pair_sat6(y0, y1);
-  __half2 r = __floats2half2_rn(e2m1_grid_nonneg(y0), e2m1_grid_nonneg(y1));
-  r = __hmin2(r, __float2half2_rn(6.0f));
-  return *reinterpret_cast<uint32_t *>(&r);
-}
-
 /* The query rows of work item `item` (a CUDA block, or one item of a persistent block):
  * (batch, query head) bh = (b, h), its KV head hk (bhk), the first row q0 of its `rows`-row block
  * (items in reverse order when causal: longest rows first, so the short ones fill the tail), and
@@ -238,7 +214,6 @@ __device__ __forceinline__ float tile_row_max(const float (&bm)[8][2], int r) {
  * exact in FP16. The approximate exp2/log2 move Pq / s by a few units in the last place, which
  * changes its E2M1 code only when it sits on a rounding tie: the same kind of difference the
  * approximate exp always made, within SPEC 4's rel_l1 < 2e-3 against the reference. */
-template <PRounding R>
 __device__ __forceinline__ void quantize_p_blocks(const float (&s)[16][4], const float (&bm)[8][2],
                                                   const float (&toff)[2], uint32_t (&pa)[8][4],
                                                   float (&rsum)[2]) {
@@ -251,8 +226,8 @@ __device__ __forceinline__ void quantize_p_blocks(const float (&s)[16][4], const
     block_scales(fast_exp2(bm[kb][0] - toff6[0]), fast_exp2(bm[kb][1] - toff6[1]), sv, hw);
     /* A block whose scale rounds to 0 (max Pq / 6 below 2^-10) gets P^q = code * 0 = 0, but its
      * unquantized Pq still count in l (SPEC 4.5): y is taken against sc = max(s, 2^-126), so
-     * y * sc = Pq for the row sum, and y stays finite (below 2^121; e2m1_pair saturates it at 6
-     * before the multiplication by s = 0). */
+     * y * sc = Pq for the row sum, and y stays finite (below 2^121; e2m1_pair_sat6 saturates it
+     * at 6 before the multiplication by s = 0). */
     float sc[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -266,8 +241,8 @@ __device__ __forceinline__ void quantize_p_blocks(const float (&s)[16][4], const
       const float y2 = fast_exp2(s[2 * kb + 1][2 * r] - off[r]);
       const float y3 = fast_exp2(s[2 * kb + 1][2 * r + 1] - off[r]);
       rsum[r] = fmaf((y0 + y1) + (y2 + y3), sc[r], rsum[r]);
-      pa[kb][r] = scale_pair(e2m1_pair<R>(y0, y1), hw, r);
-      pa[kb][2 + r] = scale_pair(e2m1_pair<R>(y2, y3), hw, r);
+      pa[kb][r] = scale_pair(e2m1_pair_sat6(y0, y1), hw, r);
+      pa[kb][2 + r] = scale_pair(e2m1_pair_sat6(y2, y3), hw, r);
     }
   }
 }
@@ -278,7 +253,6 @@ __device__ __forceinline__ void quantize_p_blocks(const float (&s)[16][4], const
  *        alpha = exp(m_old - m_new) and gsc = exp(t - m_new) / 2688 per row (r = 0: g, 1: g+8),
  *        so that O = alpha O + gsc dV (P^q V^).
  * SPEC 4.4-4.5 in log2 units. */
-template <PRounding R>
 __device__ __forceinline__ void softmax_quantize_p(const fp4attn_attention_params &p,
                                                    const WarpRows &w, int64_t j0, float cqk,
                                                    const float *bias,
@@ -301,7 +275,7 @@ __device__ __forceinline__ void softmax_quantize_p(const fp4attn_attention_param
     st.m[r] = mnew;
   }
   float rsum[2];
-  quantize_p_blocks<R>(s, bm, toff, pa, rsum);
+  quantize_p_blocks(s, bm, toff, pa, rsum);
 #pragma unroll
   for (int r = 0; r < 2; ++r) st.l[r] = fmaf(alpha[r], st.l[r], gsc[r] * rsum[r]);
 }
@@ -356,11 +330,10 @@ __device__ __forceinline__ void softmax_tile_stats(const fp4attn_attention_param
 }
 
 /* Phase 2: P^q fragments (quantize_p_blocks) and l. */
-template <PRounding R>
 __device__ __forceinline__ void softmax_tile_finish(const float (&s)[16][4], const TileStats &ts,
                                                     InPlaceSoftmaxState &st, uint32_t (&pa)[8][4]) {
   float rsum[2];
-  quantize_p_blocks<R>(s, ts.bm, ts.toff, pa, rsum);
+  quantize_p_blocks(s, ts.bm, ts.toff, pa, rsum);
 #pragma unroll
   for (int r = 0; r < 2; ++r) st.l[r] = fmaf(ts.alpha[r], st.l[r], ts.lsc[r] * rsum[r]);
 }

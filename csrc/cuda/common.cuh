@@ -1,8 +1,7 @@
 /*
  * Shared device helpers of the CUDA backend (sm_80 and newer): status construction, dtype
  * conversion, tensor-core fragments (ldmatrix, mma.sync m16n8k16), cp.async, the fast
- * non-negative E2M1 roundings used for P (e2m1_grid_nonneg, e2m1_pair_sat6), and the cached SM
- * count.
+ * non-negative E2M1 rounding used for P (e2m1_pair_sat6), and the cached SM count.
  *
  * Every rounding that must be bit-exact with the CPU backend goes through numerics.h or through
  * a helper proven equal to it (quantize_fast.cuh). P's rounding (SPEC 4 asks rel_l1, not bits) may
@@ -159,25 +158,6 @@ __device__ __forceinline__ void load8_padded(const void *base, fp4attn_dtype dt,
 
 /* ------------------------------------------------------------------------ FP4 helpers */
 
-/* rne_e2m1 of SPEC 1 for y >= 0 (finite, below 2^100) as the rounded value, before saturation
- * (values above 6 come out as 8 or more: clamp at 6). With 2^e the power of two at or below
- * max(y, 1), the sum y + 2^(e+22) is a float32 whose unit in the last place is the E2M1 spacing
- * of y's binade (0.5 below 2, 1 in [2, 4), 2 in [4, 8)); its round-to-nearest-even puts y on the
- * E2M1 grid with the ties of SPEC 1 (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2,
- * 3.5 -> 4, 5 -> 4), and subtracting 2^(e+22) again is exact. Both steps are FMAs with 2^22
- * (one rounding each, like the adds), so the whole is max, and, FMA, FMA.
- * min(e2m1_grid_nonneg(y), 6) equals value(fp4attn_e2m1_encode(y)) for every float in [0, 16]
- * (tests/cuda_harness/check_fast_rounding.cu). */
-__host__ __device__ __forceinline__ float e2m1_grid_nonneg(float y) {
-  const float p2 = fp4attn_bits_float(fp4attn_float_bits(y > 1.0f ? y : 1.0f) & 0x7F800000u);
-#if defined(__CUDA_ARCH__)
-  return __fmaf_rn(-p2, 4194304.0f, __fmaf_rn(p2, 4194304.0f, y));
-#else
-  volatile float t = fmaf(p2, 4194304.0f, y); /* keep the two roundings separate on the host too */
-  return fmaf(-p2, 4194304.0f, t);
-#endif
-}
-
 /* rne_e2m1 (SPEC 1) of two floats y0, y1 >= 0, saturated at 6, as the FP16 pair of the
  * rounded values (y0 in the low half), in packed FP16 arithmetic (2 values per instruction):
  *  1. h = y rounded toward zero to FP16 (above 65504: 65504), then min(h, 6), then h's last bit set.
@@ -189,17 +169,27 @@ __host__ __device__ __forceinline__ float e2m1_grid_nonneg(float y) {
  *     the last place is the E2M1 spacing of h's binade (0.5 below 2, 1 in [2, 4), 2 in [4, 8)); its
  *     rounding to nearest even (an FMA) puts h on the grid, and subtracting 2^(e+9) is exact.
  * The result is value(fp4attn_e2m1_encode(y)) for every float y >= 0 except the 7 ties themselves,
- * which round up instead of to even: a Pq/s exactly on a tie needs exp2 to land on one of 7 values,
- * and the approximate exp2 already moves Pq/s by a few units in the last place.
+ * which round up instead of to even (NaN gives 6): a Pq/s exactly on a tie needs exp2 to land on
+ * one of 7 values, and the approximate exp2 already moves Pq/s by a few units in the last place.
  * tests/cuda_harness/check_fast_rounding.cu checks every float, on the host (CI) and the GPU.
- * 8 instructions per pair; rounding in FP32 first took 4 per value plus 3 per pair. */
+ * 7 instructions per pair; the FP32 form it replaced (max, and, FMA, FMA per value, then pack and
+ * min per pair) took 10; the multiplication by the block scale follows either. The min and max run as 16-bit integer operations on sm_90 (non-negative
+ * FP16 values order like their bits): as min.f16x2/max.f16x2 (HMNMX2) they made the H200 kernel
+ * 3-5 % slower than the FP32 form at head dim 64 (ncu: mio_throttle stalls 13K -> 86K samples),
+ * as VIMNMX.U16x2 it is 2-5 % faster. */
 __host__ __device__ __forceinline__ uint32_t e2m1_pair_sat6(float y0, float y1) {
 #if defined(__CUDA_ARCH__)
   uint32_t h, m, p2, t, r;
   asm("cvt.rz.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(y1), "f"(y0)); /* first operand: high half */
+#if __CUDA_ARCH__ >= 900 /* non-negative FP16 values (NaN above +inf) order like unsigned integers */
+  asm("min.u16x2 %0, %1, %2;" : "=r"(m) : "r"(h), "r"(0x46004600u)); /* 6 */
+  m |= 0x00010001u;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(p2) : "r"(m), "r"(0x3C003C00u)); /* 1 */
+#else
   asm("min.f16x2 %0, %1, %2;" : "=r"(m) : "r"(h), "r"(0x46004600u)); /* 6 */
   m |= 0x00010001u;
   asm("max.f16x2 %0, %1, %2;" : "=r"(p2) : "r"(m), "r"(0x3C003C00u)); /* 1 */
+#endif
   p2 &= 0x7C007C00u;
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(t) : "r"(p2), "r"(0x60006000u), "r"(m));  /* 512 */
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(p2), "r"(0xE000E000u), "r"(t)); /* -512 */
@@ -207,7 +197,7 @@ __host__ __device__ __forceinline__ uint32_t e2m1_pair_sat6(float y0, float y1) 
 #else
   /* the same steps on the host, one value at a time, in exact double arithmetic */
   const auto one = [](float y) -> uint32_t {
-    double h; /* step 1: toward zero onto the FP16 grid (spacing 2^-24 below 2^-14), at most 6 (NaN: 6, as min.f16x2) */
+    double h; /* step 1: toward zero onto the FP16 grid (spacing 2^-24 below 2^-14), at most 6 (NaN: 6, as the device's min) */
     if (!(y < 6.0f)) {
       h = 6.0;
     } else {

@@ -87,9 +87,6 @@ struct Config {
    * producer of a persistent block run further ahead into the next item. */
   static constexpr int kStages = DP == 64 ? 4 : 3;
   static_assert(kStages <= kMaxStages, "named barriers for the ring");
-  /* P's E2M1 rounding (attention_tile.cuh: PRounding). H200, same session: packed is 10-13 %
-   * faster at DP = 128 (N >= 4K) but 3-5 % slower at DP = 64 (MIO throttle, see there). */
-  static constexpr PRounding kPRounding = DP == 128 ? PRounding::kPacked : PRounding::kFp32;
   /* 16-column blocks of Q a thread loads before quantizing them; the producer quantizes the next
    * item's Q^ in kQPieces pieces of kQBatch blocks per thread, one after each tile load */
   static constexpr int kQBatch = 2;
@@ -386,7 +383,7 @@ struct Kernel {
         if (k.ntiles == 1) q_free();
         TileStats ts;
         softmax_tile_stats<MaskPath::kAll>(a.p, rows, 0, cqk, sh.bias(ring.stage), s, st, ts);
-        softmax_tile_finish<C::kPRounding>(s, ts, st, pa);
+        softmax_tile_finish(s, ts, st, pa);
         int prev = ring.stage;
         ring.next();
 
@@ -413,7 +410,7 @@ struct Kernel {
           }
           fence_regs(o);
           named_arrive(kBarEmpty + prev, kThreads); /* stage prev is free */
-          softmax_tile_finish<C::kPRounding>(s, ts, st, pa);
+          softmax_tile_finish(s, ts, st, pa);
           rescale_rows(o, ts.ofac);
           prev = ring.stage;
           ring.next();
