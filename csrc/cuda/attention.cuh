@@ -45,7 +45,10 @@ struct AttnWorkspace {
   int64_t bytes;
 };
 
-/* The Hopper kernel's work ticket: query blocks handed out after the first grid-size ones. */
+/* The u64 work tickets at the start of the sync section: the fused pre-pass's K/V-chunk and
+ * query-block tickets (0, 1) and the Hopper kernel's item ticket (2: query blocks handed out after
+ * the first grid-size ones). The pre-pass's u32 counters follow them. */
+constexpr int kSyncTickets = 3;
 __host__ __device__ inline unsigned long long *attn_item_ticket(const AttnWorkspace &w) {
   return static_cast<unsigned long long *>(w.sync) + 2;
 }
@@ -71,7 +74,7 @@ __host__ __device__ inline int64_t query_block_count(const fp4attn_attention_par
 
 /* Bytes of the sync section (see the layout above). */
 static inline int64_t attn_sync_bytes(int64_t bhk, int64_t bhq, int64_t dp) {
-  return 24 + 4 * (2 * bhk + bhq) + 8 * bhk * dp;
+  return 8 * kSyncTickets + 4 * (2 * bhk + bhq) + 8 * bhk * dp;
 }
 
 /* Fills the section pointers for `base` (may be null to only compute the size); the current

@@ -173,23 +173,23 @@ __device__ __forceinline__ void load8_padded(const void *base, fp4attn_dtype dt,
  * one of 7 values, and the approximate exp2 already moves Pq/s by a few units in the last place.
  * tests/cuda_harness/check_fast_rounding.cu checks every float, on the host (CI) and the GPU.
  * 7 instructions per pair; the FP32 form it replaced (max, and, FMA, FMA per value, then pack and
- * min per pair) took 10; the multiplication by the block scale follows either. The min and max run as 16-bit integer operations on sm_90 (non-negative
- * FP16 values order like their bits): as min.f16x2/max.f16x2 (HMNMX2) they made the H200 kernel
- * 3-5 % slower than the FP32 form at head dim 64 (ncu: mio_throttle stalls 13K -> 86K samples),
- * as VIMNMX.U16x2 it is 2-5 % faster. */
+ * min per pair) took 10; the multiplication by the block scale follows either. The min and max
+ * run as 16-bit integer operations on sm_90 (non-negative FP16 values order like their bits): as
+ * min.f16x2/max.f16x2 (HMNMX2) they made the H200 kernel 3-5 % slower than the FP32 form at head
+ * dim 64 (ncu: mio_throttle stalls 13K -> 86K samples), as VIMNMX.U16x2 it is 2-5 % faster. */
 __host__ __device__ __forceinline__ uint32_t e2m1_pair_sat6(float y0, float y1) {
 #if defined(__CUDA_ARCH__)
   uint32_t h, m, p2, t, r;
   asm("cvt.rz.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(y1), "f"(y0)); /* first operand: high half */
 #if __CUDA_ARCH__ >= 900 /* non-negative FP16 values (NaN above +inf) order like unsigned integers */
-  asm("min.u16x2 %0, %1, %2;" : "=r"(m) : "r"(h), "r"(0x46004600u)); /* 6 */
-  m |= 0x00010001u;
-  asm("max.u16x2 %0, %1, %2;" : "=r"(p2) : "r"(m), "r"(0x3C003C00u)); /* 1 */
+#define FP4ATTN_MINMAX_TYPE "u16x2"
 #else
-  asm("min.f16x2 %0, %1, %2;" : "=r"(m) : "r"(h), "r"(0x46004600u)); /* 6 */
-  m |= 0x00010001u;
-  asm("max.f16x2 %0, %1, %2;" : "=r"(p2) : "r"(m), "r"(0x3C003C00u)); /* 1 */
+#define FP4ATTN_MINMAX_TYPE "f16x2"
 #endif
+  asm("min." FP4ATTN_MINMAX_TYPE " %0, %1, %2;" : "=r"(m) : "r"(h), "r"(0x46004600u)); /* 6 */
+  m |= 0x00010001u;
+  asm("max." FP4ATTN_MINMAX_TYPE " %0, %1, %2;" : "=r"(p2) : "r"(m), "r"(0x3C003C00u)); /* 1 */
+#undef FP4ATTN_MINMAX_TYPE
   p2 &= 0x7C007C00u;
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(t) : "r"(p2), "r"(0x60006000u), "r"(m));  /* 512 */
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(p2), "r"(0xE000E000u), "r"(t)); /* -512 */

@@ -985,7 +985,7 @@ fp4attn_status launch_fused(const AttnArgs &a, cudaStream_t s) {
   const int64_t bhk = p.batch * p.heads_kv, bhq = p.batch * p.heads_q;
   f.kv_ticket = reinterpret_cast<unsigned long long *>(w.sync);
   f.q_ticket = f.kv_ticket + 1;
-  f.kv_count = reinterpret_cast<unsigned int *>(f.kv_ticket + 3); /* after attn_item_ticket */
+  f.kv_count = reinterpret_cast<unsigned int *>(f.kv_ticket + kSyncTickets);
   f.q_count = f.kv_count + bhk;
   f.vmax = f.q_count + bhq;
   f.kmin = f.vmax + bhk;
