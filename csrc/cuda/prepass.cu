@@ -7,24 +7,26 @@
  *
  * Fused single-read path (fused_quantize_kv_kernel; the default where it applies): one
  * persistent cooperative launch after a memset of its counters (the sync section of the
- * workspace). Work items come from two global tickets: 128-token K/V chunks in (batch, kv head,
- * chunk) order, then query blocks. A K/V item copies its K and V chunk into shared memory once
- * (cp.async, 16 bytes per copy), computes the chunk's K column sums (stored), K column min/max
- * and max |V| (combined per head with atomicMax on order-preserving keys: a min or max is exact
- * in any order), and counts itself in on a per-head counter. The last chunk of a head to arrive
- * adds the column sums of all the head's chunks in chunk order (kbar, then the global scales,
- * finalize_kernel's arithmetic) and releases the head; the others wait for that release, taking
- * query blocks (which never wait) meanwhile; then every chunk quantizes itself from shared
- * memory (quantize_half_block: two lanes per 16-value block, hardware E4M3, table reciprocal,
- * add/subtract E2M1 rounding, one FP16 multiply per pair). The next chunk's ticket is taken after
+ * workspace). Work items come from two global tickets: K/V items of 1 or 2 consecutive 128-token
+ * chunks (chunks_per_item: 64 KB of K and V) in (batch, kv head, chunk) order, then query blocks.
+ * A K/V item copies its K and V chunks into shared memory once (cp.async, 16 bytes per copy),
+ * computes each chunk's K column sums (stored), K column min/max and max |V| (combined per head
+ * with atomicMax on order-preserving keys: a min or max is exact in any order), and counts its
+ * chunks in on a per-head counter. The last item of a head to arrive adds the column sums of
+ * all the head's chunks in chunk order (kbar, then the global scales, finalize_kernel's
+ * arithmetic) and releases the head; the others wait for that release, taking query blocks
+ * (which never wait) meanwhile; then every item quantizes its chunks from shared memory
+ * (quantize_half_block: two lanes per 16-value block, hardware E4M3, table reciprocal,
+ * add/subtract E2M1 rounding, one FP16 multiply per pair). The next item's ticket is taken after
  * the wait and its copies start as soon as each buffer is quantized, so loads overlap the
  * quantization. K and V are read from device memory once, Q once, K^/V^ written once.
- *   Deadlock freedom: a CTA publishes its chunk before it waits, waits only for chunks of its
+ *   Deadlock freedom: a CTA publishes its item before it waits, waits only for items of its
  *   own head, and takes its next ticket only after the wait. Tickets are taken in order, so
- *   only the head of the newest ticket can be incomplete while all its taken chunks wait; it
- *   completes once every chunk of it is held, which needs nkt CTAs resident at once. The launch
- *   is cooperative (all CTAs co-resident, or the launch fails) and is used only when nkt <= its
- *   grid; otherwise the two-read path runs. A wait longer than 10 s traps instead of hanging.
+ *   only the head of the newest ticket can be incomplete while all its taken items wait; it
+ *   completes once every item of it is held, which needs items_per_head CTAs resident at once.
+ *   The launch is cooperative (all CTAs co-resident, or the launch fails) and is used only when
+ *   items_per_head <= its grid; otherwise the two-read path runs. A wait longer than 10 s traps
+ *   instead of hanging.
  *   The counters are zeroed by cudaMemsetAsync on the same stream (graph-capture safe).
  *
  * Two-read path (stats_kernel, finalize_kernel, quantize_kv_kernel): the fallback for inputs
@@ -465,7 +467,8 @@ struct FusedParams {
   unsigned int *q_count;  /* [BHq]: query blocks done */
   unsigned int *vmax;     /* [BHk]: max |V| bits (NaN above Inf), atomicMax */
   unsigned int *kmin, *kmax; /* [BHk][Dp]: order keys of the column minima (inverted) / maxima */
-  int64_t n_kv, n_q;
+  int64_t n_kv, n_q;    /* work items: K/V items (items_per_head per head), query blocks */
+  int64_t items_per_head; /* ceil(nkt / chunks_per_item) */
   int q_fill; /* waiting blocks take query blocks */
 };
 
@@ -591,10 +594,10 @@ __device__ void fused_q_block(const AttnArgs &a, const FusedParams &f, int64_t i
     w.qamax[bh * w.nqb + qb] = am;
     __threadfence(); /* qamax visible before the count */
     sh.arrived = atomicAdd(&f.q_count[bh], 1u);
+    if (sh.arrived == (unsigned)(w.nqb - 1)) __threadfence(); /* then see the other blocks' qamax */
   }
   __syncthreads();
   if (sh.arrived != (unsigned)(w.nqb - 1)) return;
-  __threadfence(); /* see the other blocks' qamax */
   float qm = 0.0f;
   for (int64_t t = tid; t < w.nqb; t += kThreads) qm = fp4attn_nanmax(qm, __ldcg(&w.qamax[bh * w.nqb + t]));
   qm = block_nanmax(qm, sh.small);
@@ -733,7 +736,7 @@ __device__ void wait_for_head(const AttnArgs &a, const FusedParams &f, int64_t b
       if (global_timer_ns() - t_start > 10000000000ull) __trap();
     }
   }
-  __threadfence();
+  /* thread 0's acquire load and the barrier order the loads below after the release */
   for (int c = threadIdx.x; c < DP; c += kThreads) sh.kbar[c] = __ldcg(&w.kbar[bh * DP + c]);
   if (threadIdx.x == 0) {
     sh.enck = __ldcg(&w.kvscale[bh * 4 + 0]);
@@ -798,77 +801,101 @@ __device__ void quantize_v_chunk(const T *vbuf, int rows, int D, const FusedShar
   }
 }
 
-/* Starts the copy of K/V chunk `item` into `buf` (one cp.async group). */
-template <typename T>
-__device__ __forceinline__ void load_chunk(const AttnArgs &a, int64_t item, bool is_v, T *buf) {
+/* 128-token K/V chunks per work item: as many as fill 64 KB of shared memory with K and V (2 at
+ * head dim 64 in 16-bit types, else 1), so that small head dims move as many bytes per item, and
+ * pay the item's fixed costs (ticket, barriers, the count) as rarely, as head dim 128. */
+template <typename T, int DP>
+constexpr int chunks_per_item() {
+  return 2 * kTile * DP * (int)sizeof(T) <= 32768 ? 2 : 1;
+}
+
+/* Starts the copy of K or V of work item `item` (chunks_per_item chunks of one head) into `buf`
+ * (one cp.async group). */
+template <typename T, int DP>
+__device__ __forceinline__ void load_item(const AttnArgs &a, const FusedParams &f, int64_t item, bool is_v, T *buf) {
   const fp4attn_attention_params &p = a.p;
-  const int64_t bh = item / a.ws.nkt, kt = item % a.ws.nkt;
-  const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv, r0 = kt * kTile;
-  const int rows = (int)min((int64_t)kTile, p.len_k - r0);
+  const int64_t bh = item / f.items_per_head, r0 = item % f.items_per_head * chunks_per_item<T, DP>() * kTile;
+  const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
+  const int rows = (int)min((int64_t)chunks_per_item<T, DP>() * kTile, p.len_k - r0);
   const int64_t *st = is_v ? p.v_stride : p.k_stride;
   const T *src = static_cast<const T *>(is_v ? p.v : p.k) + b * st[0] + h * st[1] + r0 * st[2];
   copy_chunk_async<T>(buf, src, st[2], rows, (int)p.head_dim);
   cp_async_commit();
 }
 
-/* One 128-token K/V chunk whose K and V copies are in flight (two cp.async groups): publish the
- * partials, wait for (or compute) the head's kbar and scales, quantize from shared memory. The
- * next chunk's ticket is taken once this one can no longer wait, and its K and V copies are
- * started as soon as the buffers are free, overlapping this chunk's V quantization and the next
- * chunk's K statistics. Returns the next ticket. */
+/* One work item (chunks_per_item 128-token K/V chunks of one head) whose K and V copies are in
+ * flight (two cp.async groups): publish the partials of each chunk, wait for (or compute) the
+ * head's kbar and scales, quantize from shared memory. The next item's ticket is taken once this
+ * one can no longer wait, and its K and V copies are started as soon as the buffers are free,
+ * overlapping this item's V quantization and the next item's K statistics. Returns the next
+ * ticket. */
 template <typename T, int DP>
-__device__ unsigned long long fused_kv_chunk(const AttnArgs &a, const FusedParams &f, int64_t item,
-                                             T *kbuf, T *vbuf, FusedShared &sh) {
+__device__ unsigned long long fused_kv_item(const AttnArgs &a, const FusedParams &f, int64_t item,
+                                            T *kbuf, T *vbuf, FusedShared &sh) {
+  constexpr int C = chunks_per_item<T, DP>();
   const fp4attn_attention_params &p = a.p;
   const AttnWorkspace &w = a.ws;
   const int D = (int)p.head_dim, tid = threadIdx.x;
-  const int64_t bh = item / w.nkt, kt = item % w.nkt;
-  const int64_t r0 = kt * kTile;
-  const int rows = (int)min((int64_t)kTile, p.len_k - r0);
+  const int64_t bh = item / f.items_per_head, kt0 = item % f.items_per_head * C;
+  const int chunks = (int)min((int64_t)C, w.nkt - kt0);
+  const int rows = (int)min((int64_t)C * kTile, p.len_k - kt0 * kTile);
   asm volatile("cp.async.wait_group 1;\n" ::); /* K has landed; V may still be in flight */
   __syncthreads();
-  float s = 0.0f, mn = 0.0f, mx = 0.0f;
-  block_column_stats<T, DP, true>(kbuf, D, rows, D, sh, s, mn, mx);
+  float kmin = INFINITY, kmax = -INFINITY; /* over the item's chunks: exact in any order */
+  for (int c = 0; c < chunks; ++c) {
+    float s = 0.0f, mn = 0.0f, mx = 0.0f;
+    block_column_stats<T, DP, true>(kbuf + c * kTile * D, D, min(kTile, rows - c * kTile), D, sh, s, mn, mx);
+    if (tid < D) w.ksum[(bh * w.nkt + kt0 + c) * DP + tid] = s;
+    kmin = fminf(kmin, mn), kmax = fmaxf(kmax, mx);
+  }
   if (tid < D) {
-    w.ksum[(bh * w.nkt + kt) * DP + tid] = s;
-    atomicMax(&f.kmin[bh * DP + tid], ~float_key(mn));
-    atomicMax(&f.kmax[bh * DP + tid], float_key(mx));
+    atomicMax(&f.kmin[bh * DP + tid], ~float_key(kmin));
+    atomicMax(&f.kmax[bh * DP + tid], float_key(kmax));
   }
   cp_async_wait_all();
   __syncthreads();
-  const float vam = block_nanmax(chunk_absmax<T>(vbuf, rows, D), sh.small);
-  __threadfence(); /* every thread's partials visible before thread 0 counts the chunk in */
-  __syncthreads();
+  /* Publication as in a grid barrier (cooperative groups' grid.sync): the block's writes, a block
+   * barrier, then thread 0 alone fences and counts; the last item's thread 0 fences again before
+   * its block reads what the other items wrote, and before the release. */
+  const float vam = block_nanmax(chunk_absmax<T>(vbuf, rows, D), sh.small); /* ends with a barrier */
   if (tid == 0) {
     atomicMax(&f.vmax[bh], __float_as_uint(vam) & 0x7FFFFFFFu);
     __threadfence();
-    sh.arrived = atomicAdd(&f.kv_count[bh], 1u);
+    sh.arrived = atomicAdd(&f.kv_count[bh], (unsigned int)chunks);
+    if (sh.arrived + chunks == (unsigned int)w.nkt) __threadfence();
   }
   __syncthreads();
-  if (sh.arrived == (unsigned int)(w.nkt - 1)) {
-    __threadfence(); /* see the other chunks' partials */
+  if (sh.arrived + chunks == (unsigned int)w.nkt) {
     reduce_head<DP>(a, f, bh, sh);
-    __threadfence();
     __syncthreads();
-    if (tid == 0) atomicAdd(&f.kv_count[bh], 1u); /* release: count = nkt + 1 */
+    if (tid == 0) {
+      __threadfence();
+      atomicAdd(&f.kv_count[bh], 1u); /* release: count = nkt + 1 */
+    }
     __syncthreads();
   } else {
     wait_for_head<T, DP>(a, f, bh, sh);
   }
   const unsigned long long next = take_ticket(f.kv_ticket, sh);
   const bool more = (int64_t)next < f.n_kv;
-  quantize_k_chunk<T, DP>(kbuf, rows, D, sh, w.kdq + (bh * w.nkp + r0) * DP);
+  for (int c = 0; c < chunks; ++c)
+    quantize_k_chunk<T, DP>(kbuf + c * kTile * D, min(kTile, rows - c * kTile), D, sh,
+                            w.kdq + (bh * w.nkp + (kt0 + c) * kTile) * DP);
   __syncthreads(); /* kbuf free */
-  if (more) load_chunk<T>(a, (int64_t)next, false, kbuf);
-  quantize_v_chunk<T, DP>(vbuf, rows, D, sh, w.vdq + (bh * w.nkt + kt) * DP * kTile);
+  if (more) load_item<T, DP>(a, f, (int64_t)next, false, kbuf);
+  for (int c = 0; c < chunks; ++c)
+    quantize_v_chunk<T, DP>(vbuf + c * kTile * D, min(kTile, rows - c * kTile), D, sh,
+                            w.vdq + (bh * w.nkt + kt0 + c) * DP * kTile);
   __syncthreads(); /* vbuf free */
-  if (more) load_chunk<T>(a, (int64_t)next, true, vbuf);
+  if (more) load_item<T, DP>(a, f, (int64_t)next, true, vbuf);
   return next;
 }
 
 template <typename T, int DP>
 constexpr int fused_min_blocks() {
-  return 2 * kTile * DP * (int)sizeof(T) <= 32768 ? 4 : (2 * kTile * DP * (int)sizeof(T) <= 65536 ? 3 : 1);
+  return 2 * chunks_per_item<T, DP>() * kTile * DP * (int)sizeof(T) <= 32768
+             ? 4
+             : (2 * chunks_per_item<T, DP>() * kTile * DP * (int)sizeof(T) <= 65536 ? 3 : 1);
 }
 
 /* Persistent: K/V chunks while there are any, then the query blocks that are left. */
@@ -878,15 +905,15 @@ __global__ void __launch_bounds__(kThreads, fused_min_blocks<T, DP>())
   extern __shared__ uint4 fused_dyn[];
   __shared__ FusedShared sh;
   T *kbuf = reinterpret_cast<T *>(fused_dyn);
-  T *vbuf = kbuf + kTile * a.p.head_dim;
+  T *vbuf = kbuf + chunks_per_item<T, DP>() * kTile * a.p.head_dim;
   fill_scale_tables(&sh.tab);
   if (threadIdx.x == 0) sh.q_left = 1;
   unsigned long long t = take_ticket(f.kv_ticket, sh);
   if ((int64_t)t < f.n_kv) {
-    load_chunk<T>(a, (int64_t)t, false, kbuf);
-    load_chunk<T>(a, (int64_t)t, true, vbuf);
+    load_item<T, DP>(a, f, (int64_t)t, false, kbuf);
+    load_item<T, DP>(a, f, (int64_t)t, true, vbuf);
   }
-  while ((int64_t)t < f.n_kv) t = fused_kv_chunk<T, DP>(a, f, (int64_t)t, kbuf, vbuf, sh);
+  while ((int64_t)t < f.n_kv) t = fused_kv_item<T, DP>(a, f, (int64_t)t, kbuf, vbuf, sh);
   /* the query blocks left; the next ticket is taken while the current block loads */
   t = take_ticket(f.q_ticket, sh);
   while ((int64_t)t < f.n_q) {
@@ -907,12 +934,22 @@ FusedTuning g_fused_tuning = {0, 1};
 
 typedef void (*FusedKernel)(AttnArgs, FusedParams);
 
+struct FusedVariant {
+  FusedKernel kernel; /* nullptr: none */
+  int chunks;         /* chunks_per_item */
+};
+
+template <typename T, int DP>
+FusedVariant fused_variant() {
+  return {fused_quantize_kv_kernel<T, DP>, chunks_per_item<T, DP>()};
+}
+
 template <typename T>
-FusedKernel fused_kernel_for(int64_t dp) {
-  if (dp == 64) return fused_quantize_kv_kernel<T, 64>;
-  if (dp == 128) return fused_quantize_kv_kernel<T, 128>;
-  if constexpr (sizeof(T) == 4) return nullptr; /* 256 KB of fp32 chunks: never fits in smem */
-  else return fused_quantize_kv_kernel<T, 256>;
+FusedVariant fused_kernel_for(int64_t dp) {
+  if (dp == 64) return fused_variant<T, 64>();
+  if (dp == 128) return fused_variant<T, 128>();
+  if constexpr (sizeof(T) == 4) return {nullptr, 0}; /* 256 KB of fp32 chunks: never fits in smem */
+  else return fused_variant<T, 256>();
 }
 
 /* Blocks of `kernel` with `smem` bytes of dynamic shared memory that fit on one SM of the current
@@ -965,23 +1002,25 @@ fp4attn_status launch_fused(const AttnArgs &a, cudaStream_t s) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(s, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone)
     return unsupported;
-  FusedKernel kernel = p.dtype == FP4ATTN_FLOAT16    ? fused_kernel_for<__half>(w.dp)
-                       : p.dtype == FP4ATTN_BFLOAT16 ? fused_kernel_for<__nv_bfloat16>(w.dp)
-                                                     : fused_kernel_for<float>(w.dp);
+  const FusedVariant v = p.dtype == FP4ATTN_FLOAT16    ? fused_kernel_for<__half>(w.dp)
+                        : p.dtype == FP4ATTN_BFLOAT16 ? fused_kernel_for<__nv_bfloat16>(w.dp)
+                                                      : fused_kernel_for<float>(w.dp);
+  FusedKernel kernel = v.kernel;
   if (!kernel) return unsupported;
-  const size_t smem = 2 * (size_t)kTile * (size_t)p.head_dim * (size_t)dtype_size(p.dtype);
+  const size_t smem = 2 * (size_t)v.chunks * kTile * (size_t)p.head_dim * (size_t)dtype_size(p.dtype);
   const int per_sm_max = fused_blocks_per_sm(kernel, smem);
   if (per_sm_max < 1) return unsupported;
   int per_sm = per_sm_max;
   if (g_fused_tuning.max_blocks_per_sm > 0 && per_sm > g_fused_tuning.max_blocks_per_sm)
     per_sm = g_fused_tuning.max_blocks_per_sm;
   FusedParams f;
-  f.n_kv = p.batch * p.heads_kv * w.nkt;
+  f.items_per_head = (w.nkt + v.chunks - 1) / v.chunks;
+  f.n_kv = p.batch * p.heads_kv * f.items_per_head;
   f.n_q = p.batch * p.heads_q * w.nqb;
   f.q_fill = g_fused_tuning.q_fill;
   const int64_t grid = min((int64_t)per_sm * sm_count(), f.n_kv + f.n_q);
   /* every chunk of a head must be resident at once (see the top of this file) */
-  if (per_sm < 1 || w.nkt > grid) return unsupported;
+  if (per_sm < 1 || f.items_per_head > grid) return unsupported;
   const int64_t bhk = p.batch * p.heads_kv, bhq = p.batch * p.heads_q;
   f.kv_ticket = reinterpret_cast<unsigned long long *>(w.sync);
   f.q_ticket = f.kv_ticket + 1;
