@@ -774,13 +774,22 @@ __device__ void quantize_k_chunk(const T *kbuf, int rows, int D, const FusedShar
 }
 
 /* V^ of the chunk from shared memory into the tile-major V^T [Dp][128]: job (8-channel group g,
- * 8-token half block hh); the two halves of a 16-token block sit GW lanes apart in one warp,
- * and GW consecutive lanes read GW consecutive 16-byte pieces of one token row. */
+ * 8-token half block hh), this thread's jobs first_job, first_job + 256, ... < NJ (its thread
+ * index, or where two chunks share the block, its index within its half); the two halves of a
+ * 16-token block sit GW lanes apart in one warp, and GW consecutive lanes read GW consecutive
+ * 16-byte pieces of one token row. */
+/* Jobs of quantize_v_chunk per chunk: 8-channel groups x 8-token half blocks (whole warps). */
+template <int DP>
+constexpr int v_jobs_per_chunk() {
+  return DP / 8 * 16;
+}
+
 template <typename T, int DP>
-__device__ void quantize_v_chunk(const T *vbuf, int rows, int D, const FusedShared &sh, __half *dst) {
-  constexpr int G = DP / 8, GW = G < 16 ? G : 16, NJ = G * 16;
+__device__ void quantize_v_chunk(const T *vbuf, int rows, int D, const FusedShared &sh, __half *dst,
+                                 int first_job) {
+  constexpr int G = DP / 8, GW = G < 16 ? G : 16, NJ = v_jobs_per_chunk<DP>();
   const float encv = sh.encv;
-  for (int j = threadIdx.x; j < NJ; j += kThreads) {
+  for (int j = first_job; j < NJ; j += kThreads) {
     const int gl = j % GW, hb = (j / GW) & 1, rest = j / (2 * GW);
     const int g = (rest % (G / GW)) * GW + gl, hh = (rest / (G / GW)) * 2 + hb;
     const bool live_g = g * 8 < D;
@@ -883,9 +892,17 @@ __device__ unsigned long long fused_kv_item(const AttnArgs &a, const FusedParams
                             w.kdq + (bh * w.nkp + (kt0 + c) * kTile) * DP);
   __syncthreads(); /* kbuf free */
   if (more) load_item<T, DP>(a, f, (int64_t)next, false, kbuf);
-  for (int c = 0; c < chunks; ++c)
-    quantize_v_chunk<T, DP>(vbuf + c * kTile * D, min(kTile, rows - c * kTile), D, sh,
-                            w.vdq + (bh * w.nkt + kt0 + c) * DP * kTile);
+  constexpr int kVJobs = v_jobs_per_chunk<DP>();
+  if (C > 1 && C * kVJobs <= kThreads) { /* the chunks side by side, each on its part of the block */
+    const int c = tid / kVJobs;
+    if (c < chunks)
+      quantize_v_chunk<T, DP>(vbuf + c * kTile * D, min(kTile, rows - c * kTile), D, sh,
+                              w.vdq + (bh * w.nkt + kt0 + c) * DP * kTile, tid % kVJobs);
+  } else {
+    for (int c = 0; c < chunks; ++c)
+      quantize_v_chunk<T, DP>(vbuf + c * kTile * D, min(kTile, rows - c * kTile), D, sh,
+                              w.vdq + (bh * w.nkt + kt0 + c) * DP * kTile, tid);
+  }
   __syncthreads(); /* vbuf free */
   if (more) load_item<T, DP>(a, f, (int64_t)next, true, vbuf);
   return next;
