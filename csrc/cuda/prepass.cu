@@ -773,17 +773,17 @@ __device__ void quantize_k_chunk(const T *kbuf, int rows, int D, const FusedShar
   }
 }
 
-/* V^ of the chunk from shared memory into the tile-major V^T [Dp][128]: job (8-channel group g,
- * 8-token half block hh), this thread's jobs first_job, first_job + 256, ... < NJ (its thread
- * index, or where two chunks share the block, its index within its half); the two halves of a
- * 16-token block sit GW lanes apart in one warp, and GW consecutive lanes read GW consecutive
- * 16-byte pieces of one token row. */
 /* Jobs of quantize_v_chunk per chunk: 8-channel groups x 8-token half blocks (whole warps). */
 template <int DP>
 constexpr int v_jobs_per_chunk() {
   return DP / 8 * 16;
 }
 
+/* V^ of the chunk from shared memory into the tile-major V^T [Dp][128]: job (8-channel group g,
+ * 8-token half block hh), this thread's jobs first_job, first_job + 256, ... < NJ (its thread
+ * index, or where two chunks share the block, its index within its half); the two halves of a
+ * 16-token block sit GW lanes apart in one warp, and GW consecutive lanes read GW consecutive
+ * 16-byte pieces of one token row. */
 template <typename T, int DP>
 __device__ void quantize_v_chunk(const T *vbuf, int rows, int D, const FusedShared &sh, __half *dst,
                                  int first_job) {
@@ -910,12 +910,11 @@ __device__ unsigned long long fused_kv_item(const AttnArgs &a, const FusedParams
 
 template <typename T, int DP>
 constexpr int fused_min_blocks() {
-  return 2 * chunks_per_item<T, DP>() * kTile * DP * (int)sizeof(T) <= 32768
-             ? 4
-             : (2 * chunks_per_item<T, DP>() * kTile * DP * (int)sizeof(T) <= 65536 ? 3 : 1);
+  constexpr int kItemBytes = 2 * chunks_per_item<T, DP>() * kTile * DP * (int)sizeof(T); /* K and V */
+  return kItemBytes <= 32768 ? 4 : (kItemBytes <= 65536 ? 3 : 1);
 }
 
-/* Persistent: K/V chunks while there are any, then the query blocks that are left. */
+/* Persistent: K/V items while there are any, then the query blocks that are left. */
 template <typename T, int DP>
 __global__ void __launch_bounds__(kThreads, fused_min_blocks<T, DP>())
     fused_quantize_kv_kernel(AttnArgs a, FusedParams f) {
