@@ -505,7 +505,8 @@ __device__ __forceinline__ unsigned long long take_ticket(unsigned long long *qu
 
 /* Column statistics of one 128-row block of D columns (D % 8 == 0) in the order of
  * column_stats<8>: thread (rg, cg) sums rows rg, rg + RG, ... of its 8 columns, then the RG
- * partials are added in rg order (through sh.red, one round each for sum, min and max).
+ * partials are added in rg order (through sh.red: a round for the sums, one or two for the
+ * minima and maxima).
  * kShared: rows are in shared memory with stride D; otherwise in global memory, read once,
  * all loads of a thread issued before the first use. Thread c < D returns column c. */
 template <typename T, int DP, bool kShared>
@@ -539,28 +540,61 @@ __device__ void block_column_stats(const T *base, int64_t row_stride, int rows, 
     }
   }
   float *red = sh.red;
+  /* the sums: the RG partials added in rg order by thread c < D */
+  __syncthreads(); /* red is free */
+  if (rg < RG) {
 #pragma unroll
-  for (int round = 0; round < 3; ++round) {
-    __syncthreads(); /* red is free */
-    if (rg < RG) {
+    for (int e = 0; e < 8; ++e) red[rg * D + cg * 8 + e] = sum[e];
+  }
+  __syncthreads();
+  if (tid < D) {
+    float s = 0.0f;
+    for (int i = 0; i < RG; ++i) s = __fadd_rn(s, red[i * D + tid]);
+    sum_c = s;
+  }
+  /* the minima and maxima, exact in any order: where row groups rg and rg + 1 are lanes CG apart
+   * in one warp (CG a power of two up to 16: head dims 8 ... 128), a shuffle halves the partials
+   * and both fit in red at once, so one round does both; else a round each */
+  if (CG <= 16 && (CG & (CG - 1)) == 0) {
+    const int half = RG / 2;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) red[rg * D + cg * 8 + e] = round == 0 ? sum[e] : (round == 1 ? mn[e] : mx[e]);
+    for (int e = 0; e < 8; ++e) {
+      mn[e] = fminf(mn[e], __shfl_xor_sync(0xffffffffu, mn[e], CG));
+      mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], CG));
+    }
+    __syncthreads(); /* the sums are read */
+    if ((rg & 1) == 0) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        red[(rg / 2) * D + cg * 8 + e] = mn[e];
+        red[(half + rg / 2) * D + cg * 8 + e] = mx[e];
+      }
     }
     __syncthreads();
     if (tid < D) {
-      if (round == 0) {
-        float s = 0.0f;
-        for (int i = 0; i < RG; ++i) s = __fadd_rn(s, red[i * D + tid]);
-        sum_c = s;
-      } else if (round == 1) {
-        float s = INFINITY;
-        for (int i = 0; i < RG; ++i) s = fminf(s, red[i * D + tid]);
-        min_c = s;
-      } else {
-        float s = -INFINITY;
-        for (int i = 0; i < RG; ++i) s = fmaxf(s, red[i * D + tid]);
-        max_c = s;
+      float a = INFINITY, b = -INFINITY;
+      for (int i = 0; i < half; ++i) {
+        a = fminf(a, red[i * D + tid]);
+        b = fmaxf(b, red[(half + i) * D + tid]);
       }
+      min_c = a;
+      max_c = b;
+    }
+    return;
+  }
+#pragma unroll
+  for (int round = 1; round < 3; ++round) {
+    __syncthreads(); /* red is free */
+    if (rg < RG) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) red[rg * D + cg * 8 + e] = round == 1 ? mn[e] : mx[e];
+    }
+    __syncthreads();
+    if (tid < D) {
+      float s = round == 1 ? INFINITY : -INFINITY;
+      for (int i = 0; i < RG; ++i) s = round == 1 ? fminf(s, red[i * D + tid]) : fmaxf(s, red[i * D + tid]);
+      if (round == 1) min_c = s;
+      else max_c = s;
     }
   }
 }
