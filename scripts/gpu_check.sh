@@ -27,9 +27,7 @@ echo "build took $(( $(date +%s) - t0 )) s"
 grep -E "spill stores [1-9]" "$LOG/build.log" | sort | uniq -c | head -20
 
 echo "== E2M1 rounding of P on the device (every float)"
-nvcc -std=c++17 -O2 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90] -I csrc/include tests/cuda_harness/check_fast_rounding.cu -o "$LOG/check_fast_rounding" \
-  && "$LOG/check_fast_rounding" --device || status=1
-rm -f "$LOG/check_fast_rounding"
+bash scripts/check_fast_rounding.sh --device || status=1
 run_tests() {  # $1: marker expression, $2: log name
   local t0=$(date +%s)
   "$PY" -m pytest tests/test_cuda.py -m "$1" -q -rfE -p no:cacheprovider > "$LOG/$2" 2>&1 || status=1

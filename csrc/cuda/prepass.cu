@@ -1064,9 +1064,9 @@ fp4attn_status launch_fused(const AttnArgs &a, cudaStream_t s) {
   if (g_fused_tuning.max_blocks_per_sm > 0 && per_sm > g_fused_tuning.max_blocks_per_sm)
     per_sm = g_fused_tuning.max_blocks_per_sm;
   FusedParams f;
-  f.items_per_head = (w.nkt + v.chunks - 1) / v.chunks;
+  f.items_per_head = ceil_div(w.nkt, v.chunks);
   f.n_kv = p.batch * p.heads_kv * f.items_per_head;
-  f.n_q = p.batch * p.heads_q * w.nqb;
+  f.n_q = query_block_count(p, kTile);
   f.q_fill = g_fused_tuning.q_fill;
   const int64_t grid = min((int64_t)per_sm * sm_count(), f.n_kv + f.n_q);
   /* every chunk of a head must be resident at once (see the top of this file) */

@@ -3,10 +3,9 @@
  * csrc/cuda/common.cuh) against numerics.h: for every float y >= 0 (and +inf, and NaN -> 6), the
  * result is value(fp4attn_e2m1_encode(y)) saturated at 6, except at the 7 exact ties, which round
  * up. The host emulation is checked (no GPU needed; .ci/run, ~2 minutes) and, where a GPU is
- * present, the device instruction sequence of the GPU's architecture (a second; build with the
- * targets below: sm_90 and newer take a different min/max than sm_80). --device: the device only.
- *   nvcc -std=c++17 -O2 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90] \
- *        -I csrc/include tests/cuda_harness/check_fast_rounding.cu -o /tmp/chk && /tmp/chk
+ * present, the device instruction sequence of the GPU's architecture (a second; it must be built
+ * for sm_80 and sm_90, which take different min/max instructions). --device: the device only.
+ * Build and run: scripts/check_fast_rounding.sh [--device] (.ci/run, scripts/gpu_check.sh).
  */
 #include <cstdio>
 #include <cstring>
