@@ -88,6 +88,7 @@ extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params 
   const size_t es = dtype_size(p->dtype);
   a.out_pair = (reinterpret_cast<uintptr_t>(p->out) % (2 * es)) == 0 && p->out_stride[0] % 2 == 0 &&
                p->out_stride[1] % 2 == 0 && p->out_stride[2] % 2 == 0;
+  a.vec_out = p->dtype != FP4ATTN_FLOAT32 && vec_ok(p->out, p->out_stride, p->head_dim);
   a.scale_log2 = p->scale * 1.4426950408889634f;
 
   cudaStream_t s = static_cast<cudaStream_t>(stream);

@@ -58,6 +58,7 @@ struct AttnArgs {
   AttnWorkspace ws;
   bool vec_q, vec_k, vec_v; /* 8-element groups are 16-byte aligned: vector loads */
   bool out_pair;            /* two adjacent output elements form one aligned word */
+  bool vec_out;             /* 16-bit output, 8-element groups 16-byte aligned: 16-byte stores */
   float scale_log2;         /* scale * log2(e) */
 };
 

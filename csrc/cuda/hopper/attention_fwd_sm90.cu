@@ -91,3 +91,15 @@ fp4attn_status launch_attention_fwd_sm90_d64(const AttnArgs &a, cudaStream_t s) 
 fp4attn_status launch_attention_fwd_sm90_d128(const AttnArgs &a, cudaStream_t s) { return sm90::launch<128>(a, s); }
 
 }  // namespace fp4attn_cuda
+
+#if defined(FP4ATTN_SM90_TRACE)
+/* Development only (tests/cuda_harness/trace_sm90.cu): copy out `items` rows of the timeline
+ * (kTrEvents stamps each), then clear it for the next call. Returns 0 on success. */
+extern "C" int fp4attn_sm90_trace_take(unsigned long long *host, int items) {
+  using namespace fp4attn_cuda::sm90;
+  if (items > kTraceItems) items = kTraceItems;
+  if (cudaMemcpyFromSymbol(host, g_trace, sizeof(unsigned long long) * kTrEvents * items) != cudaSuccess) return 1;
+  static unsigned long long zeros[kTraceItems][kTrEvents];
+  return cudaMemcpyToSymbol(g_trace, zeros, sizeof(zeros)) == cudaSuccess ? 0 : 1;
+}
+#endif

@@ -49,6 +49,48 @@ constexpr int kBarTurn = kBarEmpty + kMaxStages; /* + consumer: its turn to issu
 constexpr int kTurnCount = 256;               /* one consumer arrives, the other syncs */
 constexpr int kBarQFree = kBarTurn + 2;       /* both consumers have read Q^ of their item for the last time */
 constexpr int kBarProducer = kBarQFree + 1;   /* the producer warpgroup alone */
+constexpr int kBarQReady = kBarProducer + 1;  /* one item per block: the consumers have written Q^ */
+
+/* Development timeline of the work items (build with -DFP4ATTN_SM90_TRACE, read by
+ * tests/cuda_harness/trace_sm90.cu): clock64 stamps of the SM's cycle counter, per item, at the
+ * points below, from one thread of the role that reaches them; compiled out otherwise. */
+enum TraceEvent {
+  kTrStart,   /* the block starts (its first item) */
+  kTrQReady,  /* Q^ of the item is in shared memory (after the prologue / the hand-over) */
+  kTrFull0,   /* the producer has arrived on "full" of the item's first tile (bias written) */
+  kTrS0,      /* consumer 0 has S of the first tile */
+  kTrTile0,   /* consumer 0 has P^q of the first tile */
+  kTrLastPv,  /* consumer 0 has the last P^q V^ */
+  kTrEnd,     /* consumer 0 has stored O */
+  kTrSm,      /* the SM's index (not a time) */
+  kTrStartNs, /* kTrStart and kTrEnd on the global timer (ns): the clock rate */
+  kTrEndNs,
+  kTrEvents
+};
+#if defined(FP4ATTN_SM90_TRACE)
+constexpr int kTraceItems = 16384;
+__device__ unsigned long long g_trace[kTraceItems][kTrEvents];
+__device__ __forceinline__ void trace(int item, TraceEvent ev) {
+  if (item >= kTraceItems) return;
+  if (ev == kTrSm) {
+    uint32_t sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    g_trace[item][ev] = sm;
+  } else if (ev == kTrStartNs || ev == kTrEndNs) {
+    unsigned long long ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    g_trace[item][ev] = ns;
+  } else {
+    g_trace[item][ev] = clock64();
+  }
+}
+#define FP4ATTN_SM90_TRACE_AT(cond, item, ev) \
+  do {                                       \
+    if (cond) trace((item), (ev));           \
+  } while (0)
+#else
+#define FP4ATTN_SM90_TRACE_AT(cond, item, ev) ((void)0)
+#endif
 
 /* Kernel parameters: the attention arguments and this call's TMA maps of K^ and V^ (3-D,
  * innermost first: K^ {DP, nkp, BHk}, the V^T tiles {128, nkt x DP, BHk}; boxes of 64 columns
@@ -105,8 +147,14 @@ struct Config {
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
   static constexpr int kOffV = kOffK + kStages * kKBytes;
-  static constexpr int kTiles = kOffV + kStages * kVBytes;
+  /* O on its way out (store_rows_staged), 16 rows x DP halves per consumer warp: persistent
+   * blocks have their own (the next item's Q^ may be arriving); otherwise Q^'s space, free once
+   * the item's last S is done (each warp uses 4 KB of its own warpgroup's Q^ rows) */
+  static constexpr int kOutBytes = kRows * DP * 2;
+  static constexpr int kOffOut = kPersistent ? kOffV + kStages * kVBytes : kOffQ;
+  static constexpr int kTiles = kOffV + kStages * kVBytes + (kPersistent ? kOutBytes : 0);
   static constexpr int kSmem = kSmall + 1023 + kTiles; /* 231983 bytes for DP = 128 (H100/H200: 232448) */
+  static_assert(kPersistent || kOutBytes == kQBytes, "O's staging fits into Q^");
 };
 
 template <int DP>
@@ -124,6 +172,13 @@ struct Kernel {
      * hand-over h + 2, which waits for the consumers to be done with item h + 2's Q^ */
     __device__ volatile int *item(int h) const { return reinterpret_cast<volatile int *>(small + C::kOffItem) + (h & 1); }
     __device__ volatile int *next() const { return reinterpret_cast<volatile int *>(small + C::kOffNext); }
+    /* the 16 x DP halves of O staging of consumer warp wwarp of warpgroup cwg (see Config::kOffOut):
+     * without a space of its own, 32 of its warpgroup's Q^ rows in one 64-column block */
+    __device__ uint32_t *out_stage(int cwg, int wwarp) const {
+      const int off = C::kPersistent ? (cwg * 4 + wwarp) * 16 * DP * 2
+                                     : (wwarp >> 1) * kRows * 128 + (cwg * 64 + (wwarp & 1) * 32) * 128;
+      return reinterpret_cast<uint32_t *>(tiles + C::kOffOut + off);
+    }
   };
 
   /* One work item: 128 query rows and their query mean. */
@@ -231,7 +286,10 @@ struct Kernel {
     if constexpr (!C::kPersistent) { /* one item per block */
       const Item k = item_at(a, blockIdx.x);
       if (kBias != BiasPath::kFma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
-      for (int j = 0; j < k.ntiles; ++j) load_tile(k, j);
+      for (int j = 0; j < k.ntiles; ++j) {
+        load_tile(k, j);
+        FP4ATTN_SM90_TRACE_AT(j == 0 && tid == 0, blockIdx.x, kTrFull0);
+      }
     }
     int handovers = 0; /* hand-over h completes phase h + 1 of "Q^ full" */
     for (int cur = C::kPersistent ? (int)blockIdx.x : nitems; cur < nitems;) {
@@ -239,7 +297,10 @@ struct Kernel {
       const Item k = item_at(a, cur);
       if (kBias != BiasPath::kFma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
       int j = 0;
-      for (; j < min(2, k.ntiles); ++j) load_tile(k, j);
+      for (; j < min(2, k.ntiles); ++j) {
+        load_tile(k, j);
+        FP4ATTN_SM90_TRACE_AT(j == 0 && tid == 0, cur, kTrFull0);
+      }
       /* the next item (taken from the ticket above), its Q rows on their way to L2, and, once the
        * last copy out of the staging buffer is done, its Q^ into it piece by piece, one piece
        * after each further tile: in the producer's slack between tiles (all at once, it made the
@@ -352,9 +413,14 @@ struct Kernel {
       if constexpr (C::kPersistent) {
         mbar_wait(sh.qfull(), item_no & 1); /* Q^ of the item, and its index (or the end) */
         if (item_index(item_no) >= nitems) break;
+
       } else if (item_no > 0) {
         break; /* one item per block, its Q^ from the prologue */
       }
+#if defined(FP4ATTN_SM90_TRACE)
+      const int tr_item = item_index(item_no); /* by every thread: item_index shuffles */
+      FP4ATTN_SM90_TRACE_AT(C::kPersistent && ctid == 0, tr_item, kTrQReady);
+#endif
       const Item k = item_at(a, item_index(item_no));
       const WarpRows rows = {k.b, k.h, k.q0 + cwg * 64 + wwarp * 16};
       const float decq = w.qscale[k.bh * 2 + 1];
@@ -380,10 +446,12 @@ struct Kernel {
         turn_end();
         wgmma_wait<0>();
         fence_regs(s);
+        FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrS0);
         if (k.ntiles == 1) q_free();
         TileStats ts;
         softmax_tile_stats<MaskPath::kAll>(a.p, rows, 0, cqk, sh.bias(ring.stage), s, st, ts);
         softmax_tile_finish(s, ts, st, pa);
+        FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrTile0);
         int prev = ring.stage;
         ring.next();
 
@@ -424,23 +492,32 @@ struct Kernel {
         wgmma_wait<0>();
         fence_regs(o);
         named_arrive(kBarEmpty + prev, kThreads);
+        FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrLastPv);
       }
       /* persistent blocks: the item once more for the epilogue (recomputing it costs a few integer
        * operations, keeping it through the tile loop cost the consumers spills there) */
-      const Item e = C::kPersistent ? item_at(a, item_index(item_no)) : k;
+      const Item e = item_at(a, item_index(item_no));
       const WarpRows erows = {e.b, e.h, e.q0 + cwg * 64 + wwarp * 16};
       const float decv = w.kvscale[e.bhk * 4 + 3];
       float omul[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r)
         omul[r] = st.ref[r] == -INFINITY ? 0.0f : fast_exp2(st.ref[r] - st.m[r]) * (decv / FP4ATTN_NVFP4_RANGE);
-      store_rows<DP>(a, erows, e.bh, o, omul, st, e.qbar, w.kbar + e.bhk * DP);
+      if (a.vec_out)
+        store_rows_staged<DP>(a, erows, e.bh, o, omul, st, e.qbar, w.kbar + e.bhk * DP, sh.out_stage(cwg, wwarp));
+      else
+        store_rows<DP>(a, erows, e.bh, o, omul, st, e.qbar, w.kbar + e.bhk * DP);
+      FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrEnd);
+      FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrSm);
+      FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrEndNs);
     }
     if (cwg == 0) turn_begin(); /* consumer 1's last hand-over */
   }
 
   static __device__ void run(const Params &prm, char *smem) {
     if (blockIdx.x >= item_count(prm.a.p)) return;
+    FP4ATTN_SM90_TRACE_AT(threadIdx.x == 0, blockIdx.x, kTrStart);
+    FP4ATTN_SM90_TRACE_AT(threadIdx.x == 0, blockIdx.x, kTrStartNs);
     /* the operand tiles need 1024-byte alignment (the swizzle works on address bits) */
     const uint32_t tiles_at = (smem_u32(smem) + C::kSmall + 1023u) & ~1023u;
     Shared sh;
@@ -451,17 +528,22 @@ struct Kernel {
       mbar_init(sh.qfull(), 1);
       mbar_init_fence();
     }
-    if constexpr (!C::kPersistent) { /* the block's one item: Q^ by all threads */
-      __half *qs = sh.tile(C::kOffQ);
-      quantize_q(prm.a, blockIdx.x, 0, kRows, threadIdx.x, kThreads,
-                 [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; });
-      fence_proxy_async();
-    }
-    __syncthreads();
+    __syncthreads(); /* the mbarriers are initialised */
     if (threadIdx.x < 128) {
       regs_dealloc<C::kProducerRegs>();
       producer(prm, sh);
     } else {
+      if constexpr (!C::kPersistent) {
+        /* The block's one item: Q^ by the 256 consumer threads (2 batches of loads, as with all
+         * 384), while the producer already loads the first tiles and computes their bias. (All of
+         * a thread's loads in one batch measured 0.5-2 % slower.) */
+        __half *qs = sh.tile(C::kOffQ);
+        quantize_q(prm.a, blockIdx.x, 0, kRows, threadIdx.x - 128, kThreads - 128,
+                   [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; });
+        fence_proxy_async();
+        named_sync(kBarQReady, kThreads - 128);
+        FP4ATTN_SM90_TRACE_AT(threadIdx.x == 128, blockIdx.x, kTrQReady);
+      }
       regs_alloc<C::kConsumerRegs>();
       consumer(prm, sh);
     }

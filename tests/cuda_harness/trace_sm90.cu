@@ -1,0 +1,188 @@
+/*
+ * Timeline of the sm90 attention kernel's work items (development tool, no torch): where a work
+ * item's time goes besides its steady tiles (prologue, first tile, epilogue, the gap until the
+ * next block starts on the SM). The kernel records clock64 stamps per item when built with
+ * -DFP4ATTN_SM90_TRACE (attention_fwd_sm90.cuh, TraceEvent). Build and run on an H100/H200:
+ *   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -DFP4ATTN_SM90_TRACE \
+ *     -DFP4ATTN_CUDA_ARCHS=90a -gencode arch=compute_90a,code=sm_90a \
+ *     tests/cuda_harness/trace_sm90.cu $(find csrc/cuda -name '*.cu') -o /tmp/trace_sm90
+ *   /tmp/trace_sm90 [D N B H causal]...   (default: the bench shapes at N = 1K, 4K, 16K)
+ * The stamps add a few instructions to the kernel: its times are close to, not equal to, the
+ * benchmark's. Built without -DFP4ATTN_SM90_TRACE it only times the calls (pre-pass included,
+ * L2 flushed before each, median of 20): an A/B of two builds in one session.
+ */
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <vector>
+
+#include "fp4attn/fp4attn.h"
+
+#if defined(FP4ATTN_SM90_TRACE)
+extern "C" int fp4attn_sm90_trace_take(unsigned long long *host, int items);
+#endif
+
+enum { kStart, kQReady, kFull0, kS0, kTile0, kLastPv, kEnd, kSm, kStartNs, kEndNs, kEvents }; /* TraceEvent */
+
+#define CK(x)                                                                       \
+  do {                                                                              \
+    cudaError_t e_ = (x);                                                           \
+    if (e_ != cudaSuccess) {                                                        \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      exit(2);                                                                      \
+    }                                                                               \
+  } while (0)
+
+__global__ void fill_normalish(__half *x, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
+    uint32_t g = h * 1664525u + 1013904223u;
+    /* sum of two uniforms: a cheap bell shape in [-2, 2] */
+    x[i] = __float2half(((h >> 8) * (1.0f / 16777216.0f) + (g >> 8) * (1.0f / 16777216.0f) - 1.0f) * 2.0f);
+  }
+}
+
+static double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+static double mean(const std::vector<double> &v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return v.empty() ? 0.0 : s / v.size();
+}
+
+static void run(int D, int N, int B, int H, int causal) {
+  const size_t n = (size_t)B * H * N * D;
+  __half *q, *k, *v, *o;
+  CK(cudaMalloc(&q, n * 2));
+  CK(cudaMalloc(&k, n * 2));
+  CK(cudaMalloc(&v, n * 2));
+  CK(cudaMalloc(&o, n * 2));
+  fill_normalish<<<512, 256>>>(q, n, 1);
+  fill_normalish<<<512, 256>>>(k, n, 2);
+  fill_normalish<<<512, 256>>>(v, n, 3);
+  fp4attn_attention_params p = {};
+  p.q = q, p.k = k, p.v = v, p.out = o;
+  p.dtype = FP4ATTN_FLOAT16;
+  p.batch = B, p.heads_q = H, p.heads_kv = H, p.len_q = N, p.len_k = N, p.head_dim = D;
+  const int64_t st[3] = {(int64_t)H * N * D, (int64_t)N * D, D};
+  for (int i = 0; i < 3; ++i) p.q_stride[i] = p.k_stride[i] = p.v_stride[i] = p.out_stride[i] = st[i];
+  p.scale = 1.0f / sqrtf((float)D);
+  p.causal = causal;
+  p.mask_kind = FP4ATTN_MASK_NONE;
+  p.kernel = FP4ATTN_KERNEL_SM90;
+  void *ws;
+  CK(cudaMalloc(&ws, fp4attn_cuda_attention_workspace_bytes(&p)));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  const int items = B * H * ((N + 127) / 128);
+  std::vector<unsigned long long> tr((size_t)items * kEvents);
+  static char *flush = nullptr; /* larger than L2 */
+  const size_t flush_bytes = 256u << 20;
+  if (!flush) CK(cudaMalloc(&flush, flush_bytes));
+  std::vector<float> times;
+  for (int rep = 0; rep < 23; ++rep) {
+    fp4attn_attention_params pp = p;
+    CK(cudaMemsetAsync(flush, rep, flush_bytes));
+    CK(cudaEventRecord(e0));
+    fp4attn_status s = fp4attn_cuda_attention(&pp, ws, nullptr);
+    CK(cudaEventRecord(e1));
+    if (s.code != FP4ATTN_OK) {
+      fprintf(stderr, "attention failed: %s\n", s.message);
+      exit(2);
+    }
+    CK(cudaDeviceSynchronize());
+    float t;
+    CK(cudaEventElapsedTime(&t, e0, e1));
+    if (rep >= 3) times.push_back(t);
+#if defined(FP4ATTN_SM90_TRACE)
+    if (fp4attn_sm90_trace_take(tr.data(), items)) exit(2);
+#endif
+  }
+  std::sort(times.begin(), times.end());
+  const float ms = times[times.size() / 2];
+  const double flops = 4.0 * B * H * (double)N * N * D / (causal ? 2 : 1);
+#if !defined(FP4ATTN_SM90_TRACE)
+  printf("D=%d N=%d B=%d H=%d causal=%d: %.4f ms (median of %zu, pre-pass included) %.1f TFLOPS\n", D, N, B, H,
+         causal, ms, times.size(), flops / ms * 1e-9);
+  CK(cudaFree(q));
+  CK(cudaFree(k));
+  CK(cudaFree(v));
+  CK(cudaFree(o));
+  CK(cudaFree(ws));
+  return;
+#endif
+  /* per SM: items by start, kernel span in cycles (for the clock rate) */
+  std::map<int, std::vector<int>> by_sm;
+  for (int i = 0; i < items; ++i)
+    if (tr[(size_t)i * kEvents + kEnd]) by_sm[(int)tr[(size_t)i * kEvents + kSm]].push_back(i);
+  const auto at = [&](int i, int e) { return (double)tr[(size_t)i * kEvents + e]; };
+  const bool persistent = D == 64;
+  std::vector<double> prologue, full0, s0, tile0, steady, epi, gap, total, ghz_sm;
+  for (auto &kv : by_sm) {
+    std::vector<int> &its = kv.second;
+    const auto first = [&](int i) { return persistent ? at(i, kQReady) : at(i, kStart); };
+    std::sort(its.begin(), its.end(), [&](int x, int y) { return first(x) < first(y); });
+    /* clock rate: the first item started (kStart) by the block that the last item ended in */
+    int first_of_block = -1;
+    for (int i : its)
+      if (at(i, kStartNs) > 0 && (first_of_block < 0 || at(i, kStartNs) < at(first_of_block, kStartNs))) first_of_block = i;
+    const int last = its.back();
+    if (first_of_block >= 0 && at(last, kEndNs) > at(first_of_block, kStartNs))
+      ghz_sm.push_back((at(last, kEnd) - at(first_of_block, kStart)) / (at(last, kEndNs) - at(first_of_block, kStartNs)));
+    for (size_t c = 0; c < its.size(); ++c) {
+      const int i = its[c];
+      if (!persistent) prologue.push_back(at(i, kQReady) - at(i, kStart));
+      full0.push_back(at(i, kFull0) - at(i, kQReady));
+      s0.push_back(at(i, kS0) - at(i, kQReady));
+      tile0.push_back(at(i, kTile0) - at(i, kS0));
+      epi.push_back(at(i, kEnd) - at(i, kLastPv));
+      total.push_back(at(i, kEnd) - first(i));
+      if (c + 1 < its.size()) gap.push_back(first(its[c + 1]) - at(i, kEnd));
+      /* steady per tile: from the first tile's P^q to the last P^q V^ over the tiles between */
+      const double nt = (at(i, kLastPv) - at(i, kTile0));
+      steady.push_back(nt);
+    }
+  }
+  const double ghz = median(ghz_sm); /* cycles per ns */
+  const auto us = [&](double cyc) { return cyc / ghz / 1000.0; };
+  int tiles_sum = 0;
+  for (int i = 0; i < items; ++i) {
+    const int nqt = (N + 127) / 128, qt = causal ? nqt - 1 - i % nqt : i % nqt;
+    tiles_sum += causal ? qt + 1 : nqt;
+  }
+  const double avg_tiles = (double)tiles_sum / items;
+  printf("D=%d N=%d B=%d H=%d causal=%d: %.3f ms, %d items on %zu SMs, %.2f GHz (clock64 / globaltimer), avg %.1f tiles/item\n",
+         D, N, B, H, causal, ms, items, by_sm.size(), ghz, avg_tiles);
+  printf("  per item, median / mean us: %s%.2f/%.2f  Q^->full0 %.2f/%.2f  Q^->S0 %.2f/%.2f  tile0 softmax %.2f/%.2f  "
+         "tile0->last PV %.2f/%.2f (%.3f per later tile)  epilogue %.2f/%.2f  gap to next %.2f/%.2f  item total %.2f/%.2f\n",
+         persistent ? "" : "prologue ", persistent ? 0.0 : us(median(prologue)), persistent ? 0.0 : us(mean(prologue)),
+         us(median(full0)), us(mean(full0)), us(median(s0)), us(mean(s0)), us(median(tile0)), us(mean(tile0)),
+         us(median(steady)), us(mean(steady)), us(mean(steady)) / std::max(1.0, avg_tiles - 1), us(median(epi)),
+         us(mean(epi)), us(median(gap)), us(mean(gap)), us(median(total)), us(mean(total)));
+  CK(cudaFree(q));
+  CK(cudaFree(k));
+  CK(cudaFree(v));
+  CK(cudaFree(o));
+  CK(cudaFree(ws));
+}
+
+int main(int argc, char **argv) {
+  if (argc > 5) {
+    for (int i = 1; i + 4 < argc; i += 5)
+      run(atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]), atoi(argv[i + 4]));
+    return 0;
+  }
+  for (int D : {128, 64})
+    for (int N : {1024, 4096, 16384})
+      for (int causal : {0, 1}) run(D, N, 16384 / N, 2048 / D, causal);
+  return 0;
+}
