@@ -23,7 +23,10 @@
  *     between tiles (softmax_tile_stats).
  * The two consumer warpgroups take turns at issuing their wgmma (see consumer()).
  * Persistence hides what a block per item exposes on every item: the launch, Q's quantization
- * (all 384 threads, before any load) and the first tiles' loads and bias.
+ * and the first tile. With one block per item (DP = 128) the consumers quantize Q^ while the
+ * producer already loads the first tiles and computes their bias (tests/cuda_harness/
+ * trace_sm90.cu measured the item's time outside its steady tiles: ~15 -> ~13.6 us at N = 4K,
+ * with the epilogue's 16-byte row stores).
  * The TMA replaced per-thread cp.async (32 per producer thread and tile at DP = 128, with their
  * addressing): the producer issued a quarter of all instructions and the consumers waited for it.
  */
@@ -122,7 +125,8 @@ struct Config {
    * Q^ between its tiles: DP = 64. At DP = 128 its bias work per tile is twice as large, and
    * measured on the H200 one block per item with all 384 threads quantizing Q in the prologue was
    * faster at N <= 8K and with causal masking (persistent: up to 19 % slower at N = 1K, 3 % faster
-   * at N = 16K without masking). */
+   * at N = 16K without masking). With Q^ quantized by a pass of its own (v16, docs/cuda_notes.md)
+   * the persistent DP = 128 producer spilled more and the steady tiles got 7-13 % slower. */
   static constexpr bool kPersistent = DP == 64;
   /* K^/V^/bias ring: a consumer holds two stages (S_j and the deferred P^q_{j-1} V^_{j-1}) while
    * the producer fills the others. DP = 64 has the shared memory for a fourth, which lets the
@@ -413,7 +417,6 @@ struct Kernel {
       if constexpr (C::kPersistent) {
         mbar_wait(sh.qfull(), item_no & 1); /* Q^ of the item, and its index (or the end) */
         if (item_index(item_no) >= nitems) break;
-
       } else if (item_no > 0) {
         break; /* one item per block, its Q^ from the prologue */
       }
