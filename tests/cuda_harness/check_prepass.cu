@@ -28,15 +28,7 @@
 #include <vector>
 
 #include "../../csrc/cuda/prepass.cu"
-
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));        \
-      exit(2);                                                                                  \
-    }                                                                                           \
-  } while (0)
+#include "cuda_check.h"
 
 static int g_fail = 0;
 

@@ -21,21 +21,13 @@
 #include <vector>
 
 #include "fp4attn/fp4attn.h"
+#include "cuda_check.h"
 
 #if defined(FP4ATTN_SM90_TRACE)
 extern "C" int fp4attn_sm90_trace_take(unsigned long long *host, int items);
 #endif
 
 enum { kStart, kQReady, kFull0, kS0, kTile0, kLastPv, kEnd, kSm, kStartNs, kEndNs, kEvents }; /* TraceEvent */
-
-#define CK(x)                                                                       \
-  do {                                                                              \
-    cudaError_t e_ = (x);                                                           \
-    if (e_ != cudaSuccess) {                                                        \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(2);                                                                      \
-    }                                                                               \
-  } while (0)
 
 __global__ void fill_normalish(__half *x, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
