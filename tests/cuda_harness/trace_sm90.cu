@@ -2,7 +2,7 @@
  * Timeline of the sm90 attention kernel's work items (development tool, no torch): where a work
  * item's time goes besides its steady tiles (prologue, first tile, epilogue, the gap until the
  * next block starts on the SM). The kernel records clock64 stamps per item when built with
- * -DFP4ATTN_SM90_TRACE (attention_fwd_sm90.cuh, TraceEvent). Build and run on an H100/H200:
+ * -DFP4ATTN_SM90_TRACE (the events: csrc/cuda/hopper/trace_events.h). Build and run on an H100/H200:
  *   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -DFP4ATTN_SM90_TRACE \
  *     -DFP4ATTN_CUDA_ARCHS=90a -gencode arch=compute_90a,code=sm_90a \
  *     tests/cuda_harness/trace_sm90.cu $(find csrc/cuda -name '*.cu') -o /tmp/trace_sm90
@@ -21,13 +21,14 @@
 #include <vector>
 
 #include "fp4attn/fp4attn.h"
+#include "../../csrc/cuda/hopper/trace_events.h"
 #include "cuda_check.h"
 
 #if defined(FP4ATTN_SM90_TRACE)
 extern "C" int fp4attn_sm90_trace_take(unsigned long long *host, int items);
 #endif
 
-enum { kStart, kQReady, kFull0, kS0, kTile0, kLastPv, kEnd, kSm, kStartNs, kEndNs, kEvents }; /* TraceEvent */
+using namespace fp4attn_cuda::sm90; /* TraceEvent */
 
 __global__ void fill_normalish(__half *x, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -76,7 +77,8 @@ static void run(int D, int N, int B, int H, int causal) {
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   const int items = B * H * ((N + 127) / 128);
-  std::vector<unsigned long long> tr((size_t)items * kEvents);
+  const int traced = std::min(items, kTraceItems); /* the items with a row in the timeline */
+  std::vector<unsigned long long> tr((size_t)traced * kTrEvents);
   static char *flush = nullptr; /* larger than L2 */
   const size_t flush_bytes = 256u << 20;
   if (!flush) CK(cudaMalloc(&flush, flush_bytes));
@@ -96,7 +98,7 @@ static void run(int D, int N, int B, int H, int causal) {
     CK(cudaEventElapsedTime(&t, e0, e1));
     if (rep >= 3) times.push_back(t);
 #if defined(FP4ATTN_SM90_TRACE)
-    if (fp4attn_sm90_trace_take(tr.data(), items)) exit(2);
+    if (fp4attn_sm90_trace_take(tr.data(), traced)) exit(2);
 #endif
   }
   std::sort(times.begin(), times.end());
@@ -114,33 +116,33 @@ static void run(int D, int N, int B, int H, int causal) {
 #endif
   /* per SM: items by start, kernel span in cycles (for the clock rate) */
   std::map<int, std::vector<int>> by_sm;
-  for (int i = 0; i < items; ++i)
-    if (tr[(size_t)i * kEvents + kEnd]) by_sm[(int)tr[(size_t)i * kEvents + kSm]].push_back(i);
-  const auto at = [&](int i, int e) { return (double)tr[(size_t)i * kEvents + e]; };
-  const bool persistent = D == 64;
+  for (int i = 0; i < traced; ++i)
+    if (tr[(size_t)i * kTrEvents + kTrEnd]) by_sm[(int)tr[(size_t)i * kTrEvents + kTrSm]].push_back(i);
+  const auto at = [&](int i, int e) { return (double)tr[(size_t)i * kTrEvents + e]; };
+  const bool persistent = D <= 64; /* Config::kPersistent: head dims padded to 64 */
   std::vector<double> prologue, full0, s0, tile0, steady, epi, gap, total, ghz_sm;
   for (auto &kv : by_sm) {
     std::vector<int> &its = kv.second;
-    const auto first = [&](int i) { return persistent ? at(i, kQReady) : at(i, kStart); };
+    const auto first = [&](int i) { return persistent ? at(i, kTrQReady) : at(i, kTrStart); };
     std::sort(its.begin(), its.end(), [&](int x, int y) { return first(x) < first(y); });
-    /* clock rate: the first item started (kStart) by the block that the last item ended in */
+    /* clock rate: the first item started (kTrStart) by the block that the last item ended in */
     int first_of_block = -1;
     for (int i : its)
-      if (at(i, kStartNs) > 0 && (first_of_block < 0 || at(i, kStartNs) < at(first_of_block, kStartNs))) first_of_block = i;
+      if (at(i, kTrStartNs) > 0 && (first_of_block < 0 || at(i, kTrStartNs) < at(first_of_block, kTrStartNs))) first_of_block = i;
     const int last = its.back();
-    if (first_of_block >= 0 && at(last, kEndNs) > at(first_of_block, kStartNs))
-      ghz_sm.push_back((at(last, kEnd) - at(first_of_block, kStart)) / (at(last, kEndNs) - at(first_of_block, kStartNs)));
+    if (first_of_block >= 0 && at(last, kTrEndNs) > at(first_of_block, kTrStartNs))
+      ghz_sm.push_back((at(last, kTrEnd) - at(first_of_block, kTrStart)) / (at(last, kTrEndNs) - at(first_of_block, kTrStartNs)));
     for (size_t c = 0; c < its.size(); ++c) {
       const int i = its[c];
-      if (!persistent) prologue.push_back(at(i, kQReady) - at(i, kStart));
-      full0.push_back(at(i, kFull0) - at(i, kQReady));
-      s0.push_back(at(i, kS0) - at(i, kQReady));
-      tile0.push_back(at(i, kTile0) - at(i, kS0));
-      epi.push_back(at(i, kEnd) - at(i, kLastPv));
-      total.push_back(at(i, kEnd) - first(i));
-      if (c + 1 < its.size()) gap.push_back(first(its[c + 1]) - at(i, kEnd));
+      if (!persistent) prologue.push_back(at(i, kTrQReady) - at(i, kTrStart));
+      full0.push_back(at(i, kTrFull0) - at(i, kTrQReady));
+      s0.push_back(at(i, kTrS0) - at(i, kTrQReady));
+      tile0.push_back(at(i, kTrTile0) - at(i, kTrS0));
+      epi.push_back(at(i, kTrEnd) - at(i, kTrLastPv));
+      total.push_back(at(i, kTrEnd) - first(i));
+      if (c + 1 < its.size()) gap.push_back(first(its[c + 1]) - at(i, kTrEnd));
       /* steady per tile: from the first tile's P^q to the last P^q V^ over the tiles between */
-      const double nt = (at(i, kLastPv) - at(i, kTile0));
+      const double nt = (at(i, kTrLastPv) - at(i, kTrTile0));
       steady.push_back(nt);
     }
   }
@@ -154,9 +156,10 @@ static void run(int D, int N, int B, int H, int causal) {
   const double avg_tiles = (double)tiles_sum / items;
   printf("D=%d N=%d B=%d H=%d causal=%d: %.3f ms, %d items on %zu SMs, %.2f GHz (clock64 / globaltimer), avg %.1f tiles/item\n",
          D, N, B, H, causal, ms, items, by_sm.size(), ghz, avg_tiles);
-  printf("  per item, median / mean us: %s%.2f/%.2f  Q^->full0 %.2f/%.2f  Q^->S0 %.2f/%.2f  tile0 softmax %.2f/%.2f  "
+  printf("  per item, median / mean us: ");
+  if (!persistent) printf("prologue %.2f/%.2f  ", us(median(prologue)), us(mean(prologue)));
+  printf("Q^->full0 %.2f/%.2f  Q^->S0 %.2f/%.2f  tile0 softmax %.2f/%.2f  "
          "tile0->last PV %.2f/%.2f (%.3f per later tile)  epilogue %.2f/%.2f  gap to next %.2f/%.2f  item total %.2f/%.2f\n",
-         persistent ? "" : "prologue ", persistent ? 0.0 : us(median(prologue)), persistent ? 0.0 : us(mean(prologue)),
          us(median(full0)), us(mean(full0)), us(median(s0)), us(mean(s0)), us(median(tile0)), us(mean(tile0)),
          us(median(steady)), us(mean(steady)), us(mean(steady)) / std::max(1.0, avg_tiles - 1), us(median(epi)),
          us(mean(epi)), us(median(gap)), us(mean(gap)), us(median(total)), us(mean(total)));

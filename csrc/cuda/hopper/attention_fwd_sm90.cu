@@ -99,7 +99,8 @@ extern "C" int fp4attn_sm90_trace_take(unsigned long long *host, int items) {
   using namespace fp4attn_cuda::sm90;
   if (items > kTraceItems) items = kTraceItems;
   if (cudaMemcpyFromSymbol(host, g_trace, sizeof(unsigned long long) * kTrEvents * items) != cudaSuccess) return 1;
-  static unsigned long long zeros[kTraceItems][kTrEvents];
-  return cudaMemcpyToSymbol(g_trace, zeros, sizeof(zeros)) == cudaSuccess ? 0 : 1;
+  void *buf = nullptr;
+  if (cudaGetSymbolAddress(&buf, g_trace) != cudaSuccess) return 1;
+  return cudaMemset(buf, 0, sizeof(g_trace)) == cudaSuccess ? 0 : 1;
 }
 #endif

@@ -37,6 +37,7 @@
 #include <cudaTypedefs.h>
 
 #include "../attention_tile.cuh"
+#include "trace_events.h"
 #include "wgmma.cuh"
 
 namespace fp4attn_cuda {
@@ -54,24 +55,9 @@ constexpr int kBarQFree = kBarTurn + 2;       /* both consumers have read Q^ of 
 constexpr int kBarProducer = kBarQFree + 1;   /* the producer warpgroup alone */
 constexpr int kBarQReady = kBarProducer + 1;  /* one item per block: the consumers have written Q^ */
 
-/* Development timeline of the work items (build with -DFP4ATTN_SM90_TRACE, read by
- * tests/cuda_harness/trace_sm90.cu): clock64 stamps of the SM's cycle counter, per item, at the
- * points below, from one thread of the role that reaches them; compiled out otherwise. */
-enum TraceEvent {
-  kTrStart,   /* the block starts (its first item) */
-  kTrQReady,  /* Q^ of the item is in shared memory (after the prologue / the hand-over) */
-  kTrFull0,   /* the producer has arrived on "full" of the item's first tile (bias written) */
-  kTrS0,      /* consumer 0 has S of the first tile */
-  kTrTile0,   /* consumer 0 has P^q of the first tile */
-  kTrLastPv,  /* consumer 0 has the last P^q V^ */
-  kTrEnd,     /* consumer 0 has stored O */
-  kTrSm,      /* the SM's index (not a time) */
-  kTrStartNs, /* kTrStart and kTrEnd on the global timer (ns): the clock rate */
-  kTrEndNs,
-  kTrEvents
-};
+/* The development timeline (trace_events.h): stamps where FP4ATTN_SM90_TRACE is defined,
+ * nothing otherwise. */
 #if defined(FP4ATTN_SM90_TRACE)
-constexpr int kTraceItems = 16384;
 __device__ unsigned long long g_trace[kTraceItems][kTrEvents];
 __device__ __forceinline__ void trace(int item, TraceEvent ev) {
   if (item >= kTraceItems) return;

@@ -1,0 +1,31 @@
+/*
+ * Development timeline of the sm90 attention kernel's work items (hopper/attention_fwd_sm90.cuh,
+ * built with -DFP4ATTN_SM90_TRACE; read by tests/cuda_harness/trace_sm90.cu): per item, one
+ * 64-bit stamp of the SM's cycle counter (clock64) per event below, from one thread of the role
+ * that reaches it. Plain C++, so that the harness reads the buffer with the kernel's indices.
+ */
+#ifndef FP4ATTN_CUDA_HOPPER_TRACE_EVENTS_H
+#define FP4ATTN_CUDA_HOPPER_TRACE_EVENTS_H
+
+namespace fp4attn_cuda {
+namespace sm90 {
+
+enum TraceEvent {
+  kTrStart,   /* the block starts (its first item) */
+  kTrQReady,  /* Q^ of the item is in shared memory (after the prologue / the hand-over) */
+  kTrFull0,   /* the producer has arrived on "full" of the item's first tile (bias written) */
+  kTrS0,      /* consumer 0 has S of the first tile */
+  kTrTile0,   /* consumer 0 has P^q of the first tile */
+  kTrLastPv,  /* consumer 0 has the last P^q V^ */
+  kTrEnd,     /* consumer 0 has stored O */
+  kTrSm,      /* the SM's index (not a time) */
+  kTrStartNs, /* kTrStart and kTrEnd on the global timer (ns): the clock rate */
+  kTrEndNs,
+  kTrEvents
+};
+constexpr int kTraceItems = 16384; /* items with a row in the buffer (the first ones) */
+
+}  // namespace sm90
+}  // namespace fp4attn_cuda
+
+#endif /* FP4ATTN_CUDA_HOPPER_TRACE_EVENTS_H */
