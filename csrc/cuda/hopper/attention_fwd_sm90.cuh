@@ -144,6 +144,10 @@ struct Config {
   static constexpr int kOffOut = kPersistent ? kOffV + kStages * kVBytes : kOffQ;
   static constexpr int kTiles = kOffV + kStages * kVBytes + (kPersistent ? kOutBytes : 0);
   static constexpr int kSmem = kSmall + 1023 + kTiles; /* 231983 bytes for DP = 128 (H100/H200: 232448) */
+  /* One item per block: the item's Q rows as copied (Kernel::copy_q_rows), in the K^ buffer of the
+   * ring's last stage, which the producer fills only once Q^ is ready (kBarQReady) */
+  static constexpr int kOffQRows = kOffK + (kStages - 1) * kKBytes;
+  static_assert(kPersistent || (kStages >= 2 && kKBytes >= kRows * DP * 2), "Q rows fit into a later stage's K^");
   static_assert(kPersistent || kOutBytes == kQBytes, "O's staging fits into Q^");
 };
 
@@ -209,6 +213,80 @@ struct Kernel {
   }
 
 #if defined(FP4ATTN_SM90_WGMMA)
+  /* One item per block with 16-bit Q in 16-byte aligned rows: the producer copies the item's Q
+   * rows into shared memory (copy_q_rows) and the consumers quantize them from there
+   * (quantize_copied_q). Their Q^ then waits for one bulk copy instead of two rounds of global
+   * loads (measured with trace_sm90.cu: ~3 us per round, ~7.5 us for Q^). */
+  static __device__ __forceinline__ bool q_by_copy(const AttnArgs &a) {
+    return !C::kPersistent && a.vec_q && a.p.dtype != FP4ATTN_FLOAT32;
+  }
+
+  /* Producer thread tid copies row tid of item k's Q (one bulk copy of its head_dim elements) into
+   * row tid of Config::kOffQRows (DP halves per row), onto "Q^ full" (which blocks with one item do
+   * not use otherwise). Rows past len_q are not copied. */
+  static __device__ void copy_q_rows(const AttnArgs &a, const Item &k, const Shared &sh, int tid) {
+    const fp4attn_attention_params &p = a.p;
+    const int64_t rows = min((int64_t)kRows, p.len_q - k.q0);
+    const uint32_t row_bytes = 2 * (uint32_t)p.head_dim;
+    if (tid == 0) mbar_expect_tx(sh.qfull(), (uint32_t)rows * row_bytes);
+    named_sync(kBarProducer, 128); /* the transaction count before any copy completes */
+    if (tid < rows) {
+      const char *row = static_cast<const char *>(p.q) + 2 * (k.b * p.q_stride[0] + k.h * p.q_stride[1] + (k.q0 + tid) * p.q_stride[2]);
+      bulk_load(smem_u32(sh.tiles + C::kOffQRows) + tid * DP * 2, row, row_bytes, sh.qfull());
+    }
+    if (tid == 0) mbar_arrive(sh.qfull());
+  }
+
+  /* Q^ of item `it` from the rows copy_q_rows copied, by consumer thread tid of 256, through
+   * store(half offset in the tile, 16 bytes): quantize_q_rows's arithmetic (smoothed_block16,
+   * quantize_block16). Every job of a thread is in the same 16-column block, so its 16 means are
+   * loaded once, while the copy is on its way. */
+  template <typename Store>
+  static __device__ __forceinline__ void quantize_copied_q(const AttnArgs &a, int it, const Shared &sh, int tid,
+                                                           Store store) {
+    constexpr int kBlocks = DP / 16, kThreadsQ = kThreads - 128;
+    static_assert(kThreadsQ % kBlocks == 0, "one column block per thread");
+    const fp4attn_attention_params &p = a.p;
+    const Item k = item_at(a, it);
+    const int kb = tid % kBlocks, D = (int)p.head_dim;
+    const float encq = a.ws.qscale[k.bh * 2 + 0];
+    float mean[16];
+#pragma unroll
+    for (int e = 0; e < 16; ++e) mean[e] = k.qbar[kb * 16 + e]; /* DP floats, zero past D */
+    const int64_t rows = p.len_q - k.q0;
+    mbar_wait(sh.qfull(), 0);
+#pragma unroll 1
+    for (int job = tid; job < kRows * kBlocks; job += kThreadsQ) {
+      const int r = job / kBlocks;
+      const char *row = sh.tiles + C::kOffQRows + r * DP * 2;
+      float xs[16];
+      if (r < rows && kb * 16 + 16 <= D) { /* all but the padding */
+        load8_as_float(row, p.dtype, kb * 16, true, xs);
+        load8_as_float(row, p.dtype, kb * 16 + 8, true, xs + 8);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) xs[e] = __fmul_rn(__fsub_rn(xs[e], mean[e]), encq);
+      } else {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int c0 = kb * 16 + half * 8;
+          float v[8];
+          if (r < rows && c0 < D)
+            load8_as_float(row, p.dtype, c0, true, v);
+          else
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = 0.0f;
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            xs[half * 8 + e] = r < rows && c0 + e < D ? __fmul_rn(__fsub_rn(v[e], mean[half * 8 + e]), encq) : 0.0f;
+        }
+      }
+      uint32_t o[8];
+      quantize_block16(xs, o);
+      store(sw128_offset(kRows, r, kb * 16), make_uint4(o[0], o[1], o[2], o[3]));
+      store(sw128_offset(kRows, r, kb * 16 + 8), make_uint4(o[4], o[5], o[6], o[7]));
+    }
+  }
+
   /* ---------------------------------------------------------------- producer warpgroup */
   /* How the producer computes the q-mean bias: on mma.sync (BiasMma, 16-bit K with 16-byte rows)
    * or with FP32 FMAs (compute_bias: FP32 K, unaligned rows). One producer loop per way, so the
@@ -275,11 +353,14 @@ struct Kernel {
     }
     if constexpr (!C::kPersistent) { /* one item per block */
       const Item k = item_at(a, blockIdx.x);
+      if (q_by_copy(a)) copy_q_rows(a, k, sh, tid);
       if (kBias != BiasPath::kFma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
       for (int j = 0; j < k.ntiles; ++j) {
         load_tile(k, j);
         FP4ATTN_SM90_TRACE_AT(j == 0 && tid == 0, blockIdx.x, kTrFull0);
+        if (j == 0) named_sync(kBarQReady, kThreads);
       }
+      if (k.ntiles == 0) named_sync(kBarQReady, kThreads);
     }
     int handovers = 0; /* hand-over h completes phase h + 1 of "Q^ full" */
     for (int cur = C::kPersistent ? (int)blockIdx.x : nitems; cur < nitems;) {
@@ -527,10 +608,13 @@ struct Kernel {
          * 384), while the producer already loads the first tiles and computes their bias. (All of
          * a thread's loads in one batch measured 0.5-2 % slower.) */
         __half *qs = sh.tile(C::kOffQ);
-        quantize_q(prm.a, blockIdx.x, 0, kRows, threadIdx.x - 128, kThreads - 128,
-                   [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; });
+        const auto store = [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; };
+        if (q_by_copy(prm.a))
+          quantize_copied_q(prm.a, blockIdx.x, sh, threadIdx.x - 128, store);
+        else
+          quantize_q(prm.a, blockIdx.x, 0, kRows, threadIdx.x - 128, kThreads - 128, store);
         fence_proxy_async();
-        named_sync(kBarQReady, kThreads - 128);
+        named_sync(kBarQReady, kThreads);
         FP4ATTN_SM90_TRACE_AT(threadIdx.x == 128, blockIdx.x, kTrQReady);
       }
       regs_alloc<C::kConsumerRegs>();
