@@ -23,10 +23,11 @@
  *     between tiles (softmax_tile_stats).
  * The two consumer warpgroups take turns at issuing their wgmma (see consumer()).
  * Persistence hides what a block per item exposes on every item: the launch, Q's quantization
- * and the first tile. With one block per item (DP = 128) the consumers quantize Q^ while the
- * producer already loads the first tiles and computes their bias (tests/cuda_harness/
- * trace_sm90.cu measured the item's time outside its steady tiles: ~15 -> ~13.6 us at N = 4K,
- * with the epilogue's 16-byte row stores).
+ * and the first tile. With one block per item (DP = 128) the producer bulk-copies the item's Q
+ * rows into shared memory and loads the first tile while the consumers quantize Q^ from the copy
+ * (tests/cuda_harness/trace_sm90.cu measured the item's time outside its steady tiles at N = 4K:
+ * ~15 us in v15, ~13.6 with the loads under the quantization and the epilogue's 16-byte row
+ * stores, ~11 with the copy).
  * The TMA replaced per-thread cp.async (32 per producer thread and tile at DP = 128, with their
  * addressing): the producer issued a quarter of all instructions and the consumers waited for it.
  */
@@ -216,7 +217,8 @@ struct Kernel {
   /* One item per block with 16-bit Q in 16-byte aligned rows: the producer copies the item's Q
    * rows into shared memory (copy_q_rows) and the consumers quantize them from there
    * (quantize_copied_q). Their Q^ then waits for one bulk copy instead of two rounds of global
-   * loads (measured with trace_sm90.cu: ~3 us per round, ~7.5 us for Q^). */
+   * loads (trace_sm90.cu on the H200: ~3 us per round; Q^ ready 7.7 -> 5.4 us after the block's
+   * start, end to end +2 % at N = 4K, +5 % at 1K). */
   static __device__ __forceinline__ bool q_by_copy(const AttnArgs &a) {
     return !C::kPersistent && a.vec_q && a.p.dtype != FP4ATTN_FLOAT32;
   }
@@ -303,7 +305,9 @@ struct Kernel {
       producer_loop<BiasPath::kFma>(prm, sh);
   }
 
-  /* One item per block: its tiles (Q^ comes from the prologue).
+  /* One item per block: the copy of its Q rows (copy_q_rows), its first tile, the wait until the
+   * consumers have made Q^ of them (kBarQReady: the later tiles overwrite the copy), its other
+   * tiles.
    * Persistent blocks, per item: the tiles and, between them, the next item's Q^ into this block's
    * staging buffer in global memory (ws.qstage, L2-resident); then, when the consumers are done
    * with the item's Q^ (kBarQFree), the hand-over: one bulk copy of the staged Q^ into shared
@@ -358,7 +362,7 @@ struct Kernel {
       for (int j = 0; j < k.ntiles; ++j) {
         load_tile(k, j);
         FP4ATTN_SM90_TRACE_AT(j == 0 && tid == 0, blockIdx.x, kTrFull0);
-        if (j == 0) named_sync(kBarQReady, kThreads);
+        if (j == 0) named_sync(kBarQReady, kThreads); /* then the other tiles (measured +0.5-2 %) */
       }
       if (k.ntiles == 0) named_sync(kBarQReady, kThreads);
     }
@@ -604,9 +608,10 @@ struct Kernel {
       producer(prm, sh);
     } else {
       if constexpr (!C::kPersistent) {
-        /* The block's one item: Q^ by the 256 consumer threads (2 batches of loads, as with all
-         * 384), while the producer already loads the first tiles and computes their bias. (All of
-         * a thread's loads in one batch measured 0.5-2 % slower.) */
+        /* The block's one item: Q^ by the 256 consumer threads from the rows the producer copies
+         * (quantize_copied_q), or, for FP32 and unaligned Q, from global memory in 2 batches of
+         * loads (all of a thread's loads in one batch measured 0.5-2 % slower), while the
+         * producer loads the first tile and computes its bias. */
         __half *qs = sh.tile(C::kOffQ);
         const auto store = [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; };
         if (q_by_copy(prm.a))
