@@ -54,7 +54,8 @@ constexpr int kBarTurn = kBarEmpty + kMaxStages; /* + consumer: its turn to issu
 constexpr int kTurnCount = 256;               /* one consumer arrives, the other syncs */
 constexpr int kBarQFree = kBarTurn + 2;       /* both consumers have read Q^ of their item for the last time */
 constexpr int kBarProducer = kBarQFree + 1;   /* the producer warpgroup alone */
-constexpr int kBarQReady = kBarProducer + 1;  /* one item per block: the consumers have written Q^ */
+/* one item per block: Q^ is written (all 384 threads: the producer then loads over the Q rows) */
+constexpr int kBarQReady = kBarProducer + 1;
 
 /* The development timeline (trace_events.h): stamps where FP4ATTN_SM90_TRACE is defined,
  * nothing otherwise. */
@@ -233,7 +234,8 @@ struct Kernel {
     if (tid == 0) mbar_expect_tx(sh.qfull(), (uint32_t)rows * row_bytes);
     named_sync(kBarProducer, 128); /* the transaction count before any copy completes */
     if (tid < rows) {
-      const char *row = static_cast<const char *>(p.q) + 2 * (k.b * p.q_stride[0] + k.h * p.q_stride[1] + (k.q0 + tid) * p.q_stride[2]);
+      const int64_t at = k.b * p.q_stride[0] + k.h * p.q_stride[1] + (k.q0 + tid) * p.q_stride[2];
+      const char *row = static_cast<const char *>(p.q) + 2 * at;
       bulk_load(smem_u32(sh.tiles + C::kOffQRows) + tid * DP * 2, row, row_bytes, sh.qfull());
     }
     if (tid == 0) mbar_arrive(sh.qfull());
@@ -242,7 +244,8 @@ struct Kernel {
   /* Q^ of item `it` from the rows copy_q_rows copied, by consumer thread tid of 256, through
    * store(half offset in the tile, 16 bytes): quantize_q_rows's arithmetic (smoothed_block16,
    * quantize_block16). Every job of a thread is in the same 16-column block, so its 16 means are
-   * loaded once, while the copy is on its way. */
+   * loaded once, while the copy is on its way (blocks with padding columns read them again, in
+   * smoothed_block16). */
   template <typename Store>
   static __device__ __forceinline__ void quantize_copied_q(const AttnArgs &a, int it, const Shared &sh, int tid,
                                                            Store store) {
@@ -267,20 +270,11 @@ struct Kernel {
         load8_as_float(row, p.dtype, kb * 16 + 8, true, xs + 8);
 #pragma unroll
         for (int e = 0; e < 16; ++e) xs[e] = __fmul_rn(__fsub_rn(xs[e], mean[e]), encq);
+      } else if (r < rows) { /* the block holds padding columns */
+        smoothed_block16(row, p.dtype, 0, kb, D, true, k.qbar, encq, xs);
       } else {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int c0 = kb * 16 + half * 8;
-          float v[8];
-          if (r < rows && c0 < D)
-            load8_as_float(row, p.dtype, c0, true, v);
-          else
-#pragma unroll
-            for (int e = 0; e < 8; ++e) v[e] = 0.0f;
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            xs[half * 8 + e] = r < rows && c0 + e < D ? __fmul_rn(__fsub_rn(v[e], mean[half * 8 + e]), encq) : 0.0f;
-        }
+        for (int e = 0; e < 16; ++e) xs[e] = 0.0f;
       }
       uint32_t o[8];
       quantize_block16(xs, o);
