@@ -114,7 +114,8 @@ static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params
 }
 
 /* Columns kb*16 .. kb*16+15 of the row at element `row` of x, smoothed and scaled for phi
- * (SPEC 4.1-4.3: (x - mean) * enc, two roundings), zeros from column D on. */
+ * (SPEC 4.1-4.3: (x - mean) * enc, two roundings), zeros from column D on. mean: the 16 means of
+ * these columns (any memory; registers when the caller holds them). */
 __device__ __forceinline__ void smoothed_block16(const void *x, fp4attn_dtype dt, int64_t row, int kb,
                                                  int D, bool vec, const float *mean, float enc,
                                                  float (&xs)[16]) {
@@ -125,7 +126,7 @@ __device__ __forceinline__ void smoothed_block16(const void *x, fp4attn_dtype dt
     load8_padded(x, dt, row, c0, D, vec, v);
 #pragma unroll
     for (int e = 0; e < 8; ++e)
-      xs[half * 8 + e] = c0 + e < D ? __fmul_rn(__fsub_rn(v[e], mean[c0 + e]), enc) : 0.0f;
+      xs[half * 8 + e] = c0 + e < D ? __fmul_rn(__fsub_rn(v[e], mean[half * 8 + e]), enc) : 0.0f;
   }
 }
 

@@ -691,7 +691,7 @@ __device__ __forceinline__ void quantize_q_rows(const AttnArgs &a, int64_t b, in
       const int64_t row = q0 + r;
       if (job < rows * KB && row < p.len_q && kb * 16 < D) {
         const int64_t base = b * p.q_stride[0] + h * p.q_stride[1] + row * p.q_stride[2];
-        smoothed_block16(p.q, p.dtype, base, kb, D, a.vec_q, qbar, encq, xs[i]);
+        smoothed_block16(p.q, p.dtype, base, kb, D, a.vec_q, qbar + kb * 16, encq, xs[i]);
       } else {
 #pragma unroll
         for (int e = 0; e < 16; ++e) xs[i][e] = 0.0f;

@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(AttnArgs a) {
     uint8_t s = 0;
     if (tok < p.len_k && kb * 16 < D) {
       const int64_t base = b * p.k_stride[0] + h * p.k_stride[1] + tok * p.k_stride[2];
-      smoothed_block16(p.k, p.dtype, base, kb, D, a.vec_k, sh_kbar, enck, xs);
+      smoothed_block16(p.k, p.dtype, base, kb, D, a.vec_k, sh_kbar + kb * 16, enck, xs);
       s = fp4attn_quantize_block(xs, 16, q);
     }
     store_block_f16(w.kdq + (bh * w.nkp + tok) * DP + kb * 16, q, s);

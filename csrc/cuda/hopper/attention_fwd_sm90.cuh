@@ -244,8 +244,7 @@ struct Kernel {
   /* Q^ of item `it` from the rows copy_q_rows copied, by consumer thread tid of 256, through
    * store(half offset in the tile, 16 bytes): quantize_q_rows's arithmetic (smoothed_block16,
    * quantize_block16). Every job of a thread is in the same 16-column block, so its 16 means are
-   * loaded once, while the copy is on its way (blocks with padding columns read them again, in
-   * smoothed_block16). */
+   * loaded once, into registers, while the copy is on its way. */
   template <typename Store>
   static __device__ __forceinline__ void quantize_copied_q(const AttnArgs &a, int it, const Shared &sh, int tid,
                                                            Store store) {
@@ -263,15 +262,9 @@ struct Kernel {
 #pragma unroll 1
     for (int job = tid; job < kRows * kBlocks; job += kThreadsQ) {
       const int r = job / kBlocks;
-      const char *row = sh.tiles + C::kOffQRows + r * DP * 2;
       float xs[16];
-      if (r < rows && kb * 16 + 16 <= D) { /* all but the padding */
-        load8_as_float(row, p.dtype, kb * 16, true, xs);
-        load8_as_float(row, p.dtype, kb * 16 + 8, true, xs + 8);
-#pragma unroll
-        for (int e = 0; e < 16; ++e) xs[e] = __fmul_rn(__fsub_rn(xs[e], mean[e]), encq);
-      } else if (r < rows) { /* the block holds padding columns */
-        smoothed_block16(row, p.dtype, 0, kb, D, true, k.qbar, encq, xs);
+      if (r < rows) {
+        smoothed_block16(sh.tiles + C::kOffQRows + r * DP * 2, p.dtype, 0, kb, D, true, mean, encq, xs);
       } else {
 #pragma unroll
         for (int e = 0; e < 16; ++e) xs[e] = 0.0f;
