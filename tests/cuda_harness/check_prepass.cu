@@ -11,13 +11,19 @@
  *      kvscale, kdq and vdq byte-identical (workspaces pre-filled with different bytes), over
  *      dtypes, head dims, lengths, GQA, strided / packed / unaligned layouts and special values;
  *      determinism; CUDA graph capture and replay;
- *   4. timing at the shapes of benchmarks/bench_attention.py (fp16, B*N = 16K, H*D = 2048):
- *      CUDA events around the pre-pass (counter memset included), L2 flushed before each call.
+ *   4. timing at the shapes of benchmarks/bench_attention.py (fp16, B*N = 16K, H*D = 2048, N up to
+ *      32K): CUDA events around the pre-pass (counter memset included), L2 flushed before each
+ *      call, the variants (FusedTuning) interleaved call by call;
+ *   5. with --trace (a build with -DFP4ATTN_PREPASS_TRACE): the fused path's timeline.
  * Build and run on a GPU machine (scripts/bench_prepass.sh does both):
  *   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include \
  *     -gencode arch=compute_90a,code=sm_90a tests/cuda_harness/check_prepass.cu -o /tmp/chk
  *   /tmp/chk            (exit code 1 on any mismatch)
  *   /tmp/chk --quick    (skips the exhaustive sweeps)
+ *   /tmp/chk --time     (only the timing)
+ *   /tmp/chk --trace [R] (built with -DFP4ATTN_PREPASS_TRACE: where the fused pre-pass's blocks
+ *                        spend their time at the benchmark shapes, N = 1K..32K; R: the stagger
+ *                        knob, default the product's)
  */
 #include <algorithm>
 #include <cstdio>
@@ -452,13 +458,20 @@ static void timing() {
     struct Variant {
       const char *name;
       int path, max_blocks, q_fill;
+      int stagger;
     };
-    const Variant variants[] = {{"two-read", 1, 0, 1}, {"fused", 2, 0, 1}, {"fused no-qfill", 2, 0, 0},
-                                {"fused 2/SM", 2, 2, 1}};
-    printf("%-5s %-6s %-3s | %-16s %8s %9s %8s %8s\n", "D", "N", "B", "variant", "ms", "GB/s(b)", "%copy", "%copy*");
+    const FusedTuning product = g_fused_tuning;
+    const Variant variants[] = {{"two-read", 1, 0, 1, 0},
+                                {"fused (product)", 2, product.max_blocks_per_sm, product.q_fill, product.stagger},
+                                {"fused stagger 0", 2, 0, 1, 0},
+                                {"fused stagger 1", 2, 0, 1, 1},
+                                {"fused stagger 3", 2, 0, 1, 3},
+                                {"fused no-qfill", 2, 0, 0, product.stagger},
+                                {"fused 2/SM", 2, 2, 1, product.stagger}};
+    printf("%-5s %-6s %-3s | %-18s %8s %9s %8s %8s\n", "D", "N", "B", "variant", "ms", "GB/s(b)", "%copy", "%copy*");
     for (int64_t D : {64, 128})
-      for (int64_t N : {1024, 4096, 16384}) {
-        const Case c = {FP4ATTN_FLOAT16, 16384 / N, 2048 / D, 2048 / D, N, N, D, 0, 0, 0, 0};
+      for (int64_t N : {1024, 4096, 16384, 32768}) {
+        const Case c = {FP4ATTN_FLOAT16, std::max<int64_t>(1, 16384 / N), 2048 / D, 2048 / D, N, N, D, 0, 0, 0, 0};
         Inputs in = make_inputs(c, 7);
         const AttnWorkspace w0 = attn_workspace_layout(&in.p, nullptr);
         void *ws;
@@ -469,11 +482,19 @@ static void timing() {
          * workspace layout really moves: inputs + K^/V^ as FP16 */
         const double bench_bytes = 3 * elems * 2 + 2 * elems * (0.5 + 1.0 / 16);
         const double real_bytes = 3 * elems * 2 + 2 * elems * 2;
-        for (const Variant &v : variants) {
-          g_fused_tuning.max_blocks_per_sm = v.max_blocks;
-          g_fused_tuning.q_fill = v.q_fill;
-          std::vector<float> t;
-          for (int i = 0; i < 23; ++i) {
+        /* the variants interleaved call by call (23 rounds, the first 3 dropped), each round
+         * starting one variant later, so that a drift of the device's speed during the run, or
+         * an after-effect of the previous call, moves them all alike */
+        constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
+        std::vector<float> t[kVariants];
+        bool ok[kVariants];
+        for (int k = 0; k < kVariants; ++k) ok[k] = true;
+        for (int i = 0; i < 23; ++i)
+          for (int kk = 0; kk < kVariants; ++kk) {
+            const int k = (i + kk) % kVariants;
+            const Variant &v = variants[k];
+            if (!ok[k]) continue;
+            g_fused_tuning = {v.max_blocks, v.q_fill, v.stagger};
             CK(cudaMemsetAsync(flush, i & 0xFF, flush_bytes));
             CK(cudaEventRecord(e0));
             const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, 0, v.path);
@@ -481,19 +502,21 @@ static void timing() {
             CK(cudaEventSynchronize(e1));
             if (st.code != FP4ATTN_OK) {
               printf("  %s: %s\n", v.name, st.code == FP4ATTN_ERR_UNSUPPORTED ? "not applicable" : st.message);
-              break;
+              ok[k] = false;
+              continue;
             }
             float ms;
             CK(cudaEventElapsedTime(&ms, e0, e1));
-            if (i >= 3) t.push_back(ms);
+            if (i >= 3) t[k].push_back(ms);
           }
-          if (t.empty()) continue;
-          const float ms = median(t);
-          printf("%-5lld %-6lld %-3lld | %-16s %8.4f %9.0f %7.1f%% %7.1f%%\n", (long long)D, (long long)N,
-                 (long long)c.B, v.name, ms, bench_bytes / ms / 1e6, 100 * bench_bytes / ms / 1e6 / bw,
+        for (int k = 0; k < kVariants; ++k) {
+          if (t[k].empty()) continue;
+          const float ms = median(t[k]);
+          printf("%-5lld %-6lld %-3lld | %-18s %8.4f %9.0f %7.1f%% %7.1f%%\n", (long long)D, (long long)N,
+                 (long long)c.B, variants[k].name, ms, bench_bytes / ms / 1e6, 100 * bench_bytes / ms / 1e6 / bw,
                  100 * real_bytes / ms / 1e6 / bw);
         }
-        g_fused_tuning = {0, 1};
+        g_fused_tuning = product;
         CK(cudaFree(ws));
         free_inputs(in);
       }
@@ -503,6 +526,134 @@ static void timing() {
   CK(cudaFree(flush));
 }
 
+/* ------------------------------------------------------------------ 5. timeline */
+#if defined(FP4ATTN_PREPASS_TRACE)
+/* Where the fused pre-pass's blocks spend their time at one benchmark shape: one traced call
+ * (after 3 untraced ones), every block's stamps on one time axis (globaltimer at block start
+ * and exit, clock64 in between, converted with the block's own clock rate). Prints each phase's
+ * share of (grid x kernel span) and its median per item, then the blocks' phases over time. */
+static void timeline(int64_t D, int64_t N) {
+  const Case c = {FP4ATTN_FLOAT16, std::max<int64_t>(1, 16384 / N), 2048 / D, 2048 / D, N, N, D, 0, 0, 0, 0};
+  Inputs in = make_inputs(c, 7);
+  const AttnWorkspace w0 = attn_workspace_layout(&in.p, nullptr);
+  void *ws;
+  CK(cudaMalloc(&ws, w0.bytes));
+  const AttnArgs a = make_args(in.p, ws);
+  static unsigned long long items[kPrepassTraceItems][kPtItemEvents], blocks[kPrepassTraceBlocks][kPbEvents];
+  for (int i = 0; i < 4; ++i) {
+    if (i == 3) {
+      memset(items, 0, sizeof(items));
+      memset(blocks, 0, sizeof(blocks));
+      CK(cudaMemcpyToSymbol(g_pt_items, items, sizeof(items)));
+      CK(cudaMemcpyToSymbol(g_pt_blocks, blocks, sizeof(blocks)));
+    }
+    const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, 0, 2);
+    if (st.code != FP4ATTN_OK) {
+      printf("D=%lld N=%lld: fused path not applicable\n", (long long)D, (long long)N);
+      return;
+    }
+    CK(cudaDeviceSynchronize());
+  }
+  CK(cudaMemcpyFromSymbol(items, g_pt_items, sizeof(items)));
+  CK(cudaMemcpyFromSymbol(blocks, g_pt_blocks, sizeof(blocks)));
+  int grid = 0;
+  while (grid < kPrepassTraceBlocks && blocks[grid][kPbStartNs] != 0) ++grid;
+  uint64_t t0 = ~0ull, t1 = 0;
+  std::vector<double> rate(grid); /* clocks per ns */
+  for (int b = 0; b < grid; ++b) {
+    t0 = std::min<uint64_t>(t0, blocks[b][kPbStartNs]);
+    t1 = std::max<uint64_t>(t1, blocks[b][kPbExitNs]);
+    rate[b] = double(blocks[b][kPbExitClk] - blocks[b][kPbStartClk]) / double(blocks[b][kPbExitNs] - blocks[b][kPbStartNs]);
+  }
+  const double span = double(t1 - t0);
+  /* phases: [from event, to event) of an item, then the block-level ones */
+  const char *names[] = {"wait K",          "K stats",       "wait V",         "V amax + count", "head (wait / reduce)",
+                         "next ticket",     "quantize K",    "quantize V",     "before 1st item", "between items",
+                         "Q blocks after",  "idle (tail)",   "  Q blocks in wait", "  reduce (last item)",
+                         "  pure wait"};
+  constexpr int kPhases = 15;
+  double total[kPhases] = {0};
+  std::vector<double> per[kPhases];
+  const int64_t n_kv = [&] {
+    int64_t n = 0;
+    while (n < kPrepassTraceItems && items[n][kPtQuantV] != 0) ++n;
+    return n;
+  }();
+  constexpr int kBins = 20;
+  double bins[kBins][kPhases] = {{0}};
+  auto add_interval = [&](int ph, double from, double to) { /* ns since t0 */
+    if (to <= from) return;
+    total[ph] += to - from;
+    for (int k = 0; k < kBins; ++k) {
+      const double lo = span * k / kBins, hi = span * (k + 1) / kBins;
+      const double ov = std::min(hi, to) - std::max(lo, from);
+      if (ov > 0) bins[k][ph] += ov;
+    }
+  };
+  std::vector<std::vector<std::pair<double, double>>> block_items(grid); /* (entry, end) per item */
+  long long q_in_wait = 0;
+  for (int64_t it = 0; it < n_kv; ++it) {
+    const int b = (int)(items[it][kPtBlock] & 0xFFFFFFFFu);
+    if (b >= grid) continue;
+    auto at = [&](int ev) { return double(blocks[b][kPbStartNs] - t0) + double(items[it][ev] - blocks[b][kPbStartClk]) / rate[b]; };
+    for (int ev = kPtEntry; ev < kPtQuantV; ++ev) {
+      add_interval(ev, at(ev), at(ev + 1));
+      per[ev].push_back((at(ev + 1) - at(ev)) / 1000.0);
+    }
+    block_items[b].push_back({at(kPtEntry), at(kPtQuantV)});
+    const unsigned long long qb = items[it][kPtQBlocks];
+    q_in_wait += (long long)(qb & 0xFFFFF);
+    /* the head phase split (totals only; no time bins) */
+    const double head = at(kPtHeadReady) - at(kPtCounted), inq = double(items[it][kPtQClocks]) / rate[b];
+    if (qb >> 20) {
+      total[13] += head;
+      per[13].push_back(head / 1000.0);
+    } else {
+      total[12] += inq;
+      total[14] += head - inq;
+      per[12].push_back(inq / 1000.0);
+      per[14].push_back((head - inq) / 1000.0);
+    }
+  }
+  long long q_after = 0;
+  for (int b = 0; b < grid; ++b) {
+    auto &v = block_items[b];
+    std::sort(v.begin(), v.end());
+    const double start = double(blocks[b][kPbStartNs] - t0), kv_done = double(blocks[b][kPbKvDoneNs] - t0),
+                 exit_ = double(blocks[b][kPbExitNs] - t0);
+    add_interval(8, start, v.empty() ? kv_done : v.front().first);
+    for (size_t i = 1; i < v.size(); ++i) add_interval(9, v[i - 1].second, v[i].first);
+    add_interval(10, v.empty() ? kv_done : v.back().second, exit_);
+    add_interval(11, exit_, span);
+    q_after += (long long)blocks[b][kPbQBlocksAfter];
+  }
+  printf("\nD=%lld N=%lld B=%lld: grid %d blocks, kernel span %.1f us (block start to last exit), %lld K/V items; "
+         "query blocks: %lld while waiting for a head, %lld after the K/V items\n",
+         (long long)D, (long long)N, (long long)c.B, grid, span / 1000, (long long)n_kv, q_in_wait, q_after);
+  printf("  %-22s %8s %12s\n", "phase", "% blocks", "median/item");
+  for (int ph = 0; ph < kPhases; ++ph) {
+    double med = 0;
+    if (!per[ph].empty()) {
+      std::sort(per[ph].begin(), per[ph].end());
+      med = per[ph][per[ph].size() / 2];
+    }
+    printf("  %-22s %7.1f%% ", names[ph], 100 * total[ph] / (span * grid));
+    if (ph < 8 || ph >= 12) printf("%9.2f us\n", med); else printf("\n");
+  }
+  printf("  over time (%% of blocks; columns: load = wait K + wait V, stats = K stats + V amax + count, head,\n"
+         "  quant = quantize K + V, q-after, other = ticket/start/between, idle):\n");
+  printf("  %7s %6s %6s %6s %6s %6s %6s %6s\n", "t (us)", "load", "stats", "head", "quant", "q-aft", "other", "idle");
+  for (int k = 0; k < kBins; ++k) {
+    const double w = span / kBins * grid / 100.0;
+    const double* x = bins[k];
+    printf("  %7.1f %6.1f %6.1f %6.1f %6.1f %6.1f %6.1f %6.1f\n", span * (k + 0.5) / kBins / 1000, (x[0] + x[2]) / w,
+           (x[1] + x[3]) / w, x[4] / w, (x[6] + x[7]) / w, x[10] / w, (x[5] + x[8] + x[9]) / w, x[11] / w);
+  }
+  CK(cudaFree(ws));
+  free_inputs(in);
+}
+#endif
+
 int main(int argc, char **argv) {
   const bool quick = argc > 1 && !strcmp(argv[1], "--quick");
   const bool only_time = argc > 1 && !strcmp(argv[1], "--time");
@@ -510,6 +661,18 @@ int main(int argc, char **argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
   if (argc > 1 && !strcmp(argv[1], "--probe")) return 0;
+  if (argc > 1 && !strcmp(argv[1], "--trace")) {
+#if defined(FP4ATTN_PREPASS_TRACE)
+    if (argc > 2) g_fused_tuning.stagger = atoi(argv[2]);
+    printf("stagger: %d query blocks per slot before the first K/V item\n", g_fused_tuning.stagger);
+    for (int64_t D : {64, 128})
+      for (int64_t N : {1024, 4096, 16384, 32768}) timeline(D, N);
+    return 0;
+#else
+    printf("--trace needs a build with -DFP4ATTN_PREPASS_TRACE\n");
+    return 2;
+#endif
+  }
   if (!only_time) {
     if (!quick) exhaustive_checks();
     block_checks();
