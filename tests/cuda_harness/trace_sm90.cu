@@ -120,7 +120,7 @@ static void run(int D, int N, int B, int H, int causal) {
     if (tr[(size_t)i * kTrEvents + kTrEnd]) by_sm[(int)tr[(size_t)i * kTrEvents + kTrSm]].push_back(i);
   const auto at = [&](int i, int e) { return (double)tr[(size_t)i * kTrEvents + e]; };
   const bool persistent = D <= 64; /* Config::kPersistent: head dims padded to 64 */
-  std::vector<double> prologue, full0, s0, tile0, steady, epi, gap, total, ghz_sm;
+  std::vector<double> prologue, copied, quantized, s0_issue, full0, s0, tile0, steady, epi, gap, total, ghz_sm;
   for (auto &kv : by_sm) {
     std::vector<int> &its = kv.second;
     const auto first = [&](int i) { return persistent ? at(i, kTrQReady) : at(i, kTrStart); };
@@ -135,6 +135,9 @@ static void run(int D, int N, int B, int H, int causal) {
     for (size_t c = 0; c < its.size(); ++c) {
       const int i = its[c];
       if (!persistent) prologue.push_back(at(i, kTrQReady) - at(i, kTrStart));
+      if (!persistent && at(i, kTrQCopied) > 0) copied.push_back(at(i, kTrQCopied) - at(i, kTrStart));
+      if (!persistent && at(i, kTrQQuantized) > 0) quantized.push_back(at(i, kTrQQuantized) - at(i, kTrStart));
+      s0_issue.push_back(at(i, kTrS0Issue) - at(i, kTrQReady));
       full0.push_back(at(i, kTrFull0) - at(i, kTrQReady));
       s0.push_back(at(i, kTrS0) - at(i, kTrQReady));
       tile0.push_back(at(i, kTrTile0) - at(i, kTrS0));
@@ -158,6 +161,9 @@ static void run(int D, int N, int B, int H, int causal) {
          D, N, B, H, causal, ms, items, by_sm.size(), ghz, avg_tiles);
   printf("  per item, median / mean us: ");
   if (!persistent) printf("prologue %.2f/%.2f  ", us(median(prologue)), us(mean(prologue)));
+  if (!copied.empty()) printf("(Q rows copied at %.2f/%.2f)  ", us(median(copied)), us(mean(copied)));
+  if (!quantized.empty()) printf("(Q^ quantized at %.2f/%.2f)  ", us(median(quantized)), us(mean(quantized)));
+  printf("Q^->S0 issue %.2f/%.2f  ", us(median(s0_issue)), us(mean(s0_issue)));
   printf("Q^->full0 %.2f/%.2f  Q^->S0 %.2f/%.2f  tile0 softmax %.2f/%.2f  "
          "tile0->last PV %.2f/%.2f (%.3f per later tile)  epilogue %.2f/%.2f  gap to next %.2f/%.2f  item total %.2f/%.2f\n",
          us(median(full0)), us(mean(full0)), us(median(s0)), us(mean(s0)), us(median(tile0)), us(mean(tile0)),

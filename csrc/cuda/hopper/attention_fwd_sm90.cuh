@@ -259,6 +259,7 @@ struct Kernel {
     for (int e = 0; e < 16; ++e) mean[e] = k.qbar[kb * 16 + e]; /* DP floats, zero past D */
     const int64_t rows = p.len_q - k.q0;
     mbar_wait(sh.qfull(), 0);
+    FP4ATTN_SM90_TRACE_AT(tid == 0, it, kTrQCopied);
 #pragma unroll 1
     for (int job = tid; job < kRows * kBlocks; job += kThreadsQ) {
       const int r = job / kBlocks;
@@ -484,9 +485,12 @@ struct Kernel {
 #endif
       const Item k = item_at(a, item_index(item_no));
       const WarpRows rows = {k.b, k.h, k.q0 + cwg * 64 + wwarp * 16};
+      /* dQ, dK: loaded here, multiplied into cqk only once the first S is issued: the product
+       * before it made the first S wait for these loads (ncu at D=128, N = 1K: ~1 us per item in
+       * long-scoreboard stalls; end to end +0.3 %). Loading them in the prologue instead changed
+       * the tile loop's register allocation (2 more spill loads per tile). */
       const float decq = w.qscale[k.bh * 2 + 1];
       const float deck = w.kvscale[k.bhk * 4 + 1];
-      const float cqk = a.scale_log2 * (decq * deck);
       InPlaceSoftmaxState st;
       st.m[0] = st.m[1] = st.ref[0] = st.ref[1] = -INFINITY;
       st.l[0] = st.l[1] = 0.0f;
@@ -501,12 +505,14 @@ struct Kernel {
         /* tile 0: S only (O_acc is zero, its factor does not matter) */
         mbar_wait(sh.full(ring.stage), ring.phase);
         turn_begin();
+        FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrS0Issue);
         wgmma_fence();
         issue_scores(s, q_lo, k_desc(ring.stage));
         wgmma_commit();
         turn_end();
         wgmma_wait<0>();
         fence_regs(s);
+        const float cqk = a.scale_log2 * (decq * deck);
         FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrS0);
         if (k.ntiles == 1) q_free();
         TileStats ts;
@@ -605,6 +611,7 @@ struct Kernel {
           quantize_copied_q(prm.a, blockIdx.x, sh, threadIdx.x - 128, store);
         else
           quantize_q(prm.a, blockIdx.x, 0, kRows, threadIdx.x - 128, kThreads - 128, store);
+        FP4ATTN_SM90_TRACE_AT(threadIdx.x == 128, blockIdx.x, kTrQQuantized);
         fence_proxy_async();
         named_sync(kBarQReady, kThreads);
         FP4ATTN_SM90_TRACE_AT(threadIdx.x == 128, blockIdx.x, kTrQReady);
