@@ -550,6 +550,8 @@ static void timeline(int64_t D, int64_t N) {
     const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, 0, 2);
     if (st.code != FP4ATTN_OK) {
       printf("D=%lld N=%lld: fused path not applicable\n", (long long)D, (long long)N);
+      CK(cudaFree(ws));
+      free_inputs(in);
       return;
     }
     CK(cudaDeviceSynchronize());
