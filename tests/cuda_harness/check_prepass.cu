@@ -428,6 +428,26 @@ static float median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
+/* A shape of benchmarks/bench_attention.py (fp16, B*N = 16K tokens, H*D = 2048): its inputs and
+ * a workspace, freed with it. */
+struct BenchShape {
+  Case c;
+  Inputs in;
+  void *ws = nullptr;
+  AttnArgs a;
+  BenchShape(int64_t D, int64_t N)
+      : c{FP4ATTN_FLOAT16, std::max<int64_t>(1, 16384 / N), 2048 / D, 2048 / D, N, N, D, 0, 0, 0, 0},
+        in(make_inputs(c, 7)) {
+    const AttnWorkspace w0 = attn_workspace_layout(&in.p, nullptr);
+    CK(cudaMalloc(&ws, w0.bytes));
+    a = make_args(in.p, ws);
+  }
+  ~BenchShape() {
+    CK(cudaFree(ws));
+    free_inputs(in);
+  }
+};
+
 static void timing() {
   void *flush;
   const size_t flush_bytes = 256u << 20;
@@ -471,12 +491,9 @@ static void timing() {
     printf("%-5s %-6s %-3s | %-18s %8s %9s %8s %8s\n", "D", "N", "B", "variant", "ms", "GB/s(b)", "%copy", "%copy*");
     for (int64_t D : {64, 128})
       for (int64_t N : {1024, 4096, 16384, 32768}) {
-        const Case c = {FP4ATTN_FLOAT16, std::max<int64_t>(1, 16384 / N), 2048 / D, 2048 / D, N, N, D, 0, 0, 0, 0};
-        Inputs in = make_inputs(c, 7);
-        const AttnWorkspace w0 = attn_workspace_layout(&in.p, nullptr);
-        void *ws;
-        CK(cudaMalloc(&ws, w0.bytes));
-        const AttnArgs a = make_args(in.p, ws);
+        const BenchShape shape(D, N);
+        const Case &c = shape.c;
+        const AttnArgs &a = shape.a;
         const double elems = (double)c.B * c.Hq * N * D;
         /* bench_attention.py's metric: inputs + K^/V^ as FP4 codes + scales; and the bytes the
          * workspace layout really moves: inputs + K^/V^ as FP16 */
@@ -517,8 +534,6 @@ static void timing() {
                  100 * real_bytes / ms / 1e6 / bw);
         }
         g_fused_tuning = product;
-        CK(cudaFree(ws));
-        free_inputs(in);
       }
     printf("GB/s(b), %%copy: bench_attention.py's bytes (inputs + K^/V^ as FP4 codes + scales);\n"
            "%%copy*: bytes moved with the FP16 K^/V^ workspace (inputs + 2 x K-sized FP16 outputs)\n");
@@ -533,12 +548,9 @@ static void timing() {
  * and exit, clock64 in between, converted with the block's own clock rate). Prints each phase's
  * share of (grid x kernel span) and its median per item, then the blocks' phases over time. */
 static void timeline(int64_t D, int64_t N) {
-  const Case c = {FP4ATTN_FLOAT16, std::max<int64_t>(1, 16384 / N), 2048 / D, 2048 / D, N, N, D, 0, 0, 0, 0};
-  Inputs in = make_inputs(c, 7);
-  const AttnWorkspace w0 = attn_workspace_layout(&in.p, nullptr);
-  void *ws;
-  CK(cudaMalloc(&ws, w0.bytes));
-  const AttnArgs a = make_args(in.p, ws);
+  const BenchShape shape(D, N);
+  const Case &c = shape.c;
+  const AttnArgs &a = shape.a;
   static unsigned long long items[kPrepassTraceItems][kPtItemEvents], blocks[kPrepassTraceBlocks][kPbEvents];
   for (int i = 0; i < 4; ++i) {
     if (i == 3) {
@@ -550,8 +562,6 @@ static void timeline(int64_t D, int64_t N) {
     const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, 0, 2);
     if (st.code != FP4ATTN_OK) {
       printf("D=%lld N=%lld: fused path not applicable\n", (long long)D, (long long)N);
-      CK(cudaFree(ws));
-      free_inputs(in);
       return;
     }
     CK(cudaDeviceSynchronize());
@@ -647,12 +657,10 @@ static void timeline(int64_t D, int64_t N) {
   printf("  %7s %6s %6s %6s %6s %6s %6s %6s\n", "t (us)", "load", "stats", "head", "quant", "q-aft", "other", "idle");
   for (int k = 0; k < kBins; ++k) {
     const double w = span / kBins * grid / 100.0;
-    const double* x = bins[k];
+    const double *x = bins[k];
     printf("  %7.1f %6.1f %6.1f %6.1f %6.1f %6.1f %6.1f %6.1f\n", span * (k + 0.5) / kBins / 1000, (x[0] + x[2]) / w,
            (x[1] + x[3]) / w, x[4] / w, (x[6] + x[7]) / w, x[10] / w, (x[5] + x[8] + x[9]) / w, x[11] / w);
   }
-  CK(cudaFree(ws));
-  free_inputs(in);
 }
 #endif
 
