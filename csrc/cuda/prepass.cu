@@ -1034,7 +1034,8 @@ constexpr int fused_min_blocks() {
  * instead of in lockstep (the timeline of check_prepass.cu --trace: every block doing its K
  * statistics, then every block waiting for its head, then every block quantizing), and fewer
  * query blocks are left to overrun the head waits. stagger = 2 measured -4..-10 % pre-pass time
- * at N = 1K-16K (end to end +0.5-1.8 % at D=128, N = 1K-4K). */
+ * at N = 1K-16K in check_prepass's interleaved timing, end to end +0.5-1.8 % at D=128, N = 1K-4K
+ * (D=64: within noise). */
 template <typename T, int DP>
 __global__ void __launch_bounds__(kThreads, fused_min_blocks<T, DP>())
     fused_quantize_kv_kernel(AttnArgs a, FusedParams f) {
