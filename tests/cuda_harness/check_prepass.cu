@@ -21,6 +21,7 @@
  *   /tmp/chk            (exit code 1 on any mismatch)
  *   /tmp/chk --quick    (skips the exhaustive sweeps)
  *   /tmp/chk --time     (only the timing)
+ *   /tmp/chk --profile D N (two product pre-passes at a benchmark shape, e.g. under ncu)
  *   /tmp/chk --trace [R] (built with -DFP4ATTN_PREPASS_TRACE: where the fused pre-pass's blocks
  *                        spend their time at the benchmark shapes, N = 1K..32K; R: the stagger
  *                        knob, default the product's)
@@ -671,6 +672,18 @@ int main(int argc, char **argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
   if (argc > 1 && !strcmp(argv[1], "--probe")) return 0;
+  if (argc > 3 && !strcmp(argv[1], "--profile")) { /* one warm-up and one pre-pass at (D, N), for ncu */
+    const BenchShape shape(atoll(argv[2]), atoll(argv[3]));
+    for (int i = 0; i < 2; ++i) {
+      const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(shape.a, 0, 0);
+      if (st.code != FP4ATTN_OK) {
+        printf("pre-pass failed: %s\n", st.message);
+        return 2;
+      }
+    }
+    CK(cudaDeviceSynchronize());
+    return 0;
+  }
   if (argc > 1 && !strcmp(argv[1], "--trace")) {
 #if defined(FP4ATTN_PREPASS_TRACE)
     if (argc > 2) g_fused_tuning.stagger = atoi(argv[2]);
