@@ -15,11 +15,12 @@ export PYTHONUNBUFFERED=1
 status=0
 nvidia-smi -L
 echo "== pre-pass harness"
+HARNESS_NVCC=(nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -gencode arch=compute_90a,code=sm_90a)
 BIN=.prepass_bin/check_prepass
 if ! { [ -x "$BIN" ] && "$BIN" --probe >/dev/null 2>&1; }; then
   mkdir -p /tmp/pp && BIN=/tmp/pp/check_prepass
-  nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -gencode arch=compute_90a,code=sm_90a \
-    tests/cuda_harness/check_prepass.cu -o "$BIN" > "$LOG/harness_build.log" 2>&1 || { echo "harness build failed"; tail "$LOG/harness_build.log"; }
+  "${HARNESS_NVCC[@]}" tests/cuda_harness/check_prepass.cu -o "$BIN" > "$LOG/harness_build.log" 2>&1 ||
+    { echo "harness build failed"; tail "$LOG/harness_build.log"; }
 fi
 timeout 150 "$BIN" ${HARNESS_ARGS:-} > "$LOG/harness.log" 2>&1 || status=1
 grep -E "FAIL|exhaustive|block quantizer|graph|checks|fallback" "$LOG/harness.log" | head -30
@@ -27,8 +28,7 @@ sed -n '/copy bandwidth/,$p' "$LOG/harness.log"
 if [ "${TRACE:-0}" = "1" ]; then
   echo "== pre-pass timeline"
   mkdir -p /tmp/pp
-  nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -gencode arch=compute_90a,code=sm_90a \
-    -DFP4ATTN_PREPASS_TRACE tests/cuda_harness/check_prepass.cu -o /tmp/pp/check_prepass_trace \
+  "${HARNESS_NVCC[@]}" -DFP4ATTN_PREPASS_TRACE tests/cuda_harness/check_prepass.cu -o /tmp/pp/check_prepass_trace \
     > "$LOG/trace_build.log" 2>&1 && timeout 120 /tmp/pp/check_prepass_trace --trace > "$LOG/timeline.log" 2>&1 || status=1
   grep -E "^D=|head \(|quantize|pure wait" "$LOG/timeline.log"
 fi

@@ -520,7 +520,7 @@ enum PrepassTraceEvent {
   kPtBlock,     /* not a time: the block (low 32 bits) and SM (high 32 bits) */
   kPtItemEvents
 };
-enum PrepassTraceBlockEvent { kPbStartNs, kPbKvDoneNs, kPbExitNs, kPbStartClk, kPbExitClk, kPbQBlocksAfter, kPbEvents };
+enum PrepassTraceBlockEvent { kPbStartNs, kPbKvDoneNs, kPbExitNs, kPbStartClk, kPbExitClk, kPbEvents };
 constexpr int kPrepassTraceItems = 1 << 16, kPrepassTraceBlocks = 4096;
 __device__ unsigned long long g_pt_items[kPrepassTraceItems][kPtItemEvents];
 __device__ unsigned long long g_pt_blocks[kPrepassTraceBlocks][kPbEvents];
@@ -1060,7 +1060,6 @@ __global__ void __launch_bounds__(kThreads, fused_min_blocks<T, DP>())
   while ((int64_t)t < f.n_kv) t = fused_kv_item<T, DP>(a, f, (int64_t)t, kbuf, vbuf, sh);
   FP4ATTN_PT_BLOCK(kPbKvDoneNs, global_timer_ns());
   /* the query blocks left; the next ticket is taken while the current block loads */
-  int q_blocks = 0; /* for the timeline */
   t = take_ticket(f.q_ticket, sh);
   while ((int64_t)t < f.n_q) {
     __syncthreads(); /* everyone has read sh.ticket */
@@ -1068,10 +1067,7 @@ __global__ void __launch_bounds__(kThreads, fused_min_blocks<T, DP>())
     fused_q_block<T, DP>(a, f, (int64_t)t, sh); /* has barriers: sh.ticket is visible after */
     __syncthreads();
     t = sh.ticket;
-    ++q_blocks;
   }
-  FP4ATTN_PT_BLOCK(kPbQBlocksAfter, q_blocks);
-  (void)q_blocks;
   FP4ATTN_PT_BLOCK(kPbExitClk, clock64());
   FP4ATTN_PT_BLOCK(kPbExitNs, global_timer_ns());
 }

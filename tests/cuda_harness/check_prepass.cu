@@ -628,7 +628,6 @@ static void timeline(int64_t D, int64_t N) {
       per[14].push_back((head - inq) / 1000.0);
     }
   }
-  long long q_after = 0;
   for (int b = 0; b < grid; ++b) {
     auto &v = block_items[b];
     std::sort(v.begin(), v.end());
@@ -638,11 +637,12 @@ static void timeline(int64_t D, int64_t N) {
     for (size_t i = 1; i < v.size(); ++i) add_interval(9, v[i - 1].second, v[i].first);
     add_interval(10, v.empty() ? kv_done : v.back().second, exit_);
     add_interval(11, exit_, span);
-    q_after += (long long)blocks[b][kPbQBlocksAfter];
   }
   printf("\nD=%lld N=%lld B=%lld: grid %d blocks, kernel span %.1f us (block start to last exit), %lld K/V items; "
-         "query blocks: %lld while waiting for a head, %lld after the K/V items\n",
-         (long long)D, (long long)N, (long long)c.B, grid, span / 1000, (long long)n_kv, q_in_wait, q_after);
+         "query blocks: %lld while waiting for a head of %lld (the others before the first K/V item, "
+         "stagger, or after the last)\n",
+         (long long)D, (long long)N, (long long)c.B, grid, span / 1000, (long long)n_kv, q_in_wait,
+         (long long)query_block_count(shape.in.p, kTile));
   printf("  %-22s %8s %12s\n", "phase", "% blocks", "median/item");
   for (int ph = 0; ph < kPhases; ++ph) {
     double med = 0;
