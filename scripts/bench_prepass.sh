@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
 # One device call for the attention pre-pass (csrc/cuda/prepass.cu), logs under $OUT (or $1):
-#   1. tests/cuda_harness/check_prepass.cu: fused vs two-read pre-pass byte-identical, exhaustive
+#   1. tests/cuda_harness/check_prepass.cu: streaming vs two-read pre-pass byte-identical, exhaustive
 #      checks of the fast rounding helpers, graph capture, and pre-pass timing at the benchmark
 #      shapes (uses a prebuilt .prepass_bin/check_prepass when it runs there, else builds it);
 #   2. the extension build (FP4ATTN_CUDA_ARCHS=90a), the CUDA quantize/attention tests;
 #   3. benchmarks/bench_attention.py --quick (BASELINES=1 to include the torch SDPA backends).
-# TRACE=1 also builds the harness with -DFP4ATTN_PREPASS_TRACE and writes the fused path's
-# timeline (where its blocks spend their time, N = 1K..32K) to timeline.log.
 set -uo pipefail
 LOG="${1:-${OUT:-prepass_logs}}"
 mkdir -p "$LOG"
@@ -25,13 +23,6 @@ fi
 timeout 150 "$BIN" ${HARNESS_ARGS:-} > "$LOG/harness.log" 2>&1 || status=1
 grep -E "FAIL|exhaustive|block quantizer|graph|checks|fallback" "$LOG/harness.log" | head -30
 sed -n '/copy bandwidth/,$p' "$LOG/harness.log"
-if [ "${TRACE:-0}" = "1" ]; then
-  echo "== pre-pass timeline"
-  mkdir -p /tmp/pp
-  "${HARNESS_NVCC[@]}" -DFP4ATTN_PREPASS_TRACE tests/cuda_harness/check_prepass.cu -o /tmp/pp/check_prepass_trace \
-    > "$LOG/trace_build.log" 2>&1 && timeout 120 /tmp/pp/check_prepass_trace --trace > "$LOG/timeline.log" 2>&1 || status=1
-  grep -E "^D=|head \(|quantize|pure wait" "$LOG/timeline.log"
-fi
 echo "== build"
 t0=$(date +%s)
 FP4ATTN_CUDA_ARCHS=90a MAX_JOBS=16 timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . \

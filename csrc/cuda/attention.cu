@@ -14,7 +14,7 @@
 #endif
 
 namespace fp4attn_cuda {
-/* prepass.cu; path 0 picks the fused single-read pre-pass where it applies */
+/* prepass.cu; path 0 picks the streaming pre-pass where it applies */
 fp4attn_status launch_attention_prepass(const AttnArgs &a, cudaStream_t s, int path);
 }  // namespace fp4attn_cuda
 

@@ -18,10 +18,9 @@
  *   qstage  f16 [S][128][Dp]       Q^ of the next query block of each persistent block of the
  *                                  Hopper kernel (hopper/attention_fwd_sm90.cuh, Dp = 64), as its
  *                                  shared-memory image; S = SM count where Dp = 64, else 0
- *   sync    u64 [3], u32 [BHk], u32 [BHq], u32 [BHk], u32 [BHk][Dp] x 2: work tickets of the fused
- *                                  pre-pass (2) and of the Hopper kernel (1), per-head counters,
- *                                  max |V| and column min/max keys of the fused pre-pass
- *                                  (prepass.cu), zeroed on the stream by every pre-pass
+ *   sync    u64, u32 [BHk], u32 [BHk][Dp] x 2: the Hopper kernel's work ticket, then the max |V|
+ *                                  and column min/max keys of the streaming pre-pass (prepass.cu),
+ *                                  zeroed on the stream by every pre-pass
  * Storing the dequantized values (exact: at most 6 significant bits) rather than packed FP4 moves
  * the dequantization out of the attention kernel's inner loop, where it cost ~30% of the issued
  * instructions on Hopper; the bits are the same as dequantizing the FP4 codes in the kernel.
@@ -45,12 +44,11 @@ struct AttnWorkspace {
   int64_t bytes;
 };
 
-/* The u64 work tickets at the start of the sync section: the fused pre-pass's K/V-chunk and
- * query-block tickets (0, 1) and the Hopper kernel's item ticket (2: query blocks handed out after
- * the first grid-size ones). The pre-pass's u32 counters follow them. */
-constexpr int kSyncTickets = 3;
+/* The u64 work ticket at the start of the sync section: the Hopper kernel's (query blocks handed
+ * out after the first grid-size ones). The pre-pass's u32 keys follow it. */
+constexpr int kSyncTickets = 1;
 __host__ __device__ inline unsigned long long *attn_item_ticket(const AttnWorkspace &w) {
-  return static_cast<unsigned long long *>(w.sync) + 2;
+  return static_cast<unsigned long long *>(w.sync);
 }
 
 struct AttnArgs {
@@ -74,8 +72,8 @@ __host__ __device__ inline int64_t query_block_count(const fp4attn_attention_par
 }
 
 /* Bytes of the sync section (see the layout above). */
-static inline int64_t attn_sync_bytes(int64_t bhk, int64_t bhq, int64_t dp) {
-  return 8 * kSyncTickets + 4 * (2 * bhk + bhq) + 8 * bhk * dp;
+static inline int64_t attn_sync_bytes(int64_t bhk, int64_t dp) {
+  return 8 * kSyncTickets + 4 * bhk + 8 * bhk * dp;
 }
 
 /* Fills the section pointers for `base` (may be null to only compute the size); the current
@@ -108,7 +106,7 @@ static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params
   w.kdq = (__half *)take(2 * bhk * w.nkp * w.dp);
   w.vdq = (__half *)take(2 * bhk * w.nkp * w.dp);
   w.qstage = (__half *)take(2 * w.qstage_blocks * kTile * w.dp);
-  w.sync = take(attn_sync_bytes(bhk, bhq, w.dp));
+  w.sync = take(attn_sync_bytes(bhk, w.dp));
   w.bytes = off;
   return w;
 }

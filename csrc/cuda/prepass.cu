@@ -5,33 +5,32 @@
  *
  * Two implementations with byte-identical results (every sum in the same fixed order):
  *
- * Fused single-read path (fused_quantize_kv_kernel; the default where it applies): one
- * persistent cooperative launch after a memset of its counters (the sync section of the
- * workspace). Work items come from two global tickets: K/V items of 1 or 2 consecutive 128-token
- * chunks (chunks_per_item: 64 KB of K and V) in (batch, kv head, chunk) order, then query blocks.
- * A K/V item copies its K and V chunks into shared memory once (cp.async, 16 bytes per copy),
- * computes each chunk's K column sums (stored), K column min/max and max |V| (combined per head
- * with atomicMax on order-preserving keys: a min or max is exact in any order), and counts its
- * chunks in on a per-head counter. The last item of a head to arrive adds the column sums of
- * all the head's chunks in chunk order (kbar, then the global scales, finalize_kernel's
- * arithmetic) and releases the head; the others wait for that release, taking query blocks
- * (which never wait) meanwhile; then every item quantizes its chunks from shared memory
- * (quantize_half_block: two lanes per 16-value block, hardware E4M3, table reciprocal,
- * add/subtract E2M1 rounding, one FP16 multiply per pair). The next item's ticket is taken after
- * the wait and its copies start as soon as each buffer is quantized, so loads overlap the
- * quantization. K and V are read from device memory once, Q once, K^/V^ written once.
- *   Deadlock freedom: a CTA publishes its item before it waits, waits only for items of its
- *   own head, and takes its next ticket only after the wait. Tickets are taken in order, so
- *   only the head of the newest ticket can be incomplete while all its taken items wait; it
- *   completes once every item of it is held, which needs items_per_head CTAs resident at once.
- *   The launch is cooperative (all CTAs co-resident, or the launch fails) and is used only when
- *   items_per_head <= its grid; otherwise the two-read path runs. A wait longer than 10 s traps
- *   instead of hanging.
- *   The counters are zeroed by cudaMemsetAsync on the same stream (graph-capture safe).
+ * Streaming path (the default where it applies: 16-byte rows, head dims that are multiples of 8,
+ * not fp32 with head dim above 128): three kernels, none of which waits for another block.
+ *   1. stream_stats_kernel, one short block per 128-row block of Q, K or V (4 per SM), all of a
+ *      thread's loads in flight before the first use: a query block stores qbar and max |Q - qbar|
+ *      (Q is read once, evict-first); a K chunk stores its column sums and folds its column minima
+ *      and maxima into per-head atomicMax keys (float_key: a min or max is exact in any order); a
+ *      V chunk folds max |V| into a per-head key. K and V stay in L2 where they fit.
+ *   2. stream_finalize_kernel, one block per K/V head (reduce_head: the chunk sums added in chunk
+ *      order with batched loads, kbar, the global scales of Ks and V) and per query head (the Q
+ *      scales).
+ *   3. stream_quantize_kernel, persistent blocks (3 per SM, 64 KB of shared memory each) over
+ *      items of 1 or 2 chunks (chunks_per_item: 64 KB of K and V), last item first, so that the
+ *      chunks the statistics kernel read last are re-read from L2: K and V copied into shared
+ *      memory (cp.async, 16 bytes per copy), the next item's K (V) copied while this item's V (K)
+ *      is quantized. Ks^ along D and V^ along tokens (quantize_half_block: two lanes per 16-value
+ *      block, hardware E4M3 of bmax/6 (FMA-corrected quotient), a 1/s table, the signed
+ *      add/subtract E2M1 rounding, one FP16 multiply per pair; NaN/Inf blocks through numerics.h).
+ *   Q is read once, K and V twice (the second time partly from L2), K^/V^ written once. The keys
+ *   are zeroed by the cudaMemsetAsync of the sync section on the same stream; nothing else is
+ *   shared between blocks, so the path runs inside CUDA graphs and for any sequence length.
+ *   (Until v19 a single-read cooperative kernel held each chunk in shared memory until its head's
+ *   statistics were complete; docs/cuda_notes.md has why the streaming path replaced it.)
  *
  * Two-read path (stats_kernel, finalize_kernel, quantize_kv_kernel): the fallback for inputs
- * without 16-byte vector access, for heads with more chunks than fit on the GPU at once, and
- * for chunks too large for shared memory (fp32 with head dim above 128).
+ * without 16-byte vector access or with head dims not a multiple of 8, and for items too large for
+ * shared memory (fp32 with head dim above 128).
  *   1. stats_kernel, one block of 256 threads per 128-row query block and per 128-token K/V
  *      chunk: column sums, minima and maxima (16-byte loads where aligned). A query block gets
  *      its mean qbar and max |Q - qbar| directly (by monotonicity of rounding,
@@ -56,8 +55,8 @@
 #include "quantize_fast.cuh"
 
 namespace fp4attn_cuda {
-/* path: 0 = automatic, 1 = the two-read path, 2 = the fused path (UNSUPPORTED where it cannot
- * run). attention.cu calls it with 0; tests/cuda_harness/check_prepass.cu compares 1 and 2. */
+/* path: 0 = automatic, 1 = the two-read path, 2 = the streaming path (UNSUPPORTED where it does not
+ * apply). attention.cu calls it with 0; tests/cuda_harness/check_prepass.cu compares 1 and 2. */
 fp4attn_status launch_attention_prepass(const AttnArgs &a, cudaStream_t s, int path);
 }  // namespace fp4attn_cuda
 
@@ -328,7 +327,7 @@ fp4attn_status launch_two_read(const AttnArgs &a, cudaStream_t s) {
   return launch_status("attention: quantize kernel");
 }
 
-/* ======================================================================== fused path */
+/* ==================================================================== streaming path */
 
 /* Eight consecutive input elements as raw bits: one 16-byte word (fp16, bf16) or two (fp32). */
 template <typename T>
@@ -385,6 +384,15 @@ __device__ __forceinline__ Raw8<T> raw8_stream(const T *p) {
   Raw8<T> r;
 #pragma unroll
   for (int i = 0; i < (int)(sizeof(T) / 2); ++i) r.w[i] = __ldcs(reinterpret_cast<const uint4 *>(p) + i);
+  return r;
+}
+/* ... from global memory through L2 only (not L1), normal eviction: read again by a later kernel
+ * (K and V, re-read by the quantize kernel) */
+template <typename T>
+__device__ __forceinline__ Raw8<T> raw8_keep(const T *p) {
+  Raw8<T> r;
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) r.w[i] = __ldcg(reinterpret_cast<const uint4 *>(p) + i);
   return r;
 }
 
@@ -445,35 +453,24 @@ __device__ __forceinline__ uint4 quantize_half_block(const float *xs, int partne
   return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-/* Everything a fused block keeps in static shared memory (about 10 KB: with a 64 KB chunk
- * buffer, three blocks fit on an SM of 228 KB). */
-struct __align__(16) FusedShared {
-  float red[kThreads * 8]; /* [RG][D] partials of the column statistics; the head reduction's
-                              column minima (red[0..255]) and maxima (red[256..511]) */
+/* Everything a pre-pass block keeps in static shared memory (about 10 KB: with the quantize
+ * kernel's 64 KB of item buffers, three blocks fit on an SM of 228 KB). */
+struct __align__(16) PrepassShared {
+  float red[kThreads * 8]; /* [RG][D] partials of the column statistics; reduce_head's running sums */
   float kbar[256];
   float small[32];
   ScaleTables tab;
   float enck, encv;
-  unsigned long long ticket;
-  unsigned int arrived;
-  int flag;
-  int q_left; /* 0 once the query queue is seen empty */
-#if defined(FP4ATTN_PREPASS_TRACE)
-  unsigned long long pt_q[2]; /* the timeline: query blocks in this item's head wait, their clocks */
-#endif
 };
 
-/* The sync section of the workspace (attention.cuh), zeroed before every launch. */
-struct FusedParams {
-  unsigned long long *kv_ticket, *q_ticket;
-  unsigned int *kv_count; /* [BHk]: chunks published; nkt + 1 once kbar and the scales are out */
-  unsigned int *q_count;  /* [BHq]: query blocks done */
-  unsigned int *vmax;     /* [BHk]: max |V| bits (NaN above Inf), atomicMax */
+/* What the three kernels share: work counts and the sync section of the workspace (attention.cuh,
+ * zeroed before every pre-pass). */
+struct StreamParams {
+  unsigned int *vmax;        /* [BHk]: max |V| bits (NaN above Inf), atomicMax */
   unsigned int *kmin, *kmax; /* [BHk][Dp]: order keys of the column minima (inverted) / maxima */
-  int64_t n_kv, n_q;    /* work items: K/V items (items_per_head per head), query blocks */
-  int64_t items_per_head; /* ceil(nkt / chunks_per_item) */
-  int q_fill; /* waiting blocks take query blocks */
-  int stagger, sm_count; /* block b first does (b / sm_count) * stagger query blocks */
+  int64_t n_q;               /* query blocks */
+  int64_t n_kv;              /* quantize items (items_per_head per head) */
+  int64_t items_per_head;    /* ceil(nkt / chunks_per_item) */
 };
 
 /* Order-preserving map of a float (not NaN) to a nonzero unsigned key: the column minima and
@@ -487,109 +484,39 @@ __device__ __forceinline__ float key_float(unsigned int k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
 }
 
-__device__ __forceinline__ unsigned int load_acquire(const unsigned int *p) {
-  unsigned int v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-/* The development timeline of the fused path (tests/cuda_harness/check_prepass.cu --trace):
- * thread 0 stamps each K/V item's phases (clock64, per SM) and each block's start, end of its
- * K/V items and exit (globaltimer and clock64, so that the host can put blocks of different SMs
- * on one time axis) where FP4ATTN_PREPASS_TRACE is defined; nothing otherwise. */
-#if defined(FP4ATTN_PREPASS_TRACE)
-enum PrepassTraceEvent {
-  kPtEntry,     /* the item's turn: its copies were started earlier */
-  kPtKLanded,   /* its K is in shared memory */
-  kPtKStats,    /* K column statistics published (sums stored, min/max atomics) */
-  kPtVLanded,   /* its V is in shared memory */
-  kPtCounted,   /* max |V| published and the chunks counted in */
-  kPtHeadReady, /* kbar and scales known (reduce_head, or wait_for_head with query blocks) */
-  kPtTicket,    /* the next ticket taken */
-  kPtQuantK,    /* K^ stored, the next K copy started */
-  kPtQuantV,    /* V^ stored, the next V copy started */
-  kPtQBlocks,   /* not a time: query blocks done while waiting for the head, + 2^20 for the
-                   head's last item (it reduces instead of waiting) */
-  kPtQClocks,   /* not a time: clocks spent in those query blocks */
-  kPtBlock,     /* not a time: the block (low 32 bits) and SM (high 32 bits) */
-  kPtItemEvents
-};
-enum PrepassTraceBlockEvent { kPbStartNs, kPbKvDoneNs, kPbExitNs, kPbStartClk, kPbExitClk, kPbEvents };
-constexpr int kPrepassTraceItems = 1 << 16, kPrepassTraceBlocks = 4096;
-__device__ unsigned long long g_pt_items[kPrepassTraceItems][kPtItemEvents];
-__device__ unsigned long long g_pt_blocks[kPrepassTraceBlocks][kPbEvents];
-__device__ __forceinline__ void pt_item(int64_t item, int ev, unsigned long long v) {
-  if (threadIdx.x == 0 && item < kPrepassTraceItems) g_pt_items[item][ev] = v;
-}
-__device__ __forceinline__ void pt_block(int ev, unsigned long long v) {
-  if (threadIdx.x == 0 && blockIdx.x < kPrepassTraceBlocks) g_pt_blocks[blockIdx.x][ev] = v;
-}
-__device__ __forceinline__ unsigned long long pt_block_and_sm() {
-  uint32_t sm;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  return (unsigned long long)sm << 32 | blockIdx.x;
-}
-#define FP4ATTN_PT_ITEM(item, ev) pt_item((item), (ev), clock64())
-#define FP4ATTN_PT_BLOCK(ev, v) pt_block((ev), (v))
-/* query blocks inside the head wait: counted and timed in FusedShared::pt_q (thread 0) */
-#define FP4ATTN_PT_ITEM_START(sh, last) \
-  do {                                  \
-    if (threadIdx.x == 0) (sh).pt_q[0] = (last) ? 1u << 20 : 0, (sh).pt_q[1] = 0; \
-  } while (0)
-#define FP4ATTN_PT_Q_BEGIN() const long long pt_q0 = clock64()
-#define FP4ATTN_PT_Q_END(sh) \
-  do {                       \
-    if (threadIdx.x == 0) ++(sh).pt_q[0], (sh).pt_q[1] += clock64() - pt_q0; \
-  } while (0)
-#define FP4ATTN_PT_ITEM_END(item, sh)                    \
-  do {                                                   \
-    pt_item((item), kPtQBlocks, (sh).pt_q[0]);           \
-    pt_item((item), kPtQClocks, (sh).pt_q[1]);           \
-    pt_item((item), kPtBlock, pt_block_and_sm());        \
-  } while (0)
-#else
-#define FP4ATTN_PT_ITEM(item, ev) ((void)0)
-#define FP4ATTN_PT_BLOCK(ev, v) ((void)0)
-#define FP4ATTN_PT_ITEM_START(sh, last) ((void)0)
-#define FP4ATTN_PT_Q_BEGIN() ((void)0)
-#define FP4ATTN_PT_Q_END(sh) ((void)0)
-#define FP4ATTN_PT_ITEM_END(item, sh) ((void)0)
-#endif
-
-/* Takes the next ticket of a queue (thread 0) and hands it to the whole block. */
-__device__ __forceinline__ unsigned long long take_ticket(unsigned long long *queue, FusedShared &sh) {
-  __syncthreads(); /* everyone has read the previous ticket */
-  if (threadIdx.x == 0) sh.ticket = atomicAdd(queue, 1ull);
-  __syncthreads();
-  return sh.ticket;
-}
-
-/* Column statistics of one 128-row block of D columns (D % 8 == 0) in the order of
- * column_stats<8>: thread (rg, cg) sums rows rg, rg + RG, ... of its 8 columns, then the RG
- * partials are added in rg order (through sh.red: a round for the sums, one or two for the
- * minima and maxima).
- * kShared: rows are in shared memory with stride D; otherwise in global memory, read once,
- * all loads of a thread issued before the first use. Thread c < D returns column c. */
-template <typename T, int DP, bool kShared>
-__device__ void block_column_stats(const T *base, int64_t row_stride, int rows, int D,
-                                   FusedShared &sh, float &sum_c, float &min_c, float &max_c) {
-  constexpr int kMaxRows = DP / 16; /* ceil(128 / RG) for any D <= DP */
-  const int CG = D / 8, RG = kThreads / CG;
-  const int tid = threadIdx.x, rg = tid / CG, cg = tid % CG;
+template <typename T, int DP>
+struct BlockRows {
+  static constexpr int kMaxRows = DP / 16; /* ceil(128 / RG) for any D <= DP */
   Raw8<T> raw[kMaxRows];
+};
+
+/* A thread's part of a 128-row block for column_stats_of and rows_absmax_of: 8 columns (group
+ * cg) of rows rg, rg + RG, ... (zeros past `rows`), read once (evict-first) or, kReadAgain, kept
+ * in L2 for a later kernel. */
+template <typename T, int DP, bool kReadAgain>
+__device__ __forceinline__ void load_block_rows(const T *base, int64_t row_stride, int rows, int D,
+                                                BlockRows<T, DP> &b) {
+  const int CG = D / 8, RG = kThreads / CG;
+  const int rg = threadIdx.x / CG, cg = threadIdx.x % CG;
 #pragma unroll
-  for (int i = 0; i < kMaxRows; ++i) {
+  for (int i = 0; i < BlockRows<T, DP>::kMaxRows; ++i) {
     const int r = rg + i * RG;
     const T *src = base + (int64_t)r * row_stride + cg * 8;
-    raw[i] = (rg < RG && r < rows) ? (kShared ? raw8_shared<T>(src) : raw8_stream<T>(src))
-                                   : raw8_zero<T>();
+    b.raw[i] = (rg < RG && r < rows) ? (kReadAgain ? raw8_keep<T>(src) : raw8_stream<T>(src)) : raw8_zero<T>();
   }
+}
+
+/* Column statistics of a 128-row block of D columns (D % 8 == 0), loaded by load_block_rows, in
+ * the order of column_stats<8>: thread (rg, cg) sums rows rg, rg + RG, ... of its 8 columns, then
+ * the RG partials are added in rg order (through sh.red: a round for the sums, one or two for the
+ * minima and maxima). Thread c < D returns column c. */
+template <typename T, int DP>
+__device__ void column_stats_of(const BlockRows<T, DP> &b, int rows, int D, PrepassShared &sh,
+                                float &sum_c, float &min_c, float &max_c) {
+  constexpr int kMaxRows = BlockRows<T, DP>::kMaxRows;
+  const int CG = D / 8, RG = kThreads / CG;
+  const int tid = threadIdx.x, rg = tid / CG, cg = tid % CG;
+  const Raw8<T> *raw = b.raw;
   float sum[8], mn[8], mx[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) sum[e] = 0.0f, mn[e] = INFINITY, mx[e] = -INFINITY;
@@ -666,20 +593,25 @@ __device__ void block_column_stats(const T *base, int64_t row_stride, int rows, 
   }
 }
 
-/* One query block: qbar and max |Q - qbar| (as stats_kernel), and for the last block of its
- * head to finish, the global scales of Qs (as finalize_kernel; a max, so any order). */
-template <typename T, int DP>
-__device__ void fused_q_block(const AttnArgs &a, const FusedParams &f, int64_t item, FusedShared &sh) {
+/* Query block `item`'s rows: the first, and how many. */
+template <typename T>
+__device__ __forceinline__ const T *q_block_rows(const AttnArgs &a, int64_t item, int &rows) {
   const fp4attn_attention_params &p = a.p;
-  const AttnWorkspace &w = a.ws;
-  const int D = (int)p.head_dim, tid = threadIdx.x;
-  const int64_t bh = item / w.nqb, qb = item % w.nqb;
+  const int64_t bh = item / a.ws.nqb, qb = item % a.ws.nqb;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const int64_t r0 = qb * kTile;
-  const int rows = (int)min((int64_t)kTile, p.len_q - r0);
-  const T *base = static_cast<const T *>(p.q) + b * p.q_stride[0] + h * p.q_stride[1] + r0 * p.q_stride[2];
+  rows = (int)min((int64_t)kTile, p.len_q - qb * kTile);
+  return static_cast<const T *>(p.q) + b * p.q_stride[0] + h * p.q_stride[1] + qb * kTile * p.q_stride[2];
+}
+
+/* One query block, its rows loaded: qbar and max |Q - qbar| (as stats_kernel), stored; returns
+ * max |Q - qbar| in every thread. */
+template <typename T, int DP>
+__device__ float q_block_stats_of(const AttnArgs &a, int64_t item, const BlockRows<T, DP> &rb, int rows,
+                                  PrepassShared &sh) {
+  const AttnWorkspace &w = a.ws;
+  const int D = (int)a.p.head_dim, tid = threadIdx.x;
   float s = 0.0f, mn = 0.0f, mx = 0.0f;
-  block_column_stats<T, DP, false>(base, p.q_stride[2], rows, D, sh, s, mn, mx);
+  column_stats_of<T, DP>(rb, rows, D, sh, s, mn, mx);
   float am = 0.0f;
   if (tid < DP) {
     float mean = 0.0f;
@@ -688,59 +620,45 @@ __device__ void fused_q_block(const AttnArgs &a, const FusedParams &f, int64_t i
       am = fp4attn_nanmax(fabsf(__fsub_rn(mx, mean)), fabsf(__fsub_rn(mean, mn)));
       am = fp4attn_nanmax(am, fabsf(mean - mean)); /* NaN mean (NaN/Inf input) -> NaN */
     }
-    w.qbar[(bh * w.nqb + qb) * DP + tid] = mean;
+    w.qbar[item * DP + tid] = mean; /* item = bh * nqb + qb */
   }
   am = block_nanmax(am, sh.small);
-  if (tid == 0) {
-    w.qamax[bh * w.nqb + qb] = am;
-    __threadfence(); /* qamax visible before the count */
-    sh.arrived = atomicAdd(&f.q_count[bh], 1u);
-    if (sh.arrived == (unsigned)(w.nqb - 1)) __threadfence(); /* then see the other blocks' qamax */
-  }
-  __syncthreads();
-  if (sh.arrived != (unsigned)(w.nqb - 1)) return;
+  if (tid == 0) w.qamax[item] = am;
+  return am;
+}
+
+/* The global scales of Qs of head bh from its query blocks' max |Q - qbar| (as finalize_kernel; a
+ * max, so any order). */
+__device__ void q_head_scales(const AttnWorkspace &w, int64_t bh, PrepassShared &sh) {
   float qm = 0.0f;
-  for (int64_t t = tid; t < w.nqb; t += kThreads) qm = fp4attn_nanmax(qm, __ldcg(&w.qamax[bh * w.nqb + t]));
+  for (int64_t t = threadIdx.x; t < w.nqb; t += kThreads) qm = fp4attn_nanmax(qm, __ldcg(&w.qamax[bh * w.nqb + t]));
   qm = block_nanmax(qm, sh.small);
-  if (tid == 0) fp4attn_global_scales(qm, &w.qscale[bh * 2 + 0], &w.qscale[bh * 2 + 1]);
+  if (threadIdx.x == 0) fp4attn_global_scales(qm, &w.qscale[bh * 2 + 0], &w.qscale[bh * 2 + 1]);
 }
 
-/* Copies rows [0, rows) of a chunk (row stride `stride` elements in global memory, D elements
- * per row, 16-byte aligned) into shared memory with row stride D, 16 bytes per cp.async. */
-template <typename T>
-__device__ __forceinline__ void copy_chunk_async(T *dst, const T *src, int64_t stride, int rows, int D) {
-  const int upr = D * (int)sizeof(T) / 16; /* 16-byte units per row, <= 64 */
-  const int rpi = kThreads / upr;          /* rows per pass */
-  const int tid = threadIdx.x;
-  if (tid >= rpi * upr) return;
-  const int u = tid % upr;
-  for (int r = tid / upr; r < rows; r += rpi)
-    cp_async_16(reinterpret_cast<char *>(dst + (int64_t)r * D) + 16 * u,
-                reinterpret_cast<const char *>(src + (int64_t)r * stride) + 16 * u);
-}
-
-/* max |V| of the chunk in shared memory (NaN if any NaN): a max, so any order. */
-template <typename T>
-__device__ float chunk_absmax(const T *buf, int rows, int D) {
-  const int n8 = rows * D / 8;
+/* This thread's part of max |x| over a block of rows loaded by load_block_rows (zeros past the
+ * end). A max, so any order; NaN if any NaN. */
+template <typename T, int DP>
+__device__ float rows_absmax_of(const BlockRows<T, DP> &b) {
   float m = 0.0f;
-  for (int i = threadIdx.x; i < n8; i += kThreads) {
+#pragma unroll
+  for (int i = 0; i < BlockRows<T, DP>::kMaxRows; ++i) {
     float v[8];
-    raw8_to_float<T>(raw8_shared<T>(buf + 8 * i), v);
+    raw8_to_float<T>(b.raw[i], v);
 #pragma unroll
     for (int e = 0; e < 8; ++e) m = max_nan(m, fabsf(v[e]));
   }
   return m;
 }
 
-/* The last chunk of a head: kbar = (sum of the chunk sums in chunk order) / Nk, the amax of Ks
- * from the column minima and maxima, max |V|, and the global scales; exactly finalize_kernel's
- * arithmetic. Leaves kbar and the scales in shared memory and in the workspace.
+/* One K/V head: kbar = (sum of the chunk sums in chunk order) / Nk, the amax of Ks from the column
+ * minima and maxima, max |V|, and the global scales; exactly finalize_kernel's arithmetic, into
+ * the workspace.
  * The chunk sums of 4 columns are float4 loads; P threads per 4 columns each load a run of 8
  * chunks at once, then add them in turn, passing the running sums on through shared memory, so
  * that the serial chain waits for one round of loads instead of one per chunk. */
 template <int DP>
-__device__ void reduce_head(const AttnArgs &a, const FusedParams &f, int64_t bh, FusedShared &sh) {
+__device__ void reduce_head(const AttnArgs &a, const StreamParams &f, int64_t bh, PrepassShared &sh) {
   const fp4attn_attention_params &p = a.p;
   const AttnWorkspace &w = a.ws;
   const int D = (int)p.head_dim, tid = threadIdx.x;
@@ -795,7 +713,6 @@ __device__ void reduce_head(const AttnArgs &a, const FusedParams &f, int64_t bh,
       am = fp4attn_nanmax(am, fabsf(kbar - kbar));
     }
     w.kbar[bh * DP + tid] = kbar;
-    sh.kbar[tid] = kbar;
   }
   const float kam = block_nanmax(am, sh.small);
   if (tid == 0) {
@@ -803,55 +720,88 @@ __device__ void reduce_head(const AttnArgs &a, const FusedParams &f, int64_t bh,
     fp4attn_global_scales(kam, &enc, &dec);
     w.kvscale[bh * 4 + 0] = enc;
     w.kvscale[bh * 4 + 1] = dec;
-    sh.enck = enc;
     fp4attn_global_scales(vam, &enc, &dec);
     w.kvscale[bh * 4 + 2] = enc;
     w.kvscale[bh * 4 + 3] = dec;
-    sh.encv = enc;
   }
 }
 
-/* Waits until the head's kbar and scales are out (count == nkt + 1), meanwhile doing query
- * blocks, which never wait; then loads kbar and the scales into shared memory. A wait far
- * longer than any pre-pass (10 s) traps instead of hanging the device. */
+/* The streaming path's statistics of one 128-row block (its loads all issued before its first
+ * use), read from global memory: block j < n_q is query block j (qbar, max |Q - qbar|; Q read for
+ * the last time); then a chunk of K (the column sums stored, the column minima / maxima folded
+ * into the head's atomicMax keys) and of V (max |V| into the head's key), in turn, left in L2 for
+ * the quantize kernel. No block waits or counts: stream_finalize_kernel runs after it. */
 template <typename T, int DP>
-__device__ void wait_for_head(const AttnArgs &a, const FusedParams &f, int64_t bh, FusedShared &sh) {
+__device__ void stream_stats_block(const AttnArgs &a, const StreamParams &f, int64_t j, PrepassShared &sh) {
+  const fp4attn_attention_params &p = a.p;
   const AttnWorkspace &w = a.ws;
-  const unsigned int target = (unsigned int)w.nkt + 1u;
-  const uint64_t t_start = global_timer_ns();
-  for (;;) {
-    __syncthreads();
-    if (threadIdx.x == 0) sh.flag = load_acquire(&f.kv_count[bh]) >= target;
-    __syncthreads();
-    if (sh.flag) break;
-    if (f.q_fill && sh.q_left) {
-      const unsigned long long t = take_ticket(f.q_ticket, sh);
-      if ((int64_t)t < f.n_q) {
-        FP4ATTN_PT_Q_BEGIN();
-        fused_q_block<T, DP>(a, f, (int64_t)t, sh);
-        FP4ATTN_PT_Q_END(sh);
-        continue;
-      }
-      if (threadIdx.x == 0) sh.q_left = 0; /* read after the next barrier */
-    }
-    if (threadIdx.x == 0) {
-      __nanosleep(256);
-      if (global_timer_ns() - t_start > 10000000000ull) __trap();
-    }
+  const int D = (int)p.head_dim, tid = threadIdx.x;
+  BlockRows<T, DP> rb;
+  int rows;
+  if (j < f.n_q) {
+    const T *q = q_block_rows<T>(a, j, rows);
+    load_block_rows<T, DP, false>(q, p.q_stride[2], rows, D, rb);
+    q_block_stats_of<T, DP>(a, j, rb, rows, sh);
+    return;
   }
-  /* thread 0's acquire load and the barrier order the loads below after the release */
-  for (int c = threadIdx.x; c < DP; c += kThreads) sh.kbar[c] = __ldcg(&w.kbar[bh * DP + c]);
-  if (threadIdx.x == 0) {
-    sh.enck = __ldcg(&w.kvscale[bh * 4 + 0]);
-    sh.encv = __ldcg(&w.kvscale[bh * 4 + 2]);
+  const bool is_v = ((j - f.n_q) & 1) != 0;
+  const int64_t c = (j - f.n_q) / 2, bh = c / w.nkt, kt = c % w.nkt; /* c = bh * nkt + kt */
+  const int64_t *st = is_v ? p.v_stride : p.k_stride;
+  const T *src = static_cast<const T *>(is_v ? p.v : p.k) + bh / p.heads_kv * st[0] + bh % p.heads_kv * st[1] +
+                 kt * kTile * st[2];
+  rows = (int)min((int64_t)kTile, p.len_k - kt * kTile);
+  load_block_rows<T, DP, true>(src, st[2], rows, D, rb);
+  if (!is_v) {
+    float s = 0.0f, mn = 0.0f, mx = 0.0f;
+    column_stats_of<T, DP>(rb, rows, D, sh, s, mn, mx);
+    if (tid < D) {
+      w.ksum[c * DP + tid] = s;
+      atomicMax(&f.kmin[bh * DP + tid], ~float_key(mn));
+      atomicMax(&f.kmax[bh * DP + tid], float_key(mx));
+    }
+  } else {
+    const float vam = block_nanmax(rows_absmax_of<T, DP>(rb), sh.small);
+    if (tid == 0) atomicMax(&f.vmax[bh], __float_as_uint(vam) & 0x7FFFFFFFu);
   }
-  __syncthreads();
 }
 
-/* Ks^ of the chunk from shared memory: job (row r, 8-column group g), lanes 2i and 2i+1 hold the
+/* Kernel 1 of 3: the statistics, one block per 128-row block (stream_stats_block): n_q query
+ * blocks, then 2 x B x Hkv x nkt K and V chunks. Many short blocks, 4 per SM at head dims 64 and
+ * 128 (registers capped at 64), keep enough loads in flight. */
+template <typename T, int DP>
+__global__ void __launch_bounds__(kThreads, DP <= 128 ? 4 : 1) stream_stats_kernel(AttnArgs a, StreamParams f) {
+  __shared__ PrepassShared sh;
+  stream_stats_block<T, DP>(a, f, blockIdx.x, sh);
+}
+
+/* Kernel 2 of 3: one block per K/V head (kbar and the K and V scales: reduce_head)
+ * and per query head (the Q scales). */
+template <int DP>
+__global__ void __launch_bounds__(kThreads) stream_finalize_kernel(AttnArgs a, StreamParams f) {
+  __shared__ PrepassShared sh;
+  const int64_t bhk = a.p.batch * a.p.heads_kv;
+  if ((int64_t)blockIdx.x < bhk) reduce_head<DP>(a, f, blockIdx.x, sh);
+  else q_head_scales(a.ws, (int64_t)blockIdx.x - bhk, sh);
+}
+
+/* Copies rows [0, rows) of a chunk (row stride `stride` elements in global memory, D elements
+ * per row, 16-byte aligned) into shared memory with row stride D, 16 bytes per cp.async. */
+template <typename T>
+__device__ __forceinline__ void copy_chunk_async(T *dst, const T *src, int64_t stride, int rows, int D) {
+  const int upr = D * (int)sizeof(T) / 16; /* 16-byte units per row, <= 64 */
+  const int rpi = kThreads / upr;          /* rows per pass */
+  const int tid = threadIdx.x;
+  if (tid >= rpi * upr) return;
+  const int u = tid % upr;
+  for (int r = tid / upr; r < rows; r += rpi)
+    cp_async_16(reinterpret_cast<char *>(dst + (int64_t)r * D) + 16 * u,
+                reinterpret_cast<const char *>(src + (int64_t)r * stride) + 16 * u);
+}
+
+/* Ks^ of one 128-token chunk in shared memory (row stride D): job (row r, 8-column group g), lanes 2i and 2i+1 hold the
  * two halves of one 16-column block. Rows past the end and columns past D are zeros. */
 template <typename T, int DP>
-__device__ void quantize_k_chunk(const T *kbuf, int rows, int D, const FusedShared &sh, __half *dst) {
+__device__ void quantize_k_chunk(const T *kbuf, int rows, int D, const PrepassShared &sh, __half *dst) {
   constexpr int G = DP / 8;
   const int g = threadIdx.x % G; /* the same group in every job of this thread */
   const bool live_g = g * 8 < D;
@@ -882,13 +832,13 @@ constexpr int v_jobs_per_chunk() {
   return DP / 8 * 16;
 }
 
-/* V^ of the chunk from shared memory into the tile-major V^T [Dp][128]: job (8-channel group g,
+/* V^ of one 128-token chunk in shared memory (row stride D) into the tile-major V^T [Dp][128]: job (8-channel group g,
  * 8-token half block hh), this thread's jobs first_job, first_job + 256, ... < NJ (its thread
  * index, or where two chunks share the block, its index within its half); the two halves of a
  * 16-token block sit GW lanes apart in one warp, and GW consecutive lanes read GW consecutive
  * 16-byte pieces of one token row. */
 template <typename T, int DP>
-__device__ void quantize_v_chunk(const T *vbuf, int rows, int D, const FusedShared &sh, __half *dst,
+__device__ void quantize_v_chunk(const T *vbuf, int rows, int D, const PrepassShared &sh, __half *dst,
                                  int first_job) {
   constexpr int G = DP / 8, GW = G < 16 ? G : 16, NJ = v_jobs_per_chunk<DP>();
   const float encv = sh.encv;
@@ -913,18 +863,44 @@ __device__ void quantize_v_chunk(const T *vbuf, int rows, int D, const FusedShar
   }
 }
 
-/* 128-token K/V chunks per work item: as many as fill 64 KB of shared memory with K and V (2 at
+/* 128-token K/V chunks per quantize item: as many as fill 64 KB of shared memory with K and V (2 at
  * head dim 64 in 16-bit types, else 1), so that small head dims move as many bytes per item, and
- * pay the item's fixed costs (ticket, barriers, the count) as rarely, as head dim 128. */
+ * pay the item's fixed costs (barriers, kbar) as rarely, as head dim 128. */
 template <typename T, int DP>
 constexpr int chunks_per_item() {
   return 2 * kTile * DP * (int)sizeof(T) <= 32768 ? 2 : 1;
 }
 
-/* Starts the copy of K or V of work item `item` (chunks_per_item chunks of one head) into `buf`
+/* Ks^ and V^ of `chunks` consecutive 128-token chunks in shared memory (`rows` token rows of
+ * stride D; kdst / vdst: the first chunk's place in kdq / vdq). Two chunks' V at head dim 64 are
+ * quantized side by side, each on its half of the block (one chunk has only 128 jobs there). */
+template <typename T, int DP>
+__device__ __forceinline__ void quantize_item_k(const T *k, int chunks, int rows, int D, const PrepassShared &sh,
+                                                __half *kdst) {
+  for (int c = 0; c < chunks; ++c)
+    quantize_k_chunk<T, DP>(k + c * kTile * D, min(kTile, rows - c * kTile), D, sh, kdst + (int64_t)c * kTile * DP);
+}
+template <typename T, int DP>
+__device__ __forceinline__ void quantize_item_v(const T *v, int chunks, int rows, int D, const PrepassShared &sh,
+                                                __half *vdst) {
+  constexpr int C = chunks_per_item<T, DP>(), kVJobs = v_jobs_per_chunk<DP>();
+  const int tid = threadIdx.x;
+  if (C > 1 && C * kVJobs <= kThreads) {
+    const int c = tid / kVJobs;
+    if (c < chunks)
+      quantize_v_chunk<T, DP>(v + c * kTile * D, min(kTile, rows - c * kTile), D, sh, vdst + (int64_t)c * DP * kTile,
+                              tid % kVJobs);
+  } else {
+    for (int c = 0; c < chunks; ++c)
+      quantize_v_chunk<T, DP>(v + c * kTile * D, min(kTile, rows - c * kTile), D, sh, vdst + (int64_t)c * DP * kTile,
+                              tid);
+  }
+}
+
+/* Starts the copy of K or V of quantize item `item` (chunks_per_item chunks of one head) into `buf`
  * (one cp.async group). */
 template <typename T, int DP>
-__device__ __forceinline__ void load_item(const AttnArgs &a, const FusedParams &f, int64_t item, bool is_v, T *buf) {
+__device__ __forceinline__ void load_item(const AttnArgs &a, const StreamParams &f, int64_t item, bool is_v, T *buf) {
   const fp4attn_attention_params &p = a.p;
   const int64_t bh = item / f.items_per_head, r0 = item % f.items_per_head * chunks_per_item<T, DP>() * kTile;
   const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
@@ -935,179 +911,97 @@ __device__ __forceinline__ void load_item(const AttnArgs &a, const FusedParams &
   cp_async_commit();
 }
 
-/* One work item (chunks_per_item 128-token K/V chunks of one head) whose K and V copies are in
- * flight (two cp.async groups): publish the partials of each chunk, wait for (or compute) the
- * head's kbar and scales, quantize from shared memory. The next item's ticket is taken once this
- * one can no longer wait, and its K and V copies are started as soon as the buffers are free,
- * overlapping this item's V quantization and the next item's K statistics. Returns the next
- * ticket. */
+/* Quantize blocks per SM: as many as the item buffers (K and V) allow. */
 template <typename T, int DP>
-__device__ unsigned long long fused_kv_item(const AttnArgs &a, const FusedParams &f, int64_t item,
-                                            T *kbuf, T *vbuf, FusedShared &sh) {
-  constexpr int C = chunks_per_item<T, DP>();
-  const fp4attn_attention_params &p = a.p;
-  const AttnWorkspace &w = a.ws;
-  const int D = (int)p.head_dim, tid = threadIdx.x;
-  const int64_t bh = item / f.items_per_head, kt0 = item % f.items_per_head * C;
-  const int chunks = (int)min((int64_t)C, w.nkt - kt0);
-  const int rows = (int)min((int64_t)C * kTile, p.len_k - kt0 * kTile);
-  FP4ATTN_PT_ITEM(item, kPtEntry);
-  asm volatile("cp.async.wait_group 1;\n" ::); /* K has landed; V may still be in flight */
-  __syncthreads();
-  FP4ATTN_PT_ITEM(item, kPtKLanded);
-  float kmin = INFINITY, kmax = -INFINITY; /* over the item's chunks: exact in any order */
-  for (int c = 0; c < chunks; ++c) {
-    float s = 0.0f, mn = 0.0f, mx = 0.0f;
-    block_column_stats<T, DP, true>(kbuf + c * kTile * D, D, min(kTile, rows - c * kTile), D, sh, s, mn, mx);
-    if (tid < D) w.ksum[(bh * w.nkt + kt0 + c) * DP + tid] = s;
-    kmin = fminf(kmin, mn), kmax = fmaxf(kmax, mx);
-  }
-  if (tid < D) {
-    atomicMax(&f.kmin[bh * DP + tid], ~float_key(kmin));
-    atomicMax(&f.kmax[bh * DP + tid], float_key(kmax));
-  }
-  FP4ATTN_PT_ITEM(item, kPtKStats);
-  cp_async_wait_all();
-  __syncthreads();
-  FP4ATTN_PT_ITEM(item, kPtVLanded);
-  /* Publication as in a grid barrier (cooperative groups' grid.sync): the block's writes, a block
-   * barrier, then thread 0 alone fences and counts; the last item's thread 0 fences again before
-   * its block reads what the other items wrote, and before the release. */
-  const float vam = block_nanmax(chunk_absmax<T>(vbuf, rows, D), sh.small); /* ends with a barrier */
-  if (tid == 0) {
-    atomicMax(&f.vmax[bh], __float_as_uint(vam) & 0x7FFFFFFFu);
-    __threadfence();
-    sh.arrived = atomicAdd(&f.kv_count[bh], (unsigned int)chunks);
-    if (sh.arrived + chunks == (unsigned int)w.nkt) __threadfence();
-  }
-  __syncthreads();
-  FP4ATTN_PT_ITEM(item, kPtCounted);
-  FP4ATTN_PT_ITEM_START(sh, sh.arrived + chunks == (unsigned int)w.nkt);
-  if (sh.arrived + chunks == (unsigned int)w.nkt) {
-    reduce_head<DP>(a, f, bh, sh);
-    __syncthreads();
-    if (tid == 0) {
-      __threadfence();
-      atomicAdd(&f.kv_count[bh], 1u); /* release: count = nkt + 1 */
-    }
-    __syncthreads();
-  } else {
-    wait_for_head<T, DP>(a, f, bh, sh);
-  }
-  FP4ATTN_PT_ITEM(item, kPtHeadReady);
-  FP4ATTN_PT_ITEM_END(item, sh);
-  const unsigned long long next = take_ticket(f.kv_ticket, sh);
-  const bool more = (int64_t)next < f.n_kv;
-  FP4ATTN_PT_ITEM(item, kPtTicket);
-  for (int c = 0; c < chunks; ++c)
-    quantize_k_chunk<T, DP>(kbuf + c * kTile * D, min(kTile, rows - c * kTile), D, sh,
-                            w.kdq + (bh * w.nkp + (kt0 + c) * kTile) * DP);
-  __syncthreads(); /* kbuf free */
-  if (more) load_item<T, DP>(a, f, (int64_t)next, false, kbuf);
-  FP4ATTN_PT_ITEM(item, kPtQuantK);
-  constexpr int kVJobs = v_jobs_per_chunk<DP>();
-  if (C > 1 && C * kVJobs <= kThreads) { /* the chunks side by side, each on its part of the block */
-    const int c = tid / kVJobs;
-    if (c < chunks)
-      quantize_v_chunk<T, DP>(vbuf + c * kTile * D, min(kTile, rows - c * kTile), D, sh,
-                              w.vdq + (bh * w.nkt + kt0 + c) * DP * kTile, tid % kVJobs);
-  } else {
-    for (int c = 0; c < chunks; ++c)
-      quantize_v_chunk<T, DP>(vbuf + c * kTile * D, min(kTile, rows - c * kTile), D, sh,
-                              w.vdq + (bh * w.nkt + kt0 + c) * DP * kTile, tid);
-  }
-  __syncthreads(); /* vbuf free */
-  if (more) load_item<T, DP>(a, f, (int64_t)next, true, vbuf);
-  FP4ATTN_PT_ITEM(item, kPtQuantV);
-  return next;
-}
-
-template <typename T, int DP>
-constexpr int fused_min_blocks() {
-  constexpr int kItemBytes = 2 * chunks_per_item<T, DP>() * kTile * DP * (int)sizeof(T); /* K and V */
+constexpr int quantize_min_blocks() {
+  constexpr int kItemBytes = 2 * chunks_per_item<T, DP>() * kTile * DP * (int)sizeof(T);
   return kItemBytes <= 32768 ? 4 : (kItemBytes <= 65536 ? 3 : 1);
 }
 
-/* Persistent: K/V items while there are any, then the query blocks that are left. The blocks of
- * the second and third wave on an SM (block / SM count = 1, 2) first take stagger and 2 x
- * stagger query blocks: the three blocks of an SM then start their K/V items at different times
- * instead of in lockstep (the timeline of check_prepass.cu --trace: every block doing its K
- * statistics, then every block waiting for its head, then every block quantizing), and fewer
- * query blocks are left to overrun the head waits. stagger = 2 measured -4..-10 % pre-pass time
- * at N = 1K-16K in check_prepass's interleaved timing, end to end +0.5-1.8 % at D=128, N = 1K-4K
- * (D=64: within noise). */
+/* Kernel 3 of 3: Ks^ and V^ of every quantize item (chunks_per_item chunks), K and V read again
+ * (from L2 where the statistics kernel left them). Persistent blocks take items n_kv - 1 -
+ * blockIdx.x, n_kv - 1 - blockIdx.x - grid, ...: the last chunks that the statistics kernel read
+ * come first, while they are still in L2. K and V go through shared memory by cp.async; the next
+ * item's K (V) is copied while this item's V (K) is quantized. */
 template <typename T, int DP>
-__global__ void __launch_bounds__(kThreads, fused_min_blocks<T, DP>())
-    fused_quantize_kv_kernel(AttnArgs a, FusedParams f) {
-  extern __shared__ uint4 fused_dyn[];
-  __shared__ FusedShared sh;
-  T *kbuf = reinterpret_cast<T *>(fused_dyn);
-  T *vbuf = kbuf + chunks_per_item<T, DP>() * kTile * a.p.head_dim;
-  FP4ATTN_PT_BLOCK(kPbStartNs, global_timer_ns());
-  FP4ATTN_PT_BLOCK(kPbStartClk, clock64());
+__global__ void __launch_bounds__(kThreads, quantize_min_blocks<T, DP>())
+    stream_quantize_kernel(AttnArgs a, StreamParams f) {
+  constexpr int C = chunks_per_item<T, DP>();
+  extern __shared__ uint4 item_buffers[];
+  __shared__ PrepassShared sh;
+  const fp4attn_attention_params &p = a.p;
+  const AttnWorkspace &w = a.ws;
+  const int D = (int)p.head_dim;
+  T *kbuf = reinterpret_cast<T *>(item_buffers);
+  T *vbuf = kbuf + C * kTile * D;
   fill_scale_tables(&sh.tab);
-  if (threadIdx.x == 0) sh.q_left = 1;
-  for (int i = 0; i < (int)(blockIdx.x / f.sm_count) * f.stagger; ++i) {
-    const unsigned long long q = take_ticket(f.q_ticket, sh);
-    if ((int64_t)q >= f.n_q) break;
-    fused_q_block<T, DP>(a, f, (int64_t)q, sh);
+  int64_t i = blockIdx.x;
+  if (i < f.n_kv) {
+    load_item<T, DP>(a, f, f.n_kv - 1 - i, false, kbuf);
+    load_item<T, DP>(a, f, f.n_kv - 1 - i, true, vbuf);
   }
-  unsigned long long t = take_ticket(f.kv_ticket, sh);
-  if ((int64_t)t < f.n_kv) {
-    load_item<T, DP>(a, f, (int64_t)t, false, kbuf);
-    load_item<T, DP>(a, f, (int64_t)t, true, vbuf);
-  }
-  while ((int64_t)t < f.n_kv) t = fused_kv_item<T, DP>(a, f, (int64_t)t, kbuf, vbuf, sh);
-  FP4ATTN_PT_BLOCK(kPbKvDoneNs, global_timer_ns());
-  /* the query blocks left; the next ticket is taken while the current block loads */
-  t = take_ticket(f.q_ticket, sh);
-  while ((int64_t)t < f.n_q) {
-    __syncthreads(); /* everyone has read sh.ticket */
-    if (threadIdx.x == 0) sh.ticket = atomicAdd(f.q_ticket, 1ull);
-    fused_q_block<T, DP>(a, f, (int64_t)t, sh); /* has barriers: sh.ticket is visible after */
+  for (; i < f.n_kv; i += gridDim.x) {
+    const int64_t item = f.n_kv - 1 - i, next = item - gridDim.x;
+    const bool more = next >= 0;
+    const int64_t bh = item / f.items_per_head, kt0 = item % f.items_per_head * C;
+    const int chunks = (int)min((int64_t)C, w.nkt - kt0);
+    const int rows = (int)min((int64_t)C * kTile, p.len_k - kt0 * kTile);
+    __syncthreads(); /* the previous item is done with sh.kbar */
+    for (int c = threadIdx.x; c < DP; c += kThreads) sh.kbar[c] = w.kbar[bh * DP + c];
+    if (threadIdx.x == 0) sh.enck = w.kvscale[bh * 4 + 0], sh.encv = w.kvscale[bh * 4 + 2];
+    asm volatile("cp.async.wait_group 1;\n" ::); /* K has landed; V may still be in flight */
     __syncthreads();
-    t = sh.ticket;
+    quantize_item_k<T, DP>(kbuf, chunks, rows, D, sh, w.kdq + (bh * w.nkp + kt0 * kTile) * DP);
+    __syncthreads(); /* kbuf free */
+    if (more) {
+      load_item<T, DP>(a, f, next, false, kbuf);
+      asm volatile("cp.async.wait_group 1;\n" ::); /* V has landed; the next K may be in flight */
+    } else {
+      cp_async_wait_all();
+    }
+    __syncthreads();
+    quantize_item_v<T, DP>(vbuf, chunks, rows, D, sh, w.vdq + (bh * w.nkt + kt0) * DP * kTile);
+    __syncthreads(); /* vbuf free */
+    if (more) load_item<T, DP>(a, f, next, true, vbuf);
   }
-  FP4ATTN_PT_BLOCK(kPbExitClk, clock64());
-  FP4ATTN_PT_BLOCK(kPbExitNs, global_timer_ns());
 }
 
-/* Knobs for tests/cuda_harness/check_prepass.cu (timing variants); the defaults are the product. */
-struct FusedTuning {
-  int max_blocks_per_sm; /* 0: as many as fit */
-  int q_fill;            /* blocks waiting for a head take query blocks */
-  int stagger;           /* query blocks per wave before the first K/V item (the kernel's comment) */
-};
-FusedTuning g_fused_tuning = {0, 1, 2};
+typedef void (*PrepassKernel)(AttnArgs, StreamParams);
 
-typedef void (*FusedKernel)(AttnArgs, FusedParams);
-
-struct FusedVariant {
-  FusedKernel kernel; /* nullptr: none */
-  int chunks;         /* chunks_per_item */
+struct StreamKernels {
+  PrepassKernel stats, finalize, quantize; /* nullptr: the streaming path does not apply */
+  int chunks;                              /* chunks_per_item */
 };
 
 template <typename T, int DP>
-FusedVariant fused_variant() {
-  return {fused_quantize_kv_kernel<T, DP>, chunks_per_item<T, DP>()};
+StreamKernels stream_kernels() {
+  return {stream_stats_kernel<T, DP>, stream_finalize_kernel<DP>, stream_quantize_kernel<T, DP>,
+          chunks_per_item<T, DP>()};
 }
 
 template <typename T>
-FusedVariant fused_kernel_for(int64_t dp) {
-  if (dp == 64) return fused_variant<T, 64>();
-  if (dp == 128) return fused_variant<T, 128>();
-  if constexpr (sizeof(T) == 4) return {nullptr, 0}; /* 256 KB of fp32 chunks: never fits in smem */
-  else return fused_variant<T, 256>();
+StreamKernels stream_kernels_for_dp(int64_t dp) {
+  if (dp == 64) return stream_kernels<T, 64>();
+  if (dp == 128) return stream_kernels<T, 128>();
+  if constexpr (sizeof(T) == 4) return {nullptr, nullptr, nullptr, 0}; /* 256 KB of fp32 items: no smem */
+  else return stream_kernels<T, 256>();
+}
+
+StreamKernels stream_kernels_for(const AttnArgs &a) {
+  if (!(a.vec_q && a.vec_k && a.vec_v) || a.p.head_dim % 8 != 0 || a.p.head_dim > 256) return {nullptr, nullptr, nullptr, 0};
+  return a.p.dtype == FP4ATTN_FLOAT16    ? stream_kernels_for_dp<__half>(a.ws.dp)
+         : a.p.dtype == FP4ATTN_BFLOAT16 ? stream_kernels_for_dp<__nv_bfloat16>(a.ws.dp)
+                                         : stream_kernels_for_dp<float>(a.ws.dp);
 }
 
 /* Blocks of `kernel` with `smem` bytes of dynamic shared memory that fit on one SM of the current
- * device, 0 where the fused path cannot run there (no cooperative launch, too much shared
- * memory). Sets the kernel's shared-memory attributes once and caches the answer, so that a
- * call costs no driver round trips. */
-int fused_blocks_per_sm(FusedKernel kernel, size_t smem) {
+ * device, 0 where it cannot run there. Sets the kernel's shared-memory attributes once and caches
+ * the answer, so that a call costs no driver round trips. The attribute is the kernel's maximum:
+ * call it with one `smem` per kernel (launches may use less). */
+int resident_blocks_per_sm(PrepassKernel kernel, size_t smem) {
   struct Entry {
     int dev;
-    FusedKernel kernel;
+    PrepassKernel kernel;
     size_t smem;
     int blocks;
   };
@@ -1122,88 +1016,62 @@ int fused_blocks_per_sm(FusedKernel kernel, size_t smem) {
   }
   for (int i = 0; i < used; ++i)
     if (cache[i].dev == dev && cache[i].kernel == kernel && cache[i].smem == smem) return cache[i].blocks;
-  int optin = 0, coop = 0, blocks = 0;
+  int optin = 0, blocks = 0;
   cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev);
-  if (coop && smem + sizeof(FusedShared) <= (size_t)optin &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) == cudaSuccess &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) == cudaSuccess &&
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) == cudaSuccess) {
-  } else {
+  if (!(smem + sizeof(PrepassShared) <= (size_t)optin &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) == cudaSuccess &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) == cudaSuccess &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) == cudaSuccess))
     blocks = 0;
-  }
   cudaGetLastError(); /* no sticky error from a refused attribute */
   if (used < 32) cache[used++] = {dev, kernel, smem, blocks};
   return blocks;
 }
 
-/* Launches the fused path; FP4ATTN_ERR_UNSUPPORTED (nothing launched) where it cannot run. */
-fp4attn_status launch_fused(const AttnArgs &a, cudaStream_t s) {
+/* Launches the streaming path (three kernels); FP4ATTN_ERR_UNSUPPORTED (nothing launched) where it
+ * does not apply. */
+fp4attn_status launch_streaming(const AttnArgs &a, cudaStream_t s) {
   const fp4attn_attention_params &p = a.p;
   const AttnWorkspace &w = a.ws;
   fp4attn_status unsupported;
-  unsupported.code = FP4ATTN_ERR_UNSUPPORTED; /* never reported: the caller falls back */
+  unsupported.code = FP4ATTN_ERR_UNSUPPORTED; /* the caller falls back to the two-read path */
   unsupported.message[0] = '\0';
-  if (!(a.vec_q && a.vec_k && a.vec_v) || p.head_dim % 8 != 0 || p.head_dim > 256) return unsupported;
-  /* A cooperative launch inside stream capture is refused on the H200 image (CUDA 13.0 driver) and
-   * invalidates the capture: graphs get the two-read path. */
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(s, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone)
-    return unsupported;
-  const FusedVariant v = p.dtype == FP4ATTN_FLOAT16    ? fused_kernel_for<__half>(w.dp)
-                        : p.dtype == FP4ATTN_BFLOAT16 ? fused_kernel_for<__nv_bfloat16>(w.dp)
-                                                      : fused_kernel_for<float>(w.dp);
-  FusedKernel kernel = v.kernel;
-  if (!kernel) return unsupported;
-  const size_t smem = 2 * (size_t)v.chunks * kTile * (size_t)p.head_dim * (size_t)dtype_size(p.dtype);
-  const int per_sm_max = fused_blocks_per_sm(kernel, smem);
-  if (per_sm_max < 1) return unsupported;
-  int per_sm = per_sm_max;
-  if (g_fused_tuning.max_blocks_per_sm > 0 && per_sm > g_fused_tuning.max_blocks_per_sm)
-    per_sm = g_fused_tuning.max_blocks_per_sm;
-  FusedParams f;
-  f.items_per_head = ceil_div(w.nkt, v.chunks);
-  f.n_kv = p.batch * p.heads_kv * f.items_per_head;
-  f.n_q = query_block_count(p, kTile);
-  f.q_fill = g_fused_tuning.q_fill;
-  f.stagger = g_fused_tuning.stagger;
-  f.sm_count = sm_count();
-  const int64_t grid = min((int64_t)per_sm * sm_count(), f.n_kv + f.n_q);
-  /* every chunk of a head must be resident at once (see the top of this file) */
-  if (per_sm < 1 || f.items_per_head > grid) return unsupported;
+  const StreamKernels k = stream_kernels_for(a);
+  if (!k.stats) return unsupported;
   const int64_t bhk = p.batch * p.heads_kv, bhq = p.batch * p.heads_q;
-  f.kv_ticket = reinterpret_cast<unsigned long long *>(w.sync);
-  f.q_ticket = f.kv_ticket + 1;
-  f.kv_count = reinterpret_cast<unsigned int *>(f.kv_ticket + kSyncTickets);
-  f.q_count = f.kv_count + bhk;
-  f.vmax = f.q_count + bhq;
+  StreamParams f;
+  f.vmax = reinterpret_cast<unsigned int *>(static_cast<unsigned long long *>(w.sync) + kSyncTickets);
   f.kmin = f.vmax + bhk;
   f.kmax = f.kmin + bhk * w.dp;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.gridDim = dim3((unsigned)grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, a, f) != cudaSuccess) {
-    cudaGetLastError(); /* e.g. a cooperative grid that does not fit next to other work */
-    return unsupported;
-  }
-  return fp4attn_ok();
+  f.n_q = query_block_count(p, kTile);
+  f.items_per_head = ceil_div(w.nkt, (int64_t)k.chunks);
+  f.n_kv = bhk * f.items_per_head;
+  const int64_t stats_blocks = f.n_q + 2 * bhk * w.nkt;
+  /* the item buffers hold rows of head_dim elements; the attribute and the occupancy are those of
+   * the padded head dim, the kernel's largest */
+  const size_t smem = 2 * (size_t)k.chunks * kTile * (size_t)p.head_dim * (size_t)dtype_size(p.dtype);
+  const size_t smem_max = 2 * (size_t)k.chunks * kTile * (size_t)w.dp * (size_t)dtype_size(p.dtype);
+  const int per_sm = resident_blocks_per_sm(k.quantize, smem_max);
+  if (stats_blocks > 0x7FFFFFFFLL || bhk + bhq > 0x7FFFFFFFLL || per_sm < 1) return unsupported;
+  k.stats<<<(unsigned)stats_blocks, kThreads, 0, s>>>(a, f);
+  fp4attn_status st = launch_status("attention: pre-pass statistics kernel");
+  if (st.code != FP4ATTN_OK) return st;
+  k.finalize<<<(unsigned)(bhk + bhq), kThreads, 0, s>>>(a, f);
+  st = launch_status("attention: pre-pass finalize kernel");
+  if (st.code != FP4ATTN_OK) return st;
+  const int64_t grid = min((int64_t)per_sm * sm_count(), f.n_kv);
+  k.quantize<<<(unsigned)grid, kThreads, smem, s>>>(a, f);
+  return launch_status("attention: pre-pass quantize kernel");
 }
 
 }  // namespace
 
 fp4attn_status fp4attn_cuda::launch_attention_prepass(const AttnArgs &a, cudaStream_t s, int path) {
-  /* the counters of the fused path and the forward kernel's work ticket */
-  const size_t sync_bytes = attn_sync_bytes(a.p.batch * a.p.heads_kv, a.p.batch * a.p.heads_q, a.ws.dp);
+  /* the streaming path's atomicMax keys and the forward kernel's work ticket */
+  const size_t sync_bytes = attn_sync_bytes(a.p.batch * a.p.heads_kv, a.ws.dp);
   if (cudaMemsetAsync(a.ws.sync, 0, sync_bytes, s) != cudaSuccess) return launch_status("attention: counter reset");
   if (path != 1) {
-    const fp4attn_status st = launch_fused(a, s);
+    const fp4attn_status st = launch_streaming(a, s);
     if (st.code != FP4ATTN_ERR_UNSUPPORTED || path == 2) return st;
   }
   return launch_two_read(a, s);

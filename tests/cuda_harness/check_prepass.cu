@@ -7,24 +7,21 @@
  *   2. quantize_half_block (pairs of lanes) and quantize_block16 (one thread, the attention
  *      kernels' Q^) == fp4attn_quantize_block + store_block_f16 on random blocks of every
  *      magnitude, with zeros, -0, NaN and Inf;
- *   3. the fused single-read pre-pass against the two-read pre-pass: qbar, qamax, kbar, qscale,
+ *   3. the streaming pre-pass against the two-read pre-pass: qbar, qamax, kbar, qscale,
  *      kvscale, kdq and vdq byte-identical (workspaces pre-filled with different bytes), over
  *      dtypes, head dims, lengths, GQA, strided / packed / unaligned layouts and special values;
  *      determinism; CUDA graph capture and replay;
  *   4. timing at the shapes of benchmarks/bench_attention.py (fp16, B*N = 16K, H*D = 2048, N up to
  *      32K): CUDA events around the pre-pass (counter memset included), L2 flushed before each
- *      call, the variants (FusedTuning) interleaved call by call;
- *   5. with --trace (a build with -DFP4ATTN_PREPASS_TRACE): the fused path's timeline.
+ *      call, the paths interleaved call by call.
  * Build and run on a GPU machine (scripts/bench_prepass.sh does both):
  *   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include \
  *     -gencode arch=compute_90a,code=sm_90a tests/cuda_harness/check_prepass.cu -o /tmp/chk
  *   /tmp/chk            (exit code 1 on any mismatch)
  *   /tmp/chk --quick    (skips the exhaustive sweeps)
  *   /tmp/chk --time     (only the timing)
- *   /tmp/chk --profile D N (two product pre-passes at a benchmark shape, e.g. under ncu)
- *   /tmp/chk --trace [R] (built with -DFP4ATTN_PREPASS_TRACE: where the fused pre-pass's blocks
- *                        spend their time at the benchmark shapes, N = 1K..32K; R: the stagger
- *                        knob, default the product's)
+ *   /tmp/chk --profile D N [P] (two pre-passes at a benchmark shape, e.g. under ncu; P: the path,
+ *                        launch_attention_prepass's argument, default 0 = the product's choice)
  */
 #include <algorithm>
 #include <cstdio>
@@ -280,15 +277,17 @@ static std::vector<Section> sections(const fp4attn_attention_params &p) {
           {"vdq", off(w.vdq), 2 * bhk * w.nkp * w.dp}};
 }
 
-static std::vector<uint8_t> run_path(const fp4attn_attention_params &p, int path, uint8_t fill, bool *ran_fused) {
+/* The workspace after pre-pass `path` (where the streaming path does not apply, the two-read path
+ * runs instead; *ran tells whether the requested path ran). */
+static std::vector<uint8_t> run_path(const fp4attn_attention_params &p, int path, uint8_t fill, bool *ran) {
   const AttnWorkspace w0 = attn_workspace_layout(&p, nullptr);
   void *ws;
   CK(cudaMalloc(&ws, w0.bytes));
   CK(cudaMemset(ws, fill, w0.bytes));
   const AttnArgs a = make_args(p, ws);
   fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, 0, path);
-  if (ran_fused) *ran_fused = st.code == FP4ATTN_OK;
-  if (st.code == FP4ATTN_ERR_UNSUPPORTED && path == 2) st = fp4attn_cuda::launch_attention_prepass(a, 0, 1);
+  if (ran) *ran = st.code == FP4ATTN_OK;
+  if (st.code == FP4ATTN_ERR_UNSUPPORTED && path != 1) st = fp4attn_cuda::launch_attention_prepass(a, 0, 1);
   if (st.code != FP4ATTN_OK) {
     fprintf(stderr, "pre-pass failed: %s\n", st.message);
     exit(2);
@@ -316,13 +315,15 @@ static std::string compare(const fp4attn_attention_params &p, const std::vector<
   return "";
 }
 
+/* The streaming path against the two-read path, byte for byte, and against a second run of itself
+ * (determinism). */
 static void check_case(const Case &c, uint32_t seed) {
   Inputs in = make_inputs(c, seed);
-  bool fused = false;
   const std::vector<uint8_t> ref = run_path(in.p, 1, 0xAB, nullptr);
-  const std::vector<uint8_t> got = run_path(in.p, 2, 0x5C, &fused);
+  bool streamed = false;
+  const std::vector<uint8_t> got = run_path(in.p, 2, 0x5C, &streamed);
   std::string diff = compare(in.p, ref, got);
-  if (diff.empty() && fused) { /* determinism: a second fused run, other fill */
+  if (diff.empty() && streamed) {
     const std::vector<uint8_t> again = run_path(in.p, 2, 0x33, nullptr);
     diff = compare(in.p, got, again);
     if (!diff.empty()) diff = "NONDETERMINISTIC " + diff;
@@ -332,7 +333,7 @@ static void check_case(const Case &c, uint32_t seed) {
   printf("%-4s %s B=%lld Hq=%lld Hkv=%lld Nq=%lld Nk=%lld D=%lld layout=%d modes=%d%d%d %s %s\n",
          ok ? "ok" : "FAIL", dt_name(c.dt), (long long)c.B, (long long)c.Hq, (long long)c.Hkv,
          (long long)c.Nq, (long long)c.Nk, (long long)c.D, c.layout, c.qmode, c.kmode, c.vmode,
-         fused ? "fused" : "two-read(fallback)", diff.c_str());
+         streamed ? "streaming" : "two-read(fallback)", diff.c_str());
   free_inputs(in);
 }
 
@@ -358,6 +359,8 @@ static void path_checks(bool quick) {
     }
   cases.push_back({FP4ATTN_FLOAT16, 1, 4, 2, 300, 300, 64, 1, 0, 0, 0}); /* BNHD + GQA */
   cases.push_back({FP4ATTN_FLOAT16, 1, 2, 2, 100, 100, 33, 0, 0, 0, 0}); /* D % 8 != 0 */
+  /* one kernel (Dp = 64) with less, then more shared memory than before (its attribute) */
+  for (int64_t D : {64, 40, 64}) cases.push_back({FP4ATTN_FLOAT16, 1, 2, 2, 200, 300, D, 0, 0, 0, 0});
   /* special values */
   for (fp4attn_dtype dt : dts)
     for (int m = 1; m <= 6; ++m) {
@@ -370,7 +373,7 @@ static void path_checks(bool quick) {
       for (int64_t N : {1024, 4096, 16384}) cases.push_back({FP4ATTN_FLOAT16, 16384 / N, 2048 / D, 2048 / D, N, N, D, 0, 0, 0, 0});
     cases.push_back({FP4ATTN_BFLOAT16, 1, 16, 16, 16384, 16384, 128, 1, 0, 0, 0});
     cases.push_back({FP4ATTN_FLOAT16, 1, 4, 2, 1024, 32768, 128, 0, 0, 0, 0});  /* 256 chunks per head */
-    cases.push_back({FP4ATTN_FLOAT16, 1, 2, 1, 1024, 100000, 128, 0, 0, 0, 0}); /* 782: fallback */
+    cases.push_back({FP4ATTN_FLOAT16, 1, 2, 1, 1024, 100000, 128, 0, 0, 0, 0}); /* 782 chunks per head */
     cases.push_back({FP4ATTN_FLOAT16, 4100, 8, 8, 128, 128, 128, 0, 0, 0, 0});  /* many heads */
     cases.push_back({FP4ATTN_FLOAT32, 1, 4, 4, 8192, 8192, 128, 0, 0, 0, 0});   /* 1 block per SM */
   }
@@ -378,8 +381,8 @@ static void path_checks(bool quick) {
   for (const Case &c : cases) check_case(c, seed += 3);
 }
 
-/* Capture path 0 in a graph, replay with two input sets, compare with direct runs. */
-static void graph_check() {
+/* Capture pre-pass `path` in a graph, replay with two input sets, compare with direct runs. */
+static void graph_check(int path) {
   const Case c = {FP4ATTN_FLOAT16, 2, 4, 2, 300, 700, 128, 0, 0, 0, 0};
   Inputs in = make_inputs(c, 99);
   const AttnWorkspace w0 = attn_workspace_layout(&in.p, nullptr);
@@ -389,12 +392,12 @@ static void graph_check() {
   const AttnArgs a = make_args(in.p, ws);
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  fp4attn_cuda::launch_attention_prepass(a, s, 0); /* warm-up (attributes) outside the capture */
+  fp4attn_cuda::launch_attention_prepass(a, s, path); /* warm-up (attributes) outside the capture */
   CK(cudaStreamSynchronize(s));
   cudaGraph_t g;
   cudaGraphExec_t ge;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, s, 0);
+  const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, s, path);
   CK(cudaStreamEndCapture(s, &g));
   CK(cudaGraphInstantiate(&ge, g, 0));
   bool ok = st.code == FP4ATTN_OK;
@@ -413,7 +416,7 @@ static void graph_check() {
       printf("graph replay differs: %s\n", d.c_str());
     }
   }
-  printf("%-4s CUDA graph capture + replay of the pre-pass\n", ok ? "ok" : "FAIL");
+  printf("%-4s CUDA graph capture + replay of the pre-pass (path %d)\n", ok ? "ok" : "FAIL", path);
   if (!ok) g_fail = 1;
   CK(cudaGraphExecDestroy(ge));
   CK(cudaGraphDestroy(g));
@@ -478,26 +481,18 @@ static void timing() {
     CK(cudaFree(y));
     struct Variant {
       const char *name;
-      int path, max_blocks, q_fill;
-      int stagger;
+      int path;
     };
-    const FusedTuning product = g_fused_tuning;
-    const Variant variants[] = {{"two-read", 1, 0, 1, 0},
-                                {"fused (product)", 2, product.max_blocks_per_sm, product.q_fill, product.stagger},
-                                {"fused stagger 0", 2, 0, 1, 0},
-                                {"fused stagger 1", 2, 0, 1, 1},
-                                {"fused stagger 3", 2, 0, 1, 3},
-                                {"fused no-qfill", 2, 0, 0, product.stagger},
-                                {"fused 2/SM", 2, 2, 1, product.stagger}};
-    printf("%-5s %-6s %-3s | %-18s %8s %9s %8s %8s\n", "D", "N", "B", "variant", "ms", "GB/s(b)", "%copy", "%copy*");
+    const Variant variants[] = {{"two-read", 1}, {"streaming", 2}, {"automatic", 0}};
+    printf("%-5s %-6s %-3s | %-20s %8s %9s %8s %8s\n", "D", "N", "B", "variant", "ms", "GB/s(b)", "%copy", "%copy*");
     for (int64_t D : {64, 128})
       for (int64_t N : {1024, 4096, 16384, 32768}) {
         const BenchShape shape(D, N);
         const Case &c = shape.c;
         const AttnArgs &a = shape.a;
         const double elems = (double)c.B * c.Hq * N * D;
-        /* bench_attention.py's metric: inputs + K^/V^ as FP4 codes + scales; and the bytes the
-         * workspace layout really moves: inputs + K^/V^ as FP16 */
+        /* the bytes the workspace layout really moves (Q, K, V once, K^/V^ as FP16: bench_attention.py's
+         * metric, %copy*), and the old metric with K^/V^ counted as FP4 codes + scales (%copy) */
         const double bench_bytes = 3 * elems * 2 + 2 * elems * (0.5 + 1.0 / 16);
         const double real_bytes = 3 * elems * 2 + 2 * elems * 2;
         /* the variants interleaved call by call (23 rounds, the first 3 dropped), each round
@@ -512,7 +507,6 @@ static void timing() {
             const int k = (i + kk) % kVariants;
             const Variant &v = variants[k];
             if (!ok[k]) continue;
-            g_fused_tuning = {v.max_blocks, v.q_fill, v.stagger};
             CK(cudaMemsetAsync(flush, i & 0xFF, flush_bytes));
             CK(cudaEventRecord(e0));
             const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, 0, v.path);
@@ -530,140 +524,18 @@ static void timing() {
         for (int k = 0; k < kVariants; ++k) {
           if (t[k].empty()) continue;
           const float ms = median(t[k]);
-          printf("%-5lld %-6lld %-3lld | %-18s %8.4f %9.0f %7.1f%% %7.1f%%\n", (long long)D, (long long)N,
+          printf("%-5lld %-6lld %-3lld | %-20s %8.4f %9.0f %7.1f%% %7.1f%%\n", (long long)D, (long long)N,
                  (long long)c.B, variants[k].name, ms, bench_bytes / ms / 1e6, 100 * bench_bytes / ms / 1e6 / bw,
                  100 * real_bytes / ms / 1e6 / bw);
         }
-        g_fused_tuning = product;
       }
-    printf("GB/s(b), %%copy: bench_attention.py's bytes (inputs + K^/V^ as FP4 codes + scales);\n"
-           "%%copy*: bytes moved with the FP16 K^/V^ workspace (inputs + 2 x K-sized FP16 outputs)\n");
+    printf("GB/s(b), %%copy: inputs + K^/V^ counted as FP4 codes + scales (the old metric);\n"
+           "%%copy*: bench_attention.py's metric, the bytes moved with the FP16 K^/V^ workspace (inputs + 2 x\n"
+           "K-sized FP16 outputs; K and V are read twice by the streaming path, which is not counted)\n");
   }
   CK(cudaFree(flush));
 }
 
-/* ------------------------------------------------------------------ 5. timeline */
-#if defined(FP4ATTN_PREPASS_TRACE)
-/* Where the fused pre-pass's blocks spend their time at one benchmark shape: one traced call
- * (after 3 untraced ones), every block's stamps on one time axis (globaltimer at block start
- * and exit, clock64 in between, converted with the block's own clock rate). Prints each phase's
- * share of (grid x kernel span) and its median per item, then the blocks' phases over time. */
-static void timeline(int64_t D, int64_t N) {
-  const BenchShape shape(D, N);
-  const Case &c = shape.c;
-  const AttnArgs &a = shape.a;
-  static unsigned long long items[kPrepassTraceItems][kPtItemEvents], blocks[kPrepassTraceBlocks][kPbEvents];
-  for (int i = 0; i < 4; ++i) {
-    if (i == 3) {
-      memset(items, 0, sizeof(items));
-      memset(blocks, 0, sizeof(blocks));
-      CK(cudaMemcpyToSymbol(g_pt_items, items, sizeof(items)));
-      CK(cudaMemcpyToSymbol(g_pt_blocks, blocks, sizeof(blocks)));
-    }
-    const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, 0, 2);
-    if (st.code != FP4ATTN_OK) {
-      printf("D=%lld N=%lld: fused path not applicable\n", (long long)D, (long long)N);
-      return;
-    }
-    CK(cudaDeviceSynchronize());
-  }
-  CK(cudaMemcpyFromSymbol(items, g_pt_items, sizeof(items)));
-  CK(cudaMemcpyFromSymbol(blocks, g_pt_blocks, sizeof(blocks)));
-  int grid = 0;
-  while (grid < kPrepassTraceBlocks && blocks[grid][kPbStartNs] != 0) ++grid;
-  uint64_t t0 = ~0ull, t1 = 0;
-  std::vector<double> rate(grid); /* clocks per ns */
-  for (int b = 0; b < grid; ++b) {
-    t0 = std::min<uint64_t>(t0, blocks[b][kPbStartNs]);
-    t1 = std::max<uint64_t>(t1, blocks[b][kPbExitNs]);
-    rate[b] = double(blocks[b][kPbExitClk] - blocks[b][kPbStartClk]) / double(blocks[b][kPbExitNs] - blocks[b][kPbStartNs]);
-  }
-  const double span = double(t1 - t0);
-  /* phases: [from event, to event) of an item, then the block-level ones */
-  const char *names[] = {"wait K",          "K stats",       "wait V",         "V amax + count", "head (wait / reduce)",
-                         "next ticket",     "quantize K",    "quantize V",     "before 1st item", "between items",
-                         "Q blocks after",  "idle (tail)",   "  Q blocks in wait", "  reduce (last item)",
-                         "  pure wait"};
-  constexpr int kPhases = 15;
-  double total[kPhases] = {0};
-  std::vector<double> per[kPhases];
-  const int64_t n_kv = [&] {
-    int64_t n = 0;
-    while (n < kPrepassTraceItems && items[n][kPtQuantV] != 0) ++n;
-    return n;
-  }();
-  constexpr int kBins = 20;
-  double bins[kBins][kPhases] = {{0}};
-  auto add_interval = [&](int ph, double from, double to) { /* ns since t0 */
-    if (to <= from) return;
-    total[ph] += to - from;
-    for (int k = 0; k < kBins; ++k) {
-      const double lo = span * k / kBins, hi = span * (k + 1) / kBins;
-      const double ov = std::min(hi, to) - std::max(lo, from);
-      if (ov > 0) bins[k][ph] += ov;
-    }
-  };
-  std::vector<std::vector<std::pair<double, double>>> block_items(grid); /* (entry, end) per item */
-  long long q_in_wait = 0;
-  for (int64_t it = 0; it < n_kv; ++it) {
-    const int b = (int)(items[it][kPtBlock] & 0xFFFFFFFFu);
-    if (b >= grid) continue;
-    auto at = [&](int ev) { return double(blocks[b][kPbStartNs] - t0) + double(items[it][ev] - blocks[b][kPbStartClk]) / rate[b]; };
-    for (int ev = kPtEntry; ev < kPtQuantV; ++ev) {
-      add_interval(ev, at(ev), at(ev + 1));
-      per[ev].push_back((at(ev + 1) - at(ev)) / 1000.0);
-    }
-    block_items[b].push_back({at(kPtEntry), at(kPtQuantV)});
-    const unsigned long long qb = items[it][kPtQBlocks];
-    q_in_wait += (long long)(qb & 0xFFFFF);
-    /* the head phase split (totals only; no time bins) */
-    const double head = at(kPtHeadReady) - at(kPtCounted), inq = double(items[it][kPtQClocks]) / rate[b];
-    if (qb >> 20) {
-      total[13] += head;
-      per[13].push_back(head / 1000.0);
-    } else {
-      total[12] += inq;
-      total[14] += head - inq;
-      per[12].push_back(inq / 1000.0);
-      per[14].push_back((head - inq) / 1000.0);
-    }
-  }
-  for (int b = 0; b < grid; ++b) {
-    auto &v = block_items[b];
-    std::sort(v.begin(), v.end());
-    const double start = double(blocks[b][kPbStartNs] - t0), kv_done = double(blocks[b][kPbKvDoneNs] - t0),
-                 exit_ = double(blocks[b][kPbExitNs] - t0);
-    add_interval(8, start, v.empty() ? kv_done : v.front().first);
-    for (size_t i = 1; i < v.size(); ++i) add_interval(9, v[i - 1].second, v[i].first);
-    add_interval(10, v.empty() ? kv_done : v.back().second, exit_);
-    add_interval(11, exit_, span);
-  }
-  printf("\nD=%lld N=%lld B=%lld: grid %d blocks, kernel span %.1f us (block start to last exit), %lld K/V items; "
-         "query blocks: %lld while waiting for a head of %lld (the others before the first K/V item, "
-         "stagger, or after the last)\n",
-         (long long)D, (long long)N, (long long)c.B, grid, span / 1000, (long long)n_kv, q_in_wait,
-         (long long)query_block_count(shape.in.p, kTile));
-  printf("  %-22s %8s %12s\n", "phase", "% blocks", "median/item");
-  for (int ph = 0; ph < kPhases; ++ph) {
-    double med = 0;
-    if (!per[ph].empty()) {
-      std::sort(per[ph].begin(), per[ph].end());
-      med = per[ph][per[ph].size() / 2];
-    }
-    printf("  %-22s %7.1f%% ", names[ph], 100 * total[ph] / (span * grid));
-    if (ph < 8 || ph >= 12) printf("%9.2f us\n", med); else printf("\n");
-  }
-  printf("  over time (%% of blocks; columns: load = wait K + wait V, stats = K stats + V amax + count, head,\n"
-         "  quant = quantize K + V, q-after, other = ticket/start/between, idle):\n");
-  printf("  %7s %6s %6s %6s %6s %6s %6s %6s\n", "t (us)", "load", "stats", "head", "quant", "q-aft", "other", "idle");
-  for (int k = 0; k < kBins; ++k) {
-    const double w = span / kBins * grid / 100.0;
-    const double *x = bins[k];
-    printf("  %7.1f %6.1f %6.1f %6.1f %6.1f %6.1f %6.1f %6.1f\n", span * (k + 0.5) / kBins / 1000, (x[0] + x[2]) / w,
-           (x[1] + x[3]) / w, x[4] / w, (x[6] + x[7]) / w, x[10] / w, (x[5] + x[8] + x[9]) / w, x[11] / w);
-  }
-}
-#endif
 
 int main(int argc, char **argv) {
   const bool quick = argc > 1 && !strcmp(argv[1], "--quick");
@@ -674,8 +546,9 @@ int main(int argc, char **argv) {
   if (argc > 1 && !strcmp(argv[1], "--probe")) return 0;
   if (argc > 3 && !strcmp(argv[1], "--profile")) { /* one warm-up and one pre-pass at (D, N), for ncu */
     const BenchShape shape(atoll(argv[2]), atoll(argv[3]));
+    const int path = argc > 4 ? atoi(argv[4]) : 0;
     for (int i = 0; i < 2; ++i) {
-      const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(shape.a, 0, 0);
+      const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(shape.a, 0, path);
       if (st.code != FP4ATTN_OK) {
         printf("pre-pass failed: %s\n", st.message);
         return 2;
@@ -684,23 +557,11 @@ int main(int argc, char **argv) {
     CK(cudaDeviceSynchronize());
     return 0;
   }
-  if (argc > 1 && !strcmp(argv[1], "--trace")) {
-#if defined(FP4ATTN_PREPASS_TRACE)
-    if (argc > 2) g_fused_tuning.stagger = atoi(argv[2]);
-    printf("stagger: %d query blocks per slot before the first K/V item\n", g_fused_tuning.stagger);
-    for (int64_t D : {64, 128})
-      for (int64_t N : {1024, 4096, 16384, 32768}) timeline(D, N);
-    return 0;
-#else
-    printf("--trace needs a build with -DFP4ATTN_PREPASS_TRACE\n");
-    return 2;
-#endif
-  }
   if (!only_time) {
     if (!quick) exhaustive_checks();
     block_checks();
     path_checks(quick);
-    graph_check();
+    graph_check(0);
     printf("\n%s\n", g_fail ? "CHECKS FAILED" : "all checks passed");
   }
   timing();
