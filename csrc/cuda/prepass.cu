@@ -475,7 +475,7 @@ struct StreamParams {
 
 /* Order-preserving map of a float (not NaN) to a nonzero unsigned key: the column minima and
  * maxima of a head are exact whatever the order, so the chunks combine them with atomicMax on
- * these keys (zeroed memory is below every key) instead of the head's last chunk reading them. */
+ * these keys (zeroed memory is below every key) instead of storing per-chunk partials. */
 __device__ __forceinline__ unsigned int float_key(float x) {
   const unsigned int b = __float_as_uint(x);
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
@@ -988,7 +988,8 @@ StreamKernels stream_kernels_for_dp(int64_t dp) {
 }
 
 StreamKernels stream_kernels_for(const AttnArgs &a) {
-  if (!(a.vec_q && a.vec_k && a.vec_v) || a.p.head_dim % 8 != 0 || a.p.head_dim > 256) return {nullptr, nullptr, nullptr, 0};
+  if (!(a.vec_q && a.vec_k && a.vec_v) || a.p.head_dim % 8 != 0 || a.p.head_dim > 256)
+    return {nullptr, nullptr, nullptr, 0};
   return a.p.dtype == FP4ATTN_FLOAT16    ? stream_kernels_for_dp<__half>(a.ws.dp)
          : a.p.dtype == FP4ATTN_BFLOAT16 ? stream_kernels_for_dp<__nv_bfloat16>(a.ws.dp)
                                          : stream_kernels_for_dp<float>(a.ws.dp);
