@@ -766,10 +766,11 @@ __device__ void stream_stats_block(const AttnArgs &a, const StreamParams &f, int
 }
 
 /* Kernel 1 of 3: the statistics, one block per 128-row block (stream_stats_block): n_q query
- * blocks, then 2 x B x Hkv x nkt K and V chunks. Many short blocks, 4 per SM at head dims 64 and
- * 128 (registers capped at 64), keep enough loads in flight. */
+ * blocks, then 2 x B x Hkv x nkt K and V chunks. Many short blocks, 4 per SM for 16-bit inputs at
+ * head dims 64 and 128 (registers capped at 64), keep enough loads in flight. */
 template <typename T, int DP>
-__global__ void __launch_bounds__(kThreads, DP <= 128 ? 4 : 1) stream_stats_kernel(AttnArgs a, StreamParams f) {
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 && DP <= 128 ? 4 : 1)
+    stream_stats_kernel(AttnArgs a, StreamParams f) {
   __shared__ PrepassShared sh;
   stream_stats_block<T, DP>(a, f, blockIdx.x, sh);
 }
