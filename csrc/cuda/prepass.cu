@@ -215,6 +215,15 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(AttnArgs a) {
   if (threadIdx.x == 0) w.vamax[bh * w.nkt + kt] = am;
 }
 
+/* The global scales of Qs of head bh from its query blocks' max |Q - qbar| (a max, so any order);
+ * sh_red: 32 floats of shared memory. Both paths' finalize kernels. */
+__device__ void q_head_scales(const AttnWorkspace &w, int64_t bh, float *sh_red) {
+  float qm = 0.0f;
+  for (int64_t t = threadIdx.x; t < w.nqb; t += blockDim.x) qm = fp4attn_nanmax(qm, w.qamax[bh * w.nqb + t]);
+  qm = block_nanmax(qm, sh_red);
+  if (threadIdx.x == 0) fp4attn_global_scales(qm, &w.qscale[bh * 2 + 0], &w.qscale[bh * 2 + 1]);
+}
+
 __global__ void __launch_bounds__(kThreads) finalize_kernel(AttnArgs a) {
   const fp4attn_attention_params &p = a.p;
   const AttnWorkspace &w = a.ws;
@@ -251,11 +260,7 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(AttnArgs a) {
     }
     return;
   }
-  const int64_t bh = blockIdx.x - bhk;
-  float am = 0.0f;
-  for (int64_t t = c; t < w.nqb; t += blockDim.x) am = fp4attn_nanmax(am, w.qamax[bh * w.nqb + t]);
-  am = block_nanmax(am, sh_red);
-  if (c == 0) fp4attn_global_scales(am, &w.qscale[bh * 2 + 0], &w.qscale[bh * 2 + 1]);
+  q_head_scales(w, (int64_t)blockIdx.x - bhk, sh_red);
 }
 
 /* 16 codes + scale -> 16 exact FP16 values code * scale, stored as two 16-byte words. */
@@ -372,7 +377,7 @@ __device__ __forceinline__ Raw8<T> raw8_zero() {
   return r;
 }
 
-/* Loads of 8 elements: from shared memory, or from global memory read once (evict-first). */
+/* Loads of 8 elements from shared memory ... */
 template <typename T>
 __device__ __forceinline__ Raw8<T> raw8_shared(const T *p) {
   Raw8<T> r;
@@ -380,20 +385,16 @@ __device__ __forceinline__ Raw8<T> raw8_shared(const T *p) {
   for (int i = 0; i < (int)(sizeof(T) / 2); ++i) r.w[i] = reinterpret_cast<const uint4 *>(p)[i];
   return r;
 }
-template <typename T>
-__device__ __forceinline__ Raw8<T> raw8_stream(const T *p) {
+/* ... from global memory: read once (evict-first), or, kReadAgain, through L2 only with normal
+ * eviction (K and V, re-read by the quantize kernel) */
+template <typename T, bool kReadAgain>
+__device__ __forceinline__ Raw8<T> raw8_global(const T *p) {
   Raw8<T> r;
 #pragma unroll
-  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) r.w[i] = __ldcs(reinterpret_cast<const uint4 *>(p) + i);
-  return r;
-}
-/* ... from global memory through L2 only (not L1), normal eviction: read again by a later kernel
- * (K and V, re-read by the quantize kernel) */
-template <typename T>
-__device__ __forceinline__ Raw8<T> raw8_keep(const T *p) {
-  Raw8<T> r;
-#pragma unroll
-  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) r.w[i] = __ldcg(reinterpret_cast<const uint4 *>(p) + i);
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) {
+    const uint4 *q = reinterpret_cast<const uint4 *>(p) + i;
+    r.w[i] = kReadAgain ? __ldcg(q) : __ldcs(q);
+  }
   return r;
 }
 
@@ -503,7 +504,7 @@ __device__ __forceinline__ void load_block_rows(const T *base, int64_t row_strid
   for (int i = 0; i < BlockRows<T, DP>::kMaxRows; ++i) {
     const int r = rg + i * RG;
     const T *src = base + (int64_t)r * row_stride + cg * 8;
-    b.raw[i] = (rg < RG && r < rows) ? (kReadAgain ? raw8_keep<T>(src) : raw8_stream<T>(src)) : raw8_zero<T>();
+    b.raw[i] = (rg < RG && r < rows) ? raw8_global<T, kReadAgain>(src) : raw8_zero<T>();
   }
 }
 
@@ -604,10 +605,9 @@ __device__ __forceinline__ const T *q_block_rows(const AttnArgs &a, int64_t item
   return static_cast<const T *>(p.q) + b * p.q_stride[0] + h * p.q_stride[1] + qb * kTile * p.q_stride[2];
 }
 
-/* One query block, its rows loaded: qbar and max |Q - qbar| (as stats_kernel), stored; returns
- * max |Q - qbar| in every thread. */
+/* One query block, its rows loaded: qbar and max |Q - qbar| (as stats_kernel), stored. */
 template <typename T, int DP>
-__device__ float q_block_stats_of(const AttnArgs &a, int64_t item, const BlockRows<T, DP> &rb, int rows,
+__device__ void q_block_stats_of(const AttnArgs &a, int64_t item, const BlockRows<T, DP> &rb, int rows,
                                   PrepassShared &sh) {
   const AttnWorkspace &w = a.ws;
   const int D = (int)a.p.head_dim, tid = threadIdx.x;
@@ -625,16 +625,6 @@ __device__ float q_block_stats_of(const AttnArgs &a, int64_t item, const BlockRo
   }
   am = block_nanmax(am, sh.small);
   if (tid == 0) w.qamax[item] = am;
-  return am;
-}
-
-/* The global scales of Qs of head bh from its query blocks' max |Q - qbar| (as finalize_kernel; a
- * max, so any order). */
-__device__ void q_head_scales(const AttnWorkspace &w, int64_t bh, PrepassShared &sh) {
-  float qm = 0.0f;
-  for (int64_t t = threadIdx.x; t < w.nqb; t += kThreads) qm = fp4attn_nanmax(qm, __ldcg(&w.qamax[bh * w.nqb + t]));
-  qm = block_nanmax(qm, sh.small);
-  if (threadIdx.x == 0) fp4attn_global_scales(qm, &w.qscale[bh * 2 + 0], &w.qscale[bh * 2 + 1]);
 }
 
 /* This thread's part of max |x| over a block of rows loaded by load_block_rows (zeros past the
@@ -783,7 +773,7 @@ __global__ void __launch_bounds__(kThreads) stream_finalize_kernel(AttnArgs a, S
   __shared__ PrepassShared sh;
   const int64_t bhk = a.p.batch * a.p.heads_kv;
   if ((int64_t)blockIdx.x < bhk) reduce_head<DP>(a, f, blockIdx.x, sh);
-  else q_head_scales(a.ws, (int64_t)blockIdx.x - bhk, sh);
+  else q_head_scales(a.ws, (int64_t)blockIdx.x - bhk, sh.small);
 }
 
 /* Copies rows [0, rows) of a chunk (row stride `stride` elements in global memory, D elements
