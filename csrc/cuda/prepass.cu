@@ -45,10 +45,11 @@
  *      the exact FP16 values code * scale that the tensor cores consume.
  *
  * Summation order shared by both paths (it defines the bits of qbar and kbar): a 128-row block
- * of D columns is read by 256 threads as CG = D/8 groups of 8 columns x RG = 256/CG row groups
- * (the 8-wide column_stats below; inputs without vector access use 1-wide groups, two-read path
- * only). Row group g sums rows g, g+RG, ... in order from 0; the block sum adds the RG group
- * sums in order from 0; kbar adds the chunk sums in chunk order from 0 and divides by Nk.
+ * of D columns is read as CG = D/8 groups of 8 columns x RG = min(16, 256/CG) row groups
+ * (stat_row_groups; the 8-wide column_stats below; inputs without vector access use 1-wide
+ * groups of 256/D row groups, two-read path only). Row group g sums rows g, g+RG, ... in order
+ * from 0; the block sum adds the RG group sums in order from 0; kbar adds the chunk sums in chunk
+ * order from 0 and divides by Nk.
  */
 #include <mutex>
 
@@ -67,6 +68,11 @@ namespace {
 
 constexpr int kThreads = 256;
 
+/* Row groups of the 8-wide column statistics of a 128-row block with CG 8-column groups: 16, so
+ * that a thread sums 8 rows (at head dims up to 128; fewer groups above, where 256 threads hold
+ * 16 x CG threads no longer). The streaming statistics kernel's blocks are sized by it. */
+__host__ __device__ constexpr int stat_row_groups(int CG) { return CG <= kThreads / 16 ? 16 : kThreads / CG; }
+
 /* ====================================================================== two-read path */
 
 /* Column statistics of `rows` rows x D columns (rows at `base + r * row_stride`), by 256
@@ -77,7 +83,7 @@ __device__ void column_stats(const void *base, fp4attn_dtype dt, int64_t row_str
                              int D, bool want_sum, float *sh_sum, float *sh_min, float *sh_max,
                              float *sh_abs) {
   const int CG = (D + E - 1) / E;
-  const int RG = kThreads / CG;
+  const int RG = E == 8 ? stat_row_groups(CG) : kThreads / CG;
   const int tid = threadIdx.x, rg = tid / CG, cg = tid % CG;
   float sum[E], mn[E], mx[E], am = 0.0f;
 #pragma unroll
@@ -486,9 +492,16 @@ __device__ __forceinline__ float key_float(unsigned int k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
 }
 
+/* Threads of a streaming statistics block: the RG x CG row and column groups of head dim DP (at
+ * smaller head dims of the same DP some stay idle): 128 at DP = 64, else 256. */
+template <int DP>
+__host__ __device__ constexpr int stats_threads() {
+  return stat_row_groups(DP / 8) * (DP / 8);
+}
+
 template <typename T, int DP>
 struct BlockRows {
-  static constexpr int kMaxRows = DP / 16; /* ceil(128 / RG) for any D <= DP */
+  static constexpr int kMaxRows = (kTile + stat_row_groups(DP / 8) - 1) / stat_row_groups(DP / 8); /* any D <= DP */
   Raw8<T> raw[kMaxRows];
 };
 
@@ -498,7 +511,7 @@ struct BlockRows {
 template <typename T, int DP, bool kReadAgain>
 __device__ __forceinline__ void load_block_rows(const T *base, int64_t row_stride, int rows, int D,
                                                 BlockRows<T, DP> &b) {
-  const int CG = D / 8, RG = kThreads / CG;
+  const int CG = D / 8, RG = stat_row_groups(CG);
   const int rg = threadIdx.x / CG, cg = threadIdx.x % CG;
 #pragma unroll
   for (int i = 0; i < BlockRows<T, DP>::kMaxRows; ++i) {
@@ -516,7 +529,7 @@ template <typename T, int DP>
 __device__ void column_stats_of(const BlockRows<T, DP> &b, int rows, int D, PrepassShared &sh,
                                 float &sum_c, float &min_c, float &max_c) {
   constexpr int kMaxRows = BlockRows<T, DP>::kMaxRows;
-  const int CG = D / 8, RG = kThreads / CG;
+  const int CG = D / 8, RG = stat_row_groups(CG);
   const int tid = threadIdx.x, rg = tid / CG, cg = tid % CG;
   const Raw8<T> *raw = b.raw;
   float sum[8], mn[8], mx[8];
@@ -524,7 +537,7 @@ __device__ void column_stats_of(const BlockRows<T, DP> &b, int rows, int D, Prep
   for (int e = 0; e < 8; ++e) sum[e] = 0.0f, mn[e] = INFINITY, mx[e] = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kMaxRows; ++i) {
-    if (rg + i * RG < rows) {
+    if (rg < RG && rg + i * RG < rows) {
       float v[8];
       raw8_to_float<T>(raw[i], v);
 #pragma unroll
@@ -559,7 +572,7 @@ __device__ void column_stats_of(const BlockRows<T, DP> &b, int rows, int D, Prep
       mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], CG));
     }
     __syncthreads(); /* the sums are read */
-    if ((rg & 1) == 0) {
+    if (rg < RG && (rg & 1) == 0) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         red[(rg / 2) * D + cg * 8 + e] = mn[e];
@@ -756,11 +769,12 @@ __device__ void stream_stats_block(const AttnArgs &a, const StreamParams &f, int
   }
 }
 
-/* Kernel 1 of 3: the statistics, one block per 128-row block (stream_stats_block): n_q query
- * blocks, then 2 x B x Hkv x nkt K and V chunks. Many short blocks, 4 per SM for 16-bit inputs at
- * head dims 64 and 128 (registers capped at 64), keep enough loads in flight. */
+/* Kernel 1 of 3: the statistics, one block of stats_threads<DP>() per 128-row block
+ * (stream_stats_block): n_q query blocks, then 2 x B x Hkv x nkt K and V chunks. Many short
+ * blocks, 1,024 threads per SM for 16-bit inputs at head dims 64 and 128 (registers capped at 64),
+ * each with 8 rows of 16-byte loads in flight. */
 template <typename T, int DP>
-__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 && DP <= 128 ? 4 : 1)
+__global__ void __launch_bounds__(stats_threads<DP>(), sizeof(T) == 2 && DP <= 128 ? 1024 / stats_threads<DP>() : 1)
     stream_stats_kernel(AttnArgs a, StreamParams f) {
   __shared__ PrepassShared sh;
   stream_stats_block<T, DP>(a, f, blockIdx.x, sh);
@@ -962,26 +976,27 @@ typedef void (*PrepassKernel)(AttnArgs, StreamParams);
 
 struct StreamKernels {
   PrepassKernel stats, finalize, quantize; /* nullptr: the streaming path does not apply */
+  int stats_threads;                       /* block size of `stats` */
   int chunks;                              /* chunks_per_item */
 };
 
 template <typename T, int DP>
 StreamKernels stream_kernels() {
   return {stream_stats_kernel<T, DP>, stream_finalize_kernel<DP>, stream_quantize_kernel<T, DP>,
-          chunks_per_item<T, DP>()};
+          stats_threads<DP>(), chunks_per_item<T, DP>()};
 }
 
 template <typename T>
 StreamKernels stream_kernels_for_dp(int64_t dp) {
   if (dp == 64) return stream_kernels<T, 64>();
   if (dp == 128) return stream_kernels<T, 128>();
-  if constexpr (sizeof(T) == 4) return {nullptr, nullptr, nullptr, 0}; /* 256 KB of fp32 items: no smem */
+  if constexpr (sizeof(T) == 4) return {nullptr, nullptr, nullptr, 0, 0}; /* 256 KB of fp32 items: no smem */
   else return stream_kernels<T, 256>();
 }
 
 StreamKernels stream_kernels_for(const AttnArgs &a) {
   if (!(a.vec_q && a.vec_k && a.vec_v) || a.p.head_dim % 8 != 0 || a.p.head_dim > 256)
-    return {nullptr, nullptr, nullptr, 0};
+    return {nullptr, nullptr, nullptr, 0, 0};
   return a.p.dtype == FP4ATTN_FLOAT16    ? stream_kernels_for_dp<__half>(a.ws.dp)
          : a.p.dtype == FP4ATTN_BFLOAT16 ? stream_kernels_for_dp<__nv_bfloat16>(a.ws.dp)
                                          : stream_kernels_for_dp<float>(a.ws.dp);
@@ -1046,7 +1061,7 @@ fp4attn_status launch_streaming(const AttnArgs &a, cudaStream_t s) {
   const size_t smem_max = 2 * (size_t)k.chunks * kTile * (size_t)w.dp * (size_t)dtype_size(p.dtype);
   const int per_sm = resident_blocks_per_sm(k.quantize, smem_max);
   if (stats_blocks > 0x7FFFFFFFLL || bhk + bhq > 0x7FFFFFFFLL || per_sm < 1) return unsupported;
-  k.stats<<<(unsigned)stats_blocks, kThreads, 0, s>>>(a, f);
+  k.stats<<<(unsigned)stats_blocks, (unsigned)k.stats_threads, 0, s>>>(a, f);
   fp4attn_status st = launch_status("attention: pre-pass statistics kernel");
   if (st.code != FP4ATTN_OK) return st;
   k.finalize<<<(unsigned)(bhk + bhq), kThreads, 0, s>>>(a, f);
