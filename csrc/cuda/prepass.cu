@@ -7,11 +7,12 @@
  *
  * Streaming path (the default where it applies: 16-byte rows, head dims that are multiples of 8,
  * not fp32 with head dim above 128): three kernels, none of which waits for another block.
- *   1. stream_stats_kernel, one short block per 128-row block of Q, K or V (4 per SM for 16-bit
- *      inputs), all of a thread's loads in flight before the first use: a query block stores qbar
- *      and max |Q - qbar| (Q is read once, evict-first); a K chunk stores its column sums and folds
- *      its column minima and maxima into per-head atomicMax keys (float_key: a min or max is exact
- *      in any order); a V chunk folds max |V| into a per-head key. K and V stay in L2 where they
+ *   1. stream_stats_kernel, one short block per 128-row block of Q, K or V (1,024 threads per SM
+ *      for 16-bit inputs, 8 rows of 16-byte loads per thread), all of a thread's loads in flight
+ *      before the first use: a query block stores qbar and max |Q - qbar| (Q is read once,
+ *      evict-first); a K chunk stores its column sums and folds its column minima and maxima into
+ *      per-head atomicMax keys (float_key: a min or max is exact in any order); a V chunk folds
+ *      max |V| into a per-head key. K and V stay in L2 where they
  *      fit.
  *   2. stream_finalize_kernel, one block per K/V head (reduce_head: the chunk sums added in chunk
  *      order with batched loads, kbar, the global scales of Ks and V) and per query head (the Q
