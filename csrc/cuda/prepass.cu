@@ -12,8 +12,7 @@
  *      before the first use: a query block stores qbar and max |Q - qbar| (Q is read once,
  *      evict-first); a K chunk stores its column sums and folds its column minima and maxima into
  *      per-head atomicMax keys (float_key: a min or max is exact in any order); a V chunk folds
- *      max |V| into a per-head key. K and V stay in L2 where they
- *      fit.
+ *      max |V| into a per-head key. K and V stay in L2 where they fit.
  *   2. stream_finalize_kernel, one block per K/V head (reduce_head: the chunk sums added in chunk
  *      order with batched loads, kbar, the global scales of Ks and V) and per query head (the Q
  *      scales).
