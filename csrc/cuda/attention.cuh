@@ -42,6 +42,8 @@ struct AttnWorkspace {
   int64_t qstage_blocks;
   void *sync;
   int64_t bytes;
+  int64_t item_heads; /* (batch, query head)s per group of the causal work order of the persistent
+                         Hopper kernel (causal_item_heads; 1 without causal masking) */
 };
 
 /* The u64 work ticket at the start of the sync section: the Hopper kernel's (query blocks handed
@@ -76,6 +78,25 @@ static inline int64_t attn_sync_bytes(int64_t bhk, int64_t dp) {
   return 8 * kSyncTickets + 4 * bhk + 8 * bhk * dp;
 }
 
+/* Heads per group of the causal work order (query_block): the groups' items go longest first
+ * across the group's heads, so the last items of the grid are the shortest of the last group
+ * and fill the tail. (Longest first within each head leaves the last head's longest item to start
+ * near the end: 3-6 % of the causal kernel's time at N = 1K-8K in a list-scheduling model.) The
+ * smallest divisor of B x Hq whose group holds a wave of items (SM count / nqb heads or more):
+ * small groups keep their K^/V^ in L2. 1 (the head-major order) where no divisor lies near.
+ * Only the persistent Hopper kernel (head dim 64) uses it: the same decode in the head-dim-128
+ * kernel changed ptxas's register allocation of its tile loop (2 -> 5 spill loads per tile) and
+ * cost 7-10 % (docs/cuda_notes.md, v20). */
+static inline int64_t causal_item_heads(const fp4attn_attention_params *p, int64_t nqb) {
+  const int64_t bhq = p->batch * p->heads_q;
+  if (!p->causal || bhq <= 1 || nqb < 1) return 1;
+  const int64_t want = ceil_div(sm_count(), nqb);
+  if (want >= bhq) return bhq;
+  for (int64_t g = want; g <= 2 * want && g <= bhq; ++g)
+    if (bhq % g == 0) return g;
+  return 1;
+}
+
 /* Fills the section pointers for `base` (may be null to only compute the size); the current
  * device's SM count sizes qstage (the same device for both calls: the binding sizes the workspace
  * and launches on the inputs' device). */
@@ -86,6 +107,7 @@ static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params
   w.nqb = ceil_div(p->len_q, kTile);
   w.nkt = ceil_div(p->len_k, kTile);
   w.nkp = w.nkt * kTile;
+  w.item_heads = causal_item_heads(p, w.nqb);
   const int64_t bhq = p->batch * p->heads_q, bhk = p->batch * p->heads_kv;
   int64_t off = 0;
   char *b = static_cast<char *>(base);

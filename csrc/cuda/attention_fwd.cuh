@@ -191,7 +191,7 @@ struct FwdKernel {
     Ctx c;
     c.a = &a;
     c.smem = smem;
-    static_cast<QueryBlock &>(c) = query_block(p, w, C::kRows, blockIdx.x);
+    static_cast<QueryBlock &>(c) = query_block(p, w, C::kRows, blockIdx.x, 1);
 
     /* constants in shared memory */
     {

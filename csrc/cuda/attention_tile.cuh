@@ -60,21 +60,33 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t code2, uint32_t hw, int 
 }
 
 /* The query rows of work item `item` (a CUDA block, or one item of a persistent block):
- * (batch, query head) bh = (b, h), its KV head hk (bhk), the first row q0 of its `rows`-row block
- * (items in reverse order when causal: longest rows first, so the short ones fill the tail), and
- * how many 128-key tiles it visits. Items run over B x Hq x ceil(Nq / rows), query blocks fastest,
- * so that blocks running at the same time share their K/V in L2. */
+ * (batch, query head) bh = (b, h), its KV head hk (bhk), the first row q0 of its `rows`-row block,
+ * and how many 128-key tiles it visits. Items run over B x Hq x ceil(Nq / rows) in groups of
+ * `group_heads` consecutive (batch, query head)s, so that blocks running at the same time share
+ * their K/V in L2; within a group the query block is the slow index and the head the fast one.
+ * Query blocks in reverse when causal: the longest items first, the shortest fill the tail.
+ * group_heads = 1 is the head-major order (the kernels that pass a literal 1 compile to it);
+ * w.item_heads (causal_item_heads) spreads the longest items over the heads of a group. */
 struct QueryBlock {
   int64_t bh, b, h, hk, bhk, q0;
   int ntiles;
 };
 
 __device__ __forceinline__ QueryBlock query_block(const fp4attn_attention_params &p,
-                                                  const AttnWorkspace &w, int rows, int64_t item) {
+                                                  const AttnWorkspace &w, int rows, int64_t item,
+                                                  int64_t group_heads) {
   QueryBlock k;
   const int64_t nqt = query_blocks_per_head(p, rows);
-  k.bh = item / nqt;
-  int64_t qt = item % nqt;
+  int64_t qt;
+  if (group_heads == 1) {
+    k.bh = item / nqt;
+    qt = item % nqt;
+  } else { /* 32-bit: fewer than 2^31 items (launch_forward) */
+    const uint32_t G = (uint32_t)group_heads, per_group = G * (uint32_t)nqt;
+    const uint32_t group = (uint32_t)item / per_group, r = (uint32_t)item - group * per_group, q = r / G;
+    k.bh = (int64_t)group * G + (r - q * G);
+    qt = q;
+  }
   if (p.causal) qt = nqt - 1 - qt;
   k.b = k.bh / p.heads_q;
   k.h = k.bh % p.heads_q;

@@ -184,7 +184,7 @@ struct Kernel {
 
   static __device__ Item item_at(const AttnArgs &a, int it) {
     Item k;
-    static_cast<QueryBlock &>(k) = query_block(a.p, a.ws, kRows, it);
+    static_cast<QueryBlock &>(k) = query_block(a.p, a.ws, kRows, it, C::kPersistent ? a.ws.item_heads : 1);
     k.qbar = a.ws.qbar + (k.bh * a.ws.nqb + k.q0 / kTile) * DP;
     return k;
   }
