@@ -83,7 +83,8 @@ __device__ __forceinline__ QueryBlock query_block(const fp4attn_attention_params
     qt = item % nqt;
   } else { /* 32-bit: fewer than 2^31 items (launch_forward) */
     const uint32_t G = (uint32_t)group_heads, per_group = G * (uint32_t)nqt;
-    const uint32_t group = (uint32_t)item / per_group, r = (uint32_t)item - group * per_group, q = r / G;
+    const uint32_t group = (uint32_t)item / per_group, r = (uint32_t)item - group * per_group;
+    const uint32_t q = r / G;
     k.bh = (int64_t)group * G + (r - q * G);
     qt = q;
   }

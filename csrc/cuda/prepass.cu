@@ -71,7 +71,9 @@ constexpr int kThreads = 256;
 /* Row groups of the 8-wide column statistics of a 128-row block with CG 8-column groups: 16, so
  * that a thread sums 8 rows (at head dims up to 128; fewer groups above, where 256 threads hold
  * 16 x CG threads no longer). The streaming statistics kernel's blocks are sized by it. */
-__host__ __device__ constexpr int stat_row_groups(int CG) { return CG <= kThreads / 16 ? 16 : kThreads / CG; }
+__host__ __device__ constexpr int stat_row_groups(int CG) {
+  return CG <= kThreads / 16 ? 16 : kThreads / CG;
+}
 
 /* ====================================================================== two-read path */
 
@@ -501,7 +503,8 @@ __host__ __device__ constexpr int stats_threads() {
 
 template <typename T, int DP>
 struct BlockRows {
-  static constexpr int kMaxRows = (kTile + stat_row_groups(DP / 8) - 1) / stat_row_groups(DP / 8); /* any D <= DP */
+  static constexpr int kFewestGroups = stat_row_groups(DP / 8);               /* D = DP */
+  static constexpr int kMaxRows = (kTile + kFewestGroups - 1) / kFewestGroups; /* any D <= DP */
   Raw8<T> raw[kMaxRows];
 };
 
@@ -774,7 +777,11 @@ __device__ void stream_stats_block(const AttnArgs &a, const StreamParams &f, int
  * blocks, 1,024 threads per SM for 16-bit inputs at head dims 64 and 128 (registers capped at 64),
  * each with 8 rows of 16-byte loads in flight. */
 template <typename T, int DP>
-__global__ void __launch_bounds__(stats_threads<DP>(), sizeof(T) == 2 && DP <= 128 ? 1024 / stats_threads<DP>() : 1)
+constexpr int stats_min_blocks() {
+  return sizeof(T) == 2 && DP <= 128 ? 1024 / stats_threads<DP>() : 1;
+}
+template <typename T, int DP>
+__global__ void __launch_bounds__(stats_threads<DP>(), stats_min_blocks<T, DP>())
     stream_stats_kernel(AttnArgs a, StreamParams f) {
   __shared__ PrepassShared sh;
   stream_stats_block<T, DP>(a, f, blockIdx.x, sh);

@@ -184,7 +184,9 @@ struct Kernel {
 
   static __device__ Item item_at(const AttnArgs &a, int it) {
     Item k;
-    static_cast<QueryBlock &>(k) = query_block(a.p, a.ws, kRows, it, C::kPersistent ? a.ws.item_heads : 1);
+    /* the grouped causal order only where it was measured to help (the persistent kernel) */
+    const int64_t group_heads = C::kPersistent ? a.ws.item_heads : 1;
+    static_cast<QueryBlock &>(k) = query_block(a.p, a.ws, kRows, it, group_heads);
     k.qbar = a.ws.qbar + (k.bh * a.ws.nqb + k.q0 / kTile) * DP;
     return k;
   }
