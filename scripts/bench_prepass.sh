@@ -13,11 +13,11 @@ export PYTHONUNBUFFERED=1
 status=0
 nvidia-smi -L
 echo "== pre-pass harness"
-HARNESS_NVCC=(nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -gencode arch=compute_90a,code=sm_90a)
 BIN=.prepass_bin/check_prepass
 if ! { [ -x "$BIN" ] && "$BIN" --probe >/dev/null 2>&1; }; then
   mkdir -p /tmp/pp && BIN=/tmp/pp/check_prepass
-  "${HARNESS_NVCC[@]}" tests/cuda_harness/check_prepass.cu -o "$BIN" > "$LOG/harness_build.log" 2>&1 ||
+  nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -gencode arch=compute_90a,code=sm_90a \
+    tests/cuda_harness/check_prepass.cu -o "$BIN" > "$LOG/harness_build.log" 2>&1 ||
     { echo "harness build failed"; tail "$LOG/harness_build.log"; }
 fi
 timeout 150 "$BIN" ${HARNESS_ARGS:-} > "$LOG/harness.log" 2>&1 || status=1

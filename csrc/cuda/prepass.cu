@@ -69,8 +69,8 @@ namespace {
 constexpr int kThreads = 256;
 
 /* Row groups of the 8-wide column statistics of a 128-row block with CG 8-column groups: 16, so
- * that a thread sums 8 rows (at head dims up to 128; fewer groups above, where 256 threads hold
- * 16 x CG threads no longer). The streaming statistics kernel's blocks are sized by it. */
+ * that a thread sums 8 rows, up to head dim 128; above it 256 / CG, since 16 x CG threads would
+ * exceed a 256-thread block. The streaming statistics kernel's blocks are sized by it. */
 __host__ __device__ constexpr int stat_row_groups(int CG) {
   return CG <= kThreads / 16 ? 16 : kThreads / CG;
 }
