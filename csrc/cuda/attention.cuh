@@ -42,8 +42,8 @@ struct AttnWorkspace {
   int64_t qstage_blocks;
   void *sync;
   int64_t bytes;
-  int64_t item_heads; /* (batch, query head)s per group of the causal work order of the persistent
-                         Hopper kernel (causal_item_heads; 1 without causal masking) */
+  int64_t item_heads; /* (batch, query head)s per group of the causal work order of the Hopper
+                         kernels (causal_item_heads; 1 without causal masking) */
 };
 
 /* The u64 work ticket at the start of the sync section: the Hopper kernel's (query blocks handed
@@ -84,9 +84,9 @@ static inline int64_t attn_sync_bytes(int64_t bhk, int64_t dp) {
  * near the end: 3-6 % of the causal kernel's time at N = 1K-8K in a list-scheduling model.) The
  * smallest divisor of B x Hq whose group holds a wave of items (SM count / nqb heads or more):
  * small groups keep their K^/V^ in L2. 1 (the head-major order) where no divisor lies near.
- * Only the persistent Hopper kernel (head dim 64) uses it: the same decode in the head-dim-128
- * kernel changed ptxas's register allocation of its tile loop (2 -> 5 spill loads per tile) and
- * cost 7-10 % (docs/cuda_notes.md, v20). */
+ * The Hopper kernels use it (the mma.sync kernel keeps the head-major order); the head-dim-128
+ * kernel decodes its item once per block into shared memory, so the decode does not reach its
+ * tile loop's register allocation (docs/cuda_notes.md, v21). */
 static inline int64_t causal_item_heads(const fp4attn_attention_params *p, int64_t nqb) {
   const int64_t bhq = p->batch * p->heads_q;
   if (!p->causal || bhq <= 1 || nqb < 1) return 1;

@@ -5,7 +5,9 @@
  *
  * Work items: 128 query rows of one (batch, query head) (item_count), with 3 warpgroups per block.
  * At DP = 64 the blocks are persistent (Config::kPersistent: one per SM, items from a ticket); at
- * DP = 128 there is one block per item.
+ * DP = 128 there is one block per item, which thread 0 decodes once into shared memory for all
+ * roles (Shared::block_item: the 64-bit decode in every role made the consumers' tile loop spill,
+ * and any change to it moved that loop's register allocation; v21 measured +2..+5 %).
  *   warpgroup 0, producer (setmaxnreg down to Config::kProducerRegs): per 128-key tile, one thread
  *     has the TMA load the K^ and V^ tiles (exact FP16 values written by the pre-pass; the
  *     tensor maps apply the 128-byte swizzle wgmma reads) onto the stage's "full" mbarrier, and
@@ -134,7 +136,9 @@ struct Config {
   static constexpr int kOffQFull = kOffFull + kStages * 8;         /* mbarrier: Q^ of the next item */
   static constexpr int kOffItem = kOffQFull + 8;                   /* int [2]: the consumers' next items */
   static constexpr int kOffNext = kOffItem + 8;                    /* int: the producer's next item */
-  static constexpr int kSmall = kOffNext + 8;
+  static constexpr int kOffBlockItem = kOffNext + 8;               /* Item: one item per block, decoded once */
+  static constexpr int kBlockItemBytes = kPersistent ? 0 : 64;
+  static constexpr int kSmall = kOffBlockItem + kBlockItemBytes;
   /* operand tiles from the first 1024-byte boundary after them (offsets from that boundary): */
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
@@ -157,6 +161,12 @@ template <int DP>
 struct Kernel {
   using C = Config<DP>;
 
+  /* One work item: 128 query rows and their query mean. */
+  struct Item : QueryBlock {
+    const float *qbar; /* DP floats (global) */
+  };
+  static_assert(C::kPersistent || (sizeof(Item) <= C::kBlockItemBytes && alignof(Item) <= 8), "Config::kBlockItemBytes");
+
   /* This block's shared memory (see Config). */
   struct Shared {
     char *small, *tiles;
@@ -168,6 +178,8 @@ struct Kernel {
      * hand-over h + 2, which waits for the consumers to be done with item h + 2's Q^ */
     __device__ volatile int *item(int h) const { return reinterpret_cast<volatile int *>(small + C::kOffItem) + (h & 1); }
     __device__ volatile int *next() const { return reinterpret_cast<volatile int *>(small + C::kOffNext); }
+    /* one item per block: the block's item, decoded by thread 0 before the role split (run) */
+    __device__ Item *block_item() const { return reinterpret_cast<Item *>(small + C::kOffBlockItem); }
     /* the 16 x DP halves of O staging of consumer warp wwarp of warpgroup cwg (see Config::kOffOut):
      * without a space of its own, 32 of its warpgroup's Q^ rows in one 64-column block */
     __device__ uint32_t *out_stage(int cwg, int wwarp) const {
@@ -177,16 +189,9 @@ struct Kernel {
     }
   };
 
-  /* One work item: 128 query rows and their query mean. */
-  struct Item : QueryBlock {
-    const float *qbar; /* DP floats (global) */
-  };
-
   static __device__ Item item_at(const AttnArgs &a, int it) {
     Item k;
-    /* the grouped causal order only where it was measured to help (the persistent kernel) */
-    const int64_t group_heads = C::kPersistent ? a.ws.item_heads : 1;
-    static_cast<QueryBlock &>(k) = query_block(a.p, a.ws, kRows, it, group_heads);
+    static_cast<QueryBlock &>(k) = query_block(a.p, a.ws, kRows, it, a.ws.item_heads);
     k.qbar = a.ws.qbar + (k.bh * a.ws.nqb + k.q0 / kTile) * DP;
     return k;
   }
@@ -248,12 +253,11 @@ struct Kernel {
    * quantize_block16). Every job of a thread is in the same 16-column block, so its 16 means are
    * loaded once, into registers, while the copy is on its way. */
   template <typename Store>
-  static __device__ __forceinline__ void quantize_copied_q(const AttnArgs &a, int it, const Shared &sh, int tid,
-                                                           Store store) {
+  static __device__ __forceinline__ void quantize_copied_q(const AttnArgs &a, const Item &k, const Shared &sh,
+                                                           int tid, Store store) {
     constexpr int kBlocks = DP / 16, kThreadsQ = kThreads - 128;
     static_assert(kThreadsQ % kBlocks == 0, "one column block per thread");
     const fp4attn_attention_params &p = a.p;
-    const Item k = item_at(a, it);
     const int kb = tid % kBlocks, D = (int)p.head_dim;
     const float encq = a.ws.qscale[k.bh * 2 + 0];
     float mean[16];
@@ -261,7 +265,7 @@ struct Kernel {
     for (int e = 0; e < 16; ++e) mean[e] = k.qbar[kb * 16 + e]; /* DP floats, zero past D */
     const int64_t rows = p.len_q - k.q0;
     mbar_wait(sh.qfull(), 0);
-    FP4ATTN_SM90_TRACE_AT(tid == 0, it, kTrQCopied);
+    FP4ATTN_SM90_TRACE_AT(tid == 0, blockIdx.x, kTrQCopied);
 #pragma unroll 1
     for (int job = tid; job < kRows * kBlocks; job += kThreadsQ) {
       const int r = job / kBlocks;
@@ -346,7 +350,7 @@ struct Kernel {
       if (tid == 0) mbar_arrive(sh.qfull());
     }
     if constexpr (!C::kPersistent) { /* one item per block */
-      const Item k = item_at(a, blockIdx.x);
+      const Item k = *sh.block_item();
       if (q_by_copy(a)) copy_q_rows(a, k, sh, tid);
       if (kBias != BiasPath::kFma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
       for (int j = 0; j < k.ntiles; ++j) {
@@ -485,8 +489,19 @@ struct Kernel {
       const int tr_item = item_index(item_no); /* by every thread: item_index shuffles */
       FP4ATTN_SM90_TRACE_AT(C::kPersistent && ctid == 0, tr_item, kTrQReady);
 #endif
-      const Item k = item_at(a, item_index(item_no));
+      const Item k = C::kPersistent ? item_at(a, item_index(item_no)) : *sh.block_item();
       const WarpRows rows = {k.b, k.h, k.q0 + cwg * 64 + wwarp * 16};
+      /* the rows for a tile's masks: one item per block reads them from shared memory in every
+       * tile (3 shared loads) rather than keeping 6 registers of 64-bit indices through the loop,
+       * which spilled 2 values per tile there */
+      const auto tile_rows = [&]() -> WarpRows {
+        if constexpr (C::kPersistent) {
+          return rows;
+        } else {
+          const volatile Item *b = sh.block_item();
+          return {b->b, b->h, b->q0 + cwg * 64 + wwarp * 16};
+        }
+      };
       /* dQ, dK: loaded here, multiplied into cqk only once the first S is issued: the product
        * before it made the first S wait for these loads (ncu at D=128, N = 1K: ~1 us per item in
        * long-scoreboard stalls; end to end +0.3 %). Loading them in the prologue instead changed
@@ -537,13 +552,13 @@ struct Kernel {
             wgmma_wait<1>(); /* S_j; phase 1 overlaps P^q_{j-1} V^_{j-1} */
             fence_regs(s);
             if (j == k.ntiles - 1) q_free();
-            softmax_tile_stats<MaskPath::kCausalTail>(a.p, rows, (int64_t)j * kTile, cqk, sh.bias(ring.stage), s, st, ts);
+            softmax_tile_stats<MaskPath::kCausalTail>(a.p, tile_rows(), (int64_t)j * kTile, cqk, sh.bias(ring.stage), s, st, ts);
             wgmma_wait<0>();
           } else {
             wgmma_wait<0>();
             fence_regs(s);
             if (j == k.ntiles - 1) q_free();
-            softmax_tile_stats<MaskPath::kAll>(a.p, rows, (int64_t)j * kTile, cqk, sh.bias(ring.stage), s, st, ts);
+            softmax_tile_stats<MaskPath::kAll>(a.p, tile_rows(), (int64_t)j * kTile, cqk, sh.bias(ring.stage), s, st, ts);
           }
           fence_regs(o);
           named_arrive(kBarEmpty + prev, kThreads); /* stage prev is free */
@@ -565,7 +580,7 @@ struct Kernel {
       }
       /* persistent blocks: the item once more for the epilogue (recomputing it costs a few integer
        * operations, keeping it through the tile loop cost the consumers spills there) */
-      const Item e = item_at(a, item_index(item_no));
+      const Item e = C::kPersistent ? item_at(a, item_index(item_no)) : *sh.block_item();
       const WarpRows erows = {e.b, e.h, e.q0 + cwg * 64 + wwarp * 16};
       const float decv = w.kvscale[e.bhk * 4 + 3];
       float omul[2];
@@ -596,8 +611,9 @@ struct Kernel {
       for (int st = 0; st < C::kStages; ++st) mbar_init(sh.full(st), 128);
       mbar_init(sh.qfull(), 1);
       mbar_init_fence();
+      if (!C::kPersistent) *sh.block_item() = item_at(prm.a, blockIdx.x);
     }
-    __syncthreads(); /* the mbarriers are initialised */
+    __syncthreads(); /* the mbarriers are initialised, the block's item is decoded */
     if (threadIdx.x < 128) {
       regs_dealloc<C::kProducerRegs>();
       producer(prm, sh);
@@ -610,7 +626,7 @@ struct Kernel {
         __half *qs = sh.tile(C::kOffQ);
         const auto store = [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; };
         if (q_by_copy(prm.a))
-          quantize_copied_q(prm.a, blockIdx.x, sh, threadIdx.x - 128, store);
+          quantize_copied_q(prm.a, *sh.block_item(), sh, threadIdx.x - 128, store);
         else
           quantize_q(prm.a, blockIdx.x, 0, kRows, threadIdx.x - 128, kThreads - 128, store);
         FP4ATTN_SM90_TRACE_AT(threadIdx.x == 128, blockIdx.x, kTrQQuantized);
