@@ -578,8 +578,9 @@ struct Kernel {
         named_arrive(kBarEmpty + prev, kThreads);
         FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrLastPv);
       }
-      /* persistent blocks: the item once more for the epilogue (recomputing it costs a few integer
-       * operations, keeping it through the tile loop cost the consumers spills there) */
+      /* the item once more for the epilogue: persistent blocks recompute it (a few integer
+       * operations; keeping it through the tile loop cost the consumers spills there), one item per
+       * block reads it from shared memory */
       const Item e = C::kPersistent ? item_at(a, item_index(item_no)) : *sh.block_item();
       const WarpRows erows = {e.b, e.h, e.q0 + cwg * 64 + wwarp * 16};
       const float decv = w.kvscale[e.bhk * 4 + 3];
