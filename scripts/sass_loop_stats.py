@@ -3,12 +3,14 @@ instantiation, the consumer's main loop without its attn_mask branch (the loop w
 S_j alone, `WARPGROUP.DEPBAR.LE gsb0, 0x1`; the causal/padding mask block it contains, ~130
 instructions at D=128, runs only on tiles that need it) and every producer loop (the loops that
 issue TMA loads), with their spills. A proxy for issue cost per 128-key tile; see
-docs/cuda_notes.md.
+docs/cuda_notes.md. --phases splits the consumer's hot path at its waits and barriers and counts
+the instructions and MUFU (exp2/log2) in each part: the D=64 loop's speed depends on how ptxas
+spreads its MUFU (docs/results/h200_s21/ab_d64_exp_before_pv.log), so compare these between builds.
 
   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -DFP4ATTN_CUDA_ARCHS=90a \\
        -gencode arch=compute_90a,code=sm_90a -cubin -o sm90.cubin csrc/cuda/hopper/attention_fwd_sm90.cu
   cuobjdump -sass sm90.cubin > sm90.sass      (cuobjdump: see docs/cuda_notes.md)
-  python scripts/sass_loop_stats.py sm90.sass [--ops]
+  python scripts/sass_loop_stats.py sm90.sass [--ops] [--phases]
 """
 
 from __future__ import annotations
@@ -75,10 +77,32 @@ def describe(label, seg, show_ops):
             print(f"      {k:32s}{v}")
 
 
+SYNC_POINTS = ("WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "BAR.", "SYNCS.")
+
+
+def describe_phases(seg):
+    """The hot path as segments between its synchronisation points (wgmma waits and arrives,
+    named barriers, mbarrier waits): instructions and MUFU per segment."""
+    count = mufu = 0
+    for _, text in seg:
+        op = opcode(text)
+        if op.startswith(SYNC_POINTS):
+            if count:
+                print(f"      {count:5d} instructions, {mufu:3d} MUFU")
+            print(f"    {text}")
+            count = mufu = 0
+        else:
+            count += 1
+            mufu += op.startswith("MUFU")
+    if count:
+        print(f"      {count:5d} instructions, {mufu:3d} MUFU")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sass")
     ap.add_argument("--ops", action="store_true", help="opcode histogram of the consumer hot path")
+    ap.add_argument("--phases", action="store_true", help="instructions and MUFU between the hot path's waits")
     args = ap.parse_args()
     found = False
     for name, instrs in functions(open(args.sass).read()):
@@ -89,6 +113,8 @@ def main() -> int:
         hot = consumer_hot_path(instrs)
         if hot:
             describe(f"consumer loop {hot[0]:#x}-{hot[1]:#x} without the attn_mask branch", hot[2], args.ops)
+            if args.phases:
+                describe_phases(hot[2])
         for start, end in loops(instrs):
             seg = body(instrs, start, end)
             if any("UTMALDG" in t for _, t in seg) and len(seg) < 3000:
