@@ -478,6 +478,10 @@ struct Kernel {
     const auto q_free = [&]() {
       if (C::kPersistent) named_arrive(kBarQFree, kThreads);
     };
+    /* item n of this block, decoded: persistent blocks decode it again where needed (keeping it
+     * through the tile loop cost the consumers spills there), one item per block reads it from
+     * shared memory */
+    const auto item_of = [&](int n) -> Item { return C::kPersistent ? item_at(a, item_index(n)) : *sh.block_item(); };
     for (int item_no = 0;; ++item_no) {
       if constexpr (C::kPersistent) {
         mbar_wait(sh.qfull(), item_no & 1); /* Q^ of the item, and its index (or the end) */
@@ -489,7 +493,7 @@ struct Kernel {
       const int tr_item = item_index(item_no); /* by every thread: item_index shuffles */
       FP4ATTN_SM90_TRACE_AT(C::kPersistent && ctid == 0, tr_item, kTrQReady);
 #endif
-      const Item k = C::kPersistent ? item_at(a, item_index(item_no)) : *sh.block_item();
+      const Item k = item_of(item_no);
       const WarpRows rows = {k.b, k.h, k.q0 + cwg * 64 + wwarp * 16};
       /* the rows for a tile's masks: one item per block reads them from shared memory in every
        * tile (3 shared loads) rather than keeping 6 registers of 64-bit indices through the loop,
@@ -578,10 +582,7 @@ struct Kernel {
         named_arrive(kBarEmpty + prev, kThreads);
         FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrLastPv);
       }
-      /* the item once more for the epilogue: persistent blocks recompute it (a few integer
-       * operations; keeping it through the tile loop cost the consumers spills there), one item per
-       * block reads it from shared memory */
-      const Item e = C::kPersistent ? item_at(a, item_index(item_no)) : *sh.block_item();
+      const Item e = item_of(item_no); /* once more for the epilogue (see item_of) */
       const WarpRows erows = {e.b, e.h, e.q0 + cwg * 64 + wwarp * 16};
       const float decv = w.kvscale[e.bhk * 4 + 3];
       float omul[2];
@@ -628,7 +629,7 @@ struct Kernel {
         const auto store = [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; };
         if (q_by_copy(prm.a))
           quantize_copied_q(prm.a, *sh.block_item(), sh, threadIdx.x - 128, store);
-        else
+        else /* decodes the item itself: quantize_q taking the decoded item reordered the D=64 tile loop */
           quantize_q(prm.a, blockIdx.x, 0, kRows, threadIdx.x - 128, kThreads - 128, store);
         FP4ATTN_SM90_TRACE_AT(threadIdx.x == 128, blockIdx.x, kTrQQuantized);
         fence_proxy_async();
