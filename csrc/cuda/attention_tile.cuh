@@ -636,14 +636,19 @@ struct BiasMma {
   }
 
   /* bias[8n + j] = scale log2e (qbar . K[key]) for key = tile * 128 + key0 + 8n + j, n < 4, j < 8
-   * (keys past len_k: 0). All 4 x kChunks loads are in flight before the first MMA, and the four
-   * 8-key accumulators are independent chains, interleaved step by step. */
-  __device__ void compute(const AttnArgs &a, int tile, float *bias) const {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+   * (keys past len_k: 0), in two steps: load() issues all 4 x kChunks loads of this lane's K
+   * chunks, so that the caller can wait for something else while they are on their way; finish()
+   * runs the MMAs (the four 8-key accumulators are independent chains, interleaved step by step)
+   * and stores the bias. */
+  struct Keys {
+    uint4 kv[4][kChunks];
+  };
+
+  __device__ void load(int tile, Keys &keys) const {
     const int64_t left = rows_left - (int64_t)tile * kTile; /* keys of this lane's rows that exist */
     const char *kp = kchunk + (int64_t)tile * kTile * row_bytes;
     const int64_t step = 8 * row_bytes; /* rows g, g + 8, g + 16, g + 24 */
-    uint4 kv[4][kChunks];
+    uint4(&kv)[4][kChunks] = keys.kv;
     if (left >= 32 && chunk_ok == (1u << kChunks) - 1) { /* every tile but a key-padded last one */
 #pragma unroll
       for (int n = 0; n < 4; ++n)
@@ -658,6 +663,11 @@ struct BiasMma {
           kv[n][i] = 8 * n < nleft && (chunk_ok >> i & 1u) ? __ldg(reinterpret_cast<const uint4 *>(kp + n * step + 64 * i))
                                                            : make_uint4(0, 0, 0, 0);
     }
+  }
+
+  __device__ void finish(const AttnArgs &a, const Keys &keys, float *bias) const {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const uint4(&kv)[4][kChunks] = keys.kv;
     float c[4][4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;

@@ -1,0 +1,131 @@
+"""Where the end-to-end time of one fp4attn.sdpa call goes on the GPU, beyond its kernels' own
+times (bench_attention.py's fp4attn column against fp4_kernel + fp4_prepass): a torch.profiler
+trace of calls made as the benchmark makes them (L2 flushed by a 256 MB write before each), with
+every GPU operation's start relative to the end of the flush, its duration and the idle gap before
+it; the host time of one call; and the same call timed eagerly and replayed from a CUDA graph.
+
+  python scripts/e2e_timeline.py --dim 128 --seq 4096 --causal [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import fp4attn  # noqa: E402
+
+
+def event_times(fn, flush, reps):
+    """Median ms of fn() between CUDA events, L2 flushed before each call."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--tokens", type=int, default=16384, help="B*N, as in bench_attention.py")
+    ap.add_argument("--calls", type=int, default=5)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("e2e_timeline: needs a CUDA GPU")
+        return 1
+    from torch.profiler import ProfilerActivity, profile
+
+    dtype = getattr(torch, args.dtype)
+    D, N = args.dim, args.seq
+    H, B = 2048 // D, max(1, args.tokens // N)
+    g = torch.Generator(device="cuda").manual_seed(N + D)
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+    flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+
+    def call():
+        return fp4attn.sdpa(q, k, v, is_causal=args.causal)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    print(f"B={B} H={H} N={N} D={D} causal={args.causal} {args.dtype}")
+
+    host = []
+    for _ in range(20):
+        flush_buf.zero_()
+        t0 = time.perf_counter()
+        call()
+        host.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    print(f"host time of one call (after a flush is queued): median {statistics.median(host):.1f} us")
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.calls):
+            flush_buf.zero_()
+            call()
+        torch.cuda.synchronize()
+    ops = []
+    for ev in prof.events():
+        if ev.device_type is None or "cuda" not in str(ev.device_type).lower():
+            continue
+        start = ev.time_range.start
+        ops.append((start, start + (ev.device_time if hasattr(ev, "device_time") else ev.cuda_time), ev.name))
+    ops.sort()
+    # split into calls at the flush (the only op that writes flush_buf: the biggest fill)
+    calls, cur = [], None
+    for op in ops:
+        if "fill" in op[2].lower() or "zero" in op[2].lower():
+            if op[1] - op[0] > 20:  # the 256 MB flush, not a small memset
+                cur = {"flush_end": op[1], "ops": []}
+                calls.append(cur)
+                continue
+        if cur is not None:
+            cur["ops"].append(op)
+    spans = []
+    for i, c in enumerate(calls):
+        prev = c["flush_end"]
+        lines = []
+        for s, e, name in c["ops"]:
+            lines.append(f"    +{s - c['flush_end']:8.1f} us  {e - s:8.1f} us  gap {s - prev:6.1f}  {name[:70]}")
+            prev = e
+        span = prev - c["flush_end"]
+        busy = sum(e - s for s, e, _ in c["ops"])
+        spans.append((span, busy))
+        if i == len(calls) - 1:
+            print(f"last profiled call ({len(c['ops'])} GPU operations):")
+            print("\n".join(lines))
+    if spans:
+        print(f"per call, flush end -> last op end: median {statistics.median(s for s, _ in spans):.1f} us, "
+              f"of which ops busy {statistics.median(b for _, b in spans):.1f} us")
+
+    flush = flush_buf.zero_
+    eager = event_times(call, flush, 30)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    replay = event_times(graph.replay, flush, 30)
+    print(f"CUDA events, L2 flushed: eager {eager * 1e3:.1f} us, CUDA-graph replay {replay * 1e3:.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
