@@ -318,8 +318,9 @@ struct Kernel {
     const auto load_tile = [&](const Item &k, int j) {
       /* The bias's K rows come from the input K, not from the ring: at DP = 128 they are loaded
        * before the wait for the stage, so they are on their way while the producer waits (same-call
-       * A/B: +0.3..+1.4 % end to end at N >= 4K). At DP = 64 that order moves the consumers' tile
-       * loop's schedule (same instruction count) and measured -1.2..-1.7 % at N = 4K-8K. */
+       * A/B, N = 1K-16K: -0.3..+1.4 % end to end, +0.5 % on average). At DP = 64 that order moves
+       * the consumers' tile loop's schedule (same instruction count) and measured -1.2..-1.7 % at
+       * N = 4K-8K. */
       typename BiasMma<DP, kBias == BiasPath::kMmaBf16>::Keys keys;
       constexpr bool kEarlyKeys = DP == 128 && kBias != BiasPath::kFma;
       if (kEarlyKeys) bias_mma.load(j, keys);
