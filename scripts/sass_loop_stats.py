@@ -10,7 +10,12 @@ spreads its MUFU (docs/results/h200_s21/ab_d64_exp_before_pv.log), so compare th
   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -DFP4ATTN_CUDA_ARCHS=90a \\
        -gencode arch=compute_90a,code=sm_90a -cubin -o sm90.cubin csrc/cuda/hopper/attention_fwd_sm90.cu
   cuobjdump -sass sm90.cubin > sm90.sass      (cuobjdump: see docs/cuda_notes.md)
-  python scripts/sass_loop_stats.py sm90.sass [--ops] [--phases]
+  python scripts/sass_loop_stats.py sm90.sass [--ops] [--phases] [--compare OTHER.sass]
+
+--compare says, per instantiation, whether the consumer's main loop (attn_mask branch included) is
+the same in OTHER.sass up to branch addresses and uniform-register names: a change meant for the
+producer or the prologue should leave it so (ptxas allocates the whole kernel at once, and the D=64
+loop's speed moves with its schedule even at equal instruction counts).
 """
 
 from __future__ import annotations
@@ -66,6 +71,27 @@ def consumer_hot_path(instrs):
     return None
 
 
+def canonical(seg):
+    """The instruction texts with addresses dropped and uniform registers renamed in order of
+    first use, so that two listings compare equal when only those differ."""
+    names = {}
+
+    def rename(m):
+        return names.setdefault(m.group(0), f"UR<{len(names)}>")
+
+    return [re.sub(r"\bUR\d+\b", rename, re.sub(r"0x[0-9a-f]+", "X", text)) for _, text in seg]
+
+
+def consumer_loops(path):
+    """{kernel name: canonical consumer main loop (None where it has none)}."""
+    out = {}
+    for name, instrs in functions(open(path).read()):
+        if "attention_fwd_sm90_kernel" in name:
+            hot = consumer_hot_path(instrs)
+            out[name] = canonical(body(instrs, hot[0], hot[1])) if hot else None
+    return out
+
+
 def describe(label, seg, show_ops):
     ops = collections.Counter(opcode(t) for _, t in seg)
     spill_st = sum(v for k, v in ops.items() if k.startswith("STL"))
@@ -103,6 +129,7 @@ def main() -> int:
     ap.add_argument("sass")
     ap.add_argument("--ops", action="store_true", help="opcode histogram of the consumer hot path")
     ap.add_argument("--phases", action="store_true", help="instructions and MUFU between the hot path's waits")
+    ap.add_argument("--compare", metavar="OTHER", help="is each consumer main loop the same in OTHER.sass?")
     args = ap.parse_args()
     found = False
     for name, instrs in functions(open(args.sass).read()):
@@ -122,6 +149,17 @@ def main() -> int:
     if not found:
         print("no attention_fwd_sm90_kernel in", args.sass, file=sys.stderr)
         return 1
+    if args.compare:
+        mine, other = consumer_loops(args.sass), consumer_loops(args.compare)
+        for name, loop in mine.items():
+            theirs = other.get(name)
+            if loop is None or theirs is None:
+                verdict = "no consumer main loop found in " + (args.sass if loop is None else args.compare)
+            elif loop == theirs:
+                verdict = "identical up to addresses and uniform-register names"
+            else:
+                verdict = f"differs ({len(loop)} against {len(theirs)} instructions)"
+            print(f"consumer loop of {name} vs {args.compare}: {verdict}")
     return 0
 
 
