@@ -17,21 +17,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import fp4attn  # noqa: E402
-
-
-def event_times(fn, flush, reps):
-    """Median ms of fn() between CUDA events, L2 flushed before each call."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        flush()
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+from bench_attention import Timer  # noqa: E402  (the benchmark's flush and CUDA-event timing)
 
 
 def main() -> int:
@@ -53,7 +43,8 @@ def main() -> int:
     H, B = 2048 // D, max(1, args.tokens // N)
     g = torch.Generator(device="cuda").manual_seed(N + D)
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
-    flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    timer = Timer()
+    flush_buf = timer.flush_buf
 
     def call():
         return fp4attn.sdpa(q, k, v, is_causal=args.causal)
@@ -111,8 +102,7 @@ def main() -> int:
         print(f"per call, flush end -> last op end: median {statistics.median(s for s, _ in spans):.1f} us, "
               f"of which ops busy {statistics.median(b for _, b in spans):.1f} us")
 
-    flush = flush_buf.zero_
-    eager = event_times(call, flush, 30)
+    eager = timer.time(call, reps=30)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -122,7 +112,7 @@ def main() -> int:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    replay = event_times(graph.replay, flush, 30)
+    replay = timer.time(graph.replay, reps=30)
     print(f"CUDA events, L2 flushed: eager {eager * 1e3:.1f} us, CUDA-graph replay {replay * 1e3:.1f} us")
     return 0
 

@@ -312,6 +312,7 @@ struct Kernel {
   static __device__ void producer_loop(const Params &prm, const Shared &sh) {
     const AttnArgs &a = prm.a;
     const int tid = threadIdx.x, warp = tid >> 5; /* 0..127, 0..3 */
+    constexpr bool kBiasMma = kBias != BiasPath::kFma;
     BiasMma<DP, kBias == BiasPath::kMmaBf16> bias_mma;
     int loaded = 0; /* tiles loaded, over all items */
     int stage = 0;
@@ -322,10 +323,10 @@ struct Kernel {
        * the consumers' tile loop's schedule (same instruction count) and measured -1.2..-1.7 % at
        * N = 4K-8K. */
       typename BiasMma<DP, kBias == BiasPath::kMmaBf16>::Keys keys;
-      constexpr bool kEarlyKeys = DP == 128 && kBias != BiasPath::kFma;
-      if (kEarlyKeys) bias_mma.load(j, keys);
+      constexpr bool kEarlyKeys = DP == 128;
+      if (kBiasMma && kEarlyKeys) bias_mma.load(j, keys);
       if (loaded >= C::kStages) named_sync(kBarEmpty + stage, kThreads);
-      if (!kEarlyKeys && kBias != BiasPath::kFma) bias_mma.load(j, keys);
+      if (kBiasMma && !kEarlyKeys) bias_mma.load(j, keys);
       if (tid == 0) {
         const uint32_t full = sh.full(stage);
         const uint32_t ks = smem_u32(sh.tiles + C::kOffK + stage * C::kKBytes);
@@ -338,7 +339,7 @@ struct Kernel {
         for (int cb = 0; cb < 2; ++cb) /* V^T of tile j, keys cb*64..: [DP][64] */
           tma_load_3d(vs + cb * DP * 128, &prm.vmap, cb * 64, j * DP, (int)k.bhk, full);
       }
-      if (kBias != BiasPath::kFma)
+      if (kBiasMma)
         bias_mma.finish(a, keys, sh.bias(stage) + warp * 32);
       else
         compute_bias<DP, 1>(a, k.b, k.hk, (int64_t)j * kTile + tid, 0, k.qbar, sh.bias(stage) + tid);
@@ -361,7 +362,7 @@ struct Kernel {
     if constexpr (!C::kPersistent) { /* one item per block */
       const Item k = *sh.block_item();
       if (q_by_copy(a)) copy_q_rows(a, k, sh, tid);
-      if (kBias != BiasPath::kFma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
+      if (kBiasMma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
       for (int j = 0; j < k.ntiles; ++j) {
         load_tile(k, j);
         FP4ATTN_SM90_TRACE_AT(j == 0 && tid == 0, blockIdx.x, kTrFull0);
@@ -373,7 +374,7 @@ struct Kernel {
     for (int cur = C::kPersistent ? (int)blockIdx.x : nitems; cur < nitems;) {
       if (tid == 0) *sh.next() = (int)gridDim.x + (int)atomicAdd(attn_item_ticket(a.ws), 1ull);
       const Item k = item_at(a, cur);
-      if (kBias != BiasPath::kFma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
+      if (kBiasMma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
       int j = 0;
       for (; j < min(2, k.ntiles); ++j) {
         load_tile(k, j);
