@@ -245,6 +245,7 @@ struct Kernel {
       const char *row = static_cast<const char *>(p.q) + 2 * at;
       bulk_load(smem_u32(sh.tiles + C::kOffQRows) + tid * DP * 2, row, row_bytes, sh.qfull());
     }
+    FP4ATTN_SM90_TRACE_AT(tid == 0, blockIdx.x, kTrCopyIssued);
     if (tid == 0) mbar_arrive(sh.qfull());
   }
 
@@ -624,6 +625,7 @@ struct Kernel {
       mbar_init(sh.qfull(), 1);
       mbar_init_fence();
       if (!C::kPersistent) *sh.block_item() = item_at(prm.a, blockIdx.x);
+      FP4ATTN_SM90_TRACE_AT(!C::kPersistent, blockIdx.x, kTrDecoded);
     }
     __syncthreads(); /* the mbarriers are initialised, the block's item is decoded */
     if (threadIdx.x < 128) {
