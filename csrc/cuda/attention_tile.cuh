@@ -72,28 +72,38 @@ struct QueryBlock {
   int ntiles;
 };
 
+/* Index is the type of the decode's arithmetic. 32-bit is exact (fewer than 2^31 items:
+ * launch_forward, so the item, the (batch, query head) index and every factor below fit) and
+ * faster: in the one-item-per-block sm90 kernel all threads wait for thread 0's decode, which took
+ * 0.6 us per item with 64-bit divisions and 0.4 us with 32-bit ones (trace_sm90.cu, v23). The
+ * persistent D=64 kernel keeps 64-bit: its consumer loop's schedule moves with this code (the
+ * 32-bit decode there measured -2..-12 % at N >= 4K, docs/results/h200_s23/). */
+template <typename Index = uint32_t>
 __device__ __forceinline__ QueryBlock query_block(const fp4attn_attention_params &p,
                                                   const AttnWorkspace &w, int rows, int64_t item,
                                                   int64_t group_heads) {
   QueryBlock k;
-  const int64_t nqt = query_blocks_per_head(p, rows);
-  int64_t qt;
+  const Index nqt = (Index)query_blocks_per_head(p, rows), it = (Index)item;
+  Index bh, qt;
   if (group_heads == 1) {
-    k.bh = item / nqt;
-    qt = item % nqt;
-  } else { /* 32-bit: fewer than 2^31 items (launch_forward) */
+    bh = it / nqt;
+    qt = it % nqt;
+  } else { /* 32-bit either way */
     const uint32_t G = (uint32_t)group_heads, per_group = G * (uint32_t)nqt;
-    const uint32_t group = (uint32_t)item / per_group, r = (uint32_t)item - group * per_group;
+    const uint32_t group = (uint32_t)it / per_group, r = (uint32_t)it - group * per_group;
     const uint32_t q = r / G;
-    k.bh = (int64_t)group * G + (r - q * G);
+    bh = (Index)group * G + (r - q * G);
     qt = q;
   }
   if (p.causal) qt = nqt - 1 - qt;
-  k.b = k.bh / p.heads_q;
-  k.h = k.bh % p.heads_q;
-  k.hk = k.h / (p.heads_q / p.heads_kv);
-  k.bhk = k.b * p.heads_kv + k.hk;
-  k.q0 = qt * rows;
+  const Index hq = (Index)p.heads_q, b = bh / hq, h = bh % hq;
+  const Index hk = h / (hq / (Index)p.heads_kv);
+  k.bh = bh;
+  k.b = b;
+  k.h = h;
+  k.hk = hk;
+  k.bhk = (int64_t)b * p.heads_kv + hk;
+  k.q0 = (int64_t)qt * rows;
   int64_t ntiles = w.nkt;
   if (p.causal) ntiles = min(ntiles, (min(k.q0 + rows, p.len_q) - 1) / kTile + 1);
   k.ntiles = (int)ntiles;

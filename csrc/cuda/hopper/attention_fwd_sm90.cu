@@ -85,6 +85,20 @@ fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &km
   return encode_map(vmap, w.vdq, vdims, vstrides, (cuuint32_t)dp, "V^");
 }
 
+bool encode_q_map(const AttnArgs &a, int64_t dp, CUtensorMap &qmap) {
+  const fp4attn_attention_params &p = a.p;
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (p.dtype == FP4ATTN_FLOAT32 || !a.vec_q || encode == nullptr) return false;
+  /* Q {head_dim, Nq, Hq, B} in the caller's strides; boxes of dp x 128 rows land as [128][dp]
+   * halves (no swizzle), zero-filled past head_dim and Nq. 16-bit words: FP16 and BF16 alike. */
+  const cuuint64_t dims[4] = {(cuuint64_t)p.head_dim, (cuuint64_t)p.len_q, (cuuint64_t)p.heads_q, (cuuint64_t)p.batch};
+  const cuuint64_t strides[3] = {(cuuint64_t)p.q_stride[2] * 2, (cuuint64_t)p.q_stride[1] * 2, (cuuint64_t)p.q_stride[0] * 2};
+  const cuuint32_t box[4] = {(cuuint32_t)dp, (cuuint32_t)kRows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
+  return encode(&qmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void *>(p.q), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 }  // namespace sm90
 
 fp4attn_status launch_attention_fwd_sm90_d64(const AttnArgs &a, cudaStream_t s) { return sm90::launch<64>(a, s); }

@@ -38,6 +38,7 @@
 
 #include <cuda.h> /* CUtensorMap (the driver entry point is looked up at run time: no -lcuda) */
 #include <cudaTypedefs.h>
+#include <type_traits>
 
 #include "../attention_tile.cuh"
 #include "trace_events.h"
@@ -91,6 +92,11 @@ __device__ __forceinline__ void trace(int item, TraceEvent ev) {
 struct Params {
   AttnArgs a;
   CUtensorMap kmap, vmap;
+  /* One item per block, 16-bit Q: the 4-D map of Q {head_dim, Nq, Hq, B} (the caller's strides)
+   * with boxes of DP x 128 x 1 x 1, so that one TMA load brings an item's rows (zeros past Nq and
+   * head_dim); q_map says whether it was encoded (otherwise the consumers load Q themselves). */
+  CUtensorMap qmap;
+  bool q_map;
 };
 
 /* Work items: the query blocks of 128 rows of every (batch, query head), in query_block's order
@@ -191,7 +197,8 @@ struct Kernel {
 
   static __device__ Item item_at(const AttnArgs &a, int it) {
     Item k;
-    static_cast<QueryBlock &>(k) = query_block(a.p, a.ws, kRows, it, a.ws.item_heads);
+    using Index = typename std::conditional<C::kPersistent, int64_t, uint32_t>::type; /* see query_block */
+    static_cast<QueryBlock &>(k) = query_block<Index>(a.p, a.ws, kRows, it, a.ws.item_heads);
     k.qbar = a.ws.qbar + (k.bh * a.ws.nqb + k.q0 / kTile) * DP;
     return k;
   }
@@ -222,31 +229,23 @@ struct Kernel {
   }
 
 #if defined(FP4ATTN_SM90_WGMMA)
-  /* One item per block with 16-bit Q in 16-byte aligned rows: the producer copies the item's Q
+  /* One item per block with Q described by Params::qmap: thread 0 has the TMA load the item's Q
    * rows into shared memory (copy_q_rows) and the consumers quantize them from there
-   * (quantize_copied_q). Their Q^ then waits for one bulk copy instead of two rounds of global
-   * loads (trace_sm90.cu on the H200: ~3 us per round; Q^ ready 7.7 -> 5.4 us after the block's
-   * start, end to end +2 % at N = 4K, +5 % at 1K). */
-  static __device__ __forceinline__ bool q_by_copy(const AttnArgs &a) {
-    return !C::kPersistent && a.vec_q && a.p.dtype != FP4ATTN_FLOAT32;
-  }
+   * (quantize_copied_q). Their Q^ then waits for one copy instead of two rounds of global loads
+   * (trace_sm90.cu on the H200: ~3 us per round; Q^ ready 7.7 -> 5.4 us after the block's start,
+   * end to end +2 % at N = 4K, +5 % at 1K). */
+  static __device__ __forceinline__ bool q_by_copy(const Params &prm) { return !C::kPersistent && prm.q_map; }
 
-  /* Producer thread tid copies row tid of item k's Q (one bulk copy of its head_dim elements) into
-   * row tid of Config::kOffQRows (DP halves per row), onto "Q^ full" (which blocks with one item do
-   * not use otherwise). Rows past len_q are not copied. */
-  static __device__ void copy_q_rows(const AttnArgs &a, const Item &k, const Shared &sh, int tid) {
-    const fp4attn_attention_params &p = a.p;
-    const int64_t rows = min((int64_t)kRows, p.len_q - k.q0);
-    const uint32_t row_bytes = 2 * (uint32_t)p.head_dim;
-    if (tid == 0) mbar_expect_tx(sh.qfull(), (uint32_t)rows * row_bytes);
-    named_sync(kBarProducer, 128); /* the transaction count before any copy completes */
-    if (tid < rows) {
-      const int64_t at = k.b * p.q_stride[0] + k.h * p.q_stride[1] + (k.q0 + tid) * p.q_stride[2];
-      const char *row = static_cast<const char *>(p.q) + 2 * at;
-      bulk_load(smem_u32(sh.tiles + C::kOffQRows) + tid * DP * 2, row, row_bytes, sh.qfull());
-    }
-    FP4ATTN_SM90_TRACE_AT(tid == 0, blockIdx.x, kTrCopyIssued);
-    if (tid == 0) mbar_arrive(sh.qfull());
+  /* Thread 0 loads item k's Q rows into Config::kOffQRows ([128][DP] halves, zeros past len_q and
+   * head_dim) with one TMA load onto "Q^ full" (which blocks with one item do not use otherwise),
+   * right after the decode. (v23, trace_sm90.cu: one bulk copy per row took ~56 cycles to issue,
+   * so the rows were issued 1.2 us after the decode by the producer's 128 threads and 4 us after it
+   * by one warp.) */
+  static __device__ void copy_q_rows(const Params &prm, const Item &k, const Shared &sh) {
+    mbar_expect_tx(sh.qfull(), kRows * DP * 2);
+    tma_load_4d(smem_u32(sh.tiles + C::kOffQRows), &prm.qmap, 0, (int)k.q0, (int)k.h, (int)k.b, sh.qfull());
+    FP4ATTN_SM90_TRACE_AT(true, blockIdx.x, kTrCopyIssued);
+    mbar_arrive(sh.qfull());
   }
 
   /* Q^ of item `it` from the rows copy_q_rows copied, by consumer thread tid of 256, through
@@ -361,8 +360,7 @@ struct Kernel {
       if (tid == 0) mbar_arrive(sh.qfull());
     }
     if constexpr (!C::kPersistent) { /* one item per block */
-      const Item k = *sh.block_item();
-      if (q_by_copy(a)) copy_q_rows(a, k, sh, tid);
+      const Item k = *sh.block_item(); /* its Q rows are on their way (run) */
       if (kBiasMma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
       for (int j = 0; j < k.ntiles; ++j) {
         load_tile(k, j);
@@ -624,8 +622,15 @@ struct Kernel {
       for (int st = 0; st < C::kStages; ++st) mbar_init(sh.full(st), 128);
       mbar_init(sh.qfull(), 1);
       mbar_init_fence();
-      if (!C::kPersistent) *sh.block_item() = item_at(prm.a, blockIdx.x);
-      FP4ATTN_SM90_TRACE_AT(!C::kPersistent, blockIdx.x, kTrDecoded);
+      if constexpr (!C::kPersistent) {
+        const Item k = item_at(prm.a, blockIdx.x);
+        *sh.block_item() = k;
+        FP4ATTN_SM90_TRACE_AT(true, blockIdx.x, kTrDecoded);
+        if (q_by_copy(prm)) {
+          fence_proxy_async(); /* the initialised "Q^ full", to the TMA unit (async proxy) */
+          copy_q_rows(prm, k, sh);
+        }
+      }
     }
     __syncthreads(); /* the mbarriers are initialised, the block's item is decoded */
     if (threadIdx.x < 128) {
@@ -633,13 +638,13 @@ struct Kernel {
       producer(prm, sh);
     } else {
       if constexpr (!C::kPersistent) {
-        /* The block's one item: Q^ by the 256 consumer threads from the rows the producer copies
-         * (quantize_copied_q), or, for FP32 and unaligned Q, from global memory in 2 batches of
+        /* The block's one item: Q^ by the 256 consumer threads from the rows thread 0 copied
+         * (quantize_copied_q), or, for FP32 Q and Q without a map, from global memory in 2 batches of
          * loads (all of a thread's loads in one batch measured 0.5-2 % slower), while the
          * producer loads the first tile and computes its bias. */
         __half *qs = sh.tile(C::kOffQ);
         const auto store = [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; };
-        if (q_by_copy(prm.a))
+        if (q_by_copy(prm))
           quantize_copied_q(prm.a, *sh.block_item(), sh, threadIdx.x - 128, store);
         else /* decodes the item itself: quantize_q taking the decoded item reordered the D=64 tile loop */
           quantize_q(prm.a, blockIdx.x, 0, kRows, threadIdx.x - 128, kThreads - 128, store);
@@ -668,6 +673,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd_sm90_kernel(const _
 /* The TMA maps of K^ and V^ for this call (see Params); host only, no stream work (fine under
  * CUDA-graph capture). */
 fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &kmap, CUtensorMap &vmap);
+/* Params::qmap for 16-bit Q with 16-byte aligned rows; false where the driver does not take its
+ * strides (e.g. a broadcast head), and then the kernel loads Q without it. Host only. */
+bool encode_q_map(const AttnArgs &a, int64_t dp, CUtensorMap &qmap);
 
 template <int DP>
 fp4attn_status launch(const AttnArgs &a, cudaStream_t s) {
@@ -676,6 +684,7 @@ fp4attn_status launch(const AttnArgs &a, cudaStream_t s) {
   prm.a = a;
   fp4attn_status st = encode_tensor_maps(a, DP, prm.kmap, prm.vmap);
   if (st.code != FP4ATTN_OK) return st;
+  prm.q_map = !Config<DP>::kPersistent && encode_q_map(a, DP, prm.qmap);
   /* persistent: at most one block per staging buffer (ws.qstage: one per SM) */
   if (Config<DP>::kPersistent && a.ws.qstage_blocks < 1)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention (sm90 kernel): the workspace has no Q^ staging");
