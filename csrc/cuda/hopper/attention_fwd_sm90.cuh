@@ -94,7 +94,7 @@ struct Params {
   CUtensorMap kmap, vmap;
   /* One item per block, 16-bit Q: the 4-D map of Q {head_dim, Nq, Hq, B} (the caller's strides)
    * with boxes of DP x 128 x 1 x 1, so that one TMA load brings an item's rows (zeros past Nq and
-   * head_dim); q_map says whether it was encoded (otherwise the consumers load Q themselves). */
+   * head_dim); q_map says whether it was encoded (otherwise one bulk copy per row, copy_q_rows). */
   CUtensorMap qmap;
   bool q_map;
 };
@@ -229,23 +229,43 @@ struct Kernel {
   }
 
 #if defined(FP4ATTN_SM90_WGMMA)
-  /* One item per block with Q described by Params::qmap: thread 0 has the TMA load the item's Q
-   * rows into shared memory (copy_q_rows) and the consumers quantize them from there
+  /* One item per block with 16-bit Q in 16-byte aligned rows: warp 0 has the item's Q rows copied
+   * into shared memory (copy_q_rows) and the consumers quantize them from there
    * (quantize_copied_q). Their Q^ then waits for one copy instead of two rounds of global loads
    * (trace_sm90.cu on the H200: ~3 us per round; Q^ ready 7.7 -> 5.4 us after the block's start,
    * end to end +2 % at N = 4K, +5 % at 1K). */
-  static __device__ __forceinline__ bool q_by_copy(const Params &prm) { return !C::kPersistent && prm.q_map; }
+  static __device__ __forceinline__ bool q_by_copy(const Params &prm) {
+    return !C::kPersistent && prm.a.vec_q && prm.a.p.dtype != FP4ATTN_FLOAT32;
+  }
 
-  /* Thread 0 loads item k's Q rows into Config::kOffQRows ([128][DP] halves, zeros past len_q and
-   * head_dim) with one TMA load onto "Q^ full" (which blocks with one item do not use otherwise),
-   * right after the decode. (v23, trace_sm90.cu: one bulk copy per row took ~56 cycles to issue,
-   * so the rows were issued 1.2 us after the decode by the producer's 128 threads and 4 us after it
-   * by one warp.) */
-  static __device__ void copy_q_rows(const Params &prm, const Item &k, const Shared &sh) {
-    mbar_expect_tx(sh.qfull(), kRows * DP * 2);
-    tma_load_4d(smem_u32(sh.tiles + C::kOffQRows), &prm.qmap, 0, (int)k.q0, (int)k.h, (int)k.b, sh.qfull());
-    FP4ATTN_SM90_TRACE_AT(true, blockIdx.x, kTrCopyIssued);
-    mbar_arrive(sh.qfull());
+  /* Warp 0 copies item k's Q rows into Config::kOffQRows ([128][DP] halves) onto "Q^ full"
+   * (which blocks with one item do not use otherwise), right after thread 0's decode: with
+   * Params::qmap one TMA load by lane 0 (zeros past len_q and head_dim), else one bulk copy per
+   * row (rows past len_q are not copied; the consumers treat them as zeros).
+   * v23 (trace_sm90.cu, docs/results/h200_s23/): a bulk copy takes ~56 cycles to issue, so the
+   * per-row copies by the producer's 128 threads after the role split left 1.2 us after the
+   * decode (rows landed 2.4 us after the block's start), by one warp 4 us after it; the map
+   * lands them at 1.3-1.4 us. Keep the fallback loop here: the same source without it (lane 0's
+   * TMA alone) compiles the consumer loop to 1,204 instructions with 3 spill loads per tile
+   * instead of 1,206 without spills, and that build measured 5-8 % slower in the steady tiles. */
+  static __device__ void copy_q_rows(const Params &prm, const Item &k, const Shared &sh, int lane) {
+    const fp4attn_attention_params &p = prm.a.p;
+    if (prm.q_map) {
+      if (lane == 0) {
+        mbar_expect_tx(sh.qfull(), kRows * DP * 2); /* the whole box, zero fill included */
+        tma_load_4d(smem_u32(sh.tiles + C::kOffQRows), &prm.qmap, 0, (int)k.q0, (int)k.h, (int)k.b, sh.qfull());
+        mbar_arrive(sh.qfull());
+      }
+      return;
+    }
+    const int rows = (int)min((int64_t)kRows, p.len_q - k.q0);
+    const uint32_t row_bytes = 2 * (uint32_t)p.head_dim;
+    if (lane == 0) mbar_expect_tx(sh.qfull(), (uint32_t)rows * row_bytes);
+    __syncwarp(); /* the transaction count before any copy completes */
+    const char *q = static_cast<const char *>(p.q) + 2 * (k.b * p.q_stride[0] + k.h * p.q_stride[1] + k.q0 * p.q_stride[2]);
+    for (int r = lane; r < rows; r += 32)
+      bulk_load(smem_u32(sh.tiles + C::kOffQRows) + r * DP * 2, q + 2 * r * p.q_stride[2], row_bytes, sh.qfull());
+    if (lane == 0) mbar_arrive(sh.qfull());
   }
 
   /* Q^ of item `it` from the rows copy_q_rows copied, by consumer thread tid of 256, through
@@ -618,17 +638,21 @@ struct Kernel {
     Shared sh;
     sh.small = smem;
     sh.tiles = smem + (tiles_at - smem_u32(smem));
-    if (threadIdx.x == 0) {
-      for (int st = 0; st < C::kStages; ++st) mbar_init(sh.full(st), 128);
-      mbar_init(sh.qfull(), 1);
-      mbar_init_fence();
+    if (threadIdx.x < 32) {
+      if (threadIdx.x == 0) {
+        for (int st = 0; st < C::kStages; ++st) mbar_init(sh.full(st), 128);
+        mbar_init(sh.qfull(), 1);
+        mbar_init_fence();
+        if constexpr (!C::kPersistent) {
+          fence_proxy_async(); /* the initialised "Q^ full", to the copies (async proxy) */
+          *sh.block_item() = item_at(prm.a, blockIdx.x);
+        }
+        FP4ATTN_SM90_TRACE_AT(!C::kPersistent, blockIdx.x, kTrDecoded);
+      }
       if constexpr (!C::kPersistent) {
-        const Item k = item_at(prm.a, blockIdx.x);
-        *sh.block_item() = k;
-        FP4ATTN_SM90_TRACE_AT(true, blockIdx.x, kTrDecoded);
         if (q_by_copy(prm)) {
-          fence_proxy_async(); /* the initialised "Q^ full", to the TMA unit (async proxy) */
-          copy_q_rows(prm, k, sh);
+          __syncwarp(); /* the decoded item and the mbarriers, to the whole warp */
+          copy_q_rows(prm, *sh.block_item(), sh, threadIdx.x);
         }
       }
     }
@@ -674,7 +698,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd_sm90_kernel(const _
  * CUDA-graph capture). */
 fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &kmap, CUtensorMap &vmap);
 /* Params::qmap for 16-bit Q with 16-byte aligned rows; false where the driver does not take its
- * strides (e.g. a broadcast head), and then the kernel loads Q without it. Host only. */
+ * strides (e.g. a broadcast head), and then the kernel copies Q row by row. Host only. */
 bool encode_q_map(const AttnArgs &a, int64_t dp, CUtensorMap &qmap);
 
 template <int DP>
