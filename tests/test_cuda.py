@@ -361,9 +361,13 @@ def test_attention_more_than_2_31_elements(kernel):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("q_map", ["1", "0"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_noncontiguous_layouts(D):
-    """At D = 128 the Hopper kernel copies each query row with its own bulk copy (strided rows)."""
+def test_noncontiguous_layouts(D, q_map, monkeypatch):
+    """At D = 128 the Hopper kernel copies an item's query rows with one TMA load through a map of
+    Q in the caller's strides, or, where no map is encoded (FP4ATTN_SM90_Q_MAP=0 forces that), with
+    one bulk copy per row; Q without 16-byte aligned rows is loaded by the consumers themselves."""
+    monkeypatch.setenv("FP4ATTN_SM90_Q_MAP", q_map)
     B, N, H = 2, 300, 4
     # transformers / diffusers: [B, N, H, D] projections transposed to [B, H, N, D]
     q = rand((B, N, H, D), torch.float16, 11).transpose(1, 2)
@@ -382,6 +386,14 @@ def test_noncontiguous_layouts(D):
     q = base[3:].view(B, H, N, D)
     out = attn_cuda(q, q, q)
     assert rel_l1(out, attn_ref(q, q, q)) < 2e-3
+    # a query head broadcast over the heads (stride 0) and a head dim padded to 128 (zero fill)
+    q = rand((B, 1, N, D), torch.float16, 16).expand(B, H, N, D)
+    k, v = (rand((B, H, N, D), torch.float16, s) for s in (17, 18))
+    out = attn_cuda(q, k, v, None, True)
+    assert rel_l1(out, attn_ref(q, k, v, None, True)) < 2e-3
+    q, k, v = (rand((B, H, N, D - 24), torch.float16, s) for s in (19, 20, 21))
+    out = attn_cuda(q, k, v)
+    assert rel_l1(out, attn_ref(q, k, v)) < 2e-3
 
 
 def test_no_input_mutation():
