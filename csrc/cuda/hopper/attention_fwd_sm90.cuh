@@ -247,7 +247,8 @@ struct Kernel {
    * decode (rows landed 2.4 us after the block's start), by one warp 4 us after it; the map
    * lands them at 1.3-1.4 us. Keep the fallback loop here: the same source without it (lane 0's
    * TMA alone) compiles the consumer loop to 1,204 instructions with 3 spill loads per tile
-   * instead of 1,206 without spills, and that build measured 5-8 % slower in the steady tiles. */
+   * instead of 1,206 without spills, and that build measured 4-10 % slower end to end at
+   * N >= 4K (same call; its prologue is the same). */
   static __device__ void copy_q_rows(const Params &prm, const Item &k, const Shared &sh, int lane) {
     const fp4attn_attention_params &p = prm.a.p;
     if (prm.q_map) {
@@ -662,8 +663,8 @@ struct Kernel {
       producer(prm, sh);
     } else {
       if constexpr (!C::kPersistent) {
-        /* The block's one item: Q^ by the 256 consumer threads from the rows thread 0 copied
-         * (quantize_copied_q), or, for FP32 Q and Q without a map, from global memory in 2 batches of
+        /* The block's one item: Q^ by the 256 consumer threads from the rows warp 0 copied
+         * (quantize_copied_q), or, for FP32 and unaligned Q, from global memory in 2 batches of
          * loads (all of a thread's loads in one batch measured 0.5-2 % slower), while the
          * producer loads the first tile and computes its bias. */
         __half *qs = sh.tile(C::kOffQ);
