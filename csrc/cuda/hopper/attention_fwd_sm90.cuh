@@ -281,9 +281,12 @@ struct Kernel {
     const fp4attn_attention_params &p = a.p;
     const int kb = tid % kBlocks, D = (int)p.head_dim;
     const float encq = a.ws.qscale[k.bh * 2 + 0];
-    float mean[16];
+    float mean[16]; /* DP floats, zero past D; 16-byte aligned (the workspace's qbar rows) */
 #pragma unroll
-    for (int e = 0; e < 16; ++e) mean[e] = k.qbar[kb * 16 + e]; /* DP floats, zero past D */
+    for (int e = 0; e < 16; e += 4) {
+      const float4 m4 = *reinterpret_cast<const float4 *>(k.qbar + kb * 16 + e);
+      mean[e] = m4.x, mean[e + 1] = m4.y, mean[e + 2] = m4.z, mean[e + 3] = m4.w;
+    }
     const int64_t rows = p.len_q - k.q0;
     mbar_wait(sh.qfull(), 0);
     FP4ATTN_SM90_TRACE_AT(tid == 0, blockIdx.x, kTrQCopied);
@@ -292,7 +295,10 @@ struct Kernel {
       const int r = job / kBlocks;
       float xs[16];
       if (r < rows) {
-        smoothed_block16(sh.tiles + C::kOffQRows + r * DP * 2, p.dtype, 0, kb, D, true, mean, encq, xs);
+        if (D == DP) /* no padding columns: no bound checks */
+          smoothed_block16(sh.tiles + C::kOffQRows + r * DP * 2, p.dtype, 0, kb, DP, true, mean, encq, xs);
+        else
+          smoothed_block16(sh.tiles + C::kOffQRows + r * DP * 2, p.dtype, 0, kb, D, true, mean, encq, xs);
       } else {
 #pragma unroll
         for (int e = 0; e < 16; ++e) xs[e] = 0.0f;
