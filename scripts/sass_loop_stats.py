@@ -12,10 +12,11 @@ spreads its MUFU (docs/results/h200_s21/ab_d64_exp_before_pv.log), so compare th
   cuobjdump -sass sm90.cubin > sm90.sass      (cuobjdump: see docs/cuda_notes.md)
   python scripts/sass_loop_stats.py sm90.sass [--ops] [--phases] [--compare OTHER.sass]
 
---compare says, per instantiation, whether the consumer's main loop (attn_mask branch included) is
-the same in OTHER.sass up to branch addresses and uniform-register names: a change meant for the
-producer or the prologue should leave it so (ptxas allocates the whole kernel at once, and the D=64
-loop's speed moves with its schedule even at equal instruction counts).
+--compare says, per instantiation, whether the consumer's main loop (attn_mask branch included) and
+each producer loop (in address order) are the same in OTHER.sass up to branch addresses and
+uniform-register names: a change meant for the prologue should leave all of them so (ptxas
+allocates the whole kernel at once; the D=64 loop's speed moves with its schedule even at equal
+instruction counts, and v23's D=128 builds with the same source in their loops differed by 5-10 %).
 """
 
 from __future__ import annotations
@@ -82,13 +83,25 @@ def canonical(seg):
     return [re.sub(r"\bUR\d+\b", rename, re.sub(r"0x[0-9a-f]+", "X", text)) for _, text in seg]
 
 
-def consumer_loops(path):
-    """{kernel name: canonical consumer main loop (None where it has none)}."""
+def producer_loops(instrs):
+    """(start, end, instructions) of every producer loop (a loop that issues TMA loads), in
+    address order."""
+    found = []
+    for start, end in loops(instrs):
+        seg = body(instrs, start, end)
+        if any("UTMALDG" in t for _, t in seg) and len(seg) < 3000:
+            found.append((start, end, seg))
+    return sorted(found, key=lambda x: x[0])
+
+
+def kernel_loops(path):
+    """{kernel name: (canonical consumer main loop or None, [canonical producer loops])}."""
     out = {}
     for name, instrs in functions(open(path).read()):
         if "attention_fwd_sm90_kernel" in name:
             hot = consumer_hot_path(instrs)
-            out[name] = canonical(body(instrs, hot[0], hot[1])) if hot else None
+            consumer = canonical(body(instrs, hot[0], hot[1])) if hot else None
+            out[name] = (consumer, [canonical(seg) for _, _, seg in producer_loops(instrs)])
     return out
 
 
@@ -129,7 +142,8 @@ def main() -> int:
     ap.add_argument("sass")
     ap.add_argument("--ops", action="store_true", help="opcode histogram of the consumer hot path")
     ap.add_argument("--phases", action="store_true", help="instructions and MUFU between the hot path's waits")
-    ap.add_argument("--compare", metavar="OTHER", help="is each consumer main loop the same in OTHER.sass?")
+    ap.add_argument("--compare", metavar="OTHER",
+                    help="are the consumer and producer loops the same in OTHER.sass?")
     args = ap.parse_args()
     found = False
     for name, instrs in functions(open(args.sass).read()):
@@ -142,17 +156,15 @@ def main() -> int:
             describe(f"consumer loop {hot[0]:#x}-{hot[1]:#x} without the attn_mask branch", hot[2], args.ops)
             if args.phases:
                 describe_phases(hot[2])
-        for start, end in loops(instrs):
-            seg = body(instrs, start, end)
-            if any("UTMALDG" in t for _, t in seg) and len(seg) < 3000:
-                describe(f"producer loop {start:#x}-{end:#x}", seg, False)
+        for start, end, seg in producer_loops(instrs):
+            describe(f"producer loop {start:#x}-{end:#x}", seg, False)
     if not found:
         print("no attention_fwd_sm90_kernel in", args.sass, file=sys.stderr)
         return 1
     if args.compare:
-        mine, other = consumer_loops(args.sass), consumer_loops(args.compare)
-        for name, loop in mine.items():
-            theirs = other.get(name)
+        mine, other = kernel_loops(args.sass), kernel_loops(args.compare)
+        for name, (loop, prods) in mine.items():
+            theirs, their_prods = other.get(name, (None, []))
             if loop is None or theirs is None:
                 verdict = "no consumer main loop found in " + (args.sass if loop is None else args.compare)
             elif loop == theirs:
@@ -160,6 +172,12 @@ def main() -> int:
             else:
                 verdict = f"differs ({len(loop)} against {len(theirs)} instructions)"
             print(f"consumer loop of {name} vs {args.compare}: {verdict}")
+            if len(prods) != len(their_prods):
+                print(f"producer loops of {name}: {len(prods)} against {len(their_prods)}")
+                continue
+            differ = [i for i, (p, q) in enumerate(zip(prods, their_prods)) if p != q]
+            print(f"producer loops of {name}: {len(prods) - len(differ)} of {len(prods)} identical"
+                  + (f" (differ: {differ})" if differ else ""))
     return 0
 
 
