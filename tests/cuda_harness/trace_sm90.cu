@@ -120,7 +120,7 @@ static void run(int D, int N, int B, int H, int causal) {
     if (tr[(size_t)i * kTrEvents + kTrEnd]) by_sm[(int)tr[(size_t)i * kTrEvents + kTrSm]].push_back(i);
   const auto at = [&](int i, int e) { return (double)tr[(size_t)i * kTrEvents + e]; };
   const bool persistent = D <= 64; /* Config::kPersistent: head dims padded to 64 */
-  std::vector<double> prologue, decoded, issued, copied, quantized, s0_issue, full0, s0, tile0, steady, epi, gap, total, ghz_sm;
+  std::vector<double> prologue, decoded, copied, quantized, s0_issue, full0, s0, tile0, steady, epi, gap, total, ghz_sm;
   for (auto &kv : by_sm) {
     std::vector<int> &its = kv.second;
     const auto first = [&](int i) { return persistent ? at(i, kTrQReady) : at(i, kTrStart); };
@@ -136,7 +136,6 @@ static void run(int D, int N, int B, int H, int causal) {
       const int i = its[c];
       if (!persistent) prologue.push_back(at(i, kTrQReady) - at(i, kTrStart));
       if (!persistent && at(i, kTrDecoded) > 0) decoded.push_back(at(i, kTrDecoded) - at(i, kTrStart));
-      if (!persistent && at(i, kTrCopyIssued) > 0) issued.push_back(at(i, kTrCopyIssued) - at(i, kTrStart));
       if (!persistent && at(i, kTrQCopied) > 0) copied.push_back(at(i, kTrQCopied) - at(i, kTrStart));
       if (!persistent && at(i, kTrQQuantized) > 0) quantized.push_back(at(i, kTrQQuantized) - at(i, kTrStart));
       s0_issue.push_back(at(i, kTrS0Issue) - at(i, kTrQReady));
@@ -164,7 +163,6 @@ static void run(int D, int N, int B, int H, int causal) {
   printf("  per item, median / mean us: ");
   if (!persistent) printf("prologue %.2f/%.2f  ", us(median(prologue)), us(mean(prologue)));
   if (!decoded.empty()) printf("(item decoded at %.2f/%.2f)  ", us(median(decoded)), us(mean(decoded)));
-  if (!issued.empty()) printf("(Q copy issued at %.2f/%.2f)  ", us(median(issued)), us(mean(issued)));
   if (!copied.empty()) printf("(Q rows copied at %.2f/%.2f)  ", us(median(copied)), us(mean(copied)));
   if (!quantized.empty()) printf("(Q^ quantized at %.2f/%.2f)  ", us(median(quantized)), us(mean(quantized)));
   printf("Q^->S0 issue %.2f/%.2f  ", us(median(s0_issue)), us(mean(s0_issue)));

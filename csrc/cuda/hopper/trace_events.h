@@ -25,8 +25,6 @@ enum TraceEvent {
   kTrQQuantized, /* one item per block: consumer 0 has quantized its Q^ blocks (before the barrier) */
   kTrS0Issue,    /* consumer 0 has its turn for the first S, and the stage is full */
   kTrDecoded,    /* one item per block: thread 0 has initialised the barriers and decoded the item */
-  kTrCopyIssued, /* one item per block: the Q rows' copies are issued (not stamped since v23's TMA
-                    load, which follows kTrDecoded within ~0.06 us) */
   kTrEvents
 };
 constexpr int kTraceItems = 16384; /* items with a row in the buffer (the first ones) */
