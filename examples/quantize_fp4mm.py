@@ -18,7 +18,7 @@ import sys
 import torch
 
 import fp4attn
-from fp4attn import models
+from fp4attn.eval import models
 
 
 def rel(a, b):

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(argv[1:])
     if argv[0] == "report":
-        from .report import main as report_main
+        from .eval.report import main as report_main
 
         return report_main(argv[1:])
     return commands[argv[0]](argv[1:])

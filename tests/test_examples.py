@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4attn import models as M
+from fp4attn.eval import models as M
 
 ROOT = Path(__file__).resolve().parents[1]
 

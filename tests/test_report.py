@@ -1,4 +1,4 @@
-"""The accuracy report on real models (fp4attn.report, fp4attn.models).
+"""The accuracy report on real models (fp4attn.eval.report, fp4attn.eval.models).
 
 The real-model tests need the packaged models and the Austen corpus (see requirements-models.txt
 and scripts/install_models.sh); they skip with the reason when those are missing. The R reader
@@ -18,8 +18,8 @@ import zlib
 import pytest
 import torch
 
-from fp4attn import models as M
-from fp4attn import report as RP
+from fp4attn.eval import models as M
+from fp4attn.eval import report as RP
 
 
 def _missing(*names: str) -> str | None:
@@ -211,7 +211,7 @@ def test_report_on_captured_activations(tmp_path):
     # The path that runs where model weights cannot travel (the GPU machine): no model packages.
     import torch
 
-    from fp4attn.report import main as report_main
+    from fp4attn.eval.report import main as report_main
 
     calls = [{"layer": i, "q": torch.randn(1, 4, 70, 32).half(), "k": torch.randn(1, 2, 70, 32).half(),
               "v": torch.randn(1, 2, 70, 32).half(), "is_causal": True, "scale": None,

@@ -1,7 +1,7 @@
 """`python -m fp4attn report`: accuracy of FP4 attention on real models and real text.
 
 Random Gaussian inputs are the worst case for FP4 attention; this report measures what users
-care about. For each model (SmolLM2-135M-Instruct, all-MiniLM-L6-v2; see fp4attn.models):
+care about. For each model (SmolLM2-135M-Instruct, all-MiniLM-L6-v2; see fp4attn.eval.models):
 
 1. Capture: run the model once on real text (Jane Austen) with attn_implementation="sdpa" while
    torch.nn.functional.scaled_dot_product_attention is wrapped by a recorder, so every attention
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from . import models as M
-from . import reference as R
+from .. import reference as R
 
 try:  # the function torch had before anyone (fp4attn.patch included) replaced it
     TORCH_SDPA = importlib.import_module("fp4attn.sdpa").ORIGINAL_SDPA

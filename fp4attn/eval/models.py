@@ -15,7 +15,7 @@ Everything here comes from packages that registries serve; nothing is downloaded
   lazy-load database (``data/Rdata.rdx`` + ``Rdata.rdb``: zlib-compressed R serialization).
   ``read_rds`` below reads the character vectors without R. Installing the .deb with apt pulls
   in all of R, so the usual way is to unpack it without installing (``fetch_corpus`` or
-  ``python -m fp4attn.models fetch-corpus``, which run ``apt-get download`` + ``dpkg -x``).
+  ``python -m fp4attn.eval.models fetch-corpus``, which run ``apt-get download`` + ``dpkg -x``).
 
 The packages are located with ``importlib.util.find_spec`` and never imported: both import
 heavy dependencies (``llm``, ``sentence-transformers``) that are not needed here.
@@ -125,7 +125,7 @@ def corpus_dir() -> Path:
     raise MissingResourceError(
         f"Jane Austen corpus not found (looked in {', '.join(map(str, _corpus_candidates()))}). "
         f"It comes from the Debian package {CORPUS_DEB}; unpack it without installing R with "
-        "`python -m fp4attn.models fetch-corpus` (apt-get download + dpkg -x into "
+        "`python -m fp4attn.eval.models fetch-corpus` (apt-get download + dpkg -x into "
         f"{cache_dir() / 'janeaustenr'}), or `apt-get install {CORPUS_DEB}`, or point "
         "FP4ATTN_JANEAUSTENR at an unpacked copy"
     )
@@ -543,7 +543,7 @@ def status() -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m fp4attn.models",
+    ap = argparse.ArgumentParser(prog="python -m fp4attn.eval.models",
                                  description="Offline models and corpus for fp4attn reports.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fetch-corpus", help=f"apt-get download + dpkg -x {CORPUS_DEB}")
