@@ -22,8 +22,8 @@ printf '%s\n' "${sources[@]}" | xargs -P "$jobs" -I{} sh -c \
      grep "wgmma.mma_async instructions are serialized" "$log"; echo "FAIL {}: ptxas serialized wgmma"; exit 255
    fi
    echo "  ok {}"'
-# The pre-pass harness (it includes csrc/cuda/prepass.cu and is built by scripts/bench_prepass.sh
-# on the GPU machine), so that it keeps compiling (sm_90a, no link).
+# The pre-pass harness (it includes csrc/cuda/prepass/prepass.cu and is built by
+# tools/perf/bench_prepass.sh on a GPU machine), so that it keeps compiling (sm_90a, no link).
 if [[ ";${archs};" == *";90a;"* ]]; then
   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -gencode arch=compute_90a,code=sm_90a \
     -c tests/cuda_harness/check_prepass.cu -o "$out/check_prepass.o"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the attention pre-pass (csrc/cuda/prepass.cu), logs under $OUT (or $1):
+# The attention pre-pass (csrc/cuda/prepass.cu) on a GPU machine, logs under $1 (or $OUT):
 #   1. tests/cuda_harness/check_prepass.cu: streaming vs two-read pre-pass byte-identical, exhaustive
 #      checks of the fast rounding helpers, graph capture, and pre-pass timing at the benchmark
 #      shapes (uses a prebuilt .prepass_bin/check_prepass when it runs there, else builds it);
@@ -8,7 +8,7 @@
 set -uo pipefail
 LOG="${1:-${OUT:-prepass_logs}}"
 mkdir -p "$LOG"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
 status=0
 nvidia-smi -L

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Compares the bench_attention.py CSVs of an A/B run (scripts/ab_bench.sh): for each variant the
+"""Compares the bench_attention.py CSVs of an A/B run (tools/perf/ab_bench.sh): for each variant the
 mean over its rounds (OUTDIR/NAME_rK/bench_attention.csv) of end-to-end and kernel TFLOPS, and
 each later variant's change against the first, as a markdown table.
 
-    python3 scripts/ab_compare.py OUTDIR NAME [NAME ...]
+    python3 tools/perf/ab_compare.py OUTDIR NAME [NAME ...]
 """
 import csv
 import glob
@@ -19,8 +19,8 @@ def load(out: str, name: str) -> dict:
         raise SystemExit(f"ab_compare: no rounds of {name} under {out}")
     table: dict = {}
     for path in runs:
-        with open(path) as f:
-            for r in csv.DictReader(f):
+        with open(path) as f:  # '#' lines: the run's command and hardware header
+            for r in csv.DictReader(line for line in f if not line.startswith("#")):
                 key = (r["dtype"], int(r["D"]), int(r["N"]), r["causal"] == "True")
                 cell = table.setdefault(key, {"e2e": [], "kernel": []})
                 cell["e2e"].append(float(r["fp4attn_tflops"]))

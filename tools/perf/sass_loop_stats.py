@@ -1,22 +1,25 @@
 """Instruction counts of the sm90 attention kernel's loops, from SASS (no GPU needed): per
 instantiation, the consumer's main loop without its attn_mask branch (the loop with the wait for
-S_j alone, `WARPGROUP.DEPBAR.LE gsb0, 0x1`; the causal/padding mask block it contains, ~130
-instructions at D=128, runs only on tiles that need it) and every producer loop (the loops that
-issue TMA loads), with their spills. A proxy for issue cost per 128-key tile; see
-docs/cuda_notes.md. --phases splits the consumer's hot path at its waits and barriers and counts
-the instructions and MUFU (exp2/log2) in each part: the D=64 loop's speed depends on how ptxas
-spreads its MUFU (docs/results/h200_s21/ab_d64_exp_before_pv.log), so compare these between builds.
+S_j alone, `WARPGROUP.DEPBAR.LE gsb0, 0x1`; the causal/padding mask block it contains runs only on
+tiles that need it) and every producer loop (the loops that issue TMA loads), with their spills.
+A proxy for issue cost per 128-key tile. --phases splits the consumer's hot path at its waits and
+barriers and counts the instructions and MUFU (exp2/log2) in each part: the D=64 loop's speed
+depends on how ptxas spreads its MUFU, so compare these between builds.
 
   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -DFP4ATTN_CUDA_ARCHS=90a \\
        -gencode arch=compute_90a,code=sm_90a -cubin -o sm90.cubin csrc/cuda/hopper/attention_fwd_sm90.cu
-  cuobjdump -sass sm90.cubin > sm90.sass      (cuobjdump: see docs/cuda_notes.md)
-  python scripts/sass_loop_stats.py sm90.sass [--ops] [--phases] [--compare OTHER.sass]
+  cuobjdump -sass sm90.cubin > sm90.sass
+  python tools/perf/sass_loop_stats.py sm90.sass [--ops] [--phases] [--compare OTHER.sass]
+
+cuobjdump comes with the CUDA toolkit; without one, `pip download --no-deps
+nvidia-cuda-cuobjdump` and unzip the wheel.
 
 --compare says, per instantiation, whether the consumer's main loop (attn_mask branch included) and
 each producer loop (in address order) are the same in OTHER.sass up to branch addresses and
-uniform-register names: a change meant for the prologue should leave all of them so (ptxas
-allocates the whole kernel at once; the D=64 loop's speed moves with its schedule even at equal
-instruction counts, and v23's D=128 builds with the same source in their loops differed by 5-10 %).
+uniform-register names. ptxas allocates registers for the whole kernel at once, so a change outside
+the loops (the prologue, say) can still reschedule them, and a loop's speed moves with its schedule
+even at equal instruction counts: a change meant to leave the loops alone must leave every one of
+them identical here.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Summarize an ncu source-page export of benchmarks/profile_sm90.sh: warp-stall samples by reason
+"""Summarize an ncu source-page export of tools/perf/profile_sm90.sh: warp-stall samples by reason
 over the whole kernel, the top instructions, and optional address ranges (offsets from the
-kernel's first instruction, e.g. the consumer loop found with scripts/sass_loop_stats.py).
+kernel's first instruction, e.g. the consumer loop found with tools/perf/sass_loop_stats.py).
 
-  python benchmarks/stall_top.py prof/source_d128.csv.gz [--top 30] [--range 0x18960:0x2b9f0:consumer_loop]
+  python tools/perf/stall_top.py prof/source_d128.csv.gz [--top 30] [--range 0x18960:0x2b9f0:consumer_loop]
 """
 
 from __future__ import annotations

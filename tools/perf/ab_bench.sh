@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Same-call A/B of builds on the GPU machine: builds every source tree in place (in parallel,
+# A/B of builds in one run on a GPU machine: builds every source tree in place (in parallel,
 # sm_90a only), then runs bench_attention.py on each in turn, ROUNDS times, and prints the mean
-# TFLOPS per variant (scripts/ab_compare.py). Run-to-run spread between device calls is 1-2 %, so
-# compare builds only within one call.
+# TFLOPS per variant (tools/perf/ab_compare.py). Run-to-run spread between separate runs is
+# 1-2 %, so compare builds only within one run.
 #
-#   scripts/ab_bench.sh OUTDIR ROUNDS "BENCH ARGS" NAME=TREE [NAME=TREE ...]
+#   tools/perf/ab_bench.sh OUTDIR ROUNDS "BENCH ARGS" NAME=TREE [NAME=TREE ...]
 #
-# TREE is a source tree (a copy made with `git archive REV | tar -x -C DIR`, carried to the
-# device, or `.` for the working tree); the first variant is the baseline of the comparison.
-# Example: scripts/ab_bench.sh $OUT/ab 2 "--quick --no-baselines" old=.ab_old new=.
+# TREE is a source tree (e.g. a copy made with `git archive REV | tar -x -C DIR`, or `.` for the
+# working tree); the first variant is the baseline of the comparison.
+# Example: tools/perf/ab_bench.sh $OUT/ab 2 "--quick --no-baselines" old=.ab_old new=.
 set -uo pipefail
 if [ $# -lt 5 ]; then
   sed -n 2,12p "$0"
@@ -46,7 +46,7 @@ for r in $(seq 1 "$rounds"); do
       tail -20 "$out/${names[$i]}_r$r.log"
       exit 1
     }
-    rm -f "$out/${names[$i]}_r$r/bench_attention.png" # the device returns a limited number of files
+    rm -f "$out/${names[$i]}_r$r/bench_attention.png" # only the CSVs are compared
   done
 done
 python3 "$(dirname "$0")/ab_compare.py" "$out" "${names[@]}" | tee "$out/compare.md"

@@ -4,7 +4,7 @@ trace of calls made as the benchmark makes them (L2 flushed by a 256 MB write be
 every GPU operation's start relative to the end of the flush, its duration and the idle gap before
 it; the host time of one call; and the same call timed eagerly and replayed from a CUDA graph.
 
-  python scripts/e2e_timeline.py --dim 128 --seq 4096 --causal [--dtype bfloat16]
+  python tools/perf/e2e_timeline.py --dim 128 --seq 4096 --causal [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import fp4attn  # noqa: E402
