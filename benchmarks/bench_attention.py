@@ -9,15 +9,19 @@ Timing: L2 flushed before every call (a 256 MB write), warm-up, CUDA events, med
 prepass % copy bw: bytes the pre-pass moves (Q, K, V read once; K^, V^ written as the FP16
 values the workspace holds) per second, over the device-to-device copy bandwidth (read + written).
 TFLOPS = 4*B*H*N^2*D / t, halved for causal. Tokens per config: B*N = --tokens (B >= 1), H*D = 2048.
-Writes CSV and PNG to --out and prints a table. --quick fits in about two minutes on an H200.
+The kernel is the one fp4attn.sdpa picks; FP4ATTN_KERNEL forces one and is recorded in the header.
+Prints a table and writes bench_attention.csv (headed by the command, the GPU and the software
+versions, see provenance.py) and bench_attention.png into --out; the default writes the committed
+result set, benchmarks/results/ (the full sweep). --quick fits in about two minutes on an H200.
 
+  python benchmarks/bench_attention.py                           # full sweep -> benchmarks/results
   python benchmarks/bench_attention.py --quick --out bench_out
+  FP4ATTN_KERNEL=sm120 python benchmarks/bench_attention.py --quick --out bench_sm120
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -33,8 +37,12 @@ except ImportError:  # pragma: no cover
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fp4attn  # noqa: E402
+from provenance import ROOT, cpu_name, gpu_description, header, write_csv  # noqa: E402
 
-FWD_KERNEL = "attention_fwd"  # attention_fwd_kernel (mma.sync), attention_fwd_sm90_kernel (wgmma)
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+# Names of the attention kernels (every other kernel fp4attn launches is the pre-pass):
+# attention_fwd_kernel (mma.sync), attention_fwd_sm90_kernel (wgmma), attention_sm120_kernel.
+FWD_KERNELS = ("attention_fwd", "attention_sm120")
 
 
 class Timer:
@@ -72,7 +80,7 @@ def kernel_breakdown(fn, calls: int = 5) -> tuple[float, float]:
             continue
         name = ev.name
         dur = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
-        if FWD_KERNEL in name:
+        if any(k in name for k in FWD_KERNELS):
             fwd.append(dur)
         else:  # everything else fp4attn launches is the quantization pre-pass
             pre.append(dur)
@@ -105,7 +113,7 @@ def sdpa_backend_fn(name, q, k, v, causal):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sweep (~2 minutes)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="output folder")
+    ap.add_argument("--out", default=RESULTS, help="output folder (default: benchmarks/results)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=16384, help="B*N per config")
     ap.add_argument("--no-baselines", action="store_true")
@@ -128,9 +136,10 @@ def main() -> int:
     if args.dims:
         dims = [int(x) for x in args.dims.split(",")]
     timer = Timer()
-    dev = torch.cuda.get_device_name()
     bw = copy_bandwidth(timer)
-    print(f"device: {dev}; device-to-device copy {bw:.0f} GB/s; torch {torch.__version__}")
+    head = header(f"{gpu_description()}, device-to-device copy {bw:.0f} GB/s; host {cpu_name()}")
+    for k, v in head.items():
+        print(f"{k}: {v}")
     baselines = [] if args.no_baselines else ["flash", "cudnn", "efficient"]
     rows = []
     t_start = time.time()
@@ -178,12 +187,9 @@ def main() -> int:
                           f"flash {fl:6.1f} cudnn {cu:6.1f} TFLOPS", flush=True)
                     del q, k, v
     path = os.path.join(args.out, "bench_attention.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(path, head, rows)
     print(f"\nwrote {path} ({time.time() - t_start:.0f} s)")
-    plot(rows, os.path.join(args.out, "bench_attention.png"), dev, baselines)
+    plot(rows, os.path.join(args.out, "bench_attention.png"), head["hardware"], baselines)
     table(rows, baselines)
     return 0
 

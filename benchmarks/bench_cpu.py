@@ -1,22 +1,28 @@
 """CPU benchmark: fp4attn's C backend (quantization included) next to torch's own CPU SDPA (FP32)
-on the same shapes, in one run. Prints a table and writes CSV (and a PNG if matplotlib exists).
+on the same shapes, in one run. Prints a table and writes bench_cpu.csv (headed by the command,
+the CPU and the software versions, see provenance.py) and bench_cpu.png (if matplotlib exists)
+into --out; the default writes the committed result set, benchmarks/results/.
 
-    python benchmarks/bench_cpu.py [--quick] [--out results/]
+    python benchmarks/bench_cpu.py [--quick] [--out benchmarks/results]
 
-Target (issue 2): at most 5x torch's CPU SDPA time at B=1, H=8, N=1024, D=64.
+Target: at most 5x torch's CPU SDPA time at B=1, H=8, N=1024, D=64.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
+import sys
 import time
 
 import torch
 
-import fp4attn
-from fp4attn.sdpa import ORIGINAL_SDPA
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import fp4attn  # noqa: E402
+from fp4attn.sdpa import ORIGINAL_SDPA  # noqa: E402
+from provenance import ROOT, cpu_description, header, write_csv  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
 def median_time(fn, repeats: int) -> float:
@@ -33,15 +39,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="only the target shape and one more")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="benchmarks/results", help="folder for bench_cpu.csv/.png")
+    ap.add_argument("--out", default=RESULTS,
+                    help="folder for bench_cpu.csv/.png (default: benchmarks/results)")
     args = ap.parse_args()
 
     shapes = [(1, 8, 1024, 64, False), (1, 8, 1024, 64, True)]
     if not args.quick:
         shapes += [(1, 8, 256, 64, False), (1, 8, 2048, 64, False), (1, 8, 4096, 64, False),
                    (1, 8, 1024, 128, False), (1, 8, 2048, 128, True), (2, 9, 512, 64, True)]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"fp4attn OpenMP {'on' if fp4attn.build_info()['openmp'] else 'off'}")
+    head = header(cpu_description())
+    for k, v in head.items():
+        print(f"{k}: {v}")
     rows = []
     for B, H, N, D, causal in shapes:
         q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
@@ -56,10 +64,7 @@ def main() -> int:
         print(f"| {r['B']} | {r['H']} | {r['N']} | {r['D']} | {r['causal']} | "
               f"{r['fp4attn_ms']:.1f} | {r['torch_sdpa_fp32_ms']:.1f} | {r['ratio']:.2f}x |")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_cpu.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(args.out, "bench_cpu.csv"), head, rows)
     try:
         import matplotlib
 
@@ -73,6 +78,7 @@ def main() -> int:
         plt.bar([i + 0.2 for i in x], [r["torch_sdpa_fp32_ms"] for r in rows], 0.4, label="torch SDPA FP32")
         plt.xticks(list(x), labels, rotation=30, ha="right", fontsize=7)
         plt.ylabel("ms")
+        plt.title(head["hardware"], fontsize=8)
         plt.legend()
         plt.tight_layout()
         plt.savefig(os.path.join(args.out, "bench_cpu.png"), dpi=120)
