@@ -92,6 +92,7 @@ def extension():
     archs = cuda_archs()
     print(f"fp4attn: building CPU + CUDA backends ({why}); archs {archs}", file=sys.stderr)
     cu_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "**", "*.cu"), recursive=True))
+    cu_sources += sorted(glob.glob(os.path.join("csrc", "testing", "*.cu")))
     nvcc_flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr",
                   "-Xptxas=-warn-spills", *gencode_flags(archs)]
     return CUDAExtension("fp4attn._C", sources + cu_sources, include_dirs=[INCLUDE],

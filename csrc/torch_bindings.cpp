@@ -14,6 +14,9 @@
 #endif
 
 #include "fp4attn/fp4attn.h"
+#ifdef FP4ATTN_WITH_CUDA
+#include "testing/testing.h"
+#endif
 
 namespace {
 
@@ -68,6 +71,17 @@ const char *dtype_str(at::ScalarType t) { return c10::toString(t); }
 void check_status(const fp4attn_status &s) {
   if (s.code == FP4ATTN_ERR_UNSUPPORTED) fail(true, "fp4attn: %s", s.message);
   if (s.code != FP4ATTN_OK) fail(false, "fp4attn: %s", s.message);
+}
+
+// The kernel request by its C API name (fp4attn_kernel_name), which Python passes through.
+fp4attn_kernel kernel_from_name(c10::string_view name) {
+  std::string choices;
+  for (int k = 0; k < FP4ATTN_KERNEL_COUNT; ++k) {
+    const char *n = fp4attn_kernel_name(static_cast<fp4attn_kernel>(k));
+    if (name == n) return static_cast<fp4attn_kernel>(k);
+    choices += choices.empty() ? n : std::string(", ") + n;
+  }
+  fail(false, "kernel must be one of %s, got '%s'", choices.c_str(), std::string(name).c_str());
 }
 
 fp4attn_dtype to_c_dtype(at::ScalarType t, const char *arg) {
@@ -237,7 +251,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
                                              const at::Tensor &v_in,
                                              const c10::optional<at::Tensor> &attn_mask,
                                              bool is_causal, double scale, bool return_lse,
-                                             int64_t kernel) {
+                                             c10::string_view kernel_name) {
   CHECK_ARG(q_in.dim() == 4, "query must be 4-D [batch, heads, len_q, head_dim], got shape %s",
             shape_str(q_in.sizes()).c_str());
   CHECK_ARG(k_in.dim() == 4, "key must be 4-D [batch, heads_kv, len_k, head_dim], got shape %s",
@@ -265,14 +279,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
             static_cast<long long>(D), static_cast<long long>(v_in.size(3)));
   CHECK_ARG(v_in.size(1) == Hkv && v_in.size(2) == Nk, "value must have the shape of key %s, got %s",
             shape_str(k_in.sizes()).c_str(), shape_str(v_in.sizes()).c_str());
-  CHECK_ARG(Hkv >= 1 && Hq % Hkv == 0,
-            "query heads (%lld) must be a multiple of key/value heads (%lld)",
-            static_cast<long long>(Hq), static_cast<long long>(Hkv));
-  CHECK_ARG(D >= 1 && D <= FP4ATTN_MAX_HEAD_DIM, "head_dim must be in [1, %d], got %lld",
-            FP4ATTN_MAX_HEAD_DIM, static_cast<long long>(D));
-  CHECK_ARG(kernel >= 0 && kernel <= 3,
-            "kernel must be 0 (auto), 1 (fp16 mma), 2 (sm120) or 3 (sm90), got %lld",
-            static_cast<long long>(kernel));
+  const fp4attn_kernel kernel = kernel_from_name(kernel_name);
 
   // Unit stride along head_dim is required; other strides are passed through (no copies).
   at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
@@ -303,7 +310,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
   fill_strides3(out, p.out_stride);
   p.scale = static_cast<float>(scale);
   p.causal = is_causal ? 1 : 0;
-  p.kernel = static_cast<fp4attn_kernel>(kernel);
+  p.kernel = kernel;
   at::Tensor mask;
   if (attn_mask.has_value() && attn_mask->defined()) {
     const at::Tensor &m = *attn_mask;
@@ -336,8 +343,8 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
   }
 #endif
   CHECK_ARG(q.device().is_cpu(), "query must be a CPU or CUDA tensor, got %s", q.device().str().c_str());
-  CHECK_ARG(kernel != 2 && kernel != 3, "kernel=%lld (a GPU kernel) needs CUDA tensors",
-            static_cast<long long>(kernel));
+  CHECK_ARG(kernel == FP4ATTN_KERNEL_AUTO, "kernel '%s' is a CUDA kernel: it needs CUDA tensors",
+            fp4attn_kernel_name(kernel));
   check_status(fp4attn_cpu_attention(&p));
   return {out, lse};
 }
@@ -361,7 +368,7 @@ at::Tensor test_mma_fp4(const at::Tensor &a, const at::Tensor &b, const at::Tens
             static_cast<long long>(tid_b));
   c10::cuda::CUDAGuard guard(a.device());
   at::Tensor d = at::empty_like(c);
-  check_status(fp4attn_cuda_test_mma_fp4(
+  check_status(fp4attn_testing_mma_fp4(
       reinterpret_cast<const uint32_t *>(a.data_ptr<int32_t>()),
       reinterpret_cast<const uint32_t *>(b.data_ptr<int32_t>()), c.data_ptr<float>(),
       reinterpret_cast<const uint32_t *>(sfa.data_ptr<int32_t>()),
@@ -379,9 +386,13 @@ TORCH_LIBRARY(fp4attn, m) {
   m.def("fp4mm(Tensor a_codes, Tensor a_scales, Tensor a_dec, Tensor b_codes, Tensor b_scales, "
         "Tensor b_dec, int k, ScalarType out_dtype) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float scale, "
-        "bool return_lse, int kernel) -> (Tensor out, Tensor lse)");
-  m.def("_test_mma_fp4(Tensor a, Tensor b, Tensor c, Tensor sfa, Tensor sfb, int tid_a, "
-        "int tid_b) -> Tensor");
+        "bool return_lse, str kernel=\"auto\") -> (Tensor out, Tensor lse)");
+}
+
+// Private test hooks (csrc/testing/testing.h), undocumented; not part of the product's ops.
+TORCH_LIBRARY(fp4attn_testing, m) {
+  m.def("mma_fp4(Tensor a, Tensor b, Tensor c, Tensor sfa, Tensor sfb, int tid_a, int tid_b) -> "
+        "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fp4attn, CPU, m) {
@@ -397,8 +408,9 @@ TORCH_LIBRARY_IMPL(fp4attn, CUDA, m) {
   m.impl("dequantize", &dequantize);
   m.impl("fp4mm", &fp4mm);
   m.impl("attention", &attention);
-  m.impl("_test_mma_fp4", &test_mma_fp4);
 }
+
+TORCH_LIBRARY_IMPL(fp4attn_testing, CUDA, m) { m.impl("mma_fp4", &test_mma_fp4); }
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -414,4 +426,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     info["openmp"] = fp4attn_cpu_has_openmp() != 0;
     return info;
   });
+  m.def(
+      "attention_kernel",
+      [](int64_t device, int64_t head_dim) -> std::string {
+#ifdef FP4ATTN_WITH_CUDA
+        // The dispatch's choice for a call of this head dim on `device` (python -m fp4attn info).
+        // Planning reads sizes only; the tensor pointers just have to be non-null.
+        c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+        char placeholder = 0;
+        fp4attn_attention_params p{};
+        p.q = p.k = p.v = p.out = &placeholder;
+        p.dtype = FP4ATTN_FLOAT16;
+        p.batch = p.heads_q = p.heads_kv = p.len_q = p.len_k = 1;
+        p.head_dim = head_dim;
+        const fp4attn_kernel k = fp4attn_cuda_attention_kernel(&p);
+        return k == FP4ATTN_KERNEL_AUTO ? "none" : fp4attn_kernel_name(k);
+#else
+        (void)device;
+        (void)head_dim;
+        return "none";
+#endif
+      },
+      "The CUDA attention kernel the dispatch chooses for `head_dim` on `device` (none: no choice)");
 }

@@ -8,8 +8,16 @@ import sys
 import torch
 
 
+_KERNEL_TEXT = {
+    "sm80": "sm80 (mma.sync, exact FP16/BF16 dequantization)",
+    "sm90": "sm90 (wgmma + TMA)",
+    "sm120": "sm120 (block-scaled FP4 MMA)",
+}
+
+
 def info(argv: list[str]) -> int:
     from . import __version__, build_info
+    from ._ops import attention_kernel
 
     b = build_info()
     print(f"fp4attn {__version__}")
@@ -20,8 +28,9 @@ def info(argv: list[str]) -> int:
         print(f"CUDA backend: compiled for {b['cuda_archs'].replace('_', ', ')}")
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            kernel = "sm120 block-scaled FP4 MMA" if p.major == 12 else "FP16-MMA (exact dequantization)"
-            print(f"  cuda:{i} {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs -> {kernel}")
+            chosen = ", ".join(f"D<={d}: {_KERNEL_TEXT.get(attention_kernel(i, d), 'none')}"
+                               for d in (64, 128, 256))
+            print(f"  cuda:{i} {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs -> {chosen}")
     else:
         print("CUDA backend: not compiled (CPU-only build)")
     return 0

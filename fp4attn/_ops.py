@@ -28,6 +28,12 @@ def build_info() -> dict:
     return dict(_BUILD_INFO)
 
 
+def attention_kernel(device: int, head_dim: int) -> str:
+    """The CUDA kernel the dispatch chooses for `head_dim` on CUDA device `device` ("sm80", "sm90",
+    "sm120", or "none" where no kernel can run); "none" on a build without CUDA."""
+    return _C.attention_kernel(int(device), int(head_dim))
+
+
 def code_bytes(cols: int) -> int:
     return (cols + BLOCK - 1) // BLOCK * (BLOCK // 2)
 
@@ -58,12 +64,8 @@ def _fp4mm_fake(a_codes, a_scales, a_dec, b_codes, b_scales, b_dec, k, out_dtype
 
 
 @torch.library.register_fake("fp4attn::attention")
-def _attention_fake(q, k, v, attn_mask, is_causal, scale, return_lse, kernel):
+def _attention_fake(q, k, v, attn_mask, is_causal, scale, return_lse, kernel="auto"):
     out = q.new_empty(q.shape)  # contiguous, like the real op
     lse_shape = q.shape[:-1] if return_lse else (0,)
     return out, q.new_empty(lse_shape, dtype=torch.float32)
 
-
-@torch.library.register_fake("fp4attn::_test_mma_fp4")
-def _test_mma_fp4_fake(a, b, c, sfa, sfb, tid_a, tid_b):
-    return torch.empty_like(c)

@@ -21,7 +21,9 @@ from ._ops import HAS_CUDA_BACKEND, ops
 # Captured before anyone (fp4attn.patch included) can replace it.
 ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
 
-_KERNELS = {"auto": 0, "fp16": 1, "sm120": 2, "sm90": 3}
+# The CUDA kernel requests by their C API names (fp4attn_kernel_name in fp4attn.h): "auto" lets the
+# dispatch choose; the others force one kernel family (an error where it cannot run).
+KERNELS = ("auto", "sm80", "sm90", "sm120")
 _warned: set[str] = set()
 
 
@@ -33,11 +35,11 @@ def _strict_default() -> bool:
     return os.environ.get("FP4ATTN_STRICT", "0").lower() in ("1", "true", "yes")
 
 
-def _kernel_from_env() -> int:
+def _kernel_from_env() -> str:
     name = os.environ.get("FP4ATTN_KERNEL", "auto").lower()
-    if name not in _KERNELS:
-        raise ValueError(f"FP4ATTN_KERNEL must be one of {sorted(_KERNELS)}, got {name!r}")
-    return _KERNELS[name]
+    if name not in KERNELS:
+        raise ValueError(f"FP4ATTN_KERNEL must be one of {list(KERNELS)}, got {name!r}")
+    return name
 
 
 def _fallback_reason(query, key, value, attn_mask, dropout_p) -> str | None:

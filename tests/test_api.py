@@ -49,10 +49,10 @@ def test_errors_name_the_argument():
 def test_op_level_errors_from_the_binding():
     q, k, v = qkv(1, 2, 16, 32)
     with pytest.raises(RuntimeError, match="query must be 4-D"):
-        torch.ops.fp4attn.attention(q[0], k, v, None, False, 1.0, False, 0)
-    with pytest.raises(RuntimeError, match="kernel must be"):
-        torch.ops.fp4attn.attention(q, k, v, None, False, 1.0, False, 7)
-    for gpu_kernel in (2, 3):  # sm120, sm90
+        torch.ops.fp4attn.attention(q[0], k, v, None, False, 1.0, False, "auto")
+    with pytest.raises(RuntimeError, match="kernel must be one of auto, sm80, sm120, sm90, got 'hopper'"):
+        torch.ops.fp4attn.attention(q, k, v, None, False, 1.0, False, "hopper")
+    for gpu_kernel in ("sm80", "sm90", "sm120"):
         with pytest.raises(RuntimeError, match="needs CUDA tensors"):
             torch.ops.fp4attn.attention(q, k, v, None, False, 1.0, False, gpu_kernel)
 
@@ -62,9 +62,9 @@ def test_kernel_env_names(monkeypatch):
 
     front = importlib.import_module("fp4attn.sdpa")  # the module (fp4attn.sdpa is the function)
 
-    for name, value in (("auto", 0), ("fp16", 1), ("sm120", 2), ("sm90", 3)):
+    for name in ("auto", "sm80", "sm90", "sm120", "SM90"):
         monkeypatch.setenv("FP4ATTN_KERNEL", name)
-        assert front._kernel_from_env() == value
+        assert front._kernel_from_env() == name.lower()
     monkeypatch.setenv("FP4ATTN_KERNEL", "hopper")
     with pytest.raises(ValueError, match="FP4ATTN_KERNEL must be one of"):
         front._kernel_from_env()
@@ -176,7 +176,7 @@ def test_opcheck(op):
         args = (*a, *b, 40, torch.float16)
     else:
         q, k, v = qkv(1, 2, 20, 32)
-        args = (q, k, v, torch.rand(20, 20) > 0.2, False, 0.2, True, 0)
+        args = (q, k, v, torch.rand(20, 20) > 0.2, False, 0.2, True, "auto")
     torch.library.opcheck(getattr(torch.ops.fp4attn, op).default, args)
 
 
@@ -185,7 +185,7 @@ def test_torch_compile_fullgraph_cpu():
 
     @torch.compile(fullgraph=True, backend="eager")
     def f(q, k, v):
-        return torch.ops.fp4attn.attention(q, k, v, None, True, 0.125, False, 0)[0] * 2
+        return torch.ops.fp4attn.attention(q, k, v, None, True, 0.125, False, "auto")[0] * 2
 
     @torch.compile(fullgraph=True, backend="eager")
     def g(q, k, v):  # the public front end traces without graph breaks too

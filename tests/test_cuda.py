@@ -43,10 +43,10 @@ def sm90_available() -> bool:
     return torch.cuda.get_device_capability() == (9, 0) and "90a" in fp4attn.build_info()["cuda_archs"]
 
 
-KERNEL_MMA, KERNEL_SM90 = 1, 3
+KERNEL_MMA, KERNEL_SM90 = "sm80", "sm90"
 # every attention check runs on the mma.sync kernel and, on Hopper, on the wgmma kernel
 KERNELS = [
-    pytest.param(KERNEL_MMA, id="mma"),
+    pytest.param(KERNEL_MMA, id="sm80"),
     pytest.param(KERNEL_SM90, id="sm90",
                  marks=pytest.mark.skipif(not sm90_available(), reason="needs CC 9.0 + sm_90a build")),
 ]
@@ -61,7 +61,7 @@ def rand(shape, dtype=torch.float32, seed=0, scale=1.0, device="cuda"):
     return x.to(dtype).to(device)
 
 
-def attn_cuda(q, k, v, mask=None, causal=False, scale=None, lse=False, kernel=1):
+def attn_cuda(q, k, v, mask=None, causal=False, scale=None, lse=False, kernel=KERNEL_MMA):
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out, l = ops.attention(q, k, v, mask, causal, s, lse, kernel)
     return (out, l) if lse else out
@@ -327,7 +327,7 @@ def test_sm90_matches_mma_kernel_and_is_auto():
     a = attn_cuda(q, k, v, causal=True, kernel=KERNEL_MMA)
     b = attn_cuda(q, k, v, causal=True, kernel=KERNEL_SM90)
     assert rel_l1(a, b) < 1e-3
-    assert torch.equal(b, attn_cuda(q, k, v, causal=True, kernel=0))
+    assert torch.equal(b, attn_cuda(q, k, v, causal=True, kernel="auto"))
 
 
 def test_sm90_rejects_where_it_cannot_run():
@@ -361,13 +361,11 @@ def test_attention_more_than_2_31_elements(kernel):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("q_map", ["1", "0"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_noncontiguous_layouts(D, q_map, monkeypatch):
+def test_noncontiguous_layouts(D):
     """At D = 128 the Hopper kernel copies an item's query rows with one TMA load through a map of
-    Q in the caller's strides, or, where no map is encoded (FP4ATTN_SM90_Q_MAP=0 forces that), with
-    one bulk copy per row; Q without 16-byte aligned rows is loaded by the consumers themselves."""
-    monkeypatch.setenv("FP4ATTN_SM90_Q_MAP", q_map)
+    Q in the caller's strides, or, where the driver takes no map of them (a broadcast query head),
+    with one bulk copy per row; Q without 16-byte aligned rows is loaded by the consumers."""
     B, N, H = 2, 300, 4
     # transformers / diffusers: [B, N, H, D] projections transposed to [B, H, N, D]
     q = rand((B, N, H, D), torch.float16, 11).transpose(1, 2)
@@ -421,7 +419,7 @@ def test_torch_compile_fullgraph_op():
     q, k, v = (rand((1, 2, 200, 128), torch.bfloat16, s) for s in (34, 35, 36))
 
     def f(q, k, v):
-        out, lse = ops.attention(q, k, v, None, True, 0.1, True, 0)
+        out, lse = ops.attention(q, k, v, None, True, 0.1, True, "auto")
         return out.float() + 1.0, lse
 
     compiled = torch.compile(f, fullgraph=True)
@@ -466,12 +464,12 @@ def expect(fn, text):
     raise AssertionError("no error for " + text)
 q = torch.randn(1, 2, 16, 64, device="cuda", dtype=torch.float16)
 k = torch.randn(1, 3, 16, 64, device="cuda", dtype=torch.float16)
-expect(lambda: ops.attention(q, k, k, None, False, 0.125, False, 1), "multiple of key/value heads")
-expect(lambda: ops.attention(q, q.float(), q, None, False, 0.125, False, 1), "one dtype")
+expect(lambda: ops.attention(q, k, k, None, False, 0.125, False, "sm80"), "must be a multiple of heads_kv")
+expect(lambda: ops.attention(q, q.float(), q, None, False, 0.125, False, "sm80"), "one dtype")
 big = torch.randn(1, 1, 8, 300, device="cuda", dtype=torch.float16)
-expect(lambda: ops.attention(big, big, big, None, False, 0.125, False, 1), "head_dim")
+expect(lambda: ops.attention(big, big, big, None, False, 0.125, False, "sm80"), "head_dim")
 m = torch.ones(3, 5, dtype=torch.bool, device="cuda")
-expect(lambda: ops.attention(q, q, q, m, False, 0.125, False, 1), "broadcastable")
+expect(lambda: ops.attention(q, q, q, m, False, 0.125, False, "sm80"), "broadcastable")
 expect(lambda: fp4attn.sdpa(q, k, k, strict=True), "")
 print("errors ok")
 """

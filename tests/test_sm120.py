@@ -6,9 +6,9 @@ and scale-register layouts, checked against plain matrix algebra; the emulation'
 product) replayed in numpy against that model; the K token permutation and the way the kernel
 maps accumulator positions to key indices; the P-scale word assembly of the kernel.
 
-GPU (marked `gpu`): the primitive `torch.ops.fp4attn._test_mma_fp4` (the inline PTX on sm_120a,
+GPU (marked `gpu`): the primitive `torch.ops.fp4attn_testing.mma_fp4` (a private test op) (the inline PTX on sm_120a,
 the emulation elsewhere) against the CPU model for random fragments, every lane and every
-selector; then the whole sm120 kernel (kernel=2, emulated on Hopper) against
+selector; then the whole sm120 kernel (kernel "sm120", emulated on Hopper) against
 `fp4attn.reference.attention` (rel_l1 < 2e-3) over shapes, dtypes, masks, causal, GQA and LSE.
 """
 
@@ -26,7 +26,7 @@ E2M1 = np.array(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 )
 E4M3 = R.e4m3_decode(torch.arange(256, dtype=torch.uint8)).double().numpy()
-KERNEL_SM120 = 2
+KERNEL_SM120 = "sm120"
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -320,7 +320,7 @@ def test_mma_primitive_matches_model(scales):
         for tid_a in (0, 1):
             for tid_b in range(4):
                 d = (
-                    ops._test_mma_fp4(
+                    torch.ops.fp4attn_testing.mma_fp4(
                         torch.from_numpy(a.view(np.int32)).to(dev),
                         torch.from_numpy(b.view(np.int32)).to(dev),
                         torch.from_numpy(c).to(dev),

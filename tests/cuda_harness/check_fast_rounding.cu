@@ -10,7 +10,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "../../csrc/cuda/common.cuh"
+#include "../../csrc/cuda/common/device.cuh"
 
 /* The expected FP16 bits of the rounding of y (see the file comment). */
 __host__ __device__ static uint16_t expected_bits(float y) {

@@ -1,5 +1,5 @@
 /*
- * GPU check of the attention pre-pass (csrc/cuda/prepass.cu), no torch needed:
+ * GPU check of the attention pre-pass (csrc/cuda/prepass/prepass.cu), no torch needed:
  *   1. exhaustive: the fast E4M3 byte of m/6 (FMA-corrected quotient, hardware conversion) equals
  *      numerics.h on every float in [0, 2^96]; the signed add/subtract E2M1 rounding equals
  *      fp4attn_e2m1_encode bit for bit (+0 for zero codes) on every float of magnitude below 7,
@@ -31,7 +31,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../../csrc/cuda/prepass.cu"
+#include "../../csrc/cuda/prepass/prepass.cu"
 #include "cuda_check.h"
 
 static int g_fail = 0;
@@ -247,11 +247,28 @@ static void free_inputs(Inputs &in) {
   if (in.vb) CK(cudaFree(in.vb));
 }
 
+/* The workspace of a kernel with FP16 operands (the pre-pass writes every section). */
+static AttnPlan fp16_plan(const fp4attn_attention_params &p) {
+  AttnPlan plan;
+  plan.kernel = FP4ATTN_KERNEL_SM80;
+  plan.dp = padded_head_dim(p.head_dim);
+  plan.fp16_operands = true;
+  plan.qstage_blocks = 0;
+  plan.item_heads = 1;
+  return plan;
+}
+
+/* The pre-pass path by this harness's number: 0 automatic, 1 two-read, 2 streaming. */
+static fp4attn_status prepass(const AttnArgs &a, cudaStream_t s, int path) {
+  const PrepassPath pp = path == 1 ? PrepassPath::kTwoRead : (path == 2 ? PrepassPath::kStreaming : PrepassPath::kAuto);
+  return fp4attn_cuda::launch_prepass(a, true, s, pp);
+}
+
 static AttnArgs make_args(const fp4attn_attention_params &p, void *ws) {
   AttnArgs a;
   memset(&a, 0, sizeof a);
   a.p = p;
-  a.ws = attn_workspace_layout(&p, ws);
+  a.ws = attn_workspace_layout(&p, fp16_plan(p), ws);
   a.vec_q = vec_ok_h(p.q, p.q_stride, p.head_dim);
   a.vec_k = vec_ok_h(p.k, p.k_stride, p.head_dim);
   a.vec_v = vec_ok_h(p.v, p.v_stride, p.head_dim);
@@ -265,7 +282,7 @@ struct Section {
 };
 
 static std::vector<Section> sections(const fp4attn_attention_params &p) {
-  const AttnWorkspace w = attn_workspace_layout(&p, (void *)0x100000); /* fake base: offsets */
+  const AttnWorkspace w = attn_workspace_layout(&p, fp16_plan(p), (void *)0x100000); /* fake base: offsets */
   const int64_t bhq = p.batch * p.heads_q, bhk = p.batch * p.heads_kv;
   auto off = [&](const void *ptr) { return (int64_t)((const char *)ptr - (const char *)0x100000); };
   return {{"qbar", off(w.qbar), 4 * bhq * w.nqb * w.dp},
@@ -280,14 +297,14 @@ static std::vector<Section> sections(const fp4attn_attention_params &p) {
 /* The workspace after pre-pass `path` (where the streaming path does not apply, the two-read path
  * runs instead; *ran tells whether the requested path ran). */
 static std::vector<uint8_t> run_path(const fp4attn_attention_params &p, int path, uint8_t fill, bool *ran) {
-  const AttnWorkspace w0 = attn_workspace_layout(&p, nullptr);
+  const AttnWorkspace w0 = attn_workspace_layout(&p, fp16_plan(p), nullptr);
   void *ws;
   CK(cudaMalloc(&ws, w0.bytes));
   CK(cudaMemset(ws, fill, w0.bytes));
   const AttnArgs a = make_args(p, ws);
-  fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, 0, path);
+  fp4attn_status st = prepass(a, 0, path);
   if (ran) *ran = st.code == FP4ATTN_OK;
-  if (st.code == FP4ATTN_ERR_UNSUPPORTED && path != 1) st = fp4attn_cuda::launch_attention_prepass(a, 0, 1);
+  if (st.code == FP4ATTN_ERR_UNSUPPORTED && path != 1) st = prepass(a, 0, 1);
   if (st.code != FP4ATTN_OK) {
     fprintf(stderr, "pre-pass failed: %s\n", st.message);
     exit(2);
@@ -386,19 +403,19 @@ static void path_checks(bool quick) {
 static void graph_check() {
   const Case c = {FP4ATTN_FLOAT16, 2, 4, 2, 300, 700, 128, 0, 0, 0, 0};
   Inputs in = make_inputs(c, 99);
-  const AttnWorkspace w0 = attn_workspace_layout(&in.p, nullptr);
+  const AttnWorkspace w0 = attn_workspace_layout(&in.p, fp16_plan(in.p), nullptr);
   void *ws;
   CK(cudaMalloc(&ws, w0.bytes));
   CK(cudaMemset(ws, 0x77, w0.bytes));
   const AttnArgs a = make_args(in.p, ws);
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  fp4attn_cuda::launch_attention_prepass(a, s, 0); /* warm-up (attributes) outside the capture */
+  prepass(a, s, 0); /* warm-up (attributes) outside the capture */
   CK(cudaStreamSynchronize(s));
   cudaGraph_t g;
   cudaGraphExec_t ge;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, s, 0);
+  const fp4attn_status st = prepass(a, s, 0);
   CK(cudaStreamEndCapture(s, &g));
   CK(cudaGraphInstantiate(&ge, g, 0));
   bool ok = st.code == FP4ATTN_OK;
@@ -443,7 +460,7 @@ struct BenchShape {
   BenchShape(int64_t D, int64_t N)
       : c{FP4ATTN_FLOAT16, std::max<int64_t>(1, 16384 / N), 2048 / D, 2048 / D, N, N, D, 0, 0, 0, 0},
         in(make_inputs(c, 7)) {
-    const AttnWorkspace w0 = attn_workspace_layout(&in.p, nullptr);
+    const AttnWorkspace w0 = attn_workspace_layout(&in.p, fp16_plan(in.p), nullptr);
     CK(cudaMalloc(&ws, w0.bytes));
     a = make_args(in.p, ws);
   }
@@ -510,7 +527,7 @@ static void timing() {
             if (!ok[k]) continue;
             CK(cudaMemsetAsync(flush, i & 0xFF, flush_bytes));
             CK(cudaEventRecord(e0));
-            const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(a, 0, v.path);
+            const fp4attn_status st = prepass(a, 0, v.path);
             CK(cudaEventRecord(e1));
             CK(cudaEventSynchronize(e1));
             if (st.code != FP4ATTN_OK) {
@@ -549,7 +566,7 @@ int main(int argc, char **argv) {
     const BenchShape shape(atoll(argv[2]), atoll(argv[3]));
     const int path = argc > 4 ? atoi(argv[4]) : 0;
     for (int i = 0; i < 2; ++i) {
-      const fp4attn_status st = fp4attn_cuda::launch_attention_prepass(shape.a, 0, path);
+      const fp4attn_status st = prepass(shape.a, 0, path);
       if (st.code != FP4ATTN_OK) {
         printf("pre-pass failed: %s\n", st.message);
         return 2;

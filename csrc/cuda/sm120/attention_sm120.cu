@@ -1,63 +1,45 @@
 /*
- * Host entry points of the sm_120a FP4 attention: argument checks, workspace layout, the
- * quantization pre-pass (prepass_sm120.cu) and the attention kernel for the padded head dim
- * (attention_sm120_d{64,128,256}.cu). Never synchronises the host; safe under graph capture.
+ * Host side of the sm_120a FP4 attention: the operand writer (operand_writer.cu) from the shared
+ * pre-pass's statistics, then the kernel for the padded head dim (attention_sm120_d{64,128,256}.cu).
+ * Never synchronises the host; safe under graph capture.
  */
-#include <stdarg.h>
-#include <stdio.h>
-
+#include "../tile/workspace.cuh"
 #include "attention_sm120.h"
-#include "fp4attn/checks.h"
-#include "mma_fp4.cuh"
 #include "sm120_common.cuh"
 
-namespace {
+namespace fp4attn_cuda {
 
-fp4attn_status check(const fp4attn_attention_params *p) {
-  const fp4attn_status st = fp4attn_check_attention_params(p);
-  if (st.code != FP4ATTN_OK) return st;
-  /* grid dimensions of the pre-pass are 32-bit (y: up to 65535) */
-  if (p->batch * (p->heads_q + p->heads_kv) > 65535)
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
-                         "batch * (heads_q + heads_kv) must be at most 65535 for the sm120 kernel");
-  return fp4attn_ok();
-}
-
-__global__ void native_probe_kernel(int *out) {
-  *out = FP4ATTN_SM120_NATIVE_MMA;
-}
-
-}  // namespace
-
-extern "C" int64_t fp4attn_cuda_attention_sm120_workspace_bytes(const fp4attn_attention_params *p) {
-  if (check(p).code != FP4ATTN_OK) return 0;
+int64_t sm120_workspace_bytes(const fp4attn_attention_params &p) {
   return fp4attn_sm120::make_layout(p).total;
 }
 
-extern "C" fp4attn_status fp4attn_cuda_attention_sm120(const fp4attn_attention_params *p,
-                                                       void *workspace, void *stream) {
+fp4attn_status launch_attention_sm120(const AttnArgs &a, void *own, cudaStream_t s) {
   using namespace fp4attn_sm120;
-  fp4attn_status st = check(p);
-  if (st.code != FP4ATTN_OK) return st;
-  const Layout L = make_layout(p);
-  const int64_t items = L.B * L.Hq * L.nqb;
-  if (items == 0) return st; /* nothing to write */
-  if (!workspace && L.total > 0)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "workspace must not be NULL");
-  if (((uintptr_t)workspace & 255u) != 0)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "workspace must be 256-byte aligned");
-  cudaStream_t s = (cudaStream_t)stream;
-  uint8_t *ws = static_cast<uint8_t *>(workspace);
-  cudaError_t e = cudaSuccess;
-  if (L.Nk > 0) {
-    e = run_prepass_sm120(p, L, ws, s);
-    if (e != cudaSuccess)
-      return fp4attn_error(FP4ATTN_ERR_CUDA, "sm120 attention pre-pass: %s", cudaGetErrorString(e));
+  const fp4attn_attention_params *p = &a.p;
+  const Layout L = make_layout(*p);
+  uint8_t *ws = static_cast<uint8_t *>(own);
+  WriterInputs in;
+  in.q = p->q;
+  in.k = p->k;
+  in.v = p->v;
+  for (int i = 0; i < 3; ++i) {
+    in.q_stride[i] = p->q_stride[i];
+    in.k_stride[i] = p->k_stride[i];
+    in.v_stride[i] = p->v_stride[i];
   }
+  in.dtype = (int)p->dtype;
+  in.qbar = a.ws.qbar;
+  in.kbar = a.ws.kbar;
+  in.qscale = a.ws.qscale;
+  in.kvscale = a.ws.kvscale;
+  cudaError_t e = write_operands_sm120(in, L, ws, s);
+  if (e != cudaSuccess)
+    return fp4attn_error(FP4ATTN_ERR_CUDA, "sm120 attention operand writer: %s", cudaGetErrorString(e));
+
   KernelParams kp;
   kp.qc = ws + L.qc;
   kp.qs = ws + L.qs;
-  kp.qbar = reinterpret_cast<const float *>(ws + L.qbar);
+  kp.qbar = a.ws.qbar;
   kp.lse_shift = reinterpret_cast<const float *>(ws + L.lse_shift);
   const int64_t bq = L.B * L.Hq, bkv = L.B * L.Hkv;
   kp.dec_q = reinterpret_cast<const float *>(ws + L.dec);
@@ -97,35 +79,17 @@ extern "C" fp4attn_status fp4attn_cuda_attention_sm120(const fp4attn_attention_p
   kp.nqb = L.nqb;
   kp.nq_pad = L.nq_pad;
   kp.nkt = L.nkt;
-  kp.num_items = items;
+  kp.num_items = bq * L.nqb;
 
-  int dev = 0, sms = 0;
-  e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (e != cudaSuccess)
-    return fp4attn_error(FP4ATTN_ERR_CUDA, "sm120 attention: %s", cudaGetErrorString(e));
+  const int sms = sm_count();
   switch (L.Dp) {
-    case 64:
-      e = launch_attention_sm120<64>(kp, sms, s);
-      break;
-    case 128:
-      e = launch_attention_sm120<128>(kp, sms, s);
-      break;
-    default:
-      e = launch_attention_sm120<256>(kp, sms, s);
-      break;
+    case 64: e = fp4attn_sm120::launch_attention_sm120<64>(kp, sms, s); break;
+    case 128: e = fp4attn_sm120::launch_attention_sm120<128>(kp, sms, s); break;
+    default: e = fp4attn_sm120::launch_attention_sm120<256>(kp, sms, s); break;
   }
   if (e != cudaSuccess)
     return fp4attn_error(FP4ATTN_ERR_CUDA, "sm120 attention kernel: %s", cudaGetErrorString(e));
-  return st;
+  return fp4attn_ok();
 }
 
-extern "C" int fp4attn_cuda_sm120_native(void) {
-  /* which image the runtime picked for this device: native MMA only in sm_120a/121a code */
-  int *d = nullptr, h = 0;
-  if (cudaMalloc(&d, sizeof(int)) != cudaSuccess) return 0;
-  native_probe_kernel<<<1, 1>>>(d);
-  if (cudaMemcpy(&h, d, sizeof(int), cudaMemcpyDeviceToHost) != cudaSuccess) h = 0;
-  cudaFree(d);
-  return h;
-}
+}  // namespace fp4attn_cuda

@@ -1,6 +1,6 @@
 /*
- * Shared pieces of the sm_120a FP4 attention: the workspace layout written by the pre-pass
- * (prepass_sm120.cu) and read by the attention kernel (attention_sm120_kernel.cuh), the K token
+ * Shared pieces of the sm_120a FP4 attention: the workspace layout written by the operand writer
+ * (operand_writer.cu) and read by the attention kernel (attention_sm120_kernel.cuh), the K token
  * permutation, and small load helpers.
  *
  * Quantized operands live in kernel-private layouts (SPEC 2 allows them), chosen so that one key
@@ -52,40 +52,38 @@ __host__ __device__ __forceinline__ int padded_head_dim(int64_t d) {
   return d <= 64 ? 64 : (d <= 128 ? 128 : 256);
 }
 
+/* The sm120 kernel's own workspace sections (byte offsets from their base, which follows the
+ * shared sections of tile/workspace.cuh; the means and global scales live there). */
 struct Layout {
   int64_t B, Hq, Hkv, G, Nq, Nk, D, Dp;
-  int64_t nqb, nq_pad, nkt, nk_pad, nchunks;
-  /* byte offsets into the workspace */
-  int64_t qc, qs, qbar, lse_shift, kc, ks, vc, vs, kbar, kpart, amax, dec, total;
+  int64_t nqb, nq_pad, nkt, nk_pad;
+  int64_t qc, qs, lse_shift, kc, ks, vc, vs, dec, total;
 };
 
 inline int64_t align256(int64_t x) {
   return (x + 255) / 256 * 256;
 }
 
-inline Layout make_layout(const fp4attn_attention_params *p) {
+inline Layout make_layout(const fp4attn_attention_params &p) {
   Layout L;
-  L.B = p->batch;
-  L.Hq = p->heads_q;
-  L.Hkv = p->heads_kv;
-  L.G = p->heads_kv > 0 ? p->heads_q / p->heads_kv : 1;
-  L.Nq = p->len_q;
-  L.Nk = p->len_k;
-  L.D = p->head_dim;
-  L.Dp = padded_head_dim(p->head_dim);
+  L.B = p.batch;
+  L.Hq = p.heads_q;
+  L.Hkv = p.heads_kv;
+  L.G = p.heads_q / p.heads_kv;
+  L.Nq = p.len_q;
+  L.Nk = p.len_k;
+  L.D = p.head_dim;
+  L.Dp = padded_head_dim(p.head_dim);
   L.nqb = (L.Nq + kBlockQ - 1) / kBlockQ;
   L.nq_pad = L.nqb * kBlockQ;
   L.nkt = (L.Nk + kBlockKV - 1) / kBlockKV;
   L.nk_pad = L.nkt * kBlockKV;
-  L.nchunks = (L.Nk + kMeanChunk - 1) / kMeanChunk;
   const int64_t bq = L.B * L.Hq, bkv = L.B * L.Hkv;
   int64_t o = 0;
   L.qc = o;
   o += align256(bq * L.nq_pad * (L.Dp / 2));
   L.qs = o;
   o += align256(bq * L.nq_pad * (L.Dp / 16));
-  L.qbar = o;
-  o += align256(bq * L.nqb * L.Dp * 4);
   L.lse_shift = o;
   o += align256(bq * L.Nq * 4);
   L.kc = o;
@@ -96,14 +94,8 @@ inline Layout make_layout(const fp4attn_attention_params *p) {
   o += align256(bkv * L.nk_pad * (L.Dp / 2));
   L.vs = o;
   o += align256(bkv * L.nk_pad * (L.Dp / 16));
-  L.kbar = o;
-  o += align256(bkv * L.Dp * 4);
-  L.kpart = o;
-  o += align256(bkv * (L.nchunks > 0 ? L.nchunks : 1) * L.Dp * 4);
-  L.amax = o;
-  o += align256((bq + 2 * bkv) * 4); /* Q heads, then K heads, then V heads */
   L.dec = o;
-  o += align256((bq + 2 * bkv) * 4);
+  o += align256((bq + 2 * bkv) * 4); /* dec of Q heads, then K heads, then V heads */
   L.total = o;
   return L;
 }
@@ -145,9 +137,21 @@ struct KernelParams {
   int64_t num_items; /* B * Hq * nqb work items, heaviest (last query block) first */
 };
 
-/* Host side: SPEC 4.1-4.3 (means, global scales, quantization into the layouts above). */
-cudaError_t run_prepass_sm120(const fp4attn_attention_params *p, const Layout &L, uint8_t *ws,
-                              cudaStream_t stream);
+/* What the operand writer reads: the caller's tensors and the shared pre-pass's statistics. */
+struct WriterInputs {
+  const void *q, *k, *v;
+  int64_t q_stride[3], k_stride[3], v_stride[3];
+  int dtype;
+  const float *qbar;    /* [B*Hq][nqb][Dp] */
+  const float *kbar;    /* [B*Hkv][Dp] */
+  const float *qscale;  /* [B*Hq][2]: enc, dec */
+  const float *kvscale; /* [B*Hkv][4]: enc, dec of K; enc, dec of V */
+};
+
+/* Host side: Q^, K^ and V^ in the layouts above from the shared statistics (SPEC 4.2-4.3), the
+ * per-row LSE shift, and the dequantization scales the kernel reads. */
+cudaError_t write_operands_sm120(const WriterInputs &in, const Layout &L, uint8_t *ws,
+                                 cudaStream_t stream);
 
 /* Host side: launch of the attention kernel for one padded head dim. */
 template <int DP>

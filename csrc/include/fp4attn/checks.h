@@ -36,8 +36,8 @@ static inline int fp4attn_valid_dtype(fp4attn_dtype d) {
 }
 
 /* The contract of fp4attn_attention_params (fp4attn.h): non-null tensors, sizes >= 1 (callers
- * return early for empty outputs), heads_q a multiple of heads_kv, head_dim in [1, 256], a
- * consistent mask description. */
+ * return early for empty outputs), heads_q a multiple of heads_kv, head_dim in [1, 256], a valid
+ * kernel request, a consistent mask description. */
 static inline fp4attn_status fp4attn_check_attention_params(const fp4attn_attention_params *p) {
   if (!p || !p->q || !p->k || !p->v || !p->out)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: null tensor pointer");
@@ -56,6 +56,9 @@ static inline fp4attn_status fp4attn_check_attention_params(const fp4attn_attent
   if (p->head_dim < 1 || p->head_dim > FP4ATTN_MAX_HEAD_DIM)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: head_dim must be in [1, %d], got %lld",
                          FP4ATTN_MAX_HEAD_DIM, (long long)p->head_dim);
+  if (!fp4attn_kernel_name(p->kernel))
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: kernel %d is not valid",
+                         (int)p->kernel);
   if (p->mask_kind != FP4ATTN_MASK_NONE && p->mask_kind != FP4ATTN_MASK_BOOL &&
       p->mask_kind != FP4ATTN_MASK_ADDITIVE)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: mask_kind %d is not valid",

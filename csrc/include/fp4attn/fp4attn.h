@@ -7,7 +7,7 @@
  * (fp4attn_cpu_*) ignore `stream`; the CUDA entry points (fp4attn_cuda_*) enqueue on it
  * (a cudaStream_t passed as void*) and never synchronise the host.
  *
- * Numerics: ../../../shared/SPEC.md (kept in the repository as docs/SPEC.md).
+ * Numerics: docs/SPEC.md.
  * All strides and sizes are int64 element counts; the innermost dimension is contiguous.
  */
 #ifndef FP4ATTN_FP4ATTN_H
@@ -43,13 +43,28 @@ typedef enum {
   FP4ATTN_BFLOAT16 = 2,
 } fp4attn_dtype;
 
-/* Which attention kernel to run (CUDA). AUTO picks the native kernel for the device. */
+/* Which attention kernel to run (CUDA); the CPU backend has one. AUTO lets the dispatch choose
+ * for the device, head dim and build; an explicit request that cannot run is an
+ * FP4ATTN_ERR_UNSUPPORTED error, never a silent substitute. Names: fp4attn_kernel_name. */
 typedef enum {
   FP4ATTN_KERNEL_AUTO = 0,
-  FP4ATTN_KERNEL_FP16_MMA = 1, /* sm_80/86/89/90: exact dequantization to FP16/BF16 MMA */
-  FP4ATTN_KERNEL_SM120 = 2,    /* block-scaled FP4 MMA; on non-Blackwell GPUs, its emulation */
-  FP4ATTN_KERNEL_SM90 = 3,     /* Hopper (sm_90a build, compute capability 9.0): wgmma, warp-specialized */
+  FP4ATTN_KERNEL_SM80 = 1,  /* "sm80": mma.sync on exact FP16/BF16 dequantization, sm_80 and newer */
+  FP4ATTN_KERNEL_SM120 = 2, /* "sm120": block-scaled FP4 MMA; emulated exactly off Blackwell */
+  FP4ATTN_KERNEL_SM90 = 3,  /* "sm90": Hopper wgmma + TMA (sm_90a build, capability 9.0, D <= 128) */
 } fp4attn_kernel;
+
+#define FP4ATTN_KERNEL_COUNT 4
+
+/* The name of a kernel request ("auto", "sm80", "sm120", "sm90"); NULL for an invalid value. */
+static inline const char *fp4attn_kernel_name(fp4attn_kernel k) {
+  switch (k) {
+    case FP4ATTN_KERNEL_AUTO: return "auto";
+    case FP4ATTN_KERNEL_SM80: return "sm80";
+    case FP4ATTN_KERNEL_SM120: return "sm120";
+    case FP4ATTN_KERNEL_SM90: return "sm90";
+  }
+  return 0;
+}
 
 typedef enum {
   FP4ATTN_MASK_NONE = 0,
@@ -136,12 +151,9 @@ fp4attn_status fp4attn_cuda_fp4mm(const fp4attn_fp4mm_params *p, void *stream);
 int64_t fp4attn_cuda_attention_workspace_bytes(const fp4attn_attention_params *p);
 fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params *p, void *workspace,
                                       void *stream);
-/* Test hook of the sm120 kernel: one warp runs mma_fp4_m16n8k64 once (native on sm_120a,
- * emulated elsewhere). a [32][4], b [32][2], c/d [32][4] are the per-lane fragment registers,
- * sfa/sfb [32] the per-lane scale words; all device pointers. */
-fp4attn_status fp4attn_cuda_test_mma_fp4(const uint32_t *a, const uint32_t *b, const float *c,
-                                         const uint32_t *sfa, const uint32_t *sfb, int tid_a,
-                                         int tid_b, float *d, void *stream);
+/* The kernel fp4attn_cuda_attention would run for `p` on the current device (AUTO resolved), or
+ * FP4ATTN_KERNEL_AUTO where it would return an error. */
+fp4attn_kernel fp4attn_cuda_attention_kernel(const fp4attn_attention_params *p);
 
 #ifdef __cplusplus
 }

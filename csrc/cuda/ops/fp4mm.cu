@@ -8,7 +8,7 @@
  * the epilogue. Operands use the public linear layout; padding rows/blocks read as zero.
  * Not a performance path (the attention kernel has its own pipeline); it is exact and simple.
  */
-#include "common.cuh"
+#include "../common/device.cuh"
 
 using namespace fp4attn_cuda;
 

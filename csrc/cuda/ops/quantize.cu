@@ -10,7 +10,7 @@
  *   3. dec[b] = the slice's dequantization scale (overwrites the scratch amax).
  * dequantize: one thread per packed byte (two values). No host synchronisation anywhere.
  */
-#include "common.cuh"
+#include "../common/device.cuh"
 
 using namespace fp4attn_cuda;
 

@@ -1,11 +1,11 @@
-/* Test hook for the block-scaled FP4 MMA primitive (native on sm_120a, emulated elsewhere). */
+/* Test hook of the block-scaled FP4 MMA primitive (native on sm_120a, emulated elsewhere). */
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
 
-#include "attention_sm120.h"
+#include "../cuda/sm120/mma_fp4.cuh"
 #include "fp4attn/checks.h"
-#include "mma_fp4.cuh"
+#include "testing.h"
 
 namespace {
 
@@ -31,20 +31,20 @@ __global__ void test_mma_fp4_kernel(const uint32_t *a, const uint32_t *b, const 
 
 }  // namespace
 
-extern "C" fp4attn_status fp4attn_cuda_test_mma_fp4(const uint32_t *a, const uint32_t *b,
+extern "C" fp4attn_status fp4attn_testing_mma_fp4(const uint32_t *a, const uint32_t *b,
                                                     const float *c, const uint32_t *sfa,
                                                     const uint32_t *sfb, int tid_a, int tid_b,
                                                     float *d, void *stream) {
   if (!a || !b || !c || !sfa || !sfb || !d)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "test_mma_fp4: null pointer");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "mma_fp4 test: null pointer");
   if (tid_a < 0 || tid_a > 1)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "test_mma_fp4: tid_a must be 0 or 1");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "mma_fp4 test: tid_a must be 0 or 1");
   if (tid_b < 0 || tid_b > 3)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "test_mma_fp4: tid_b must be in 0..3");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "mma_fp4 test: tid_b must be in 0..3");
   test_mma_fp4_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(a, b, c, sfa, sfb, tid_a, tid_b, d);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
-    return fp4attn_error(FP4ATTN_ERR_CUDA, "test_mma_fp4: launch failed: %s",
+    return fp4attn_error(FP4ATTN_ERR_CUDA, "mma_fp4 test: launch failed: %s",
                          cudaGetErrorString(err));
   }
   return fp4attn_ok();

@@ -25,10 +25,15 @@
  * mma.m16n8k64 ... kind::mxf4nvf4 fragments with the scales as 4X operands, and pack P^q to
  * E2M1 instead of FP16 (docs/reference/blackwell_fp4.md). csrc/cuda/sm120 does exactly that.
  */
-#ifndef FP4ATTN_CUDA_ATTENTION_FWD_CUH
-#define FP4ATTN_CUDA_ATTENTION_FWD_CUH
+#ifndef FP4ATTN_CUDA_SM80_ATTENTION_SM80_CUH
+#define FP4ATTN_CUDA_SM80_ATTENTION_SM80_CUH
 
-#include "attention_tile.cuh"
+#include "../tile/epilogue.cuh"
+#include "../tile/q_quant.cuh"
+#include "../tile/qmean_bias.cuh"
+#include "../tile/scheduler.cuh"
+#include "../tile/softmax.cuh"
+#include "attention_sm80.h"
 
 namespace fp4attn_cuda {
 
@@ -96,7 +101,7 @@ struct FwdKernel {
     }
   }
 
-  /* bias of tile j (attention_tile.cuh): one or two threads per key. */
+  /* bias of tile j (tile/): one or two threads per key. */
   static __device__ void compute_bias_tile(const Ctx &c, int j, int buf) {
     const float *qbar = reinterpret_cast<const float *>(c.smem + C::kOffQbar);
     constexpr int TPK = C::kThreads / kTile; /* threads per key: 2 or 1 */
@@ -155,7 +160,7 @@ struct FwdKernel {
       }
     }
 
-    /* ---- softmax and P quantization (attention_tile.cuh) */
+    /* ---- softmax and P quantization (tile/) */
     const WarpRows wrows = {c.b, c.h, c.q0 + wr};
     float alpha[2], gsc[2];
     uint32_t pa[8][4];
@@ -205,8 +210,8 @@ struct FwdKernel {
     quantize_q(c);
     compute_bias_tile(c, 0, 0);
 
-    const float decq = w.qscale[c.bh * 2 + 1];
-    const float deck = w.kvscale[c.bhk * 4 + 1], decv = w.kvscale[c.bhk * 4 + 3];
+    const float decq = q_scales(w, c.bh)[kQDec];
+    const float deck = kv_scales(w, c.bhk)[kKDec], decv = kv_scales(w, c.bhk)[kVDec];
     const float cqk = a.scale_log2 * (decq * deck);
 
     RowState rs;
@@ -258,6 +263,14 @@ fp4attn_status launch_attention_fwd(const AttnArgs &a, cudaStream_t s) {
                         resident, 0, "attention", s);
 }
 
+/* The tile shape per padded head dim: 128 query rows (8 warps) and double-buffered K/V tiles up to
+ * 128; 64 rows (4 warps) and one buffer at 256, which must fit sm_80's shared memory. */
+template <int DP>
+fp4attn_status launch_attention_sm80(const AttnArgs &a, cudaStream_t s) {
+  if constexpr (DP == 256) return launch_attention_fwd<256, 4, 1>(a, s);
+  else return launch_attention_fwd<DP, 8, 2>(a, s);
+}
+
 }  // namespace fp4attn_cuda
 
-#endif /* FP4ATTN_CUDA_ATTENTION_FWD_CUH */
+#endif /* FP4ATTN_CUDA_SM80_ATTENTION_SM80_CUH */

@@ -4,11 +4,11 @@
  * non-negative E2M1 rounding used for P (e2m1_pair_sat6), and the cached SM count.
  *
  * Every rounding that must be bit-exact with the CPU backend goes through numerics.h or through
- * a helper proven equal to it (quantize_fast.cuh). P's rounding (SPEC 4 asks rel_l1, not bits) may
+ * a helper proven equal to it (fast_rounding.cuh). P's rounding (SPEC 4 asks rel_l1, not bits) may
  * differ at exact ties: e2m1_pair_sat6.
  */
-#ifndef FP4ATTN_CUDA_COMMON_CUH
-#define FP4ATTN_CUDA_COMMON_CUH
+#ifndef FP4ATTN_CUDA_COMMON_DEVICE_CUH
+#define FP4ATTN_CUDA_COMMON_DEVICE_CUH
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -156,6 +156,23 @@ __device__ __forceinline__ void load8_padded(const void *base, fp4attn_dtype dt,
   for (int e = 0; e < 8; ++e) out[e] = col + e < D ? load_as_float(base, dt, row + col + e) : 0.0f;
 }
 
+/* Columns kb*16 .. kb*16+15 of the row at element `row` of x, smoothed and scaled for phi
+ * (SPEC 4.1-4.3: (x - mean) * enc, two roundings), zeros from column D on. mean: the 16 means of
+ * these columns (any memory; registers when the caller holds them). */
+__device__ __forceinline__ void smoothed_block16(const void *x, fp4attn_dtype dt, int64_t row, int kb,
+                                                 int D, bool vec, const float *mean, float enc,
+                                                 float (&xs)[16]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int c0 = kb * 16 + half * 8;
+    float v[8];
+    load8_padded(x, dt, row, c0, D, vec, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      xs[half * 8 + e] = c0 + e < D ? __fmul_rn(__fsub_rn(v[e], mean[half * 8 + e]), enc) : 0.0f;
+  }
+}
+
 /* ------------------------------------------------------------------------ FP4 helpers */
 
 /* rne_e2m1 (SPEC 1) of two floats y0, y1 >= 0, saturated at 6, as the FP16 pair of the
@@ -163,8 +180,8 @@ __device__ __forceinline__ void load8_padded(const void *base, fp4attn_dtype dt,
  *  1. h = y rounded toward zero to FP16 (above 65504: 65504), then min(h, 6), then h's last bit set.
  *     Every E2M1 rounding tie (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is an FP16 value whose last bit
  *     is 0, so h lies on the same side of every tie as y, or just above a tie that y is exactly.
- *     (Rounding to nearest FP16 instead moves the values within half an FP16 unit of a tie onto it:
- *     measured, that pushed rel_l1 against the reference to 2e-3..3.6e-3.)
+ *     (Rounding to nearest FP16 instead would move the values within half an FP16 unit of a tie
+ *     onto it.)
  *  2. With 2^e the power of two at or below max(h, 1), h + 2^(e+9) is an FP16 value whose unit in
  *     the last place is the E2M1 spacing of h's binade (0.5 below 2, 1 in [2, 4), 2 in [4, 8)); its
  *     rounding to nearest even (an FMA) puts h on the grid, and subtracting 2^(e+9) is exact.
@@ -172,11 +189,8 @@ __device__ __forceinline__ void load8_padded(const void *base, fp4attn_dtype dt,
  * which round up instead of to even (NaN gives 6): a Pq/s exactly on a tie needs exp2 to land on
  * one of 7 values, and the approximate exp2 already moves Pq/s by a few units in the last place.
  * tests/cuda_harness/check_fast_rounding.cu checks every float, on the host (CI) and the GPU.
- * 7 instructions per pair; the FP32 form it replaced (max, and, FMA, FMA per value, then pack and
- * min per pair) took 10; the multiplication by the block scale follows either. The min and max
- * run as 16-bit integer operations on sm_90 (non-negative FP16 values order like their bits): as
- * min.f16x2/max.f16x2 (HMNMX2) they made the H200 kernel 3-5 % slower than the FP32 form at head
- * dim 64 (ncu: mio_throttle stalls 13K -> 86K samples), as VIMNMX.U16x2 it is 2-5 % faster. */
+ * 7 instructions per pair. The min and max run as 16-bit integer operations on sm_90
+ * (non-negative FP16 values order like their bits): VIMNMX.U16x2, not the slower HMNMX2. */
 __host__ __device__ __forceinline__ uint32_t e2m1_pair_sat6(float y0, float y1) {
 #if defined(__CUDA_ARCH__)
   uint32_t h, m, p2, t, r;
@@ -274,4 +288,4 @@ __device__ __forceinline__ void atomic_amax(float *addr, float v) {
 
 }  // namespace fp4attn_cuda
 
-#endif /* FP4ATTN_CUDA_COMMON_CUH */
+#endif /* FP4ATTN_CUDA_COMMON_DEVICE_CUH */

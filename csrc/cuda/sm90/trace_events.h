@@ -1,11 +1,11 @@
 /*
- * Development timeline of the sm90 attention kernel's work items (hopper/attention_fwd_sm90.cuh,
- * built with -DFP4ATTN_SM90_TRACE; read by tests/cuda_harness/trace_sm90.cu): per item, one
+ * Development timeline of the sm90 attention kernel's work items (attention_sm90.cuh,
+ * built with -DFP4ATTN_SM90_TRACE; read by tools/perf/trace_sm90.cu): per item, one
  * 64-bit stamp of the SM's cycle counter (clock64) per event below, from one thread of the role
  * that reaches it. Plain C++, so that the harness reads the buffer with the kernel's indices.
  */
-#ifndef FP4ATTN_CUDA_HOPPER_TRACE_EVENTS_H
-#define FP4ATTN_CUDA_HOPPER_TRACE_EVENTS_H
+#ifndef FP4ATTN_CUDA_SM90_TRACE_EVENTS_H
+#define FP4ATTN_CUDA_SM90_TRACE_EVENTS_H
 
 namespace fp4attn_cuda {
 namespace sm90 {
@@ -32,4 +32,4 @@ constexpr int kTraceItems = 16384; /* items with a row in the buffer (the first 
 }  // namespace sm90
 }  // namespace fp4attn_cuda
 
-#endif /* FP4ATTN_CUDA_HOPPER_TRACE_EVENTS_H */
+#endif /* FP4ATTN_CUDA_SM90_TRACE_EVENTS_H */

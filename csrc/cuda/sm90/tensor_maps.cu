@@ -1,44 +1,10 @@
 /*
- * Hopper wgmma attention kernel (attention_fwd_sm90.cuh): instantiations for head dims padded to
- * 64 and 128, and the rule that picks it.
+ * The TMA tensor maps of the Hopper kernel (attention_sm90.cuh), encoded on the host for each
+ * call: K^ and V^ in the workspace, and Q in the caller's strides.
  */
-#include "attention_fwd_sm90.cuh"
-
-#include <stdlib.h>
-#include <string.h>
-
-#define FP4ATTN_STR2(x) #x
-#define FP4ATTN_STR(x) FP4ATTN_STR2(x)
+#include "tensor_maps.h"
 
 namespace fp4attn_cuda {
-
-namespace {
-
-/* The extension build lists its device architectures in FP4ATTN_CUDA_ARCHS (setup.py); the
- * kernel has a body only in the sm_90a pass. */
-bool built_for_sm90a() {
-#if defined(FP4ATTN_CUDA_ARCHS)
-  return strstr(FP4ATTN_STR(FP4ATTN_CUDA_ARCHS), "90a") != nullptr;
-#else
-  return false;
-#endif
-}
-
-}  // namespace
-
-Sm90Choice choose_sm90(const fp4attn_attention_params &p, int64_t dp) {
-  if (p.kernel != FP4ATTN_KERNEL_AUTO && p.kernel != FP4ATTN_KERNEL_SM90) return SM90_NO;
-  const bool available = built_for_sm90a() && device_capability() == 90 && dp <= 128;
-  if (available) return SM90_YES;
-  return p.kernel == FP4ATTN_KERNEL_SM90 ? SM90_UNAVAILABLE : SM90_NO;
-}
-
-fp4attn_status sm90_unavailable(int64_t head_dim) {
-  return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
-                      "attention: kernel sm90 needs a GPU of compute capability 9.0, a build with "
-                      "sm_90a in FP4ATTN_CUDA_ARCHS and head dim <= 128 (got %lld)",
-                      (long long)head_dim);
-}
 
 namespace sm90 {
 
@@ -103,34 +69,15 @@ bool encode_q_map(const AttnArgs &a, int64_t dp, CUtensorMap &qmap) {
   const fp4attn_attention_params &p = a.p;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (p.dtype == FP4ATTN_FLOAT32 || !a.vec_q || encode == nullptr) return false;
-  /* FP4ATTN_SM90_Q_MAP=0: no map, so the kernel copies Q row by row (tests reach that path so) */
-  const char *env = getenv("FP4ATTN_SM90_Q_MAP");
-  if (env != nullptr && strcmp(env, "0") == 0) return false;
   /* Q {head_dim, Nq, Hq, B} in the caller's strides; boxes of dp x 128 rows land as [128][dp]
    * halves (no swizzle), zero-filled past head_dim and Nq. 16-bit words: FP16 and BF16 alike. */
   const cuuint64_t dims[4] = {(cuuint64_t)p.head_dim, (cuuint64_t)p.len_q, (cuuint64_t)p.heads_q, (cuuint64_t)p.batch};
   const cuuint64_t strides[3] = {(cuuint64_t)p.q_stride[2] * 2, (cuuint64_t)p.q_stride[1] * 2, (cuuint64_t)p.q_stride[0] * 2};
-  const cuuint32_t box[4] = {(cuuint32_t)dp, (cuuint32_t)kRows, 1, 1};
+  const cuuint32_t box[4] = {(cuuint32_t)dp, (cuuint32_t)kTile, 1, 1};
   return encode_tiled<4>(encode, qmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, p.q, dims, strides, box,
                          CU_TENSOR_MAP_SWIZZLE_NONE) == CUDA_SUCCESS;
 }
 
 }  // namespace sm90
 
-fp4attn_status launch_attention_fwd_sm90_d64(const AttnArgs &a, cudaStream_t s) { return sm90::launch<64>(a, s); }
-fp4attn_status launch_attention_fwd_sm90_d128(const AttnArgs &a, cudaStream_t s) { return sm90::launch<128>(a, s); }
-
 }  // namespace fp4attn_cuda
-
-#if defined(FP4ATTN_SM90_TRACE)
-/* Development only (tests/cuda_harness/trace_sm90.cu): copy out `items` rows of the timeline
- * (kTrEvents stamps each), then clear it for the next call. Returns 0 on success. */
-extern "C" int fp4attn_sm90_trace_take(unsigned long long *host, int items) {
-  using namespace fp4attn_cuda::sm90;
-  if (items > kTraceItems) items = kTraceItems;
-  if (cudaMemcpyFromSymbol(host, g_trace, sizeof(unsigned long long) * kTrEvents * items) != cudaSuccess) return 1;
-  void *buf = nullptr;
-  if (cudaGetSymbolAddress(&buf, g_trace) != cudaSuccess) return 1;
-  return cudaMemset(buf, 0, sizeof(g_trace)) == cudaSuccess ? 0 : 1;
-}
-#endif

@@ -2,10 +2,10 @@
  * Timeline of the sm90 attention kernel's work items (development tool, no torch): where a work
  * item's time goes besides its steady tiles (prologue, first tile, epilogue, the gap until the
  * next block starts on the SM). The kernel records clock64 stamps per item when built with
- * -DFP4ATTN_SM90_TRACE (the events: csrc/cuda/hopper/trace_events.h). Build and run on an H100/H200:
+ * -DFP4ATTN_SM90_TRACE (the events: csrc/cuda/sm90/trace_events.h). Build and run on an H100/H200:
  *   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -DFP4ATTN_SM90_TRACE \
  *     -DFP4ATTN_CUDA_ARCHS=90a -gencode arch=compute_90a,code=sm_90a \
- *     tests/cuda_harness/trace_sm90.cu $(find csrc/cuda -name '*.cu') -o /tmp/trace_sm90
+ *     tools/perf/trace_sm90.cu $(find csrc/cuda csrc/testing -name '*.cu') -o /tmp/trace_sm90
  *   /tmp/trace_sm90 [D N B H causal]...   (default: the bench shapes at N = 1K, 4K, 16K)
  * The stamps add a few instructions to the kernel: its times are close to, not equal to, the
  * benchmark's. Built without -DFP4ATTN_SM90_TRACE it only times the calls (pre-pass included,
@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "fp4attn/fp4attn.h"
-#include "../../csrc/cuda/hopper/trace_events.h"
-#include "cuda_check.h"
+#include "../../csrc/cuda/sm90/trace_events.h"
+#include "../../tests/cuda_harness/cuda_check.h"
 
 #if defined(FP4ATTN_SM90_TRACE)
 extern "C" int fp4attn_sm90_trace_take(unsigned long long *host, int items);

@@ -1,7 +1,8 @@
 /*
  * Quantization pre-pass of the CUDA attention (SPEC 4.1-4.3): qbar and max |Q - qbar| per
  * 128-row query block, kbar, the global scales of Qs, Ks and V, Ks^ quantized along D into
- * kdq and V^ along tokens into the tile-major vdq (layouts in attention.cuh).
+ * kdq and V^ along tokens into the tile-major vdq (layouts in tile/workspace.cuh). Kernels that
+ * consume their own operand layout (sm120) take the statistics and scales only.
  *
  * Two implementations with byte-identical results (every sum in the same fixed order):
  *
@@ -26,8 +27,6 @@
  *   Q is read once, K and V twice (the second time partly from L2), K^/V^ written once. The keys
  *   are zeroed by the cudaMemsetAsync of the sync section on the same stream; nothing else is
  *   shared between blocks, so the path runs inside CUDA graphs and for any sequence length.
- *   (Until v19 a single-read cooperative kernel held each chunk in shared memory until its head's
- *   statistics were complete; docs/cuda_notes.md has why the streaming path replaced it.)
  *
  * Two-read path (stats_kernel, finalize_kernel, quantize_kv_kernel): the fallback for inputs
  * without 16-byte vector access or with head dims not a multiple of 8, and for items too large for
@@ -40,7 +39,7 @@
  *   2. finalize_kernel, one block per (batch, head): kbar = sum / Nk, the amax of Ks from the
  *      partial min/max, and the global scales of Qs, Ks and V (fp4attn_global_scales).
  *   3. quantize_kv_kernel, one block per (kv head, 128-token tile): Ks^ along D (linear) and
- *      V^ along tokens into the tile-major V^T layout of attention.cuh, through
+ *      V^ along tokens into the tile-major V^T layout of tile/workspace.cuh, through
  *      fp4attn_quantize_block (bit-exact with the CPU backend for the same kbar), written as
  *      the exact FP16 values code * scale that the tensor cores consume.
  *
@@ -51,16 +50,12 @@
  * from 0; the block sum adds the RG group sums in order from 0; kbar adds the chunk sums in chunk
  * order from 0 and divides by Nk.
  */
+#include "prepass.h"
+
 #include <mutex>
 
-#include "attention.cuh"
-#include "quantize_fast.cuh"
-
-namespace fp4attn_cuda {
-/* path: 0 = automatic, 1 = the two-read path, 2 = the streaming path (UNSUPPORTED where it does not
- * apply). attention.cu calls it with 0; tests/cuda_harness/check_prepass.cu compares 1 and 2. */
-fp4attn_status launch_attention_prepass(const AttnArgs &a, cudaStream_t s, int path);
-}  // namespace fp4attn_cuda
+#include "../common/fast_rounding.cuh"
+#include "../tile/scheduler.cuh"
 
 using namespace fp4attn_cuda;
 
@@ -229,7 +224,7 @@ __device__ void q_head_scales(const AttnWorkspace &w, int64_t bh, float *sh_red)
   float qm = 0.0f;
   for (int64_t t = threadIdx.x; t < w.nqb; t += blockDim.x) qm = fp4attn_nanmax(qm, w.qamax[bh * w.nqb + t]);
   qm = block_nanmax(qm, sh_red);
-  if (threadIdx.x == 0) fp4attn_global_scales(qm, &w.qscale[bh * 2 + 0], &w.qscale[bh * 2 + 1]);
+  if (threadIdx.x == 0) fp4attn_global_scales(qm, &q_scales(w, bh)[kQEnc], &q_scales(w, bh)[kQDec]);
 }
 
 __global__ void __launch_bounds__(kThreads) finalize_kernel(AttnArgs a) {
@@ -263,8 +258,8 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(AttnArgs a) {
     for (int64_t t = c; t < w.nkt; t += blockDim.x) vam = fp4attn_nanmax(vam, w.vamax[bh * w.nkt + t]);
     vam = block_nanmax(vam, sh_red);
     if (c == 0) {
-      fp4attn_global_scales(kam, &w.kvscale[bh * 4 + 0], &w.kvscale[bh * 4 + 1]);
-      fp4attn_global_scales(vam, &w.kvscale[bh * 4 + 2], &w.kvscale[bh * 4 + 3]);
+      fp4attn_global_scales(kam, &kv_scales(w, bh)[kKEnc], &kv_scales(w, bh)[kKDec]);
+      fp4attn_global_scales(vam, &kv_scales(w, bh)[kVEnc], &kv_scales(w, bh)[kVDec]);
     }
     return;
   }
@@ -288,7 +283,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(AttnArgs a) {
   const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
   for (int c = threadIdx.x; c < DP; c += blockDim.x) sh_kbar[c] = w.kbar[bh * DP + c];
   __syncthreads();
-  const float enck = w.kvscale[bh * 4 + 0], encv = w.kvscale[bh * 4 + 2];
+  const float enck = kv_scales(w, bh)[kKEnc], encv = kv_scales(w, bh)[kVEnc];
   const int64_t t0 = kt * kTile;
   /* Ks^: one 16-column block of one token per job */
   const int kblocks = DP / 16;
@@ -326,7 +321,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(AttnArgs a) {
   }
 }
 
-fp4attn_status launch_two_read(const AttnArgs &a, cudaStream_t s) {
+fp4attn_status launch_two_read(const AttnArgs &a, bool fp16_operands, cudaStream_t s) {
   const fp4attn_attention_params *p = &a.p;
   const int64_t nstat = p->batch * p->heads_q * a.ws.nqb + p->batch * p->heads_kv * a.ws.nkt;
   if (nstat > 0x7FFFFFFFLL)
@@ -336,7 +331,7 @@ fp4attn_status launch_two_read(const AttnArgs &a, cudaStream_t s) {
   if (st.code != FP4ATTN_OK) return st;
   finalize_kernel<<<(unsigned)(p->batch * (p->heads_q + p->heads_kv)), kThreads, 0, s>>>(a);
   st = launch_status("attention: finalize kernel");
-  if (st.code != FP4ATTN_OK) return st;
+  if (st.code != FP4ATTN_OK || !fp16_operands) return st;
   quantize_kv_kernel<<<(unsigned)(p->batch * p->heads_kv * a.ws.nkt), kThreads, 0, s>>>(a);
   return launch_status("attention: quantize kernel");
 }
@@ -473,7 +468,7 @@ struct __align__(16) PrepassShared {
   float enck, encv;
 };
 
-/* What the three kernels share: work counts and the sync section of the workspace (attention.cuh,
+/* What the three kernels share: work counts and the sync section of the workspace (tile/workspace.cuh,
  * zeroed before every pre-pass). */
 struct StreamParams {
   unsigned int *vmax;        /* [BHk]: max |V| bits (NaN above Inf), atomicMax */
@@ -725,11 +720,11 @@ __device__ void reduce_head(const AttnArgs &a, const StreamParams &f, int64_t bh
   if (tid == 0) {
     float enc, dec;
     fp4attn_global_scales(kam, &enc, &dec);
-    w.kvscale[bh * 4 + 0] = enc;
-    w.kvscale[bh * 4 + 1] = dec;
+    kv_scales(w, bh)[kKEnc] = enc;
+    kv_scales(w, bh)[kKDec] = dec;
     fp4attn_global_scales(vam, &enc, &dec);
-    w.kvscale[bh * 4 + 2] = enc;
-    w.kvscale[bh * 4 + 3] = dec;
+    kv_scales(w, bh)[kVEnc] = enc;
+    kv_scales(w, bh)[kVDec] = dec;
   }
 }
 
@@ -961,7 +956,7 @@ __global__ void __launch_bounds__(kThreads, quantize_min_blocks<T, DP>())
     const int rows = (int)min((int64_t)C * kTile, p.len_k - kt0 * kTile);
     __syncthreads(); /* the previous item is done with sh.kbar */
     for (int c = threadIdx.x; c < DP; c += kThreads) sh.kbar[c] = w.kbar[bh * DP + c];
-    if (threadIdx.x == 0) sh.enck = w.kvscale[bh * 4 + 0], sh.encv = w.kvscale[bh * 4 + 2];
+    if (threadIdx.x == 0) sh.enck = kv_scales(w, bh)[kKEnc], sh.encv = kv_scales(w, bh)[kVEnc];
     asm volatile("cp.async.wait_group 1;\n" ::); /* K has landed; V may still be in flight */
     __syncthreads();
     quantize_item_k<T, DP>(kbuf, chunks, rows, D, sh, w.kdq + (bh * w.nkp + kt0 * kTile) * DP);
@@ -1045,7 +1040,7 @@ int resident_blocks_per_sm(PrepassKernel kernel, size_t smem) {
 
 /* Launches the streaming path (three kernels); FP4ATTN_ERR_UNSUPPORTED (nothing launched) where it
  * does not apply. */
-fp4attn_status launch_streaming(const AttnArgs &a, cudaStream_t s) {
+fp4attn_status launch_streaming(const AttnArgs &a, bool fp16_operands, cudaStream_t s) {
   const fp4attn_attention_params &p = a.p;
   const AttnWorkspace &w = a.ws;
   fp4attn_status unsupported;
@@ -1073,7 +1068,7 @@ fp4attn_status launch_streaming(const AttnArgs &a, cudaStream_t s) {
   if (st.code != FP4ATTN_OK) return st;
   k.finalize<<<(unsigned)(bhk + bhq), kThreads, 0, s>>>(a, f);
   st = launch_status("attention: pre-pass finalize kernel");
-  if (st.code != FP4ATTN_OK) return st;
+  if (st.code != FP4ATTN_OK || !fp16_operands) return st;
   const int64_t grid = min((int64_t)per_sm * sm_count(), f.n_kv);
   k.quantize<<<(unsigned)grid, kThreads, smem, s>>>(a, f);
   return launch_status("attention: pre-pass quantize kernel");
@@ -1081,13 +1076,14 @@ fp4attn_status launch_streaming(const AttnArgs &a, cudaStream_t s) {
 
 }  // namespace
 
-fp4attn_status fp4attn_cuda::launch_attention_prepass(const AttnArgs &a, cudaStream_t s, int path) {
+fp4attn_status fp4attn_cuda::launch_prepass(const AttnArgs &a, bool fp16_operands, cudaStream_t s,
+                                            PrepassPath path) {
   /* the streaming path's atomicMax keys and the forward kernel's work ticket */
   const size_t sync_bytes = attn_sync_bytes(a.p.batch * a.p.heads_kv, a.ws.dp);
   if (cudaMemsetAsync(a.ws.sync, 0, sync_bytes, s) != cudaSuccess) return launch_status("attention: counter reset");
-  if (path != 1) {
-    const fp4attn_status st = launch_streaming(a, s);
-    if (st.code != FP4ATTN_ERR_UNSUPPORTED || path == 2) return st;
+  if (path != PrepassPath::kTwoRead) {
+    const fp4attn_status st = launch_streaming(a, fp16_operands, s);
+    if (st.code != FP4ATTN_ERR_UNSUPPORTED || path == PrepassPath::kStreaming) return st;
   }
-  return launch_two_read(a, s);
+  return launch_two_read(a, fp16_operands, s);
 }

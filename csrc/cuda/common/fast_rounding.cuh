@@ -4,15 +4,24 @@
  * the E4M3 scale from an FMA-corrected m / 6 and the hardware conversion, and the E2M1 rounding
  * by one add and one subtract. Each helper is checked against numerics.h by
  * tests/cuda_harness/check_prepass.cu (exhaustively where a single float is the input).
- * Used by the pre-pass (K^, V^: two lanes per block, quantize_half_block in prepass.cu) and by
+ * Used by the pre-pass (K^, V^: two lanes per block, quantize_half_block in prepass/prepass.cu) and by
  * the attention kernels' Q quantization (quantize_block16: one thread per block).
  */
-#ifndef FP4ATTN_CUDA_QUANTIZE_FAST_CUH
-#define FP4ATTN_CUDA_QUANTIZE_FAST_CUH
+#ifndef FP4ATTN_CUDA_COMMON_FAST_ROUNDING_CUH
+#define FP4ATTN_CUDA_COMMON_FAST_ROUNDING_CUH
 
-#include "common.cuh"
+#include "device.cuh"
 
 namespace fp4attn_cuda {
+
+/* The exact FP16 values code * scale of one quantized 16-value block (codes q, E4M3 scale s) as
+ * 8 half2 words: the form the workspace and the kernels' shared memory hold. */
+__device__ __forceinline__ void block_f16_words(const uint8_t *q, uint8_t s, uint32_t (&o)[8]) {
+  const float sv = fp4attn_e4m3_decode(s);
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    o[i] = pack_half2(fp4attn_e2m1_decode(q[2 * i]) * sv, fp4attn_e2m1_decode(q[2 * i + 1]) * sv);
+}
 
 /* max that returns NaN when either operand is NaN (max.NaN, sm_80+). */
 __device__ __forceinline__ float max_nan(float a, float b) {
@@ -108,4 +117,4 @@ __device__ __forceinline__ void quantize_block16(const float (&xs)[16], uint32_t
 
 }  // namespace fp4attn_cuda
 
-#endif /* FP4ATTN_CUDA_QUANTIZE_FAST_CUH */
+#endif /* FP4ATTN_CUDA_COMMON_FAST_ROUNDING_CUH */

@@ -1,13 +1,12 @@
 /*
  * FP4 attention forward for Hopper (sm_90a), head dims padded to 64 and 128: the numerics of
- * attention_fwd.cuh (FP4 operands held as exact FP16 values, SPEC 4.4-4.6), with the matrix work
+ * the sm80 kernel (FP4 operands held as exact FP16 values, SPEC 4.4-4.6), with the matrix work
  * on wgmma and the loads on a producer warpgroup.
  *
  * Work items: 128 query rows of one (batch, query head) (item_count), with 3 warpgroups per block.
  * At DP = 64 the blocks are persistent (Config::kPersistent: one per SM, items from a ticket); at
  * DP = 128 there is one block per item, which thread 0 decodes once into shared memory for all
- * roles (Shared::block_item: the 64-bit decode in every role made the consumers' tile loop spill,
- * and any change to it moved that loop's register allocation; v21 measured +2..+5 %).
+ * roles (Shared::block_item), so the decode stays out of the consumers' register allocation.
  *   warpgroup 0, producer (setmaxnreg down to Config::kProducerRegs): per 128-key tile, one thread
  *     has the TMA load the K^ and V^ tiles (exact FP16 values written by the pre-pass; the
  *     tensor maps apply the 128-byte swizzle wgmma reads) onto the stage's "full" mbarrier, and
@@ -19,28 +18,29 @@
  *     consumers are done with the current item's Q^ (producer_loop).
  *   warpgroups 1 and 2, consumers (setmaxnreg up): 64 rows each. S = Q^ K^T by wgmma
  *     m64n128k16 with Q^ and K^ in shared memory; the score epilogue, online softmax and P
- *     quantization in registers (attention_tile.cuh, shared with the mma.sync kernel: the wgmma
+ *     quantization in registers (tile/, shared with the mma.sync kernel: the wgmma
  *     accumulator layout of each warp is the m16n8k16 layout of its 16 rows); O_acc += P^q V^ by
  *     wgmma m64n{DP}k16 with P^q from registers, the first-level scales applied to O_acc in FP32
  *     between tiles (softmax_tile_stats).
  * The two consumer warpgroups take turns at issuing their wgmma (see consumer()).
  * Persistence hides what a block per item exposes on every item: the launch, Q's quantization
  * and the first tile. With one block per item (DP = 128) the producer bulk-copies the item's Q
- * rows into shared memory and loads the first tile while the consumers quantize Q^ from the copy
- * (tests/cuda_harness/trace_sm90.cu measured the item's time outside its steady tiles at N = 4K:
- * ~15 us in v15, ~13.6 with the loads under the quantization and the epilogue's 16-byte row
- * stores, ~11 with the copy).
- * The TMA replaced per-thread cp.async (32 per producer thread and tile at DP = 128, with their
- * addressing): the producer issued a quarter of all instructions and the consumers waited for it.
+ * rows into shared memory and loads the first tile while the consumers quantize Q^ from the copy.
+ * The consumers' and producer's loops have a fragile register allocation: after any change here,
+ * compare their SASS with tools/perf/sass_loop_stats.py --compare (docs/performance.md).
  */
-#ifndef FP4ATTN_CUDA_HOPPER_ATTENTION_FWD_SM90_CUH
-#define FP4ATTN_CUDA_HOPPER_ATTENTION_FWD_SM90_CUH
+#ifndef FP4ATTN_CUDA_SM90_ATTENTION_SM90_CUH
+#define FP4ATTN_CUDA_SM90_ATTENTION_SM90_CUH
 
-#include <cuda.h> /* CUtensorMap (the driver entry point is looked up at run time: no -lcuda) */
-#include <cudaTypedefs.h>
 #include <type_traits>
 
-#include "../attention_tile.cuh"
+#include "../tile/epilogue.cuh"
+#include "../tile/q_quant.cuh"
+#include "../tile/qmean_bias.cuh"
+#include "../tile/scheduler.cuh"
+#include "../tile/softmax.cuh"
+#include "attention_sm90.h"
+#include "tensor_maps.h"
 #include "trace_events.h"
 #include "wgmma.cuh"
 
@@ -110,19 +110,15 @@ __device__ __forceinline__ int item_count(const fp4attn_attention_params &p) {
 
 template <int DP>
 struct Config {
-  /* setmaxnreg split of the launch allocation, 168 x 384 = P x 128 + C x 256. With the TMA the
-   * producer waits for "empty" a third of its time, so its bias MMA may spill a little (at
-   * DP = 128 it holds 64 registers of K and 32 of A fragments); the consumers must not: 120 / 192
-   * at DP = 128 reloaded consumer state from local memory every tile and measured 5 % slower. */
+  /* setmaxnreg split of the launch allocation, 168 x 384 = P x 128 + C x 256. The producer's bias
+   * MMA may spill a little (it waits on "empty" much of its time); the consumers must not spill
+   * (sass_loop_stats.py reports their local-memory traffic). */
   static constexpr int kProducerRegs = 104;
   static constexpr int kConsumerRegs = 200;
   static_assert(kProducerRegs + 2 * kConsumerRegs == 3 * 168, "setmaxnreg split of 168 x 384");
   /* Persistent blocks (item_count) where the producer has the slack to quantize the next item's
-   * Q^ between its tiles: DP = 64. At DP = 128 its bias work per tile is twice as large, and
-   * measured on the H200 one block per item with all 384 threads quantizing Q in the prologue was
-   * faster at N <= 8K and with causal masking (persistent: up to 19 % slower at N = 1K, 3 % faster
-   * at N = 16K without masking). With Q^ quantized by a pass of its own (v16, docs/cuda_notes.md)
-   * the persistent DP = 128 producer spilled more and the steady tiles got 7-13 % slower. */
+   * Q^ between its tiles: DP = 64. At DP = 128 its bias work per tile is twice as large, and one
+   * block per item is faster (docs/performance.md). */
   static constexpr bool kPersistent = DP == 64;
   /* K^/V^/bias ring: a consumer holds two stages (S_j and the deferred P^q_{j-1} V^_{j-1}) while
    * the producer fills the others. DP = 64 has the shared memory for a fourth, which lets the
@@ -231,9 +227,7 @@ struct Kernel {
 #if defined(FP4ATTN_SM90_WGMMA)
   /* One item per block with 16-bit Q in 16-byte aligned rows: warp 0 has the item's Q rows copied
    * into shared memory (copy_q_rows) and the consumers quantize them from there
-   * (quantize_copied_q). Their Q^ then waits for one copy instead of two rounds of global loads
-   * (trace_sm90.cu on the H200: ~3 us per round; Q^ ready 7.7 -> 5.4 us after the block's start,
-   * end to end +2 % at N = 4K, +5 % at 1K). */
+   * (quantize_copied_q). Their Q^ then waits for one copy instead of two rounds of global loads. */
   static __device__ __forceinline__ bool q_by_copy(const Params &prm) {
     return !C::kPersistent && prm.a.vec_q && prm.a.p.dtype != FP4ATTN_FLOAT32;
   }
@@ -241,14 +235,9 @@ struct Kernel {
   /* Warp 0 copies item k's Q rows into Config::kOffQRows ([128][DP] halves) onto "Q^ full"
    * (which blocks with one item do not use otherwise), right after thread 0's decode: with
    * Params::qmap one TMA load by lane 0 (zeros past len_q and head_dim), else one bulk copy per
-   * row (rows past len_q are not copied; the consumers treat them as zeros).
-   * v23 (trace_sm90.cu, docs/results/h200_s23/): a bulk copy takes ~56 cycles to issue, so the
-   * per-row copies by the producer's 128 threads after the role split left 1.2 us after the
-   * decode (rows landed 2.4 us after the block's start), by one warp 4 us after it; the map
-   * lands them at 1.3-1.4 us. Keep the fallback loop here: the same source without it (lane 0's
-   * TMA alone) compiles the consumer loop to 1,204 instructions with 3 spill loads per tile
-   * instead of 1,206 without spills, and that build measured 4-10 % slower end to end at
-   * N >= 4K (same call; its prologue is the same). */
+   * row (rows past len_q are not copied; the consumers treat them as zeros). The fallback loop
+   * is part of the consumers' register allocation: removing it makes their loop spill
+   * (sass_loop_stats.py --compare). */
   static __device__ void copy_q_rows(const Params &prm, const Item &k, const Shared &sh, int lane) {
     const fp4attn_attention_params &p = prm.a.p;
     if (prm.q_map) {
@@ -280,7 +269,7 @@ struct Kernel {
     static_assert(kThreadsQ % kBlocks == 0, "one column block per thread");
     const fp4attn_attention_params &p = a.p;
     const int kb = tid % kBlocks, D = (int)p.head_dim;
-    const float encq = a.ws.qscale[k.bh * 2 + 0];
+    const float encq = q_scales(a.ws, k.bh)[kQEnc];
     float mean[16]; /* DP floats, zero past D; 16-byte aligned (the workspace's qbar rows) */
 #pragma unroll
     for (int e = 0; e < 16; e += 4) {
@@ -345,10 +334,9 @@ struct Kernel {
     int stage = 0;
     const auto load_tile = [&](const Item &k, int j) {
       /* The bias's K rows come from the input K, not from the ring: at DP = 128 they are loaded
-       * before the wait for the stage, so they are on their way while the producer waits (same-call
-       * A/B, N = 1K-16K: -0.3..+1.4 % end to end, +0.5 % on average). At DP = 64 that order moves
-       * the consumers' tile loop's schedule (same instruction count) and measured -1.2..-1.7 % at
-       * N = 4K-8K. */
+       * before the wait for the stage, so they are on their way while the producer waits. At
+       * DP = 64 they are loaded after it: the other order moves the consumers' loop schedule
+       * (docs/performance.md). */
       typename BiasMma<DP, kBias == BiasPath::kMmaBf16>::Keys keys;
       constexpr bool kEarlyKeys = DP == 128;
       if (kBiasMma && kEarlyKeys) bias_mma.load(j, keys);
@@ -392,7 +380,7 @@ struct Kernel {
       for (int j = 0; j < k.ntiles; ++j) {
         load_tile(k, j);
         FP4ATTN_SM90_TRACE_AT(j == 0 && tid == 0, blockIdx.x, kTrFull0);
-        if (j == 0) named_sync(kBarQReady, kThreads); /* then the other tiles (measured +0.5-2 %) */
+        if (j == 0) named_sync(kBarQReady, kThreads); /* then the other tiles */
       }
       if (k.ntiles == 0) named_sync(kBarQReady, kThreads);
     }
@@ -480,7 +468,7 @@ struct Kernel {
    * softmax_tile_stats) while P^q_{j-1} V^_{j-1} is still on the tensor cores; then waits for it,
    * frees the stage, writes P^q_j (softmax_tile_finish) and rescales O_acc by tile j's factor,
    * ready for P^q_j V^_j. O is accumulated in place by the wgmma. The two consumer warpgroups take
-   * turns at issuing (kBarTurn, FA3's ping-pong: measured 1-3 % faster than free-running), so one's
+   * turns at issuing (kBarTurn, as FA3's ping-pong), so one's
    * wgmma run while the other does its softmax; the turns run on over the items.
    * With an attn_mask, both groups are waited for first: ptxas serializes every wgmma of the
    * kernel (warning C7513) when the general mask code (data-dependent branches and loads) runs
@@ -542,12 +530,11 @@ struct Kernel {
           return {b->b, b->h, b->q0 + cwg * 64 + wwarp * 16};
         }
       };
-      /* dQ, dK: loaded here, multiplied into cqk only once the first S is issued: the product
-       * before it made the first S wait for these loads (ncu at D=128, N = 1K: ~1 us per item in
-       * long-scoreboard stalls; end to end +0.3 %). Loading them in the prologue instead changed
-       * the tile loop's register allocation (2 more spill loads per tile). */
-      const float decq = w.qscale[k.bh * 2 + 1];
-      const float deck = w.kvscale[k.bhk * 4 + 1];
+      /* dQ, dK: loaded here, multiplied into cqk only once the first S is issued, so that the
+       * first S does not wait for these loads; loading them in the prologue makes the tile loop
+       * spill (sass_loop_stats.py --compare). */
+      const float decq = q_scales(w, k.bh)[kQDec];
+      const float deck = kv_scales(w, k.bhk)[kKDec];
       InPlaceSoftmaxState st;
       st.m[0] = st.m[1] = st.ref[0] = st.ref[1] = -INFINITY;
       st.l[0] = st.l[1] = 0.0f;
@@ -620,7 +607,7 @@ struct Kernel {
       }
       const Item e = item_of(item_no); /* once more for the epilogue (see item_of) */
       const WarpRows erows = {e.b, e.h, e.q0 + cwg * 64 + wwarp * 16};
-      const float decv = w.kvscale[e.bhk * 4 + 3];
+      const float decv = kv_scales(w, e.bhk)[kVDec];
       float omul[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r)
@@ -671,7 +658,7 @@ struct Kernel {
       if constexpr (!C::kPersistent) {
         /* The block's one item: Q^ by the 256 consumer threads from the rows warp 0 copied
          * (quantize_copied_q), or, for FP32 and unaligned Q, from global memory in 2 batches of
-         * loads (all of a thread's loads in one batch measured 0.5-2 % slower), while the
+         * loads, while the
          * producer loads the first tile and computes its bias. */
         __half *qs = sh.tile(C::kOffQ);
         const auto store = [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; };
@@ -701,12 +688,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd_sm90_kernel(const _
 #endif
 }
 
-/* The TMA maps of K^ and V^ for this call (see Params); host only, no stream work (fine under
- * CUDA-graph capture). */
-fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &kmap, CUtensorMap &vmap);
-/* Params::qmap for 16-bit Q with 16-byte aligned rows; false where the driver does not take its
- * strides (e.g. a broadcast head), and then the kernel copies Q row by row. Host only. */
-bool encode_q_map(const AttnArgs &a, int64_t dp, CUtensorMap &qmap);
 
 template <int DP>
 fp4attn_status launch(const AttnArgs &a, cudaStream_t s) {
@@ -724,6 +705,25 @@ fp4attn_status launch(const AttnArgs &a, cudaStream_t s) {
 }
 
 }  // namespace sm90
+
+template <int DP>
+fp4attn_status launch_attention_sm90(const AttnArgs &a, cudaStream_t s) {
+  return sm90::launch<DP>(a, s);
+}
+
 }  // namespace fp4attn_cuda
 
-#endif /* FP4ATTN_CUDA_HOPPER_ATTENTION_FWD_SM90_CUH */
+#if defined(FP4ATTN_SM90_TRACE)
+/* Development only (tools/perf/trace_sm90.cu): copy out `items` rows of the timeline (kTrEvents
+ * stamps each), then clear it for the next call. Returns 0 on success. */
+extern "C" int fp4attn_sm90_trace_take(unsigned long long *host, int items) {
+  using namespace fp4attn_cuda::sm90;
+  if (items > kTraceItems) items = kTraceItems;
+  if (cudaMemcpyFromSymbol(host, g_trace, sizeof(unsigned long long) * kTrEvents * items) != cudaSuccess) return 1;
+  void *buf = nullptr;
+  if (cudaGetSymbolAddress(&buf, g_trace) != cudaSuccess) return 1;
+  return cudaMemset(buf, 0, sizeof(g_trace)) == cudaSuccess ? 0 : 1;
+}
+#endif
+
+#endif /* FP4ATTN_CUDA_SM90_ATTENTION_SM90_CUH */

@@ -1,0 +1,96 @@
+/*
+ * The CUDA attention entry points of the C API, and the one place that decides how a call runs:
+ * the arguments are validated once (checks.h, then this backend's limits), heuristics.h plans
+ * the kernel, the pre-pass (prepass/) fills the workspace, and the planned kernel family
+ * (sm80/, sm90/, sm120/) computes the output.
+ */
+#include "prepass/prepass.h"
+#include "sm120/attention_sm120.h"
+#include "sm80/attention_sm80.h"
+#include "sm90/attention_sm90.h"
+
+using namespace fp4attn_cuda;
+
+namespace {
+
+bool aligned16(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+bool vec_ok(const void *ptr, const int64_t *stride, int64_t d) {
+  return aligned16(ptr) && d % 8 == 0 && stride[0] % 8 == 0 && stride[1] % 8 == 0 &&
+         stride[2] % 8 == 0;
+}
+
+/* The C API contract plus this backend's limits, then the plan. */
+fp4attn_status check_and_plan(const fp4attn_attention_params *p, AttnPlan *plan) {
+  const fp4attn_status st = fp4attn_check_attention_params(p);
+  if (st.code != FP4ATTN_OK) return st;
+  if (p->q_stride[0] < 0 || p->q_stride[1] < 0 || p->q_stride[2] < 0 || p->k_stride[2] < 0 ||
+      p->v_stride[2] < 0 || p->out_stride[2] < 0)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: negative strides");
+  return plan_attention(p, plan);
+}
+
+/* Bytes of the shared sections (tile/workspace.cuh), then the kernel's own. */
+int64_t workspace_bytes(const fp4attn_attention_params *p, const AttnPlan &plan) {
+  const int64_t shared = attn_workspace_layout(p, plan, nullptr).bytes;
+  return plan.kernel == FP4ATTN_KERNEL_SM120 ? shared + sm120_workspace_bytes(*p) : shared;
+}
+
+AttnArgs make_args(const fp4attn_attention_params *p, const AttnPlan &plan, void *workspace) {
+  AttnArgs a;
+  a.p = *p;
+  a.ws = attn_workspace_layout(p, plan, workspace);
+  a.vec_q = vec_ok(p->q, p->q_stride, p->head_dim);
+  a.vec_k = vec_ok(p->k, p->k_stride, p->head_dim);
+  a.vec_v = vec_ok(p->v, p->v_stride, p->head_dim);
+  const size_t es = dtype_size(p->dtype);
+  a.out_pair = (reinterpret_cast<uintptr_t>(p->out) % (2 * es)) == 0 && p->out_stride[0] % 2 == 0 &&
+               p->out_stride[1] % 2 == 0 && p->out_stride[2] % 2 == 0;
+  a.vec_out = p->dtype != FP4ATTN_FLOAT32 && vec_ok(p->out, p->out_stride, p->head_dim);
+  a.scale_log2 = p->scale * 1.4426950408889634f;
+  return a;
+}
+
+fp4attn_status launch_kernel(const AttnArgs &a, const AttnPlan &plan, void *workspace, cudaStream_t s) {
+  switch (plan.kernel) {
+    case FP4ATTN_KERNEL_SM90:
+      return plan.dp == 64 ? launch_attention_sm90<64>(a, s) : launch_attention_sm90<128>(a, s);
+    case FP4ATTN_KERNEL_SM120:
+      return launch_attention_sm120(a, static_cast<char *>(workspace) + a.ws.bytes, s);
+    default:
+      switch (plan.dp) {
+        case 64: return launch_attention_sm80<64>(a, s);
+        case 128: return launch_attention_sm80<128>(a, s);
+        default: return launch_attention_sm80<256>(a, s);
+      }
+  }
+}
+
+}  // namespace
+
+extern "C" int64_t fp4attn_cuda_attention_workspace_bytes(const fp4attn_attention_params *p) {
+  AttnPlan plan;
+  if (check_and_plan(p, &plan).code != FP4ATTN_OK) return 0;
+  return workspace_bytes(p, plan);
+}
+
+extern "C" fp4attn_kernel fp4attn_cuda_attention_kernel(const fp4attn_attention_params *p) {
+  AttnPlan plan;
+  return check_and_plan(p, &plan).code == FP4ATTN_OK ? plan.kernel : FP4ATTN_KERNEL_AUTO;
+}
+
+extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params *p,
+                                                 void *workspace, void *stream) {
+  AttnPlan plan;
+  fp4attn_status st = check_and_plan(p, &plan);
+  if (st.code != FP4ATTN_OK) return st;
+  if (!workspace)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: workspace is null");
+  if (reinterpret_cast<uintptr_t>(workspace) & 255u)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: workspace must be 256-byte aligned");
+  const AttnArgs a = make_args(p, plan, workspace);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  st = launch_prepass(a, plan.fp16_operands, s);
+  if (st.code != FP4ATTN_OK) return st;
+  return launch_kernel(a, plan, workspace, s);
+}

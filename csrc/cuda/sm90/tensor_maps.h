@@ -1,0 +1,27 @@
+/*
+ * The TMA tensor maps of the Hopper kernel, encoded on the host for each call (tensor_maps.cu);
+ * host only, no stream work (fine under CUDA-graph capture).
+ */
+#ifndef FP4ATTN_CUDA_SM90_TENSOR_MAPS_H
+#define FP4ATTN_CUDA_SM90_TENSOR_MAPS_H
+
+#include <cuda.h> /* CUtensorMap (the driver entry point is looked up at run time: no -lcuda) */
+#include <cudaTypedefs.h>
+
+#include "../tile/workspace.cuh"
+
+namespace fp4attn_cuda {
+namespace sm90 {
+
+/* The maps of K^ and V^ in the workspace: 3-D, boxes of 64 columns (128 bytes) with the 128-byte
+ * swizzle, so a box lands as one column block of the wgmma layout. */
+fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &kmap, CUtensorMap &vmap);
+/* The map of 16-bit Q with 16-byte aligned rows in the caller's strides (boxes of dp x 128 rows);
+ * false where the driver does not take its strides (e.g. a broadcast head): the kernel then
+ * copies Q row by row. */
+bool encode_q_map(const AttnArgs &a, int64_t dp, CUtensorMap &qmap);
+
+}  // namespace sm90
+}  // namespace fp4attn_cuda
+
+#endif /* FP4ATTN_CUDA_SM90_TENSOR_MAPS_H */

@@ -1,0 +1,120 @@
+/*
+ * The arguments every CUDA attention kernel receives (AttnArgs: the caller's parameters and the
+ * workspace) and the workspace layout shared by the pre-pass (prepass/) and the kernels.
+ *
+ * Workspace layout (every section 256-byte aligned; BHq = batch*heads_q, BHk = batch*heads_kv,
+ * Dp = head dim padded to 64/128/256, nqb = ceil(Nq/128), nkt = ceil(Nk/128), nkp = 128*nkt):
+ *   qbar    f32 [BHq][nqb][Dp]     per-128-row query means (SPEC 4.2), zero beyond D
+ *   qamax   f32 [BHq][nqb]         max |Q - qbar| of each query block
+ *   ksum/kmin/kmax f32 [BHk][nkt][Dp]  per-128-token column partials of K
+ *   vamax   f32 [BHk][nkt]         max |V| per 128-token chunk
+ *   kbar    f32 [BHk][Dp]          key mean (SPEC 4.1)
+ *   qscale  f32 [BHq][2]           enc, dec of Qs
+ *   kvscale f32 [BHk][4]           enc, dec of Ks; enc, dec of V
+ *   kdq     f16 [BHk][nkp][Dp]     (AttnPlan::fp16_operands, else empty) Ks^ quantized along D (SPEC 4.3), stored as the exact FP16
+ *                                  values code * E4M3 scale (no global scale; padding is 0)
+ *   vdq     f16 [BHk][nkt][Dp][128] V^ quantized along tokens, the same way, tile-major V^T:
+ *                                  one 128-token tile is Dp*256 contiguous bytes
+ *   qstage  f16 [S][128][Dp]       Q^ of the next query block of each persistent block of the
+ *                                  persistent sm90 kernel (sm90/attention_sm90.cuh, Dp = 64), as
+ *                                  its shared-memory image; S = AttnPlan::qstage_blocks
+ *   sync    u64, u32 [BHk], u32 [BHk][Dp] x 2: the Hopper kernel's work ticket, then the max |V|
+ *                                  and column min/max keys of the streaming pre-pass (prepass/),
+ *                                  zeroed on the stream by every pre-pass
+ * Storing the dequantized values (exact: at most 6 significant bits) rather than packed FP4 moves
+ * the dequantization out of the attention kernels' inner loops; the bits are the same as
+ * dequantizing the FP4 codes in the kernel. Q is not stored quantized: the sm80/sm90 kernels
+ * quantize their own 128-row blocks from the input. The sm120 kernel's own sections (FP4 codes in
+ * its fragment order, sm120/sm120_common.cuh) follow at offset `bytes`.
+ */
+#ifndef FP4ATTN_CUDA_TILE_WORKSPACE_CUH
+#define FP4ATTN_CUDA_TILE_WORKSPACE_CUH
+
+#include "../heuristics.h"
+
+namespace fp4attn_cuda {
+
+constexpr int kTile = 128; /* SPEC 4: Bq = Bkv = 128 */
+
+struct AttnWorkspace {
+  int64_t dp, nqb, nkt, nkp;
+  float *qbar, *qamax, *ksum, *kmin, *kmax, *vamax, *kbar, *qscale, *kvscale;
+  __half *kdq, *vdq, *qstage;
+  int64_t qstage_blocks;
+  void *sync;
+  int64_t bytes;
+  int64_t item_heads; /* AttnPlan::item_heads */
+};
+
+/* The global scales (SPEC 2) of the pre-pass: qscale[bh][kQScales], kvscale[bhk][kKvScales]. */
+enum QScale { kQEnc = 0, kQDec = 1, kQScales = 2 };
+enum KvScale { kKEnc = 0, kKDec = 1, kVEnc = 2, kVDec = 3, kKvScales = 4 };
+__host__ __device__ inline float *q_scales(const AttnWorkspace &w, int64_t bh) {
+  return w.qscale + bh * kQScales;
+}
+__host__ __device__ inline float *kv_scales(const AttnWorkspace &w, int64_t bhk) {
+  return w.kvscale + bhk * kKvScales;
+}
+
+/* The u64 work ticket at the start of the sync section: the Hopper kernel's (query blocks handed
+ * out after the first grid-size ones). The pre-pass's u32 keys follow it. */
+constexpr int kSyncTickets = 1;
+__host__ __device__ inline unsigned long long *attn_item_ticket(const AttnWorkspace &w) {
+  return static_cast<unsigned long long *>(w.sync);
+}
+
+struct AttnArgs {
+  fp4attn_attention_params p;
+  AttnWorkspace ws;
+  bool vec_q, vec_k, vec_v; /* 8-element groups are 16-byte aligned: vector loads */
+  bool out_pair;            /* two adjacent output elements form one aligned word */
+  bool vec_out;             /* 16-bit output, 8-element groups 16-byte aligned: 16-byte stores */
+  float scale_log2;         /* scale * log2(e) */
+};
+
+/* Bytes of the sync section (see the layout above). */
+static inline int64_t attn_sync_bytes(int64_t bhk, int64_t dp) {
+  return 8 * kSyncTickets + 4 * bhk + 8 * bhk * dp;
+}
+
+
+/* Fills the section pointers for `base` (may be null to only compute the size). */
+static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params *p,
+                                                  const AttnPlan &plan, void *base) {
+  AttnWorkspace w;
+  w.dp = plan.dp;
+  w.qstage_blocks = plan.qstage_blocks;
+  w.nqb = ceil_div(p->len_q, kTile);
+  w.nkt = ceil_div(p->len_k, kTile);
+  w.nkp = w.nkt * kTile;
+  w.item_heads = plan.item_heads;
+  const int64_t bhq = p->batch * p->heads_q, bhk = p->batch * p->heads_kv;
+  int64_t off = 0;
+  char *b = static_cast<char *>(base);
+  auto take = [&](int64_t bytes) -> void * {
+    void *r = b ? b + off : nullptr;
+    off += round_up(bytes, 256);
+    return r;
+  };
+  w.qbar = (float *)take(4 * bhq * w.nqb * w.dp);
+  w.qamax = (float *)take(4 * bhq * w.nqb);
+  w.ksum = (float *)take(4 * bhk * w.nkt * w.dp);
+  w.kmin = (float *)take(4 * bhk * w.nkt * w.dp);
+  w.kmax = (float *)take(4 * bhk * w.nkt * w.dp);
+  w.vamax = (float *)take(4 * bhk * w.nkt);
+  w.kbar = (float *)take(4 * bhk * w.dp);
+  w.qscale = (float *)take(4 * bhq * 2);
+  w.kvscale = (float *)take(4 * bhk * 4);
+  const int64_t operand_bytes = plan.fp16_operands ? 2 * bhk * w.nkp * w.dp : 0;
+  w.kdq = (__half *)take(operand_bytes);
+  w.vdq = (__half *)take(operand_bytes);
+  w.qstage = (__half *)take(2 * w.qstage_blocks * kTile * w.dp);
+  w.sync = take(attn_sync_bytes(bhk, w.dp));
+  w.bytes = off;
+  return w;
+}
+
+
+}  // namespace fp4attn_cuda
+
+#endif /* FP4ATTN_CUDA_TILE_WORKSPACE_CUH */
