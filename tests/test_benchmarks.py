@@ -1,0 +1,41 @@
+"""The benchmark scripts write their result set with the provenance header (CPU benchmark only:
+the GPU benchmark needs a GPU and minutes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from provenance import read_csv  # noqa: E402
+
+
+def test_bench_cpu_writes_csv_with_header(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_cpu.py"), "--quick", "--repeats", "1",
+           "--out", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    head, rows = read_csv(str(tmp_path / "bench_cpu.csv"))
+    assert list(head) == ["command", "hardware", "software", "date"]
+    assert head["command"].endswith(
+        f"python benchmarks/bench_cpu.py --quick --repeats 1 --out {tmp_path}")
+    assert "logical CPUs" in head["hardware"]
+    assert "torch " in head["software"] and "fp4attn " in head["software"]
+    assert [(r["N"], r["D"], r["causal"]) for r in rows] == [("1024", "64", "False"),
+                                                             ("1024", "64", "True")]
+    assert all(float(r["fp4attn_ms"]) > 0 and float(r["ratio"]) > 0 for r in rows)
+
+
+def test_committed_results_have_headers():
+    for name in ("bench_cpu.csv", "bench_attention.csv"):
+        head, rows = read_csv(str(ROOT / "benchmarks" / "results" / name))
+        assert {"command", "hardware", "software"} <= set(head), name
+        assert head["command"].startswith("python benchmarks/"), name
+        assert rows, name
