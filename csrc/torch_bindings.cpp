@@ -81,7 +81,7 @@ fp4attn_kernel kernel_from_name(c10::string_view name) {
     if (name == n) return static_cast<fp4attn_kernel>(k);
     choices += choices.empty() ? n : std::string(", ") + n;
   }
-  fail(false, "kernel must be one of %s, got '%s'", choices.c_str(), std::string(name).c_str());
+  fail(false, "cuda_kernel must be one of %s, got '%s'", choices.c_str(), std::string(name).c_str());
 }
 
 fp4attn_dtype to_c_dtype(at::ScalarType t, const char *arg) {
@@ -251,7 +251,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
                                              const at::Tensor &v_in,
                                              const c10::optional<at::Tensor> &attn_mask,
                                              bool is_causal, double scale, bool return_lse,
-                                             c10::string_view kernel_name) {
+                                             c10::string_view cuda_kernel) {
   CHECK_ARG(q_in.dim() == 4, "query must be 4-D [batch, heads, len_q, head_dim], got shape %s",
             shape_str(q_in.sizes()).c_str());
   CHECK_ARG(k_in.dim() == 4, "key must be 4-D [batch, heads_kv, len_k, head_dim], got shape %s",
@@ -279,7 +279,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
             static_cast<long long>(D), static_cast<long long>(v_in.size(3)));
   CHECK_ARG(v_in.size(1) == Hkv && v_in.size(2) == Nk, "value must have the shape of key %s, got %s",
             shape_str(k_in.sizes()).c_str(), shape_str(v_in.sizes()).c_str());
-  const fp4attn_kernel kernel = kernel_from_name(kernel_name);
+  const fp4attn_kernel kernel = kernel_from_name(cuda_kernel);
 
   // Unit stride along head_dim is required; other strides are passed through (no copies).
   at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
@@ -343,7 +343,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
   }
 #endif
   CHECK_ARG(q.device().is_cpu(), "query must be a CPU or CUDA tensor, got %s", q.device().str().c_str());
-  CHECK_ARG(kernel == FP4ATTN_KERNEL_AUTO, "kernel '%s' is a CUDA kernel: it needs CUDA tensors",
+  CHECK_ARG(kernel == FP4ATTN_KERNEL_AUTO, "cuda_kernel '%s' needs CUDA tensors",
             fp4attn_kernel_name(kernel));
   check_status(fp4attn_cpu_attention(&p));
   return {out, lse};
@@ -386,7 +386,7 @@ TORCH_LIBRARY(fp4attn, m) {
   m.def("fp4mm(Tensor a_codes, Tensor a_scales, Tensor a_dec, Tensor b_codes, Tensor b_scales, "
         "Tensor b_dec, int k, ScalarType out_dtype) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float scale, "
-        "bool return_lse, str kernel=\"auto\") -> (Tensor out, Tensor lse)");
+        "bool return_lse, str cuda_kernel=\"auto\") -> (Tensor out, Tensor lse)");
 }
 
 // Private test hooks (csrc/testing/testing.h), undocumented; not part of the product's ops.

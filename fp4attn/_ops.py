@@ -64,7 +64,7 @@ def _fp4mm_fake(a_codes, a_scales, a_dec, b_codes, b_scales, b_dec, k, out_dtype
 
 
 @torch.library.register_fake("fp4attn::attention")
-def _attention_fake(q, k, v, attn_mask, is_causal, scale, return_lse, kernel="auto"):
+def _attention_fake(q, k, v, attn_mask, is_causal, scale, return_lse, cuda_kernel="auto"):
     out = q.new_empty(q.shape)  # contiguous, like the real op
     lse_shape = q.shape[:-1] if return_lse else (0,)
     return out, q.new_empty(lse_shape, dtype=torch.float32)

@@ -50,7 +50,7 @@ def test_op_level_errors_from_the_binding():
     q, k, v = qkv(1, 2, 16, 32)
     with pytest.raises(RuntimeError, match="query must be 4-D"):
         torch.ops.fp4attn.attention(q[0], k, v, None, False, 1.0, False, "auto")
-    with pytest.raises(RuntimeError, match="kernel must be one of auto, sm80, sm120, sm90, got 'hopper'"):
+    with pytest.raises(RuntimeError, match="cuda_kernel must be one of auto, sm80, sm120, sm90, got 'hopper'"):
         torch.ops.fp4attn.attention(q, k, v, None, False, 1.0, False, "hopper")
     for gpu_kernel in ("sm80", "sm90", "sm120"):
         with pytest.raises(RuntimeError, match="needs CUDA tensors"):
