@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.."
 archs="${FP4ATTN_CUDA_ARCHS:-80;90a;120a}"
 gencode=()
 for a in ${archs//[;,]/ }; do gencode+=(-gencode "arch=compute_${a},code=sm_${a}"); done
+# what torch.utils.cpp_extension adds to every nvcc call of the extension build
+torch_defs=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
+            -D__CUDA_NO_HALF2_OPERATORS__)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 mapfile -t sources < <(find csrc -name '*.cu' | sort)
@@ -16,7 +19,7 @@ echo "nvcc $(nvcc --version | tail -1): ${#sources[@]} sources x archs ${archs}"
 jobs=${MAX_JOBS:-$(nproc)}
 printf '%s\n' "${sources[@]}" | xargs -P "$jobs" -I{} sh -c \
   'log="'"$out"'/$(echo {} | tr / _).log"
-   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -Xptxas -v '"${gencode[*]}"' -c "{}" \
+   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -Xptxas -v '"${torch_defs[*]}"' '"${gencode[*]}"' -c "{}" \
      -o "'"$out"'/$(echo {} | tr / _).o" > "$log" 2>&1 || { cat "$log"; exit 255; }
    if grep -q "wgmma.mma_async instructions are serialized" "$log"; then
      grep "wgmma.mma_async instructions are serialized" "$log"; echo "FAIL {}: ptxas serialized wgmma"; exit 255

@@ -275,6 +275,22 @@ def test_attention_sum_counts_blocks_with_zero_scale(kernel):
     assert (lse.cpu() - ref_lse).abs().max().item() < 2e-5
 
 
+@pytest.mark.parametrize("kernel", ["sm80", "auto", "sm120"])
+@pytest.mark.parametrize("dtype,D,offset", [(torch.float32, 200, 0), (torch.float32, 256, 0),
+                                            (torch.float16, 33, 0), (torch.bfloat16, 100, 0),
+                                            (torch.float32, 64, 1), (torch.float16, 128, 3)])
+def test_attention_every_input_form(dtype, D, offset, kernel):
+    """One pre-pass for every input: fp32 above head dim 128 (half-chunk quantize items), head
+    dims that are no multiple of 8 and unaligned rows (a staged copy of the inputs)."""
+    B, H, N = 1, 3, 300
+    base = rand((3 * B * H * N * D + offset,), dtype, 61)
+    q, k, v = (base[offset + i * B * H * N * D:][: B * H * N * D].view(B, H, N, D) for i in range(3))
+    out, lse = attn_cuda(q, k, v, None, True, lse=True, kernel=kernel)
+    ref, ref_lse = attn_ref(q, k, v, None, True, lse=True)
+    assert rel_l1(out, ref) < 2e-3
+    assert (lse.cpu() - ref_lse).abs().max().item() < 1e-3
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_float32_input_and_scale(kernel):
     q, k, v = (rand((1, 2, 190, 64), torch.float32, s) for s in (1, 2, 3))

@@ -13,13 +13,6 @@ using namespace fp4attn_cuda;
 
 namespace {
 
-bool aligned16(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
-
-bool vec_ok(const void *ptr, const int64_t *stride, int64_t d) {
-  return aligned16(ptr) && d % 8 == 0 && stride[0] % 8 == 0 && stride[1] % 8 == 0 &&
-         stride[2] % 8 == 0;
-}
-
 /* The C API contract plus this backend's limits, then the plan. */
 fp4attn_status check_and_plan(const fp4attn_attention_params *p, AttnPlan *plan) {
   const fp4attn_status st = fp4attn_check_attention_params(p);
@@ -30,9 +23,10 @@ fp4attn_status check_and_plan(const fp4attn_attention_params *p, AttnPlan *plan)
   return plan_attention(p, plan);
 }
 
-/* Bytes of the shared sections (tile/workspace.cuh), then the kernel's own. */
+/* The workspace: the shared sections (tile/workspace.cuh), the pre-pass's staging, then the
+ * sm120 kernel's own sections; each part a multiple of 256 bytes. */
 int64_t workspace_bytes(const fp4attn_attention_params *p, const AttnPlan &plan) {
-  const int64_t shared = attn_workspace_layout(p, plan, nullptr).bytes;
+  const int64_t shared = attn_workspace_layout(p, plan, nullptr).bytes + prepass_staging_bytes(*p);
   return plan.kernel == FP4ATTN_KERNEL_SM120 ? shared + sm120_workspace_bytes(*p) : shared;
 }
 
@@ -40,13 +34,13 @@ AttnArgs make_args(const fp4attn_attention_params *p, const AttnPlan &plan, void
   AttnArgs a;
   a.p = *p;
   a.ws = attn_workspace_layout(p, plan, workspace);
-  a.vec_q = vec_ok(p->q, p->q_stride, p->head_dim);
-  a.vec_k = vec_ok(p->k, p->k_stride, p->head_dim);
-  a.vec_v = vec_ok(p->v, p->v_stride, p->head_dim);
+  a.vec_q = vector_rows(p->q, p->q_stride, p->head_dim);
+  a.vec_k = vector_rows(p->k, p->k_stride, p->head_dim);
+  a.vec_v = vector_rows(p->v, p->v_stride, p->head_dim);
   const size_t es = dtype_size(p->dtype);
   a.out_pair = (reinterpret_cast<uintptr_t>(p->out) % (2 * es)) == 0 && p->out_stride[0] % 2 == 0 &&
                p->out_stride[1] % 2 == 0 && p->out_stride[2] % 2 == 0;
-  a.vec_out = p->dtype != FP4ATTN_FLOAT32 && vec_ok(p->out, p->out_stride, p->head_dim);
+  a.vec_out = p->dtype != FP4ATTN_FLOAT32 && vector_rows(p->out, p->out_stride, p->head_dim);
   a.scale_log2 = p->scale * 1.4426950408889634f;
   return a;
 }
@@ -56,7 +50,8 @@ fp4attn_status launch_kernel(const AttnArgs &a, const AttnPlan &plan, void *work
     case FP4ATTN_KERNEL_SM90:
       return plan.dp == 64 ? launch_attention_sm90<64>(a, s) : launch_attention_sm90<128>(a, s);
     case FP4ATTN_KERNEL_SM120:
-      return launch_attention_sm120(a, static_cast<char *>(workspace) + a.ws.bytes, s);
+      return launch_attention_sm120(
+          a, static_cast<char *>(workspace) + a.ws.bytes + prepass_staging_bytes(a.p), s);
     default:
       switch (plan.dp) {
         case 64: return launch_attention_sm80<64>(a, s);
@@ -90,7 +85,7 @@ extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params 
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: workspace must be 256-byte aligned");
   const AttnArgs a = make_args(p, plan, workspace);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  st = launch_prepass(a, plan.fp16_operands, s);
+  st = launch_prepass(a, plan.fp16_operands, static_cast<char *>(workspace) + a.ws.bytes, s);
   if (st.code != FP4ATTN_OK) return st;
   return launch_kernel(a, plan, workspace, s);
 }

@@ -5,23 +5,23 @@
  *      fp4attn_e2m1_encode bit for bit (+0 for zero codes) on every float of magnitude below 7,
  *      and after clamping to [-6, 6] on every float of magnitude below 2^100;
  *   2. quantize_half_block (pairs of lanes) and quantize_block16 (one thread, the attention
- *      kernels' Q^) == fp4attn_quantize_block + store_block_f16 on random blocks of every
+ *      kernels' Q^) == fp4attn_quantize_block + block_f16_words on random blocks of every
  *      magnitude, with zeros, -0, NaN and Inf;
- *   3. the streaming pre-pass against the two-read pre-pass: qbar, qamax, kbar, qscale,
- *      kvscale, kdq and vdq byte-identical (workspaces pre-filled with different bytes), over
- *      dtypes, head dims, lengths, GQA, strided / packed / unaligned layouts and special values;
- *      determinism; CUDA graph capture and replay;
+ *   3. the pre-pass against a host reference (host_prepass: the summation order of prepass.cu's
+ *      header, numerics.h's quantization): qbar, qamax, kbar, qscale, kvscale, kdq and vdq
+ *      byte-identical (workspace pre-filled), over dtypes, head dims, lengths, GQA, strided /
+ *      packed / unaligned layouts (staged) and special values; determinism; CUDA graph capture
+ *      and replay;
  *   4. timing at the shapes of benchmarks/bench_attention.py (fp16, B*N = 16K, H*D = 2048, N up to
  *      32K): CUDA events around the pre-pass (counter memset included), L2 flushed before each
- *      call, the paths interleaved call by call.
- * Build and run on a GPU machine (scripts/bench_prepass.sh does both):
+ *      call.
+ * Build and run on a GPU machine (tools/perf/bench_prepass.sh does both):
  *   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include \
  *     -gencode arch=compute_90a,code=sm_90a tests/cuda_harness/check_prepass.cu -o /tmp/chk
  *   /tmp/chk            (exit code 1 on any mismatch)
  *   /tmp/chk --quick    (skips the exhaustive sweeps)
  *   /tmp/chk --time     (only the timing)
- *   /tmp/chk --profile D N [P] (two pre-passes at a benchmark shape, e.g. under ncu; P: the path,
- *                        launch_attention_prepass's argument, default 0 = the product's choice)
+ *   /tmp/chk --profile D N (two pre-passes at a benchmark shape, e.g. under ncu)
  */
 #include <algorithm>
 #include <cstdio>
@@ -120,8 +120,8 @@ __global__ void block_check_kernel(uint64_t nblocks, unsigned long long *bad) {
     for (int i = 0; i < 16; ++i) all[i] = block_value(blk, i);
     uint8_t q[16];
     const uint8_t s = fp4attn_quantize_block(all, 16, q);
-    __align__(16) __half ref[16];
-    store_block_f16(ref, q, s);
+    __align__(16) uint32_t ref[8];
+    block_f16_words(q, s, reinterpret_cast<uint32_t(&)[8]>(ref));
     const uint4 want = reinterpret_cast<const uint4 *>(ref)[lane & 1];
     if (got.x != want.x || got.y != want.y || got.z != want.z || got.w != want.w) ++nbad;
     /* the one-thread quantizer of the attention kernels' Q^ on the same block */
@@ -149,7 +149,7 @@ static void block_checks() {
   CK(cudaFree(d));
 }
 
-/* ------------------------------------------------------------------ 3. pre-pass paths */
+/* ------------------------------------------------------------------ 3. the pre-pass */
 
 /* modes: 0 normal + column offsets, 1 mixed magnitudes, 2 normal with NaN/Inf/-0 sprinkled,
  * 3 constant, 4 large, 5 tiny, 6 zeros */
@@ -201,6 +201,7 @@ static bool vec_ok_h(const void *ptr, const int64_t *stride, int64_t d) {
 
 struct Inputs {
   void *qb = nullptr, *kb = nullptr, *vb = nullptr, *ob = nullptr;
+  int64_t qn = 0, kn = 0, vn = 0; /* bytes of each allocation */
   fp4attn_attention_params p;
 };
 
@@ -214,6 +215,7 @@ static Inputs make_inputs(const Case &c, uint32_t seed) {
   p.scale = 1.0f;
   auto alloc = [&](int64_t elems, void **buf) {
     CK(cudaMalloc(buf, (elems + 64) * es));
+    (buf == &in.qb ? in.qn : (buf == &in.kb ? in.kn : in.vn)) = (elems + 64) * es;
     return elems + 64;
   };
   if (c.layout == 2) {
@@ -258,10 +260,14 @@ static AttnPlan fp16_plan(const fp4attn_attention_params &p) {
   return plan;
 }
 
-/* The pre-pass path by this harness's number: 0 automatic, 1 two-read, 2 streaming. */
-static fp4attn_status prepass(const AttnArgs &a, cudaStream_t s, int path) {
-  const PrepassPath pp = path == 1 ? PrepassPath::kTwoRead : (path == 2 ? PrepassPath::kStreaming : PrepassPath::kAuto);
-  return fp4attn_cuda::launch_prepass(a, true, s, pp);
+/* The workspace, its staging area after the shared sections. */
+static int64_t workspace_bytes(const fp4attn_attention_params &p) {
+  return attn_workspace_layout(&p, fp16_plan(p), nullptr).bytes + fp4attn_cuda::prepass_staging_bytes(p);
+}
+
+static fp4attn_status prepass(const AttnArgs &a, cudaStream_t s) {
+  /* qbar is the workspace's first section: its base */
+  return fp4attn_cuda::launch_prepass(a, true, reinterpret_cast<char *>(a.ws.qbar) + a.ws.bytes, s);
 }
 
 static AttnArgs make_args(const fp4attn_attention_params &p, void *ws) {
@@ -279,32 +285,30 @@ static AttnArgs make_args(const fp4attn_attention_params &p, void *ws) {
 struct Section {
   const char *name;
   int64_t off, bytes;
+  int64_t elem; /* bytes per element: 4 (f32) or 2 (f16) */
 };
 
 static std::vector<Section> sections(const fp4attn_attention_params &p) {
   const AttnWorkspace w = attn_workspace_layout(&p, fp16_plan(p), (void *)0x100000); /* fake base: offsets */
   const int64_t bhq = p.batch * p.heads_q, bhk = p.batch * p.heads_kv;
   auto off = [&](const void *ptr) { return (int64_t)((const char *)ptr - (const char *)0x100000); };
-  return {{"qbar", off(w.qbar), 4 * bhq * w.nqb * w.dp},
-          {"qamax", off(w.qamax), 4 * bhq * w.nqb},
-          {"kbar", off(w.kbar), 4 * bhk * w.dp},
-          {"qscale", off(w.qscale), 4 * bhq * 2},
-          {"kvscale", off(w.kvscale), 4 * bhk * 4},
-          {"kdq", off(w.kdq), 2 * bhk * w.nkp * w.dp},
-          {"vdq", off(w.vdq), 2 * bhk * w.nkp * w.dp}};
+  return {{"qbar", off(w.qbar), 4 * bhq * w.nqb * w.dp, 4},
+          {"qamax", off(w.qamax), 4 * bhq * w.nqb, 4},
+          {"kbar", off(w.kbar), 4 * bhk * w.dp, 4},
+          {"qscale", off(w.qscale), 4 * bhq * 2, 4},
+          {"kvscale", off(w.kvscale), 4 * bhk * 4, 4},
+          {"kdq", off(w.kdq), 2 * bhk * w.nkp * w.dp, 2},
+          {"vdq", off(w.vdq), 2 * bhk * w.nkp * w.dp, 2}};
 }
 
-/* The workspace after pre-pass `path` (where the streaming path does not apply, the two-read path
- * runs instead; *ran tells whether the requested path ran). */
-static std::vector<uint8_t> run_path(const fp4attn_attention_params &p, int path, uint8_t fill, bool *ran) {
+/* The workspace after the pre-pass (pre-filled with `fill`). */
+static std::vector<uint8_t> run_prepass(const fp4attn_attention_params &p, uint8_t fill) {
   const AttnWorkspace w0 = attn_workspace_layout(&p, fp16_plan(p), nullptr);
   void *ws;
-  CK(cudaMalloc(&ws, w0.bytes));
-  CK(cudaMemset(ws, fill, w0.bytes));
+  CK(cudaMalloc(&ws, workspace_bytes(p)));
+  CK(cudaMemset(ws, fill, workspace_bytes(p)));
   const AttnArgs a = make_args(p, ws);
-  fp4attn_status st = prepass(a, 0, path);
-  if (ran) *ran = st.code == FP4ATTN_OK;
-  if (st.code == FP4ATTN_ERR_UNSUPPORTED && path != 1) st = prepass(a, 0, 1);
+  const fp4attn_status st = prepass(a, 0);
   if (st.code != FP4ATTN_OK) {
     fprintf(stderr, "pre-pass failed: %s\n", st.message);
     exit(2);
@@ -316,32 +320,207 @@ static std::vector<uint8_t> run_path(const fp4attn_attention_params &p, int path
   return h;
 }
 
+/* ---- the host reference: prepass.cu's summation order, numerics.h's quantization */
+
+/* The inputs of p on the host: element (b, h, t, c) of an operand as float. */
+struct HostInputs {
+  std::vector<uint8_t> q, k, v;
+  const uint8_t *qd, *kd, *vd; /* device bases of the copies */
+  fp4attn_dtype dt;
+  float at(const std::vector<uint8_t> &host, const uint8_t *dev, const void *ptr, const int64_t *st, int64_t b,
+           int64_t h, int64_t t, int64_t c) const {
+    const int64_t es = dtype_size(dt);
+    const uint8_t *x = host.data() + ((const uint8_t *)ptr - dev) + (b * st[0] + h * st[1] + t * st[2] + c) * es;
+    if (dt == FP4ATTN_FLOAT32) {
+      float f;
+      memcpy(&f, x, 4);
+      return f;
+    }
+    uint16_t u;
+    memcpy(&u, x, 2);
+    if (dt == FP4ATTN_BFLOAT16) return fp4attn_bits_float((uint32_t)u << 16);
+    __half_raw r;
+    r.x = u;
+    return __half2float(__half(r));
+  }
+};
+
+static HostInputs host_inputs(const Inputs &in) {
+  HostInputs h;
+  h.dt = in.p.dtype;
+  auto copy = [](const void *dev, int64_t n, std::vector<uint8_t> &out) {
+    out.resize(n);
+    if (n) CK(cudaMemcpy(out.data(), dev, n, cudaMemcpyDeviceToHost));
+  };
+  copy(in.qb, in.qn, h.q);
+  h.qd = (const uint8_t *)in.qb;
+  if (in.kb) {
+    copy(in.kb, in.kn, h.k);
+    copy(in.vb, in.vn, h.v);
+    h.kd = (const uint8_t *)in.kb, h.vd = (const uint8_t *)in.vb;
+  } else { /* packed qkv: one allocation */
+    h.k = h.q, h.v = h.q, h.kd = h.vd = h.qd;
+  }
+  return h;
+}
+
+/* Column statistics of rows [r0, r0 + rows) of D8 columns (zeros from D on), in the order of
+ * column_stats_of: row group g sums rows g, g + RG, ...; the block sum adds the groups in order. */
+template <typename Get>
+static void host_column_stats(Get get, int64_t r0, int rows, int D, int D8, std::vector<float> &sum,
+                              std::vector<float> &mn, std::vector<float> &mx) {
+  const int CG = D8 / 8, RG = CG <= 16 ? 16 : 256 / CG;
+  sum.assign(D8, 0.0f), mn.assign(D8, INFINITY), mx.assign(D8, -INFINITY);
+  for (int c = 0; c < D8; ++c) {
+    for (int g = 0; g < RG; ++g) {
+      float s = 0.0f;
+      for (int r = g; r < rows; r += RG) {
+        const float v = c < D ? get(r0 + r, c) : 0.0f;
+        s = s + v;
+        mn[c] = fminf(mn[c], v);
+        mx[c] = fmaxf(mx[c], v);
+      }
+      sum[c] = sum[c] + s;
+    }
+  }
+}
+
+static float host_amax_around(float mean, float mn, float mx) {
+  float am = fp4attn_nanmax(fabsf(mx - mean), fabsf(mean - mn));
+  return fp4attn_nanmax(am, fabsf(mean - mean));
+}
+
+/* 16 values -> codes + scale (numerics.h) -> the exact FP16 values, as the workspace holds them. */
+static void host_block_f16(const float *xs, uint16_t *out) {
+  uint8_t codes[16];
+  const uint8_t sc = fp4attn_quantize_block(xs, 16, codes);
+  const float sv = fp4attn_e4m3_decode(sc);
+  for (int i = 0; i < 16; ++i) {
+    const __half h = __float2half_rn(fp4attn_e2m1_decode(codes[i]) * sv);
+    out[i] = __half_raw(h).x;
+  }
+}
+
+/* The sections of `sections()` as the pre-pass must write them, in a workspace image. */
+static std::vector<uint8_t> host_prepass(const Inputs &in) {
+  const fp4attn_attention_params &p = in.p;
+  const AttnWorkspace w = attn_workspace_layout(&p, fp16_plan(p), (void *)0x100000);
+  auto off = [&](const void *ptr) { return (int64_t)((const char *)ptr - (const char *)0x100000); };
+  std::vector<uint8_t> img(attn_workspace_layout(&p, fp16_plan(p), nullptr).bytes, 0);
+  float *qbar = (float *)(img.data() + off(w.qbar)), *qamax = (float *)(img.data() + off(w.qamax));
+  float *kbar = (float *)(img.data() + off(w.kbar)), *qscale = (float *)(img.data() + off(w.qscale));
+  float *kvscale = (float *)(img.data() + off(w.kvscale));
+  uint16_t *kdq = (uint16_t *)(img.data() + off(w.kdq)), *vdq = (uint16_t *)(img.data() + off(w.vdq));
+  const HostInputs h = host_inputs(in);
+  const int D = (int)p.head_dim, D8 = (int)((p.head_dim + 7) / 8 * 8), DP = (int)w.dp;
+  std::vector<float> sum, mn, mx;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t hq = 0; hq < p.heads_q; ++hq) {
+      const int64_t bh = b * p.heads_q + hq;
+      float qm = 0.0f;
+      for (int64_t qb = 0; qb < w.nqb; ++qb) {
+        const int rows = (int)std::min<int64_t>(kTile, p.len_q - qb * kTile);
+        auto get = [&](int64_t t, int c) { return h.at(h.q, h.qd, p.q, p.q_stride, b, hq, t, c); };
+        host_column_stats(get, qb * kTile, rows, D, D8, sum, mn, mx);
+        float am = 0.0f;
+        for (int c = 0; c < D8; ++c) {
+          const float mean = sum[c] / (float)rows;
+          qbar[(bh * w.nqb + qb) * DP + c] = mean;
+          am = fp4attn_nanmax(am, host_amax_around(mean, mn[c], mx[c]));
+        }
+        qamax[bh * w.nqb + qb] = am;
+        qm = fp4attn_nanmax(qm, am);
+      }
+      fp4attn_global_scales(qm, &qscale[bh * 2], &qscale[bh * 2 + 1]);
+    }
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t hk = 0; hk < p.heads_kv; ++hk) {
+      const int64_t bh = b * p.heads_kv + hk;
+      auto getk = [&](int64_t t, int c) { return h.at(h.k, h.kd, p.k, p.k_stride, b, hk, t, c); };
+      auto getv = [&](int64_t t, int c) { return h.at(h.v, h.vd, p.v, p.v_stride, b, hk, t, c); };
+      std::vector<float> ks(D8, 0.0f), kmn(D8, INFINITY), kmx(D8, -INFINITY);
+      float vam = 0.0f;
+      for (int64_t kt = 0; kt < w.nkt; ++kt) {
+        const int rows = (int)std::min<int64_t>(kTile, p.len_k - kt * kTile);
+        host_column_stats(getk, kt * kTile, rows, D, D8, sum, mn, mx);
+        for (int c = 0; c < D8; ++c) {
+          ks[c] = ks[c] + sum[c];
+          kmn[c] = fminf(kmn[c], mn[c]);
+          kmx[c] = fmaxf(kmx[c], mx[c]);
+        }
+        for (int64_t t = kt * kTile; t < kt * kTile + rows; ++t)
+          for (int c = 0; c < D; ++c) vam = fp4attn_nanmax(vam, fabsf(getv(t, c)));
+      }
+      float kam = 0.0f;
+      for (int c = 0; c < D8; ++c) {
+        kbar[bh * DP + c] = ks[c] / (float)p.len_k;
+        kam = fp4attn_nanmax(kam, host_amax_around(kbar[bh * DP + c], kmn[c], kmx[c]));
+      }
+      float *sc = kvscale + bh * 4;
+      fp4attn_global_scales(kam, &sc[0], &sc[1]);
+      fp4attn_global_scales(vam, &sc[2], &sc[3]);
+      float xs[16];
+      for (int64_t t = 0; t < w.nkp; ++t) /* Ks^ along D */
+        for (int c0 = 0; c0 < DP; c0 += 16) {
+          for (int e = 0; e < 16; ++e) {
+            const int c = c0 + e;
+            xs[e] = t < p.len_k && c < D ? (getk(t, c) - kbar[bh * DP + c]) * sc[0] : 0.0f;
+          }
+          host_block_f16(xs, kdq + (bh * w.nkp + t) * DP + c0);
+        }
+      for (int64_t kt = 0; kt < w.nkt; ++kt) /* V^ along tokens, [tile][DP][128] */
+        for (int c = 0; c < DP; ++c)
+          for (int t0 = 0; t0 < kTile; t0 += 16) {
+            for (int e = 0; e < 16; ++e) {
+              const int64_t t = kt * kTile + t0 + e;
+              xs[e] = t < p.len_k && c < D ? getv(t, c) * sc[2] : 0.0f;
+            }
+            host_block_f16(xs, vdq + ((bh * w.nkt + kt) * DP + c) * kTile + t0);
+          }
+    }
+  return img;
+}
+
+/* Whether element i of a section (4-byte floats, or 2-byte halves for kdq / vdq) is NaN: NaNs
+ * compare equal whatever their payload (the host and the device make different ones). */
+static bool is_nan_elem(const uint8_t *e, int64_t elem) {
+  if (elem == 4) {
+    uint32_t u;
+    memcpy(&u, e, 4);
+    return (u & 0x7F800000u) == 0x7F800000u && (u & 0x7FFFFFu) != 0;
+  }
+  uint16_t u;
+  memcpy(&u, e, 2);
+  return (u & 0x7C00u) == 0x7C00u && (u & 0x3FFu) != 0;
+}
+
 /* first differing section, or "" */
 static std::string compare(const fp4attn_attention_params &p, const std::vector<uint8_t> &x,
                            const std::vector<uint8_t> &y) {
   for (const Section &s : sections(p)) {
-    if (memcmp(x.data() + s.off, y.data() + s.off, s.bytes) != 0) {
-      int64_t i = 0;
-      while (x[s.off + i] == y[s.off + i]) ++i;
+    const int64_t elem = s.elem;
+    for (int64_t i = 0; i < s.bytes; i += elem) {
+      const uint8_t *a = x.data() + s.off + i, *b = y.data() + s.off + i;
+      if (memcmp(a, b, elem) == 0 || (is_nan_elem(a, elem) && is_nan_elem(b, elem))) continue;
       char buf[160];
-      snprintf(buf, sizeof buf, "%s (byte %lld of %lld: %02x vs %02x)", s.name, (long long)i,
-               (long long)s.bytes, x[s.off + i], y[s.off + i]);
+      snprintf(buf, sizeof buf, "%s (element %lld of %lld differs)", s.name, (long long)(i / elem),
+               (long long)(s.bytes / elem));
       return buf;
     }
   }
   return "";
 }
 
-/* The streaming path against the two-read path, byte for byte, and against a second run of itself
+/* The pre-pass against the host reference, byte for byte, and against a second run of itself
  * (determinism). */
 static void check_case(const Case &c, uint32_t seed) {
   Inputs in = make_inputs(c, seed);
-  const std::vector<uint8_t> ref = run_path(in.p, 1, 0xAB, nullptr);
-  bool streamed = false;
-  const std::vector<uint8_t> got = run_path(in.p, 2, 0x5C, &streamed);
+  CK(cudaDeviceSynchronize());
+  const std::vector<uint8_t> ref = host_prepass(in);
+  const std::vector<uint8_t> got = run_prepass(in.p, 0x5C);
   std::string diff = compare(in.p, ref, got);
-  if (diff.empty() && streamed) {
-    const std::vector<uint8_t> again = run_path(in.p, 2, 0x33, nullptr);
+  if (diff.empty()) {
+    const std::vector<uint8_t> again = run_prepass(in.p, 0x33);
     diff = compare(in.p, got, again);
     if (!diff.empty()) diff = "NONDETERMINISTIC " + diff;
   }
@@ -350,7 +529,7 @@ static void check_case(const Case &c, uint32_t seed) {
   printf("%-4s %s B=%lld Hq=%lld Hkv=%lld Nq=%lld Nk=%lld D=%lld layout=%d modes=%d%d%d %s %s\n",
          ok ? "ok" : "FAIL", dt_name(c.dt), (long long)c.B, (long long)c.Hq, (long long)c.Hkv,
          (long long)c.Nq, (long long)c.Nk, (long long)c.D, c.layout, c.qmode, c.kmode, c.vmode,
-         streamed ? "streaming" : "two-read(fallback)", diff.c_str());
+         fp4attn_cuda::prepass_staging_bytes(in.p) ? "staged" : "in place", diff.c_str());
   free_inputs(in);
 }
 
@@ -398,24 +577,23 @@ static void path_checks(bool quick) {
   for (const Case &c : cases) check_case(c, seed += 3);
 }
 
-/* Capture path 0 (the streaming path) in a graph, replay with two input sets, compare with direct
- * runs of the two-read path. */
+/* Capture the pre-pass in a graph, replay with two input sets, compare with the host reference. */
 static void graph_check() {
   const Case c = {FP4ATTN_FLOAT16, 2, 4, 2, 300, 700, 128, 0, 0, 0, 0};
   Inputs in = make_inputs(c, 99);
   const AttnWorkspace w0 = attn_workspace_layout(&in.p, fp16_plan(in.p), nullptr);
   void *ws;
-  CK(cudaMalloc(&ws, w0.bytes));
-  CK(cudaMemset(ws, 0x77, w0.bytes));
+  CK(cudaMalloc(&ws, workspace_bytes(in.p)));
+  CK(cudaMemset(ws, 0x77, workspace_bytes(in.p)));
   const AttnArgs a = make_args(in.p, ws);
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  prepass(a, s, 0); /* warm-up (attributes) outside the capture */
+  prepass(a, s); /* warm-up (attributes) outside the capture */
   CK(cudaStreamSynchronize(s));
   cudaGraph_t g;
   cudaGraphExec_t ge;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  const fp4attn_status st = prepass(a, s, 0);
+  const fp4attn_status st = prepass(a, s);
   CK(cudaStreamEndCapture(s, &g));
   CK(cudaGraphInstantiate(&ge, g, 0));
   bool ok = st.code == FP4ATTN_OK;
@@ -427,7 +605,7 @@ static void graph_check() {
     CK(cudaStreamSynchronize(s));
     std::vector<uint8_t> got(w0.bytes);
     CK(cudaMemcpy(got.data(), ws, w0.bytes, cudaMemcpyDeviceToHost));
-    const std::vector<uint8_t> ref = run_path(in.p, 1, 0xAB, nullptr);
+    const std::vector<uint8_t> ref = host_prepass(in);
     const std::string d = compare(in.p, ref, got);
     if (!d.empty()) {
       ok = false;
@@ -460,8 +638,7 @@ struct BenchShape {
   BenchShape(int64_t D, int64_t N)
       : c{FP4ATTN_FLOAT16, std::max<int64_t>(1, 16384 / N), 2048 / D, 2048 / D, N, N, D, 0, 0, 0, 0},
         in(make_inputs(c, 7)) {
-    const AttnWorkspace w0 = attn_workspace_layout(&in.p, fp16_plan(in.p), nullptr);
-    CK(cudaMalloc(&ws, w0.bytes));
+    CK(cudaMalloc(&ws, workspace_bytes(in.p)));
     a = make_args(in.p, ws);
   }
   ~BenchShape() {
@@ -497,59 +674,40 @@ static void timing() {
     printf("\ncopy bandwidth: %.0f GB/s (read + write)\n", bw);
     CK(cudaFree(x));
     CK(cudaFree(y));
-    struct Variant {
-      const char *name;
-      int path;
-    };
-    const Variant variants[] = {{"streaming", 2}, {"two-read", 1}};
-    constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
-    printf("%-5s %-6s %-3s | %-20s %8s %9s %8s %8s\n", "D", "N", "B", "variant", "ms", "GB/s(b)", "%copy", "%copy*");
+    printf("%-5s %-6s %-3s | %8s %9s %8s %8s\n", "D", "N", "B", "ms", "GB/s(b)", "%copy", "%copy*");
     for (int64_t D : {64, 128})
       for (int64_t N : {1024, 4096, 16384, 32768}) {
         const BenchShape shape(D, N);
         const Case &c = shape.c;
-        const AttnArgs &a = shape.a;
         const double elems = (double)c.B * c.Hq * N * D;
         /* the bytes the workspace layout really moves (Q, K, V once, K^/V^ as FP16: bench_attention.py's
          * metric, %copy*), and the old metric with K^/V^ counted as FP4 codes + scales (%copy) */
         const double bench_bytes = 3 * elems * 2 + 2 * elems * (0.5 + 1.0 / 16);
         const double real_bytes = 3 * elems * 2 + 2 * elems * 2;
-        /* the variants interleaved call by call (23 rounds, the first 3 dropped), each round
-         * starting one variant later, so that a drift of the device's speed during the run, or
-         * an after-effect of the previous call, moves them all alike */
-        std::vector<float> t[kVariants];
-        bool ok[kVariants];
-        for (int k = 0; k < kVariants; ++k) ok[k] = true;
-        for (int i = 0; i < 23; ++i)
-          for (int kk = 0; kk < kVariants; ++kk) {
-            const int k = (i + kk) % kVariants;
-            const Variant &v = variants[k];
-            if (!ok[k]) continue;
-            CK(cudaMemsetAsync(flush, i & 0xFF, flush_bytes));
-            CK(cudaEventRecord(e0));
-            const fp4attn_status st = prepass(a, 0, v.path);
-            CK(cudaEventRecord(e1));
-            CK(cudaEventSynchronize(e1));
-            if (st.code != FP4ATTN_OK) {
-              printf("  %s: %s\n", v.name, st.code == FP4ATTN_ERR_UNSUPPORTED ? "not applicable" : st.message);
-              ok[k] = false;
-              continue;
-            }
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            if (i >= 3) t[k].push_back(ms);
+        std::vector<float> t; /* 23 calls, the first 3 dropped */
+        for (int i = 0; i < 23; ++i) {
+          CK(cudaMemsetAsync(flush, i & 0xFF, flush_bytes));
+          CK(cudaEventRecord(e0));
+          const fp4attn_status st = prepass(shape.a, 0);
+          CK(cudaEventRecord(e1));
+          CK(cudaEventSynchronize(e1));
+          if (st.code != FP4ATTN_OK) {
+            printf("  pre-pass failed: %s\n", st.message);
+            g_fail = 1;
+            break;
           }
-        for (int k = 0; k < kVariants; ++k) {
-          if (t[k].empty()) continue;
-          const float ms = median(t[k]);
-          printf("%-5lld %-6lld %-3lld | %-20s %8.4f %9.0f %7.1f%% %7.1f%%\n", (long long)D, (long long)N,
-                 (long long)c.B, variants[k].name, ms, bench_bytes / ms / 1e6, 100 * bench_bytes / ms / 1e6 / bw,
-                 100 * real_bytes / ms / 1e6 / bw);
+          float ms;
+          CK(cudaEventElapsedTime(&ms, e0, e1));
+          if (i >= 3) t.push_back(ms);
         }
+        if (t.empty()) continue;
+        const float ms = median(t);
+        printf("%-5lld %-6lld %-3lld | %8.4f %9.0f %7.1f%% %7.1f%%\n", (long long)D, (long long)N, (long long)c.B, ms,
+               bench_bytes / ms / 1e6, 100 * bench_bytes / ms / 1e6 / bw, 100 * real_bytes / ms / 1e6 / bw);
       }
     printf("GB/s(b), %%copy: inputs + K^/V^ counted as FP4 codes + scales (the old metric);\n"
            "%%copy*: bench_attention.py's metric, the bytes moved with the FP16 K^/V^ workspace (inputs + 2 x\n"
-           "K-sized FP16 outputs; K and V are read twice by the streaming path, which is not counted)\n");
+           "K-sized FP16 outputs; K and V are read twice, which is not counted)\n");
   }
   CK(cudaFree(flush));
 }
@@ -564,9 +722,8 @@ int main(int argc, char **argv) {
   if (argc > 1 && !strcmp(argv[1], "--probe")) return 0;
   if (argc > 3 && !strcmp(argv[1], "--profile")) { /* one warm-up and one pre-pass at (D, N), for ncu */
     const BenchShape shape(atoll(argv[2]), atoll(argv[3]));
-    const int path = argc > 4 ? atoi(argv[4]) : 0;
     for (int i = 0; i < 2; ++i) {
-      const fp4attn_status st = prepass(shape.a, 0, path);
+      const fp4attn_status st = prepass(shape.a, 0);
       if (st.code != FP4ATTN_OK) {
         printf("pre-pass failed: %s\n", st.message);
         return 2;

@@ -7,7 +7,7 @@ barriers and counts the instructions and MUFU (exp2/log2) in each part: the D=64
 depends on how ptxas spreads its MUFU, so compare these between builds.
 
   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -DFP4ATTN_CUDA_ARCHS=90a \\
-       -gencode arch=compute_90a,code=sm_90a -cubin -o sm90.cubin csrc/cuda/hopper/attention_fwd_sm90.cu
+       -gencode arch=compute_90a,code=sm_90a -cubin -o sm90.cubin csrc/cuda/sm90/attention_sm90.cu
   cuobjdump -sass sm90.cubin > sm90.sass
   python tools/perf/sass_loop_stats.py sm90.sass [--ops] [--phases] [--compare OTHER.sass]
 

@@ -72,6 +72,13 @@ static inline int device_capability() {
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
+/* Rows of d elements at ptr with these (batch, head, token) strides allow 16-byte vector access
+ * in groups of 8 elements (any dtype: 8 x 2 bytes, or two 16-byte halves of 8 floats). */
+static inline bool vector_rows(const void *ptr, const int64_t *stride, int64_t d) {
+  return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0 && d % 8 == 0 && stride[0] % 8 == 0 &&
+         stride[1] % 8 == 0 && stride[2] % 8 == 0;
+}
+
 __host__ __device__ inline int64_t dtype_size(fp4attn_dtype d) { return d == FP4ATTN_FLOAT32 ? 4 : 2; }
 /* fp4attn_code_bytes / fp4attn_scale_count of fp4attn.h, callable on the device too */
 __host__ __device__ inline int64_t fp4_code_bytes(int64_t cols) { return (cols + 15) / 16 * 8; }

@@ -1,54 +1,35 @@
 /*
- * Quantization pre-pass of the CUDA attention (SPEC 4.1-4.3): qbar and max |Q - qbar| per
- * 128-row query block, kbar, the global scales of Qs, Ks and V, Ks^ quantized along D into
- * kdq and V^ along tokens into the tile-major vdq (layouts in tile/workspace.cuh). Kernels that
- * consume their own operand layout (sm120) take the statistics and scales only.
- *
- * Two implementations with byte-identical results (every sum in the same fixed order):
- *
- * Streaming path (the default where it applies: 16-byte rows, head dims that are multiples of 8,
- * not fp32 with head dim above 128): three kernels, none of which waits for another block.
+ * The quantization pre-pass of the CUDA attention (SPEC 4.1-4.3): qbar and max |Q - qbar| per
+ * 128-row query block, kbar, the global scales of Qs, Ks and V, and, for the kernels with FP16
+ * operands, Ks^ quantized along D into kdq and V^ along tokens into the tile-major vdq (layouts in
+ * tile/workspace.cuh). Three kernels, none of which waits for another block:
  *   1. stream_stats_kernel, one short block per 128-row block of Q, K or V (1,024 threads per SM
  *      for 16-bit inputs, 8 rows of 16-byte loads per thread), all of a thread's loads in flight
- *      before the first use: a query block stores qbar and max |Q - qbar| (Q is read once,
+ *      before the first use: a query block stores qbar and max |Q - qbar| (by monotonicity of
+ *      rounding, max_j |fl(x_j - c)| = max(|fl(max x - c)|, |fl(c - min x)|), so Q is read once,
  *      evict-first); a K chunk stores its column sums and folds its column minima and maxima into
  *      per-head atomicMax keys (float_key: a min or max is exact in any order); a V chunk folds
  *      max |V| into a per-head key. K and V stay in L2 where they fit.
  *   2. stream_finalize_kernel, one block per K/V head (reduce_head: the chunk sums added in chunk
  *      order with batched loads, kbar, the global scales of Ks and V) and per query head (the Q
  *      scales).
- *   3. stream_quantize_kernel, persistent blocks (3 per SM, 64 KB of shared memory each) over
- *      items of 1 or 2 chunks (chunks_per_item: 64 KB of K and V), last item first, so that the
+ *   3. stream_quantize_kernel, persistent blocks over items of item_rows tokens (one or two
+ *      128-token chunks, half a chunk for fp32 at head dim 256), last item first, so that the
  *      chunks the statistics kernel read last are re-read from L2: K and V copied into shared
  *      memory (cp.async, 16 bytes per copy), the next item's K (V) copied while this item's V (K)
  *      is quantized. Ks^ along D and V^ along tokens (quantize_half_block: two lanes per 16-value
  *      block, hardware E4M3 of bmax/6 (FMA-corrected quotient), a 1/s table, the signed
  *      add/subtract E2M1 rounding, one FP16 multiply per pair; NaN/Inf blocks through numerics.h).
- *   Q is read once, K and V twice (the second time partly from L2), K^/V^ written once. The keys
- *   are zeroed by the cudaMemsetAsync of the sync section on the same stream; nothing else is
- *   shared between blocks, so the path runs inside CUDA graphs and for any sequence length.
+ * The kernels read 16-byte vectors of 8 elements: inputs without them (unaligned rows, head dims
+ * that are no multiple of 8) are first copied into the workspace's staging area with the head dim
+ * zero-padded to a multiple of 8 (stage_rows_kernel), which leaves every result unchanged.
+ * The keys are zeroed by the cudaMemsetAsync of the sync section on the same stream; nothing else
+ * is shared between blocks, so the pre-pass runs inside CUDA graphs and for any sequence length.
  *
- * Two-read path (stats_kernel, finalize_kernel, quantize_kv_kernel): the fallback for inputs
- * without 16-byte vector access or with head dims not a multiple of 8, and for items too large for
- * shared memory (fp32 with head dim above 128).
- *   1. stats_kernel, one block of 256 threads per 128-row query block and per 128-token K/V
- *      chunk: column sums, minima and maxima (16-byte loads where aligned). A query block gets
- *      its mean qbar and max |Q - qbar| directly (by monotonicity of rounding,
- *      max_j |fl(x_j - c)| = max(|fl(max x - c)|, |fl(c - min x)|), so no second pass over Q);
- *      a K chunk stores its partials, a V chunk its max |V|. Deterministic: fixed-order sums.
- *   2. finalize_kernel, one block per (batch, head): kbar = sum / Nk, the amax of Ks from the
- *      partial min/max, and the global scales of Qs, Ks and V (fp4attn_global_scales).
- *   3. quantize_kv_kernel, one block per (kv head, 128-token tile): Ks^ along D (linear) and
- *      V^ along tokens into the tile-major V^T layout of tile/workspace.cuh, through
- *      fp4attn_quantize_block (bit-exact with the CPU backend for the same kbar), written as
- *      the exact FP16 values code * scale that the tensor cores consume.
- *
- * Summation order shared by both paths (it defines the bits of qbar and kbar): a 128-row block
- * of D columns is read as CG = D/8 groups of 8 columns x RG = min(16, 256/CG) row groups
- * (stat_row_groups; the 8-wide column_stats below; inputs without vector access use 1-wide
- * groups of 256/D row groups, two-read path only). Row group g sums rows g, g+RG, ... in order
- * from 0; the block sum adds the RG group sums in order from 0; kbar adds the chunk sums in chunk
- * order from 0 and divides by Nk.
+ * Summation order (it defines the bits of qbar and kbar): a 128-row block of D columns is read as
+ * CG = D/8 groups of 8 columns x RG = min(16, 256/CG) row groups (stat_row_groups). Row group g
+ * sums rows g, g+RG, ... in order from 0; the block sum adds the RG group sums in order from 0;
+ * kbar adds the chunk sums in chunk order from 0 and divides by Nk.
  */
 #include "prepass.h"
 
@@ -70,88 +51,7 @@ __host__ __device__ constexpr int stat_row_groups(int CG) {
   return CG <= kThreads / 16 ? 16 : kThreads / CG;
 }
 
-/* ====================================================================== two-read path */
-
-/* Column statistics of `rows` rows x D columns (rows at `base + r * row_stride`), by 256
- * threads: thread (rg, cg) handles E consecutive columns of every RG-th row. Results for
- * column c < D land in red_sum/min/max[c]; |x| maximum in *red_amax when want_abs. */
-template <int E>
-__device__ void column_stats(const void *base, fp4attn_dtype dt, int64_t row_stride, int64_t rows,
-                             int D, bool want_sum, float *sh_sum, float *sh_min, float *sh_max,
-                             float *sh_abs) {
-  const int CG = (D + E - 1) / E;
-  const int RG = E == 8 ? stat_row_groups(CG) : kThreads / CG;
-  const int tid = threadIdx.x, rg = tid / CG, cg = tid % CG;
-  float sum[E], mn[E], mx[E], am = 0.0f;
-#pragma unroll
-  for (int e = 0; e < E; ++e) sum[e] = 0.0f, mn[e] = INFINITY, mx[e] = -INFINITY;
-  if (rg < RG) {
-    for (int64_t r = rg; r < rows; r += RG) {
-      float v[E];
-      const int64_t off = r * row_stride + (int64_t)cg * E;
-      if (E == 8) {
-        load8_as_float(base, dt, off, true, v);
-      } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) v[e] = load_as_float(base, dt, off + e);
-      }
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        if (want_sum) {
-          sum[e] = __fadd_rn(sum[e], v[e]);
-          mn[e] = fminf(mn[e], v[e]);
-          mx[e] = fmaxf(mx[e], v[e]);
-        } else {
-          am = fp4attn_nanmax(am, fabsf(v[e]));
-        }
-      }
-    }
-  }
-  /* [RG][D] partials in shared memory, reduced in fixed rg order */
-  __syncthreads();
-  if (rg < RG) {
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int c = cg * E + e;
-      if (c < D) {
-        if (want_sum) {
-          sh_sum[rg * D + c] = sum[e];
-          sh_min[rg * D + c] = mn[e];
-          sh_max[rg * D + c] = mx[e];
-        } else {
-          sh_abs[rg * D + c] = am;
-        }
-      }
-    }
-  }
-  __syncthreads();
-  if (tid < D) {
-    if (want_sum) {
-      float s = 0.0f, a = INFINITY, b = -INFINITY;
-      for (int i = 0; i < RG; ++i) {
-        s = __fadd_rn(s, sh_sum[i * D + tid]);
-        a = fminf(a, sh_min[i * D + tid]);
-        b = fmaxf(b, sh_max[i * D + tid]);
-      }
-      sh_sum[tid] = s, sh_min[tid] = a, sh_max[tid] = b;
-    } else {
-      float a = 0.0f;
-      for (int i = 0; i < RG; ++i) a = fp4attn_nanmax(a, sh_abs[i * D + tid]);
-      sh_abs[tid] = a;
-    }
-  }
-  __syncthreads();
-}
-
-/* column_stats in 8-column groups where rows allow 16-byte loads (vec), else 1-column groups. */
-__device__ void column_stats_any(bool vec, const void *base, fp4attn_dtype dt, int64_t row_stride,
-                                 int64_t rows, int D, bool want_sum, float *sh_sum, float *sh_min,
-                                 float *sh_max, float *sh_abs) {
-  if (vec)
-    column_stats<8>(base, dt, row_stride, rows, D, want_sum, sh_sum, sh_min, sh_max, sh_abs);
-  else
-    column_stats<1>(base, dt, row_stride, rows, D, want_sum, sh_sum, sh_min, sh_max, sh_abs);
-}
+/* ============================================================ shared block helpers */
 
 /* NaN-propagating max over the block of one value per thread; result valid in every thread. */
 __device__ float block_nanmax(float v, float *sh) {
@@ -165,61 +65,8 @@ __device__ float block_nanmax(float v, float *sh) {
   return r;
 }
 
-__global__ void __launch_bounds__(kThreads) stats_kernel(AttnArgs a) {
-  const fp4attn_attention_params &p = a.p;
-  const AttnWorkspace &w = a.ws;
-  __shared__ float sh_sum[kThreads * 8], sh_min[kThreads * 8], sh_max[kThreads * 8];
-  __shared__ float sh_red[32];
-  const int D = (int)p.head_dim;
-  const int64_t nq_blocks = p.batch * p.heads_q * w.nqb;
-  const int64_t bid = blockIdx.x;
-  if (bid < nq_blocks) {
-    const int64_t bh = bid / w.nqb, qb = bid % w.nqb;
-    const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-    const int64_t r0 = qb * kTile, rows = min((int64_t)kTile, p.len_q - r0);
-    const char *base = static_cast<const char *>(p.q) +
-                       (b * p.q_stride[0] + h * p.q_stride[1] + r0 * p.q_stride[2]) *
-                           (int64_t)dtype_size(p.dtype);
-    column_stats_any(a.vec_q, base, p.dtype, p.q_stride[2], rows, D, true, sh_sum, sh_min, sh_max, nullptr);
-    const int c = threadIdx.x;
-    float am = 0.0f;
-    if (c < w.dp) {
-      float mean = 0.0f;
-      if (c < D) {
-        mean = __fdiv_rn(sh_sum[c], (float)rows);
-        am = fp4attn_nanmax(fabsf(__fsub_rn(sh_max[c], mean)), fabsf(__fsub_rn(mean, sh_min[c])));
-        am = fp4attn_nanmax(am, fabsf(mean - mean)); /* NaN mean (NaN/Inf input) -> NaN */
-      }
-      w.qbar[(bh * w.nqb + qb) * w.dp + c] = mean;
-    }
-    am = block_nanmax(am, sh_red);
-    if (threadIdx.x == 0) w.qamax[bh * w.nqb + qb] = am;
-    return;
-  }
-  const int64_t kid = bid - nq_blocks;
-  const int64_t bh = kid / w.nkt, kt = kid % w.nkt;
-  const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
-  const int64_t r0 = kt * kTile, rows = min((int64_t)kTile, p.len_k - r0);
-  const int64_t esz = (int64_t)dtype_size(p.dtype);
-  const char *kb = static_cast<const char *>(p.k) +
-                   (b * p.k_stride[0] + h * p.k_stride[1] + r0 * p.k_stride[2]) * esz;
-  column_stats_any(a.vec_k, kb, p.dtype, p.k_stride[2], rows, D, true, sh_sum, sh_min, sh_max, nullptr);
-  const int c = threadIdx.x;
-  if (c < D) {
-    const int64_t o = (bh * w.nkt + kt) * w.dp + c;
-    w.ksum[o] = sh_sum[c];
-    w.kmin[o] = sh_min[c];
-    w.kmax[o] = sh_max[c];
-  }
-  const char *vb = static_cast<const char *>(p.v) +
-                   (b * p.v_stride[0] + h * p.v_stride[1] + r0 * p.v_stride[2]) * esz;
-  column_stats_any(a.vec_v, vb, p.dtype, p.v_stride[2], rows, D, false, nullptr, nullptr, nullptr, sh_sum);
-  const float am = block_nanmax(c < D ? sh_sum[c] : 0.0f, sh_red);
-  if (threadIdx.x == 0) w.vamax[bh * w.nkt + kt] = am;
-}
-
 /* The global scales of Qs of head bh from its query blocks' max |Q - qbar| (a max, so any order);
- * sh_red: 32 floats of shared memory. Both paths' finalize kernels. */
+ * sh_red: 32 floats of shared memory. */
 __device__ void q_head_scales(const AttnWorkspace &w, int64_t bh, float *sh_red) {
   float qm = 0.0f;
   for (int64_t t = threadIdx.x; t < w.nqb; t += blockDim.x) qm = fp4attn_nanmax(qm, w.qamax[bh * w.nqb + t]);
@@ -227,116 +74,7 @@ __device__ void q_head_scales(const AttnWorkspace &w, int64_t bh, float *sh_red)
   if (threadIdx.x == 0) fp4attn_global_scales(qm, &q_scales(w, bh)[kQEnc], &q_scales(w, bh)[kQDec]);
 }
 
-__global__ void __launch_bounds__(kThreads) finalize_kernel(AttnArgs a) {
-  const fp4attn_attention_params &p = a.p;
-  const AttnWorkspace &w = a.ws;
-  __shared__ float sh_red[32];
-  const int D = (int)p.head_dim;
-  const int64_t bhk = p.batch * p.heads_kv;
-  const int c = threadIdx.x;
-  if ((int64_t)blockIdx.x < bhk) {
-    const int64_t bh = blockIdx.x;
-    float am = 0.0f;
-    if (c < w.dp) {
-      float kbar = 0.0f;
-      if (c < D) {
-        float s = 0.0f, mn = INFINITY, mx = -INFINITY;
-        for (int64_t t = 0; t < w.nkt; ++t) {
-          const int64_t o = (bh * w.nkt + t) * w.dp + c;
-          s = __fadd_rn(s, w.ksum[o]);
-          mn = fminf(mn, w.kmin[o]);
-          mx = fmaxf(mx, w.kmax[o]);
-        }
-        kbar = __fdiv_rn(s, (float)p.len_k);
-        am = fp4attn_nanmax(fabsf(__fsub_rn(mx, kbar)), fabsf(__fsub_rn(kbar, mn)));
-        am = fp4attn_nanmax(am, fabsf(kbar - kbar));
-      }
-      w.kbar[bh * w.dp + c] = kbar;
-    }
-    const float kam = block_nanmax(am, sh_red);
-    float vam = 0.0f;
-    for (int64_t t = c; t < w.nkt; t += blockDim.x) vam = fp4attn_nanmax(vam, w.vamax[bh * w.nkt + t]);
-    vam = block_nanmax(vam, sh_red);
-    if (c == 0) {
-      fp4attn_global_scales(kam, &kv_scales(w, bh)[kKEnc], &kv_scales(w, bh)[kKDec]);
-      fp4attn_global_scales(vam, &kv_scales(w, bh)[kVEnc], &kv_scales(w, bh)[kVDec]);
-    }
-    return;
-  }
-  q_head_scales(w, (int64_t)blockIdx.x - bhk, sh_red);
-}
-
-/* 16 codes + scale -> 16 exact FP16 values code * scale, stored as two 16-byte words. */
-__device__ __forceinline__ void store_block_f16(__half *dst, const uint8_t *q, uint8_t s) {
-  uint32_t o[8];
-  block_f16_words(q, s, o);
-  reinterpret_cast<uint4 *>(dst)[0] = make_uint4(o[0], o[1], o[2], o[3]);
-  reinterpret_cast<uint4 *>(dst)[1] = make_uint4(o[4], o[5], o[6], o[7]);
-}
-
-__global__ void __launch_bounds__(kThreads) quantize_kv_kernel(AttnArgs a) {
-  const fp4attn_attention_params &p = a.p;
-  const AttnWorkspace &w = a.ws;
-  __shared__ float sh_kbar[256];
-  const int D = (int)p.head_dim, DP = (int)w.dp;
-  const int64_t bh = blockIdx.x / w.nkt, kt = blockIdx.x % w.nkt;
-  const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
-  for (int c = threadIdx.x; c < DP; c += blockDim.x) sh_kbar[c] = w.kbar[bh * DP + c];
-  __syncthreads();
-  const float enck = kv_scales(w, bh)[kKEnc], encv = kv_scales(w, bh)[kVEnc];
-  const int64_t t0 = kt * kTile;
-  /* Ks^: one 16-column block of one token per job */
-  const int kblocks = DP / 16;
-  for (int job = threadIdx.x; job < kTile * kblocks; job += blockDim.x) {
-    const int r = job / kblocks, kb = job % kblocks;
-    const int64_t tok = t0 + r;
-    float xs[16];
-    uint8_t q[16] = {0};
-    uint8_t s = 0;
-    if (tok < p.len_k && kb * 16 < D) {
-      const int64_t base = b * p.k_stride[0] + h * p.k_stride[1] + tok * p.k_stride[2];
-      smoothed_block16(p.k, p.dtype, base, kb, D, a.vec_k, sh_kbar + kb * 16, enck, xs);
-      s = fp4attn_quantize_block(xs, 16, q);
-    }
-    store_block_f16(w.kdq + (bh * w.nkp + tok) * DP + kb * 16, q, s);
-  }
-  /* V^: one channel x 16 tokens per job (adjacent threads read adjacent channels) */
-  for (int job = threadIdx.x; job < DP * 8; job += blockDim.x) {
-    const int d = job % DP, blk = job / DP;
-    float xs[16];
-    uint8_t q[16] = {0};
-    uint8_t s = 0;
-    if (d < D && t0 + blk * 16 < p.len_k) {
-      const int64_t base = b * p.v_stride[0] + h * p.v_stride[1] + d;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int64_t tok = t0 + blk * 16 + i;
-        xs[i] = tok < p.len_k
-                    ? __fmul_rn(load_as_float(p.v, p.dtype, base + tok * p.v_stride[2]), encv)
-                    : 0.0f;
-      }
-      s = fp4attn_quantize_block(xs, 16, q);
-    }
-    store_block_f16(w.vdq + ((bh * w.nkt + kt) * DP + d) * kTile + blk * 16, q, s);
-  }
-}
-
-fp4attn_status launch_two_read(const AttnArgs &a, bool fp16_operands, cudaStream_t s) {
-  const fp4attn_attention_params *p = &a.p;
-  const int64_t nstat = p->batch * p->heads_q * a.ws.nqb + p->batch * p->heads_kv * a.ws.nkt;
-  if (nstat > 0x7FFFFFFFLL)
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: problem too large for one grid");
-  stats_kernel<<<(unsigned)nstat, kThreads, 0, s>>>(a);
-  fp4attn_status st = launch_status("attention: stats kernel");
-  if (st.code != FP4ATTN_OK) return st;
-  finalize_kernel<<<(unsigned)(p->batch * (p->heads_q + p->heads_kv)), kThreads, 0, s>>>(a);
-  st = launch_status("attention: finalize kernel");
-  if (st.code != FP4ATTN_OK || !fp16_operands) return st;
-  quantize_kv_kernel<<<(unsigned)(p->batch * p->heads_kv * a.ws.nkt), kThreads, 0, s>>>(a);
-  return launch_status("attention: quantize kernel");
-}
-
-/* ==================================================================== streaming path */
+/* ========================================================================= kernels */
 
 /* Eight consecutive input elements as raw bits: one 16-byte word (fp16, bf16) or two (fp32). */
 template <typename T>
@@ -420,7 +158,7 @@ __device__ void fill_scale_tables(ScaleTables *t) {
 /* Quantizes 8 of the 16 values of one block (SPEC 2 with the global scale already applied:
  * xs = x * enc); the other 8 are held by lane (lane ^ partner), and all 32 lanes of the warp call
  * this together. Returns the 8 FP16 values code * scale as one 16-byte word, byte-identical to
- * fp4attn_quantize_block + store_block_f16 (the block max m is the same whatever the order; a
+ * fp4attn_quantize_block + block_f16_words (the block max m is the same whatever the order; a
  * NaN anywhere makes it NaN):
  *   finite blocks: hardware E4M3 of m/6, table 1/s, E2M1 rounding by e2m1_round_signed
  *   (clamped first only in warps where some |y| can reach 7), code * s as one FP16 multiply;
@@ -520,7 +258,7 @@ __device__ __forceinline__ void load_block_rows(const T *base, int64_t row_strid
 }
 
 /* Column statistics of a 128-row block of D columns (D % 8 == 0), loaded by load_block_rows, in
- * the order of column_stats<8>: thread (rg, cg) sums rows rg, rg + RG, ... of its 8 columns, then
+ * the summation order of the header: thread (rg, cg) sums rows rg, rg + RG, ... of its 8 columns, then
  * the RG partials are added in rg order (through sh.red: a round for the sums, one or two for the
  * minima and maxima). Thread c < D returns column c. */
 template <typename T, int DP>
@@ -616,7 +354,7 @@ __device__ __forceinline__ const T *q_block_rows(const AttnArgs &a, int64_t item
   return static_cast<const T *>(p.q) + b * p.q_stride[0] + h * p.q_stride[1] + qb * kTile * p.q_stride[2];
 }
 
-/* One query block, its rows loaded: qbar and max |Q - qbar| (as stats_kernel), stored. */
+/* One query block, its rows loaded: qbar and max |Q - qbar|, stored. */
 template <typename T, int DP>
 __device__ void q_block_stats_of(const AttnArgs &a, int64_t item, const BlockRows<T, DP> &rb, int rows,
                                   PrepassShared &sh) {
@@ -654,7 +392,7 @@ __device__ float rows_absmax_of(const BlockRows<T, DP> &b) {
 }
 
 /* One K/V head: kbar = (sum of the chunk sums in chunk order) / Nk, the amax of Ks from the column
- * minima and maxima, max |V|, and the global scales; exactly finalize_kernel's arithmetic, into
+ * minima and maxima, max |V|, and the global scales, into
  * the workspace.
  * The chunk sums of 4 columns are float4 loads; P threads per 4 columns each load a run of 8
  * chunks at once, then add them in turn, passing the running sums on through shared memory, so
@@ -728,7 +466,7 @@ __device__ void reduce_head(const AttnArgs &a, const StreamParams &f, int64_t bh
   }
 }
 
-/* The streaming path's statistics of one 128-row block (its loads all issued before its first
+/* The statistics of one 128-row block (its loads all issued before its first
  * use), read from global memory: block j < n_q is query block j (qbar, max |Q - qbar|; Q read for
  * the last time); then a chunk of K (the column sums stored, the column minima / maxima folded
  * into the head's atomicMax keys) and of V (max |V| into the head's key), in turn, left in L2 for
@@ -806,9 +544,10 @@ __device__ __forceinline__ void copy_chunk_async(T *dst, const T *src, int64_t s
                 reinterpret_cast<const char *>(src + (int64_t)r * stride) + 16 * u);
 }
 
-/* Ks^ of one 128-token chunk in shared memory (row stride D): job (row r, 8-column group g), lanes 2i and 2i+1 hold the
- * two halves of one 16-column block. Rows past the end and columns past D are zeros. */
-template <typename T, int DP>
+/* Ks^ of one piece of kRows tokens (a 128-token chunk, or half of one) in shared memory (row
+ * stride D): job (row r, 8-column group g), lanes 2i and 2i+1 hold the two halves of one
+ * 16-column block. Rows past `rows` and columns past D are zeros. */
+template <typename T, int DP, int kRows>
 __device__ void quantize_k_chunk(const T *kbuf, int rows, int D, const PrepassShared &sh, __half *dst) {
   constexpr int G = DP / 8;
   const int g = threadIdx.x % G; /* the same group in every job of this thread */
@@ -818,7 +557,7 @@ __device__ void quantize_k_chunk(const T *kbuf, int rows, int D, const PrepassSh
   for (int e = 0; e < 8; ++e) kb[e] = live_g ? sh.kbar[g * 8 + e] : 0.0f;
   const float enck = sh.enck;
 #pragma unroll 2
-  for (int r = threadIdx.x / G; r < kTile; r += kThreads / G) {
+  for (int r = threadIdx.x / G; r < kRows; r += kThreads / G) {
     float xs[8];
     if (live_g && r < rows) {
       float v[8];
@@ -834,21 +573,23 @@ __device__ void quantize_k_chunk(const T *kbuf, int rows, int D, const PrepassSh
   }
 }
 
-/* Jobs of quantize_v_chunk per chunk: 8-channel groups x 8-token half blocks (whole warps). */
-template <int DP>
+/* Jobs of quantize_v_chunk per piece of kRows tokens: 8-channel groups x 8-token half blocks
+ * (whole warps). */
+template <int DP, int kRows>
 constexpr int v_jobs_per_chunk() {
-  return DP / 8 * 16;
+  return DP / 8 * (kRows / 8);
 }
 
-/* V^ of one 128-token chunk in shared memory (row stride D) into the tile-major V^T [Dp][128]: job (8-channel group g,
+/* V^ of one piece of kRows tokens in shared memory (row stride D) into the tile-major V^T
+ * [Dp][128] (dst: the piece's first token column): job (8-channel group g,
  * 8-token half block hh), this thread's jobs first_job, first_job + 256, ... < NJ (its thread
  * index, or where two chunks share the block, its index within its half); the two halves of a
  * 16-token block sit GW lanes apart in one warp, and GW consecutive lanes read GW consecutive
  * 16-byte pieces of one token row. */
-template <typename T, int DP>
+template <typename T, int DP, int kRows>
 __device__ void quantize_v_chunk(const T *vbuf, int rows, int D, const PrepassShared &sh, __half *dst,
                                  int first_job) {
-  constexpr int G = DP / 8, GW = G < 16 ? G : 16, NJ = v_jobs_per_chunk<DP>();
+  constexpr int G = DP / 8, GW = G < 16 ? G : 16, NJ = v_jobs_per_chunk<DP, kRows>();
   const float encv = sh.encv;
   for (int j = first_job; j < NJ; j += kThreads) {
     const int gl = j % GW, hb = (j / GW) & 1, rest = j / (2 * GW);
@@ -879,40 +620,51 @@ constexpr int chunks_per_item() {
   return 2 * kTile * DP * (int)sizeof(T) <= 32768 ? 2 : 1;
 }
 
-/* Ks^ and V^ of `chunks` consecutive 128-token chunks in shared memory (`rows` token rows of
- * stride D; kdst / vdst: the first chunk's place in kdq / vdq). Two chunks' V at head dim 64 are
- * quantized side by side, each on its half of the block (one chunk has only 128 jobs there). */
+/* Token rows per quantize item: its chunks, or half a chunk where one chunk of K and V would not
+ * fit in shared memory (fp32 at head dim 256: 2 x 64 x 256 x 4 = 128 KB). */
+template <typename T, int DP>
+constexpr int item_rows() {
+  return 2 * kTile * DP * (int)sizeof(T) > 131072 ? kTile / 2 : chunks_per_item<T, DP>() * kTile;
+}
+
+/* Ks^ and V^ of `chunks` consecutive 128-token chunks (or of one half chunk) in shared memory
+ * (`rows` token rows of stride D; kdst / vdst: the item's place in kdq / vdq). Two chunks' V at
+ * head dim 64 are quantized side by side, each on its half of the block (one chunk has only 128
+ * jobs there). */
 template <typename T, int DP>
 __device__ __forceinline__ void quantize_item_k(const T *k, int chunks, int rows, int D, const PrepassShared &sh,
                                                 __half *kdst) {
+  constexpr int P = item_rows<T, DP>() < kTile ? item_rows<T, DP>() : kTile; /* rows per piece */
   for (int c = 0; c < chunks; ++c)
-    quantize_k_chunk<T, DP>(k + c * kTile * D, min(kTile, rows - c * kTile), D, sh, kdst + (int64_t)c * kTile * DP);
+    quantize_k_chunk<T, DP, P>(k + c * kTile * D, min(P, rows - c * kTile), D, sh, kdst + (int64_t)c * kTile * DP);
 }
 template <typename T, int DP>
 __device__ __forceinline__ void quantize_item_v(const T *v, int chunks, int rows, int D, const PrepassShared &sh,
                                                 __half *vdst) {
-  constexpr int C = chunks_per_item<T, DP>(), kVJobs = v_jobs_per_chunk<DP>();
+  constexpr int C = chunks_per_item<T, DP>();
+  constexpr int P = item_rows<T, DP>() < kTile ? item_rows<T, DP>() : kTile; /* rows per piece */
+  constexpr int kVJobs = v_jobs_per_chunk<DP, P>();
   const int tid = threadIdx.x;
   if (C > 1 && C * kVJobs <= kThreads) {
     const int c = tid / kVJobs;
     if (c < chunks)
-      quantize_v_chunk<T, DP>(v + c * kTile * D, min(kTile, rows - c * kTile), D, sh, vdst + (int64_t)c * DP * kTile,
-                              tid % kVJobs);
+      quantize_v_chunk<T, DP, P>(v + c * kTile * D, min(P, rows - c * kTile), D, sh,
+                                 vdst + (int64_t)c * DP * kTile, tid % kVJobs);
   } else {
     for (int c = 0; c < chunks; ++c)
-      quantize_v_chunk<T, DP>(v + c * kTile * D, min(kTile, rows - c * kTile), D, sh, vdst + (int64_t)c * DP * kTile,
-                              tid);
+      quantize_v_chunk<T, DP, P>(v + c * kTile * D, min(P, rows - c * kTile), D, sh,
+                                 vdst + (int64_t)c * DP * kTile, tid);
   }
 }
 
-/* Starts the copy of K or V of quantize item `item` (chunks_per_item chunks of one head) into `buf`
- * (one cp.async group). */
+/* Starts the copy of K or V of quantize item `item` (item_rows rows of one head) into `buf` (one
+ * cp.async group). */
 template <typename T, int DP>
 __device__ __forceinline__ void load_item(const AttnArgs &a, const StreamParams &f, int64_t item, bool is_v, T *buf) {
   const fp4attn_attention_params &p = a.p;
-  const int64_t bh = item / f.items_per_head, r0 = item % f.items_per_head * chunks_per_item<T, DP>() * kTile;
+  const int64_t bh = item / f.items_per_head, r0 = item % f.items_per_head * item_rows<T, DP>();
   const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
-  const int rows = (int)min((int64_t)chunks_per_item<T, DP>() * kTile, p.len_k - r0);
+  const int rows = (int)min((int64_t)item_rows<T, DP>(), p.len_k - r0);
   const int64_t *st = is_v ? p.v_stride : p.k_stride;
   const T *src = static_cast<const T *>(is_v ? p.v : p.k) + b * st[0] + h * st[1] + r0 * st[2];
   copy_chunk_async<T>(buf, src, st[2], rows, (int)p.head_dim);
@@ -922,11 +674,11 @@ __device__ __forceinline__ void load_item(const AttnArgs &a, const StreamParams 
 /* Quantize blocks per SM: as many as the item buffers (K and V) allow. */
 template <typename T, int DP>
 constexpr int quantize_min_blocks() {
-  constexpr int kItemBytes = 2 * chunks_per_item<T, DP>() * kTile * DP * (int)sizeof(T);
+  constexpr int kItemBytes = 2 * item_rows<T, DP>() * DP * (int)sizeof(T);
   return kItemBytes <= 32768 ? 4 : (kItemBytes <= 65536 ? 3 : 1);
 }
 
-/* Kernel 3 of 3: Ks^ and V^ of every quantize item (chunks_per_item chunks), K and V read again
+/* Kernel 3 of 3: Ks^ and V^ of every quantize item (item_rows rows), K and V read again
  * (from L2 where the statistics kernel left them). Persistent blocks take items n_kv - 1 -
  * blockIdx.x, n_kv - 1 - blockIdx.x - grid, ...: the last chunks that the statistics kernel read
  * come first, while they are still in L2. K and V go through shared memory by cp.async; the next
@@ -934,14 +686,14 @@ constexpr int quantize_min_blocks() {
 template <typename T, int DP>
 __global__ void __launch_bounds__(kThreads, quantize_min_blocks<T, DP>())
     stream_quantize_kernel(AttnArgs a, StreamParams f) {
-  constexpr int C = chunks_per_item<T, DP>();
+  constexpr int C = chunks_per_item<T, DP>(), R = item_rows<T, DP>();
   extern __shared__ uint4 item_buffers[];
   __shared__ PrepassShared sh;
   const fp4attn_attention_params &p = a.p;
   const AttnWorkspace &w = a.ws;
   const int D = (int)p.head_dim;
   T *kbuf = reinterpret_cast<T *>(item_buffers);
-  T *vbuf = kbuf + C * kTile * D;
+  T *vbuf = kbuf + R * D;
   fill_scale_tables(&sh.tab);
   int64_t i = blockIdx.x;
   if (i < f.n_kv) {
@@ -951,15 +703,15 @@ __global__ void __launch_bounds__(kThreads, quantize_min_blocks<T, DP>())
   for (; i < f.n_kv; i += gridDim.x) {
     const int64_t item = f.n_kv - 1 - i, next = item - gridDim.x;
     const bool more = next >= 0;
-    const int64_t bh = item / f.items_per_head, kt0 = item % f.items_per_head * C;
-    const int chunks = (int)min((int64_t)C, w.nkt - kt0);
-    const int rows = (int)min((int64_t)C * kTile, p.len_k - kt0 * kTile);
+    const int64_t bh = item / f.items_per_head, r0 = item % f.items_per_head * R;
+    const int chunks = (int)min((int64_t)C, w.nkt - r0 / kTile);
+    const int rows = (int)min((int64_t)R, p.len_k - r0);
     __syncthreads(); /* the previous item is done with sh.kbar */
     for (int c = threadIdx.x; c < DP; c += kThreads) sh.kbar[c] = w.kbar[bh * DP + c];
     if (threadIdx.x == 0) sh.enck = kv_scales(w, bh)[kKEnc], sh.encv = kv_scales(w, bh)[kVEnc];
     asm volatile("cp.async.wait_group 1;\n" ::); /* K has landed; V may still be in flight */
     __syncthreads();
-    quantize_item_k<T, DP>(kbuf, chunks, rows, D, sh, w.kdq + (bh * w.nkp + kt0 * kTile) * DP);
+    quantize_item_k<T, DP>(kbuf, chunks, rows, D, sh, w.kdq + (bh * w.nkp + r0) * DP);
     __syncthreads(); /* kbuf free */
     if (more) {
       load_item<T, DP>(a, f, next, false, kbuf);
@@ -968,7 +720,7 @@ __global__ void __launch_bounds__(kThreads, quantize_min_blocks<T, DP>())
       cp_async_wait_all();
     }
     __syncthreads();
-    quantize_item_v<T, DP>(vbuf, chunks, rows, D, sh, w.vdq + (bh * w.nkt + kt0) * DP * kTile);
+    quantize_item_v<T, DP>(vbuf, chunks, rows, D, sh, w.vdq + (bh * w.nkt + r0 / kTile) * DP * kTile + r0 % kTile);
     __syncthreads(); /* vbuf free */
     if (more) load_item<T, DP>(a, f, next, true, vbuf);
   }
@@ -977,28 +729,27 @@ __global__ void __launch_bounds__(kThreads, quantize_min_blocks<T, DP>())
 typedef void (*PrepassKernel)(AttnArgs, StreamParams);
 
 struct StreamKernels {
-  PrepassKernel stats, finalize, quantize; /* nullptr: the streaming path does not apply */
-  int stats_threads;                       /* block size of `stats` */
-  int chunks;                              /* chunks_per_item */
+  PrepassKernel stats, finalize, quantize;
+  int stats_threads; /* block size of `stats` */
+  int item_rows;     /* token rows per quantize item */
 };
 
 template <typename T, int DP>
 StreamKernels stream_kernels() {
   return {stream_stats_kernel<T, DP>, stream_finalize_kernel<DP>, stream_quantize_kernel<T, DP>,
-          stats_threads<DP>(), chunks_per_item<T, DP>()};
+          stats_threads<DP>(), item_rows<T, DP>()};
 }
 
 template <typename T>
 StreamKernels stream_kernels_for_dp(int64_t dp) {
   if (dp == 64) return stream_kernels<T, 64>();
   if (dp == 128) return stream_kernels<T, 128>();
-  if constexpr (sizeof(T) == 4) return {nullptr, nullptr, nullptr, 0, 0}; /* 256 KB of fp32 items: no smem */
-  else return stream_kernels<T, 256>();
+  return stream_kernels<T, 256>();
 }
 
+/* The kernels for a's dtype and padded head dim; a's inputs have vector rows (staged where the
+ * caller's do not). */
 StreamKernels stream_kernels_for(const AttnArgs &a) {
-  if (!(a.vec_q && a.vec_k && a.vec_v) || a.p.head_dim % 8 != 0 || a.p.head_dim > 256)
-    return {nullptr, nullptr, nullptr, 0, 0};
   return a.p.dtype == FP4ATTN_FLOAT16    ? stream_kernels_for_dp<__half>(a.ws.dp)
          : a.p.dtype == FP4ATTN_BFLOAT16 ? stream_kernels_for_dp<__nv_bfloat16>(a.ws.dp)
                                          : stream_kernels_for_dp<float>(a.ws.dp);
@@ -1038,37 +789,89 @@ int resident_blocks_per_sm(PrepassKernel kernel, size_t smem) {
   return blocks;
 }
 
-/* Launches the streaming path (three kernels); FP4ATTN_ERR_UNSUPPORTED (nothing launched) where it
- * does not apply. */
-fp4attn_status launch_streaming(const AttnArgs &a, bool fp16_operands, cudaStream_t s) {
+/* Copies n rows (b, h, t) of d elements of x (any strides and alignment) into contiguous rows of
+ * d8 = round_up(d, 8) elements at dst, zeros from column d on: one thread per 8-element group.
+ * Bits: the element's storage type (a bit copy is exact). */
+template <typename Bits>
+__global__ void __launch_bounds__(kThreads)
+    stage_rows_kernel(const Bits *x, int64_t s0, int64_t s1, int64_t s2, int64_t heads, int64_t len, int d, int d8,
+                      int64_t n, Bits *dst) {
+  const int groups = d8 / 8;
+  for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < n * groups; i += (int64_t)gridDim.x * kThreads) {
+    const int64_t row = i / groups, t = row % len, bh = row / len;
+    const int c0 = (int)(i % groups) * 8;
+    const Bits *src = x + bh / heads * s0 + bh % heads * s1 + t * s2;
+    alignas(16) Bits v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = c0 + e < d ? src[c0 + e] : (Bits)0;
+    uint4 *out = reinterpret_cast<uint4 *>(dst + row * d8 + c0);
+#pragma unroll
+    for (int k = 0; k < (int)sizeof(v) / 16; ++k) out[k] = reinterpret_cast<const uint4 *>(v)[k];
+  }
+}
+
+int64_t staged_head_dim(const fp4attn_attention_params &p) { return round_up(p.head_dim, 8); }
+
+int64_t staged_bytes(const fp4attn_attention_params &p, int64_t heads, int64_t len) {
+  return round_up(p.batch * heads * len * staged_head_dim(p) * dtype_size(p.dtype), 256);
+}
+
+bool needs_staging(const fp4attn_attention_params &p) {
+  return !(vector_rows(p.q, p.q_stride, p.head_dim) && vector_rows(p.k, p.k_stride, p.head_dim) &&
+           vector_rows(p.v, p.v_stride, p.head_dim));
+}
+
+/* Enqueues the staging copy of one operand and points `x`/`stride` at it. */
+fp4attn_status stage_operand(const fp4attn_attention_params &p, int64_t heads, int64_t len, const void *&x,
+                             int64_t (&stride)[3], char *dst, cudaStream_t s) {
+  const int d8 = (int)staged_head_dim(p);
+  const int64_t n = p.batch * heads * len, jobs = n * (d8 / 8);
+  const unsigned grid = (unsigned)min(ceil_div(jobs, kThreads), (int64_t)sm_count() * 8);
+  const int d = (int)p.head_dim;
+  if (p.dtype == FP4ATTN_FLOAT32)
+    stage_rows_kernel<uint32_t><<<grid, kThreads, 0, s>>>(static_cast<const uint32_t *>(x), stride[0], stride[1],
+                                                          stride[2], heads, len, d, d8, n, reinterpret_cast<uint32_t *>(dst));
+  else
+    stage_rows_kernel<uint16_t><<<grid, kThreads, 0, s>>>(static_cast<const uint16_t *>(x), stride[0], stride[1],
+                                                          stride[2], heads, len, d, d8, n, reinterpret_cast<uint16_t *>(dst));
+  x = dst;
+  stride[0] = heads * len * d8;
+  stride[1] = len * d8;
+  stride[2] = d8;
+  return launch_status("attention: pre-pass staging kernel");
+}
+
+/* The three kernels on a's inputs, which have vector rows. */
+fp4attn_status launch_kernels(const AttnArgs &a, bool fp16_operands, cudaStream_t s) {
   const fp4attn_attention_params &p = a.p;
   const AttnWorkspace &w = a.ws;
-  fp4attn_status unsupported;
-  unsupported.code = FP4ATTN_ERR_UNSUPPORTED; /* the caller falls back to the two-read path */
-  unsupported.message[0] = '\0';
   const StreamKernels k = stream_kernels_for(a);
-  if (!k.stats) return unsupported;
   const int64_t bhk = p.batch * p.heads_kv, bhq = p.batch * p.heads_q;
   StreamParams f;
   f.vmax = reinterpret_cast<unsigned int *>(static_cast<unsigned long long *>(w.sync) + kSyncTickets);
   f.kmin = f.vmax + bhk;
   f.kmax = f.kmin + bhk * w.dp;
   f.n_q = query_block_count(p, kTile);
-  f.items_per_head = ceil_div(w.nkt, (int64_t)k.chunks);
+  f.items_per_head = ceil_div(w.nkp, (int64_t)k.item_rows);
   f.n_kv = bhk * f.items_per_head;
   const int64_t stats_blocks = f.n_q + 2 * bhk * w.nkt;
-  /* the item buffers hold rows of head_dim elements; the attribute and the occupancy are those of
-   * the padded head dim, the kernel's largest */
-  const size_t smem = 2 * (size_t)k.chunks * kTile * (size_t)p.head_dim * (size_t)dtype_size(p.dtype);
-  const size_t smem_max = 2 * (size_t)k.chunks * kTile * (size_t)w.dp * (size_t)dtype_size(p.dtype);
-  const int per_sm = resident_blocks_per_sm(k.quantize, smem_max);
-  if (stats_blocks > 0x7FFFFFFFLL || bhk + bhq > 0x7FFFFFFFLL || per_sm < 1) return unsupported;
+  if (stats_blocks > 0x7FFFFFFFLL || bhk + bhq > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: problem too large for one grid");
   k.stats<<<(unsigned)stats_blocks, (unsigned)k.stats_threads, 0, s>>>(a, f);
   fp4attn_status st = launch_status("attention: pre-pass statistics kernel");
   if (st.code != FP4ATTN_OK) return st;
   k.finalize<<<(unsigned)(bhk + bhq), kThreads, 0, s>>>(a, f);
   st = launch_status("attention: pre-pass finalize kernel");
   if (st.code != FP4ATTN_OK || !fp16_operands) return st;
+  /* the item buffers hold rows of head_dim elements; the attribute and the occupancy are those of
+   * the padded head dim, the kernel's largest */
+  const size_t es = (size_t)dtype_size(p.dtype);
+  const size_t smem = 2 * (size_t)k.item_rows * (size_t)p.head_dim * es;
+  const size_t smem_max = 2 * (size_t)k.item_rows * (size_t)w.dp * es;
+  const int per_sm = resident_blocks_per_sm(k.quantize, smem_max);
+  if (per_sm < 1)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: the pre-pass needs %zu bytes of shared memory per block",
+                         smem_max + sizeof(PrepassShared));
   const int64_t grid = min((int64_t)per_sm * sm_count(), f.n_kv);
   k.quantize<<<(unsigned)grid, kThreads, smem, s>>>(a, f);
   return launch_status("attention: pre-pass quantize kernel");
@@ -1076,14 +879,31 @@ fp4attn_status launch_streaming(const AttnArgs &a, bool fp16_operands, cudaStrea
 
 }  // namespace
 
-fp4attn_status fp4attn_cuda::launch_prepass(const AttnArgs &a, bool fp16_operands, cudaStream_t s,
-                                            PrepassPath path) {
-  /* the streaming path's atomicMax keys and the forward kernel's work ticket */
+int64_t fp4attn_cuda::prepass_staging_bytes(const fp4attn_attention_params &p) {
+  if (!needs_staging(p)) return 0;
+  return staged_bytes(p, p.heads_q, p.len_q) + 2 * staged_bytes(p, p.heads_kv, p.len_k);
+}
+
+fp4attn_status fp4attn_cuda::launch_prepass(const AttnArgs &a, bool fp16_operands, void *staging, cudaStream_t s) {
+  /* the statistics kernel's atomicMax keys and the sm90 kernel's work ticket */
   const size_t sync_bytes = attn_sync_bytes(a.p.batch * a.p.heads_kv, a.ws.dp);
   if (cudaMemsetAsync(a.ws.sync, 0, sync_bytes, s) != cudaSuccess) return launch_status("attention: counter reset");
-  if (path != PrepassPath::kTwoRead) {
-    const fp4attn_status st = launch_streaming(a, fp16_operands, s);
-    if (st.code != FP4ATTN_ERR_UNSUPPORTED || path == PrepassPath::kStreaming) return st;
-  }
-  return launch_two_read(a, fp16_operands, s);
+  if (!needs_staging(a.p)) return launch_kernels(a, fp16_operands, s);
+  /* Unaligned rows or a head dim that is no multiple of 8: the kernels read a contiguous copy with
+   * the head dim zero-padded to a multiple of 8 (the padding columns get mean 0 and quantize to 0,
+   * as beyond head_dim anyway). */
+  AttnArgs staged = a;
+  fp4attn_attention_params &p = staged.p;
+  char *dst = static_cast<char *>(staging);
+  fp4attn_status st = stage_operand(a.p, p.heads_q, p.len_q, p.q, p.q_stride, dst, s);
+  if (st.code != FP4ATTN_OK) return st;
+  dst += staged_bytes(a.p, p.heads_q, p.len_q);
+  st = stage_operand(a.p, p.heads_kv, p.len_k, p.k, p.k_stride, dst, s);
+  if (st.code != FP4ATTN_OK) return st;
+  dst += staged_bytes(a.p, p.heads_kv, p.len_k);
+  st = stage_operand(a.p, p.heads_kv, p.len_k, p.v, p.v_stride, dst, s);
+  if (st.code != FP4ATTN_OK) return st;
+  p.head_dim = staged_head_dim(a.p);
+  staged.vec_q = staged.vec_k = staged.vec_v = true;
+  return launch_kernels(staged, fp16_operands, s);
 }

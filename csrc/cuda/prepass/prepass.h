@@ -2,6 +2,7 @@
  * The quantization pre-pass of the CUDA attention (SPEC 4.1-4.3), shared by every kernel: the
  * query/key means and global scales into the workspace (tile/workspace.cuh), so that they are
  * bit-identical whichever kernel runs, and, for the kernels that take FP16 operands, K^ and V^.
+ * One implementation for every input (prepass.cu).
  */
 #ifndef FP4ATTN_CUDA_PREPASS_PREPASS_H
 #define FP4ATTN_CUDA_PREPASS_PREPASS_H
@@ -10,16 +11,14 @@
 
 namespace fp4attn_cuda {
 
-/* kAuto takes the streaming kernels where they apply (16-byte rows, head dim a multiple of 8, not
- * fp32 above head dim 128) and the two-read kernels otherwise; the others force one (kStreaming
- * is FP4ATTN_ERR_UNSUPPORTED where it does not apply). Both write the same bytes
- * (tests/cuda_harness/check_prepass.cu). */
-enum class PrepassPath { kAuto, kTwoRead, kStreaming };
+/* Bytes of staging the pre-pass needs for p's inputs: a copy of Q, K and V where their rows do
+ * not allow 16-byte vector loads, else 0. A multiple of 256. */
+int64_t prepass_staging_bytes(const fp4attn_attention_params &p);
 
 /* Enqueues the pre-pass on s: statistics (qbar, qamax, kbar, the global scales), then, where
- * fp16_operands, K^ and V^ as exact FP16 values (kdq, vdq). Zeroes the sync section first. */
-fp4attn_status launch_prepass(const AttnArgs &a, bool fp16_operands, cudaStream_t s,
-                              PrepassPath path = PrepassPath::kAuto);
+ * fp16_operands, K^ and V^ as exact FP16 values (kdq, vdq). Zeroes the sync section first.
+ * staging: prepass_staging_bytes(a.p) bytes of device memory, 256-byte aligned. */
+fp4attn_status launch_prepass(const AttnArgs &a, bool fp16_operands, void *staging, cudaStream_t s);
 
 }  // namespace fp4attn_cuda
 

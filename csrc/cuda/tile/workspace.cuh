@@ -19,7 +19,7 @@
  *                                  persistent sm90 kernel (sm90/attention_sm90.cuh, Dp = 64), as
  *                                  its shared-memory image; S = AttnPlan::qstage_blocks
  *   sync    u64, u32 [BHk], u32 [BHk][Dp] x 2: the Hopper kernel's work ticket, then the max |V|
- *                                  and column min/max keys of the streaming pre-pass (prepass/),
+ *                                  and column min/max keys of the pre-pass (prepass/),
  *                                  zeroed on the stream by every pre-pass
  * Storing the dequantized values (exact: at most 6 significant bits) rather than packed FP4 moves
  * the dequantization out of the attention kernels' inner loops; the bits are the same as
