@@ -4,6 +4,7 @@
  * the kernel, the pre-pass (prepass/) fills the workspace, and the planned kernel family
  * (sm80/, sm90/, sm120/) computes the output.
  */
+#include "heuristics.h"
 #include "prepass/prepass.h"
 #include "sm120/attention_sm120.h"
 #include "sm80/attention_sm80.h"

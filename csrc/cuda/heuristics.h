@@ -1,30 +1,20 @@
 /*
- * The rules that choose how an attention call runs on CUDA: which kernel family (from the
- * request, the device, the build's architectures and the head dim) and the scheduling knobs that
- * size the workspace. dispatch.cu is their only caller; nothing else decides.
+ * The rules that choose how an attention call runs on CUDA (an AttnPlan, tile/workspace.cuh):
+ * which kernel family (from the request, the device, the build's architectures and the head dim)
+ * and the scheduling knobs that size the workspace. dispatch.cu is their only caller; nothing
+ * else decides.
  */
 #ifndef FP4ATTN_CUDA_HEURISTICS_H
 #define FP4ATTN_CUDA_HEURISTICS_H
 
 #include <string.h>
 
-#include "common/device.cuh"
+#include "tile/workspace.cuh"
 
 #define FP4ATTN_STR2(x) #x
 #define FP4ATTN_STR(x) FP4ATTN_STR2(x)
 
 namespace fp4attn_cuda {
-
-/* How one attention call runs. */
-struct AttnPlan {
-  fp4attn_kernel kernel; /* never AUTO */
-  int64_t dp;            /* head dim padded to the instantiated 64 / 128 / 256 */
-  bool fp16_operands;    /* the pre-pass writes K^/V^ as exact FP16 values (sm80, sm90) */
-  int64_t qstage_blocks; /* Q^ staging buffers of the persistent sm90 kernel (one per SM), or 0 */
-  int64_t item_heads;    /* (batch, query head)s per group of the sm90 causal work order */
-};
-
-static inline int64_t padded_head_dim(int64_t d) { return d <= 64 ? 64 : (d <= 128 ? 128 : 256); }
 
 /* Whether the build holds sm_90a code (setup.py lists its architectures in FP4ATTN_CUDA_ARCHS):
  * the wgmma kernel has a body only in that pass. */

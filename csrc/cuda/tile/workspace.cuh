@@ -6,18 +6,18 @@
  * Dp = head dim padded to 64/128/256, nqb = ceil(Nq/128), nkt = ceil(Nk/128), nkp = 128*nkt):
  *   qbar    f32 [BHq][nqb][Dp]     per-128-row query means (SPEC 4.2), zero beyond D
  *   qamax   f32 [BHq][nqb]         max |Q - qbar| of each query block
- *   ksum/kmin/kmax f32 [BHk][nkt][Dp]  per-128-token column partials of K
- *   vamax   f32 [BHk][nkt]         max |V| per 128-token chunk
+ *   ksum    f32 [BHk][nkt][Dp]     per-128-token column sums of K
  *   kbar    f32 [BHk][Dp]          key mean (SPEC 4.1)
  *   qscale  f32 [BHq][2]           enc, dec of Qs
  *   kvscale f32 [BHk][4]           enc, dec of Ks; enc, dec of V
- *   kdq     f16 [BHk][nkp][Dp]     (AttnPlan::fp16_operands, else empty) Ks^ quantized along D (SPEC 4.3), stored as the exact FP16
+ *   kdq     f16 [BHk][nkp][Dp]     Ks^ quantized along D (SPEC 4.3), stored as the exact FP16
  *                                  values code * E4M3 scale (no global scale; padding is 0)
  *   vdq     f16 [BHk][nkt][Dp][128] V^ quantized along tokens, the same way, tile-major V^T:
  *                                  one 128-token tile is Dp*256 contiguous bytes
- *   qstage  f16 [S][128][Dp]       Q^ of the next query block of each persistent block of the
- *                                  persistent sm90 kernel (sm90/attention_sm90.cuh, Dp = 64), as
- *                                  its shared-memory image; S = AttnPlan::qstage_blocks
+ *                                  (kdq and vdq are empty unless AttnPlan::fp16_operands)
+ *   qstage  f16 [S][128][Dp]       Q^ of the next query block of each block of the persistent
+ *                                  sm90 kernel (sm90/attention_sm90.cuh, Dp = 64), as its
+ *                                  shared-memory image; S = AttnPlan::qstage_blocks
  *   sync    u64, u32 [BHk], u32 [BHk][Dp] x 2: the Hopper kernel's work ticket, then the max |V|
  *                                  and column min/max keys of the pre-pass (prepass/),
  *                                  zeroed on the stream by every pre-pass
@@ -30,15 +30,27 @@
 #ifndef FP4ATTN_CUDA_TILE_WORKSPACE_CUH
 #define FP4ATTN_CUDA_TILE_WORKSPACE_CUH
 
-#include "../heuristics.h"
+#include "../common/device.cuh"
 
 namespace fp4attn_cuda {
 
 constexpr int kTile = 128; /* SPEC 4: Bq = Bkv = 128 */
 
+static inline int64_t padded_head_dim(int64_t d) { return d <= 64 ? 64 : (d <= 128 ? 128 : 256); }
+
+/* How one attention call runs (planned by heuristics.h); the workspace is sized for it. */
+struct AttnPlan {
+  fp4attn_kernel kernel; /* never AUTO */
+  int64_t dp;            /* head dim padded to the instantiated 64 / 128 / 256 */
+  bool fp16_operands;    /* the pre-pass writes K^/V^ as exact FP16 values (sm80, sm90) */
+  int64_t qstage_blocks; /* Q^ staging buffers of the persistent sm90 kernel (one per SM), or 0 */
+  int64_t item_heads;    /* (batch, query head)s per group of the sm90 causal work order */
+};
+
+
 struct AttnWorkspace {
   int64_t dp, nqb, nkt, nkp;
-  float *qbar, *qamax, *ksum, *kmin, *kmax, *vamax, *kbar, *qscale, *kvscale;
+  float *qbar, *qamax, *ksum, *kbar, *qscale, *kvscale;
   __half *kdq, *vdq, *qstage;
   int64_t qstage_blocks;
   void *sync;
@@ -99,9 +111,6 @@ static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params
   w.qbar = (float *)take(4 * bhq * w.nqb * w.dp);
   w.qamax = (float *)take(4 * bhq * w.nqb);
   w.ksum = (float *)take(4 * bhk * w.nkt * w.dp);
-  w.kmin = (float *)take(4 * bhk * w.nkt * w.dp);
-  w.kmax = (float *)take(4 * bhk * w.nkt * w.dp);
-  w.vamax = (float *)take(4 * bhk * w.nkt);
   w.kbar = (float *)take(4 * bhk * w.dp);
   w.qscale = (float *)take(4 * bhq * 2);
   w.kvscale = (float *)take(4 * bhk * 4);
