@@ -50,8 +50,8 @@ __attribute__((format(printf, 2, 3)))
   std::abort();  // unreachable: both checks above throw
 }
 
-#define CHECK_ARG(cond, ...) \
-  do {                       \
+#define CHECK_ARG(cond, ...)               \
+  do {                                     \
     if (!(cond)) fail(false, __VA_ARGS__); \
   } while (0)
 
@@ -66,7 +66,9 @@ std::string shape_str(at::IntArrayRef sizes) {
   return out + "]";
 }
 
-const char *dtype_str(at::ScalarType t) { return c10::toString(t); }
+const char *dtype_str(at::ScalarType t) {
+  return c10::toString(t);
+}
 
 void check_status(const fp4attn_status &s) {
   if (s.code == FP4ATTN_ERR_UNSUPPORTED) fail(true, "fp4attn: %s", s.message);
@@ -81,20 +83,27 @@ fp4attn_kernel kernel_from_name(c10::string_view name) {
     if (name == n) return static_cast<fp4attn_kernel>(k);
     choices += choices.empty() ? n : std::string(", ") + n;
   }
-  fail(false, "cuda_kernel must be one of %s, got '%s'", choices.c_str(), std::string(name).c_str());
+  fail(false, "cuda_kernel must be one of %s, got '%s'", choices.c_str(),
+       std::string(name).c_str());
 }
 
 fp4attn_dtype to_c_dtype(at::ScalarType t, const char *arg) {
   switch (t) {
-  case at::kFloat: return FP4ATTN_FLOAT32;
-  case at::kHalf: return FP4ATTN_FLOAT16;
-  case at::kBFloat16: return FP4ATTN_BFLOAT16;
-  default: fail(false, "%s must be float16, bfloat16 or float32, got %s", arg, dtype_str(t));
+    case at::kFloat:
+      return FP4ATTN_FLOAT32;
+    case at::kHalf:
+      return FP4ATTN_FLOAT16;
+    case at::kBFloat16:
+      return FP4ATTN_BFLOAT16;
+    default:
+      fail(false, "%s must be float16, bfloat16 or float32, got %s", arg, dtype_str(t));
   }
   return FP4ATTN_FLOAT32;
 }
 
-[[maybe_unused]] bool on_cuda(const at::Tensor &t) { return t.device().is_cuda(); }
+[[maybe_unused]] bool on_cuda(const at::Tensor &t) {
+  return t.device().is_cuda();
+}
 
 // ---------------------------------------------------------------- quantize / dequantize
 
@@ -103,7 +112,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor &x) {
             shape_str(x.sizes()).c_str());
   const fp4attn_dtype dtype = to_c_dtype(x.scalar_type(), "x");
   const int64_t rows = x.size(-2), cols = x.size(-1);
-  CHECK_ARG(cols >= 1, "x must have at least one column, got shape %s", shape_str(x.sizes()).c_str());
+  CHECK_ARG(cols >= 1, "x must have at least one column, got shape %s",
+            shape_str(x.sizes()).c_str());
   // A view with unit last-dim stride when possible; reshape copies only if it must.
   at::Tensor x3 = x.reshape({-1, rows, cols});
   if (x3.stride(2) != 1) x3 = x3.contiguous();
@@ -133,7 +143,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor &x) {
     return {codes, scales, dec};
   }
 #endif
-  CHECK_ARG(x.device().is_cpu(), "x must be a CPU or CUDA tensor, got %s", x.device().str().c_str());
+  CHECK_ARG(x.device().is_cpu(), "x must be a CPU or CUDA tensor, got %s",
+            x.device().str().c_str());
   check_status(fp4attn_cpu_quantize(&p));
   return {codes, scales, dec};
 }
@@ -143,7 +154,8 @@ void check_quantized(const at::Tensor &codes, const at::Tensor &scales, const at
   CHECK_ARG(codes.scalar_type() == at::kByte, "%scodes must be uint8, got %s", name,
             dtype_str(codes.scalar_type()));
   CHECK_ARG(scales.scalar_type() == at::kByte || scales.scalar_type() == at::kFloat8_e4m3fn,
-            "%sscales must be uint8 or float8_e4m3fn, got %s", name, dtype_str(scales.scalar_type()));
+            "%sscales must be uint8 or float8_e4m3fn, got %s", name,
+            dtype_str(scales.scalar_type()));
   CHECK_ARG(dec.scalar_type() == at::kFloat, "%sdec must be float32, got %s", name,
             dtype_str(dec.scalar_type()));
   CHECK_ARG(cols >= 1, "cols must be >= 1, got %lld", static_cast<long long>(cols));
@@ -197,8 +209,9 @@ at::Tensor fp4mm(const at::Tensor &a_codes, const at::Tensor &a_scales, const at
                  int64_t k, at::ScalarType out_dtype) {
   check_quantized(a_codes, a_scales, a_dec, k, "a_");
   check_quantized(b_codes, b_scales, b_dec, k, "b_");
-  CHECK_ARG(a_codes.device() == b_codes.device(), "a and b must be on the same device, got %s and %s",
-            a_codes.device().str().c_str(), b_codes.device().str().c_str());
+  CHECK_ARG(a_codes.device() == b_codes.device(),
+            "a and b must be on the same device, got %s and %s", a_codes.device().str().c_str(),
+            b_codes.device().str().c_str());
   const fp4attn_dtype odt = to_c_dtype(out_dtype, "out_dtype");
   const int64_t m = a_codes.size(-2), n = b_codes.size(-2);
   const int64_t ba = a_dec.numel(), bb = b_dec.numel();
@@ -211,8 +224,10 @@ at::Tensor fp4mm(const at::Tensor &a_codes, const at::Tensor &a_scales, const at
   shape.insert(shape.end(), {m, n});
   at::Tensor out = at::empty(shape, a_codes.options().dtype(out_dtype));
   if (out.numel() == 0) return out;
-  at::Tensor ac = a_codes.contiguous(), as = a_scales.contiguous().view(at::kByte), ad = a_dec.contiguous();
-  at::Tensor bc = b_codes.contiguous(), bs = b_scales.contiguous().view(at::kByte), bd = b_dec.contiguous();
+  at::Tensor ac = a_codes.contiguous(), as = a_scales.contiguous().view(at::kByte),
+             ad = a_dec.contiguous();
+  at::Tensor bc = b_codes.contiguous(), bs = b_scales.contiguous().view(at::kByte),
+             bd = b_dec.contiguous();
   fp4attn_fp4mm_params p{};
   p.a_codes = ac.data_ptr<uint8_t>();
   p.a_scales = as.data_ptr<uint8_t>();
@@ -260,8 +275,9 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
             shape_str(v_in.sizes()).c_str());
   const fp4attn_dtype dtype = to_c_dtype(q_in.scalar_type(), "query");
   CHECK_ARG(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
-            "query, key and value must have one dtype, got %s, %s, %s", dtype_str(q_in.scalar_type()),
-            dtype_str(k_in.scalar_type()), dtype_str(v_in.scalar_type()));
+            "query, key and value must have one dtype, got %s, %s, %s",
+            dtype_str(q_in.scalar_type()), dtype_str(k_in.scalar_type()),
+            dtype_str(v_in.scalar_type()));
   CHECK_ARG(k_in.device() == q_in.device() && v_in.device() == q_in.device(),
             "query, key and value must be on one device, got %s, %s, %s",
             q_in.device().str().c_str(), k_in.device().str().c_str(), v_in.device().str().c_str());
@@ -277,8 +293,9 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
             "value head_dim must equal query head_dim %lld (different value head dims are not "
             "supported), got %lld",
             static_cast<long long>(D), static_cast<long long>(v_in.size(3)));
-  CHECK_ARG(v_in.size(1) == Hkv && v_in.size(2) == Nk, "value must have the shape of key %s, got %s",
-            shape_str(k_in.sizes()).c_str(), shape_str(v_in.sizes()).c_str());
+  CHECK_ARG(v_in.size(1) == Hkv && v_in.size(2) == Nk,
+            "value must have the shape of key %s, got %s", shape_str(k_in.sizes()).c_str(),
+            shape_str(v_in.sizes()).c_str());
   const fp4attn_kernel kernel = kernel_from_name(cuda_kernel);
 
   // Unit stride along head_dim is required; other strides are passed through (no copies).
@@ -337,12 +354,15 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
     c10::cuda::CUDAGuard guard(q.device());
     const int64_t ws_bytes = fp4attn_cuda_attention_workspace_bytes(&p);
     CHECK_ARG(ws_bytes >= 0, "fp4attn: could not size the attention workspace");
-    at::Tensor workspace = at::empty({std::max<int64_t>(ws_bytes, 1)}, q.options().dtype(at::kByte));
-    check_status(fp4attn_cuda_attention(&p, workspace.data_ptr(), at::cuda::getCurrentCUDAStream().stream()));
+    at::Tensor workspace =
+        at::empty({std::max<int64_t>(ws_bytes, 1)}, q.options().dtype(at::kByte));
+    check_status(fp4attn_cuda_attention(&p, workspace.data_ptr(),
+                                        at::cuda::getCurrentCUDAStream().stream()));
     return {out, lse};
   }
 #endif
-  CHECK_ARG(q.device().is_cpu(), "query must be a CPU or CUDA tensor, got %s", q.device().str().c_str());
+  CHECK_ARG(q.device().is_cpu(), "query must be a CPU or CUDA tensor, got %s",
+            q.device().str().c_str());
   CHECK_ARG(kernel == FP4ATTN_KERNEL_AUTO, "cuda_kernel '%s' needs CUDA tensors",
             fp4attn_kernel_name(kernel));
   check_status(fp4attn_cpu_attention(&p));
@@ -351,7 +371,8 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
 
 #ifdef FP4ATTN_WITH_CUDA
 at::Tensor test_mma_fp4(const at::Tensor &a, const at::Tensor &b, const at::Tensor &c,
-                        const at::Tensor &sfa, const at::Tensor &sfb, int64_t tid_a, int64_t tid_b) {
+                        const at::Tensor &sfa, const at::Tensor &sfb, int64_t tid_a,
+                        int64_t tid_b) {
   auto check = [](const at::Tensor &t, const char *name, at::ScalarType dt, at::IntArrayRef shape) {
     CHECK_ARG(t.is_cuda() && t.scalar_type() == dt && t.sizes() == shape && t.is_contiguous(),
               "%s must be a contiguous CUDA %s tensor of shape %s, got %s %s on %s", name,
@@ -363,7 +384,8 @@ at::Tensor test_mma_fp4(const at::Tensor &a, const at::Tensor &b, const at::Tens
   check(c, "c", at::kFloat, {32, 4});
   check(sfa, "sfa", at::kInt, {32});
   check(sfb, "sfb", at::kInt, {32});
-  CHECK_ARG(tid_a >= 0 && tid_a <= 1, "tid_a must be 0 or 1, got %lld", static_cast<long long>(tid_a));
+  CHECK_ARG(tid_a >= 0 && tid_a <= 1, "tid_a must be 0 or 1, got %lld",
+            static_cast<long long>(tid_a));
   CHECK_ARG(tid_b >= 0 && tid_b <= 3, "tid_b must be in [0, 3], got %lld",
             static_cast<long long>(tid_b));
   c10::cuda::CUDAGuard guard(a.device());
@@ -383,16 +405,19 @@ at::Tensor test_mma_fp4(const at::Tensor &a, const at::Tensor &b, const at::Tens
 TORCH_LIBRARY(fp4attn, m) {
   m.def("quantize(Tensor x) -> (Tensor codes, Tensor scales, Tensor dec)");
   m.def("dequantize(Tensor codes, Tensor scales, Tensor dec, int cols) -> Tensor");
-  m.def("fp4mm(Tensor a_codes, Tensor a_scales, Tensor a_dec, Tensor b_codes, Tensor b_scales, "
-        "Tensor b_dec, int k, ScalarType out_dtype) -> Tensor");
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float scale, "
-        "bool return_lse, str cuda_kernel=\"auto\") -> (Tensor out, Tensor lse)");
+  m.def(
+      "fp4mm(Tensor a_codes, Tensor a_scales, Tensor a_dec, Tensor b_codes, Tensor b_scales, "
+      "Tensor b_dec, int k, ScalarType out_dtype) -> Tensor");
+  m.def(
+      "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float scale, "
+      "bool return_lse, str cuda_kernel=\"auto\") -> (Tensor out, Tensor lse)");
 }
 
 // Private test hooks (csrc/testing/testing.h), undocumented; not part of the product's ops.
 TORCH_LIBRARY(fp4attn_testing, m) {
-  m.def("mma_fp4(Tensor a, Tensor b, Tensor c, Tensor sfa, Tensor sfb, int tid_a, int tid_b) -> "
-        "Tensor");
+  m.def(
+      "mma_fp4(Tensor a, Tensor b, Tensor c, Tensor sfa, Tensor sfb, int tid_a, int tid_b) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fp4attn, CPU, m) {
@@ -410,7 +435,9 @@ TORCH_LIBRARY_IMPL(fp4attn, CUDA, m) {
   m.impl("attention", &attention);
 }
 
-TORCH_LIBRARY_IMPL(fp4attn_testing, CUDA, m) { m.impl("mma_fp4", &test_mma_fp4); }
+TORCH_LIBRARY_IMPL(fp4attn_testing, CUDA, m) {
+  m.impl("mma_fp4", &test_mma_fp4);
+}
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -447,5 +474,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return "none";
 #endif
       },
-      "The CUDA attention kernel the dispatch chooses for `head_dim` on `device` (none: no choice)");
+      "The CUDA attention kernel the dispatch chooses for `head_dim` on `device` (none: no "
+      "choice)");
 }

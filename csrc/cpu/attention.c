@@ -123,7 +123,8 @@ static inline v8f exp_nonpos8(v8f x) {
 static int prepare_kv(attention_state *st, int64_t b, int64_t h) {
   const fp4attn_attention_params *p = st->p;
   const int64_t nk = p->len_k, D = p->head_dim, np = st->nk_pad, bh = b * p->heads_kv + h;
-  float *kd_t = st->kd_t + bh * D * np, *kf_t = st->kf_t + bh * D * np, *vd = st->vd + bh * np * st->d_pad;
+  float *kd_t = st->kd_t + bh * D * np, *kf_t = st->kf_t + bh * D * np,
+        *vd = st->vd + bh * np * st->d_pad;
   float *ks = (float *)calloc((size_t)(nk * st->d_pad), sizeof(float));
   float *col = (float *)calloc((size_t)np, sizeof(float));
   float *kbar = st->kbar + bh * D;
@@ -225,7 +226,8 @@ static void tile_scores(const float *q, int64_t D, const float *kt, float *s) {
       v8f acc[4][2];
       for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = v8f_splat(0.0f);
       for (int64_t d = 0; d < D; ++d) {
-        const v8f k0 = *(const v8f *)(kt + d * BKV + c0), k1 = *(const v8f *)(kt + d * BKV + c0 + 8);
+        const v8f k0 = *(const v8f *)(kt + d * BKV + c0),
+                  k1 = *(const v8f *)(kt + d * BKV + c0 + 8);
         for (int i = 0; i < 4; ++i) {
           const v8f a = v8f_splat(q[(r0 + i) * D + d]);
           acc[i][0] += a * k0;
@@ -280,8 +282,8 @@ static float finish_scores(float *srow, const float *bias, float scale, float qk
                            int64_t visible) {
   v8f m = v8f_splat(-INFINITY);
   for (int c0 = 0; c0 < BKV; c0 += 8) {
-    v8f v = v8f_splat(scale) * (v8f_splat(qk_dec) * *(const v8f *)(srow + c0) +
-                                *(const v8f *)(bias + c0));
+    v8f v = v8f_splat(scale) *
+            (v8f_splat(qk_dec) * *(const v8f *)(srow + c0) + *(const v8f *)(bias + c0));
     for (int e = 0; e < 8; ++e)
       if (c0 + e >= visible) v[e] = -INFINITY;
     *(v8f *)(srow + c0) = v;
@@ -331,7 +333,8 @@ static int attend_block(attention_state *st, int64_t b, int64_t h, int64_t qb) {
   const int64_t hk = h / (p->heads_q / p->heads_kv), bhq = b * p->heads_q + h,
                 bhk = b * p->heads_kv + hk;
   const int64_t i0 = qb * BQ, rows = (i0 + BQ < nq ? i0 + BQ : nq) - i0;
-  const float *qd = st->qd + (bhq * st->n_qblock + qb) * BQ * D, *qbar = st->qbar + (bhq * st->n_qblock + qb) * D;
+  const float *qd = st->qd + (bhq * st->n_qblock + qb) * BQ * D,
+              *qbar = st->qbar + (bhq * st->n_qblock + qb) * D;
   const float *kd_t = st->kd_t + bhk * D * np, *kf_t = st->kf_t + bhk * D * np;
   const float *vd = st->vd + bhk * np * st->d_pad;
   const float qk_dec = st->dq[bhq] * st->dk[bhk], dv = st->dv[bhk];

@@ -40,7 +40,9 @@ static inline uint16_t fp4attn_f32_to_f16(float f) {
   return (uint16_t)(sign | r);
 }
 
-static inline float fp4attn_bf16_to_f32(uint16_t b) { return fp4attn_bits_float((uint32_t)b << 16); }
+static inline float fp4attn_bf16_to_f32(uint16_t b) {
+  return fp4attn_bits_float((uint32_t)b << 16);
+}
 
 static inline uint16_t fp4attn_f32_to_bf16(float f) {
   uint32_t x = fp4attn_float_bits(f);
@@ -50,17 +52,26 @@ static inline uint16_t fp4attn_f32_to_bf16(float f) {
 
 static inline float fp4attn_load(const void *base, fp4attn_dtype dtype, int64_t i) {
   switch (dtype) {
-  case FP4ATTN_FLOAT16: return fp4attn_f16_to_f32(((const uint16_t *)base)[i]);
-  case FP4ATTN_BFLOAT16: return fp4attn_bf16_to_f32(((const uint16_t *)base)[i]);
-  default: return ((const float *)base)[i];
+    case FP4ATTN_FLOAT16:
+      return fp4attn_f16_to_f32(((const uint16_t *)base)[i]);
+    case FP4ATTN_BFLOAT16:
+      return fp4attn_bf16_to_f32(((const uint16_t *)base)[i]);
+    default:
+      return ((const float *)base)[i];
   }
 }
 
 static inline void fp4attn_store(void *base, fp4attn_dtype dtype, int64_t i, float v) {
   switch (dtype) {
-  case FP4ATTN_FLOAT16: ((uint16_t *)base)[i] = fp4attn_f32_to_f16(v); break;
-  case FP4ATTN_BFLOAT16: ((uint16_t *)base)[i] = fp4attn_f32_to_bf16(v); break;
-  default: ((float *)base)[i] = v; break;
+    case FP4ATTN_FLOAT16:
+      ((uint16_t *)base)[i] = fp4attn_f32_to_f16(v);
+      break;
+    case FP4ATTN_BFLOAT16:
+      ((uint16_t *)base)[i] = fp4attn_f32_to_bf16(v);
+      break;
+    default:
+      ((float *)base)[i] = v;
+      break;
   }
 }
 

@@ -84,8 +84,8 @@ fp4attn_status fp4attn_cpu_dequantize(const fp4attn_dequantize_params *p) {
 }
 
 fp4attn_status fp4attn_cpu_fp4mm(const fp4attn_fp4mm_params *p) {
-  if (!p || !p->a_codes || !p->a_scales || !p->a_dec || !p->b_codes || !p->b_scales ||
-      !p->b_dec || !p->out)
+  if (!p || !p->a_codes || !p->a_scales || !p->a_dec || !p->b_codes || !p->b_scales || !p->b_dec ||
+      !p->out)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "fp4mm: null pointer argument");
   if (!fp4attn_valid_dtype(p->out_dtype))
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "fp4mm: unsupported out_dtype");

@@ -46,7 +46,8 @@ AttnArgs make_args(const fp4attn_attention_params *p, const AttnPlan &plan, void
   return a;
 }
 
-fp4attn_status launch_kernel(const AttnArgs &a, const AttnPlan &plan, void *workspace, cudaStream_t s) {
+fp4attn_status launch_kernel(const AttnArgs &a, const AttnPlan &plan, void *workspace,
+                             cudaStream_t s) {
   switch (plan.kernel) {
     case FP4ATTN_KERNEL_SM90:
       return plan.dp == 64 ? launch_attention_sm90<64>(a, s) : launch_attention_sm90<128>(a, s);
@@ -55,9 +56,12 @@ fp4attn_status launch_kernel(const AttnArgs &a, const AttnPlan &plan, void *work
           a, static_cast<char *>(workspace) + a.ws.bytes + prepass_staging_bytes(a.p), s);
     default:
       switch (plan.dp) {
-        case 64: return launch_attention_sm80<64>(a, s);
-        case 128: return launch_attention_sm80<128>(a, s);
-        default: return launch_attention_sm80<256>(a, s);
+        case 64:
+          return launch_attention_sm80<64>(a, s);
+        case 128:
+          return launch_attention_sm80<128>(a, s);
+        default:
+          return launch_attention_sm80<256>(a, s);
       }
   }
 }
@@ -75,15 +79,16 @@ extern "C" fp4attn_kernel fp4attn_cuda_attention_kernel(const fp4attn_attention_
   return check_and_plan(p, &plan).code == FP4ATTN_OK ? plan.kernel : FP4ATTN_KERNEL_AUTO;
 }
 
-extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params *p,
-                                                 void *workspace, void *stream) {
+extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params *p, void *workspace,
+                                                 void *stream) {
   AttnPlan plan;
   fp4attn_status st = check_and_plan(p, &plan);
   if (st.code != FP4ATTN_OK) return st;
   if (!workspace)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: workspace is null");
   if (reinterpret_cast<uintptr_t>(workspace) & 255u)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: workspace must be 256-byte aligned");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
+                         "attention: workspace must be 256-byte aligned");
   const AttnArgs a = make_args(p, plan, workspace);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   st = launch_prepass(a, plan.fp16_operands, static_cast<char *>(workspace) + a.ws.bytes, s);

@@ -49,12 +49,14 @@ static inline fp4attn_status plan_attention(const fp4attn_attention_params *p, A
   const bool sm90_ok = built_for_sm90a() && cc == 90 && dp <= 128;
   fp4attn_kernel k = p->kernel;
   if (k == FP4ATTN_KERNEL_AUTO)
-    k = cc / 10 == 12 ? FP4ATTN_KERNEL_SM120 : (sm90_ok ? FP4ATTN_KERNEL_SM90 : FP4ATTN_KERNEL_SM80);
+    k = cc / 10 == 12 ? FP4ATTN_KERNEL_SM120
+                      : (sm90_ok ? FP4ATTN_KERNEL_SM90 : FP4ATTN_KERNEL_SM80);
   if (k == FP4ATTN_KERNEL_SM90 && !sm90_ok)
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
-                         "attention: kernel sm90 needs a GPU of compute capability 9.0, a build with "
-                         "sm_90a in FP4ATTN_CUDA_ARCHS and head dim <= 128 (got %lld)",
-                         (long long)p->head_dim);
+    return fp4attn_error(
+        FP4ATTN_ERR_UNSUPPORTED,
+        "attention: kernel sm90 needs a GPU of compute capability 9.0, a build with "
+        "sm_90a in FP4ATTN_CUDA_ARCHS and head dim <= 128 (got %lld)",
+        (long long)p->head_dim);
   /* the sm120 pre-pass's grids have B x H blocks in y (at most 65535) */
   if (k == FP4ATTN_KERNEL_SM120 && p->batch * (p->heads_q + p->heads_kv) > 65535)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,

@@ -18,23 +18,43 @@ __global__ void test_mma_fp4_kernel(const uint32_t *a, const uint32_t *b, const 
   for (int i = 0; i < 4; ++i) ra[i] = a[lane * 4 + i];
   for (int i = 0; i < 2; ++i) rb[i] = b[lane * 2 + i];
   for (int i = 0; i < 4; ++i) rc[i] = c[lane * 4 + i];
-  /* the selectors are immediates in the kernels: dispatch so that each call site has constants */
-#define FP4ATTN_CASE(TA, TB)      \
-  if (tid_a == TA && tid_b == TB) \
-    fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, sfa[lane], sfb[lane], TA, TB);
-  FP4ATTN_CASE(0, 0)
-  FP4ATTN_CASE(0, 1) FP4ATTN_CASE(0, 2) FP4ATTN_CASE(0, 3) FP4ATTN_CASE(1, 0) FP4ATTN_CASE(1, 1)
-      FP4ATTN_CASE(1, 2) FP4ATTN_CASE(1, 3)
-#undef FP4ATTN_CASE
-          for (int i = 0; i < 4; ++i) d[lane * 4 + i] = rd[i];
+  /* the selectors are immediates in the kernels: one call site per pair, with constants */
+  const uint32_t fa = sfa[lane], fb = sfb[lane];
+  switch (tid_a * 4 + tid_b) {
+    case 0:
+      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 0, 0);
+      break;
+    case 1:
+      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 0, 1);
+      break;
+    case 2:
+      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 0, 2);
+      break;
+    case 3:
+      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 0, 3);
+      break;
+    case 4:
+      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 1, 0);
+      break;
+    case 5:
+      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 1, 1);
+      break;
+    case 6:
+      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 1, 2);
+      break;
+    default:
+      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 1, 3);
+      break;
+  }
+  for (int i = 0; i < 4; ++i) d[lane * 4 + i] = rd[i];
 }
 
 }  // namespace
 
 extern "C" fp4attn_status fp4attn_testing_mma_fp4(const uint32_t *a, const uint32_t *b,
-                                                    const float *c, const uint32_t *sfa,
-                                                    const uint32_t *sfb, int tid_a, int tid_b,
-                                                    float *d, void *stream) {
+                                                  const float *c, const uint32_t *sfa,
+                                                  const uint32_t *sfb, int tid_a, int tid_b,
+                                                  float *d, void *stream) {
   if (!a || !b || !c || !sfa || !sfb || !d)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "mma_fp4 test: null pointer");
   if (tid_a < 0 || tid_a > 1)

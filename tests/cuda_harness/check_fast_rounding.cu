@@ -50,7 +50,8 @@ int main(int argc, char **argv) {
   unsigned long long host_bad = 0;
   if (!device_only) {
     host_bad = check_range(0, kLast);
-    printf("e2m1_pair_sat6 (host): every float in [+0, +inf] and NaN checked, %llu mismatches\n", host_bad);
+    printf("e2m1_pair_sat6 (host): every float in [+0, +inf] and NaN checked, %llu mismatches\n",
+           host_bad);
   }
   int devices = 0;
   unsigned long long dev_bad = 0;
@@ -65,7 +66,8 @@ int main(int argc, char **argv) {
       printf("device check failed: %s\n", cudaGetErrorString(err));
       return 1;
     }
-    printf("e2m1_pair_sat6 (device): every float in [+0, +inf] and NaN checked, %llu mismatches\n", dev_bad);
+    printf("e2m1_pair_sat6 (device): every float in [+0, +inf] and NaN checked, %llu mismatches\n",
+           dev_bad);
   } else {
     printf("no GPU: device check skipped\n");
     if (device_only) return 1;

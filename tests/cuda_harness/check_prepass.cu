@@ -68,8 +68,10 @@ static void exhaustive_checks() {
   CK(cudaGetLastError());
   unsigned long long h[2];
   CK(cudaMemcpy(h, d, 16, cudaMemcpyDeviceToHost));
-  printf("exhaustive: E4M3(m/6) mismatches on [0, 2^96]: %llu; E2M1 rounding mismatches on (-2^100, 2^100): %llu\n",
-         h[0], h[1]);
+  printf(
+      "exhaustive: E4M3(m/6) mismatches on [0, 2^96]: %llu; E2M1 rounding mismatches on (-2^100, "
+      "2^100): %llu\n",
+      h[0], h[1]);
   if (h[0] || h[1]) g_fail = 1;
   CK(cudaFree(d));
 }
@@ -111,7 +113,8 @@ __global__ void block_check_kernel(uint64_t nblocks, unsigned long long *bad) {
   const int lane = threadIdx.x & 31;
   unsigned long long nbad = 0;
   const uint64_t warps = (uint64_t)gridDim.x * (blockDim.x / 32);
-  for (uint64_t w0 = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; w0 * 16 < nblocks; w0 += warps) {
+  for (uint64_t w0 = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; w0 * 16 < nblocks;
+       w0 += warps) {
     const uint64_t blk = w0 * 16 + lane / 2; /* 16 blocks per warp, two lanes each */
     float xs[8];
     for (int i = 0; i < 8; ++i) xs[i] = block_value(blk, (lane & 1) * 8 + i);
@@ -121,7 +124,7 @@ __global__ void block_check_kernel(uint64_t nblocks, unsigned long long *bad) {
     uint8_t q[16];
     const uint8_t s = fp4attn_quantize_block(all, 16, q);
     __align__(16) uint32_t ref[8];
-    block_f16_words(q, s, reinterpret_cast<uint32_t(&)[8]>(ref));
+    block_f16_words(q, s, reinterpret_cast<uint32_t (&)[8]>(ref));
     const uint4 want = reinterpret_cast<const uint4 *>(ref)[lane & 1];
     if (got.x != want.x || got.y != want.y || got.z != want.z || got.w != want.w) ++nbad;
     /* the one-thread quantizer of the attention kernels' Q^ on the same block */
@@ -142,9 +145,10 @@ static void block_checks() {
   CK(cudaGetLastError());
   unsigned long long h;
   CK(cudaMemcpy(&h, d, 8, cudaMemcpyDeviceToHost));
-  printf("block quantizers (quantize_half_block, quantize_block16): %llu differences from "
-         "fp4attn_quantize_block over %llu random blocks\n", h,
-         (unsigned long long)n);
+  printf(
+      "block quantizers (quantize_half_block, quantize_block16): %llu differences from "
+      "fp4attn_quantize_block over %llu random blocks\n",
+      h, (unsigned long long)n);
   if (h) g_fail = 1;
   CK(cudaFree(d));
 }
@@ -155,31 +159,43 @@ static void block_checks() {
  * 3 constant, 4 large, 5 tiny, 6 zeros */
 template <typename T>
 __global__ void init_kernel(T *p, int64_t n, uint32_t seed, int mode) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    const uint32_t h1 = hash32(((uint64_t)seed << 40) ^ (uint64_t)i), h2 = hash32(((uint64_t)seed << 40) ^ (uint64_t)i ^ 0x5555555555ull);
-    const float u1 = ((h1 >> 8) + 0.5f) * (1.0f / 16777216.0f), u2 = ((h2 >> 8) + 0.5f) * (1.0f / 16777216.0f);
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const uint32_t h1 = hash32(((uint64_t)seed << 40) ^ (uint64_t)i),
+                   h2 = hash32(((uint64_t)seed << 40) ^ (uint64_t)i ^ 0x5555555555ull);
+    const float u1 = ((h1 >> 8) + 0.5f) * (1.0f / 16777216.0f),
+                u2 = ((h2 >> 8) + 0.5f) * (1.0f / 16777216.0f);
     float x = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2) + 0.5f * (float)((int)(i % 7) - 3);
     if (mode == 1) x = ldexpf(x, -(int)(h1 % 40));
     if (mode == 2) {
       const uint32_t r = h2 % 100000;
-      if (r == 7) x = __uint_as_float(0x7FC00000u);
-      else if (r == 11) x = INFINITY;
-      else if (r < 3000) x = -0.0f;
+      if (r == 7)
+        x = __uint_as_float(0x7FC00000u);
+      else if (r == 11)
+        x = INFINITY;
+      else if (r < 3000)
+        x = -0.0f;
     }
     if (mode == 3) x = 1.25f;
     if (mode == 4) x *= sizeof(T) == 4 ? 1e30f : 9000.0f;
     if (mode == 5) x *= sizeof(T) == 4 ? 1e-36f : 1e-5f;
     if (mode == 6) x = 0.0f;
-    if (sizeof(T) == 4) reinterpret_cast<float *>(p)[i] = x;
-    else if (sizeof(T) == 2 && std::is_same<T, __half>::value) reinterpret_cast<__half *>(p)[i] = __float2half_rn(x);
-    else reinterpret_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(x);
+    if (sizeof(T) == 4)
+      reinterpret_cast<float *>(p)[i] = x;
+    else if (sizeof(T) == 2 && std::is_same<T, __half>::value)
+      reinterpret_cast<__half *>(p)[i] = __float2half_rn(x);
+    else
+      reinterpret_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(x);
   }
 }
 
 static void init_buf(void *p, fp4attn_dtype dt, int64_t n, uint32_t seed, int mode) {
-  if (dt == FP4ATTN_FLOAT16) init_kernel<__half><<<1024, 256>>>((__half *)p, n, seed, mode);
-  else if (dt == FP4ATTN_BFLOAT16) init_kernel<__nv_bfloat16><<<1024, 256>>>((__nv_bfloat16 *)p, n, seed, mode);
-  else init_kernel<float><<<1024, 256>>>((float *)p, n, seed, mode);
+  if (dt == FP4ATTN_FLOAT16)
+    init_kernel<__half><<<1024, 256>>>((__half *)p, n, seed, mode);
+  else if (dt == FP4ATTN_BFLOAT16)
+    init_kernel<__nv_bfloat16><<<1024, 256>>>((__nv_bfloat16 *)p, n, seed, mode);
+  else
+    init_kernel<float><<<1024, 256>>>((float *)p, n, seed, mode);
   CK(cudaGetLastError());
 }
 
@@ -194,9 +210,12 @@ static const char *dt_name(fp4attn_dtype d) {
   return d == FP4ATTN_FLOAT16 ? "f16" : (d == FP4ATTN_BFLOAT16 ? "bf16" : "f32");
 }
 
-static bool aligned16h(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+static bool aligned16h(const void *ptr) {
+  return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0;
+}
 static bool vec_ok_h(const void *ptr, const int64_t *stride, int64_t d) {
-  return aligned16h(ptr) && d % 8 == 0 && stride[0] % 8 == 0 && stride[1] % 8 == 0 && stride[2] % 8 == 0;
+  return aligned16h(ptr) && d % 8 == 0 && stride[0] % 8 == 0 && stride[1] % 8 == 0 &&
+         stride[2] % 8 == 0;
 }
 
 struct Inputs {
@@ -211,7 +230,8 @@ static Inputs make_inputs(const Case &c, uint32_t seed) {
   fp4attn_attention_params &p = in.p;
   const int64_t es = dtype_size(c.dt);
   p.dtype = c.dt;
-  p.batch = c.B, p.heads_q = c.Hq, p.heads_kv = c.Hkv, p.len_q = c.Nq, p.len_k = c.Nk, p.head_dim = c.D;
+  p.batch = c.B, p.heads_q = c.Hq, p.heads_kv = c.Hkv, p.len_q = c.Nq, p.len_k = c.Nk,
+  p.head_dim = c.D;
   p.scale = 1.0f;
   auto alloc = [&](int64_t elems, void **buf) {
     CK(cudaMalloc(buf, (elems + 64) * es));
@@ -229,12 +249,15 @@ static Inputs make_inputs(const Case &c, uint32_t seed) {
     return in;
   }
   const int64_t off = c.layout == 3 ? 1 : 0;
-  auto make = [&](int64_t H, int64_t N, void **buf, int64_t *stride, const void **ptr, int mode, uint32_t sd) {
+  auto make = [&](int64_t H, int64_t N, void **buf, int64_t *stride, const void **ptr, int mode,
+                  uint32_t sd) {
     const int64_t n = c.B * H * N * c.D;
     const int64_t total = alloc(n + off, buf);
     *ptr = (const char *)*buf + off * es;
-    if (c.layout == 1) stride[0] = N * H * c.D, stride[1] = c.D, stride[2] = H * c.D;
-    else stride[0] = H * N * c.D, stride[1] = N * c.D, stride[2] = c.D;
+    if (c.layout == 1)
+      stride[0] = N * H * c.D, stride[1] = c.D, stride[2] = H * c.D;
+    else
+      stride[0] = H * N * c.D, stride[1] = N * c.D, stride[2] = c.D;
     init_buf(*buf, c.dt, total, sd, mode);
   };
   make(c.Hq, c.Nq, &in.qb, p.q_stride, &p.q, c.qmode, seed);
@@ -262,7 +285,8 @@ static AttnPlan fp16_plan(const fp4attn_attention_params &p) {
 
 /* The workspace, its staging area after the shared sections. */
 static int64_t workspace_bytes(const fp4attn_attention_params &p) {
-  return attn_workspace_layout(&p, fp16_plan(p), nullptr).bytes + fp4attn_cuda::prepass_staging_bytes(p);
+  return attn_workspace_layout(&p, fp16_plan(p), nullptr).bytes +
+         fp4attn_cuda::prepass_staging_bytes(p);
 }
 
 static fp4attn_status prepass(const AttnArgs &a, cudaStream_t s) {
@@ -289,7 +313,8 @@ struct Section {
 };
 
 static std::vector<Section> sections(const fp4attn_attention_params &p) {
-  const AttnWorkspace w = attn_workspace_layout(&p, fp16_plan(p), (void *)0x100000); /* fake base: offsets */
+  const AttnWorkspace w =
+      attn_workspace_layout(&p, fp16_plan(p), (void *)0x100000); /* fake base: offsets */
   const int64_t bhq = p.batch * p.heads_q, bhk = p.batch * p.heads_kv;
   auto off = [&](const void *ptr) { return (int64_t)((const char *)ptr - (const char *)0x100000); };
   return {{"qbar", off(w.qbar), 4 * bhq * w.nqb * w.dp, 4},
@@ -327,10 +352,11 @@ struct HostInputs {
   std::vector<uint8_t> q, k, v;
   const uint8_t *qd, *kd, *vd; /* device bases of the copies */
   fp4attn_dtype dt;
-  float at(const std::vector<uint8_t> &host, const uint8_t *dev, const void *ptr, const int64_t *st, int64_t b,
-           int64_t h, int64_t t, int64_t c) const {
+  float at(const std::vector<uint8_t> &host, const uint8_t *dev, const void *ptr, const int64_t *st,
+           int64_t b, int64_t h, int64_t t, int64_t c) const {
     const int64_t es = dtype_size(dt);
-    const uint8_t *x = host.data() + ((const uint8_t *)ptr - dev) + (b * st[0] + h * st[1] + t * st[2] + c) * es;
+    const uint8_t *x =
+        host.data() + ((const uint8_t *)ptr - dev) + (b * st[0] + h * st[1] + t * st[2] + c) * es;
     if (dt == FP4ATTN_FLOAT32) {
       float f;
       memcpy(&f, x, 4);
@@ -408,9 +434,11 @@ static std::vector<uint8_t> host_prepass(const Inputs &in) {
   auto off = [&](const void *ptr) { return (int64_t)((const char *)ptr - (const char *)0x100000); };
   std::vector<uint8_t> img(attn_workspace_layout(&p, fp16_plan(p), nullptr).bytes, 0);
   float *qbar = (float *)(img.data() + off(w.qbar)), *qamax = (float *)(img.data() + off(w.qamax));
-  float *kbar = (float *)(img.data() + off(w.kbar)), *qscale = (float *)(img.data() + off(w.qscale));
+  float *kbar = (float *)(img.data() + off(w.kbar)),
+        *qscale = (float *)(img.data() + off(w.qscale));
   float *kvscale = (float *)(img.data() + off(w.kvscale));
-  uint16_t *kdq = (uint16_t *)(img.data() + off(w.kdq)), *vdq = (uint16_t *)(img.data() + off(w.vdq));
+  uint16_t *kdq = (uint16_t *)(img.data() + off(w.kdq)),
+           *vdq = (uint16_t *)(img.data() + off(w.vdq));
   const HostInputs h = host_inputs(in);
   const int D = (int)p.head_dim, D8 = (int)((p.head_dim + 7) / 8 * 8), DP = (int)w.dp;
   std::vector<float> sum, mn, mx;
@@ -556,7 +584,8 @@ static void path_checks(bool quick) {
   cases.push_back({FP4ATTN_FLOAT16, 1, 4, 2, 300, 300, 64, 1, 0, 0, 0}); /* BNHD + GQA */
   cases.push_back({FP4ATTN_FLOAT16, 1, 2, 2, 100, 100, 33, 0, 0, 0, 0}); /* D % 8 != 0 */
   /* one kernel (Dp = 64) with less, then more shared memory than before (its attribute) */
-  for (int64_t D : {64, 40, 64}) cases.push_back({FP4ATTN_FLOAT16, 1, 2, 2, 200, 300, D, 0, 0, 0, 0});
+  for (int64_t D : {64, 40, 64})
+    cases.push_back({FP4ATTN_FLOAT16, 1, 2, 2, 200, 300, D, 0, 0, 0, 0});
   /* special values */
   for (fp4attn_dtype dt : dts)
     for (int m = 1; m <= 6; ++m) {
@@ -566,12 +595,15 @@ static void path_checks(bool quick) {
   /* bench shapes (fp16, B*N = 16K, H*D = 2048), bf16 too, and heads with many chunks */
   if (!quick) {
     for (int64_t D : {64, 128})
-      for (int64_t N : {1024, 4096, 16384}) cases.push_back({FP4ATTN_FLOAT16, 16384 / N, 2048 / D, 2048 / D, N, N, D, 0, 0, 0, 0});
+      for (int64_t N : {1024, 4096, 16384})
+        cases.push_back({FP4ATTN_FLOAT16, 16384 / N, 2048 / D, 2048 / D, N, N, D, 0, 0, 0, 0});
     cases.push_back({FP4ATTN_BFLOAT16, 1, 16, 16, 16384, 16384, 128, 1, 0, 0, 0});
-    cases.push_back({FP4ATTN_FLOAT16, 1, 4, 2, 1024, 32768, 128, 0, 0, 0, 0});  /* 256 chunks per head */
-    cases.push_back({FP4ATTN_FLOAT16, 1, 2, 1, 1024, 100000, 128, 0, 0, 0, 0}); /* 782 chunks per head */
-    cases.push_back({FP4ATTN_FLOAT16, 4100, 8, 8, 128, 128, 128, 0, 0, 0, 0});  /* many heads */
-    cases.push_back({FP4ATTN_FLOAT32, 1, 4, 4, 8192, 8192, 128, 0, 0, 0, 0});   /* 1 block per SM */
+    cases.push_back(
+        {FP4ATTN_FLOAT16, 1, 4, 2, 1024, 32768, 128, 0, 0, 0, 0}); /* 256 chunks per head */
+    cases.push_back(
+        {FP4ATTN_FLOAT16, 1, 2, 1, 1024, 100000, 128, 0, 0, 0, 0}); /* 782 chunks per head */
+    cases.push_back({FP4ATTN_FLOAT16, 4100, 8, 8, 128, 128, 128, 0, 0, 0, 0}); /* many heads */
+    cases.push_back({FP4ATTN_FLOAT32, 1, 4, 4, 8192, 8192, 128, 0, 0, 0, 0});  /* 1 block per SM */
   }
   uint32_t seed = 1;
   for (const Case &c : cases) check_case(c, seed += 3);
@@ -636,7 +668,17 @@ struct BenchShape {
   void *ws = nullptr;
   AttnArgs a;
   BenchShape(int64_t D, int64_t N)
-      : c{FP4ATTN_FLOAT16, std::max<int64_t>(1, 16384 / N), 2048 / D, 2048 / D, N, N, D, 0, 0, 0, 0},
+      : c{FP4ATTN_FLOAT16,
+          std::max<int64_t>(1, 16384 / N),
+          2048 / D,
+          2048 / D,
+          N,
+          N,
+          D,
+          0,
+          0,
+          0,
+          0},
         in(make_inputs(c, 7)) {
     CK(cudaMalloc(&ws, workspace_bytes(in.p)));
     a = make_args(in.p, ws);
@@ -680,8 +722,9 @@ static void timing() {
         const BenchShape shape(D, N);
         const Case &c = shape.c;
         const double elems = (double)c.B * c.Hq * N * D;
-        /* the bytes the workspace layout really moves (Q, K, V once, K^/V^ as FP16: bench_attention.py's
-         * metric, %copy*), and the old metric with K^/V^ counted as FP4 codes + scales (%copy) */
+        /* the bytes the workspace layout really moves (Q, K, V once, K^/V^ as FP16:
+         * bench_attention.py's metric, %copy*), and the old metric with K^/V^ counted as FP4 codes
+         * + scales (%copy) */
         const double bench_bytes = 3 * elems * 2 + 2 * elems * (0.5 + 1.0 / 16);
         const double real_bytes = 3 * elems * 2 + 2 * elems * 2;
         std::vector<float> t; /* 23 calls, the first 3 dropped */
@@ -702,16 +745,18 @@ static void timing() {
         }
         if (t.empty()) continue;
         const float ms = median(t);
-        printf("%-5lld %-6lld %-3lld | %8.4f %9.0f %7.1f%% %7.1f%%\n", (long long)D, (long long)N, (long long)c.B, ms,
-               bench_bytes / ms / 1e6, 100 * bench_bytes / ms / 1e6 / bw, 100 * real_bytes / ms / 1e6 / bw);
+        printf("%-5lld %-6lld %-3lld | %8.4f %9.0f %7.1f%% %7.1f%%\n", (long long)D, (long long)N,
+               (long long)c.B, ms, bench_bytes / ms / 1e6, 100 * bench_bytes / ms / 1e6 / bw,
+               100 * real_bytes / ms / 1e6 / bw);
       }
-    printf("GB/s(b), %%copy: inputs + K^/V^ counted as FP4 codes + scales (the old metric);\n"
-           "%%copy*: bench_attention.py's metric, the bytes moved with the FP16 K^/V^ workspace (inputs + 2 x\n"
-           "K-sized FP16 outputs; K and V are read twice, which is not counted)\n");
+    printf(
+        "GB/s(b), %%copy: inputs + K^/V^ counted as FP4 codes + scales (the old metric);\n"
+        "%%copy*: bench_attention.py's metric, the bytes moved with the FP16 K^/V^ workspace "
+        "(inputs + 2 x\n"
+        "K-sized FP16 outputs; K and V are read twice, which is not counted)\n");
   }
   CK(cudaFree(flush));
 }
-
 
 int main(int argc, char **argv) {
   const bool quick = argc > 1 && !strcmp(argv[1], "--quick");
@@ -720,7 +765,8 @@ int main(int argc, char **argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
   if (argc > 1 && !strcmp(argv[1], "--probe")) return 0;
-  if (argc > 3 && !strcmp(argv[1], "--profile")) { /* one warm-up and one pre-pass at (D, N), for ncu */
+  if (argc > 3 &&
+      !strcmp(argv[1], "--profile")) { /* one warm-up and one pre-pass at (D, N), for ncu */
     const BenchShape shape(atoll(argv[2]), atoll(argv[3]));
     for (int i = 0; i < 2; ++i) {
       const fp4attn_status st = prepass(shape.a, 0);

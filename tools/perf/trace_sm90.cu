@@ -20,9 +20,9 @@
 #include <map>
 #include <vector>
 
-#include "fp4attn/fp4attn.h"
 #include "../../csrc/cuda/sm90/trace_events.h"
 #include "../../tests/cuda_harness/cuda_check.h"
+#include "fp4attn/fp4attn.h"
 
 #if defined(FP4ATTN_SM90_TRACE)
 extern "C" int fp4attn_sm90_trace_take(unsigned long long *host, int items);
@@ -31,12 +31,14 @@ extern "C" int fp4attn_sm90_trace_take(unsigned long long *host, int items);
 using namespace fp4attn_cuda::sm90; /* TraceEvent */
 
 __global__ void fill_normalish(__half *x, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
     uint32_t h = (uint32_t)i * 2654435761u ^ seed;
     h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
     uint32_t g = h * 1664525u + 1013904223u;
     /* sum of two uniforms: a cheap bell shape in [-2, 2] */
-    x[i] = __float2half(((h >> 8) * (1.0f / 16777216.0f) + (g >> 8) * (1.0f / 16777216.0f) - 1.0f) * 2.0f);
+    x[i] = __float2half(((h >> 8) * (1.0f / 16777216.0f) + (g >> 8) * (1.0f / 16777216.0f) - 1.0f) *
+                        2.0f);
   }
 }
 
@@ -66,7 +68,8 @@ static void run(int D, int N, int B, int H, int causal) {
   p.dtype = FP4ATTN_FLOAT16;
   p.batch = B, p.heads_q = H, p.heads_kv = H, p.len_q = N, p.len_k = N, p.head_dim = D;
   const int64_t st[3] = {(int64_t)H * N * D, (int64_t)N * D, D};
-  for (int i = 0; i < 3; ++i) p.q_stride[i] = p.k_stride[i] = p.v_stride[i] = p.out_stride[i] = st[i];
+  for (int i = 0; i < 3; ++i)
+    p.q_stride[i] = p.k_stride[i] = p.v_stride[i] = p.out_stride[i] = st[i];
   p.scale = 1.0f / sqrtf((float)D);
   p.causal = causal;
   p.mask_kind = FP4ATTN_MASK_NONE;
@@ -105,8 +108,8 @@ static void run(int D, int N, int B, int H, int causal) {
   const float ms = times[times.size() / 2];
   const double flops = 4.0 * B * H * (double)N * N * D / (causal ? 2 : 1);
 #if !defined(FP4ATTN_SM90_TRACE)
-  printf("D=%d N=%d B=%d H=%d causal=%d: %.4f ms (median of %zu, pre-pass included) %.1f TFLOPS\n", D, N, B, H,
-         causal, ms, times.size(), flops / ms * 1e-9);
+  printf("D=%d N=%d B=%d H=%d causal=%d: %.4f ms (median of %zu, pre-pass included) %.1f TFLOPS\n",
+         D, N, B, H, causal, ms, times.size(), flops / ms * 1e-9);
   CK(cudaFree(q));
   CK(cudaFree(k));
   CK(cudaFree(v));
@@ -117,10 +120,12 @@ static void run(int D, int N, int B, int H, int causal) {
   /* per SM: items by start, kernel span in cycles (for the clock rate) */
   std::map<int, std::vector<int>> by_sm;
   for (int i = 0; i < traced; ++i)
-    if (tr[(size_t)i * kTrEvents + kTrEnd]) by_sm[(int)tr[(size_t)i * kTrEvents + kTrSm]].push_back(i);
+    if (tr[(size_t)i * kTrEvents + kTrEnd])
+      by_sm[(int)tr[(size_t)i * kTrEvents + kTrSm]].push_back(i);
   const auto at = [&](int i, int e) { return (double)tr[(size_t)i * kTrEvents + e]; };
   const bool persistent = D <= 64; /* Config::kPersistent: head dims padded to 64 */
-  std::vector<double> prologue, decoded, copied, quantized, s0_issue, full0, s0, tile0, steady, epi, gap, total, ghz_sm;
+  std::vector<double> prologue, decoded, copied, quantized, s0_issue, full0, s0, tile0, steady, epi,
+      gap, total, ghz_sm;
   for (auto &kv : by_sm) {
     std::vector<int> &its = kv.second;
     const auto first = [&](int i) { return persistent ? at(i, kTrQReady) : at(i, kTrStart); };
@@ -128,16 +133,22 @@ static void run(int D, int N, int B, int H, int causal) {
     /* clock rate: the first item started (kTrStart) by the block that the last item ended in */
     int first_of_block = -1;
     for (int i : its)
-      if (at(i, kTrStartNs) > 0 && (first_of_block < 0 || at(i, kTrStartNs) < at(first_of_block, kTrStartNs))) first_of_block = i;
+      if (at(i, kTrStartNs) > 0 &&
+          (first_of_block < 0 || at(i, kTrStartNs) < at(first_of_block, kTrStartNs)))
+        first_of_block = i;
     const int last = its.back();
     if (first_of_block >= 0 && at(last, kTrEndNs) > at(first_of_block, kTrStartNs))
-      ghz_sm.push_back((at(last, kTrEnd) - at(first_of_block, kTrStart)) / (at(last, kTrEndNs) - at(first_of_block, kTrStartNs)));
+      ghz_sm.push_back((at(last, kTrEnd) - at(first_of_block, kTrStart)) /
+                       (at(last, kTrEndNs) - at(first_of_block, kTrStartNs)));
     for (size_t c = 0; c < its.size(); ++c) {
       const int i = its[c];
       if (!persistent) prologue.push_back(at(i, kTrQReady) - at(i, kTrStart));
-      if (!persistent && at(i, kTrDecoded) > 0) decoded.push_back(at(i, kTrDecoded) - at(i, kTrStart));
-      if (!persistent && at(i, kTrQCopied) > 0) copied.push_back(at(i, kTrQCopied) - at(i, kTrStart));
-      if (!persistent && at(i, kTrQQuantized) > 0) quantized.push_back(at(i, kTrQQuantized) - at(i, kTrStart));
+      if (!persistent && at(i, kTrDecoded) > 0)
+        decoded.push_back(at(i, kTrDecoded) - at(i, kTrStart));
+      if (!persistent && at(i, kTrQCopied) > 0)
+        copied.push_back(at(i, kTrQCopied) - at(i, kTrStart));
+      if (!persistent && at(i, kTrQQuantized) > 0)
+        quantized.push_back(at(i, kTrQQuantized) - at(i, kTrStart));
       s0_issue.push_back(at(i, kTrS0Issue) - at(i, kTrQReady));
       full0.push_back(at(i, kTrFull0) - at(i, kTrQReady));
       s0.push_back(at(i, kTrS0) - at(i, kTrQReady));
@@ -158,19 +169,27 @@ static void run(int D, int N, int B, int H, int causal) {
     tiles_sum += causal ? qt + 1 : nqt;
   }
   const double avg_tiles = (double)tiles_sum / items;
-  printf("D=%d N=%d B=%d H=%d causal=%d: %.3f ms, %d items on %zu SMs, %.2f GHz (clock64 / globaltimer), avg %.1f tiles/item\n",
-         D, N, B, H, causal, ms, items, by_sm.size(), ghz, avg_tiles);
+  printf(
+      "D=%d N=%d B=%d H=%d causal=%d: %.3f ms, %d items on %zu SMs, %.2f GHz (clock64 / "
+      "globaltimer), avg %.1f tiles/item\n",
+      D, N, B, H, causal, ms, items, by_sm.size(), ghz, avg_tiles);
   printf("  per item, median / mean us: ");
   if (!persistent) printf("prologue %.2f/%.2f  ", us(median(prologue)), us(mean(prologue)));
-  if (!decoded.empty()) printf("(item decoded at %.2f/%.2f)  ", us(median(decoded)), us(mean(decoded)));
-  if (!copied.empty()) printf("(Q rows copied at %.2f/%.2f)  ", us(median(copied)), us(mean(copied)));
-  if (!quantized.empty()) printf("(Q^ quantized at %.2f/%.2f)  ", us(median(quantized)), us(mean(quantized)));
+  if (!decoded.empty())
+    printf("(item decoded at %.2f/%.2f)  ", us(median(decoded)), us(mean(decoded)));
+  if (!copied.empty())
+    printf("(Q rows copied at %.2f/%.2f)  ", us(median(copied)), us(mean(copied)));
+  if (!quantized.empty())
+    printf("(Q^ quantized at %.2f/%.2f)  ", us(median(quantized)), us(mean(quantized)));
   printf("Q^->S0 issue %.2f/%.2f  ", us(median(s0_issue)), us(mean(s0_issue)));
-  printf("Q^->full0 %.2f/%.2f  Q^->S0 %.2f/%.2f  tile0 softmax %.2f/%.2f  "
-         "tile0->last PV %.2f/%.2f (%.3f per later tile)  epilogue %.2f/%.2f  gap to next %.2f/%.2f  item total %.2f/%.2f\n",
-         us(median(full0)), us(mean(full0)), us(median(s0)), us(mean(s0)), us(median(tile0)), us(mean(tile0)),
-         us(median(steady)), us(mean(steady)), us(mean(steady)) / std::max(1.0, avg_tiles - 1), us(median(epi)),
-         us(mean(epi)), us(median(gap)), us(mean(gap)), us(median(total)), us(mean(total)));
+  printf(
+      "Q^->full0 %.2f/%.2f  Q^->S0 %.2f/%.2f  tile0 softmax %.2f/%.2f  "
+      "tile0->last PV %.2f/%.2f (%.3f per later tile)  epilogue %.2f/%.2f  gap to next %.2f/%.2f  "
+      "item total %.2f/%.2f\n",
+      us(median(full0)), us(mean(full0)), us(median(s0)), us(mean(s0)), us(median(tile0)),
+      us(mean(tile0)), us(median(steady)), us(mean(steady)),
+      us(mean(steady)) / std::max(1.0, avg_tiles - 1), us(median(epi)), us(mean(epi)),
+      us(median(gap)), us(mean(gap)), us(median(total)), us(mean(total)));
   CK(cudaFree(q));
   CK(cudaFree(k));
   CK(cudaFree(v));
@@ -181,7 +200,8 @@ static void run(int D, int N, int B, int H, int causal) {
 int main(int argc, char **argv) {
   if (argc > 5) {
     for (int i = 1; i + 4 < argc; i += 5)
-      run(atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]), atoi(argv[i + 4]));
+      run(atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]),
+          atoi(argv[i + 4]));
     return 0;
   }
   for (int D : {128, 64})

@@ -31,7 +31,7 @@ static inline fp4attn_status launch_status(const char *what) {
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     return fp4attn_error(FP4ATTN_ERR_CUDA, "%s: CUDA error %s (%s)", what, cudaGetErrorName(e),
-                        cudaGetErrorString(e));
+                         cudaGetErrorString(e));
   return fp4attn_ok();
 }
 
@@ -69,8 +69,12 @@ static inline int device_capability() {
   return cache[dev];
 }
 
-static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-static inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+static inline int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+static inline int64_t round_up(int64_t a, int64_t b) {
+  return ceil_div(a, b) * b;
+}
 
 /* Rows of d elements at ptr with these (batch, head, token) strides allow 16-byte vector access
  * in groups of 8 elements (any dtype: 8 x 2 bytes, or two 16-byte halves of 8 floats). */
@@ -79,10 +83,16 @@ static inline bool vector_rows(const void *ptr, const int64_t *stride, int64_t d
          stride[1] % 8 == 0 && stride[2] % 8 == 0;
 }
 
-__host__ __device__ inline int64_t dtype_size(fp4attn_dtype d) { return d == FP4ATTN_FLOAT32 ? 4 : 2; }
+__host__ __device__ inline int64_t dtype_size(fp4attn_dtype d) {
+  return d == FP4ATTN_FLOAT32 ? 4 : 2;
+}
 /* fp4attn_code_bytes / fp4attn_scale_count of fp4attn.h, callable on the device too */
-__host__ __device__ inline int64_t fp4_code_bytes(int64_t cols) { return (cols + 15) / 16 * 8; }
-__host__ __device__ inline int64_t fp4_scale_count(int64_t cols) { return (cols + 15) / 16; }
+__host__ __device__ inline int64_t fp4_code_bytes(int64_t cols) {
+  return (cols + 15) / 16 * 8;
+}
+__host__ __device__ inline int64_t fp4_scale_count(int64_t cols) {
+  return (cols + 15) / 16;
+}
 
 /* ---------------------------------------------------------------------- dtype conversions */
 
@@ -153,8 +163,8 @@ __device__ __forceinline__ void load8_as_float(const void *base, fp4attn_dtype d
 
 /* Elements col .. col+7 of a row starting at element `row` as float, zeros from column D on;
  * 16-byte loads when `vec` (load8_as_float's alignment) and all 8 are inside the row. */
-__device__ __forceinline__ void load8_padded(const void *base, fp4attn_dtype dt, int64_t row, int col,
-                                             int D, bool vec, float *out) {
+__device__ __forceinline__ void load8_padded(const void *base, fp4attn_dtype dt, int64_t row,
+                                             int col, int D, bool vec, float *out) {
   if (vec && col + 8 <= D) {
     load8_as_float(base, dt, row + col, true, out);
     return;
@@ -166,9 +176,9 @@ __device__ __forceinline__ void load8_padded(const void *base, fp4attn_dtype dt,
 /* Columns kb*16 .. kb*16+15 of the row at element `row` of x, smoothed and scaled for phi
  * (SPEC 4.1-4.3: (x - mean) * enc, two roundings), zeros from column D on. mean: the 16 means of
  * these columns (any memory; registers when the caller holds them). */
-__device__ __forceinline__ void smoothed_block16(const void *x, fp4attn_dtype dt, int64_t row, int kb,
-                                                 int D, bool vec, const float *mean, float enc,
-                                                 float (&xs)[16]) {
+__device__ __forceinline__ void smoothed_block16(const void *x, fp4attn_dtype dt, int64_t row,
+                                                 int kb, int D, bool vec, const float *mean,
+                                                 float enc, float (&xs)[16]) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int c0 = kb * 16 + half * 8;
@@ -184,9 +194,9 @@ __device__ __forceinline__ void smoothed_block16(const void *x, fp4attn_dtype dt
 
 /* rne_e2m1 (SPEC 1) of two floats y0, y1 >= 0, saturated at 6, as the FP16 pair of the
  * rounded values (y0 in the low half), in packed FP16 arithmetic (2 values per instruction):
- *  1. h = y rounded toward zero to FP16 (above 65504: 65504), then min(h, 6), then h's last bit set.
- *     Every E2M1 rounding tie (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is an FP16 value whose last bit
- *     is 0, so h lies on the same side of every tie as y, or just above a tie that y is exactly.
+ *  1. h = y rounded toward zero to FP16 (above 65504: 65504), then min(h, 6), then h's last bit
+ * set. Every E2M1 rounding tie (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is an FP16 value whose last
+ * bit is 0, so h lies on the same side of every tie as y, or just above a tie that y is exactly.
  *     (Rounding to nearest FP16 instead would move the values within half an FP16 unit of a tie
  *     onto it.)
  *  2. With 2^e the power of two at or below max(h, 1), h + 2^(e+9) is an FP16 value whose unit in
@@ -202,7 +212,8 @@ __host__ __device__ __forceinline__ uint32_t e2m1_pair_sat6(float y0, float y1) 
 #if defined(__CUDA_ARCH__)
   uint32_t h, m, p2, t, r;
   asm("cvt.rz.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(y1), "f"(y0)); /* first operand: high half */
-#if __CUDA_ARCH__ >= 900 /* non-negative FP16 values (NaN above +inf) order like unsigned integers */
+#if __CUDA_ARCH__ >= \
+    900 /* non-negative FP16 values (NaN above +inf) order like unsigned integers */
 #define FP4ATTN_MINMAX_TYPE "u16x2"
 #else
 #define FP4ATTN_MINMAX_TYPE "f16x2"
@@ -212,13 +223,14 @@ __host__ __device__ __forceinline__ uint32_t e2m1_pair_sat6(float y0, float y1) 
   asm("max." FP4ATTN_MINMAX_TYPE " %0, %1, %2;" : "=r"(p2) : "r"(m), "r"(0x3C003C00u)); /* 1 */
 #undef FP4ATTN_MINMAX_TYPE
   p2 &= 0x7C007C00u;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(t) : "r"(p2), "r"(0x60006000u), "r"(m));  /* 512 */
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(t) : "r"(p2), "r"(0x60006000u), "r"(m)); /* 512 */
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(p2), "r"(0xE000E000u), "r"(t)); /* -512 */
   return r;
 #else
   /* the same steps on the host, one value at a time, in exact double arithmetic */
   const auto one = [](float y) -> uint32_t {
-    double h; /* step 1: toward zero onto the FP16 grid (spacing 2^-24 below 2^-14), at most 6 (NaN: 6, as the device's min) */
+    double h; /* step 1: toward zero onto the FP16 grid (spacing 2^-24 below 2^-14), at most 6 (NaN:
+                 6, as the device's min) */
     if (!(y < 6.0f)) {
       h = 6.0;
     } else {
@@ -229,7 +241,8 @@ __host__ __device__ __forceinline__ uint32_t e2m1_pair_sat6(float y0, float y1) 
     }
     const double p2 = h < 1.0 ? 1.0 : ldexp(1.0, ilogb(h));
     const double spacing = p2 / 2; /* of FP16 at 512 p2, and of E2M1 in h's binade */
-    const double r = nearbyint(h / spacing) * spacing; /* (512 p2 + h) to nearest even, minus 512 p2 */
+    const double r =
+        nearbyint(h / spacing) * spacing; /* (512 p2 + h) to nearest even, minus 512 p2 */
     return __half_as_ushort(__double2half(r));
   };
   return one(y0) | (one(y1) << 16);
@@ -262,10 +275,11 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t &r0, uint32_t &r1, uint32_t
 }
 
 /* D = A(16x16, row) * B(16x8, col) + D, FP16 (or, kBf16, BF16) operands, FP32 accumulation. */
-#define FP4ATTN_MMA_16816(T)                                                                      \
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0,%1,%2,%3}, "           \
-               "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                          \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                   \
+#define FP4ATTN_MMA_16816(T)                                    \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." T "." T \
+               ".f32 {%0,%1,%2,%3}, "                           \
+               "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"       \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 template <bool kBf16 = false>
 __device__ __forceinline__ void mma_16816(float *d, const uint32_t *a, uint32_t b0, uint32_t b1) {
@@ -279,8 +293,12 @@ __device__ __forceinline__ void mma_16816(float *d, const uint32_t *a, uint32_t 
 __device__ __forceinline__ void cp_async_16(void *smem, const void *gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::);
+}
 
 __device__ __forceinline__ uint32_t pack_half2(float a, float b) {
   __half2 h = __floats2half2_rn(a, b);

@@ -4,8 +4,8 @@
  * the E4M3 scale from an FMA-corrected m / 6 and the hardware conversion, and the E2M1 rounding
  * by one add and one subtract. Each helper is checked against numerics.h by
  * tests/cuda_harness/check_prepass.cu (exhaustively where a single float is the input).
- * Used by the pre-pass (K^, V^: two lanes per block, quantize_half_block in prepass/prepass.cu) and by
- * the attention kernels' Q quantization (quantize_block16: one thread per block).
+ * Used by the pre-pass (K^, V^: two lanes per block, quantize_half_block in prepass/prepass.cu) and
+ * by the attention kernels' Q quantization (quantize_block16: one thread per block).
  */
 #ifndef FP4ATTN_CUDA_COMMON_FAST_ROUNDING_CUH
 #define FP4ATTN_CUDA_COMMON_FAST_ROUNDING_CUH
@@ -49,7 +49,8 @@ __device__ __forceinline__ float div6_e4m3(float a) {
  * gives +0 for a zero result (the code 0 of fp4attn_e2m1_encode is +0 too). Results of 8 (|y| in
  * [7, 8)) need the saturation to 6: callers clamp y to [-6, 6] first when that can happen.
  * Checked bit for bit against fp4attn_e2m1_decode(fp4attn_e2m1_encode(y)) on every float with
- * |y| < 7, and after the clamp on every float below 2^100, by tests/cuda_harness/check_prepass.cu. */
+ * |y| < 7, and after the clamp on every float below 2^100, by tests/cuda_harness/check_prepass.cu.
+ */
 __device__ __forceinline__ float e2m1_round_signed(float y) {
   uint32_t e = __float_as_uint(y) & 0x7F800000u;
   e = (e > 0x3F800000u ? e : 0x3F800000u) + 0x0B400000u;
@@ -57,7 +58,9 @@ __device__ __forceinline__ float e2m1_round_signed(float y) {
   return __fsub_rn(__fadd_rn(y, c), c);
 }
 
-__device__ __forceinline__ float clamp6(float y) { return fminf(fmaxf(y, -6.0f), 6.0f); }
+__device__ __forceinline__ float clamp6(float y) {
+  return fminf(fmaxf(y, -6.0f), 6.0f);
+}
 
 /* a * b on two FP16 lanes (exact for the products used here: code * E4M3 scale). */
 __device__ __forceinline__ uint32_t h2_mul(uint32_t a, uint32_t b) {
@@ -99,7 +102,8 @@ __device__ __forceinline__ void quantize_block16(const float (&xs)[16], uint32_t
                                               make_float4(xs[4], xs[5], xs[6], xs[7]), m);
     const uint4 hi = quantize_half_block_slow(make_float4(xs[8], xs[9], xs[10], xs[11]),
                                               make_float4(xs[12], xs[13], xs[14], xs[15]), m);
-    o[0] = lo.x, o[1] = lo.y, o[2] = lo.z, o[3] = lo.w, o[4] = hi.x, o[5] = hi.y, o[6] = hi.z, o[7] = hi.w;
+    o[0] = lo.x, o[1] = lo.y, o[2] = lo.z, o[3] = lo.w, o[4] = hi.x, o[5] = hi.y, o[6] = hi.z,
+    o[7] = hi.w;
     return;
   }
   const uint8_t s = e4m3_encode_fast(div6_e4m3(m)) & 0x7F;

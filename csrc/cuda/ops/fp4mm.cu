@@ -100,8 +100,8 @@ __global__ void __launch_bounds__(128) fp4mm_kernel(fp4attn_fp4mm_params p) {
 }  // namespace
 
 extern "C" fp4attn_status fp4attn_cuda_fp4mm(const fp4attn_fp4mm_params *p, void *stream) {
-  if (!p || !p->a_codes || !p->a_scales || !p->a_dec || !p->b_codes || !p->b_scales ||
-      !p->b_dec || !p->out)
+  if (!p || !p->a_codes || !p->a_scales || !p->a_dec || !p->b_codes || !p->b_scales || !p->b_dec ||
+      !p->out)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "fp4mm: null pointer argument");
   if (p->out_dtype != FP4ATTN_FLOAT32 && p->out_dtype != FP4ATTN_FLOAT16 &&
       p->out_dtype != FP4ATTN_BFLOAT16)
@@ -114,7 +114,7 @@ extern "C" fp4attn_status fp4attn_cuda_fp4mm(const fp4attn_fp4mm_params *p, void
   if (p->batch == 0 || p->m == 0 || p->n == 0) return fp4attn_ok();
   if (p->batch > 65535 || ceil_div(p->m, TM) > 65535)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "fp4mm: batch (%lld) or m (%lld) too large",
-                        (long long)p->batch, (long long)p->m);
+                         (long long)p->batch, (long long)p->m);
   dim3 grid((unsigned)ceil_div(p->n, TN), (unsigned)ceil_div(p->m, TM), (unsigned)p->batch);
   fp4mm_kernel<<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(*p);
   return launch_status("fp4mm kernel");

@@ -31,12 +31,11 @@
  * sums rows g, g+RG, ... in order from 0; the block sum adds the RG group sums in order from 0;
  * kbar adds the chunk sums in chunk order from 0 and divides by Nk.
  */
-#include "prepass.h"
-
 #include <mutex>
 
 #include "../common/fast_rounding.cuh"
 #include "../tile/scheduler.cuh"
+#include "prepass.h"
 
 using namespace fp4attn_cuda;
 
@@ -69,7 +68,8 @@ __device__ float block_nanmax(float v, float *sh) {
  * sh_red: 32 floats of shared memory. */
 __device__ void q_head_scales(const AttnWorkspace &w, int64_t bh, float *sh_red) {
   float qm = 0.0f;
-  for (int64_t t = threadIdx.x; t < w.nqb; t += blockDim.x) qm = fp4attn_nanmax(qm, w.qamax[bh * w.nqb + t]);
+  for (int64_t t = threadIdx.x; t < w.nqb; t += blockDim.x)
+    qm = fp4attn_nanmax(qm, w.qamax[bh * w.nqb + t]);
   qm = block_nanmax(qm, sh_red);
   if (threadIdx.x == 0) fp4attn_global_scales(qm, &q_scales(w, bh)[kQEnc], &q_scales(w, bh)[kQDec]);
 }
@@ -199,15 +199,16 @@ __device__ __forceinline__ uint4 quantize_half_block(const float *xs, int partne
 /* Everything a pre-pass block keeps in static shared memory (about 10 KB: with the quantize
  * kernel's 64 KB of item buffers, three blocks fit on an SM of 228 KB). */
 struct __align__(16) PrepassShared {
-  float red[kThreads * 8]; /* [RG][D] partials of the column statistics; reduce_head's running sums */
+  float
+      red[kThreads * 8]; /* [RG][D] partials of the column statistics; reduce_head's running sums */
   float kbar[256];
   float small[32];
   ScaleTables tab;
   float enck, encv;
 };
 
-/* What the three kernels share: work counts and the sync section of the workspace (tile/workspace.cuh,
- * zeroed before every pre-pass). */
+/* What the three kernels share: work counts and the sync section of the workspace
+ * (tile/workspace.cuh, zeroed before every pre-pass). */
 struct StreamParams {
   unsigned int *vmax;        /* [BHk]: max |V| bits (NaN above Inf), atomicMax */
   unsigned int *kmin, *kmax; /* [BHk][Dp]: order keys of the column minima (inverted) / maxima */
@@ -236,7 +237,7 @@ __host__ __device__ constexpr int stats_threads() {
 
 template <typename T, int DP>
 struct BlockRows {
-  static constexpr int kFewestGroups = stat_row_groups(DP / 8);               /* D = DP */
+  static constexpr int kFewestGroups = stat_row_groups(DP / 8);                /* D = DP */
   static constexpr int kMaxRows = (kTile + kFewestGroups - 1) / kFewestGroups; /* any D <= DP */
   Raw8<T> raw[kMaxRows];
 };
@@ -258,9 +259,9 @@ __device__ __forceinline__ void load_block_rows(const T *base, int64_t row_strid
 }
 
 /* Column statistics of a 128-row block of D columns (D % 8 == 0), loaded by load_block_rows, in
- * the summation order of the header: thread (rg, cg) sums rows rg, rg + RG, ... of its 8 columns, then
- * the RG partials are added in rg order (through sh.red: a round for the sums, one or two for the
- * minima and maxima). Thread c < D returns column c. */
+ * the summation order of the header: thread (rg, cg) sums rows rg, rg + RG, ... of its 8 columns,
+ * then the RG partials are added in rg order (through sh.red: a round for the sums, one or two for
+ * the minima and maxima). Thread c < D returns column c. */
 template <typename T, int DP>
 __device__ void column_stats_of(const BlockRows<T, DP> &b, int rows, int D, PrepassShared &sh,
                                 float &sum_c, float &min_c, float &max_c) {
@@ -337,9 +338,12 @@ __device__ void column_stats_of(const BlockRows<T, DP> &b, int rows, int D, Prep
     __syncthreads();
     if (tid < D) {
       float s = round == 1 ? INFINITY : -INFINITY;
-      for (int i = 0; i < RG; ++i) s = round == 1 ? fminf(s, red[i * D + tid]) : fmaxf(s, red[i * D + tid]);
-      if (round == 1) min_c = s;
-      else max_c = s;
+      for (int i = 0; i < RG; ++i)
+        s = round == 1 ? fminf(s, red[i * D + tid]) : fmaxf(s, red[i * D + tid]);
+      if (round == 1)
+        min_c = s;
+      else
+        max_c = s;
     }
   }
 }
@@ -351,13 +355,14 @@ __device__ __forceinline__ const T *q_block_rows(const AttnArgs &a, int64_t item
   const int64_t bh = item / a.ws.nqb, qb = item % a.ws.nqb;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
   rows = (int)min((int64_t)kTile, p.len_q - qb * kTile);
-  return static_cast<const T *>(p.q) + b * p.q_stride[0] + h * p.q_stride[1] + qb * kTile * p.q_stride[2];
+  return static_cast<const T *>(p.q) + b * p.q_stride[0] + h * p.q_stride[1] +
+         qb * kTile * p.q_stride[2];
 }
 
 /* One query block, its rows loaded: qbar and max |Q - qbar|, stored. */
 template <typename T, int DP>
-__device__ void q_block_stats_of(const AttnArgs &a, int64_t item, const BlockRows<T, DP> &rb, int rows,
-                                  PrepassShared &sh) {
+__device__ void q_block_stats_of(const AttnArgs &a, int64_t item, const BlockRows<T, DP> &rb,
+                                 int rows, PrepassShared &sh) {
   const AttnWorkspace &w = a.ws;
   const int D = (int)a.p.head_dim, tid = threadIdx.x;
   float s = 0.0f, mn = 0.0f, mx = 0.0f;
@@ -398,7 +403,8 @@ __device__ float rows_absmax_of(const BlockRows<T, DP> &b) {
  * chunks at once, then add them in turn, passing the running sums on through shared memory, so
  * that the serial chain waits for one round of loads instead of one per chunk. */
 template <int DP>
-__device__ void reduce_head(const AttnArgs &a, const StreamParams &f, int64_t bh, PrepassShared &sh) {
+__device__ void reduce_head(const AttnArgs &a, const StreamParams &f, int64_t bh,
+                            PrepassShared &sh) {
   const fp4attn_attention_params &p = a.p;
   const AttnWorkspace &w = a.ws;
   const int D = (int)p.head_dim, tid = threadIdx.x;
@@ -422,8 +428,9 @@ __device__ void reduce_head(const AttnArgs &a, const StreamParams &f, int64_t bh
     float4 v[kRun];
 #pragma unroll
     for (int i = 0; i < kRun; ++i)
-      v[i] = (part < P && mine + i < nkt) ? __ldcg(reinterpret_cast<const float4 *>(ksum + (mine + i) * DP))
-                                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      v[i] = (part < P && mine + i < nkt)
+                 ? __ldcg(reinterpret_cast<const float4 *>(ksum + (mine + i) * DP))
+                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int step = 0; step < P; ++step) {
       __syncthreads(); /* the previous step's running sums are visible */
       if (part == step) {
@@ -472,7 +479,8 @@ __device__ void reduce_head(const AttnArgs &a, const StreamParams &f, int64_t bh
  * into the head's atomicMax keys) and of V (max |V| into the head's key), in turn, left in L2 for
  * the quantize kernel. No block waits or counts: stream_finalize_kernel runs after it. */
 template <typename T, int DP>
-__device__ void stream_stats_block(const AttnArgs &a, const StreamParams &f, int64_t j, PrepassShared &sh) {
+__device__ void stream_stats_block(const AttnArgs &a, const StreamParams &f, int64_t j,
+                                   PrepassShared &sh) {
   const fp4attn_attention_params &p = a.p;
   const AttnWorkspace &w = a.ws;
   const int D = (int)p.head_dim, tid = threadIdx.x;
@@ -487,8 +495,8 @@ __device__ void stream_stats_block(const AttnArgs &a, const StreamParams &f, int
   const bool is_v = ((j - f.n_q) & 1) != 0;
   const int64_t c = (j - f.n_q) / 2, bh = c / w.nkt, kt = c % w.nkt; /* c = bh * nkt + kt */
   const int64_t *st = is_v ? p.v_stride : p.k_stride;
-  const T *src = static_cast<const T *>(is_v ? p.v : p.k) + bh / p.heads_kv * st[0] + bh % p.heads_kv * st[1] +
-                 kt * kTile * st[2];
+  const T *src = static_cast<const T *>(is_v ? p.v : p.k) + bh / p.heads_kv * st[0] +
+                 bh % p.heads_kv * st[1] + kt * kTile * st[2];
   rows = (int)min((int64_t)kTile, p.len_k - kt * kTile);
   load_block_rows<T, DP, true>(src, st[2], rows, D, rb);
   if (!is_v) {
@@ -526,14 +534,17 @@ template <int DP>
 __global__ void __launch_bounds__(kThreads) stream_finalize_kernel(AttnArgs a, StreamParams f) {
   __shared__ PrepassShared sh;
   const int64_t bhk = a.p.batch * a.p.heads_kv;
-  if ((int64_t)blockIdx.x < bhk) reduce_head<DP>(a, f, blockIdx.x, sh);
-  else q_head_scales(a.ws, (int64_t)blockIdx.x - bhk, sh.small);
+  if ((int64_t)blockIdx.x < bhk)
+    reduce_head<DP>(a, f, blockIdx.x, sh);
+  else
+    q_head_scales(a.ws, (int64_t)blockIdx.x - bhk, sh.small);
 }
 
 /* Copies rows [0, rows) of a chunk (row stride `stride` elements in global memory, D elements
  * per row, 16-byte aligned) into shared memory with row stride D, 16 bytes per cp.async. */
 template <typename T>
-__device__ __forceinline__ void copy_chunk_async(T *dst, const T *src, int64_t stride, int rows, int D) {
+__device__ __forceinline__ void copy_chunk_async(T *dst, const T *src, int64_t stride, int rows,
+                                                 int D) {
   const int upr = D * (int)sizeof(T) / 16; /* 16-byte units per row, <= 64 */
   const int rpi = kThreads / upr;          /* rows per pass */
   const int tid = threadIdx.x;
@@ -548,7 +559,8 @@ __device__ __forceinline__ void copy_chunk_async(T *dst, const T *src, int64_t s
  * stride D): job (row r, 8-column group g), lanes 2i and 2i+1 hold the two halves of one
  * 16-column block. Rows past `rows` and columns past D are zeros. */
 template <typename T, int DP, int kRows>
-__device__ void quantize_k_chunk(const T *kbuf, int rows, int D, const PrepassShared &sh, __half *dst) {
+__device__ void quantize_k_chunk(const T *kbuf, int rows, int D, const PrepassShared &sh,
+                                 __half *dst) {
   constexpr int G = DP / 8;
   const int g = threadIdx.x % G; /* the same group in every job of this thread */
   const bool live_g = g * 8 < D;
@@ -587,8 +599,8 @@ constexpr int v_jobs_per_chunk() {
  * 16-token block sit GW lanes apart in one warp, and GW consecutive lanes read GW consecutive
  * 16-byte pieces of one token row. */
 template <typename T, int DP, int kRows>
-__device__ void quantize_v_chunk(const T *vbuf, int rows, int D, const PrepassShared &sh, __half *dst,
-                                 int first_job) {
+__device__ void quantize_v_chunk(const T *vbuf, int rows, int D, const PrepassShared &sh,
+                                 __half *dst, int first_job) {
   constexpr int G = DP / 8, GW = G < 16 ? G : 16, NJ = v_jobs_per_chunk<DP, kRows>();
   const float encv = sh.encv;
   for (int j = first_job; j < NJ; j += kThreads) {
@@ -605,7 +617,8 @@ __device__ void quantize_v_chunk(const T *vbuf, int rows, int D, const PrepassSh
     for (int ch = 0; ch < 8; ++ch) {
       float xs[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) xs[i] = hh * 8 + i < rows ? __fmul_rn(raw8_elem<T>(raw[i], ch), encv) : 0.0f;
+      for (int i = 0; i < 8; ++i)
+        xs[i] = hh * 8 + i < rows ? __fmul_rn(raw8_elem<T>(raw[i], ch), encv) : 0.0f;
       const uint4 o = quantize_half_block(xs, GW, &sh.tab);
       __stcs(reinterpret_cast<uint4 *>(dst + (int64_t)(g * 8 + ch) * kTile + hh * 8), o);
     }
@@ -632,15 +645,16 @@ constexpr int item_rows() {
  * head dim 64 are quantized side by side, each on its half of the block (one chunk has only 128
  * jobs there). */
 template <typename T, int DP>
-__device__ __forceinline__ void quantize_item_k(const T *k, int chunks, int rows, int D, const PrepassShared &sh,
-                                                __half *kdst) {
+__device__ __forceinline__ void quantize_item_k(const T *k, int chunks, int rows, int D,
+                                                const PrepassShared &sh, __half *kdst) {
   constexpr int P = item_rows<T, DP>() < kTile ? item_rows<T, DP>() : kTile; /* rows per piece */
   for (int c = 0; c < chunks; ++c)
-    quantize_k_chunk<T, DP, P>(k + c * kTile * D, min(P, rows - c * kTile), D, sh, kdst + (int64_t)c * kTile * DP);
+    quantize_k_chunk<T, DP, P>(k + c * kTile * D, min(P, rows - c * kTile), D, sh,
+                               kdst + (int64_t)c * kTile * DP);
 }
 template <typename T, int DP>
-__device__ __forceinline__ void quantize_item_v(const T *v, int chunks, int rows, int D, const PrepassShared &sh,
-                                                __half *vdst) {
+__device__ __forceinline__ void quantize_item_v(const T *v, int chunks, int rows, int D,
+                                                const PrepassShared &sh, __half *vdst) {
   constexpr int C = chunks_per_item<T, DP>();
   constexpr int P = item_rows<T, DP>() < kTile ? item_rows<T, DP>() : kTile; /* rows per piece */
   constexpr int kVJobs = v_jobs_per_chunk<DP, P>();
@@ -660,7 +674,8 @@ __device__ __forceinline__ void quantize_item_v(const T *v, int chunks, int rows
 /* Starts the copy of K or V of quantize item `item` (item_rows rows of one head) into `buf` (one
  * cp.async group). */
 template <typename T, int DP>
-__device__ __forceinline__ void load_item(const AttnArgs &a, const StreamParams &f, int64_t item, bool is_v, T *buf) {
+__device__ __forceinline__ void load_item(const AttnArgs &a, const StreamParams &f, int64_t item,
+                                          bool is_v, T *buf) {
   const fp4attn_attention_params &p = a.p;
   const int64_t bh = item / f.items_per_head, r0 = item % f.items_per_head * item_rows<T, DP>();
   const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
@@ -720,7 +735,8 @@ __global__ void __launch_bounds__(kThreads, quantize_min_blocks<T, DP>())
       cp_async_wait_all();
     }
     __syncthreads();
-    quantize_item_v<T, DP>(vbuf, chunks, rows, D, sh, w.vdq + (bh * w.nkt + r0 / kTile) * DP * kTile + r0 % kTile);
+    quantize_item_v<T, DP>(vbuf, chunks, rows, D, sh,
+                           w.vdq + (bh * w.nkt + r0 / kTile) * DP * kTile + r0 % kTile);
     __syncthreads(); /* vbuf free */
     if (more) load_item<T, DP>(a, f, next, true, vbuf);
   }
@@ -776,13 +792,17 @@ int resident_blocks_per_sm(PrepassKernel kernel, size_t smem) {
     return 0;
   }
   for (int i = 0; i < used; ++i)
-    if (cache[i].dev == dev && cache[i].kernel == kernel && cache[i].smem == smem) return cache[i].blocks;
+    if (cache[i].dev == dev && cache[i].kernel == kernel && cache[i].smem == smem)
+      return cache[i].blocks;
   int optin = 0, blocks = 0;
   cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (!(smem + sizeof(PrepassShared) <= (size_t)optin &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) == cudaSuccess &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) == cudaSuccess))
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) ==
+            cudaSuccess &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) ==
+            cudaSuccess &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) ==
+            cudaSuccess))
     blocks = 0;
   cudaGetLastError(); /* no sticky error from a refused attribute */
   if (used < 32) cache[used++] = {dev, kernel, smem, blocks};
@@ -794,10 +814,11 @@ int resident_blocks_per_sm(PrepassKernel kernel, size_t smem) {
  * Bits: the element's storage type (a bit copy is exact). */
 template <typename Bits>
 __global__ void __launch_bounds__(kThreads)
-    stage_rows_kernel(const Bits *x, int64_t s0, int64_t s1, int64_t s2, int64_t heads, int64_t len, int d, int d8,
-                      int64_t n, Bits *dst) {
+    stage_rows_kernel(const Bits *x, int64_t s0, int64_t s1, int64_t s2, int64_t heads, int64_t len,
+                      int d, int d8, int64_t n, Bits *dst) {
   const int groups = d8 / 8;
-  for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < n * groups; i += (int64_t)gridDim.x * kThreads) {
+  for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < n * groups;
+       i += (int64_t)gridDim.x * kThreads) {
     const int64_t row = i / groups, t = row % len, bh = row / len;
     const int c0 = (int)(i % groups) * 8;
     const Bits *src = x + bh / heads * s0 + bh % heads * s1 + t * s2;
@@ -810,7 +831,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-int64_t staged_head_dim(const fp4attn_attention_params &p) { return round_up(p.head_dim, 8); }
+int64_t staged_head_dim(const fp4attn_attention_params &p) {
+  return round_up(p.head_dim, 8);
+}
 
 int64_t staged_bytes(const fp4attn_attention_params &p, int64_t heads, int64_t len) {
   return round_up(p.batch * heads * len * staged_head_dim(p) * dtype_size(p.dtype), 256);
@@ -822,18 +845,20 @@ bool needs_staging(const fp4attn_attention_params &p) {
 }
 
 /* Enqueues the staging copy of one operand and points `x`/`stride` at it. */
-fp4attn_status stage_operand(const fp4attn_attention_params &p, int64_t heads, int64_t len, const void *&x,
-                             int64_t (&stride)[3], char *dst, cudaStream_t s) {
+fp4attn_status stage_operand(const fp4attn_attention_params &p, int64_t heads, int64_t len,
+                             const void *&x, int64_t (&stride)[3], char *dst, cudaStream_t s) {
   const int d8 = (int)staged_head_dim(p);
   const int64_t n = p.batch * heads * len, jobs = n * (d8 / 8);
   const unsigned grid = (unsigned)min(ceil_div(jobs, kThreads), (int64_t)sm_count() * 8);
   const int d = (int)p.head_dim;
   if (p.dtype == FP4ATTN_FLOAT32)
-    stage_rows_kernel<uint32_t><<<grid, kThreads, 0, s>>>(static_cast<const uint32_t *>(x), stride[0], stride[1],
-                                                          stride[2], heads, len, d, d8, n, reinterpret_cast<uint32_t *>(dst));
+    stage_rows_kernel<uint32_t><<<grid, kThreads, 0, s>>>(
+        static_cast<const uint32_t *>(x), stride[0], stride[1], stride[2], heads, len, d, d8, n,
+        reinterpret_cast<uint32_t *>(dst));
   else
-    stage_rows_kernel<uint16_t><<<grid, kThreads, 0, s>>>(static_cast<const uint16_t *>(x), stride[0], stride[1],
-                                                          stride[2], heads, len, d, d8, n, reinterpret_cast<uint16_t *>(dst));
+    stage_rows_kernel<uint16_t><<<grid, kThreads, 0, s>>>(
+        static_cast<const uint16_t *>(x), stride[0], stride[1], stride[2], heads, len, d, d8, n,
+        reinterpret_cast<uint16_t *>(dst));
   x = dst;
   stride[0] = heads * len * d8;
   stride[1] = len * d8;
@@ -848,7 +873,8 @@ fp4attn_status launch_kernels(const AttnArgs &a, bool fp16_operands, cudaStream_
   const StreamKernels k = stream_kernels_for(a);
   const int64_t bhk = p.batch * p.heads_kv, bhq = p.batch * p.heads_q;
   StreamParams f;
-  f.vmax = reinterpret_cast<unsigned int *>(static_cast<unsigned long long *>(w.sync) + kSyncTickets);
+  f.vmax =
+      reinterpret_cast<unsigned int *>(static_cast<unsigned long long *>(w.sync) + kSyncTickets);
   f.kmin = f.vmax + bhk;
   f.kmax = f.kmin + bhk * w.dp;
   f.n_q = query_block_count(p, kTile);
@@ -870,7 +896,8 @@ fp4attn_status launch_kernels(const AttnArgs &a, bool fp16_operands, cudaStream_
   const size_t smem_max = 2 * (size_t)k.item_rows * (size_t)w.dp * es;
   const int per_sm = resident_blocks_per_sm(k.quantize, smem_max);
   if (per_sm < 1)
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: the pre-pass needs %zu bytes of shared memory per block",
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                         "attention: the pre-pass needs %zu bytes of shared memory per block",
                          smem_max + sizeof(PrepassShared));
   const int64_t grid = min((int64_t)per_sm * sm_count(), f.n_kv);
   k.quantize<<<(unsigned)grid, kThreads, smem, s>>>(a, f);
@@ -884,10 +911,12 @@ int64_t fp4attn_cuda::prepass_staging_bytes(const fp4attn_attention_params &p) {
   return staged_bytes(p, p.heads_q, p.len_q) + 2 * staged_bytes(p, p.heads_kv, p.len_k);
 }
 
-fp4attn_status fp4attn_cuda::launch_prepass(const AttnArgs &a, bool fp16_operands, void *staging, cudaStream_t s) {
+fp4attn_status fp4attn_cuda::launch_prepass(const AttnArgs &a, bool fp16_operands, void *staging,
+                                            cudaStream_t s) {
   /* the statistics kernel's atomicMax keys and the sm90 kernel's work ticket */
   const size_t sync_bytes = attn_sync_bytes(a.p.batch * a.p.heads_kv, a.ws.dp);
-  if (cudaMemsetAsync(a.ws.sync, 0, sync_bytes, s) != cudaSuccess) return launch_status("attention: counter reset");
+  if (cudaMemsetAsync(a.ws.sync, 0, sync_bytes, s) != cudaSuccess)
+    return launch_status("attention: counter reset");
   if (!needs_staging(a.p)) return launch_kernels(a, fp16_operands, s);
   /* Unaligned rows or a head dim that is no multiple of 8: the kernels read a contiguous copy with
    * the head dim zero-padded to a multiple of 8 (the padding columns get mean 0 and quantize to 0,

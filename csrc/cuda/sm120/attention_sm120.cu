@@ -1,7 +1,7 @@
 /*
  * Host side of the sm_120a FP4 attention: the operand writer (operand_writer.cu) from the shared
- * pre-pass's statistics, then the kernel for the padded head dim (attention_sm120_d{64,128,256}.cu).
- * Never synchronises the host; safe under graph capture.
+ * pre-pass's statistics, then the kernel for the padded head dim
+ * (attention_sm120_d{64,128,256}.cu). Never synchronises the host; safe under graph capture.
  */
 #include "../tile/workspace.cuh"
 #include "attention_sm120.h"
@@ -34,7 +34,8 @@ fp4attn_status launch_attention_sm120(const AttnArgs &a, void *own, cudaStream_t
   in.kvscale = a.ws.kvscale;
   cudaError_t e = write_operands_sm120(in, L, ws, s);
   if (e != cudaSuccess)
-    return fp4attn_error(FP4ATTN_ERR_CUDA, "sm120 attention operand writer: %s", cudaGetErrorString(e));
+    return fp4attn_error(FP4ATTN_ERR_CUDA, "sm120 attention operand writer: %s",
+                         cudaGetErrorString(e));
 
   KernelParams kp;
   kp.qc = ws + L.qc;
@@ -83,9 +84,15 @@ fp4attn_status launch_attention_sm120(const AttnArgs &a, void *own, cudaStream_t
 
   const int sms = sm_count();
   switch (L.Dp) {
-    case 64: e = fp4attn_sm120::launch_attention_sm120<64>(kp, sms, s); break;
-    case 128: e = fp4attn_sm120::launch_attention_sm120<128>(kp, sms, s); break;
-    default: e = fp4attn_sm120::launch_attention_sm120<256>(kp, sms, s); break;
+    case 64:
+      e = fp4attn_sm120::launch_attention_sm120<64>(kp, sms, s);
+      break;
+    case 128:
+      e = fp4attn_sm120::launch_attention_sm120<128>(kp, sms, s);
+      break;
+    default:
+      e = fp4attn_sm120::launch_attention_sm120<256>(kp, sms, s);
+      break;
   }
   if (e != cudaSuccess)
     return fp4attn_error(FP4ATTN_ERR_CUDA, "sm120 attention kernel: %s", cudaGetErrorString(e));

@@ -16,9 +16,9 @@
 namespace fp4attn_sm120 {
 namespace {
 
+using fp4attn_cuda::kKDec;
 using fp4attn_cuda::kKEnc;
 using fp4attn_cuda::kKvScales;
-using fp4attn_cuda::kKDec;
 using fp4attn_cuda::kQDec;
 using fp4attn_cuda::kQEnc;
 using fp4attn_cuda::kQScales;
@@ -87,8 +87,9 @@ __global__ void __launch_bounds__(256) quant_k(WriterArgs a) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int c = blk * 16 + i;
-    xs[i] = (tok < a.Nk && c < a.D) ? (load_f32<DT>(a.in.k, kbase + c) - a.in.kbar[bh * a.Dp + c]) * enc
-                                    : 0.0f;
+    xs[i] = (tok < a.Nk && c < a.D)
+                ? (load_f32<DT>(a.in.k, kbase + c) - a.in.kbar[bh * a.Dp + c]) * enc
+                : 0.0f;
   }
   uint8_t codes[16];
   const uint8_t s = fp4attn_quantize_block(xs, 16, codes);
@@ -121,7 +122,8 @@ __global__ void __launch_bounds__(256) quant_v(WriterArgs a) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int64_t tok = tb * 16 + i;
-    xs[i] = (tok < a.Nk && ch < a.D) ? load_f32<DT>(a.in.v, vbase + tok * a.in.v_stride[2]) * enc : 0.0f;
+    xs[i] = (tok < a.Nk && ch < a.D) ? load_f32<DT>(a.in.v, vbase + tok * a.in.v_stride[2]) * enc
+                                     : 0.0f;
   }
   uint8_t codes[16];
   const uint8_t s = fp4attn_quantize_block(xs, 16, codes);

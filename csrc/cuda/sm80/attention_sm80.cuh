@@ -114,11 +114,12 @@ struct FwdKernel {
   static __device__ void quantize_q(const Ctx &c) {
     const float *qbar = reinterpret_cast<const float *>(c.smem + C::kOffQbar);
     __half *qt = q_tile(c);
-    quantize_q_rows<DP>(*c.a, c.b, c.h, c.bh, c.q0, C::kRows, qbar, threadIdx.x, C::kThreads,
-                        [&](int r, int col, const uint32_t (&o)[8]) {
-                          *reinterpret_cast<uint4 *>(qt + swz<DP>(r, col)) = make_uint4(o[0], o[1], o[2], o[3]);
-                          *reinterpret_cast<uint4 *>(qt + swz<DP>(r, col + 8)) = make_uint4(o[4], o[5], o[6], o[7]);
-                        });
+    quantize_q_rows<DP>(
+        *c.a, c.b, c.h, c.bh, c.q0, C::kRows, qbar, threadIdx.x, C::kThreads,
+        [&](int r, int col, const uint32_t (&o)[8]) {
+          *reinterpret_cast<uint4 *>(qt + swz<DP>(r, col)) = make_uint4(o[0], o[1], o[2], o[3]);
+          *reinterpret_cast<uint4 *>(qt + swz<DP>(r, col + 8)) = make_uint4(o[4], o[5], o[6], o[7]);
+        });
   }
 
   struct RowState {
@@ -202,7 +203,8 @@ struct FwdKernel {
     {
       float *qbar = reinterpret_cast<float *>(smem + C::kOffQbar);
       const int64_t qblk = c.q0 / kTile;
-      for (int i = threadIdx.x; i < DP; i += C::kThreads) qbar[i] = w.qbar[(c.bh * w.nqb + qblk) * DP + i];
+      for (int i = threadIdx.x; i < DP; i += C::kThreads)
+        qbar[i] = w.qbar[(c.bh * w.nqb + qblk) * DP + i];
     }
     issue_tile(c, 0, 0);
     cp_async_commit();
@@ -244,13 +246,15 @@ struct FwdKernel {
     /* ---- epilogue (SPEC 4.6) */
     const WarpRows wrows = {c.b, c.h, c.q0 + (threadIdx.x >> 5) * 16};
     const float unit[2] = {1.0f, 1.0f}; /* o is O: the scales were applied per tile */
-    store_rows<DP>(a, wrows, c.bh, rs.o, unit, rs.sm, reinterpret_cast<const float *>(smem + C::kOffQbar),
+    store_rows<DP>(a, wrows, c.bh, rs.o, unit, rs.sm,
+                   reinterpret_cast<const float *>(smem + C::kOffQbar),
                    w.kbar + c.bhk * DP); /* kbar from global: keeps smem within sm_80's 163 KB */
   }
 };
 
 template <int DP, int NWARPS, int NBUF>
-__global__ void __launch_bounds__(NWARPS * 32, 1) attention_fwd_kernel(const __grid_constant__ AttnArgs a) {
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+    attention_fwd_kernel(const __grid_constant__ AttnArgs a) {
   extern __shared__ __align__(16) char smem[];
   FwdKernel<DP, NWARPS, NBUF>::run(a, smem);
 }
@@ -259,16 +263,18 @@ template <int DP, int NWARPS, int NBUF>
 fp4attn_status launch_attention_fwd(const AttnArgs &a, cudaStream_t s) {
   using C = FwdConfig<DP, NWARPS, NBUF>;
   static int resident[64] = {0};
-  return launch_forward(attention_fwd_kernel<DP, NWARPS, NBUF>, a, a.p, C::kRows, C::kThreads, C::kSmem,
-                        resident, 0, "attention", s);
+  return launch_forward(attention_fwd_kernel<DP, NWARPS, NBUF>, a, a.p, C::kRows, C::kThreads,
+                        C::kSmem, resident, 0, "attention", s);
 }
 
 /* The tile shape per padded head dim: 128 query rows (8 warps) and double-buffered K/V tiles up to
  * 128; 64 rows (4 warps) and one buffer at 256, which must fit sm_80's shared memory. */
 template <int DP>
 fp4attn_status launch_attention_sm80(const AttnArgs &a, cudaStream_t s) {
-  if constexpr (DP == 256) return launch_attention_fwd<256, 4, 1>(a, s);
-  else return launch_attention_fwd<DP, 8, 2>(a, s);
+  if constexpr (DP == 256)
+    return launch_attention_fwd<256, 4, 1>(a, s);
+  else
+    return launch_attention_fwd<DP, 8, 2>(a, s);
 }
 
 }  // namespace fp4attn_cuda

@@ -12,8 +12,8 @@
  *     tensor maps apply the 128-byte swizzle wgmma reads) onto the stage's "full" mbarrier, and
  *     all 128 threads compute the q-mean correction bias[key] = scale log2e qbar . K[key] from K
  *     in input precision (on mma.sync, BiasMma) and arrive on it. A ring of Config::kStages
- *     buffers; it refills one when both consumers signal "empty". Persistent blocks: between its tiles the
- *     producer also quantizes the next item's Q (Q - qbar, global scale, phi) into a staging
+ *     buffers; it refills one when both consumers signal "empty". Persistent blocks: between its
+ * tiles the producer also quantizes the next item's Q (Q - qbar, global scale, phi) into a staging
  *     buffer in global memory, and copies it into shared memory (one bulk copy) as soon as the
  *     consumers are done with the current item's Q^ (producer_loop).
  *   warpgroups 1 and 2, consumers (setmaxnreg up): 64 rows each. S = Q^ K^T by wgmma
@@ -47,16 +47,17 @@
 namespace fp4attn_cuda {
 namespace sm90 {
 
-constexpr int kThreads = 384;      /* producer + 2 consumer warpgroups */
-constexpr int kRows = 128;         /* query rows per work item (SPEC 4 Bq) */
+constexpr int kThreads = 384; /* producer + 2 consumer warpgroups */
+constexpr int kRows = 128;    /* query rows per work item (SPEC 4 Bq) */
 constexpr int kMaxStages = 4; /* of the K^/V^/bias ring (Config::kStages) */
 /* Named barriers (0 is __syncthreads). "Full" is an mbarrier per stage (Config::kOffFull): the
  * 128 producer threads arrive after writing the bias, and the TMA completes the tile bytes. */
 constexpr int kBarEmpty = 1;                     /* + stage: both consumers are done with it */
 constexpr int kBarTurn = kBarEmpty + kMaxStages; /* + consumer: its turn to issue wgmma */
-constexpr int kTurnCount = 256;               /* one consumer arrives, the other syncs */
-constexpr int kBarQFree = kBarTurn + 2;       /* both consumers have read Q^ of their item for the last time */
-constexpr int kBarProducer = kBarQFree + 1;   /* the producer warpgroup alone */
+constexpr int kTurnCount = 256;                  /* one consumer arrives, the other syncs */
+constexpr int kBarQFree =
+    kBarTurn + 2; /* both consumers have read Q^ of their item for the last time */
+constexpr int kBarProducer = kBarQFree + 1; /* the producer warpgroup alone */
 /* one item per block: Q^ is written (all 384 threads: the producer then loads over the Q rows) */
 constexpr int kBarQReady = kBarProducer + 1;
 
@@ -79,8 +80,8 @@ __device__ __forceinline__ void trace(int item, TraceEvent ev) {
   }
 }
 #define FP4ATTN_SM90_TRACE_AT(cond, item, ev) \
-  do {                                       \
-    if (cond) trace((item), (ev));           \
+  do {                                        \
+    if (cond) trace((item), (ev));            \
   } while (0)
 #else
 #define FP4ATTN_SM90_TRACE_AT(cond, item, ev) ((void)0)
@@ -88,7 +89,8 @@ __device__ __forceinline__ void trace(int item, TraceEvent ev) {
 
 /* Kernel parameters: the attention arguments and this call's TMA maps of K^ and V^ (3-D,
  * innermost first: K^ {DP, nkp, BHk}, the V^T tiles {128, nkt x DP, BHk}; boxes of 64 columns
- * (128 bytes) with the 128-byte swizzle, so a box lands as one column block of the wgmma layout). */
+ * (128 bytes) with the 128-byte swizzle, so a box lands as one column block of the wgmma layout).
+ */
 struct Params {
   AttnArgs a;
   CUtensorMap kmap, vmap;
@@ -135,10 +137,10 @@ struct Config {
   /* shared memory map. Small arrays from the (16-byte aligned) base: */
   static constexpr int kOffBias = 0;
   static constexpr int kOffFull = kOffBias + kStages * kTile * 4; /* mbarriers, 8 bytes each */
-  static constexpr int kOffQFull = kOffFull + kStages * 8;         /* mbarrier: Q^ of the next item */
-  static constexpr int kOffItem = kOffQFull + 8;                   /* int [2]: the consumers' next items */
-  static constexpr int kOffNext = kOffItem + 8;                    /* int: the producer's next item */
-  static constexpr int kOffBlockItem = kOffNext + 8;               /* Item: one item per block, decoded once */
+  static constexpr int kOffQFull = kOffFull + kStages * 8; /* mbarrier: Q^ of the next item */
+  static constexpr int kOffItem = kOffQFull + 8;           /* int [2]: the consumers' next items */
+  static constexpr int kOffNext = kOffItem + 8;            /* int: the producer's next item */
+  static constexpr int kOffBlockItem = kOffNext + 8; /* Item: one item per block, decoded once */
   static constexpr int kBlockItemBytes = kPersistent ? 0 : 64;
   static constexpr int kSmall = kOffBlockItem + kBlockItemBytes;
   /* operand tiles from the first 1024-byte boundary after them (offsets from that boundary): */
@@ -151,11 +153,13 @@ struct Config {
   static constexpr int kOutBytes = kRows * DP * 2;
   static constexpr int kOffOut = kPersistent ? kOffV + kStages * kVBytes : kOffQ;
   static constexpr int kTiles = kOffV + kStages * kVBytes + (kPersistent ? kOutBytes : 0);
-  static constexpr int kSmem = kSmall + 1023 + kTiles; /* 231983 bytes for DP = 128 (H100/H200: 232448) */
+  static constexpr int kSmem =
+      kSmall + 1023 + kTiles; /* 231983 bytes for DP = 128 (H100/H200: 232448) */
   /* One item per block: the item's Q rows as copied (Kernel::copy_q_rows), in the K^ buffer of the
    * ring's last stage, which the producer fills only once Q^ is ready (kBarQReady) */
   static constexpr int kOffQRows = kOffK + (kStages - 1) * kKBytes;
-  static_assert(kPersistent || (kStages >= 2 && kKBytes >= kRows * DP * 2), "Q rows fit into a later stage's K^");
+  static_assert(kPersistent || (kStages >= 2 && kKBytes >= kRows * DP * 2),
+                "Q rows fit into a later stage's K^");
   static_assert(kPersistent || kOutBytes == kQBytes, "O's staging fits into Q^");
 };
 
@@ -167,33 +171,45 @@ struct Kernel {
   struct Item : QueryBlock {
     const float *qbar; /* DP floats (global) */
   };
-  static_assert(C::kPersistent || (sizeof(Item) <= C::kBlockItemBytes && alignof(Item) <= 8), "Config::kBlockItemBytes");
+  static_assert(C::kPersistent || (sizeof(Item) <= C::kBlockItemBytes && alignof(Item) <= 8),
+                "Config::kBlockItemBytes");
 
   /* This block's shared memory (see Config). */
   struct Shared {
     char *small, *tiles;
     __device__ __half *tile(int off) const { return reinterpret_cast<__half *>(tiles + off); }
-    __device__ float *bias(int stage) const { return reinterpret_cast<float *>(small + C::kOffBias) + stage * kTile; }
+    __device__ float *bias(int stage) const {
+      return reinterpret_cast<float *>(small + C::kOffBias) + stage * kTile;
+    }
     __device__ uint32_t full(int stage) const { return smem_u32(small + C::kOffFull) + stage * 8; }
     __device__ uint32_t qfull() const { return smem_u32(small + C::kOffQFull); }
     /* the item of hand-over h (the block's item h + 1) is in slot h & 1: it stays there until
      * hand-over h + 2, which waits for the consumers to be done with item h + 2's Q^ */
-    __device__ volatile int *item(int h) const { return reinterpret_cast<volatile int *>(small + C::kOffItem) + (h & 1); }
-    __device__ volatile int *next() const { return reinterpret_cast<volatile int *>(small + C::kOffNext); }
+    __device__ volatile int *item(int h) const {
+      return reinterpret_cast<volatile int *>(small + C::kOffItem) + (h & 1);
+    }
+    __device__ volatile int *next() const {
+      return reinterpret_cast<volatile int *>(small + C::kOffNext);
+    }
     /* one item per block: the block's item, decoded by thread 0 before the role split (run) */
-    __device__ Item *block_item() const { return reinterpret_cast<Item *>(small + C::kOffBlockItem); }
-    /* the 16 x DP halves of O staging of consumer warp wwarp of warpgroup cwg (see Config::kOffOut):
-     * without a space of its own, 32 of its warpgroup's Q^ rows in one 64-column block */
+    __device__ Item *block_item() const {
+      return reinterpret_cast<Item *>(small + C::kOffBlockItem);
+    }
+    /* the 16 x DP halves of O staging of consumer warp wwarp of warpgroup cwg (see
+     * Config::kOffOut): without a space of its own, 32 of its warpgroup's Q^ rows in one 64-column
+     * block */
     __device__ uint32_t *out_stage(int cwg, int wwarp) const {
-      const int off = C::kPersistent ? (cwg * 4 + wwarp) * 16 * DP * 2
-                                     : (wwarp >> 1) * kRows * 128 + (cwg * 64 + (wwarp & 1) * 32) * 128;
+      const int off = C::kPersistent
+                          ? (cwg * 4 + wwarp) * 16 * DP * 2
+                          : (wwarp >> 1) * kRows * 128 + (cwg * 64 + (wwarp & 1) * 32) * 128;
       return reinterpret_cast<uint32_t *>(tiles + C::kOffOut + off);
     }
   };
 
   static __device__ Item item_at(const AttnArgs &a, int it) {
     Item k;
-    using Index = typename std::conditional<C::kPersistent, int64_t, uint32_t>::type; /* see query_block */
+    using Index =
+        typename std::conditional<C::kPersistent, int64_t, uint32_t>::type; /* see query_block */
     static_cast<QueryBlock &>(k) = query_block<Index>(a.p, a.ws, kRows, it, a.ws.item_heads);
     k.qbar = a.ws.qbar + (k.bh * a.ws.nqb + k.q0 / kTile) * DP;
     return k;
@@ -203,14 +219,15 @@ struct Kernel {
    * in the 128-byte-swizzled layout wgmma reads) through store(half offset in the tile, 16 bytes),
    * by thread tid of n. */
   template <typename Store>
-  static __device__ __forceinline__ void quantize_q(const AttnArgs &a, int it, int r0, int rows, int tid, int n,
-                                                    Store store) {
+  static __device__ __forceinline__ void quantize_q(const AttnArgs &a, int it, int r0, int rows,
+                                                    int tid, int n, Store store) {
     const Item k = item_at(a, it);
-    quantize_q_rows<DP, C::kQBatch>(a, k.b, k.h, k.bh, k.q0 + r0, rows, k.qbar, tid, n,
-                                    [&](int r, int col, const uint32_t (&v)[8]) {
-                                      store(sw128_offset(kRows, r0 + r, col), make_uint4(v[0], v[1], v[2], v[3]));
-                                      store(sw128_offset(kRows, r0 + r, col + 8), make_uint4(v[4], v[5], v[6], v[7]));
-                                    });
+    quantize_q_rows<DP, C::kQBatch>(
+        a, k.b, k.h, k.bh, k.q0 + r0, rows, k.qbar, tid, n,
+        [&](int r, int col, const uint32_t (&v)[8]) {
+          store(sw128_offset(kRows, r0 + r, col), make_uint4(v[0], v[1], v[2], v[3]));
+          store(sw128_offset(kRows, r0 + r, col + 8), make_uint4(v[4], v[5], v[6], v[7]));
+        });
   }
 
   /* L2 prefetch of row `tid` of item `it`'s Q (one thread per row), ahead of quantize_q. */
@@ -219,7 +236,8 @@ struct Kernel {
     const Item k = item_at(a, it);
     if (k.q0 + tid >= p.len_q) return;
     const char *row = static_cast<const char *>(p.q) +
-                      dtype_size(p.dtype) * (k.b * p.q_stride[0] + k.h * p.q_stride[1] + (k.q0 + tid) * p.q_stride[2]);
+                      dtype_size(p.dtype) * (k.b * p.q_stride[0] + k.h * p.q_stride[1] +
+                                             (k.q0 + tid) * p.q_stride[2]);
     for (int64_t off = 0; off < dtype_size(p.dtype) * p.head_dim; off += 128)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
   }
@@ -243,7 +261,8 @@ struct Kernel {
     if (prm.q_map) {
       if (lane == 0) {
         mbar_expect_tx(sh.qfull(), kRows * DP * 2); /* the whole box, zero fill included */
-        tma_load_4d(smem_u32(sh.tiles + C::kOffQRows), &prm.qmap, 0, (int)k.q0, (int)k.h, (int)k.b, sh.qfull());
+        tma_load_4d(smem_u32(sh.tiles + C::kOffQRows), &prm.qmap, 0, (int)k.q0, (int)k.h, (int)k.b,
+                    sh.qfull());
         mbar_arrive(sh.qfull());
       }
       return;
@@ -252,9 +271,11 @@ struct Kernel {
     const uint32_t row_bytes = 2 * (uint32_t)p.head_dim;
     if (lane == 0) mbar_expect_tx(sh.qfull(), (uint32_t)rows * row_bytes);
     __syncwarp(); /* the transaction count before any copy completes */
-    const char *q = static_cast<const char *>(p.q) + 2 * (k.b * p.q_stride[0] + k.h * p.q_stride[1] + k.q0 * p.q_stride[2]);
+    const char *q = static_cast<const char *>(p.q) +
+                    2 * (k.b * p.q_stride[0] + k.h * p.q_stride[1] + k.q0 * p.q_stride[2]);
     for (int r = lane; r < rows; r += 32)
-      bulk_load(smem_u32(sh.tiles + C::kOffQRows) + r * DP * 2, q + 2 * r * p.q_stride[2], row_bytes, sh.qfull());
+      bulk_load(smem_u32(sh.tiles + C::kOffQRows) + r * DP * 2, q + 2 * r * p.q_stride[2],
+                row_bytes, sh.qfull());
     if (lane == 0) mbar_arrive(sh.qfull());
   }
 
@@ -263,8 +284,8 @@ struct Kernel {
    * quantize_block16). Every job of a thread is in the same 16-column block, so its 16 means are
    * loaded once, into registers, while the copy is on its way. */
   template <typename Store>
-  static __device__ __forceinline__ void quantize_copied_q(const AttnArgs &a, const Item &k, const Shared &sh,
-                                                           int tid, Store store) {
+  static __device__ __forceinline__ void quantize_copied_q(const AttnArgs &a, const Item &k,
+                                                           const Shared &sh, int tid, Store store) {
     constexpr int kBlocks = DP / 16, kThreadsQ = kThreads - 128;
     static_assert(kThreadsQ % kBlocks == 0, "one column block per thread");
     const fp4attn_attention_params &p = a.p;
@@ -285,9 +306,11 @@ struct Kernel {
       float xs[16];
       if (r < rows) {
         if (D == DP) /* no padding columns: no bound checks */
-          smoothed_block16(sh.tiles + C::kOffQRows + r * DP * 2, p.dtype, 0, kb, DP, true, mean, encq, xs);
+          smoothed_block16(sh.tiles + C::kOffQRows + r * DP * 2, p.dtype, 0, kb, DP, true, mean,
+                           encq, xs);
         else
-          smoothed_block16(sh.tiles + C::kOffQRows + r * DP * 2, p.dtype, 0, kb, D, true, mean, encq, xs);
+          smoothed_block16(sh.tiles + C::kOffQRows + r * DP * 2, p.dtype, 0, kb, D, true, mean,
+                           encq, xs);
       } else {
 #pragma unroll
         for (int e = 0; e < 16; ++e) xs[e] = 0.0f;
@@ -357,7 +380,8 @@ struct Kernel {
       if (kBiasMma)
         bias_mma.finish(a, keys, sh.bias(stage) + warp * 32);
       else
-        compute_bias<DP, 1>(a, k.b, k.hk, (int64_t)j * kTile + tid, 0, k.qbar, sh.bias(stage) + tid);
+        compute_bias<DP, 1>(a, k.b, k.hk, (int64_t)j * kTile + tid, 0, k.qbar,
+                            sh.bias(stage) + tid);
       mbar_arrive(sh.full(stage));
       ++loaded;
       stage = stage + 1 == C::kStages ? 0 : stage + 1;
@@ -369,12 +393,13 @@ struct Kernel {
        * quantizing it before the role split was faster for that item, but made the consumers
        * spill in their tile loop.) */
       __half *qs = sh.tile(C::kOffQ);
-      quantize_q(a, blockIdx.x, 0, kRows, tid, 128, [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; });
+      quantize_q(a, blockIdx.x, 0, kRows, tid, 128,
+                 [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; });
       fence_proxy_async();
       named_sync(kBarProducer, 128);
       if (tid == 0) mbar_arrive(sh.qfull());
     }
-    if constexpr (!C::kPersistent) { /* one item per block */
+    if constexpr (!C::kPersistent) {   /* one item per block */
       const Item k = *sh.block_item(); /* its Q rows are on their way (run) */
       if (kBiasMma) bias_mma.init(a, k.b, k.hk, warp * 32, k.qbar);
       for (int j = 0; j < k.ntiles; ++j) {
@@ -408,13 +433,15 @@ struct Kernel {
         if (j < k.ntiles) load_tile(k, j++);
         if (nxt < nitems) {
           constexpr int kPieceRows = kRows / C::kQPieces;
-          quantize_q(a, nxt, piece * kPieceRows, kPieceRows, tid, 128,
-                     [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(staging + off) = v; });
+          quantize_q(
+              a, nxt, piece * kPieceRows, kPieceRows, tid, 128,
+              [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(staging + off) = v; });
           fence_proxy_async_global();
         }
       }
       for (; j < k.ntiles; ++j) load_tile(k, j);
-      named_sync(kBarQFree, kThreads); /* also orders every thread's staging writes before the copy */
+      named_sync(kBarQFree,
+                 kThreads); /* also orders every thread's staging writes before the copy */
       if (tid == 0) {
         *sh.item(handovers) = nxt;
         if (nxt < nitems) {
@@ -435,7 +462,8 @@ struct Kernel {
   /* S = Q^ K^T for this warpgroup's 64 rows x 128 keys, reduction over DP in k16 steps (async).
    * q_lo, k_lo: descriptor low words of the operands (sw128_desc_lo); a k16 step inside a
    * 64-column block is +32 bytes, the next block +rows x 128 bytes (in 16-byte units below). */
-  static __device__ __forceinline__ void issue_scores(float (&s)[16][4], uint32_t q_lo, uint32_t k_lo) {
+  static __device__ __forceinline__ void issue_scores(float (&s)[16][4], uint32_t q_lo,
+                                                      uint32_t k_lo) {
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk) {
       const uint32_t step = (kk & 3) * 2;
@@ -445,7 +473,8 @@ struct Kernel {
   }
 
   /* O_acc += P^q V^: 64 rows x DP columns, reduction over the 128 keys in k16 steps (async). */
-  static __device__ __forceinline__ void issue_pv(float (&o)[DP / 8][4], const uint32_t (&pa)[8][4], uint32_t v_lo) {
+  static __device__ __forceinline__ void issue_pv(float (&o)[DP / 8][4], const uint32_t (&pa)[8][4],
+                                                  uint32_t v_lo) {
 #pragma unroll
     for (int kb = 0; kb < 8; ++kb)
       Wgmma<DP>::rs(o, pa[kb], sw128_desc(v_lo + (kb >> 2) * (DP * 8) + (kb & 3) * 2), 1);
@@ -482,10 +511,12 @@ struct Kernel {
     /* consumer warpgroup and warp in it. Persistent blocks broadcast cwg from lane 0: the compiler
      * then knows it is warp-uniform and keeps the Q^ descriptors in uniform registers (they
      * spilled in the tile loop otherwise); with one item per block the plain value spills less. */
-    const int cwg = C::kPersistent ? __shfl_sync(0xffffffffu, ctid >> 7, 0) : ctid >> 7, wwarp = (ctid >> 5) & 3;
+    const int cwg = C::kPersistent ? __shfl_sync(0xffffffffu, ctid >> 7, 0) : ctid >> 7,
+              wwarp = (ctid >> 5) & 3;
     /* this warpgroup's 64 rows of Q^: 64 x 128 bytes into each column block */
     const uint32_t q_lo = sw128_desc_lo(smem_u32(sh.tiles + C::kOffQ) + cwg * 64 * 128);
-    const uint32_t k_lo = sw128_desc_lo(smem_u32(sh.tiles + C::kOffK)), v_lo = sw128_desc_lo(smem_u32(sh.tiles + C::kOffV));
+    const uint32_t k_lo = sw128_desc_lo(smem_u32(sh.tiles + C::kOffK)),
+                   v_lo = sw128_desc_lo(smem_u32(sh.tiles + C::kOffV));
     const auto k_desc = [&](int stage) { return k_lo + stage * (C::kKBytes / 16); };
     const auto v_desc = [&](int stage) { return v_lo + stage * (C::kVBytes / 16); };
     /* turns: consumer 1 hands the first to consumer 0; consumer 0 takes back the last hand-over */
@@ -497,7 +528,9 @@ struct Kernel {
     const int nitems = item_count(a.p);
     /* item n of this block: blockIdx.x, then from hand-over n - 1 (read where needed rather than
      * kept: one register less in the tile loop, which spilled otherwise) */
-    const auto item_index = [&](int n) { return n == 0 ? (int)blockIdx.x : __shfl_sync(0xffffffffu, *sh.item(n - 1), 0); };
+    const auto item_index = [&](int n) {
+      return n == 0 ? (int)blockIdx.x : __shfl_sync(0xffffffffu, *sh.item(n - 1), 0);
+    };
     /* releases Q^ after the item's last S (persistent blocks only: otherwise Q^ stays) */
     const auto q_free = [&]() {
       if (C::kPersistent) named_arrive(kBarQFree, kThreads);
@@ -505,7 +538,9 @@ struct Kernel {
     /* item n of this block, decoded: persistent blocks decode it again where needed (keeping it
      * through the tile loop cost the consumers spills there), one item per block reads it from
      * shared memory */
-    const auto item_of = [&](int n) -> Item { return C::kPersistent ? item_at(a, item_index(n)) : *sh.block_item(); };
+    const auto item_of = [&](int n) -> Item {
+      return C::kPersistent ? item_at(a, item_index(n)) : *sh.block_item();
+    };
     for (int item_no = 0;; ++item_no) {
       if constexpr (C::kPersistent) {
         mbar_wait(sh.qfull(), item_no & 1); /* Q^ of the item, and its index (or the end) */
@@ -579,13 +614,15 @@ struct Kernel {
             wgmma_wait<1>(); /* S_j; phase 1 overlaps P^q_{j-1} V^_{j-1} */
             fence_regs(s);
             if (j == k.ntiles - 1) q_free();
-            softmax_tile_stats<MaskPath::kCausalTail>(a.p, tile_rows(), (int64_t)j * kTile, cqk, sh.bias(ring.stage), s, st, ts);
+            softmax_tile_stats<MaskPath::kCausalTail>(a.p, tile_rows(), (int64_t)j * kTile, cqk,
+                                                      sh.bias(ring.stage), s, st, ts);
             wgmma_wait<0>();
           } else {
             wgmma_wait<0>();
             fence_regs(s);
             if (j == k.ntiles - 1) q_free();
-            softmax_tile_stats<MaskPath::kAll>(a.p, tile_rows(), (int64_t)j * kTile, cqk, sh.bias(ring.stage), s, st, ts);
+            softmax_tile_stats<MaskPath::kAll>(a.p, tile_rows(), (int64_t)j * kTile, cqk,
+                                               sh.bias(ring.stage), s, st, ts);
           }
           fence_regs(o);
           named_arrive(kBarEmpty + prev, kThreads); /* stage prev is free */
@@ -611,9 +648,12 @@ struct Kernel {
       float omul[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r)
-        omul[r] = st.ref[r] == -INFINITY ? 0.0f : fast_exp2(st.ref[r] - st.m[r]) * (decv / FP4ATTN_NVFP4_RANGE);
+        omul[r] = st.ref[r] == -INFINITY
+                      ? 0.0f
+                      : fast_exp2(st.ref[r] - st.m[r]) * (decv / FP4ATTN_NVFP4_RANGE);
       if (a.vec_out)
-        store_rows_staged<DP>(a, erows, e.bh, o, omul, st, e.qbar, w.kbar + e.bhk * DP, sh.out_stage(cwg, wwarp));
+        store_rows_staged<DP>(a, erows, e.bh, o, omul, st, e.qbar, w.kbar + e.bhk * DP,
+                              sh.out_stage(cwg, wwarp));
       else
         store_rows<DP>(a, erows, e.bh, o, omul, st, e.qbar, w.kbar + e.bhk * DP);
       FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrEnd);
@@ -661,10 +701,13 @@ struct Kernel {
          * loads, while the
          * producer loads the first tile and computes its bias. */
         __half *qs = sh.tile(C::kOffQ);
-        const auto store = [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; };
+        const auto store = [&](int off, const uint4 &v) {
+          *reinterpret_cast<uint4 *>(qs + off) = v;
+        };
         if (q_by_copy(prm))
           quantize_copied_q(prm.a, *sh.block_item(), sh, threadIdx.x - 128, store);
-        else /* decodes the item itself: quantize_q taking the decoded item reordered the D=64 tile loop */
+        else /* decodes the item itself: quantize_q taking the decoded item reordered the D=64 tile
+                loop */
           quantize_q(prm.a, blockIdx.x, 0, kRows, threadIdx.x - 128, kThreads - 128, store);
         FP4ATTN_SM90_TRACE_AT(threadIdx.x == 128, blockIdx.x, kTrQQuantized);
         fence_proxy_async();
@@ -679,7 +722,8 @@ struct Kernel {
 };
 
 template <int DP>
-__global__ void __launch_bounds__(kThreads, 1) attention_fwd_sm90_kernel(const __grid_constant__ Params prm) {
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_fwd_sm90_kernel(const __grid_constant__ Params prm) {
 #if defined(FP4ATTN_SM90_WGMMA)
   extern __shared__ __align__(16) char smem[];
   Kernel<DP>::run(prm, smem);
@@ -687,7 +731,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd_sm90_kernel(const _
   __trap(); /* never launched: the host launches this kernel only for sm_90a builds on CC 9.0 */
 #endif
 }
-
 
 template <int DP>
 fp4attn_status launch(const AttnArgs &a, cudaStream_t s) {
@@ -699,9 +742,11 @@ fp4attn_status launch(const AttnArgs &a, cudaStream_t s) {
   prm.q_map = !Config<DP>::kPersistent && encode_q_map(a, DP, prm.qmap);
   /* persistent: at most one block per staging buffer (ws.qstage: one per SM) */
   if (Config<DP>::kPersistent && a.ws.qstage_blocks < 1)
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention (sm90 kernel): the workspace has no Q^ staging");
-  return launch_forward(attention_fwd_sm90_kernel<DP>, prm, a.p, kRows, kThreads, Config<DP>::kSmem, resident,
-                        Config<DP>::kPersistent ? a.ws.qstage_blocks : 0, "attention (sm90 kernel)", s);
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                         "attention (sm90 kernel): the workspace has no Q^ staging");
+  return launch_forward(attention_fwd_sm90_kernel<DP>, prm, a.p, kRows, kThreads, Config<DP>::kSmem,
+                        resident, Config<DP>::kPersistent ? a.ws.qstage_blocks : 0,
+                        "attention (sm90 kernel)", s);
 }
 
 }  // namespace sm90
@@ -719,7 +764,9 @@ fp4attn_status launch_attention_sm90(const AttnArgs &a, cudaStream_t s) {
 extern "C" int fp4attn_sm90_trace_take(unsigned long long *host, int items) {
   using namespace fp4attn_cuda::sm90;
   if (items > kTraceItems) items = kTraceItems;
-  if (cudaMemcpyFromSymbol(host, g_trace, sizeof(unsigned long long) * kTrEvents * items) != cudaSuccess) return 1;
+  if (cudaMemcpyFromSymbol(host, g_trace, sizeof(unsigned long long) * kTrEvents * items) !=
+      cudaSuccess)
+    return 1;
   void *buf = nullptr;
   if (cudaGetSymbolAddress(&buf, g_trace) != cudaSuccess) return 1;
   return cudaMemset(buf, 0, sizeof(g_trace)) == cudaSuccess ? 0 : 1;

@@ -14,7 +14,8 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void *f = nullptr;
     cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
         q != cudaDriverEntryPointSuccess)
       f = nullptr;
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
@@ -26,8 +27,9 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
  * strides of the outer R - 1 dims, box in elements; no interleave, 256-byte L2 promotion, zero
  * fill out of bounds. */
 template <int R>
-static CUresult encode_tiled(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap &map, CUtensorMapDataType type,
-                             const void *base, const cuuint64_t (&dims)[R], const cuuint64_t (&strides)[R - 1],
+static CUresult encode_tiled(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap &map,
+                             CUtensorMapDataType type, const void *base,
+                             const cuuint64_t (&dims)[R], const cuuint64_t (&strides)[R - 1],
                              const cuuint32_t (&box)[R], CUtensorMapSwizzle swizzle) {
   cuuint32_t elem_strides[R];
   for (int i = 0; i < R; ++i) elem_strides[i] = 1;
@@ -39,19 +41,24 @@ static CUresult encode_tiled(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorM
 /* One 3-D map of the workspace's FP16 K^ or V^: boxes of 64 x rows x 1 elements with the 128-byte
  * swizzle. */
 static fp4attn_status encode_map(CUtensorMap &map, void *base, const cuuint64_t (&dims)[3],
-                                 const cuuint64_t (&strides)[2], cuuint32_t rows, const char *what) {
+                                 const cuuint64_t (&strides)[2], cuuint32_t rows,
+                                 const char *what) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr)
-    return fp4attn_error(FP4ATTN_ERR_CUDA, "attention (sm90 kernel): the driver has no cuTensorMapEncodeTiled");
+    return fp4attn_error(FP4ATTN_ERR_CUDA,
+                         "attention (sm90 kernel): the driver has no cuTensorMapEncodeTiled");
   const cuuint32_t box[3] = {64, rows, 1};
-  const CUresult r = encode_tiled<3>(encode, map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, base, dims, strides, box,
-                                     CU_TENSOR_MAP_SWIZZLE_128B);
+  const CUresult r = encode_tiled<3>(encode, map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, base, dims,
+                                     strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
   if (r != CUDA_SUCCESS)
-    return fp4attn_error(FP4ATTN_ERR_CUDA, "attention (sm90 kernel): cuTensorMapEncodeTiled failed for %s (%d)", what, (int)r);
+    return fp4attn_error(FP4ATTN_ERR_CUDA,
+                         "attention (sm90 kernel): cuTensorMapEncodeTiled failed for %s (%d)", what,
+                         (int)r);
   return fp4attn_ok();
 }
 
-fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &kmap, CUtensorMap &vmap) {
+fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &kmap,
+                                  CUtensorMap &vmap) {
   const AttnWorkspace &w = a.ws;
   const cuuint64_t bhk = (cuuint64_t)(a.p.batch * a.p.heads_kv);
   /* K^ [BHk][nkp][dp] */
@@ -71,8 +78,10 @@ bool encode_q_map(const AttnArgs &a, int64_t dp, CUtensorMap &qmap) {
   if (p.dtype == FP4ATTN_FLOAT32 || !a.vec_q || encode == nullptr) return false;
   /* Q {head_dim, Nq, Hq, B} in the caller's strides; boxes of dp x 128 rows land as [128][dp]
    * halves (no swizzle), zero-filled past head_dim and Nq. 16-bit words: FP16 and BF16 alike. */
-  const cuuint64_t dims[4] = {(cuuint64_t)p.head_dim, (cuuint64_t)p.len_q, (cuuint64_t)p.heads_q, (cuuint64_t)p.batch};
-  const cuuint64_t strides[3] = {(cuuint64_t)p.q_stride[2] * 2, (cuuint64_t)p.q_stride[1] * 2, (cuuint64_t)p.q_stride[0] * 2};
+  const cuuint64_t dims[4] = {(cuuint64_t)p.head_dim, (cuuint64_t)p.len_q, (cuuint64_t)p.heads_q,
+                              (cuuint64_t)p.batch};
+  const cuuint64_t strides[3] = {(cuuint64_t)p.q_stride[2] * 2, (cuuint64_t)p.q_stride[1] * 2,
+                                 (cuuint64_t)p.q_stride[0] * 2};
   const cuuint32_t box[4] = {(cuuint32_t)dp, (cuuint32_t)kTile, 1, 1};
   return encode_tiled<4>(encode, qmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, p.q, dims, strides, box,
                          CU_TENSOR_MAP_SWIZZLE_NONE) == CUDA_SUCCESS;

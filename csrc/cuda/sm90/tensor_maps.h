@@ -15,7 +15,8 @@ namespace sm90 {
 
 /* The maps of K^ and V^ in the workspace: 3-D, boxes of 64 columns (128 bytes) with the 128-byte
  * swizzle, so a box lands as one column block of the wgmma layout. */
-fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &kmap, CUtensorMap &vmap);
+fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &kmap,
+                                  CUtensorMap &vmap);
 /* The map of 16-bit Q with 16-byte aligned rows in the caller's strides (boxes of dp x 128 rows);
  * false where the driver does not take its strides (e.g. a broadcast head): the kernel then
  * copies Q row by row. */

@@ -22,9 +22,10 @@ enum TraceEvent {
   kTrStartNs, /* kTrStart and kTrEnd on the global timer (ns): the clock rate */
   kTrEndNs,
   kTrQCopied,    /* one item per block: consumer 0 sees the item's Q rows in shared memory */
-  kTrQQuantized, /* one item per block: consumer 0 has quantized its Q^ blocks (before the barrier) */
+  kTrQQuantized, /* one item per block: consumer 0 has quantized its Q^ blocks (before the barrier)
+                  */
   kTrS0Issue,    /* consumer 0 has its turn for the first S, and the stage is full */
-  kTrDecoded,    /* one item per block: thread 0 has initialised the barriers and decoded the item */
+  kTrDecoded, /* one item per block: thread 0 has initialised the barriers and decoded the item */
   kTrEvents
 };
 constexpr int kTraceItems = 16384; /* items with a row in the buffer (the first ones) */

@@ -39,7 +39,7 @@ __device__ __forceinline__ int sw128_offset(int rows, int row, int col) {
  * address for every wgmma cost 5-6 instructions each). */
 __device__ __forceinline__ uint32_t sw128_desc_lo(uint32_t addr) {
   return ((addr & 0x3FFFFu) >> 4) /* start address */
-         | (1u << 16);             /* leading byte offset: unused for this layout */
+         | (1u << 16);            /* leading byte offset: unused for this layout */
 }
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
   return (uint64_t)lo | ((uint64_t)(1024 >> 4) << 32) /* stride byte offset: 8 rows x 128 bytes */
@@ -51,13 +51,17 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
 /* Read-write operands d[n..n+7][0..3] of an FP32 accumulator (32 registers), for the asm
  * operand lists below. */
 #define FP4ATTN_WGMMA_ACC4(d, n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
-#define FP4ATTN_WGMMA_ACC(d, n)                                                                  \
-  FP4ATTN_WGMMA_ACC4(d, n), FP4ATTN_WGMMA_ACC4(d, n + 1), FP4ATTN_WGMMA_ACC4(d, n + 2),          \
-      FP4ATTN_WGMMA_ACC4(d, n + 3), FP4ATTN_WGMMA_ACC4(d, n + 4), FP4ATTN_WGMMA_ACC4(d, n + 5),  \
+#define FP4ATTN_WGMMA_ACC(d, n)                                                                 \
+  FP4ATTN_WGMMA_ACC4(d, n), FP4ATTN_WGMMA_ACC4(d, n + 1), FP4ATTN_WGMMA_ACC4(d, n + 2),         \
+      FP4ATTN_WGMMA_ACC4(d, n + 3), FP4ATTN_WGMMA_ACC4(d, n + 4), FP4ATTN_WGMMA_ACC4(d, n + 5), \
       FP4ATTN_WGMMA_ACC4(d, n + 6), FP4ATTN_WGMMA_ACC4(d, n + 7)
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
@@ -89,7 +93,7 @@ __device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[8][4], const uint3
 
 /* D[64 x 128] (+)= A[64 x 16] * B[128 x 16]^T, A and B in shared memory (K-major descriptors). */
 __device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[16][4], uint64_t desc_a,
-                                                   uint64_t desc_b, int accumulate) {
+                                                    uint64_t desc_b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
@@ -104,7 +108,7 @@ __device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[16][4], uint64_t 
 
 /* The same with A in registers: each warp's m16n8k16 A fragment of its 16 rows. */
 __device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[16][4], const uint32_t (&a)[4],
-                                                   uint64_t desc_b, int accumulate) {
+                                                    uint64_t desc_b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
@@ -117,13 +121,24 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[16][4], const uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
-template <int N> struct Wgmma;
-template <> struct Wgmma<64> {
-  static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b, int acc) { wgmma_rs_m64n64k16(d, a, b, acc); }
+template <int N>
+struct Wgmma;
+template <>
+struct Wgmma<64> {
+  static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b,
+                                            int acc) {
+    wgmma_rs_m64n64k16(d, a, b, acc);
+  }
 };
-template <> struct Wgmma<128> {
-  static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t a, uint64_t b, int acc) { wgmma_ss_m64n128k16(d, a, b, acc); }
-  static __device__ __forceinline__ void rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b, int acc) { wgmma_rs_m64n128k16(d, a, b, acc); }
+template <>
+struct Wgmma<128> {
+  static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t a, uint64_t b, int acc) {
+    wgmma_ss_m64n128k16(d, a, b, acc);
+  }
+  static __device__ __forceinline__ void rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b,
+                                            int acc) {
+    wgmma_rs_m64n128k16(d, a, b, acc);
+  }
 };
 
 /* Named barriers (0 is __syncthreads): `sync` waits until `count` threads have arrived or
@@ -149,13 +164,17 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 /* Make initialized mbarriers visible to the async proxy (TMA) and the other threads (then sync). */
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
 }
 /* Arrive (release: this thread's earlier shared-memory writes are visible to the waiters). */
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar)
+               : "memory");
 }
 /* Wait (acquire) until the phase of parity `parity` (0 for the first) has completed. */
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
@@ -170,36 +189,49 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 /* TMA: box (c0, c1, c2) of the 3-D tensor map `tmap` (a __grid_constant__ kernel parameter) into
  * shared memory at `dst` (1024-byte aligned for the 128-byte swizzle); its bytes count against the
  * transaction count announced on mbarrier `bar` (mbar_expect_tx). */
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void *tmap, int c0, int c1, int c2, uint32_t bar) {
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void *tmap, int c0, int c1, int c2,
+                                            uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4}], [%5];\n" ::"r"(dst),
       "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
 }
 
-__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void *tmap, int c0, int c1, int c2, int c3, uint32_t bar) {
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void *tmap, int c0, int c1, int c2,
+                                            int c3, uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4, %5}], [%6];\n" ::"r"(dst),
       "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
 
 /* Bulk copy of `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte
  * aligned), counted against the transaction count announced on mbarrier `bar`. */
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
 }
 
 /* Make this thread's ordinary global-memory writes visible to later reads by the asynchronous
  * proxy (bulk copies, TMA), once the reader is ordered after it (a barrier). */
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
 
 template <int R>
-__device__ __forceinline__ void regs_dealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
+__device__ __forceinline__ void regs_dealloc() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
 template <int R>
-__device__ __forceinline__ void regs_alloc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R)); }
+__device__ __forceinline__ void regs_alloc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
 
 #endif /* FP4ATTN_SM90_WGMMA */
 

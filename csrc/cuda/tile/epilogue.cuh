@@ -11,7 +11,8 @@ namespace fp4attn_cuda {
 
 /* SPEC 4.6, the factor of each of a warp's rows g, g+8 (r = 0, 1): O / l with O = omul * o, 0 for
  * rows without visible keys. Sums l over the quad first (st.l is then the row's l). */
-__device__ __forceinline__ void row_factors(SoftmaxState &st, const float (&omul)[2], float (&inv)[2]) {
+__device__ __forceinline__ void row_factors(SoftmaxState &st, const float (&omul)[2],
+                                            float (&inv)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 1);
@@ -22,8 +23,9 @@ __device__ __forceinline__ void row_factors(SoftmaxState &st, const float (&omul
 
 /* The LSE of a warp's rows, m ln2 + log l + scale (q - qbar).kbar, when requested (after
  * row_factors). qbar: this block's query mean (any memory), kbar: the key mean of the KV head. */
-__device__ __forceinline__ void store_lse(const AttnArgs &a, const WarpRows &w, int64_t bh, const SoftmaxState &st,
-                                          const float *qbar, const float *kbar) {
+__device__ __forceinline__ void store_lse(const AttnArgs &a, const WarpRows &w, int64_t bh,
+                                          const SoftmaxState &st, const float *qbar,
+                                          const float *kbar) {
   const fp4attn_attention_params &p = a.p;
   if (!p.lse) return;
   const int lane = threadIdx.x & 31;
@@ -87,8 +89,9 @@ __device__ __forceinline__ void store_rows(const AttnArgs &a, const WarpRows &w,
  * row (conflict-free both ways), used by this warp alone. */
 template <int DP>
 __device__ __forceinline__ void store_rows_staged(const AttnArgs &a, const WarpRows &w, int64_t bh,
-                                                  const float (&o)[DP / 8][4], const float (&omul)[2],
-                                                  SoftmaxState &st, const float *qbar, const float *kbar,
+                                                  const float (&o)[DP / 8][4],
+                                                  const float (&omul)[2], SoftmaxState &st,
+                                                  const float *qbar, const float *kbar,
                                                   uint32_t *stage) {
   const fp4attn_attention_params &p = a.p;
   const int lane = threadIdx.x & 31;
@@ -123,8 +126,10 @@ __device__ __forceinline__ void store_rows_staged(const AttnArgs &a, const WarpR
     const int row = r0 + lane / kChunks;
     const int64_t qi = w.row0 + row;
     if (qi < p.len_q && chunk * 8 < D) {
-      const uint4 v = *reinterpret_cast<const uint4 *>(stage + row * (DP / 2) + ((chunk ^ (row & 7)) * 4));
-      const int64_t off = w.b * p.out_stride[0] + w.h * p.out_stride[1] + qi * p.out_stride[2] + chunk * 8;
+      const uint4 v =
+          *reinterpret_cast<const uint4 *>(stage + row * (DP / 2) + ((chunk ^ (row & 7)) * 4));
+      const int64_t off =
+          w.b * p.out_stride[0] + w.h * p.out_stride[1] + qi * p.out_stride[2] + chunk * 8;
       *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(p.out) + off) = v;
     }
   }

@@ -17,7 +17,8 @@ struct WarpRows {
 
 /* Whether the 128-key tile at j0 needs a mask (key padding, causal, attn_mask) for any query row
  * from row0 on. */
-__device__ __forceinline__ bool tile_has_masks(const fp4attn_attention_params &p, int64_t j0, int64_t row0) {
+__device__ __forceinline__ bool tile_has_masks(const fp4attn_attention_params &p, int64_t j0,
+                                               int64_t row0) {
   const bool tail = j0 + kTile > p.len_k;
   const bool diag = p.causal && j0 + kTile - 1 > row0;
   return tail || diag || p.mask_kind != FP4ATTN_MASK_NONE;
@@ -31,8 +32,8 @@ enum class MaskPath {
 
 /* Causal and key-padding mask of one tile, no attn_mask: each row sees the columns up to its
  * last visible key, so one bound per row and one compare per score. */
-__device__ __forceinline__ void mask_causal_tail(const fp4attn_attention_params &p, const WarpRows &w,
-                                                 int64_t j0, float (&s)[16][4]) {
+__device__ __forceinline__ void mask_causal_tail(const fp4attn_attention_params &p,
+                                                 const WarpRows &w, int64_t j0, float (&s)[16][4]) {
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   int last[2]; /* last visible column of rows g, g + 8 (from j0, clamped to [-1, 127]) minus 2t */

@@ -5,8 +5,8 @@
 #ifndef FP4ATTN_CUDA_TILE_Q_QUANT_CUH
 #define FP4ATTN_CUDA_TILE_Q_QUANT_CUH
 
-#include "workspace.cuh"
 #include "../common/fast_rounding.cuh"
+#include "workspace.cuh"
 
 namespace fp4attn_cuda {
 

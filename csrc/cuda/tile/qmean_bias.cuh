@@ -78,17 +78,17 @@ __device__ __forceinline__ void compute_bias(const AttnArgs &a, int64_t b, int64
  * 16-bit dtype; compute_bias covers the rest.
  *
  * Fragment mapping (g = lane / 4, t = lane % 4): lane t loads 8-column chunks c = 4i + t of key
- * g's row; k16 step m uses chunk 4 (m / 2) + t, half m % 2, so the step's reduction index k = 2t + e
- * (b0) is column 8c + 4 (m % 2) + e and k = 2t + 8 + e (b1) is column 8c + 4 (m % 2) + 2 + e. */
+ * g's row; k16 step m uses chunk 4 (m / 2) + t, half m % 2, so the step's reduction index k = 2t +
+ * e (b0) is column 8c + 4 (m % 2) + e and k = 2t + 8 + e (b1) is column 8c + 4 (m % 2) + 2 + e. */
 template <int DP, bool kBf16>
 struct BiasMma {
   static constexpr int kSteps = DP / 16;
   static constexpr int kChunks = DP / 32; /* 16-byte chunks per lane and key */
-  uint32_t afrag[kSteps][2];              /* A fragment words a0, a2 of every k16 step (a1 = a3 = 0) */
-  const char *kchunk;                     /* chunk 0 (columns 8t..) of K row key0 + g of tile 0, (b, hk) */
-  int64_t row_bytes;                      /* from one key's row to the next */
-  int64_t rows_left;                      /* len_k - (key0 + g): keys from that row on that exist */
-  uint32_t chunk_ok;                      /* bit i: this lane's chunk i lies inside the head dim */
+  uint32_t afrag[kSteps][2]; /* A fragment words a0, a2 of every k16 step (a1 = a3 = 0) */
+  const char *kchunk;        /* chunk 0 (columns 8t..) of K row key0 + g of tile 0, (b, hk) */
+  int64_t row_bytes;         /* from one key's row to the next */
+  int64_t rows_left;         /* len_k - (key0 + g): keys from that row on that exist */
+  uint32_t chunk_ok;         /* bit i: this lane's chunk i lies inside the head dim */
 
   /* The A fragments from qbar (DP floats, zero past D) and this lane's K addressing for the warp's
    * 32 keys key0 .. key0 + 31 of every tile. */
@@ -106,14 +106,17 @@ struct BiasMma {
         afrag[m][w] = word;
       }
     row_bytes = 2 * p.k_stride[2];
-    kchunk = static_cast<const char *>(p.k) + 2 * (b * p.k_stride[0] + hk * p.k_stride[1]) + (key0 + g) * row_bytes + 16 * t;
+    kchunk = static_cast<const char *>(p.k) + 2 * (b * p.k_stride[0] + hk * p.k_stride[1]) +
+             (key0 + g) * row_bytes + 16 * t;
     rows_left = p.len_k - (key0 + g);
     chunk_ok = 0;
 #pragma unroll
-    for (int i = 0; i < kChunks; ++i) chunk_ok |= (8 * (4 * i + t) < (int)p.head_dim ? 1u : 0u) << i;
+    for (int i = 0; i < kChunks; ++i)
+      chunk_ok |= (8 * (4 * i + t) < (int)p.head_dim ? 1u : 0u) << i;
   }
 
-  /* Part `idx` of x: x = p0 + p1 (+ p2) with each part the rounding of what the earlier ones left. */
+  /* Part `idx` of x: x = p0 + p1 (+ p2) with each part the rounding of what the earlier ones left.
+   */
   __device__ static uint32_t part_bits(float x, int idx) {
     uint32_t bits = 0;
 #pragma unroll
@@ -143,7 +146,8 @@ struct BiasMma {
   };
 
   __device__ void load(int tile, Keys &keys) const {
-    const int64_t left = rows_left - (int64_t)tile * kTile; /* keys of this lane's rows that exist */
+    const int64_t left =
+        rows_left - (int64_t)tile * kTile; /* keys of this lane's rows that exist */
     const char *kp = kchunk + (int64_t)tile * kTile * row_bytes;
     const int64_t step = 8 * row_bytes; /* rows g, g + 8, g + 16, g + 24 */
     uint4(&kv)[4][kChunks] = keys.kv;
@@ -151,15 +155,17 @@ struct BiasMma {
 #pragma unroll
       for (int n = 0; n < 4; ++n)
 #pragma unroll
-        for (int i = 0; i < kChunks; ++i) kv[n][i] = __ldg(reinterpret_cast<const uint4 *>(kp + n * step + 64 * i));
+        for (int i = 0; i < kChunks; ++i)
+          kv[n][i] = __ldg(reinterpret_cast<const uint4 *>(kp + n * step + 64 * i));
     } else {
       const int nleft = left < 0 ? 0 : (int)min(left, (int64_t)32);
 #pragma unroll
       for (int n = 0; n < 4; ++n)
 #pragma unroll
         for (int i = 0; i < kChunks; ++i)
-          kv[n][i] = 8 * n < nleft && (chunk_ok >> i & 1u) ? __ldg(reinterpret_cast<const uint4 *>(kp + n * step + 64 * i))
-                                                           : make_uint4(0, 0, 0, 0);
+          kv[n][i] = 8 * n < nleft && (chunk_ok >> i & 1u)
+                         ? __ldg(reinterpret_cast<const uint4 *>(kp + n * step + 64 * i))
+                         : make_uint4(0, 0, 0, 0);
     }
   }
 
@@ -187,7 +193,9 @@ struct BiasMma {
         v0 += __shfl_down_sync(0xffffffffu, c[n][0], 8);
         v1 += __shfl_down_sync(0xffffffffu, c[n][1], 8);
       }
-      if (g == 0) *reinterpret_cast<float2 *>(bias + 8 * n + 2 * t) = make_float2(v0 * a.scale_log2, v1 * a.scale_log2);
+      if (g == 0)
+        *reinterpret_cast<float2 *>(bias + 8 * n + 2 * t) =
+            make_float2(v0 * a.scale_log2, v1 * a.scale_log2);
     }
   }
 };

@@ -12,7 +12,8 @@ namespace fp4attn_cuda {
 
 /* Query blocks of `rows` rows of one (batch, query head), and of all of them: the forward
  * kernels' blocks or work items (query_block). */
-__host__ __device__ inline int64_t query_blocks_per_head(const fp4attn_attention_params &p, int rows) {
+__host__ __device__ inline int64_t query_blocks_per_head(const fp4attn_attention_params &p,
+                                                         int rows) {
   return (p.len_q + rows - 1) / rows;
 }
 __host__ __device__ inline int64_t query_block_count(const fp4attn_attention_params &p, int rows) {
@@ -76,9 +77,9 @@ __device__ __forceinline__ QueryBlock query_block(const fp4attn_attention_params
  * per-device record, 0 until then), or returns FP4ATTN_ERR_UNSUPPORTED where the device has too
  * little memory. */
 template <typename Kernel, typename Args>
-fp4attn_status launch_forward(Kernel kernel, const Args &args, const fp4attn_attention_params &p, int rows,
-                              int threads, int smem, int (&resident)[64], int64_t persistent, const char *name,
-                              cudaStream_t s) {
+fp4attn_status launch_forward(Kernel kernel, const Args &args, const fp4attn_attention_params &p,
+                              int rows, int threads, int smem, int (&resident)[64],
+                              int64_t persistent, const char *name, cudaStream_t s) {
   int dev = 0;
   cudaGetDevice(&dev);
   int at_once = dev >= 0 && dev < 64 ? resident[dev] : 0;
@@ -86,18 +87,22 @@ fp4attn_status launch_forward(Kernel kernel, const Args &args, const fp4attn_att
     int optin = 0, per_sm = 0;
     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     if (optin < smem)
-      return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
-                          "%s: head dim %lld needs %d bytes of shared memory per block, the device "
-                          "allows %d",
-                          name, (long long)padded_head_dim(p.head_dim), smem, optin);
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess)
+      return fp4attn_error(
+          FP4ATTN_ERR_UNSUPPORTED,
+          "%s: head dim %lld needs %d bytes of shared memory per block, the device "
+          "allows %d",
+          name, (long long)padded_head_dim(p.head_dim), smem, optin);
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+            cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) !=
+            cudaSuccess)
       return launch_status(name);
     at_once = sm_count() * (per_sm > 0 ? per_sm : 1);
     if (dev >= 0 && dev < 64) resident[dev] = at_once;
   }
   int64_t blocks = query_block_count(p, rows);
-  if (blocks > 0x7FFFFFFFLL) return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "%s: too many query blocks", name);
+  if (blocks > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "%s: too many query blocks", name);
   if (persistent > 0) blocks = min(blocks, min((int64_t)at_once, persistent));
   kernel<<<(unsigned)blocks, threads, smem, s>>>(args);
   return launch_status(name);

@@ -11,13 +11,13 @@
 #ifndef FP4ATTN_CUDA_TILE_SOFTMAX_CUH
 #define FP4ATTN_CUDA_TILE_SOFTMAX_CUH
 
-#include "mask.cuh"
 #include "../common/fast_rounding.cuh"
+#include "mask.cuh"
 
 namespace fp4attn_cuda {
 
 constexpr float kLog2_2688 = 11.392317422778760f; /* log2(2688) */
-constexpr float kLog2_6 = 2.5849625007211562f;     /* log2(6) */
+constexpr float kLog2_6 = 2.5849625007211562f;    /* log2(6) */
 constexpr float kLn2 = 0.69314718055994531f;
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -38,7 +38,8 @@ __device__ __forceinline__ float fast_log2(float x) {
  * the E4M3 rounding can differ from SPEC 2 only next to an exact tie. */
 __device__ __forceinline__ void block_scales(float u0, float u1, float (&sv)[2], uint32_t &hw) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  const __nv_fp8x2_storage_t b2 = __nv_cvt_float2_to_fp8x2(make_float2(u0, u1), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t b2 =
+      __nv_cvt_float2_to_fp8x2(make_float2(u0, u1), __NV_SATFINITE, __NV_E4M3);
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(b2, __NV_E4M3); /* .x = row g, .y = row g+8 */
   hw = (uint32_t)h.x | ((uint32_t)h.y << 16);
   const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&hw));
@@ -53,7 +54,8 @@ __device__ __forceinline__ void block_scales(float u0, float u1, float (&sv)[2],
 /* code * s for an FP16 pair of E2M1 values and the scale s of row half r of hw (exact). */
 __device__ __forceinline__ uint32_t scale_pair(uint32_t code2, uint32_t hw, int r) {
   const __half2 h = *reinterpret_cast<const __half2 *>(&hw);
-  const __half2 r2 = __hmul2(*reinterpret_cast<const __half2 *>(&code2), r == 0 ? __low2half2(h) : __high2half2(h));
+  const __half2 r2 = __hmul2(*reinterpret_cast<const __half2 *>(&code2),
+                             r == 0 ? __low2half2(h) : __high2half2(h));
   return *reinterpret_cast<const uint32_t *>(&r2);
 }
 
@@ -66,9 +68,9 @@ struct SoftmaxState {
  *   s = scale*log2e*(dQ dK acc + qbar.K) (+ mask), with bias[key] = scale*log2e*(qbar . K[key])
  *   and cqk = scale*log2e*dQ*dK. Masks: causal (top-left), bool/additive attn_mask, key padding. */
 template <MaskPath kMasks = MaskPath::kAll>
-__device__ __forceinline__ void tile_scores_log2(const fp4attn_attention_params &p, const WarpRows &w,
-                                                 int64_t j0, float cqk, const float *bias,
-                                                 float (&s)[16][4]) {
+__device__ __forceinline__ void tile_scores_log2(const fp4attn_attention_params &p,
+                                                 const WarpRows &w, int64_t j0, float cqk,
+                                                 const float *bias, float (&s)[16][4]) {
   const int t = threadIdx.x & 3;
 #pragma unroll
   for (int n = 0; n < 16; ++n) {
@@ -99,11 +101,13 @@ __device__ __forceinline__ void block_maxima(const float (&s)[16][4], float (&bm
 #pragma unroll
   for (int kb = 0; kb < 8; ++kb)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) bm[kb][r] = fmaxf(bm[kb][r], __shfl_xor_sync(0xffffffffu, bm[kb][r], 1));
+    for (int r = 0; r < 2; ++r)
+      bm[kb][r] = fmaxf(bm[kb][r], __shfl_xor_sync(0xffffffffu, bm[kb][r], 1));
 #pragma unroll
   for (int kb = 0; kb < 8; ++kb)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) bm[kb][r] = fmaxf(bm[kb][r], __shfl_xor_sync(0xffffffffu, bm[kb][r], 2));
+    for (int r = 0; r < 2; ++r)
+      bm[kb][r] = fmaxf(bm[kb][r], __shfl_xor_sync(0xffffffffu, bm[kb][r], 2));
 }
 
 __device__ __forceinline__ float tile_row_max(const float (&bm)[8][2], int r) {
@@ -161,10 +165,9 @@ __device__ __forceinline__ void quantize_p_blocks(const float (&s)[16][4], const
  * SPEC 4.4-4.5 in log2 units. */
 __device__ __forceinline__ void softmax_quantize_p(const fp4attn_attention_params &p,
                                                    const WarpRows &w, int64_t j0, float cqk,
-                                                   const float *bias,
-                                                   float (&s)[16][4], SoftmaxState &st,
-                                                   float (&alpha)[2], float (&gsc)[2],
-                                                   uint32_t (&pa)[8][4]) {
+                                                   const float *bias, float (&s)[16][4],
+                                                   SoftmaxState &st, float (&alpha)[2],
+                                                   float (&gsc)[2], uint32_t (&pa)[8][4]) {
   tile_scores_log2(p, w, j0, cqk, bias, s);
   float bm[8][2];
   block_maxima(s, bm);
@@ -209,16 +212,16 @@ struct InPlaceSoftmaxState : SoftmaxState {
  * operands stay exact; the first-level scale lives only in FP32 (ofac, the epilogue's factor).
  * Rows the tile does not reach (fully masked, or negligible as above) get P^q = 0 and ofac = 1. */
 struct TileStats {
-  float bm[8][2];                        /* block maxima of the log2 scores */
+  float bm[8][2];                           /* block maxima of the log2 scores */
   float toff[2], alpha[2], lsc[2], ofac[2]; /* per row g, g + 8 */
 };
 
 /* Phase 1: scores in log2 units (tile_scores_log2), block maxima, m, ref and the factors. */
 template <MaskPath kMasks>
-__device__ __forceinline__ void softmax_tile_stats(const fp4attn_attention_params &p, const WarpRows &w,
-                                                   int64_t j0, float cqk, const float *bias,
-                                                   float (&s)[16][4], InPlaceSoftmaxState &st,
-                                                   TileStats &ts) {
+__device__ __forceinline__ void softmax_tile_stats(const fp4attn_attention_params &p,
+                                                   const WarpRows &w, int64_t j0, float cqk,
+                                                   const float *bias, float (&s)[16][4],
+                                                   InPlaceSoftmaxState &st, TileStats &ts) {
   tile_scores_log2<kMasks>(p, w, j0, cqk, bias, s);
   block_maxima(s, ts.bm);
 #pragma unroll
@@ -261,7 +264,8 @@ __device__ __forceinline__ void rescale_rows(float (&o)[NO][4], const float (&of
  * this tile, gv = beta/2688 dV per row). Once the running maxima settle, alpha is 1 for every
  * row of the warp and the update is one FMA per element (the test is warp-uniform). */
 template <int NO, int NB>
-__device__ __forceinline__ void rescale_accumulate(float (&o)[NO][4], int n0, const float (&acc)[NB][4],
+__device__ __forceinline__ void rescale_accumulate(float (&o)[NO][4], int n0,
+                                                   const float (&acc)[NB][4],
                                                    const float (&alpha)[2], float gv0, float gv1) {
   if (__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) {
 #pragma unroll

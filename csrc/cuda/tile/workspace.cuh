@@ -36,7 +36,9 @@ namespace fp4attn_cuda {
 
 constexpr int kTile = 128; /* SPEC 4: Bq = Bkv = 128 */
 
-static inline int64_t padded_head_dim(int64_t d) { return d <= 64 ? 64 : (d <= 128 ? 128 : 256); }
+static inline int64_t padded_head_dim(int64_t d) {
+  return d <= 64 ? 64 : (d <= 128 ? 128 : 256);
+}
 
 /* How one attention call runs (planned by heuristics.h); the workspace is sized for it. */
 struct AttnPlan {
@@ -46,7 +48,6 @@ struct AttnPlan {
   int64_t qstage_blocks; /* Q^ staging buffers of the persistent sm90 kernel (one per SM), or 0 */
   int64_t item_heads;    /* (batch, query head)s per group of the sm90 causal work order */
 };
-
 
 struct AttnWorkspace {
   int64_t dp, nqb, nkt, nkp;
@@ -89,7 +90,6 @@ static inline int64_t attn_sync_bytes(int64_t bhk, int64_t dp) {
   return 8 * kSyncTickets + 4 * bhk + 8 * bhk * dp;
 }
 
-
 /* Fills the section pointers for `base` (may be null to only compute the size). */
 static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params *p,
                                                   const AttnPlan &plan, void *base) {
@@ -122,7 +122,6 @@ static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params
   w.bytes = off;
   return w;
 }
-
 
 }  // namespace fp4attn_cuda
 

@@ -20,8 +20,7 @@ static inline fp4attn_status fp4attn_ok(void) {
 #if defined(__GNUC__)
 __attribute__((format(printf, 2, 3)))
 #endif
-static inline fp4attn_status
-fp4attn_error(fp4attn_code code, const char *fmt, ...) {
+static inline fp4attn_status fp4attn_error(fp4attn_code code, const char *fmt, ...) {
   fp4attn_status s;
   va_list ap;
   s.code = code;
@@ -54,8 +53,9 @@ static inline fp4attn_status fp4attn_check_attention_params(const fp4attn_attent
                          "attention: heads_q (%lld) must be a multiple of heads_kv (%lld)",
                          (long long)p->heads_q, (long long)p->heads_kv);
   if (p->head_dim < 1 || p->head_dim > FP4ATTN_MAX_HEAD_DIM)
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: head_dim must be in [1, %d], got %lld",
-                         FP4ATTN_MAX_HEAD_DIM, (long long)p->head_dim);
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                         "attention: head_dim must be in [1, %d], got %lld", FP4ATTN_MAX_HEAD_DIM,
+                         (long long)p->head_dim);
   if (!fp4attn_kernel_name(p->kernel))
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: kernel %d is not valid",
                          (int)p->kernel);

@@ -48,9 +48,9 @@ typedef enum {
  * FP4ATTN_ERR_UNSUPPORTED error, never a silent substitute. Names: fp4attn_kernel_name. */
 typedef enum {
   FP4ATTN_KERNEL_AUTO = 0,
-  FP4ATTN_KERNEL_SM80 = 1,  /* "sm80": mma.sync on exact FP16/BF16 dequantization, sm_80 and newer */
+  FP4ATTN_KERNEL_SM80 = 1, /* "sm80": mma.sync on exact FP16/BF16 dequantization, sm_80 and newer */
   FP4ATTN_KERNEL_SM120 = 2, /* "sm120": block-scaled FP4 MMA; emulated exactly off Blackwell */
-  FP4ATTN_KERNEL_SM90 = 3,  /* "sm90": Hopper wgmma + TMA (sm_90a build, capability 9.0, D <= 128) */
+  FP4ATTN_KERNEL_SM90 = 3, /* "sm90": Hopper wgmma + TMA (sm_90a build, capability 9.0, D <= 128) */
 } fp4attn_kernel;
 
 #define FP4ATTN_KERNEL_COUNT 4
@@ -58,10 +58,14 @@ typedef enum {
 /* The name of a kernel request ("auto", "sm80", "sm120", "sm90"); NULL for an invalid value. */
 static inline const char *fp4attn_kernel_name(fp4attn_kernel k) {
   switch (k) {
-    case FP4ATTN_KERNEL_AUTO: return "auto";
-    case FP4ATTN_KERNEL_SM80: return "sm80";
-    case FP4ATTN_KERNEL_SM120: return "sm120";
-    case FP4ATTN_KERNEL_SM90: return "sm90";
+    case FP4ATTN_KERNEL_AUTO:
+      return "auto";
+    case FP4ATTN_KERNEL_SM80:
+      return "sm80";
+    case FP4ATTN_KERNEL_SM120:
+      return "sm120";
+    case FP4ATTN_KERNEL_SM90:
+      return "sm90";
   }
   return 0;
 }
@@ -73,8 +77,12 @@ typedef enum {
 } fp4attn_mask_kind;
 
 /* Packed codes per row for `cols` values: ceil(cols/16)*8 bytes; scales per row: ceil(cols/16). */
-static inline int64_t fp4attn_code_bytes(int64_t cols) { return (cols + 15) / 16 * 8; }
-static inline int64_t fp4attn_scale_count(int64_t cols) { return (cols + 15) / 16; }
+static inline int64_t fp4attn_code_bytes(int64_t cols) {
+  return (cols + 15) / 16 * 8;
+}
+static inline int64_t fp4attn_scale_count(int64_t cols) {
+  return (cols + 15) / 16;
+}
 
 /* ---- NVFP4 quantization phi (SPEC 2): `batch` independent slices of rows x cols, each with
  * its own FP32 global scale, quantized along cols. Outputs are contiguous (linear layout). */
@@ -128,7 +136,7 @@ typedef struct {
   fp4attn_dtype mask_dtype; /* for FP4ATTN_MASK_ADDITIVE */
   const void *mask;
   int64_t mask_stride[4];
-  int num_threads;      /* CPU only: 0 = OpenMP default */
+  int num_threads;       /* CPU only: 0 = OpenMP default */
   fp4attn_kernel kernel; /* CUDA only */
 } fp4attn_attention_params;
 

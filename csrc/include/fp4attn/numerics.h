@@ -40,13 +40,17 @@ FP4ATTN_HD float fp4attn_bits_float(uint32_t u) {
 #endif
 }
 
-FP4ATTN_HD int fp4attn_isnan(float v) { return v != v; }
+FP4ATTN_HD int fp4attn_isnan(float v) {
+  return v != v;
+}
 FP4ATTN_HD int fp4attn_isfinite(float v) {
   return (fp4attn_float_bits(v) & 0x7F800000u) != 0x7F800000u;
 }
 
 /* Maximum that propagates NaN (like torch.amax): once NaN, stays NaN. */
-FP4ATTN_HD float fp4attn_nanmax(float m, float a) { return (a > m || a != a) ? a : m; }
+FP4ATTN_HD float fp4attn_nanmax(float m, float a) {
+  return (a > m || a != a) ? a : m;
+}
 
 /* rne_e4m3_sat (SPEC 1) for v >= 0 or NaN: round to the nearest E4M3 value, ties to even,
  * subnormals kept, values above 448 (and +Inf) saturate to 448, NaN -> 0x7F. */
