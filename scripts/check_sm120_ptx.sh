@@ -19,12 +19,14 @@ command -v "$NVCC" >/dev/null || { echo "check_sm120_ptx: nvcc not found ($NVCC)
 
 archs=(120a)
 if "$NVCC" --list-gpu-arch 2>/dev/null | grep -q 'compute_121'; then archs+=(121a); fi
-kernels=(attention_sm120_d64 attention_sm120_d128 attention_sm120_d256 test_mma_fp4)
+# the kernel sources: the attention per padded head dim, and the private MMA test hook
+kernels=("$SRC/attention_sm120_d64.cu" "$SRC/attention_sm120_d128.cu" "$SRC/attention_sm120_d256.cu"
+         "$ROOT/csrc/testing/mma_fp4_test.cu")
 FLAGS=(-std=c++17 -O3 -I "$ROOT/csrc/include")
 
 # job list: "ptx <arch> <file>" and "sass 120a <file>"
 {
-  for arch in "${archs[@]}"; do for k in "${kernels[@]}"; do echo "ptx $arch $SRC/$k.cu"; done; done
+  for arch in "${archs[@]}"; do for k in "${kernels[@]}"; do echo "ptx $arch $k"; done; done
   for f in "$SRC"/*.cu; do echo "sass 120a $f"; done
 } > "$TMP/jobs"
 export NVCC TMP
@@ -39,7 +41,8 @@ xargs -P "$JOBS" -L 1 bash -c '
 
 fail=0
 for arch in "${archs[@]}"; do
-  for k in "${kernels[@]}"; do
+  for src in "${kernels[@]}"; do
+    k=$(basename "$src" .cu)
     ptx="$TMP/${k}_${arch}.ptx"
     n=$(grep -cF "$WANT" "$ptx" || true)
     if [ "$n" -eq 0 ]; then

@@ -9,6 +9,18 @@
 
 namespace {
 
+/* mma_fp4_m16n8k64 with the selectors (tid_a, tid_b) = (K / 4, K % 4) of sel = K: they are
+ * immediates in the kernels, so each pair gets its own call site with constants. */
+template <int K>
+__device__ void mma_selected(int sel, float (&rd)[4], const uint32_t (&ra)[4],
+                             const uint32_t (&rb)[2], const float (&rc)[4], uint32_t fa,
+                             uint32_t fb) {
+  if (sel == K)
+    fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, K / 4, K % 4);
+  else if constexpr (K < 7)
+    mma_selected<K + 1>(sel, rd, ra, rb, rc, fa, fb);
+}
+
 __global__ void test_mma_fp4_kernel(const uint32_t *a, const uint32_t *b, const float *c,
                                     const uint32_t *sfa, const uint32_t *sfb, int tid_a, int tid_b,
                                     float *d) {
@@ -18,34 +30,7 @@ __global__ void test_mma_fp4_kernel(const uint32_t *a, const uint32_t *b, const 
   for (int i = 0; i < 4; ++i) ra[i] = a[lane * 4 + i];
   for (int i = 0; i < 2; ++i) rb[i] = b[lane * 2 + i];
   for (int i = 0; i < 4; ++i) rc[i] = c[lane * 4 + i];
-  /* the selectors are immediates in the kernels: one call site per pair, with constants */
-  const uint32_t fa = sfa[lane], fb = sfb[lane];
-  switch (tid_a * 4 + tid_b) {
-    case 0:
-      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 0, 0);
-      break;
-    case 1:
-      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 0, 1);
-      break;
-    case 2:
-      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 0, 2);
-      break;
-    case 3:
-      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 0, 3);
-      break;
-    case 4:
-      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 1, 0);
-      break;
-    case 5:
-      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 1, 1);
-      break;
-    case 6:
-      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 1, 2);
-      break;
-    default:
-      fp4attn_sm120::mma_fp4_m16n8k64(rd, ra, rb, rc, fa, fb, 1, 3);
-      break;
-  }
+  mma_selected<0>(tid_a * 4 + tid_b, rd, ra, rb, rc, sfa[lane], sfb[lane]);
   for (int i = 0; i < 4; ++i) d[lane * 4 + i] = rd[i];
 }
 
