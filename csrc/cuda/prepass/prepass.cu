@@ -724,13 +724,13 @@ __global__ void __launch_bounds__(kThreads, quantize_min_blocks<T, DP>())
     __syncthreads(); /* the previous item is done with sh.kbar */
     for (int c = threadIdx.x; c < DP; c += kThreads) sh.kbar[c] = w.kbar[bh * DP + c];
     if (threadIdx.x == 0) sh.enck = kv_scales(w, bh)[kKEnc], sh.encv = kv_scales(w, bh)[kVEnc];
-    asm volatile("cp.async.wait_group 1;\n" ::); /* K has landed; V may still be in flight */
+    cp_async_wait_group<1>(); /* K has landed; V may still be in flight */
     __syncthreads();
     quantize_item_k<T, DP>(kbuf, chunks, rows, D, sh, w.kdq + (bh * w.nkp + r0) * DP);
     __syncthreads(); /* kbuf free */
     if (more) {
       load_item<T, DP>(a, f, next, false, kbuf);
-      asm volatile("cp.async.wait_group 1;\n" ::); /* V has landed; the next K may be in flight */
+      cp_async_wait_group<1>(); /* V has landed; the next K may be in flight */
     } else {
       cp_async_wait_all();
     }

@@ -50,33 +50,14 @@ fp4attn_status launch_attention_sm120(const AttnArgs &a, void *own, cudaStream_t
   kp.ks = ws + L.ks;
   kp.vc = ws + L.vc;
   kp.vs = ws + L.vs;
-  kp.k = p->k;
-  for (int i = 0; i < 3; ++i) {
-    kp.k_stride[i] = p->k_stride[i];
-    kp.out_stride[i] = p->out_stride[i];
-  }
+  kp.attn = *p;
   {
     const int64_t es = p->dtype == FP4ATTN_FLOAT32 ? 4 : 2, hd = (L.D + 1) / 2;
     kp.k_vec = ((uintptr_t)p->k % 16 == 0) && (p->k_stride[0] * es) % 16 == 0 &&
                (p->k_stride[1] * es) % 16 == 0 && (p->k_stride[2] * es) % 16 == 0 &&
                (hd * es) % 16 == 0 && (L.D % 2 == 0);
   }
-  kp.out = p->out;
-  kp.lse = p->lse;
-  kp.mask = p->mask;
-  for (int i = 0; i < 4; ++i) kp.mask_stride[i] = p->mask_stride[i];
-  kp.mask_kind = (int)p->mask_kind;
-  kp.mask_dtype = (int)p->mask_dtype;
-  kp.dtype = (int)p->dtype;
-  kp.causal = p->causal ? 1 : 0;
-  kp.scale = p->scale;
-  kp.B = L.B;
-  kp.Hq = L.Hq;
-  kp.Hkv = L.Hkv;
   kp.G = L.G;
-  kp.Nq = L.Nq;
-  kp.Nk = L.Nk;
-  kp.D = L.D;
   kp.nqb = L.nqb;
   kp.nq_pad = L.nq_pad;
   kp.nkt = L.nkt;

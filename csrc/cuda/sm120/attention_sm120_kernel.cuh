@@ -30,17 +30,10 @@
 
 namespace fp4attn_sm120 {
 
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
+using fp4attn_cuda::cp_async_16;
+using fp4attn_cuda::cp_async_commit;
+using fp4attn_cuda::cp_async_wait_group;
+using fp4attn_cuda::load_as_float;
 
 __device__ __forceinline__ float fast_exp(float x) {
   /* e^x as 2^(x log2 e); ex2.approx: about 2 ulp. exp(-inf) = 0. */
@@ -71,21 +64,21 @@ __device__ __forceinline__ void load_tile_async(uint8_t *stage, const KernelPara
 #pragma unroll
   for (int s = 0; s < 4; ++s)
     for (int i = threadIdx.x * 16; i < len[s]; i += kThreads * 16)
-      cp_async16(stage + off[s] + i, src[s] + i);
+      cp_async_16(stage + off[s] + i, src[s] + i);
 }
 
 /* Mask value to add to one score, or -inf if the key is not visible. */
 __device__ __forceinline__ float mask_term(const KernelParams &p, int64_t mbase, int64_t row,
                                            int64_t key) {
-  if (p.causal && key > row) return -INFINITY;
-  if (p.mask_kind == FP4ATTN_MASK_BOOL) {
+  if (p.attn.causal && key > row) return -INFINITY;
+  if (p.attn.mask_kind == FP4ATTN_MASK_BOOL) {
     const uint8_t m = static_cast<const uint8_t *>(
-        p.mask)[mbase + row * p.mask_stride[2] + key * p.mask_stride[3]];
+        p.attn.mask)[mbase + row * p.attn.mask_stride[2] + key * p.attn.mask_stride[3]];
     return m ? 0.0f : -INFINITY;
   }
-  if (p.mask_kind == FP4ATTN_MASK_ADDITIVE)
-    return load_f32_rt(p.mask, mbase + row * p.mask_stride[2] + key * p.mask_stride[3],
-                       p.mask_dtype);
+  if (p.attn.mask_kind == FP4ATTN_MASK_ADDITIVE)
+    return load_as_float(p.attn.mask, p.attn.mask_dtype,
+                         mbase + row * p.attn.mask_stride[2] + key * p.attn.mask_stride[3]);
   return 0.0f;
 }
 
@@ -121,19 +114,20 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t bhq = p.B * p.Hq;
+  const int64_t bhq = p.attn.batch * p.attn.heads_q;
 
   for (int64_t item = blockIdx.x; item < p.num_items; item += gridDim.x) {
     const int64_t qb = p.nqb - 1 - item / bhq; /* heaviest (causal) blocks first */
-    const int64_t bh = item % bhq, b = bh / p.Hq, h = bh % p.Hq;
-    const int64_t bkv = b * p.Hkv + h / p.G;
+    const int64_t bh = item % bhq, b = bh / p.attn.heads_q, h = bh % p.attn.heads_q;
+    const int64_t bkv = b * p.attn.heads_kv + h / p.G;
     const int64_t row0 = qb * kBlockQ + warp * 16; /* first row of this warp */
     const int64_t rg = row0 + g, rg8 = rg + 8;     /* this thread's two rows */
-    const bool warp_rows = row0 < p.Nq;
+    const bool warp_rows = row0 < p.attn.len_q;
     int64_t ntiles = p.nkt;
-    if (p.causal) {
-      const int64_t last_row =
-          (qb * kBlockQ + kBlockQ - 1) < (p.Nq - 1) ? (qb * kBlockQ + kBlockQ - 1) : (p.Nq - 1);
+    if (p.attn.causal) {
+      const int64_t last_row = (qb * kBlockQ + kBlockQ - 1) < (p.attn.len_q - 1)
+                                   ? (qb * kBlockQ + kBlockQ - 1)
+                                   : (p.attn.len_q - 1);
       const int64_t lim = last_row / kBlockKV + 1;
       ntiles = lim < ntiles ? lim : ntiles;
     }
@@ -166,8 +160,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
     }
     const float dqk = p.dec_q[bh] * p.dec_k[bkv];
     const float dv = p.dec_v[bkv];
-    const int64_t mbase = b * p.mask_stride[0] + h * p.mask_stride[1];
-    const int64_t kbase = b * p.k_stride[0] + (h / p.G) * p.k_stride[1];
+    const int64_t mbase = b * p.attn.mask_stride[0] + h * p.attn.mask_stride[1];
+    const int64_t kbase = b * p.attn.k_stride[0] + (h / p.G) * p.attn.k_stride[1];
 
     float o[NVT][4];
 #pragma unroll
@@ -184,24 +178,25 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
       {
         const int key = tid >> 1, half = tid & 1;
         const int64_t tok = j * kBlockKV + key;
-        const int hd = (int)((p.D + 1) / 2);
-        const int c0 = half * hd, c1 = (half + 1) * hd < p.D ? (half + 1) * hd : (int)p.D;
+        const int hd = (int)((p.attn.head_dim + 1) / 2);
+        const int c0 = half * hd,
+                  c1 = (half + 1) * hd < p.attn.head_dim ? (half + 1) * hd : (int)p.attn.head_dim;
         float acc = 0.0f;
-        if (tok < p.Nk) {
-          const int64_t base = kbase + tok * p.k_stride[2];
+        if (tok < p.attn.len_k) {
+          const int64_t base = kbase + tok * p.attn.k_stride[2];
           /* same channel order in both paths: identical sums */
           if (p.k_vec) {
-            const int per = p.dtype == FP4ATTN_FLOAT32 ? 4 : 8; /* elements per 16 bytes */
-            const uint4 *src =
-                reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(p.k) +
-                                                (base + c0) * (p.dtype == FP4ATTN_FLOAT32 ? 4 : 2));
+            const int per = p.attn.dtype == FP4ATTN_FLOAT32 ? 4 : 8; /* elements per 16 bytes */
+            const uint4 *src = reinterpret_cast<const uint4 *>(
+                static_cast<const uint8_t *>(p.attn.k) +
+                (base + c0) * (p.attn.dtype == FP4ATTN_FLOAT32 ? 4 : 2));
             for (int c = c0, i = 0; c < c1; c += per, ++i) {
               const uint4 raw = __ldg(src + i);
               const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-              if (p.dtype == FP4ATTN_FLOAT32) {
+              if (p.attn.dtype == FP4ATTN_FLOAT32) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc = fmaf(qbar_s[c + e], __uint_as_float(w[e]), acc);
-              } else if (p.dtype == FP4ATTN_FLOAT16) {
+              } else if (p.attn.dtype == FP4ATTN_FLOAT16) {
 #pragma unroll
                 for (int e = 0; e < 8; ++e)
                   acc = fmaf(
@@ -215,25 +210,25 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
                              acc);
               }
             }
-          } else if (p.dtype == FP4ATTN_FLOAT16) {
+          } else if (p.attn.dtype == FP4ATTN_FLOAT16) {
             for (int c = c0; c < c1; ++c)
-              acc = fmaf(qbar_s[c], load_f32<FP4ATTN_FLOAT16>(p.k, base + c), acc);
-          } else if (p.dtype == FP4ATTN_BFLOAT16) {
+              acc = fmaf(qbar_s[c], load_as_float(p.attn.k, FP4ATTN_FLOAT16, base + c), acc);
+          } else if (p.attn.dtype == FP4ATTN_BFLOAT16) {
             for (int c = c0; c < c1; ++c)
-              acc = fmaf(qbar_s[c], load_f32<FP4ATTN_BFLOAT16>(p.k, base + c), acc);
+              acc = fmaf(qbar_s[c], load_as_float(p.attn.k, FP4ATTN_BFLOAT16, base + c), acc);
           } else {
             for (int c = c0; c < c1; ++c)
-              acc = fmaf(qbar_s[c], load_f32<FP4ATTN_FLOAT32>(p.k, base + c), acc);
+              acc = fmaf(qbar_s[c], load_as_float(p.attn.k, FP4ATTN_FLOAT32, base + c), acc);
           }
         }
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
         if (half == 0) bias_s[key] = acc;
       }
-      cp_async_wait<1>();
+      cp_async_wait_group<1>();
       __syncthreads();
 
       const int64_t key0 = j * kBlockKV;
-      const bool active = warp_rows && (!p.causal || key0 <= row0 + 15);
+      const bool active = warp_rows && (!p.attn.causal || key0 <= row0 + 15);
       if (active) {
         const uint8_t *kc_s = stage;
         const uint8_t *ks_s = stage + S::KC;
@@ -271,20 +266,20 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
 
         /* ---- scores, masks, per-tile row max. Accumulator (nt, e) of thread t is token
          * key0 + 32 (nt >> 2) + 8t + 2 (nt & 3) + (e & 1): the K permutation, inverted. */
-        const bool need_mask =
-            p.causal || p.mask_kind != FP4ATTN_MASK_NONE || key0 + kBlockKV > p.Nk;
+        const bool need_mask = p.attn.causal || p.attn.mask_kind != FP4ATTN_MASK_NONE ||
+                               key0 + kBlockKV > p.attn.len_k;
         float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int nt = 0; nt < 16; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int kl = 32 * (nt >> 2) + 8 * t + 2 * (nt & 3) + (e & 1);
-            float v = __fmul_rn(
-                p.scale, __fadd_rn(__fmul_rn(dqk, s[nt][e]), bias_s[kl])); /* no FMA: as SPEC */
+            float v = __fmul_rn(p.attn.scale, __fadd_rn(__fmul_rn(dqk, s[nt][e]),
+                                                        bias_s[kl])); /* no FMA: as SPEC */
             if (need_mask) {
               const int64_t key = key0 + kl;
               const int64_t row = (e < 2) ? rg : rg8;
-              if (key >= p.Nk || row >= p.Nq)
+              if (key >= p.attn.len_k || row >= p.attn.len_q)
                 v = -INFINITY;
               else
                 v += mask_term(p, mbase, row, key);
@@ -365,7 +360,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
       }
       __syncthreads(); /* stage (j & 1) and bias_s are free again */
     }
-    cp_async_wait<0>();
+    cp_async_wait_group<0>();
 
     /* ---- O / l, LSE (SPEC 4.6) */
 #pragma unroll
@@ -376,28 +371,30 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t row = r ? rg8 : rg;
-      if (row >= p.Nq) continue;
+      if (row >= p.attn.len_q) continue;
       const float l = l_r[r];
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-      const int64_t obase = b * p.out_stride[0] + h * p.out_stride[1] + row * p.out_stride[2];
+      const int64_t obase =
+          b * p.attn.out_stride[0] + h * p.attn.out_stride[1] + row * p.attn.out_stride[2];
 #pragma unroll
       for (int n = 0; n < NVT; ++n) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int c = 8 * n + 2 * t + e;
-          if (c >= p.D) continue;
+          if (c >= p.attn.head_dim) continue;
           const float val = l > 0.0f ? o[n][2 * r + e] * inv : 0.0f;
-          if (p.dtype == FP4ATTN_FLOAT16)
-            static_cast<__half *>(p.out)[obase + c] = __float2half_rn(val);
-          else if (p.dtype == FP4ATTN_BFLOAT16)
-            static_cast<__nv_bfloat16 *>(p.out)[obase + c] = __float2bfloat16_rn(val);
+          if (p.attn.dtype == FP4ATTN_FLOAT16)
+            static_cast<__half *>(p.attn.out)[obase + c] = __float2half_rn(val);
+          else if (p.attn.dtype == FP4ATTN_BFLOAT16)
+            static_cast<__nv_bfloat16 *>(p.attn.out)[obase + c] = __float2bfloat16_rn(val);
           else
-            static_cast<float *>(p.out)[obase + c] = val;
+            static_cast<float *>(p.attn.out)[obase + c] = val;
         }
       }
-      if (p.lse && t == 0)
-        p.lse[bh * p.Nq + row] =
-            l > 0.0f ? m_r[r] + logf(l) + p.scale * p.lse_shift[bh * p.Nq + row] : -INFINITY;
+      if (p.attn.lse && t == 0)
+        p.attn.lse[bh * p.attn.len_q + row] =
+            l > 0.0f ? m_r[r] + logf(l) + p.attn.scale * p.lse_shift[bh * p.attn.len_q + row]
+                     : -INFINITY;
     }
   }
 }

@@ -57,8 +57,8 @@ __global__ void __launch_bounds__(256) quant_q(WriterArgs a) {
     const int c = blk * 16 + i;
     xs[i] = 0.0f;
     if (row < a.Nq && c < a.D) {
-      const float qsv =
-          load_f32<DT>(a.in.q, qbase + c) - a.in.qbar[(bh * a.nqb + row / kBlockQ) * a.Dp + c];
+      const float qsv = load_as_float(a.in.q, (fp4attn_dtype)DT, qbase + c) -
+                        a.in.qbar[(bh * a.nqb + row / kBlockQ) * a.Dp + c];
       xs[i] = qsv * enc;
       shift = __fadd_rn(shift, __fmul_rn(qsv, a.in.kbar[bkv * a.Dp + c]));
     }
@@ -87,9 +87,10 @@ __global__ void __launch_bounds__(256) quant_k(WriterArgs a) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int c = blk * 16 + i;
-    xs[i] = (tok < a.Nk && c < a.D)
-                ? (load_f32<DT>(a.in.k, kbase + c) - a.in.kbar[bh * a.Dp + c]) * enc
-                : 0.0f;
+    xs[i] =
+        (tok < a.Nk && c < a.D)
+            ? (load_as_float(a.in.k, (fp4attn_dtype)DT, kbase + c) - a.in.kbar[bh * a.Dp + c]) * enc
+            : 0.0f;
   }
   uint8_t codes[16];
   const uint8_t s = fp4attn_quantize_block(xs, 16, codes);
@@ -122,8 +123,9 @@ __global__ void __launch_bounds__(256) quant_v(WriterArgs a) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int64_t tok = tb * 16 + i;
-    xs[i] = (tok < a.Nk && ch < a.D) ? load_f32<DT>(a.in.v, vbase + tok * a.in.v_stride[2]) * enc
-                                     : 0.0f;
+    xs[i] = (tok < a.Nk && ch < a.D)
+                ? load_as_float(a.in.v, (fp4attn_dtype)DT, vbase + tok * a.in.v_stride[2]) * enc
+                : 0.0f;
   }
   uint8_t codes[16];
   const uint8_t s = fp4attn_quantize_block(xs, 16, codes);

@@ -22,13 +22,7 @@
 #ifndef FP4ATTN_SM120_COMMON_CUH
 #define FP4ATTN_SM120_COMMON_CUH
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
-
-#include "fp4attn/fp4attn.h"
-#include "fp4attn/numerics.h"
+#include "../tile/workspace.cuh"
 
 namespace fp4attn_sm120 {
 
@@ -47,10 +41,8 @@ __host__ __device__ __forceinline__ int key_perm(int c) {
   return (c & ~31) | (c & 1) | ((c & 24) >> 2) | ((c & 6) << 2);
 }
 
-/* Dp: the padded head dim the kernels instantiate. */
-__host__ __device__ __forceinline__ int padded_head_dim(int64_t d) {
-  return d <= 64 ? 64 : (d <= 128 ? 128 : 256);
-}
+using fp4attn_cuda::load_as_float;
+using fp4attn_cuda::padded_head_dim;
 
 /* The sm120 kernel's own workspace sections (byte offsets from their base, which follows the
  * shared sections of tile/workspace.cuh; the means and global scales live there). */
@@ -100,40 +92,15 @@ inline Layout make_layout(const fp4attn_attention_params &p) {
   return L;
 }
 
-/* Element i of a [.., D] row of the caller's tensor, exactly converted to FP32. */
-template <int DT>
-__device__ __forceinline__ float load_f32(const void *base, int64_t i) {
-  if constexpr (DT == FP4ATTN_FLOAT16) {
-    return __half2float(static_cast<const __half *>(base)[i]);
-  } else if constexpr (DT == FP4ATTN_BFLOAT16) {
-    return __bfloat162float(static_cast<const __nv_bfloat16 *>(base)[i]);
-  } else {
-    return static_cast<const float *>(base)[i];
-  }
-}
-
-__device__ __forceinline__ float load_f32_rt(const void *base, int64_t i, int dtype) {
-  if (dtype == FP4ATTN_FLOAT16) return load_f32<FP4ATTN_FLOAT16>(base, i);
-  if (dtype == FP4ATTN_BFLOAT16) return load_f32<FP4ATTN_BFLOAT16>(base, i);
-  return load_f32<FP4ATTN_FLOAT32>(base, i);
-}
-
-/* Everything the attention kernel reads; plain values, passed by value. */
+/* Everything the attention kernel reads; plain values, passed by value: the caller's parameters
+ * (the public C API's struct) and this kernel's sections of the workspace. */
 struct KernelParams {
+  fp4attn_attention_params attn;
   const uint8_t *qc, *qs;
   const float *qbar, *lse_shift, *dec_q, *dec_k, *dec_v;
   const uint8_t *kc, *ks, *vc, *vs;
-  const void *k; /* the caller's K, for the qbar . K correction in input precision */
-  int64_t k_stride[3];
   int k_vec; /* K rows and both channel halves are 16-byte aligned: vector loads for qbar . K */
-  void *out;
-  int64_t out_stride[3];
-  float *lse;
-  const void *mask;
-  int64_t mask_stride[4];
-  int mask_kind, mask_dtype, dtype, causal;
-  float scale;
-  int64_t B, Hq, Hkv, G, Nq, Nk, D, nqb, nq_pad, nkt;
+  int64_t G, nqb, nq_pad, nkt;
   int64_t num_items; /* B * Hq * nqb work items, heaviest (last query block) first */
 };
 
