@@ -1,8 +1,8 @@
 /*
  * Exhaustive check of the E2M1 rounding of the CUDA attention kernels' P path (e2m1_pair_sat6,
- * csrc/cuda/common.cuh) against numerics.h: for every float y >= 0 (and +inf, and NaN -> 6), the
- * result is value(fp4attn_e2m1_encode(y)) saturated at 6, except at the 7 exact ties, which round
- * up. The host emulation is checked (no GPU needed; .ci/run, ~2 minutes) and, where a GPU is
+ * csrc/cuda/common/device.cuh) against numerics.h: for every float y >= 0 (and +inf, and NaN -> 6),
+ * the result is value(fp4attn_e2m1_encode(y)) saturated at 6, except at the 7 exact ties, which
+ * round up. The host emulation is checked (no GPU needed; .ci/run, ~2 minutes) and, where a GPU is
  * present, the device instruction sequence of the GPU's architecture (a second; it must be built
  * for sm_80 and sm_90, which take different min/max instructions). --device: the device only.
  * Build and run: scripts/check_fast_rounding.sh [--device] (.ci/run, scripts/gpu_check.sh).

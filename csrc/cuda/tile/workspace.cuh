@@ -24,8 +24,9 @@
  * Storing the dequantized values (exact: at most 6 significant bits) rather than packed FP4 moves
  * the dequantization out of the attention kernels' inner loops; the bits are the same as
  * dequantizing the FP4 codes in the kernel. Q is not stored quantized: the sm80/sm90 kernels
- * quantize their own 128-row blocks from the input. The sm120 kernel's own sections (FP4 codes in
- * its fragment order, sm120/sm120_common.cuh) follow at offset `bytes`.
+ * quantize their own 128-row blocks from the input. At offset `bytes` follow the pre-pass's staging
+ * area (prepass/prepass.h), then the sm120 kernel's own sections (FP4 codes in its fragment
+ * order, sm120/sm120_common.cuh): dispatch.cu sizes and places them.
  */
 #ifndef FP4ATTN_CUDA_TILE_WORKSPACE_CUH
 #define FP4ATTN_CUDA_TILE_WORKSPACE_CUH
