@@ -1,9 +1,11 @@
-"""fp4attn: FP4 (NVFP4 microscaling) attention for PyTorch, SageAttention3 numerics.
+"""fp4attn: low-bit attention for PyTorch, SageAttention3 numerics.
 
-    fp4attn.sdpa(q, k, v, ...)        drop-in for torch.nn.functional.scaled_dot_product_attention
+    fp4attn.sdpa(q, k, v, ...)        drop-in for torch.nn.functional.scaled_dot_product_attention:
+                                      precision="fp4" (NVFP4, inference) or "int8" (trainable)
     fp4attn.patch() / unpatch() / patched()   swap it into existing models
     fp4attn.quantize / dequantize / fp4mm     the NVFP4 quantizer and block-scaled FP4 matmul
     fp4attn.reference                 pure-PyTorch implementation of docs/SPEC.md (the oracle)
+    fp4attn.reference_int8            the same for docs/SPEC_INT8.md, forward and backward
 """
 
 from ._ops import build_info

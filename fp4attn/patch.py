@@ -11,9 +11,10 @@ import functools
 
 import torch.nn.functional as F
 
-from .sdpa import sdpa
+from .sdpa import PRECISIONS, sdpa
 
 _saved = None  # the function that was in place when patch() swapped it out
+_precision = "fp4"  # what patched_sdpa computes
 
 
 @functools.wraps(sdpa)
@@ -21,16 +22,20 @@ def patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
                  enable_gqa=False):
     """What torch.nn.functional.scaled_dot_product_attention is while patched."""
     return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                scale=scale, enable_gqa=enable_gqa)
+                scale=scale, enable_gqa=enable_gqa, precision=_precision)
 
 
 def is_patched() -> bool:
     return F.scaled_dot_product_attention is patched_sdpa
 
 
-def patch() -> None:
-    """Route torch.nn.functional.scaled_dot_product_attention through fp4attn (idempotent)."""
-    global _saved
+def patch(precision: str = "fp4") -> None:
+    """Route torch.nn.functional.scaled_dot_product_attention through fp4attn in `precision`
+    ("fp4" or "int8"; idempotent, a second call changes the precision)."""
+    global _saved, _precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    _precision = precision
     if not is_patched():
         _saved = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = patched_sdpa
@@ -45,12 +50,14 @@ def unpatch() -> None:
 
 
 @contextlib.contextmanager
-def patched():
-    """`with fp4attn.patched():` FP4 attention inside, the previous state restored on exit."""
-    was_patched = is_patched()
-    patch()
+def patched(precision: str = "fp4"):
+    """`with fp4attn.patched():` low-bit attention inside, the previous state restored on exit."""
+    was_patched, previous = is_patched(), _precision
+    patch(precision)
     try:
         yield
     finally:
-        if not was_patched:
+        if was_patched:
+            patch(previous)
+        else:
             unpatch()

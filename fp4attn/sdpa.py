@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from ._ops import HAS_CUDA_BACKEND, ops
+from .int8 import int8_attention
 
 # Captured before anyone (fp4attn.patch included) can replace it.
 ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -24,6 +25,8 @@ ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
 # The CUDA kernel requests by their C API names (fp4attn_kernel_name in fp4attn.h): "auto" lets the
 # dispatch choose; the others force one kernel family (an error where it cannot run).
 KERNELS = ("auto", "sm80", "sm90", "sm120")
+# The numerics: "fp4" (docs/SPEC.md, inference) or "int8" (docs/SPEC_INT8.md, with a backward).
+PRECISIONS = ("fp4", "int8")
 _warned: set[str] = set()
 
 
@@ -42,13 +45,13 @@ def _kernel_from_env() -> str:
     return name
 
 
-def _fallback_reason(query, key, value, attn_mask, dropout_p) -> str | None:
+def _fallback_reason(query, key, value, attn_mask, dropout_p, precision) -> str | None:
     if dropout_p != 0.0:
         return f"dropout_p={dropout_p} (fp4attn has no dropout)"
-    if torch.is_grad_enabled() and any(
+    if precision == "fp4" and torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_mask)
     ):
-        return "an input requires grad (fp4attn has no backward yet)"
+        return "an input requires grad (the FP4 attention has no backward: use precision='int8')"
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {query.dtype} (supported: float16, bfloat16, float32)"
     dev = query.device.type
@@ -104,16 +107,22 @@ def _check_args(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
 
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-         enable_gqa=False, *, return_lse=False, strict=None):
-    """FP4 (NVFP4) scaled dot-product attention with the torch SDPA contract.
+         enable_gqa=False, *, precision="fp4", return_lse=False, strict=None):
+    """Low-bit scaled dot-product attention with the torch SDPA contract.
 
     Same arguments and layout as torch.nn.functional.scaled_dot_product_attention
-    (query [..., Hq, L, E], key/value [..., Hkv, S, E]). With return_lse=True it returns
-    (out, lse) with lse float32 [..., Hq, L], natural log of the scaled scores.
+    (query [..., Hq, L, E], key/value [..., Hkv, S, E]). precision="fp4" computes docs/SPEC.md
+    (NVFP4, inference); precision="int8" computes docs/SPEC_INT8.md, whose backward gives
+    query, key and value their gradients. With return_lse=True it returns (out, lse) with lse
+    float32 [..., Hq, L], natural log of the scaled scores.
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     _check_args(query, key, value, attn_mask, is_causal, enable_gqa)
+    if precision == "int8" and attn_mask is not None and attn_mask.requires_grad:
+        raise ValueError("attn_mask must not require grad with precision='int8': it gets no gradient")
     strict = _strict_default() if strict is None else bool(strict)
-    reason = _fallback_reason(query, key, value, attn_mask, dropout_p)
+    reason = _fallback_reason(query, key, value, attn_mask, dropout_p, precision)
     if reason is not None:
         if strict:
             raise FP4AttnFallbackError(f"fp4attn cannot compute this call in FP4: {reason}")
@@ -135,8 +144,11 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     mask = attn_mask
     if mask is not None and mask.dim() > 4:
         mask = mask.expand(*query.shape[:-1], key.shape[-2]).reshape(-1, *query.shape[-3:-1], key.shape[-2])
-    out, lse = ops.attention(q4, k4, v4, mask, bool(is_causal), scale, bool(return_lse),
-                             _kernel_from_env())
+    if precision == "int8":
+        out, lse = int8_attention(q4, k4, v4, mask, bool(is_causal), scale)
+    else:
+        out, lse = ops.attention(q4, k4, v4, mask, bool(is_causal), scale, bool(return_lse),
+                                 _kernel_from_env())
     # back to the caller's leading dims (none for 3-D inputs: drop the batch of one)
     out = out.reshape(*lead, *out.shape[1:]) if lead else out[0]
     if not return_lse:

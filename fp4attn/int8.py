@@ -1,0 +1,77 @@
+"""The 8-bit trainable attention ops (docs/SPEC_INT8.md): forward and backward as torch custom ops
+with fake kernels, tied together for autograd.
+
+    torch.ops.fp4attn.int8_attention(q, k, v, attn_mask, is_causal, scale) -> (out, lse)
+    torch.ops.fp4attn.int8_attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask,
+                                              is_causal, scale) -> (dq, dk, dv)
+
+q [B, Hq, Nq, D], k / v [B, Hkv, Nk, D] (Hq a multiple of Hkv), one dtype; out in that dtype,
+lse float32 [B, Hq, Nq]. The autograd saves q, k, v, out and lse; the backward recomputes the
+quantized operands bit-exactly. Both ops currently compute with the PyTorch implementation of
+the spec (fp4attn.reference_int8) on whatever device the inputs are on: correct, not fast.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import reference_int8
+
+
+@torch.library.custom_op("fp4attn::int8_attention", mutates_args=())
+def int8_attention(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    out, lse = reference_int8.attention_forward(q, k, v, attn_mask, is_causal, scale)
+    return out.to(q.dtype), lse
+
+
+@int8_attention.register_fake
+def _int8_attention_fake(q, k, v, attn_mask, is_causal, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("fp4attn::int8_attention_backward", mutates_args=())
+def int8_attention_backward(
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = reference_int8.attention_backward(
+        grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, grad_lse=grad_lse
+    )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@int8_attention_backward.register_fake
+def _int8_attention_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_mask, is_causal,
+                                  scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, is_causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = int8_attention_backward(
+        grad_out, grad_lse, q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale
+    )
+    return dq, dk, dv, None, None, None
+
+
+int8_attention.register_autograd(_backward, setup_context=_setup_context)

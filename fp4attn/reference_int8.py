@@ -1,0 +1,209 @@
+"""Pure-PyTorch reference of docs/SPEC_INT8.md: 8-bit attention forward and backward (SageBwd).
+
+The oracle the INT8 backends are tested against, written to be obviously right rather than fast:
+vectorised over batch, heads and rows, looping over the 128-key blocks of the online softmax like
+the kernels. INT8 codes are kept as integer-valued float32 tensors (NaN inputs stay visible), and
+every integer matmul runs in float64, where it is exact; the scales are applied afterwards in
+float32 in the order SPEC_INT8 writes them.
+
+Layouts as in ``fp4attn.reference``: ``q [B, Hq, Nq, D]``, ``k / v [B, Hkv, Nk, D]``, query head
+``h`` reads KV head ``h // (Hq // Hkv)``; masks broadcast to ``[B, Hq, Nq, Nk]``; causal is
+top-left.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .reference import _as_float32, _check_qkv, _div_rn, _mask_bias
+
+__all__ = ["BK", "BQ", "QMAX", "attention_backward", "attention_forward", "psi"]
+
+#: Query rows per INT8 block (one scale for Q^ per block; the backward's row blocks).
+BQ = 64
+#: Keys per INT8 block and per online-softmax step.
+BK = 128
+#: Largest INT8 code magnitude.
+QMAX = 127.0
+
+
+def psi(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """SPEC_INT8 1: symmetric INT8 quantization with one scale per group, a group being all
+    elements that share every index outside ``dims`` (float32 in). Returns (codes, scales): codes
+    integer-valued float32 in [-127, 127] (NaN where the group's amax is NaN), scales float32
+    with size 1 along ``dims``; ``codes * scales`` dequantizes."""
+    amax = x.abs().amax(dim=dims, keepdim=True)
+    zero = amax == 0
+    scale = torch.where(zero, 0.0, _div_rn(amax, QMAX))
+    recip = torch.where(zero, 0.0, _div_rn(QMAX, torch.where(zero, 1.0, amax)))
+    codes = torch.clamp(torch.round(x * recip), -QMAX, QMAX)
+    return codes, scale
+
+
+def _blocks(x: Tensor, block: int) -> Tensor:
+    """[B, H, N, D] -> [B, H, nb, block, D], rows zero-padded to a multiple of ``block``."""
+    B, H, N, D = x.shape
+    nb = -(-N // block)
+    return torch.nn.functional.pad(x, (0, 0, 0, nb * block - N)).reshape(B, H, nb, block, D)
+
+
+def _mm64(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b of integer-valued float32 operands, exact (float64), as float32."""
+    return torch.matmul(a.double(), b.double()).to(torch.float32)
+
+
+class _Quantized:
+    """The forward's operands (SPEC_INT8 2.1-2.2), shared with the backward, which recomputes them
+    bit-exactly from the same inputs."""
+
+    def __init__(self, q32: Tensor, k32: Tensor, v32: Tensor, G: int):
+        B, Hq, Nq, D = q32.shape
+        Nk = k32.shape[2]
+        self.kbar = k32.mean(dim=2, keepdim=True)  # [B, Hkv, 1, D]
+        qc, sq = psi(_blocks(q32, BQ), (3, 4))  # per 64 rows
+        kc, sk = psi(_blocks(k32 - self.kbar, BK), (3, 4))  # per 128 keys
+        vc, sv = psi(_blocks(v32, BK), (3,))  # per 128 keys and channel
+        nqb, nkb = qc.shape[2], kc.shape[2]
+        # per row / per key, repeated over the GQA group after quantizing (scales per KV head)
+        self.qc = qc.reshape(B, Hq, nqb * BQ, D)[:, :, :Nq]
+        self.sq = sq.reshape(B, Hq, nqb, 1).repeat_interleave(BQ, dim=2)[:, :, :Nq]  # [B,Hq,Nq,1]
+        rep = (lambda t: t.repeat_interleave(G, dim=1)) if G > 1 else (lambda t: t)
+        self.kc = rep(kc.reshape(B, -1, nkb * BK, D)[:, :, :Nk])
+        self.sk = rep(sk.reshape(B, -1, nkb))  # [B, Hq, nkb]
+        self.vc = rep(vc.reshape(B, -1, nkb * BK, D)[:, :, :Nk])
+        self.sv = rep(sv.reshape(B, -1, nkb, D))  # [B, Hq, nkb, D]
+
+    def scores(self, j: int, scale: float, allowed: Tensor | None, additive: Tensor | None) -> Tensor:
+        """S_ij of key block j for every query row (SPEC_INT8 2.3), masked."""
+        j0, j1 = j * BK, min((j + 1) * BK, self.kc.shape[2])
+        acc = _mm64(self.qc, self.kc[:, :, j0:j1].transpose(-1, -2))
+        s = acc * ((self.sq * self.sk[:, :, j, None, None]) * scale)
+        if allowed is not None:
+            s = torch.where(allowed[..., j0:j1], s, -math.inf)
+        if additive is not None:
+            s = s + additive[..., j0:j1]
+        return s
+
+
+def _prepare(q, k, v, attn_mask, is_causal, scale):
+    G = _check_qkv(q, k, v)
+    B, Hq, Nq, D = q.shape
+    Nk = k.shape[2]
+    if v.shape[3] != D:
+        raise ValueError(f"value head dim {v.shape[3]} must equal query head dim {D}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    allowed, additive = _mask_bias(attn_mask, is_causal, (B, Hq, Nq, Nk), q.device)
+    return G, scale, allowed, additive
+
+
+def _lse_shift(q32: Tensor, kbar: Tensor, G: int, scale: float) -> Tensor:
+    """scale * (q . kbar) per row: what K smoothing removes from every score of the row."""
+    kb = kbar.repeat_interleave(G, dim=1) if G > 1 else kbar
+    return scale * (q32 * kb).sum(dim=-1)
+
+
+def attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """SPEC_INT8 2: ``(out, lse)``, out float32 ``[B, Hq, Nq, D]``, lse float32 ``[B, Hq, Nq]``
+    (natural log of the scaled scores, the smoothing shift ``scale * q . kbar`` added back).
+    Rows that see no key give 0 and -inf."""
+    G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
+    B, Hq, Nq, D = q.shape
+    Nk = k.shape[2]
+    q32, k32, v32 = _as_float32(q), _as_float32(k), _as_float32(v)
+    out = q32.new_zeros(B, Hq, Nq, D)
+    lse = q32.new_full((B, Hq, Nq), -math.inf)
+    if 0 in (B, Hq, Nq, Nk):
+        return out, lse
+    ops = _Quantized(q32, k32, v32, G)
+    m = q32.new_full((B, Hq, Nq), -math.inf)
+    l = q32.new_zeros(B, Hq, Nq)
+    for j in range(-(-Nk // BK)):
+        j0, j1 = j * BK, min((j + 1) * BK, Nk)
+        s = ops.scores(j, scale, allowed, additive)
+        t = s.amax(dim=-1)
+        m_new = torch.maximum(m, t)
+        empty = t == -math.inf  # a row masked for the whole step adds nothing
+        alpha = torch.where(m == -math.inf, 0.0, torch.exp(m - m_new))
+        beta = torch.where(empty, 0.0, torch.exp(t - m_new))
+        e = torch.exp(s - torch.where(empty, 0.0, t)[..., None])  # in [0, 1]; 0 where masked
+        p = torch.round(QMAX * e)  # per-row INT8 P: psi with amax = 1
+        l = alpha * l + beta * e.sum(dim=-1)
+        pv = _mm64(p, ops.vc[:, :, j0:j1]) * ops.sv[:, :, j, None, :]
+        out = alpha[..., None] * out + _div_rn(beta, QMAX)[..., None] * pv
+        m = m_new
+    visible = l > 0
+    out = torch.where(visible[..., None], out / torch.where(visible, l, 1.0)[..., None], 0.0)
+    lse = torch.where(visible, m + torch.log(l) + _lse_shift(q32, ops.kbar, G, scale), -math.inf)
+    return out, lse
+
+
+def attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    grad_lse: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """SPEC_INT8 3: ``(dq, dk, dv)`` in float32 from the forward's ``out`` (as returned, in the
+    input dtype) and ``lse`` (as ``attention_forward`` returns it). dK and dV of a KV head sum
+    over its query heads. ``grad_lse`` (optional, [B, Hq, Nq]) is the gradient of a loss that also
+    uses lse: since d lse_i / d S_ij = P_ij, it enters as Drow_i - grad_lse_i."""
+    G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    q32, k32, v32 = _as_float32(q), _as_float32(k), _as_float32(v)
+    dq = q32.new_zeros(B, Hq, Nq, D)
+    dk = q32.new_zeros(B, Hq, Nk, D)  # per query head; summed over the group at the end
+    dv = q32.new_zeros(B, Hq, Nk, D)
+    if 0 in (B, Hq, Nq, Nk):
+        return dq, dk[:, :Hkv], dv[:, :Hkv]
+    ops = _Quantized(q32, k32, v32, G)
+    do32 = _as_float32(grad_out)
+    drow = (do32 * _as_float32(out)).sum(dim=-1, keepdim=True)  # [B, Hq, Nq, 1]
+    if grad_lse is not None:
+        drow = drow - _as_float32(grad_lse)[..., None]
+    lse_s = lse - _lse_shift(q32, ops.kbar, G, scale)  # lse of the smoothed scores
+    lse_s = torch.where(lse == -math.inf, math.inf, lse_s)[..., None]  # no visible key: P = 0
+    v16 = v.repeat_interleave(G, dim=1) if G > 1 else v  # dP in the input precision
+    nqb = -(-Nq // BQ)
+    doc, sdo = psi(_blocks(do32, BQ), (3,))  # per 64 rows and channel: [B,Hq,nqb,1,D]
+    row_sum_ds = q32.new_zeros(B, Hq, Nq)
+    for j in range(-(-Nk // BK)):
+        j0, j1 = j * BK, min((j + 1) * BK, Nk)
+        p = torch.exp(ops.scores(j, scale, allowed, additive) - lse_s)  # masked -> 0
+        # dV_j: P^ per key column over each 64-row block, dO^ per channel over the same rows
+        pc, sp = psi(_blocks(p, BQ), (3,))  # [B, Hq, nqb, 64, keys], sp [B, Hq, nqb, 1, keys]
+        acc = _mm64(pc.transpose(-1, -2), doc)  # [B, Hq, nqb, n, D]
+        dv[:, :, j0:j1] += ((sp.transpose(-1, -2) * sdo) * acc).sum(dim=2)
+        # dS = P * (dP - Drow), dP = dO V^T in 16-bit with FP32 accumulation
+        dp = torch.matmul(grad_out.float(), v16[:, :, j0:j1].float().transpose(-1, -2))
+        ds = p * (dp - drow)
+        row_sum_ds += ds.sum(dim=-1)
+        dsc, sds = psi(_blocks(ds, BQ), (3, 4))  # one scale per 64 x 128 block: [B,Hq,nqb,1,1]
+        sdsk = (scale * sds) * ops.sk[:, :, j, None, None, None]
+        dq += (sdsk * _mm64(dsc, ops.kc[:, :, None, j0:j1])).reshape(B, Hq, nqb * BQ, D)[:, :, :Nq]
+        sq = ops.sq[..., 0]  # [B, Hq, Nq]: the 64-row block scale of each row
+        sdsq = (scale * sds) * _blocks(sq[..., None], BQ)[..., :1, :]  # [B,Hq,nqb,1,1]
+        dk[:, :, j0:j1] += (sdsq * _mm64(dsc.transpose(-1, -2), _blocks(ops.qc, BQ))).sum(dim=2)
+    kb = ops.kbar.repeat_interleave(G, dim=1) if G > 1 else ops.kbar
+    dq += scale * row_sum_ds[..., None] * kb  # the smoothing correction
+    if G > 1:
+        dk = dk.reshape(B, Hkv, G, Nk, D).sum(dim=2)
+        dv = dv.reshape(B, Hkv, G, Nk, D).sum(dim=2)
+    return dq, dk, dv

@@ -1,0 +1,244 @@
+"""The 8-bit trainable attention (docs/SPEC_INT8.md): the quantizer bit for bit, forward and
+backward against exact float64 attention and its autograd, the custom ops (opcheck, compile), and
+the front end (precision="int8", patch, errors)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fp4attn
+import fp4attn.reference_int8 as R8
+from fp4attn.reference import exact_attention
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def cos(a, b) -> float:
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def grad_close(got, want) -> bool:
+    """cos >= 0.99, or both (numerically) zero: with one visible key, exact dQ is 0."""
+    if want.double().norm() < 1e-9:
+        return got.abs().max().item() < 1e-5
+    return cos(got, want) >= 0.99
+
+
+def make(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Nq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hkv, Nk, D, generator=g, dtype=torch.float64) + 0.5  # a key mean to smooth
+    v = torch.randn(B, Hkv, Nk, D, generator=g, dtype=torch.float64)
+    return [t.to(dtype).to(device) for t in (q, k, v)]
+
+
+# ------------------------------------------------------------------------------ psi (SPEC_INT8 1)
+
+
+def psi_scalar(values: list[float]) -> tuple[list[float], float]:
+    """SPEC_INT8 1 for one group, element by element with float32 rounding at every step."""
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32).item()  # noqa: E731
+    amax = max(abs(x) for x in values)
+    if amax == 0:
+        return [0.0] * len(values), 0.0
+    s = f32(amax / 127.0)  # float64 division rounded once: the correctly rounded quotient
+    r = f32(127.0 / amax)
+    codes = []
+    for x in values:
+        y = f32(x * r)
+        codes.append(float(max(-127, min(127, round(y)))))  # Python round: ties to even
+    return codes, s
+
+
+def test_psi_is_bit_exact():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 7, 33, generator=g) * torch.logspace(-30, 30, 33)
+    x[1] = 0.0  # an all-zero group: scale 0, codes 0
+    x[2, :, :] = torch.arange(-16, 17, dtype=torch.float32) / 2  # ties at .5 with r = 127 / 8
+    codes, scales = R8.psi(x, (2,))
+    for i in range(5):
+        for j in range(7):
+            want_codes, want_s = psi_scalar(x[i, j].tolist())
+            assert codes[i, j].tolist() == want_codes
+            assert scales[i, j, 0].item() == want_s
+
+
+def test_psi_rounds_ties_to_even_and_clamps():
+    x = torch.tensor([[127.0, 2.5, 3.5, -2.5, -0.5, 0.5, 126.5]])  # amax 127: r = 1
+    codes, s = R8.psi(x, (1,))
+    assert codes.tolist() == [[127.0, 2.0, 4.0, -2.0, -0.0, 0.0, 126.0]]
+    assert s.item() == 1.0
+
+
+# -------------------------------------------------------------- forward / backward vs float64
+
+
+CASES = [
+    # B, Hq, Hkv, Nq, Nk, D, causal, mask
+    (1, 2, 2, 100, 100, 64, False, None),
+    (1, 4, 2, 200, 333, 64, True, None),  # GQA, Nq != Nk, causal top-left
+    (2, 3, 1, 130, 70, 32, False, None),  # MQA
+    (1, 2, 2, 257, 257, 128, True, None),
+    (1, 2, 2, 90, 150, 48, False, "bool"),
+    (1, 2, 2, 70, 129, 80, False, "additive"),
+    (1, 2, 2, 1, 77, 16, False, None),  # one query
+    (1, 2, 2, 50, 1, 8, True, None),  # one key
+    (1, 2, 1, 65, 65, 1, True, None),  # head dim 1
+    (1, 1, 1, 64, 200, 256, False, None),
+    (1, 2, 2, 33, 140, 200, True, "bool"),
+]
+
+
+def make_mask(kind, Nq, Nk, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bool":
+        m = torch.rand(1, 1, Nq, Nk, generator=g) > 0.3
+        m[..., 0, :] = False  # a row with no visible key
+        return m
+    if kind == "additive":
+        return torch.randn(1, 2, Nq, Nk, generator=g) * 2
+    return None
+
+
+def exact_with_grads(q, k, v, mask, causal, grad_out):
+    qq, kk, vv = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = exact_attention(qq, kk, vv, mask, causal)
+    ref.backward(grad_out.double())
+    return ref, qq.grad, kk.grad, vv.grad
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_forward_and_backward_against_float64(case):
+    B, Hq, Hkv, Nq, Nk, D, causal, kind = case
+    q, k, v = make(B, Hq, Hkv, Nq, Nk, D)
+    mask = make_mask(kind, Nq, Nk)
+    out, lse = R8.attention_forward(q, k, v, mask, causal)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    dq, dk, dv = R8.attention_backward(grad_out, q, k, v, out, lse, mask, causal)
+    ref, rq, rk, rv = exact_with_grads(q, k, v, mask, causal, grad_out)
+    assert all(torch.isfinite(t).all() for t in (out, dq, dk, dv))
+    assert cos(out, ref) >= 0.999
+    for got, want in ((dq, rq), (dk, rk), (dv, rv)):
+        assert grad_close(got, want)
+    if kind == "bool":  # the row with no visible key: zero output and gradient, lse -inf
+        assert out[..., 0, :].abs().max() == 0 and dq[..., 0, :].abs().max() == 0
+        assert (lse[..., 0] == -math.inf).all()
+
+
+def test_lse_is_the_log_sum_exp_of_the_scores():
+    q, k, v = make(1, 2, 2, 150, 300, 64, seed=4)
+    _, lse = R8.attention_forward(q, k, v, None, True)
+    s = (q.double() @ k.double().transpose(-1, -2)) / 8.0
+    s = s.masked_fill(~torch.ones(150, 300, dtype=torch.bool).tril(), -math.inf)
+    assert (lse.double() - torch.logsumexp(s, dim=-1)).abs().max() < 0.05  # INT8 score error
+
+
+def test_grad_of_lse_enters_the_backward():
+    q, k, v = make(1, 2, 2, 70, 90, 32, seed=5)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = fp4attn.sdpa(qq, kk, vv, precision="int8", return_lse=True)
+    (out.sum() + lse.sum()).backward()
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    s = q64 @ k64.transpose(-1, -2) / math.sqrt(32)
+    (torch.softmax(s, -1) @ v64).sum().add(torch.logsumexp(s, -1).sum()).backward()
+    for got, want in ((qq.grad, q64.grad), (kk.grad, k64.grad), (vv.grad, v64.grad)):
+        assert cos(got, want) >= 0.99
+
+
+# ------------------------------------------------------------------------ ops and front end
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_sdpa_int8_gradients_in_input_dtype(dtype):
+    q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 80, 80, 32, dtype=dtype, seed=6))
+    out = fp4attn.sdpa(q, k, v, is_causal=True, enable_gqa=True, precision="int8")
+    assert out.dtype == dtype
+    out.float().square().sum().backward()
+    assert q.grad.dtype == dtype and k.grad.shape == k.shape and v.grad.dtype == dtype
+
+
+def test_sdpa_int8_errors():
+    q, k, v = make(1, 2, 2, 16, 16, 32)
+    with pytest.raises(ValueError, match=r"precision must be one of \['fp4', 'int8'\], got 'int4'"):
+        fp4attn.sdpa(q, k, v, precision="int4")
+    mask = torch.zeros(16, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="attn_mask must not require grad"):
+        fp4attn.sdpa(q, k, v, attn_mask=mask, precision="int8")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        fp4attn.patch(precision="bf16")
+
+
+def test_sdpa_int8_does_not_modify_inputs_and_leading_dims():
+    q, k, v = make(1, 2, 2, 40, 40, 16, seed=8)
+    copies = [t.clone() for t in (q, k, v)]
+    out = fp4attn.sdpa(q[0], k[0], v[0], precision="int8")  # 3-D inputs
+    assert out.shape == q[0].shape
+    for t, c in zip((q, k, v), copies):
+        assert torch.equal(t, c)
+
+
+def test_patch_precision_int8_trains_without_fallback():
+    import warnings
+
+    torch.manual_seed(0)
+    q, k, v = (t.requires_grad_() for t in make(2, 4, 4, 20, 20, 8, seed=13))
+    try:
+        fp4attn.patch(precision="int8")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback to torch SDPA would warn
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.square().mean().backward()
+    finally:
+        fp4attn.unpatch()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_opcheck_with_autograd():
+    q, k, v = (t.requires_grad_() for t in make(1, 2, 1, 20, 30, 16, seed=9))
+    mask = torch.rand(20, 30) > 0.2
+    torch.library.opcheck(torch.ops.fp4attn.int8_attention.default, (q, k, v, mask, False, 0.25))
+    torch.library.opcheck(torch.ops.fp4attn.int8_attention.default, (q, k, v, None, True, 0.25))
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    q, k, v = make(1, 2, 2, 40, 40, 16, seed=10)
+
+    def f(q, k, v):
+        return fp4attn.sdpa(q, k, v, is_causal=True, precision="int8").square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    grads = []
+    for fn in (f, compiled):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        fn(qq, kk, vv).backward()
+        grads.append((qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_matches_cpu_and_graph_capture():
+    q, k, v = make(1, 4, 2, 150, 200, 64, seed=11)
+    grad_out = torch.randn(1, 4, 150, 64, generator=torch.Generator().manual_seed(12))
+    cpu = R8.attention_forward(q, k, v, None, True)
+    qc, kc, vc, gc = (t.cuda() for t in (q, k, v, grad_out))
+    gpu = R8.attention_forward(qc, kc, vc, None, True)
+    assert cos(gpu[0].cpu(), cpu[0]) > 0.99999
+    # forward and backward captured in one CUDA graph, replayed
+    static = [t.clone().requires_grad_() for t in (qc, kc, vc)]
+    fp4attn.sdpa(*static, is_causal=True, enable_gqa=True, precision="int8").backward(gc)  # warm-up
+    for t in static:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp4attn.sdpa(*static, is_causal=True, enable_gqa=True, precision="int8")
+        out.backward(gc)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = fp4attn.sdpa(qc, kc, vc, is_causal=True, enable_gqa=True, precision="int8")
+    assert torch.equal(out, ref)
+    assert static[0].grad is not None and torch.isfinite(static[0].grad).all()
