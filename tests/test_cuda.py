@@ -403,7 +403,7 @@ def test_noncontiguous_layouts(D):
     # a query head broadcast over the heads (stride 0) and a head dim padded to 128 (zero fill)
     q = rand((B, 1, N, D), torch.float16, 16).expand(B, H, N, D)
     k, v = (rand((B, H, N, D), torch.float16, s) for s in (17, 18))
-    out = attn_cuda(q, k, v, None, True)
+    out = attn_cuda(q, k, v, None, True, kernel="auto")  # on Hopper: sm90's per-row Q copies
     assert rel_l1(out, attn_ref(q, k, v, None, True)) < 2e-3
     q, k, v = (rand((B, H, N, D - 24), torch.float16, s) for s in (19, 20, 21))
     out = attn_cuda(q, k, v)

@@ -54,7 +54,7 @@ fp4attn_status launch_kernel(const AttnArgs &a, const AttnPlan &plan, void *work
     case FP4ATTN_KERNEL_SM120:
       return launch_attention_sm120(
           a, static_cast<char *>(workspace) + a.ws.bytes + prepass_staging_bytes(a.p), s);
-    default:
+    case FP4ATTN_KERNEL_SM80:
       switch (plan.dp) {
         case 64:
           return launch_attention_sm80<64>(a, s);
@@ -63,6 +63,9 @@ fp4attn_status launch_kernel(const AttnArgs &a, const AttnPlan &plan, void *work
         default:
           return launch_attention_sm80<256>(a, s);
       }
+    default:
+      return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: no launcher for kernel %d",
+                           (int)plan.kernel);
   }
 }
 

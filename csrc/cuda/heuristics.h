@@ -57,10 +57,10 @@ static inline fp4attn_status plan_attention(const fp4attn_attention_params *p, A
         "attention: kernel sm90 needs a GPU of compute capability 9.0, a build with "
         "sm_90a in FP4ATTN_CUDA_ARCHS and head dim <= 128 (got %lld)",
         (long long)p->head_dim);
-  /* the sm120 pre-pass's grids have B x H blocks in y (at most 65535) */
-  if (k == FP4ATTN_KERNEL_SM120 && p->batch * (p->heads_q + p->heads_kv) > 65535)
+  /* the sm120 operand writer's grids have B x Hq or B x Hkv blocks in y (at most 65535) */
+  if (k == FP4ATTN_KERNEL_SM120 && p->batch * p->heads_q > 65535)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
-                         "batch * (heads_q + heads_kv) must be at most 65535 for the sm120 kernel");
+                         "batch * heads_q must be at most 65535 for the sm120 kernel");
   plan->kernel = k;
   plan->dp = dp;
   plan->fp16_operands = k != FP4ATTN_KERNEL_SM120;

@@ -206,8 +206,8 @@ __device__ __forceinline__ void smoothed_block16(const void *x, fp4attn_dtype dt
  * which round up instead of to even (NaN gives 6): a Pq/s exactly on a tie needs exp2 to land on
  * one of 7 values, and the approximate exp2 already moves Pq/s by a few units in the last place.
  * tests/cuda_harness/check_fast_rounding.cu checks every float, on the host (CI) and the GPU.
- * 7 instructions per pair. The min and max run as 16-bit integer operations on sm_90
- * (non-negative FP16 values order like their bits): VIMNMX.U16x2, not the slower HMNMX2. */
+ * The min and max run as 16-bit integer operations on sm_90 (non-negative FP16 values order like
+ * their bits): VIMNMX.U16x2, which issues faster than the FP16 HMNMX2. */
 __host__ __device__ __forceinline__ uint32_t e2m1_pair_sat6(float y0, float y1) {
 #if defined(__CUDA_ARCH__)
   uint32_t h, m, p2, t, r;

@@ -196,8 +196,8 @@ __device__ __forceinline__ uint4 quantize_half_block(const float *xs, int partne
   return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-/* Everything a pre-pass block keeps in static shared memory (about 10 KB: with the quantize
- * kernel's 64 KB of item buffers, three blocks fit on an SM of 228 KB). */
+/* Everything a pre-pass block keeps in static shared memory (about 10 KB, beside the quantize
+ * kernel's item buffers: quantize_min_blocks). */
 struct __align__(16) PrepassShared {
   float
       red[kThreads * 8]; /* [RG][D] partials of the column statistics; reduce_head's running sums */
@@ -720,6 +720,7 @@ __global__ void __launch_bounds__(kThreads, quantize_min_blocks<T, DP>())
     const bool more = next >= 0;
     const int64_t bh = item / f.items_per_head, r0 = item % f.items_per_head * R;
     const int chunks = (int)min((int64_t)C, w.nkt - r0 / kTile);
+    /* <= 0 for a half-chunk item wholly past len_k: it writes its padding rows as zeros */
     const int rows = (int)min((int64_t)R, p.len_k - r0);
     __syncthreads(); /* the previous item is done with sh.kbar */
     for (int c = threadIdx.x; c < DP; c += kThreads) sh.kbar[c] = w.kbar[bh * DP + c];

@@ -30,7 +30,6 @@ constexpr int kBlockQ = 128;  /* query rows per CTA = SPEC query smoothing block
 constexpr int kBlockKV = 128; /* keys per tile = SPEC key tile (per-tile row max) */
 constexpr int kWarps = 8;     /* 16 query rows per warp */
 constexpr int kThreads = kWarps * 32;
-constexpr int kMeanChunk = 256; /* tokens per partial sum of the K mean */
 
 /* K token permutation inside each 32-token group (an involution). Stored position c holds
  * token perm(c); the QK^T accumulator column c of thread t (c = 8j + 2t + e within the group)

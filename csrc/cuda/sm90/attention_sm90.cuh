@@ -389,9 +389,8 @@ struct Kernel {
     const int nitems = item_count(a.p);
     __half *staging = a.ws.qstage + (int64_t)blockIdx.x * (kRows * DP);
     if constexpr (C::kPersistent) {
-      /* Q^ of the first item straight into shared memory: phase 0 of "Q^ full". (All 384 threads
-       * quantizing it before the role split was faster for that item, but made the consumers
-       * spill in their tile loop.) */
+      /* Q^ of the first item straight into shared memory: phase 0 of "Q^ full". (Quantizing it
+       * with all 384 threads before the role split makes the consumers' tile loop spill.) */
       __half *qs = sh.tile(C::kOffQ);
       quantize_q(a, blockIdx.x, 0, kRows, tid, 128,
                  [&](int off, const uint4 &v) { *reinterpret_cast<uint4 *>(qs + off) = v; });
@@ -556,7 +555,7 @@ struct Kernel {
       const WarpRows rows = {k.b, k.h, k.q0 + cwg * 64 + wwarp * 16};
       /* the rows for a tile's masks: one item per block reads them from shared memory in every
        * tile (3 shared loads) rather than keeping 6 registers of 64-bit indices through the loop,
-       * which spilled 2 values per tile there */
+       * which makes that loop spill */
       const auto tile_rows = [&]() -> WarpRows {
         if constexpr (C::kPersistent) {
           return rows;

@@ -35,8 +35,8 @@ __device__ __forceinline__ int sw128_offset(int rows, int row, int col) {
  * field and the leading byte offset); the high word is the same for every operand of this layout.
  * Shared addresses lie below 2^18, so the 14-bit start field (address >> 4) of an operand never
  * carries: the descriptor of addr + 16 n is that of addr with n added to the low word. The kernel
- * computes each operand's low word once and adds constants (recomputing the field from the
- * address for every wgmma cost 5-6 instructions each). */
+ * computes each operand's low word once and adds constants instead of recomputing the field from
+ * the address for every wgmma. */
 __device__ __forceinline__ uint32_t sw128_desc_lo(uint32_t addr) {
   return ((addr & 0x3FFFFu) >> 4) /* start address */
          | (1u << 16);            /* leading byte offset: unused for this layout */

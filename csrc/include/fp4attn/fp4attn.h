@@ -151,16 +151,18 @@ int fp4attn_cpu_has_openmp(void);
 /* CUDA backend (csrc/cuda). `stream` is a cudaStream_t; work is enqueued on it on the current
  * device, without host synchronisation (safe under CUDA-graph capture). The attention needs a
  * device workspace of fp4attn_cuda_attention_workspace_bytes(p) bytes (256-byte aligned), sized
- * for the current device (it depends on its SM count): query the size and launch with the same
- * device current. */
+ * for the current device and for p itself (it depends on the SM count, the kernel chosen, and on
+ * whether q, k and v allow 16-byte vector loads: otherwise it holds a staged copy of them): query
+ * the size with the params of the call and launch with the same device current. */
 fp4attn_status fp4attn_cuda_quantize(const fp4attn_quantize_params *p, void *stream);
 fp4attn_status fp4attn_cuda_dequantize(const fp4attn_dequantize_params *p, void *stream);
 fp4attn_status fp4attn_cuda_fp4mm(const fp4attn_fp4mm_params *p, void *stream);
 int64_t fp4attn_cuda_attention_workspace_bytes(const fp4attn_attention_params *p);
 fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params *p, void *workspace,
                                       void *stream);
-/* The kernel fp4attn_cuda_attention would run for `p` on the current device (AUTO resolved), or
- * FP4ATTN_KERNEL_AUTO where it would return an error. */
+/* The kernel fp4attn_cuda_attention would choose for `p` on the current device (AUTO resolved),
+ * or FP4ATTN_KERNEL_AUTO where the arguments or the request rule every kernel out. A chosen kernel
+ * may still refuse at launch (e.g. too little shared memory for the head dim). */
 fp4attn_kernel fp4attn_cuda_attention_kernel(const fp4attn_attention_params *p);
 
 #ifdef __cplusplus
