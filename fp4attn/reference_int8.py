@@ -36,10 +36,10 @@ def psi(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     integer-valued float32 in [-127, 127] (NaN where the group's amax is NaN), scales float32
     with size 1 along ``dims``; ``codes * scales`` dequantizes."""
     amax = x.abs().amax(dim=dims, keepdim=True)
-    zero = amax == 0
-    scale = torch.where(zero, 0.0, _div_rn(amax, QMAX))
-    recip = torch.where(zero, 0.0, _div_rn(QMAX, torch.where(zero, 1.0, amax)))
-    codes = torch.clamp(torch.round(x * recip), -QMAX, QMAX)
+    recip = _div_rn(QMAX, amax)  # +inf where amax is 0 or too small to invert (< 127 / FLT_MAX)
+    flush = recip == math.inf
+    scale = torch.where(flush, 0.0, _div_rn(amax, QMAX))
+    codes = torch.clamp(torch.round(x * torch.where(flush, 0.0, recip)), -QMAX, QMAX)
     return codes, scale
 
 

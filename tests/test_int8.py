@@ -42,10 +42,10 @@ def psi_scalar(values: list[float]) -> tuple[list[float], float]:
     """SPEC_INT8 1 for one group, element by element with float32 rounding at every step."""
     f32 = lambda x: torch.tensor(x, dtype=torch.float32).item()  # noqa: E731
     amax = max(abs(x) for x in values)
-    if amax == 0:
+    r = f32(127.0 / amax) if amax else math.inf  # float64 division rounded once: correctly rounded
+    if r == math.inf:
         return [0.0] * len(values), 0.0
-    s = f32(amax / 127.0)  # float64 division rounded once: the correctly rounded quotient
-    r = f32(127.0 / amax)
+    s = f32(amax / 127.0)
     codes = []
     for x in values:
         y = f32(x * r)
@@ -57,6 +57,8 @@ def test_psi_is_bit_exact():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 7, 33, generator=g) * torch.logspace(-30, 30, 33)
     x[1] = 0.0  # an all-zero group: scale 0, codes 0
+    x[3, 0] = 0.0
+    x[3, 0, 5] = 1e-38  # too small to invert: flushed to zero, no NaN from 0 * inf
     x[2, :, :] = torch.arange(-16, 17, dtype=torch.float32) / 2  # ties at .5 with r = 127 / 8
     codes, scales = R8.psi(x, (2,))
     for i in range(5):
