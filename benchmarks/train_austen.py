@@ -1,0 +1,194 @@
+"""Training side by side: a small GPT trained from scratch on Jane Austen's novels (byte tokens),
+once with fp4attn's 8-bit attention (`precision="int8"`, docs/SPEC_INT8.md) and once with torch
+SDPA, same seed, same initial weights, same batches, bf16 autocast on the GPU. Prints a table and
+writes train_austen.csv (loss curves, headed by the command, hardware and software: see
+provenance.py) and train_austen.png into --out (default: the committed result set).
+
+    python benchmarks/train_austen.py [--steps 1500] [--corpus austen.txt] [--out DIR]
+
+The corpus: --corpus FILE, else Jane Austen's six novels from the janeaustenr package
+(`bash scripts/install_models.sh`); `--write-corpus FILE` saves them as text for a machine
+without the package. The last 5% of the bytes are the validation set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import fp4attn  # noqa: E402
+from fp4attn.sdpa import ORIGINAL_SDPA  # noqa: E402
+from provenance import ROOT, cpu_description, gpu_description, header, write_csv  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+
+def austen_bytes() -> bytes:
+    from fp4attn.eval.models import austen_books
+
+    return "\n\n".join("\n".join(lines) for lines in austen_books().values()).encode("utf-8")
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int, heads: int, attention):
+        super().__init__()
+        self.heads, self.attention = heads, attention
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        B, N, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, N, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = self.attention(q, k, v).transpose(1, 2).reshape(B, N, d)
+        x = x + self.proj(a)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, layers: int, d: int, heads: int, seq: int, attention):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(256, d), torch.nn.Embedding(seq, d)
+        self.blocks = torch.nn.ModuleList(Block(d, heads, attention) for _ in range(layers))
+        self.ln, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, 256, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+
+def attention_fn(kind: str):
+    if kind == "int8":
+        return lambda q, k, v: fp4attn.sdpa(q, k, v, is_causal=True, precision="int8")
+    return lambda q, k, v: ORIGINAL_SDPA(q, k, v, is_causal=True)
+
+
+def batches(data: torch.Tensor, steps: int, batch: int, seq: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
+        yield torch.stack([data[s:s + seq + 1] for s in starts.tolist()])
+
+
+def train(kind, data, val, args, device):
+    torch.manual_seed(args.seed)  # same initial weights for both runs
+    model = GPT(args.layers, args.dim, args.heads, args.seq, attention_fn(kind)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=args.steps, pct_start=0.05)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    val_batches = list(batches(val, args.val_batches, args.batch, args.seq, seed=1))
+    rows, tokens, t_train = [], 0, 0.0
+
+    def evaluate():
+        model.eval()
+        with torch.no_grad(), amp:
+            losses = [F.cross_entropy(model(b[:, :-1].to(device)).float().flatten(0, 1), b[:, 1:].to(device).flatten())
+                      for b in val_batches]
+        model.train()
+        return torch.stack(losses).mean().item()
+
+    for step, b in enumerate(batches(data, args.steps, args.batch, args.seq, seed=args.seed), 1):
+        b = b.to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with amp:
+            loss = F.cross_entropy(model(b[:, :-1]).float().flatten(0, 1), b[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step > 10:  # after warm-up
+            t_train += time.perf_counter() - t0
+            tokens += b.shape[0] * args.seq
+        if not math.isfinite(loss.item()):
+            raise RuntimeError(f"{kind}: loss {loss.item()} at step {step}")
+        if step % args.eval_every == 0 or step == args.steps:
+            rows.append({"run": kind, "step": step, "train_loss": round(loss.item(), 5),
+                         "val_loss": round(evaluate(), 5)})
+            print(f"  {kind:5s} step {step:5d}  train {rows[-1]['train_loss']:.4f}  val {rows[-1]['val_loss']:.4f}",
+                  flush=True)
+    return rows, tokens / max(t_train, 1e-9)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpus", help="a UTF-8 text file (default: the janeaustenr package)")
+    ap.add_argument("--write-corpus", metavar="FILE", help="write the Austen corpus as text and exit")
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--val-batches", type=int, default=16)
+    ap.add_argument("--out", default=RESULTS)
+    args = ap.parse_args()
+    if args.write_corpus:
+        with open(args.write_corpus, "wb") as f:
+            f.write(austen_bytes())
+        return 0
+    raw = open(args.corpus, "rb").read() if args.corpus else austen_bytes()
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+    split = int(0.95 * data.numel())
+    train_data, val = data[:split], data[split:]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"corpus {len(raw) / 1e6:.2f} MB, {args.layers} layers x {args.dim} dims x {args.heads} heads, "
+          f"seq {args.seq}, batch {args.batch}, {args.steps} steps on {device}")
+    results, speed = [], {}
+    for kind in ("torch", "int8"):
+        rows, speed[kind] = train(kind, train_data, val, args, device)
+        results += rows
+    final = {k: [r for r in results if r["run"] == k][-1]["val_loss"] for k in speed}
+    rel = final["int8"] / final["torch"] - 1
+    print("\n| attention | final val loss | tokens/s |\n|---|---|---|")
+    for k in speed:
+        print(f"| {'fp4attn int8' if k == 'int8' else 'torch SDPA (bf16)' if device.type == 'cuda' else 'torch SDPA'} "
+              f"| {final[k]:.4f} | {speed[k]:,.0f} |")
+    print(f"\nint8 vs torch: final validation loss {100 * rel:+.2f}%")
+    os.makedirs(args.out, exist_ok=True)
+    hw = gpu_description() if device.type == "cuda" else cpu_description()
+    for r in results:
+        r["tokens_per_s"] = round(speed[r["run"]])
+    write_csv(os.path.join(args.out, "train_austen.csv"), header(hw), results)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return 0
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, style in (("torch", "-"), ("int8", "--")):
+        rr = [r for r in results if r["run"] == k]
+        label = "fp4attn int8" if k == "int8" else "torch SDPA"
+        ax.plot([r["step"] for r in rr], [r["train_loss"] for r in rr], style, alpha=0.5, label=f"{label} train")
+        ax.plot([r["step"] for r in rr], [r["val_loss"] for r in rr], style, label=f"{label} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_title(f"GPT on Austen: int8 attention vs torch SDPA (val {100 * rel:+.2f}%)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "train_austen.png"), dpi=120)
+    print(f"wrote {args.out}/train_austen.csv and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
