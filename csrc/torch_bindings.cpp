@@ -262,11 +262,17 @@ void fill_strides3(const at::Tensor &t, int64_t *s) {
   s[2] = t.stride(2);
 }
 
-std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::Tensor &k_in,
-                                             const at::Tensor &v_in,
-                                             const c10::optional<at::Tensor> &attn_mask,
-                                             bool is_causal, double scale, bool return_lse,
-                                             c10::string_view cuda_kernel) {
+// The tensor-property checks every attention op shares, and the params they fill: q, k, v with
+// unit stride along head_dim (a copy otherwise), the mask as a broadcast view. out / lse are the
+// caller's to set.
+struct AttentionCall {
+  at::Tensor q, k, v, mask;
+  fp4attn_attention_params p{};
+};
+
+AttentionCall prepare_attention(const at::Tensor &q_in, const at::Tensor &k_in,
+                                const at::Tensor &v_in, const c10::optional<at::Tensor> &attn_mask,
+                                bool is_causal, double scale) {
   CHECK_ARG(q_in.dim() == 4, "query must be 4-D [batch, heads, len_q, head_dim], got shape %s",
             shape_str(q_in.sizes()).c_str());
   CHECK_ARG(k_in.dim() == 4, "key must be 4-D [batch, heads_kv, len_k, head_dim], got shape %s",
@@ -296,24 +302,14 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
   CHECK_ARG(v_in.size(1) == Hkv && v_in.size(2) == Nk,
             "value must have the shape of key %s, got %s", shape_str(k_in.sizes()).c_str(),
             shape_str(v_in.sizes()).c_str());
-  const fp4attn_kernel kernel = kernel_from_name(cuda_kernel);
-
-  // Unit stride along head_dim is required; other strides are passed through (no copies).
-  at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
-  at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
-  at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
-  at::Tensor out = at::empty({B, Hq, Nq, D}, q.options());
-  at::Tensor lse = return_lse ? at::empty({B, Hq, Nq}, q.options().dtype(at::kFloat))
-                              : at::empty({0}, q.options().dtype(at::kFloat));
-  if (out.numel() == 0) return {out, lse};
-  CHECK_ARG(Nk >= 1, "key must have at least one token");
-
-  fp4attn_attention_params p{};
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.out = out.data_ptr();
-  p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
+  AttentionCall c;
+  c.q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  c.k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
+  c.v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
+  fp4attn_attention_params &p = c.p;
+  p.q = c.q.data_ptr();
+  p.k = c.k.data_ptr();
+  p.v = c.v.data_ptr();
   p.dtype = dtype;
   p.batch = B;
   p.heads_q = Hq;
@@ -321,18 +317,15 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
   p.len_q = Nq;
   p.len_k = Nk;
   p.head_dim = D;
-  fill_strides3(q, p.q_stride);
-  fill_strides3(k, p.k_stride);
-  fill_strides3(v, p.v_stride);
-  fill_strides3(out, p.out_stride);
+  fill_strides3(c.q, p.q_stride);
+  fill_strides3(c.k, p.k_stride);
+  fill_strides3(c.v, p.v_stride);
   p.scale = static_cast<float>(scale);
   p.causal = is_causal ? 1 : 0;
-  p.kernel = kernel;
-  at::Tensor mask;
   if (attn_mask.has_value() && attn_mask->defined()) {
     const at::Tensor &m = *attn_mask;
-    CHECK_ARG(m.device() == q.device(), "attn_mask must be on the device of query (%s), got %s",
-              q.device().str().c_str(), m.device().str().c_str());
+    CHECK_ARG(m.device() == c.q.device(), "attn_mask must be on the device of query (%s), got %s",
+              c.q.device().str().c_str(), m.device().str().c_str());
     CHECK_ARG(m.dim() <= 4, "attn_mask must have at most 4 dims, got %lld",
               static_cast<long long>(m.dim()));
     if (m.scalar_type() == at::kBool) {
@@ -345,10 +338,31 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
     CHECK_ARG(at::is_expandable_to(m.sizes(), target),
               "attn_mask of shape %s must be broadcastable to [batch, heads, len_q, len_k] = %s",
               shape_str(m.sizes()).c_str(), shape_str(target).c_str());
-    mask = m.expand(target);  // a view: broadcast dims get stride 0
-    p.mask = mask.data_ptr();
-    for (int i = 0; i < 4; ++i) p.mask_stride[i] = mask.size(i) == 1 ? 0 : mask.stride(i);
+    c.mask = m.expand(target);  // a view: broadcast dims get stride 0
+    p.mask = c.mask.data_ptr();
+    for (int i = 0; i < 4; ++i) p.mask_stride[i] = c.mask.size(i) == 1 ? 0 : c.mask.stride(i);
   }
+  return c;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::Tensor &k_in,
+                                             const at::Tensor &v_in,
+                                             const c10::optional<at::Tensor> &attn_mask,
+                                             bool is_causal, double scale, bool return_lse,
+                                             c10::string_view cuda_kernel) {
+  AttentionCall c = prepare_attention(q_in, k_in, v_in, attn_mask, is_causal, scale);
+  fp4attn_attention_params &p = c.p;
+  const at::Tensor &q = c.q;
+  p.kernel = kernel_from_name(cuda_kernel);
+  at::Tensor out = at::empty({p.batch, p.heads_q, p.len_q, p.head_dim}, q.options());
+  at::Tensor lse = return_lse
+                       ? at::empty({p.batch, p.heads_q, p.len_q}, q.options().dtype(at::kFloat))
+                       : at::empty({0}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) return {out, lse};
+  CHECK_ARG(p.len_k >= 1, "key must have at least one token");
+  p.out = out.data_ptr();
+  p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
+  fill_strides3(out, p.out_stride);
 #ifdef FP4ATTN_WITH_CUDA
   if (on_cuda(q)) {
     c10::cuda::CUDAGuard guard(q.device());
@@ -363,10 +377,78 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
 #endif
   CHECK_ARG(q.device().is_cpu(), "query must be a CPU or CUDA tensor, got %s",
             q.device().str().c_str());
-  CHECK_ARG(kernel == FP4ATTN_KERNEL_AUTO, "cuda_kernel '%s' needs CUDA tensors",
-            fp4attn_kernel_name(kernel));
+  CHECK_ARG(p.kernel == FP4ATTN_KERNEL_AUTO, "cuda_kernel '%s' needs CUDA tensors",
+            fp4attn_kernel_name(p.kernel));
   check_status(fp4attn_cpu_attention(&p));
   return {out, lse};
+}
+
+// ---------------------------------------------------------------- 8-bit attention (CPU)
+
+std::tuple<at::Tensor, at::Tensor> int8_attention_cpu(const at::Tensor &q_in,
+                                                      const at::Tensor &k_in,
+                                                      const at::Tensor &v_in,
+                                                      const c10::optional<at::Tensor> &attn_mask,
+                                                      bool is_causal, double scale) {
+  AttentionCall c = prepare_attention(q_in, k_in, v_in, attn_mask, is_causal, scale);
+  fp4attn_attention_params &p = c.p;
+  CHECK_ARG(c.q.device().is_cpu(), "query must be a CPU tensor, got %s",
+            c.q.device().str().c_str());
+  at::Tensor out = at::zeros({p.batch, p.heads_q, p.len_q, p.head_dim}, c.q.options());
+  at::Tensor lse =
+      at::full({p.batch, p.heads_q, p.len_q}, -INFINITY, c.q.options().dtype(at::kFloat));
+  if (out.numel() == 0 || p.len_k == 0) return {out, lse};
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  fill_strides3(out, p.out_stride);
+  check_status(fp4attn_cpu_int8_attention(&p));
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward_cpu(
+    const at::Tensor &grad_out_in, const c10::optional<at::Tensor> &grad_lse_in,
+    const at::Tensor &q_in, const at::Tensor &k_in, const at::Tensor &v_in,
+    const at::Tensor &out_in, const at::Tensor &lse_in, const c10::optional<at::Tensor> &attn_mask,
+    bool is_causal, double scale) {
+  AttentionCall c = prepare_attention(q_in, k_in, v_in, attn_mask, is_causal, scale);
+  fp4attn_int8_backward_params bp{};
+  bp.fwd = c.p;
+  fp4attn_attention_params &p = bp.fwd;
+  CHECK_ARG(c.q.device().is_cpu(), "query must be a CPU tensor, got %s",
+            c.q.device().str().c_str());
+  const std::vector<int64_t> qshape{p.batch, p.heads_q, p.len_q, p.head_dim};
+  CHECK_ARG(out_in.sizes() == qshape && out_in.scalar_type() == c.q.scalar_type(),
+            "out must be the forward's output %s, got %s", shape_str(qshape).c_str(),
+            shape_str(out_in.sizes()).c_str());
+  CHECK_ARG(grad_out_in.sizes() == qshape && grad_out_in.scalar_type() == c.q.scalar_type(),
+            "grad_out must have the shape and dtype of out %s, got %s", shape_str(qshape).c_str(),
+            shape_str(grad_out_in.sizes()).c_str());
+  const std::vector<int64_t> lshape{p.batch, p.heads_q, p.len_q};
+  CHECK_ARG(lse_in.sizes() == lshape && lse_in.scalar_type() == at::kFloat,
+            "lse must be float32 %s, got %s %s", shape_str(lshape).c_str(),
+            dtype_str(lse_in.scalar_type()), shape_str(lse_in.sizes()).c_str());
+  at::Tensor out = out_in.stride(3) == 1 ? out_in : out_in.contiguous();
+  at::Tensor grad_out = grad_out_in.stride(3) == 1 ? grad_out_in : grad_out_in.contiguous();
+  at::Tensor lse = lse_in.contiguous(), grad_lse;
+  at::Tensor dq = at::zeros(c.q.sizes(), c.q.options()), dk = at::zeros(c.k.sizes(), c.k.options()),
+             dv = at::zeros(c.v.sizes(), c.v.options());
+  if (dq.numel() == 0 || p.len_k == 0) return {dq, dk, dv};
+  if (grad_lse_in.has_value() && grad_lse_in->defined()) {
+    CHECK_ARG(grad_lse_in->sizes() == lshape, "grad_lse must have the shape of lse %s, got %s",
+              shape_str(lshape).c_str(), shape_str(grad_lse_in->sizes()).c_str());
+    grad_lse = grad_lse_in->to(at::kFloat).contiguous();
+    bp.grad_lse = grad_lse.data_ptr<float>();
+  }
+  p.out = out.data_ptr();
+  fill_strides3(out, p.out_stride);
+  p.lse = lse.data_ptr<float>();
+  bp.grad_out = grad_out.data_ptr();
+  fill_strides3(grad_out, bp.grad_out_stride);
+  bp.dq = dq.data_ptr();
+  bp.dk = dk.data_ptr();
+  bp.dv = dv.data_ptr();
+  check_status(fp4attn_cpu_int8_attention_backward(&bp));
+  return {dq, dk, dv};
 }
 
 #ifdef FP4ATTN_WITH_CUDA
@@ -453,6 +535,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     info["openmp"] = fp4attn_cpu_has_openmp() != 0;
     return info;
   });
+  m.def(
+      "int8_attention_cpu", &int8_attention_cpu,
+      "SPEC_INT8 forward on the C CPU backend: (out, lse); torch.ops.fp4attn.int8_attention's CPU "
+      "kernel");
+  m.def("int8_attention_backward_cpu", &int8_attention_backward_cpu,
+        "SPEC_INT8 backward on the C CPU backend: (dq, dk, dv)");
   m.def(
       "attention_kernel",
       [](int64_t device, int64_t head_dim) -> std::string {

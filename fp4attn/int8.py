@@ -17,12 +17,15 @@ import torch
 from torch import Tensor
 
 from . import reference_int8
+from ._ops import _C
 
 
 @torch.library.custom_op("fp4attn::int8_attention", mutates_args=())
 def int8_attention(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
+    if q.device.type == "cpu":
+        return _C.int8_attention_cpu(q, k, v, attn_mask, is_causal, scale)
     out, lse = reference_int8.attention_forward(q, k, v, attn_mask, is_causal, scale)
     return out.to(q.dtype), lse
 
@@ -45,6 +48,9 @@ def int8_attention_backward(
     is_causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    if q.device.type == "cpu":
+        return _C.int8_attention_backward_cpu(grad_out, grad_lse, q, k, v, out, lse, attn_mask,
+                                              is_causal, scale)
     dq, dk, dv = reference_int8.attention_backward(
         grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, grad_lse=grad_lse
     )

@@ -130,6 +130,35 @@ def test_forward_and_backward_against_float64(case):
         assert (lse[..., 0] == -math.inf).all()
 
 
+def rel_l1(a, b) -> float:
+    return ((a.double() - b.double()).abs().sum() / b.double().abs().sum().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cpu_backend_against_reference(case, dtype):
+    """The C CPU backend (the ops' CPU kernel) against the reference: SPEC_INT8 4's tolerances."""
+    B, Hq, Hkv, Nq, Nk, D, causal, kind = case
+    q, k, v = make(B, Hq, Hkv, Nq, Nk, D, dtype=dtype)
+    mask = make_mask(kind, Nq, Nk)
+    scale = 1.0 / math.sqrt(D)
+    out, lse = torch.ops.fp4attn.int8_attention(q, k, v, mask, causal, scale)
+    ref, ref_lse = R8.attention_forward(q, k, v, mask, causal, scale)
+    assert out.dtype == dtype and rel_l1(out, ref.to(dtype)) < 2e-3
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert (lse[finite] - ref_lse[finite]).abs().max() < 1e-3
+    g = torch.Generator().manual_seed(21)
+    grad_out = torch.randn(out.shape, generator=g).to(dtype)
+    grad_lse = torch.randn(lse.shape, generator=g)
+    got = torch.ops.fp4attn.int8_attention_backward(grad_out, grad_lse, q, k, v, out, lse, mask,
+                                                    causal, scale)
+    want = R8.attention_backward(grad_out, q, k, v, out, lse, mask, causal, scale, grad_lse=grad_lse)
+    for a, b in zip(got, want):
+        assert a.dtype == dtype and a.shape == b.shape
+        assert rel_l1(a, b.to(dtype)) < 5e-3 or b.abs().max() < 1e-6
+
+
 def test_lse_is_the_log_sum_exp_of_the_scores():
     q, k, v = make(1, 2, 2, 150, 300, 64, seed=4)
     _, lse = R8.attention_forward(q, k, v, None, True)

@@ -140,11 +140,25 @@ typedef struct {
   fp4attn_kernel kernel; /* CUDA only */
 } fp4attn_attention_params;
 
+/* ---- 8-bit attention (SPEC_INT8). Forward: fp4attn_attention_params with lse required (always
+ * produced) and `kernel` unused. Backward: the forward's params with `out` and `lse` as the
+ * forward returned them; grad_out like out (its own strides), grad_lse optional (NULL or
+ * [batch, heads_q, len_q] float32 contiguous); dq, dk, dv contiguous like q, k, v in dtype. */
+typedef struct {
+  fp4attn_attention_params fwd;
+  const void *grad_out;
+  int64_t grad_out_stride[3];
+  const float *grad_lse;
+  void *dq, *dk, *dv;
+} fp4attn_int8_backward_params;
+
 /* CPU backend (csrc/cpu) */
 fp4attn_status fp4attn_cpu_quantize(const fp4attn_quantize_params *p);
 fp4attn_status fp4attn_cpu_dequantize(const fp4attn_dequantize_params *p);
 fp4attn_status fp4attn_cpu_fp4mm(const fp4attn_fp4mm_params *p);
 fp4attn_status fp4attn_cpu_attention(const fp4attn_attention_params *p);
+fp4attn_status fp4attn_cpu_int8_attention(const fp4attn_attention_params *p);
+fp4attn_status fp4attn_cpu_int8_attention_backward(const fp4attn_int8_backward_params *p);
 /* Non-zero when the CPU backend was compiled with OpenMP. */
 int fp4attn_cpu_has_openmp(void);
 

@@ -1,0 +1,411 @@
+/*
+ * The 8-bit trainable attention on the CPU (docs/SPEC_INT8.md): forward and backward.
+ *
+ * Operands are quantized once per call (psi: Q per 64 rows, smoothed K per 128 keys, V per 128
+ * keys and channel), then every (batch, head) runs the blocked algorithm of the spec with int32
+ * dot products of the INT8 codes and FP32 scales. OpenMP over query heads in the forward and
+ * over KV heads in the backward (a KV head's dK and dV sum over its query heads without atomics).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define BQ 64  /* query rows per INT8 block */
+#define BK 128 /* keys per INT8 block and online-softmax step */
+
+/* rne_int (ties to even, the default rounding mode) clamped to [-127, 127]; NaN -> 0 (the group's
+ * scale is NaN then, so the dequantized values still are). */
+static inline int8_t code8(float y) {
+  if (!(y == y)) return 0;
+  const float r = nearbyintf(y);
+  return (int8_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
+}
+
+/* SPEC_INT8 1 for the group's amax: the reciprocal r and the scale s; r == 0 flushes the group. */
+static inline void psi_scales(float amax, float *r, float *s) {
+  const float recip = 127.0f / amax;
+  if (recip == INFINITY) {
+    *r = 0.0f;
+    *s = 0.0f;
+  } else {
+    *r = recip;
+    *s = amax / 127.0f;
+  }
+}
+
+static inline float absmax_nan(float m, float x) {
+  return fp4attn_nanmax(m, fabsf(x));
+}
+
+static float load_row(const void *base, fp4attn_dtype dt, const int64_t *st, int64_t b, int64_t h,
+                      int64_t n, int64_t d) {
+  return fp4attn_load(base, dt, b * st[0] + h * st[1] + n * st[2] + d);
+}
+
+/* Visibility and additive mask of (row i, key j) of (b, h): -inf when hidden. */
+static float mask_term(const fp4attn_attention_params *p, int64_t b, int64_t h, int64_t i,
+                       int64_t j) {
+  if (p->causal && j > i) return -INFINITY;
+  if (p->mask_kind == FP4ATTN_MASK_NONE) return 0.0f;
+  const int64_t off =
+      b * p->mask_stride[0] + h * p->mask_stride[1] + i * p->mask_stride[2] + j * p->mask_stride[3];
+  if (p->mask_kind == FP4ATTN_MASK_BOOL) return ((const uint8_t *)p->mask)[off] ? 0.0f : -INFINITY;
+  return fp4attn_load(p->mask, p->mask_dtype, off);
+}
+
+/* The quantized K and V of one (batch, KV head), and Q of one (batch, query head). */
+typedef struct {
+  float *kbar; /* [D] */
+  int8_t *kc;  /* [Nk][D], K - kbar */
+  float *sk;   /* [nkb] */
+  int8_t *vc;  /* [Nk][D] */
+  float *sv;   /* [nkb][D] */
+} kv_codes;
+
+typedef struct {
+  int8_t *qc; /* [Nq][D] */
+  float *sq;  /* [nqb] */
+} q_codes;
+
+static int quantize_kv(const fp4attn_attention_params *p, int64_t b, int64_t h, kv_codes *o) {
+  const int64_t D = p->head_dim, Nk = p->len_k, nkb = (Nk + BK - 1) / BK;
+  o->kbar = (float *)malloc(sizeof(float) * (size_t)D);
+  o->kc = (int8_t *)malloc((size_t)(Nk * D));
+  o->sk = (float *)malloc(sizeof(float) * (size_t)nkb);
+  o->vc = (int8_t *)malloc((size_t)(Nk * D));
+  o->sv = (float *)malloc(sizeof(float) * (size_t)(nkb * D));
+  float *ks = (float *)malloc(sizeof(float) * (size_t)(BK * D));
+  if (!o->kbar || !o->kc || !o->sk || !o->vc || !o->sv || !ks) {
+    free(ks);
+    return 0;
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    float s = 0.0f;
+    for (int64_t n = 0; n < Nk; ++n) s += load_row(p->k, p->dtype, p->k_stride, b, h, n, d);
+    o->kbar[d] = s / (float)Nk;
+  }
+  for (int64_t j = 0; j < nkb; ++j) {
+    const int64_t n0 = j * BK, rows = Nk - n0 < BK ? Nk - n0 : BK;
+    float amax = 0.0f, r, s;
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t d = 0; d < D; ++d) {
+        ks[n * D + d] = load_row(p->k, p->dtype, p->k_stride, b, h, n0 + n, d) - o->kbar[d];
+        amax = absmax_nan(amax, ks[n * D + d]);
+      }
+    psi_scales(amax, &r, &s);
+    o->sk[j] = s;
+    for (int64_t n = 0; n < rows * D; ++n) o->kc[n0 * D + n] = code8(ks[n] * r);
+    for (int64_t d = 0; d < D; ++d) { /* V: one scale per channel */
+      float vmax = 0.0f, vr, vs;
+      for (int64_t n = 0; n < rows; ++n)
+        vmax = absmax_nan(vmax, load_row(p->v, p->dtype, p->v_stride, b, h, n0 + n, d));
+      psi_scales(vmax, &vr, &vs);
+      o->sv[j * D + d] = vs;
+      for (int64_t n = 0; n < rows; ++n)
+        o->vc[(n0 + n) * D + d] =
+            code8(load_row(p->v, p->dtype, p->v_stride, b, h, n0 + n, d) * vr);
+    }
+  }
+  free(ks);
+  return 1;
+}
+
+static int quantize_q(const fp4attn_attention_params *p, int64_t b, int64_t h, q_codes *o) {
+  const int64_t D = p->head_dim, Nq = p->len_q, nqb = (Nq + BQ - 1) / BQ;
+  o->qc = (int8_t *)malloc((size_t)(Nq * D));
+  o->sq = (float *)malloc(sizeof(float) * (size_t)nqb);
+  if (!o->qc || !o->sq) return 0;
+  for (int64_t i = 0; i < nqb; ++i) {
+    const int64_t n0 = i * BQ, rows = Nq - n0 < BQ ? Nq - n0 : BQ;
+    float amax = 0.0f, r, s;
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t d = 0; d < D; ++d)
+        amax = absmax_nan(amax, load_row(p->q, p->dtype, p->q_stride, b, h, n0 + n, d));
+    psi_scales(amax, &r, &s);
+    o->sq[i] = s;
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t d = 0; d < D; ++d)
+        o->qc[(n0 + n) * D + d] = code8(load_row(p->q, p->dtype, p->q_stride, b, h, n0 + n, d) * r);
+  }
+  return 1;
+}
+
+static void free_kv(kv_codes *c) {
+  free(c->kbar);
+  free(c->kc);
+  free(c->sk);
+  free(c->vc);
+  free(c->sv);
+}
+
+static inline int32_t dot8(const int8_t *a, const int8_t *b, int64_t n) {
+  int32_t s = 0;
+  for (int64_t i = 0; i < n; ++i) s += (int32_t)a[i] * (int32_t)b[i];
+  return s;
+}
+
+/* S of query row i (in its 64-row block) against key block j, masked (SPEC_INT8 2.3). */
+static void score_row(const fp4attn_attention_params *p, const q_codes *q, const kv_codes *kv,
+                      int64_t b, int64_t h, int64_t i, int64_t j, float *s) {
+  const int64_t D = p->head_dim, n0 = j * BK, n1 = n0 + BK < p->len_k ? n0 + BK : p->len_k;
+  const float f = (q->sq[i / BQ] * kv->sk[j]) * p->scale;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float m = mask_term(p, b, h, i, n);
+    s[n - n0] = m == -INFINITY ? -INFINITY : (float)dot8(q->qc + i * D, kv->kc + n * D, D) * f + m;
+  }
+}
+
+/* q . kbar * scale: what K smoothing removed from every score of the row. */
+static float lse_shift(const fp4attn_attention_params *p, const kv_codes *kv, int64_t b, int64_t h,
+                       int64_t i) {
+  float s = 0.0f;
+  for (int64_t d = 0; d < p->head_dim; ++d)
+    s += load_row(p->q, p->dtype, p->q_stride, b, h, i, d) * kv->kbar[d];
+  return p->scale * s;
+}
+
+/* SPEC_INT8 2 for one (batch, query head). */
+static int forward_head(const fp4attn_attention_params *p, const kv_codes *kv, int64_t b,
+                        int64_t h) {
+  const int64_t D = p->head_dim, Nq = p->len_q, Nk = p->len_k, nkb = (Nk + BK - 1) / BK;
+  q_codes q = {0, 0};
+  float *s = (float *)malloc(sizeof(float) * BK), *o = (float *)malloc(sizeof(float) * (size_t)D);
+  int8_t *pc = (int8_t *)malloc(BK);
+  int ok = s && o && pc && quantize_q(p, b, h, &q);
+  for (int64_t i = 0; ok && i < Nq; ++i) {
+    float m = -INFINITY, l = 0.0f;
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+    for (int64_t j = 0; j < nkb; ++j) {
+      const int64_t n0 = j * BK, w = Nk - n0 < BK ? Nk - n0 : BK;
+      score_row(p, &q, kv, b, h, i, j, s);
+      float t = -INFINITY;
+      for (int64_t n = 0; n < w; ++n) t = s[n] > t ? s[n] : t;
+      const float m_new = m > t ? m : t;
+      const float alpha = m == -INFINITY ? 0.0f : expf(m - m_new);
+      const float beta = t == -INFINITY ? 0.0f : expf(t - m_new);
+      float rowsum = 0.0f;
+      for (int64_t n = 0; n < w; ++n) {
+        const float e = t == -INFINITY ? 0.0f : expf(s[n] - t);
+        rowsum += e;
+        pc[n] = code8(127.0f * e);
+      }
+      l = alpha * l + beta * rowsum;
+      const float pf = beta / 127.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        int32_t acc = 0;
+        for (int64_t n = 0; n < w; ++n) acc += (int32_t)pc[n] * (int32_t)kv->vc[(n0 + n) * D + d];
+        o[d] = alpha * o[d] + pf * ((float)acc * kv->sv[j * D + d]);
+      }
+      m = m_new;
+    }
+    const int64_t orow = b * p->out_stride[0] + h * p->out_stride[1] + i * p->out_stride[2];
+    for (int64_t d = 0; d < D; ++d)
+      fp4attn_store(p->out, p->dtype, orow + d, l > 0 ? o[d] / l : 0.0f);
+    p->lse[(b * p->heads_q + h) * Nq + i] =
+        l > 0 ? m + logf(l) + lse_shift(p, kv, b, h, i) : -INFINITY;
+  }
+  free(q.qc);
+  free(q.sq);
+  free(s);
+  free(o);
+  free(pc);
+  return ok;
+}
+
+fp4attn_status fp4attn_cpu_int8_attention(const fp4attn_attention_params *p) {
+  fp4attn_status st = fp4attn_check_attention_params(p);
+  if (st.code != FP4ATTN_OK) return st;
+  if (!p->lse)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 attention: lse must not be null");
+  const int64_t nkv = p->batch * p->heads_kv, G = p->heads_q / p->heads_kv;
+  kv_codes *kv = (kv_codes *)calloc((size_t)nkv, sizeof(kv_codes));
+  if (!kv) return fp4attn_error(FP4ATTN_ERR_OUT_OF_MEMORY, "int8 attention: out of memory");
+  int failed = 0;
+#pragma omp parallel num_threads(p->num_threads > 0 ? p->num_threads : omp_get_max_threads()) \
+    reduction(|| : failed)
+  {
+#pragma omp for schedule(dynamic)
+    for (int64_t i = 0; i < nkv; ++i)
+      if (!quantize_kv(p, i / p->heads_kv, i % p->heads_kv, &kv[i])) failed = 1;
+#pragma omp for schedule(dynamic)
+    for (int64_t i = 0; i < p->batch * p->heads_q; ++i) {
+      const int64_t b = i / p->heads_q, h = i % p->heads_q;
+      if (!failed && !forward_head(p, &kv[b * p->heads_kv + h / G], b, h)) failed = 1;
+    }
+  }
+  for (int64_t i = 0; i < nkv; ++i) free_kv(&kv[i]);
+  free(kv);
+  if (failed) return fp4attn_error(FP4ATTN_ERR_OUT_OF_MEMORY, "int8 attention: out of memory");
+  return fp4attn_ok();
+}
+
+/* SPEC_INT8 3 for one (batch, KV head) and its query heads: dK and dV summed over them. */
+static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_codes *kv, int64_t b,
+                            int64_t hk) {
+  const fp4attn_attention_params *p = &bp->fwd;
+  const int64_t D = p->head_dim, Nq = p->len_q, Nk = p->len_k, G = p->heads_q / p->heads_kv;
+  const int64_t nqb = (Nq + BQ - 1) / BQ, nkb = (Nk + BK - 1) / BK;
+  float *P = (float *)malloc(sizeof(float) * BQ * BK),
+        *dS = (float *)malloc(sizeof(float) * BQ * BK);
+  float *dkacc = (float *)calloc((size_t)(Nk * D), sizeof(float));
+  float *dvacc = (float *)calloc((size_t)(Nk * D), sizeof(float));
+  float *dqacc = (float *)malloc(sizeof(float) * (size_t)(Nq * D));
+  float *dor = (float *)malloc(sizeof(float) * (size_t)(BQ * D)); /* dO of the block, float */
+  int8_t *doc = (int8_t *)malloc((size_t)(BQ * D)), *pcode = (int8_t *)malloc(BQ * BK);
+  int8_t *dsc = (int8_t *)malloc(BQ * BK);
+  float *sdo = (float *)malloc(sizeof(float) * (size_t)D),
+        *sp = (float *)malloc(sizeof(float) * BK);
+  float *drow = (float *)malloc(sizeof(float) * BQ), *lses = (float *)malloc(sizeof(float) * BQ);
+  float *rowsum = (float *)malloc(sizeof(float) * (size_t)Nq);
+  float *vrow = (float *)malloc(sizeof(float) * (size_t)(BK * D));
+  q_codes q = {0, 0};
+  int ok = P && dS && dkacc && dvacc && dqacc && dor && doc && pcode && dsc && sdo && sp && drow &&
+           lses && rowsum && vrow;
+  for (int64_t g = 0; ok && g < G; ++g) {
+    const int64_t h = hk * G + g;
+    free(q.qc);
+    free(q.sq);
+    q.qc = NULL;
+    q.sq = NULL;
+    if (!quantize_q(p, b, h, &q)) {
+      ok = 0;
+      break;
+    }
+    for (int64_t n = 0; n < Nq * D; ++n) dqacc[n] = 0.0f;
+    for (int64_t n = 0; n < Nq; ++n) rowsum[n] = 0.0f;
+    for (int64_t ib = 0; ib < nqb; ++ib) {
+      const int64_t r0 = ib * BQ, rows = Nq - r0 < BQ ? Nq - r0 : BQ;
+      /* dO of the block (float), its per-channel INT8 codes, Drow and the smoothed lse */
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = r0 + r;
+        float dsum = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          const float go = load_row(bp->grad_out, p->dtype, bp->grad_out_stride, b, h, i, d);
+          dor[r * D + d] = go;
+          dsum += go * load_row(p->out, p->dtype, p->out_stride, b, h, i, d);
+        }
+        const int64_t li = (b * p->heads_q + h) * Nq + i;
+        drow[r] = bp->grad_lse ? dsum - bp->grad_lse[li] : dsum;
+        const float lse = p->lse[li];
+        lses[r] = lse == -INFINITY ? INFINITY : lse - lse_shift(p, kv, b, h, i);
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        float amax = 0.0f, r, s;
+        for (int64_t rr = 0; rr < rows; ++rr) amax = absmax_nan(amax, dor[rr * D + d]);
+        psi_scales(amax, &r, &s);
+        sdo[d] = s;
+        for (int64_t rr = 0; rr < rows; ++rr) doc[rr * D + d] = code8(dor[rr * D + d] * r);
+      }
+      for (int64_t j = 0; j < nkb; ++j) {
+        const int64_t n0 = j * BK, w = Nk - n0 < BK ? Nk - n0 : BK;
+        for (int64_t n = 0; n < w; ++n)
+          for (int64_t d = 0; d < D; ++d)
+            vrow[n * D + d] = load_row(p->v, p->dtype, p->v_stride, b, hk, n0 + n, d);
+        for (int64_t r = 0; r < rows; ++r) {
+          score_row(p, &q, kv, b, h, r0 + r, j, P + r * BK);
+          for (int64_t n = 0; n < w; ++n) P[r * BK + n] = expf(P[r * BK + n] - lses[r]);
+        }
+        /* dV_j += P^T dO in INT8: P per key column, dO per channel, over the block's rows */
+        for (int64_t n = 0; n < w; ++n) {
+          float amax = 0.0f, r, s;
+          for (int64_t rr = 0; rr < rows; ++rr) amax = absmax_nan(amax, P[rr * BK + n]);
+          psi_scales(amax, &r, &s);
+          sp[n] = s;
+          for (int64_t rr = 0; rr < rows; ++rr) pcode[rr * BK + n] = code8(P[rr * BK + n] * r);
+        }
+        for (int64_t n = 0; n < w; ++n)
+          for (int64_t d = 0; d < D; ++d) {
+            int32_t acc = 0;
+            for (int64_t rr = 0; rr < rows; ++rr)
+              acc += (int32_t)pcode[rr * BK + n] * (int32_t)doc[rr * D + d];
+            dvacc[(n0 + n) * D + d] += (sp[n] * sdo[d]) * (float)acc;
+          }
+        /* dS = P (dP - Drow), dP = dO V^T in the input precision, FP32 accumulation */
+        float amax = 0.0f;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t n = 0; n < w; ++n) {
+            float dp = 0.0f;
+            for (int64_t d = 0; d < D; ++d) dp += dor[r * D + d] * vrow[n * D + d];
+            const float ds = P[r * BK + n] * (dp - drow[r]);
+            dS[r * BK + n] = ds;
+            rowsum[r0 + r] += ds;
+            amax = absmax_nan(amax, ds);
+          }
+        float rs, sds;
+        psi_scales(amax, &rs, &sds);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t n = 0; n < w; ++n) dsc[r * BK + n] = code8(dS[r * BK + n] * rs);
+        const float fq = (p->scale * sds) * kv->sk[j], fk = (p->scale * sds) * q.sq[ib];
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t d = 0; d < D; ++d) {
+            int32_t acc = 0;
+            for (int64_t n = 0; n < w; ++n)
+              acc += (int32_t)dsc[r * BK + n] * (int32_t)kv->kc[(n0 + n) * D + d];
+            dqacc[(r0 + r) * D + d] += fq * (float)acc;
+          }
+        for (int64_t n = 0; n < w; ++n)
+          for (int64_t d = 0; d < D; ++d) {
+            int32_t acc = 0;
+            for (int64_t r = 0; r < rows; ++r)
+              acc += (int32_t)dsc[r * BK + n] * (int32_t)q.qc[(r0 + r) * D + d];
+            dkacc[(n0 + n) * D + d] += fk * (float)acc;
+          }
+      }
+    }
+    /* the smoothing correction, then dQ out in the input dtype (contiguous [B, Hq, Nq, D]) */
+    for (int64_t i = 0; i < Nq; ++i)
+      for (int64_t d = 0; d < D; ++d) {
+        const float v = dqacc[i * D + d] + (p->scale * rowsum[i]) * kv->kbar[d];
+        fp4attn_store(bp->dq, p->dtype, ((b * p->heads_q + h) * Nq + i) * D + d, v);
+      }
+  }
+  for (int64_t n = 0; ok && n < Nk * D; ++n) {
+    const int64_t at = (b * p->heads_kv + hk) * Nk * D + n;
+    fp4attn_store(bp->dk, p->dtype, at, dkacc[n]);
+    fp4attn_store(bp->dv, p->dtype, at, dvacc[n]);
+  }
+  free(q.qc);
+  free(q.sq);
+  free(P);
+  free(dS);
+  free(dkacc);
+  free(dvacc);
+  free(dqacc);
+  free(dor);
+  free(doc);
+  free(pcode);
+  free(dsc);
+  free(sdo);
+  free(sp);
+  free(drow);
+  free(lses);
+  free(rowsum);
+  free(vrow);
+  return ok;
+}
+
+fp4attn_status fp4attn_cpu_int8_attention_backward(const fp4attn_int8_backward_params *bp) {
+  if (!bp) return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 backward: null params");
+  const fp4attn_attention_params *p = &bp->fwd;
+  fp4attn_status st = fp4attn_check_attention_params(p);
+  if (st.code != FP4ATTN_OK) return st;
+  if (!p->lse || !bp->grad_out || !bp->dq || !bp->dk || !bp->dv)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
+                         "int8 backward: lse, grad_out, dq, dk and dv must not be null");
+  const int64_t nkv = p->batch * p->heads_kv;
+  int failed = 0;
+#pragma omp parallel for schedule(dynamic)                                   \
+    num_threads(p->num_threads > 0 ? p->num_threads : omp_get_max_threads()) \
+    reduction(|| : failed)
+  for (int64_t i = 0; i < nkv; ++i) {
+    kv_codes kv;
+    memset(&kv, 0, sizeof kv);
+    const int64_t b = i / p->heads_kv, hk = i % p->heads_kv;
+    if (!quantize_kv(p, b, hk, &kv) || !backward_kv_head(bp, &kv, b, hk)) failed = 1;
+    free_kv(&kv);
+  }
+  if (failed) return fp4attn_error(FP4ATTN_ERR_OUT_OF_MEMORY, "int8 backward: out of memory");
+  return fp4attn_ok();
+}
