@@ -25,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fp4attn  # noqa: E402
 from fp4attn.sdpa import ORIGINAL_SDPA  # noqa: E402
+from curves import plot_loss_curves  # noqa: E402
 from provenance import ROOT, cpu_description, gpu_description, header, write_csv  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -166,26 +167,11 @@ def main() -> int:
     for r in results:
         r["tokens_per_s"] = round(speed[r["run"]])
     write_csv(os.path.join(args.out, "train_austen.csv"), header(hw), results)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    png = os.path.join(args.out, "train_austen.png")
+    if not plot_loss_curves(results, {"torch": "torch SDPA", "int8": "fp4attn int8"}, png,
+                            f"GPT on Austen: int8 attention vs torch SDPA (val {100 * rel:+.2f}%)",
+                            "cross-entropy (nats / byte)"):
         print("matplotlib missing: no plot")
-        return 0
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for k, style in (("torch", "-"), ("int8", "--")):
-        rr = [r for r in results if r["run"] == k]
-        label = "fp4attn int8" if k == "int8" else "torch SDPA"
-        ax.plot([r["step"] for r in rr], [r["train_loss"] for r in rr], style, alpha=0.5, label=f"{label} train")
-        ax.plot([r["step"] for r in rr], [r["val_loss"] for r in rr], style, label=f"{label} val")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / byte)")
-    ax.set_title(f"GPT on Austen: int8 attention vs torch SDPA (val {100 * rel:+.2f}%)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "train_austen.png"), dpi=120)
     print(f"wrote {args.out}/train_austen.csv and .png")
     return 0
 
