@@ -33,24 +33,8 @@ def test_bench_cpu_writes_csv_with_header(tmp_path):
     assert all(float(r["fp4attn_ms"]) > 0 and float(r["ratio"]) > 0 for r in rows)
 
 
-def test_train_austen_runs_both_attentions(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(b"It is a truth universally acknowledged. " * 400)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "train_austen.py"), "--corpus", str(corpus),
-           "--steps", "4", "--eval-every", "2", "--val-batches", "1", "--layers", "1", "--dim", "32",
-           "--heads", "2", "--seq", "32", "--batch", "2", "--out", str(tmp_path)]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-                       check=False)
-    assert p.returncode == 0, p.stdout + p.stderr
-    head, rows = read_csv(str(tmp_path / "train_austen.csv"))
-    assert [(r["run"], r["step"]) for r in rows] == [("torch", "2"), ("torch", "4"), ("int8", "2"),
-                                                     ("int8", "4")]
-
-
 def test_committed_results_have_headers():
-    for name in ("bench_cpu.csv", "bench_attention.csv", "train_austen.csv"):
+    for name in ("bench_cpu.csv", "bench_attention.csv"):
         head, rows = read_csv(str(ROOT / "benchmarks" / "results" / name))
         assert {"command", "hardware", "software"} <= set(head), name
         assert head["command"].startswith("python benchmarks/"), name

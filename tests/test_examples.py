@@ -74,3 +74,28 @@ def test_generate_attn_implementation():
     out = run_example("generate_attn_implementation.py", "--max-new-tokens", "6")
     assert "attention implementation: fp4attn" in out
     assert "--- fp4attn" in out and "--- sdpa (exact)" in out
+
+
+def test_train_gpt_int8_runs_both_attentions(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"It is a truth universally acknowledged. " * 400)
+    run_example("train_gpt_int8.py", "--corpus", str(corpus), "--steps", "4", "--eval-every", "2",
+                "--val-batches", "1", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "32",
+                "--batch", "2", "--out", str(tmp_path))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from provenance import read_csv
+
+    _, rows = read_csv(str(tmp_path / "train_gpt_int8.csv"))
+    assert [(r["run"], r["step"]) for r in rows] == [("torch", "2"), ("torch", "4"), ("int8", "2"),
+                                                     ("int8", "4")]
+    head, rows = read_csv(str(ROOT / "docs" / "results" / "train_gpt_int8.csv"))  # committed
+    assert head["command"].startswith("python examples/train_gpt_int8.py")
+    assert {r["run"] for r in rows} == {"torch", "int8"}
+
+
+@needs_smollm2
+def test_finetune_smollm2_int8_runs(tmp_path):
+    out = run_example("finetune_smollm2_int8.py", "--steps", "2", "--eval-every", "1", "--batch",
+                      "1", "--seq", "32", "--val-tokens", "64", "--out", str(tmp_path), timeout=600)
+    assert "int8 vs sdpa: final validation loss" in out
+    assert (tmp_path / "finetune_smollm2_int8.csv").exists()

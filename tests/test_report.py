@@ -195,14 +195,18 @@ def test_report_on_real_models(tmp_path):
         # the compiled backend and the SPEC reference agree on the same captured inputs
         assert abs(float(by[layer, "fp4attn"]["rel_l1"]) - float(by[layer, "ref"]["rel_l1"])) < 5e-3
         assert not by[layer, "fp4attn"]["error"]
+        assert float(by[layer, "int8"]["cos"]) > 0.999 and not by[layer, "int8"]["error"]
 
     summary = json.loads((out / "summary.json").read_text())
     e2e = summary["models"]["smollm2"]["e2e"]
     assert 3 < e2e["exact"]["ppl"] < 200
     assert abs(e2e["bf16"]["rel_change"]) < 0.01
     assert math.isfinite(e2e["fp4"]["ppl"]) and e2e["fp4"]["rel_change"] < 0.5
+    assert abs(e2e["int8"]["rel_change"]) < 0.05
     emb = summary["models"]["minilm"]["e2e"]
     assert emb["fp4"]["mean_cos"] > 0.95 and emb["bf16"]["mean_cos"] > 0.9999
+    assert emb["int8"]["mean_cos"] > 0.999
+    assert "8-bit attention" in text
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "smollm2_layers.png").stat().st_size > 1000
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from . import models as M
 from .. import reference as R
+from .. import reference_int8 as R8
 
 try:  # the function torch had before anyone (fp4attn.patch included) replaced it
     TORCH_SDPA = importlib.import_module("fp4attn.sdpa").ORIGINAL_SDPA
@@ -48,10 +49,11 @@ except (ImportError, AttributeError):  # pragma: no cover
 COS_TARGET = 0.99
 PPL_TARGET = 0.02  # relative perplexity increase
 
-# Per-layer methods: name -> (label, how). how: "fp4attn" | torch dtype | reference flags.
+# Per-layer methods: name -> (label, how). how: "fp4attn" | "int8" | torch dtype | reference flags.
 _QUANT_ONLY = {"quantize_q": False, "quantize_k": False, "quantize_v": False, "quantize_p": False}
 METHODS: dict[str, tuple[str, object]] = {
     "fp4attn": ("fp4attn (FP4)", "fp4attn"),
+    "int8": ("fp4attn (INT8)", "int8"),
     "fp16": ("FP16 SDPA", torch.float16),
     "bf16": ("BF16 SDPA", torch.bfloat16),
     "ref": ("reference (SPEC)", {}),
@@ -66,7 +68,9 @@ METHODS: dict[str, tuple[str, object]] = {
     "fp4_qk": ("FP4 QK^T only (P.V exact)", {"quantize_p": False, "quantize_v": False}),
     "fp4_pv": ("FP4 P.V only (QK^T exact)", {"quantize_q": False, "quantize_k": False}),
 }
-MAIN_METHODS = ("fp4attn", "fp16", "bf16")
+MAIN_METHODS = ("fp4attn", "int8", "fp16", "bf16")
+INT8_COS_TARGET = 0.999  # SPEC_INT8's accuracy targets: every layer, and end to end
+INT8_PPL_TARGET = 0.003
 ABLATIONS = ("ref", "no_smooth_q", "no_smooth_k", "one_level_p", "no_global_scale")
 SINGLE = ("only_q", "only_k", "only_v", "only_p")
 HALVES = ("fp4_qk", "fp4_pv")  # what an 8-bit P.V or an 8-bit QK^T path would leave
@@ -174,6 +178,20 @@ def _fp4_fn(backend: str):
     return run
 
 
+def _int8_fn(backend: str):
+    def run(i, q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        if backend == "reference":
+            o, _ = R8.attention_forward(q.cpu(), k.cpu(), v.cpu(),
+                                        None if attn_mask is None else attn_mask.cpu(), is_causal,
+                                        scale)
+            return o.to(q.device, q.dtype)
+        import fp4attn
+
+        return fp4attn.sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa, precision="int8", strict=True)
+    return run
+
+
 def policy_sdpa(fp4_layers: set[int] | None, backend: str, fallback_dtype=None):
     """SDPA function for swap_sdpa: FP4 on ``fp4_layers`` (None = all), torch SDPA (in
     ``fallback_dtype``, default the input dtype) everywhere else."""
@@ -198,15 +216,19 @@ def mode_label(mode: str) -> str:
         layers = mode.split(":", 1)[1]
         n = len(layers.split(",")) if layers else 0
         return f"fp4attn, {n} layer{'s' * (n != 1)} on BF16 ({layers})"
-    return {"exact": "exact (FP32 SDPA)", "fp4": "fp4attn (FP4)", "bf16": "BF16 SDPA",
-            "fp16": "FP16 SDPA"}.get(mode, mode)
+    return {"exact": "exact (FP32 SDPA)", "fp4": "fp4attn (FP4)", "int8": "fp4attn (INT8)",
+            "bf16": "BF16 SDPA", "fp16": "FP16 SDPA"}.get(mode, mode)
 
 
 @contextlib.contextmanager
 def attention_mode(model, mode: str, backend: str):
-    """exact | fp4 | bf16 | fp16 | fallback:<layers> (FP4 except those layers, BF16 there)."""
+    """exact | fp4 | int8 | bf16 | fp16 | fallback:<layers> (FP4 except those layers, BF16
+    there)."""
     if mode == "exact":
         yield
+    elif mode == "int8":
+        with swap_sdpa(_int8_fn(backend), model):
+            yield
     elif mode == "fp4" and backend == "fp4attn":
         import fp4attn
 
@@ -259,6 +281,12 @@ def run_method(name: str, call: AttnCall, *, device: str, backend: str) -> torch
     q, k, v, m = call.q, call.k, call.v, call.attn_mask
     if how == "fp4attn" and backend == "reference":
         how = {}
+    if how == "int8":
+        o = _int8_fn(backend)(call.layer, q.to(device), k.to(device), v.to(device),
+                              attn_mask=None if m is None else m.to(device), dropout_p=0.0,
+                              is_causal=call.is_causal, scale=call.scale,
+                              enable_gqa=call.enable_gqa)
+        return o.float().cpu()
     if how == "fp4attn":
         import fp4attn
 
@@ -482,8 +510,8 @@ def report_smollm2(args) -> ModelResult:
     del calls
     if args.ppl_tokens > 1 and not args.no_e2e:
         ppl_ids = ids[: args.ppl_tokens]
-        res.e2e = perplexity(model, ppl_ids, window=args.window, modes=["exact", "fp4", "bf16"],
-                             backend=args.backend)
+        res.e2e = perplexity(model, ppl_ids, window=args.window,
+                             modes=["exact", "fp4", "int8", "bf16"], backend=args.backend)
         res.e2e_kind = (f"perplexity on the first {args.ppl_tokens} tokens of {args.book}, "
                         f"non-overlapping windows of {args.window}")
         res.policies = fallback_policies(model, ppl_ids, res, args)
@@ -570,7 +598,8 @@ def report_minilm(args) -> ModelResult:
     res.rows = evaluate_layers(calls, _methods(args), device=args.device, backend=args.backend,
                                model_name="minilm", ablation_tokens=2 * args.ablation_tokens)
     if not args.no_e2e and args.sentences > 1:
-        res.e2e = embedding_similarity(model, tok, sentences, modes=["exact", "fp4", "bf16"],
+        res.e2e = embedding_similarity(model, tok, sentences,
+                                       modes=["exact", "fp4", "int8", "bf16"],
                                        backend=args.backend, batch_size=32)
         res.e2e_kind = f"sentence embeddings of {len(sentences)} sentences of emma (mean pooling)"
     res.seconds = time.perf_counter() - t0
@@ -640,10 +669,13 @@ def _summary(res: ModelResult) -> dict:
                  worst_rel_l1=max(r["rel_l1"] for r in fp4),
                  mean_cos=sum(r["cos"] for r in fp4) / len(fp4),
                  failing_layers=[r["layer"] for r in fp4 if not r["cos"] >= COS_TARGET])
-        for m in ("fp16", "bf16"):
+        for m in ("int8", "fp16", "bf16"):
             mr = [r for r in res.rows if r["method"] == m]
             if mr:
                 s[f"{m}_worst_cos"] = min(r["cos"] for r in mr)
+        i8 = [r for r in res.rows if r["method"] == "int8"]
+        if i8:
+            s["int8_failing_layers"] = [r["layer"] for r in i8 if not r["cos"] >= INT8_COS_TARGET]
     if res.e2e:
         s["e2e"] = res.e2e
     if res.policies:
@@ -693,6 +725,18 @@ def _closing_note(results: list[ModelResult], args) -> str:
                          f"{100 * ppl:+.2f}% (target < {100 * PPL_TARGET:.0f}%): "
                          + ("**met**." if ppl_ok else "**not met**.") +
                          f" BF16 SDPA: {100 * res.e2e['bf16']['rel_change']:+.2f}%.")
+        if "int8_worst_cos" in s or "int8" in (res.e2e or {}):
+            parts = []
+            if "int8_worst_cos" in s:
+                bad = s["int8_failing_layers"]
+                parts.append(f"per-layer worst cos {s['int8_worst_cos']:.5f} (target >= "
+                             f"{INT8_COS_TARGET}: " + ("**met**" if not bad else
+                                                       f"**not met** on layers {bad}") + ")")
+            if "int8" in (res.e2e or {}):
+                p8 = res.e2e["int8"]["rel_change"]
+                parts.append(f"perplexity {100 * p8:+.2f}% (target < {100 * INT8_PPL_TARGET:.1f}%: "
+                             + ("**met**" if p8 < INT8_PPL_TARGET else "**not met**") + ")")
+            lines.append("- **8-bit attention** (SPEC_INT8) in every layer: " + "; ".join(parts) + ".")
         eff = _ablation_effects(by)
         if eff:
             dom = {l: dominant_quantity(r) for l, r in by.items()}
@@ -816,8 +860,7 @@ def write_outputs(results: list[ModelResult], args, out: Path) -> str:
                 md.append(_md_table(["attention", "perplexity", "change", "top-1 = exact",
                                      "KL(exact||x) per token"], body))
             else:
-                names = {"exact": "exact (FP32 SDPA)", "fp4": "fp4attn (FP4)", "bf16": "BF16 SDPA"}
-                body = [[names[m], f"{d['mean_cos']:.6f}", f"{d['min_cos']:.6f}",
+                body = [[mode_label(m), f"{d['mean_cos']:.6f}", f"{d['min_cos']:.6f}",
                          f"{100 * d['nn_agree']:.1f}%"] for m, d in res.e2e.items()]
                 md.append(_md_table(["attention", "mean cos vs exact", "min cos",
                                      "nearest neighbour = exact"], body))
@@ -861,6 +904,7 @@ def plot_layers(res: ModelResult, path: Path) -> Path | None:
     fig, axes = plt.subplots(2 if abl else 1, 1, figsize=(9, 8 if abl else 3.8), squeeze=False)
     ax = axes[0][0]
     styles = {"fp4attn": {"color": "C3", "lw": 2.2, "marker": "o", "ms": 3},
+              "int8": {"color": "C1", "lw": 1.8, "marker": "s", "ms": 3},
               "fp16": {"color": "C0", "lw": 1.2, "marker": ".", "ms": 3},
               "bf16": {"color": "C2", "lw": 1.2, "marker": ".", "ms": 3}}
     for m in MAIN_METHODS:

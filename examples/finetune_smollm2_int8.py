@@ -1,10 +1,10 @@
 """Fine-tuning side by side on the CPU: SmolLM2-135M (the packaged model) on Jane Austen's text,
 once with `attn_implementation="fp4attn-int8"` (the 8-bit trainable attention,
 docs/SPEC_INT8.md) and once with torch SDPA, same seed, same batches. Prints a table and writes
-finetune_smollm2.csv (headed by the command, hardware and software: see provenance.py) and
-finetune_smollm2.png into --out (default: the committed result set).
+finetune_smollm2_int8.csv (headed by the command, hardware and software: see provenance.py) and
+finetune_smollm2_int8.png into --out (default: docs/results/, where the committed plot lives).
 
-    python benchmarks/finetune_smollm2.py [--steps 100] [--out DIR]
+    python examples/finetune_smollm2_int8.py [--steps 100] [--out DIR]
 
 Needs the packaged model and corpus: `bash scripts/install_models.sh`.
 """
@@ -20,13 +20,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))  # provenance: the result header
 from fp4attn.eval.models import austen_text, load_smollm2  # noqa: E402
 from fp4attn.integrations import transformers as fp4_transformers  # noqa: E402
-from curves import plot_loss_curves  # noqa: E402
+from loss_curves import plot_loss_curves  # noqa: E402
 from provenance import ROOT, cpu_description, header, write_csv  # noqa: E402
 
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
+RESULTS = os.path.join(ROOT, "docs", "results")
 
 
 def run(impl: str, ids: torch.Tensor, val: torch.Tensor, args) -> tuple[list[dict], float]:
@@ -102,13 +104,13 @@ def main() -> int:
     for r in results:
         r["tokens_per_s"] = round(speed[r["run"]])
     os.makedirs(args.out, exist_ok=True)
-    write_csv(os.path.join(args.out, "finetune_smollm2.csv"), header(cpu_description()), results)
-    png = os.path.join(args.out, "finetune_smollm2.png")
+    write_csv(os.path.join(args.out, "finetune_smollm2_int8.csv"), header(cpu_description()), results)
+    png = os.path.join(args.out, "finetune_smollm2_int8.png")
     if not plot_loss_curves(results, {"sdpa": "torch SDPA", fp4_transformers.NAME_INT8: "fp4attn-int8"},
                             png, f"SmolLM2-135M fine-tune on Austen (CPU): val {100 * rel:+.2f}%",
                             "cross-entropy (nats / token)"):
         print("matplotlib missing: no plot")
-    print(f"wrote {args.out}/finetune_smollm2.csv and .png")
+    print(f"wrote {args.out}/finetune_smollm2_int8.csv and .png")
     return 0
 
 

@@ -1,10 +1,11 @@
 """Training side by side: a small GPT trained from scratch on Jane Austen's novels (byte tokens),
 once with fp4attn's 8-bit attention (`precision="int8"`, docs/SPEC_INT8.md) and once with torch
 SDPA, same seed, same initial weights, same batches, bf16 autocast on the GPU. Prints a table and
-writes train_austen.csv (loss curves, headed by the command, hardware and software: see
-provenance.py) and train_austen.png into --out (default: the committed result set).
+writes train_gpt_int8.csv (loss curves, headed by the command, hardware and software: see
+benchmarks/provenance.py) and train_gpt_int8.png into --out (default: docs/results/, where the
+committed result lives; it was made on an H200).
 
-    python benchmarks/train_austen.py [--steps 1500] [--corpus austen.txt] [--out DIR]
+    python examples/train_gpt_int8.py [--steps 1500] [--corpus austen.txt] [--out DIR]
 
 The corpus: --corpus FILE, else Jane Austen's six novels from the janeaustenr package
 (`bash scripts/install_models.sh`); `--write-corpus FILE` saves them as text for a machine
@@ -22,13 +23,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))  # provenance: the result header
 import fp4attn  # noqa: E402
 from fp4attn.sdpa import ORIGINAL_SDPA  # noqa: E402
-from curves import plot_loss_curves  # noqa: E402
+from loss_curves import plot_loss_curves  # noqa: E402
 from provenance import ROOT, cpu_description, gpu_description, header, write_csv  # noqa: E402
 
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
+RESULTS = os.path.join(ROOT, "docs", "results")
 
 
 def austen_bytes() -> bytes:
@@ -166,13 +169,13 @@ def main() -> int:
     hw = gpu_description() if device.type == "cuda" else cpu_description()
     for r in results:
         r["tokens_per_s"] = round(speed[r["run"]])
-    write_csv(os.path.join(args.out, "train_austen.csv"), header(hw), results)
-    png = os.path.join(args.out, "train_austen.png")
+    write_csv(os.path.join(args.out, "train_gpt_int8.csv"), header(hw), results)
+    png = os.path.join(args.out, "train_gpt_int8.png")
     if not plot_loss_curves(results, {"torch": "torch SDPA", "int8": "fp4attn int8"}, png,
                             f"GPT on Austen: int8 attention vs torch SDPA (val {100 * rel:+.2f}%)",
                             "cross-entropy (nats / byte)"):
         print("matplotlib missing: no plot")
-    print(f"wrote {args.out}/train_austen.csv and .png")
+    print(f"wrote {args.out}/train_gpt_int8.csv and .png")
     return 0
 
 

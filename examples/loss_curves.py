@@ -1,4 +1,4 @@
-"""The loss-curve plot of the training benchmarks (train_austen.py, finetune_smollm2.py)."""
+"""The loss-curve plot of the training examples (train_gpt_int8.py, finetune_smollm2_int8.py)."""
 
 from __future__ import annotations
 
