@@ -78,3 +78,26 @@ def test_generate_with_kv_cache(ids):
     with torch.no_grad():
         out = model.generate(ids[:1, :30], max_new_tokens=5, do_sample=False)
     assert out.shape == (1, 35)
+
+
+def test_attn_implementation_fp4attn_int8_trains_with_padding(ids):
+    """attn_implementation="fp4attn-int8": gradients reach the projections (no fallback), with a
+    padding mask, and the loss is close to SDPA's."""
+    import warnings
+
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    exact_model = tiny_llama("sdpa").train()
+    int8_model = tiny_llama("fp4attn-int8").train()
+    mask = torch.ones_like(ids)
+    mask[1, :20] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    exact = exact_model(ids, attention_mask=mask, labels=labels).loss
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to torch SDPA would warn
+        loss = int8_model(ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    q_proj = int8_model.model.layers[0].self_attn.q_proj.weight
+    assert q_proj.grad is not None and torch.isfinite(q_proj.grad).all()
+    assert abs(loss.item() - exact.item()) < 1e-2 * abs(exact.item())
