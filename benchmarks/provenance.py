@@ -55,7 +55,11 @@ def gpu_description(device: int = 0) -> str:
 
 
 def git_commit() -> str:
-    """HEAD of the checkout fp4attn is imported from, `+changes` when tracked files differ."""
+    """HEAD of the checkout fp4attn is imported from, `+changes` when tracked files differ; the
+    environment's FP4ATTN_GIT_COMMIT instead where the tree was copied without its history (a
+    lent GPU machine), so that the header names the code that really ran."""
+    if os.environ.get("FP4ATTN_GIT_COMMIT"):
+        return os.environ["FP4ATTN_GIT_COMMIT"]
     src = os.path.dirname(os.path.dirname(os.path.abspath(fp4attn.__file__)))
     try:
         head = subprocess.run(["git", "-C", src, "rev-parse", "--short=12", "HEAD"],
