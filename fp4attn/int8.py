@@ -7,8 +7,9 @@ with fake kernels, tied together for autograd.
 
 q [B, Hq, Nq, D], k / v [B, Hkv, Nk, D] (Hq a multiple of Hkv), one dtype; out in that dtype,
 lse float32 [B, Hq, Nq]. The autograd saves q, k, v, out and lse; the backward recomputes the
-quantized operands bit-exactly. Both ops currently compute with the PyTorch implementation of
-the spec (fp4attn.reference_int8) on whatever device the inputs are on: correct, not fast.
+quantized operands bit-exactly. CPU tensors run the C backend (csrc/cpu/attention_int8.c); other
+devices run the PyTorch implementation of the spec (fp4attn.reference_int8) until their kernels
+exist: correct, not fast.
 """
 
 from __future__ import annotations

@@ -125,9 +125,11 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     reason = _fallback_reason(query, key, value, attn_mask, dropout_p, precision)
     if reason is not None:
         if strict:
-            raise FP4AttnFallbackError(f"fp4attn cannot compute this call in FP4: {reason}")
+            raise FP4AttnFallbackError(
+                f"fp4attn cannot compute this call in {precision.upper()}: {reason}")
         if return_lse:
-            raise FP4AttnFallbackError(f"return_lse=True needs the FP4 path, which cannot run: {reason}")
+            raise FP4AttnFallbackError(
+                f"return_lse=True needs the {precision.upper()} path, which cannot run: {reason}")
         if reason not in _warned:
             _warned.add(reason)
             warnings.warn(f"fp4attn: falling back to torch SDPA: {reason}", stacklevel=2)
