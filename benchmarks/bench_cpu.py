@@ -3,9 +3,11 @@ on the same shapes, in one run. Prints a table and writes bench_cpu.csv (headed 
 the CPU and the software versions, see provenance.py) and bench_cpu.png (if matplotlib exists)
 into --out; the default writes the committed result set, benchmarks/results/.
 
-    python benchmarks/bench_cpu.py [--quick] [--out benchmarks/results]
+    python benchmarks/bench_cpu.py [--quick] [--precision fp4|int8] [--out benchmarks/results]
 
-Target: at most 5x torch's CPU SDPA time at B=1, H=8, N=1024, D=64.
+Target: at most 5x torch's CPU SDPA time at B=1, H=8, N=1024, D=64. --precision int8 times the
+8-bit trainable attention instead, forward and forward + backward against torch's CPU SDPA with
+its autograd, into bench_cpu_int8.csv / .png.
 """
 
 from __future__ import annotations
@@ -35,10 +37,38 @@ def median_time(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def run_int8(shapes, repeats: int) -> list[dict]:
+    """Forward (no grad) and forward + backward of precision="int8" and of torch's SDPA."""
+    rows = []
+    for B, H, N, D, causal in shapes:
+        q, k, v = (torch.randn(B, H, N, D, requires_grad=True) for _ in range(3))
+        g = torch.randn(B, H, N, D)
+
+        def fwd(fn):
+            def run():
+                with torch.no_grad():
+                    fn(q, k, v, is_causal=causal)
+            return run
+
+        def fwd_bwd(fn):
+            return lambda: fn(q, k, v, is_causal=causal).backward(g)
+
+        int8 = lambda q, k, v, is_causal: fp4attn.sdpa(q, k, v, is_causal=is_causal, precision="int8")  # noqa: E731
+        t = {name: median_time(make(fn), repeats) for name, make, fn in (
+            ("int8_fwd", fwd, int8), ("torch_fwd", fwd, ORIGINAL_SDPA),
+            ("int8_fwd_bwd", fwd_bwd, int8), ("torch_fwd_bwd", fwd_bwd, ORIGINAL_SDPA))}
+        rows.append({"B": B, "H": H, "N": N, "D": D, "causal": causal,
+                     **{f"{k}_ms": 1e3 * v for k, v in t.items()},
+                     "fwd_ratio": t["int8_fwd"] / t["torch_fwd"],
+                     "fwd_bwd_ratio": t["int8_fwd_bwd"] / t["torch_fwd_bwd"]})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="only the target shape and one more")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--precision", choices=("fp4", "int8"), default="fp4")
     ap.add_argument("--out", default=RESULTS,
                     help="folder for bench_cpu.csv/.png (default: benchmarks/results)")
     args = ap.parse_args()
@@ -50,6 +80,19 @@ def main() -> int:
     head = header(cpu_description())
     for k, v in head.items():
         print(f"{k}: {v}")
+    if args.precision == "int8":
+        rows = run_int8(shapes, args.repeats)
+        print("| B | H | N | D | causal | int8 fwd ms | torch fwd ms | ratio | int8 fwd+bwd ms | "
+              "torch fwd+bwd ms | ratio |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['B']} | {r['H']} | {r['N']} | {r['D']} | {r['causal']} | "
+                  f"{r['int8_fwd_ms']:.1f} | {r['torch_fwd_ms']:.1f} | {r['fwd_ratio']:.2f}x | "
+                  f"{r['int8_fwd_bwd_ms']:.1f} | {r['torch_fwd_bwd_ms']:.1f} | "
+                  f"{r['fwd_bwd_ratio']:.2f}x |")
+        os.makedirs(args.out, exist_ok=True)
+        write_csv(os.path.join(args.out, "bench_cpu_int8.csv"), head, rows)
+        return 0
     rows = []
     for B, H, N, D, causal in shapes:
         q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
