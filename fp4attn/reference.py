@@ -377,6 +377,37 @@ def _mask_bias(
     return allowed, additive
 
 
+def _mask_scores(s: Tensor, allowed: Tensor | None, additive: Tensor | None, j0: int,
+                 j1: int) -> Tensor:
+    """Scores of keys [j0, j1) with the masks of ``_mask_bias`` applied: hidden keys -inf, then
+    the additive mask (SPEC 4 step 4)."""
+    if allowed is not None:
+        s = torch.where(allowed[..., j0:j1], s, -math.inf)
+    if additive is not None:
+        s = s + additive[..., j0:j1]
+    return s
+
+
+def _online_softmax_step(m: Tensor, s: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One key step of the online softmax (SPEC 4.5, SPEC_INT8 2.4) for scores ``s [..., keys]``
+    and the running row maximum ``m``: ``(t, m_new, alpha, beta, e)`` with t the step's row
+    maximum, alpha = exp(m - m_new), beta = exp(t - m_new) and e = exp(s - t) in [0, 1]. A row
+    masked for the whole step (t = -inf) gets beta = 0 and e = 0: it adds nothing, never NaN."""
+    t = s.amax(dim=-1)
+    m_new = torch.maximum(m, t)
+    empty = t == -math.inf
+    alpha = torch.where(m == -math.inf, 0.0, torch.exp(m - m_new))
+    beta = torch.where(empty, 0.0, torch.exp(t - m_new))
+    e = torch.exp(s - torch.where(empty, 0.0, t)[..., None])
+    return t, m_new, alpha, beta, e
+
+
+def _normalise(acc: Tensor, l: Tensor) -> tuple[Tensor, Tensor]:
+    """SPEC 4.6: (acc / l, visible); rows without any visible key (l = 0) stay 0, never 0/0."""
+    visible = l > 0
+    return torch.where(visible[..., None], acc / torch.where(visible, l, 1.0)[..., None], 0.0), visible
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -487,19 +518,11 @@ def attention(
         # query block against the keys in input precision (float32), expanded to its rows.
         qk = dqk * _mm64(qv, kv[:, :, j0:j1])
         corr = torch.matmul(qbar, kin[:, :, j0:j1].transpose(-1, -2))  # [B, Hq, nqb, tile]
-        s = scale * (qk + corr.repeat_interleave(block_q, dim=2)[:, :, :Nq])
-        if allowed is not None:
-            s = torch.where(allowed[..., j0:j1], s, -math.inf)
-        if additive is not None:
-            s = s + additive[..., j0:j1]
+        s = _mask_scores(scale * (qk + corr.repeat_interleave(block_q, dim=2)[:, :, :Nq]),
+                         allowed, additive, j0, j1)
 
         # SPEC 4.5: online softmax; a row fully masked in this tile (t = -inf) adds nothing.
-        t = s.amax(dim=-1)
-        m_new = torch.maximum(m, t)
-        empty_tile = t == -math.inf
-        alpha = torch.where(m == -math.inf, 0.0, torch.exp(m - m_new))
-        beta = torch.where(empty_tile, 0.0, torch.exp(t - m_new))
-        e = torch.exp(s - torch.where(empty_tile, 0.0, t)[..., None])  # exp(S - t), 0 if masked
+        _, m_new, alpha, beta, e = _online_softmax_step(m, s)
         l = alpha * l + beta * e.sum(dim=-1)  # l from the unquantized exponentials
         if two_level_p:
             p = NVFP4_RANGE * e  # first level: each row's tile maximum sits exactly at 2688
@@ -514,9 +537,7 @@ def attention(
         acc = alpha[..., None] * acc + pv * dv
         m = m_new
 
-    # SPEC 4.6: normalise; rows without any visible key stay 0 (never 0/0 = NaN).
-    visible = l > 0
-    out = torch.where(visible[..., None], acc / torch.where(visible, l, 1.0)[..., None], 0.0)
+    out, visible = _normalise(acc, l)
     if not return_lse:
         return out
     shift = scale * (qs * kbar.repeat_interleave(G, dim=1)).sum(dim=-1) if smooth_k else 0.0

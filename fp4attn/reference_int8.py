@@ -18,7 +18,8 @@ import math
 import torch
 from torch import Tensor
 
-from .reference import _as_float32, _check_qkv, _div_rn, _mask_bias
+from .reference import (_as_float32, _check_qkv, _div_rn, _mask_bias, _mask_scores, _normalise,
+                        _online_softmax_step)
 
 __all__ = ["BK", "BQ", "QMAX", "attention_backward", "attention_forward", "psi"]
 
@@ -50,6 +51,11 @@ def _blocks(x: Tensor, block: int) -> Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, nb * block - N)).reshape(B, H, nb, block, D)
 
 
+def _per_q_head(x: Tensor, G: int) -> Tensor:
+    """A per-KV-head tensor [B, Hkv, ...] repeated for the G query heads of each KV head."""
+    return x.repeat_interleave(G, dim=1) if G > 1 else x
+
+
 def _mm64(a: Tensor, b: Tensor) -> Tensor:
     """a @ b of integer-valued float32 operands, exact (float64), as float32."""
     return torch.matmul(a.double(), b.double()).to(torch.float32)
@@ -70,22 +76,17 @@ class _Quantized:
         # per row / per key, repeated over the GQA group after quantizing (scales per KV head)
         self.qc = qc.reshape(B, Hq, nqb * BQ, D)[:, :, :Nq]
         self.sq = sq.reshape(B, Hq, nqb, 1).repeat_interleave(BQ, dim=2)[:, :, :Nq]  # [B,Hq,Nq,1]
-        rep = (lambda t: t.repeat_interleave(G, dim=1)) if G > 1 else (lambda t: t)
-        self.kc = rep(kc.reshape(B, -1, nkb * BK, D)[:, :, :Nk])
-        self.sk = rep(sk.reshape(B, -1, nkb))  # [B, Hq, nkb]
-        self.vc = rep(vc.reshape(B, -1, nkb * BK, D)[:, :, :Nk])
-        self.sv = rep(sv.reshape(B, -1, nkb, D))  # [B, Hq, nkb, D]
+        self.kc = _per_q_head(kc.reshape(B, -1, nkb * BK, D)[:, :, :Nk], G)
+        self.sk = _per_q_head(sk.reshape(B, -1, nkb), G)  # [B, Hq, nkb]
+        self.vc = _per_q_head(vc.reshape(B, -1, nkb * BK, D)[:, :, :Nk], G)
+        self.sv = _per_q_head(sv.reshape(B, -1, nkb, D), G)  # [B, Hq, nkb, D]
 
     def scores(self, j: int, scale: float, allowed: Tensor | None, additive: Tensor | None) -> Tensor:
         """S_ij of key block j for every query row (SPEC_INT8 2.3), masked."""
         j0, j1 = j * BK, min((j + 1) * BK, self.kc.shape[2])
         acc = _mm64(self.qc, self.kc[:, :, j0:j1].transpose(-1, -2))
-        s = acc * ((self.sq * self.sk[:, :, j, None, None]) * scale)
-        if allowed is not None:
-            s = torch.where(allowed[..., j0:j1], s, -math.inf)
-        if additive is not None:
-            s = s + additive[..., j0:j1]
-        return s
+        return _mask_scores(acc * ((self.sq * self.sk[:, :, j, None, None]) * scale), allowed,
+                            additive, j0, j1)
 
 
 def _prepare(q, k, v, attn_mask, is_causal, scale):
@@ -101,8 +102,7 @@ def _prepare(q, k, v, attn_mask, is_causal, scale):
 
 def _lse_shift(q32: Tensor, kbar: Tensor, G: int, scale: float) -> Tensor:
     """scale * (q . kbar) per row: what K smoothing removes from every score of the row."""
-    kb = kbar.repeat_interleave(G, dim=1) if G > 1 else kbar
-    return scale * (q32 * kb).sum(dim=-1)
+    return scale * (q32 * _per_q_head(kbar, G)).sum(dim=-1)
 
 
 def attention_forward(
@@ -129,20 +129,13 @@ def attention_forward(
     l = q32.new_zeros(B, Hq, Nq)
     for j in range(-(-Nk // BK)):
         j0, j1 = j * BK, min((j + 1) * BK, Nk)
-        s = ops.scores(j, scale, allowed, additive)
-        t = s.amax(dim=-1)
-        m_new = torch.maximum(m, t)
-        empty = t == -math.inf  # a row masked for the whole step adds nothing
-        alpha = torch.where(m == -math.inf, 0.0, torch.exp(m - m_new))
-        beta = torch.where(empty, 0.0, torch.exp(t - m_new))
-        e = torch.exp(s - torch.where(empty, 0.0, t)[..., None])  # in [0, 1]; 0 where masked
+        _, m_new, alpha, beta, e = _online_softmax_step(m, ops.scores(j, scale, allowed, additive))
         p = torch.round(QMAX * e)  # per-row INT8 P: psi with amax = 1
         l = alpha * l + beta * e.sum(dim=-1)
         pv = _mm64(p, ops.vc[:, :, j0:j1]) * ops.sv[:, :, j, None, :]
         out = alpha[..., None] * out + _div_rn(beta, QMAX)[..., None] * pv
         m = m_new
-    visible = l > 0
-    out = torch.where(visible[..., None], out / torch.where(visible, l, 1.0)[..., None], 0.0)
+    out, visible = _normalise(out, l)
     lse = torch.where(visible, m + torch.log(l) + _lse_shift(q32, ops.kbar, G, scale), -math.inf)
     return out, lse
 
@@ -180,7 +173,7 @@ def attention_backward(
         drow = drow - _as_float32(grad_lse)[..., None]
     lse_s = lse - _lse_shift(q32, ops.kbar, G, scale)  # lse of the smoothed scores
     lse_s = torch.where(lse == -math.inf, math.inf, lse_s)[..., None]  # no visible key: P = 0
-    v16 = v.repeat_interleave(G, dim=1) if G > 1 else v  # dP in the input precision
+    v16 = _per_q_head(v, G)  # dP in the input precision
     nqb = -(-Nq // BQ)
     doc, sdo = psi(_blocks(do32, BQ), (3,))  # per 64 rows and channel: [B,Hq,nqb,1,D]
     row_sum_ds = q32.new_zeros(B, Hq, Nq)
@@ -201,8 +194,7 @@ def attention_backward(
         sq = ops.sq[..., 0]  # [B, Hq, Nq]: the 64-row block scale of each row
         sdsq = (scale * sds) * _blocks(sq[..., None], BQ)[..., :1, :]  # [B,Hq,nqb,1,1]
         dk[:, :, j0:j1] += (sdsq * _mm64(dsc.transpose(-1, -2), _blocks(ops.qc, BQ))).sum(dim=2)
-    kb = ops.kbar.repeat_interleave(G, dim=1) if G > 1 else ops.kbar
-    dq += scale * row_sum_ds[..., None] * kb  # the smoothing correction
+    dq += scale * row_sum_ds[..., None] * _per_q_head(ops.kbar, G)  # the smoothing correction
     if G > 1:
         dk = dk.reshape(B, Hkv, G, Nk, D).sum(dim=2)
         dv = dv.reshape(B, Hkv, G, Nk, D).sum(dim=2)
