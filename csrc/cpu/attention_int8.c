@@ -23,20 +23,22 @@ static inline int8_t code8(float y) {
   return (int8_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
 }
 
-/* SPEC_INT8 1 for the group's amax: the reciprocal r and the scale s; r == 0 flushes the group. */
-static inline void psi_scales(float amax, float *r, float *s) {
-  const float recip = 127.0f / amax;
-  if (recip == INFINITY) {
-    *r = 0.0f;
-    *s = 0.0f;
-  } else {
-    *r = recip;
-    *s = amax / 127.0f;
-  }
-}
-
 static inline float absmax_nan(float m, float x) {
   return fp4attn_nanmax(m, fabsf(x));
+}
+
+/* psi of one group: the rows x cols values x[r * pitch + c] (a block, or a column with cols = 1)
+ * into codes at the same offsets; returns the group's scale. */
+static float psi_group(const float *x, int64_t rows, int64_t cols, int64_t pitch, int8_t *codes) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t c = 0; c < cols; ++c) amax = absmax_nan(amax, x[i * pitch + c]);
+  /* SPEC_INT8 1: r = 127 / amax; a group it does not invert (amax 0 or tiny) is all zeros */
+  float r = 127.0f / amax, s = amax / 127.0f;
+  if (r == INFINITY) r = s = 0.0f;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t c = 0; c < cols; ++c) codes[i * pitch + c] = code8(x[i * pitch + c] * r);
+  return s;
 }
 
 static float load_row(const void *base, fp4attn_dtype dt, const int64_t *st, int64_t b, int64_t h,
@@ -76,9 +78,9 @@ static int quantize_kv(const fp4attn_attention_params *p, int64_t b, int64_t h, 
   o->sk = (float *)malloc(sizeof(float) * (size_t)nkb);
   o->vc = (int8_t *)malloc((size_t)(Nk * D));
   o->sv = (float *)malloc(sizeof(float) * (size_t)(nkb * D));
-  float *ks = (float *)malloc(sizeof(float) * (size_t)(BK * D));
-  if (!o->kbar || !o->kc || !o->sk || !o->vc || !o->sv || !ks) {
-    free(ks);
+  float *x = (float *)malloc(sizeof(float) * (size_t)(BK * D)); /* one block: K - kbar, then V */
+  if (!o->kbar || !o->kc || !o->sk || !o->vc || !o->sv || !x) {
+    free(x);
     return 0;
   }
   for (int64_t d = 0; d < D; ++d) {
@@ -88,27 +90,17 @@ static int quantize_kv(const fp4attn_attention_params *p, int64_t b, int64_t h, 
   }
   for (int64_t j = 0; j < nkb; ++j) {
     const int64_t n0 = j * BK, rows = Nk - n0 < BK ? Nk - n0 : BK;
-    float amax = 0.0f, r, s;
     for (int64_t n = 0; n < rows; ++n)
-      for (int64_t d = 0; d < D; ++d) {
-        ks[n * D + d] = load_row(p->k, p->dtype, p->k_stride, b, h, n0 + n, d) - o->kbar[d];
-        amax = absmax_nan(amax, ks[n * D + d]);
-      }
-    psi_scales(amax, &r, &s);
-    o->sk[j] = s;
-    for (int64_t n = 0; n < rows * D; ++n) o->kc[n0 * D + n] = code8(ks[n] * r);
-    for (int64_t d = 0; d < D; ++d) { /* V: one scale per channel */
-      float vmax = 0.0f, vr, vs;
-      for (int64_t n = 0; n < rows; ++n)
-        vmax = absmax_nan(vmax, load_row(p->v, p->dtype, p->v_stride, b, h, n0 + n, d));
-      psi_scales(vmax, &vr, &vs);
-      o->sv[j * D + d] = vs;
-      for (int64_t n = 0; n < rows; ++n)
-        o->vc[(n0 + n) * D + d] =
-            code8(load_row(p->v, p->dtype, p->v_stride, b, h, n0 + n, d) * vr);
-    }
+      for (int64_t d = 0; d < D; ++d)
+        x[n * D + d] = load_row(p->k, p->dtype, p->k_stride, b, h, n0 + n, d) - o->kbar[d];
+    o->sk[j] = psi_group(x, rows, D, D, o->kc + n0 * D);
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t d = 0; d < D; ++d)
+        x[n * D + d] = load_row(p->v, p->dtype, p->v_stride, b, h, n0 + n, d);
+    for (int64_t d = 0; d < D; ++d) /* V: one scale per channel */
+      o->sv[j * D + d] = psi_group(x + d, rows, 1, D, o->vc + n0 * D + d);
   }
-  free(ks);
+  free(x);
   return 1;
 }
 
@@ -116,20 +108,17 @@ static int quantize_q(const fp4attn_attention_params *p, int64_t b, int64_t h, q
   const int64_t D = p->head_dim, Nq = p->len_q, nqb = (Nq + BQ - 1) / BQ;
   o->qc = (int8_t *)malloc((size_t)(Nq * D));
   o->sq = (float *)malloc(sizeof(float) * (size_t)nqb);
-  if (!o->qc || !o->sq) return 0;
-  for (int64_t i = 0; i < nqb; ++i) {
+  float *x = (float *)malloc(sizeof(float) * (size_t)(BQ * D));
+  const int ok = o->qc && o->sq && x;
+  for (int64_t i = 0; ok && i < nqb; ++i) {
     const int64_t n0 = i * BQ, rows = Nq - n0 < BQ ? Nq - n0 : BQ;
-    float amax = 0.0f, r, s;
     for (int64_t n = 0; n < rows; ++n)
       for (int64_t d = 0; d < D; ++d)
-        amax = absmax_nan(amax, load_row(p->q, p->dtype, p->q_stride, b, h, n0 + n, d));
-    psi_scales(amax, &r, &s);
-    o->sq[i] = s;
-    for (int64_t n = 0; n < rows; ++n)
-      for (int64_t d = 0; d < D; ++d)
-        o->qc[(n0 + n) * D + d] = code8(load_row(p->q, p->dtype, p->q_stride, b, h, n0 + n, d) * r);
+        x[n * D + d] = load_row(p->q, p->dtype, p->q_stride, b, h, n0 + n, d);
+    o->sq[i] = psi_group(x, rows, D, D, o->qc + n0 * D);
   }
-  return 1;
+  free(x);
+  return ok;
 }
 
 static void free_kv(kv_codes *c) {
@@ -298,13 +287,7 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
         const float lse = p->lse[li];
         lses[r] = lse == -INFINITY ? INFINITY : lse - lse_shift(p, kv, b, h, i);
       }
-      for (int64_t d = 0; d < D; ++d) {
-        float amax = 0.0f, r, s;
-        for (int64_t rr = 0; rr < rows; ++rr) amax = absmax_nan(amax, dor[rr * D + d]);
-        psi_scales(amax, &r, &s);
-        sdo[d] = s;
-        for (int64_t rr = 0; rr < rows; ++rr) doc[rr * D + d] = code8(dor[rr * D + d] * r);
-      }
+      for (int64_t d = 0; d < D; ++d) sdo[d] = psi_group(dor + d, rows, 1, D, doc + d);
       /* causal: the key blocks past the block's last row have P = 0 and add nothing */
       const int64_t last = r0 + rows - 1,
                     jend = p->causal && last / BK + 1 < nkb ? last / BK + 1 : nkb;
@@ -318,13 +301,7 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
           for (int64_t n = 0; n < w; ++n) P[r * BK + n] = expf(P[r * BK + n] - lses[r]);
         }
         /* dV_j += P^T dO in INT8: P per key column, dO per channel, over the block's rows */
-        for (int64_t n = 0; n < w; ++n) {
-          float amax = 0.0f, r, s;
-          for (int64_t rr = 0; rr < rows; ++rr) amax = absmax_nan(amax, P[rr * BK + n]);
-          psi_scales(amax, &r, &s);
-          sp[n] = s;
-          for (int64_t rr = 0; rr < rows; ++rr) pcode[rr * BK + n] = code8(P[rr * BK + n] * r);
-        }
+        for (int64_t n = 0; n < w; ++n) sp[n] = psi_group(P + n, rows, 1, BK, pcode + n);
         for (int64_t n = 0; n < w; ++n) {
           int32_t acc[FP4ATTN_MAX_HEAD_DIM] = {0};
           for (int64_t rr = 0; rr < rows; ++rr)
@@ -333,7 +310,6 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
             dvacc[(n0 + n) * D + d] += (sp[n] * sdo[d]) * (float)acc[d];
         }
         /* dS = P (dP - Drow), dP = dO V^T in the input precision, FP32 accumulation */
-        float amax = 0.0f;
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t n = 0; n < w; ++n) {
             float dp = 0.0f;
@@ -341,12 +317,8 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
             const float ds = P[r * BK + n] * (dp - drow[r]);
             dS[r * BK + n] = ds;
             rowsum[r0 + r] += ds;
-            amax = absmax_nan(amax, ds);
           }
-        float rs, sds;
-        psi_scales(amax, &rs, &sds);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t n = 0; n < w; ++n) dsc[r * BK + n] = code8(dS[r * BK + n] * rs);
+        const float sds = psi_group(dS, rows, w, BK, dsc); /* one scale per 64 x 128 block */
         const float fq = (p->scale * sds) * kv->sk[j], fk = (p->scale * sds) * q.sq[ib];
         for (int64_t r = 0; r < rows; ++r) { /* dQ_i += dS^ K^_j */
           int32_t acc[FP4ATTN_MAX_HEAD_DIM] = {0};
