@@ -27,7 +27,7 @@ using fp4attn_cuda::kVEnc;
 
 struct WriterArgs {
   WriterInputs in;
-  int64_t B, Hq, Hkv, G, Nq, Nk, D, Dp, nqb, nq_pad, nkt, nk_pad;
+  Layout L; /* sizes (the byte offsets are applied to the pointers below) */
   uint8_t *qc, *qs, *kc, *ks, *vc, *vs;
   float *lse_shift, *dec_q, *dec_k, *dec_v;
 };
@@ -43,8 +43,8 @@ __device__ __forceinline__ uint32_t pack8(const uint8_t *codes) {
 /* grid (nq_pad * nb / 256, B*Hq), thread = (row, 16-channel block) */
 template <int DT>
 __global__ void __launch_bounds__(256) quant_q(WriterArgs a) {
-  const int nb = (int)(a.Dp / 16);
-  const int64_t bh = blockIdx.y, b = bh / a.Hq, h = bh % a.Hq, bkv = b * a.Hkv + h / a.G;
+  const int nb = (int)(a.L.Dp / 16);
+  const int64_t bh = blockIdx.y, b = bh / a.L.Hq, h = bh % a.L.Hq, bkv = b * a.L.Hkv + h / a.L.G;
   const int64_t row = (int64_t)blockIdx.x * (256 / nb) + threadIdx.x / nb;
   const int blk = threadIdx.x % nb;
   const float enc = a.in.qscale[bh * kQScales + kQEnc];
@@ -56,28 +56,29 @@ __global__ void __launch_bounds__(256) quant_q(WriterArgs a) {
   for (int i = 0; i < 16; ++i) {
     const int c = blk * 16 + i;
     xs[i] = 0.0f;
-    if (row < a.Nq && c < a.D) {
+    if (row < a.L.Nq && c < a.L.D) {
       const float qsv = load_as_float(a.in.q, (fp4attn_dtype)DT, qbase + c) -
-                        a.in.qbar[(bh * a.nqb + row / kBlockQ) * a.Dp + c];
+                        a.in.qbar[(bh * a.L.nqb + row / kBlockQ) * a.L.Dp + c];
       xs[i] = qsv * enc;
-      shift = __fadd_rn(shift, __fmul_rn(qsv, a.in.kbar[bkv * a.Dp + c]));
+      shift = __fadd_rn(shift, __fmul_rn(qsv, a.in.kbar[bkv * a.L.Dp + c]));
     }
   }
   for (int o = 1; o < nb; o <<= 1) shift += __shfl_xor_sync(0xffffffffu, shift, o);
   uint8_t codes[16];
   const uint8_t s = fp4attn_quantize_block(xs, 16, codes);
-  uint32_t *dst = reinterpret_cast<uint32_t *>(a.qc + (bh * a.nq_pad + row) * (a.Dp / 2) + 8 * blk);
+  uint32_t *dst =
+      reinterpret_cast<uint32_t *>(a.qc + (bh * a.L.nq_pad + row) * (a.L.Dp / 2) + 8 * blk);
   dst[0] = pack8(codes);
   dst[1] = pack8(codes + 8);
-  a.qs[(bh * a.nq_pad + row) * nb + blk] = s;
-  if (blk == 0 && row < a.Nq) a.lse_shift[bh * a.Nq + row] = shift;
+  a.qs[(bh * a.L.nq_pad + row) * nb + blk] = s;
+  if (blk == 0 && row < a.L.Nq) a.lse_shift[bh * a.L.Nq + row] = shift;
 }
 
 /* grid (nk_pad * nb / 256, B*Hkv), thread = (token, 16-channel block) */
 template <int DT>
 __global__ void __launch_bounds__(256) quant_k(WriterArgs a) {
-  const int nb = (int)(a.Dp / 16), nks = (int)(a.Dp / 64);
-  const int64_t bh = blockIdx.y, b = bh / a.Hkv, h = bh % a.Hkv;
+  const int nb = (int)(a.L.Dp / 16), nks = (int)(a.L.Dp / 64);
+  const int64_t bh = blockIdx.y, b = bh / a.L.Hkv, h = bh % a.L.Hkv;
   const int64_t tok = (int64_t)blockIdx.x * (256 / nb) + threadIdx.x / nb;
   const int blk = threadIdx.x % nb;
   const float enc = a.in.kvscale[bh * kKvScales + kKEnc];
@@ -88,8 +89,9 @@ __global__ void __launch_bounds__(256) quant_k(WriterArgs a) {
   for (int i = 0; i < 16; ++i) {
     const int c = blk * 16 + i;
     xs[i] =
-        (tok < a.Nk && c < a.D)
-            ? (load_as_float(a.in.k, (fp4attn_dtype)DT, kbase + c) - a.in.kbar[bh * a.Dp + c]) * enc
+        (tok < a.L.Nk && c < a.L.D)
+            ? (load_as_float(a.in.k, (fp4attn_dtype)DT, kbase + c) - a.in.kbar[bh * a.L.Dp + c]) *
+                  enc
             : 0.0f;
   }
   uint8_t codes[16];
@@ -98,24 +100,24 @@ __global__ void __launch_bounds__(256) quant_k(WriterArgs a) {
   const int pos = key_perm((int)(tok % kBlockKV)); /* token l sits at position perm(l) */
   const int nt = pos >> 3, g = pos & 7;
   uint32_t *frag =
-      reinterpret_cast<uint32_t *>(a.kc) + ((bh * a.nkt + tile) * 16 + nt) * 32 * (2 * nks);
+      reinterpret_cast<uint32_t *>(a.kc) + ((bh * a.L.nkt + tile) * 16 + nt) * 32 * (2 * nks);
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
     const int wr = 2 * blk + w; /* word of the row: bytes [4wr, 4wr+4) */
     const int ks = wr >> 3, half = (wr >> 2) & 1, t = wr & 3;
     frag[(g * 4 + t) * (2 * nks) + ks * 2 + half] = pack8(codes + 8 * w);
   }
-  a.ks[((bh * a.nkt + tile) * kBlockKV + pos) * nb + blk] = s;
+  a.ks[((bh * a.L.nkt + tile) * kBlockKV + pos) * nb + blk] = s;
 }
 
 /* grid (ceil(nk_pad/16 / (256/Dp)), B*Hkv), thread = (channel, 16-token block) */
 template <int DT>
 __global__ void __launch_bounds__(256) quant_v(WriterArgs a) {
-  const int Dp = (int)a.Dp;
-  const int64_t bh = blockIdx.y, b = bh / a.Hkv, h = bh % a.Hkv;
+  const int Dp = (int)a.L.Dp;
+  const int64_t bh = blockIdx.y, b = bh / a.L.Hkv, h = bh % a.L.Hkv;
   const int ch = threadIdx.x % Dp;
   const int64_t tb = (int64_t)blockIdx.x * (256 / Dp) + threadIdx.x / Dp;
-  if (tb >= a.nk_pad / 16) return;
+  if (tb >= a.L.nk_pad / 16) return;
   const float enc = a.in.kvscale[bh * kKvScales + kVEnc];
   if (blockIdx.x == 0 && threadIdx.x == 0) a.dec_v[bh] = a.in.kvscale[bh * kKvScales + kVDec];
   float xs[16];
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(256) quant_v(WriterArgs a) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int64_t tok = tb * 16 + i;
-    xs[i] = (tok < a.Nk && ch < a.D)
+    xs[i] = (tok < a.L.Nk && ch < a.L.D)
                 ? load_as_float(a.in.v, (fp4attn_dtype)DT, vbase + tok * a.in.v_stride[2]) * enc
                 : 0.0f;
   }
@@ -133,23 +135,23 @@ __global__ void __launch_bounds__(256) quant_v(WriterArgs a) {
   const int lb = (int)(tb % 8);
   const int ntv = ch >> 3, g = ch & 7;
   uint32_t *frag =
-      reinterpret_cast<uint32_t *>(a.vc) + ((bh * a.nkt + tile) * (Dp / 8) + ntv) * 32 * 4;
+      reinterpret_cast<uint32_t *>(a.vc) + ((bh * a.L.nkt + tile) * (Dp / 8) + ntv) * 32 * 4;
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
     const int wr = 2 * lb + w;
     const int ks = wr >> 3, half = (wr >> 2) & 1, t = wr & 3;
     frag[(g * 4 + t) * 4 + ks * 2 + half] = pack8(codes + 8 * w);
   }
-  a.vs[((bh * a.nkt + tile) * Dp + ch) * 8 + lb] = s;
+  a.vs[((bh * a.L.nkt + tile) * Dp + ch) * 8 + lb] = s;
 }
 
 template <int DT>
 cudaError_t write_typed(const WriterArgs &a, cudaStream_t st) {
-  const int64_t bq = a.B * a.Hq, bkv = a.B * a.Hkv;
-  const int nb = (int)(a.Dp / 16);
-  quant_q<DT><<<dim3((unsigned)(a.nq_pad * nb / 256), (unsigned)bq), 256, 0, st>>>(a);
-  quant_k<DT><<<dim3((unsigned)(a.nk_pad * nb / 256), (unsigned)bkv), 256, 0, st>>>(a);
-  const int64_t tbs = a.nk_pad / 16, per = 256 / a.Dp;
+  const int64_t bq = a.L.B * a.L.Hq, bkv = a.L.B * a.L.Hkv;
+  const int nb = (int)(a.L.Dp / 16);
+  quant_q<DT><<<dim3((unsigned)(a.L.nq_pad * nb / 256), (unsigned)bq), 256, 0, st>>>(a);
+  quant_k<DT><<<dim3((unsigned)(a.L.nk_pad * nb / 256), (unsigned)bkv), 256, 0, st>>>(a);
+  const int64_t tbs = a.L.nk_pad / 16, per = 256 / a.L.Dp;
   quant_v<DT><<<dim3((unsigned)((tbs + per - 1) / per), (unsigned)bkv), 256, 0, st>>>(a);
   return cudaGetLastError();
 }
@@ -160,18 +162,7 @@ cudaError_t write_operands_sm120(const WriterInputs &in, const Layout &L, uint8_
                                  cudaStream_t stream) {
   WriterArgs a;
   a.in = in;
-  a.B = L.B;
-  a.Hq = L.Hq;
-  a.Hkv = L.Hkv;
-  a.G = L.G;
-  a.Nq = L.Nq;
-  a.Nk = L.Nk;
-  a.D = L.D;
-  a.Dp = L.Dp;
-  a.nqb = L.nqb;
-  a.nq_pad = L.nq_pad;
-  a.nkt = L.nkt;
-  a.nk_pad = L.nk_pad;
+  a.L = L;
   a.qc = ws + L.qc;
   a.qs = ws + L.qs;
   a.kc = ws + L.kc;
