@@ -210,14 +210,6 @@ static const char *dt_name(fp4attn_dtype d) {
   return d == FP4ATTN_FLOAT16 ? "f16" : (d == FP4ATTN_BFLOAT16 ? "bf16" : "f32");
 }
 
-static bool aligned16h(const void *ptr) {
-  return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0;
-}
-static bool vec_ok_h(const void *ptr, const int64_t *stride, int64_t d) {
-  return aligned16h(ptr) && d % 8 == 0 && stride[0] % 8 == 0 && stride[1] % 8 == 0 &&
-         stride[2] % 8 == 0;
-}
-
 struct Inputs {
   void *qb = nullptr, *kb = nullptr, *vb = nullptr, *ob = nullptr;
   int64_t qn = 0, kn = 0, vn = 0; /* bytes of each allocation */
@@ -299,9 +291,9 @@ static AttnArgs make_args(const fp4attn_attention_params &p, void *ws) {
   memset(&a, 0, sizeof a);
   a.p = p;
   a.ws = attn_workspace_layout(&p, fp16_plan(p), ws);
-  a.vec_q = vec_ok_h(p.q, p.q_stride, p.head_dim);
-  a.vec_k = vec_ok_h(p.k, p.k_stride, p.head_dim);
-  a.vec_v = vec_ok_h(p.v, p.v_stride, p.head_dim);
+  a.vec_q = vector_rows(p.q, p.q_stride, p.head_dim);
+  a.vec_k = vector_rows(p.k, p.k_stride, p.head_dim);
+  a.vec_v = vector_rows(p.v, p.v_stride, p.head_dim);
   return a;
 }
 
