@@ -1,20 +1,24 @@
 """Attention forward benchmark: fp4attn (end to end and kernel only) vs torch SDPA backends.
 
 For every (head dim, N, causal, dtype) it times, on the same inputs:
-  fp4attn      fp4attn.sdpa end to end (quantization pre-pass included)
+  fp4attn      fp4attn.sdpa end to end (quantization pre-pass included); with --precision int8
+               the 8-bit attention (SPEC_INT8), columns int8attn / int8_kernel / int8_prepass
   fp4_kernel   the attention kernel alone, and fp4_prepass the pre-pass kernels alone
                (per-kernel device times from torch.profiler, medians over the profiled calls)
   flash, cudnn, efficient   torch.nn.functional.scaled_dot_product_attention pinned to a backend
 Timing: L2 flushed before every call (a 256 MB write), warm-up, CUDA events, median of --reps.
 prepass % copy bw: bytes the pre-pass moves (Q, K, V read once; K^, V^ written as the FP16
-values the workspace holds) per second, over the device-to-device copy bandwidth (read + written).
+values the workspace holds, or Q^, K^, V^ as INT8 codes) per second, over the device-to-device copy
+bandwidth (read + written).
 TFLOPS = 4*B*H*N^2*D / t, halved for causal. Tokens per config: B*N = --tokens (B >= 1), H*D = 2048.
 The kernel is the one fp4attn.sdpa picks; FP4ATTN_KERNEL forces one and is recorded in the header.
 Prints a table and writes bench_attention.csv (headed by the command, the GPU and the software
-versions, see provenance.py) and bench_attention.png into --out; the default writes the committed
-result set, benchmarks/results/ (the full sweep). --quick fits in about two minutes on an H200.
+versions, see provenance.py) and bench_attention.png (bench_attention_int8.* for int8) into --out;
+the default writes the committed result set, benchmarks/results/ (the full sweep). --quick fits in
+about two minutes on an H200.
 
   python benchmarks/bench_attention.py                           # full sweep -> benchmarks/results
+  python benchmarks/bench_attention.py --precision int8          # the 8-bit forward
   python benchmarks/bench_attention.py --quick --out bench_out
   FP4ATTN_KERNEL=sm120 python benchmarks/bench_attention.py --quick --out bench_sm120
 """
@@ -40,9 +44,10 @@ import fp4attn  # noqa: E402
 from provenance import ROOT, cpu_name, gpu_description, header, write_csv  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-# Names of the attention kernels (every other kernel fp4attn launches is the pre-pass):
-# attention_fwd_kernel (mma.sync), attention_fwd_sm90_kernel (wgmma), attention_sm120_kernel.
-FWD_KERNELS = ("attention_fwd", "attention_sm120")
+# Names of the attention kernels per precision (every other kernel fp4attn launches is the
+# pre-pass): attention_fwd_kernel (mma.sync), attention_fwd_sm90_kernel (wgmma),
+# attention_sm120_kernel; int8_forward_kernel.
+FWD_KERNELS = {"fp4": ("attention_fwd", "attention_sm120"), "int8": ("int8_forward",)}
 
 
 class Timer:
@@ -64,7 +69,7 @@ class Timer:
         return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def kernel_breakdown(fn, calls: int = 5) -> tuple[float, float]:
+def kernel_breakdown(fn, names, calls: int = 5) -> tuple[float, float]:
     """(forward kernel ms, pre-pass ms) per call, medians over `calls` profiled calls."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -80,7 +85,7 @@ def kernel_breakdown(fn, calls: int = 5) -> tuple[float, float]:
             continue
         name = ev.name
         dur = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
-        if any(k in name for k in FWD_KERNELS):
+        if any(k in name for k in names):
             fwd.append(dur)
         else:  # everything else fp4attn launches is the quantization pre-pass
             pre.append(dur)
@@ -119,7 +124,10 @@ def main() -> int:
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths (overrides the sweep's)")
     ap.add_argument("--dims", default=None, help="comma-separated head dims (overrides the sweep's)")
+    ap.add_argument("--precision", choices=fp4attn.PRECISIONS, default="fp4",
+                    help="fp4 (SPEC) or int8 (SPEC_INT8) attention")
     args = ap.parse_args()
+    prec = args.precision
     if not torch.cuda.is_available():
         print("bench_attention: needs a CUDA GPU")
         return 1
@@ -156,18 +164,19 @@ def main() -> int:
                     row = {"dtype": str(dtype).replace("torch.", ""), "D": D, "N": N, "B": B, "H": H,
                            "causal": causal}
 
-                    def fp4():
-                        return fp4attn.sdpa(q, k, v, is_causal=causal)
+                    def ours():
+                        return fp4attn.sdpa(q, k, v, is_causal=causal, precision=prec)
 
-                    ms = timer.time(fp4, reps)
-                    fwd_ms, pre_ms = kernel_breakdown(fp4)
-                    row["fp4attn_ms"] = ms
-                    row["fp4attn_tflops"] = flops / ms / 1e9
-                    row["fp4_kernel_ms"] = fwd_ms
-                    row["fp4_kernel_tflops"] = flops / fwd_ms / 1e9
-                    row["fp4_prepass_ms"] = pre_ms
+                    ms = timer.time(ours, reps)
+                    fwd_ms, pre_ms = kernel_breakdown(ours, FWD_KERNELS[prec])
+                    row[f"{prec}attn_ms"] = ms
+                    row[f"{prec}attn_tflops"] = flops / ms / 1e9
+                    row[f"{prec}_kernel_ms"] = fwd_ms
+                    row[f"{prec}_kernel_tflops"] = flops / fwd_ms / 1e9
+                    row[f"{prec}_prepass_ms"] = pre_ms
                     in_bytes = 3 * q.numel() * q.element_size()
-                    out_bytes = 2 * k.numel() * 2  # K^, V^ as the exact FP16 values the workspace holds
+                    # fp4: K^, V^ as the exact FP16 values the workspace holds; int8: codes
+                    out_bytes = 2 * k.numel() * 2 if prec == "fp4" else q.numel() + 2 * k.numel()
                     row["prepass_gbps"] = (in_bytes + out_bytes) / pre_ms / 1e6
                     row["prepass_frac_copy"] = row["prepass_gbps"] / bw
                     for name in baselines:
@@ -182,19 +191,21 @@ def main() -> int:
                     fl = row.get("flash_tflops", float("nan"))
                     cu = row.get("cudnn_tflops", float("nan"))
                     print(f"{row['dtype']:>8} D={D:<3} N={N:<6} causal={int(causal)} "
-                          f"fp4attn {row['fp4attn_tflops']:6.1f} kernel {row['fp4_kernel_tflops']:6.1f} "
+                          f"{prec}attn {row[f'{prec}attn_tflops']:6.1f} "
+                          f"kernel {row[f'{prec}_kernel_tflops']:6.1f} "
                           f"prepass {pre_ms:6.3f} ms ({100 * row['prepass_frac_copy']:3.0f}% copy bw) | "
                           f"flash {fl:6.1f} cudnn {cu:6.1f} TFLOPS", flush=True)
                     del q, k, v
-    path = os.path.join(args.out, "bench_attention.csv")
+    stem = "bench_attention" if prec == "fp4" else f"bench_attention_{prec}"
+    path = os.path.join(args.out, f"{stem}.csv")
     write_csv(path, head, rows)
     print(f"\nwrote {path} ({time.time() - t_start:.0f} s)")
-    plot(rows, os.path.join(args.out, "bench_attention.png"), head["hardware"], baselines)
-    table(rows, baselines)
+    plot(rows, os.path.join(args.out, f"{stem}.png"), head["hardware"], baselines, prec)
+    table(rows, baselines, prec)
     return 0
 
 
-def plot(rows, path, dev, baselines):
+def plot(rows, path, dev, baselines, prec):
     try:
         import matplotlib
 
@@ -208,7 +219,8 @@ def plot(rows, path, dev, baselines):
     for ax, (dt, D, causal) in zip(axes[0], keys):
         sel = [r for r in rows if (r["dtype"], r["D"], r["causal"]) == (dt, D, causal)]
         ns = [r["N"] for r in sel]
-        for name, label in [("fp4attn", "fp4attn e2e"), ("fp4_kernel", "fp4attn kernel")] + [
+        for name, label in [(f"{prec}attn", f"fp4attn {prec} e2e"),
+                            (f"{prec}_kernel", f"fp4attn {prec} kernel")] + [
             (b, f"sdpa {b}") for b in baselines
         ]:
             ax.plot(ns, [r[f"{name}_tflops"] for r in sel], marker="o", label=label)
@@ -224,16 +236,16 @@ def plot(rows, path, dev, baselines):
     print(f"wrote {path}")
 
 
-def table(rows, baselines):
-    cols = ["fp4attn", "fp4_kernel"] + baselines
+def table(rows, baselines, prec):
+    cols = [f"{prec}attn", f"{prec}_kernel"] + baselines
     head = f"| dtype | D | N | causal | " + " | ".join(cols) + " | e2e/flash | e2e/cudnn | prepass % copy bw |"
     print("\nTFLOPS (median):\n")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:
         vals = " | ".join(f"{r[f'{c}_tflops']:.1f}" for c in cols)
-        rf = r["fp4attn_tflops"] / r["flash_tflops"] if "flash_tflops" in r else float("nan")
-        rc = r["fp4attn_tflops"] / r["cudnn_tflops"] if "cudnn_tflops" in r else float("nan")
+        rf = r[f"{prec}attn_tflops"] / r["flash_tflops"] if "flash_tflops" in r else float("nan")
+        rc = r[f"{prec}attn_tflops"] / r["cudnn_tflops"] if "cudnn_tflops" in r else float("nan")
         print(f"| {r['dtype']} | {r['D']} | {r['N']} | {int(r['causal'])} | {vals} | {rf:.2f} | {rc:.2f} | "
               f"{100 * r['prepass_frac_copy']:.0f} |")
 

@@ -345,6 +345,12 @@ AttentionCall prepare_attention(const at::Tensor &q_in, const at::Tensor &k_in,
   return c;
 }
 
+// The workspace of a CUDA call, as the C API sizes it (256-byte aligned by the allocator).
+[[maybe_unused]] at::Tensor cuda_workspace(int64_t bytes, const at::Tensor &like) {
+  CHECK_ARG(bytes >= 0, "fp4attn: could not size the attention workspace");
+  return at::empty({std::max<int64_t>(bytes, 1)}, like.options().dtype(at::kByte));
+}
+
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::Tensor &k_in,
                                              const at::Tensor &v_in,
                                              const c10::optional<at::Tensor> &attn_mask,
@@ -366,10 +372,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
 #ifdef FP4ATTN_WITH_CUDA
   if (on_cuda(q)) {
     c10::cuda::CUDAGuard guard(q.device());
-    const int64_t ws_bytes = fp4attn_cuda_attention_workspace_bytes(&p);
-    CHECK_ARG(ws_bytes >= 0, "fp4attn: could not size the attention workspace");
-    at::Tensor workspace =
-        at::empty({std::max<int64_t>(ws_bytes, 1)}, q.options().dtype(at::kByte));
+    at::Tensor workspace = cuda_workspace(fp4attn_cuda_attention_workspace_bytes(&p), q);
     check_status(fp4attn_cuda_attention(&p, workspace.data_ptr(),
                                         at::cuda::getCurrentCUDAStream().stream()));
     return {out, lse};
@@ -383,17 +386,14 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
   return {out, lse};
 }
 
-// ---------------------------------------------------------------- 8-bit attention (CPU)
+// ---------------------------------------------------------------- 8-bit attention
 
-std::tuple<at::Tensor, at::Tensor> int8_attention_cpu(const at::Tensor &q_in,
-                                                      const at::Tensor &k_in,
-                                                      const at::Tensor &v_in,
-                                                      const c10::optional<at::Tensor> &attn_mask,
-                                                      bool is_causal, double scale) {
+std::tuple<at::Tensor, at::Tensor> int8_attention(const at::Tensor &q_in, const at::Tensor &k_in,
+                                                  const at::Tensor &v_in,
+                                                  const c10::optional<at::Tensor> &attn_mask,
+                                                  bool is_causal, double scale) {
   AttentionCall c = prepare_attention(q_in, k_in, v_in, attn_mask, is_causal, scale);
   fp4attn_attention_params &p = c.p;
-  CHECK_ARG(c.q.device().is_cpu(), "query must be a CPU tensor, got %s",
-            c.q.device().str().c_str());
   at::Tensor out = at::zeros({p.batch, p.heads_q, p.len_q, p.head_dim}, c.q.options());
   at::Tensor lse =
       at::full({p.batch, p.heads_q, p.len_q}, -INFINITY, c.q.options().dtype(at::kFloat));
@@ -401,11 +401,22 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_cpu(const at::Tensor &q_in,
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   fill_strides3(out, p.out_stride);
+#ifdef FP4ATTN_WITH_CUDA
+  if (on_cuda(c.q)) {
+    c10::cuda::CUDAGuard guard(c.q.device());
+    at::Tensor ws = cuda_workspace(fp4attn_cuda_int8_attention_workspace_bytes(&p), c.q);
+    check_status(fp4attn_cuda_int8_attention(&p, ws.data_ptr(),
+                                             at::cuda::getCurrentCUDAStream().stream()));
+    return {out, lse};
+  }
+#endif
+  CHECK_ARG(c.q.device().is_cpu(), "query must be a CPU or CUDA tensor, got %s",
+            c.q.device().str().c_str());
   check_status(fp4attn_cpu_int8_attention(&p));
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward(
     const at::Tensor &grad_out_in, const c10::optional<at::Tensor> &grad_lse_in,
     const at::Tensor &q_in, const at::Tensor &k_in, const at::Tensor &v_in,
     const at::Tensor &out_in, const at::Tensor &lse_in, const c10::optional<at::Tensor> &attn_mask,
@@ -414,8 +425,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward_cpu(
   fp4attn_int8_backward_params bp{};
   bp.fwd = c.p;
   fp4attn_attention_params &p = bp.fwd;
-  CHECK_ARG(c.q.device().is_cpu(), "query must be a CPU tensor, got %s",
-            c.q.device().str().c_str());
   const std::vector<int64_t> qshape{p.batch, p.heads_q, p.len_q, p.head_dim};
   CHECK_ARG(out_in.sizes() == qshape && out_in.scalar_type() == c.q.scalar_type(),
             "out must be the forward's output %s, got %s", shape_str(qshape).c_str(),
@@ -427,6 +436,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward_cpu(
   CHECK_ARG(lse_in.sizes() == lshape && lse_in.scalar_type() == at::kFloat,
             "lse must be float32 %s, got %s %s", shape_str(lshape).c_str(),
             dtype_str(lse_in.scalar_type()), shape_str(lse_in.sizes()).c_str());
+  for (const at::Tensor *t : {&out_in, &grad_out_in, &lse_in})
+    CHECK_ARG(t->device() == c.q.device(), "out, grad_out and lse must be on the device of query");
   at::Tensor out = out_in.stride(3) == 1 ? out_in : out_in.contiguous();
   at::Tensor grad_out = grad_out_in.stride(3) == 1 ? grad_out_in : grad_out_in.contiguous();
   at::Tensor lse = lse_in.contiguous(), grad_lse;
@@ -447,6 +458,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward_cpu(
   bp.dq = dq.data_ptr();
   bp.dk = dk.data_ptr();
   bp.dv = dv.data_ptr();
+#ifdef FP4ATTN_WITH_CUDA
+  if (on_cuda(c.q)) {
+    c10::cuda::CUDAGuard guard(c.q.device());
+    at::Tensor ws = cuda_workspace(fp4attn_cuda_int8_attention_backward_workspace_bytes(&bp), c.q);
+    check_status(fp4attn_cuda_int8_attention_backward(&bp, ws.data_ptr(),
+                                                      at::cuda::getCurrentCUDAStream().stream()));
+    return {dq, dk, dv};
+  }
+#endif
+  CHECK_ARG(c.q.device().is_cpu(), "query must be a CPU or CUDA tensor, got %s",
+            c.q.device().str().c_str());
   check_status(fp4attn_cpu_int8_attention_backward(&bp));
   return {dq, dk, dv};
 }
@@ -535,12 +557,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     info["openmp"] = fp4attn_cpu_has_openmp() != 0;
     return info;
   });
-  m.def(
-      "int8_attention_cpu", &int8_attention_cpu,
-      "SPEC_INT8 forward on the C CPU backend: (out, lse); torch.ops.fp4attn.int8_attention's CPU "
-      "kernel");
-  m.def("int8_attention_backward_cpu", &int8_attention_backward_cpu,
-        "SPEC_INT8 backward on the C CPU backend: (dq, dk, dv)");
+  m.def("int8_attention", &int8_attention,
+        "SPEC_INT8 forward on the C CPU backend or the CUDA kernels: (out, lse); the kernel of "
+        "torch.ops.fp4attn.int8_attention on CPU and CUDA tensors");
+  m.def("int8_attention_backward", &int8_attention_backward,
+        "SPEC_INT8 backward on the C CPU backend or the CUDA kernels: (dq, dk, dv)");
   m.def(
       "attention_kernel",
       [](int64_t device, int64_t head_dim) -> std::string {

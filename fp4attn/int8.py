@@ -7,9 +7,9 @@ with fake kernels, tied together for autograd.
 
 q [B, Hq, Nq, D], k / v [B, Hkv, Nk, D] (Hq a multiple of Hkv), one dtype; out in that dtype,
 lse float32 [B, Hq, Nq]. The autograd saves q, k, v, out and lse; the backward recomputes the
-quantized operands bit-exactly. CPU tensors run the C backend (csrc/cpu/attention_int8.c); other
-devices run the PyTorch implementation of the spec (fp4attn.reference_int8) until their kernels
-exist: correct, not fast.
+quantized operands bit-exactly. CPU tensors run the C backend (csrc/cpu/attention_int8.c), CUDA
+tensors the mma.sync INT8 kernels (csrc/cuda/int8); other devices run the PyTorch implementation
+of the spec (fp4attn.reference_int8): correct, not fast.
 """
 
 from __future__ import annotations
@@ -18,15 +18,20 @@ import torch
 from torch import Tensor
 
 from . import reference_int8
-from ._ops import _C
+from ._ops import _BUILD_INFO, _C
+
+
+def _native(q: Tensor) -> bool:
+    """Whether the compiled backends run this call: CPU always, CUDA when the build has it."""
+    return q.device.type == "cpu" or (q.device.type == "cuda" and _BUILD_INFO["cuda"])
 
 
 @torch.library.custom_op("fp4attn::int8_attention", mutates_args=())
 def int8_attention(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
-    if q.device.type == "cpu":
-        return _C.int8_attention_cpu(q, k, v, attn_mask, is_causal, scale)
+    if _native(q):
+        return _C.int8_attention(q, k, v, attn_mask, is_causal, scale)
     out, lse = reference_int8.attention_forward(q, k, v, attn_mask, is_causal, scale)
     return out.to(q.dtype), lse
 
@@ -49,9 +54,9 @@ def int8_attention_backward(
     is_causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if q.device.type == "cpu":
-        return _C.int8_attention_backward_cpu(grad_out, grad_lse, q, k, v, out, lse, attn_mask,
-                                              is_causal, scale)
+    if _native(q):
+        return _C.int8_attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask,
+                                          is_causal, scale)
     dq, dk, dv = reference_int8.attention_backward(
         grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, grad_lse=grad_lse
     )

@@ -100,6 +100,14 @@ def _prepare(q, k, v, attn_mask, is_causal, scale):
     return G, scale, allowed, additive
 
 
+def _dp_operand(x: Tensor) -> Tensor:
+    """A value as dP = dO V^T and Drow = rowsum(dO O) see it (SPEC_INT8 3), as float32: the 16-bit
+    input values, FP32 inputs rounded to BF16 (FP32's range; the INT8 dS dominates the error)."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        x = x.to(torch.float32).to(torch.bfloat16)
+    return x.float()
+
+
 def _lse_shift(q32: Tensor, kbar: Tensor, G: int, scale: float) -> Tensor:
     """scale * (q . kbar) per row: what K smoothing removes from every score of the row."""
     return scale * (q32 * _per_q_head(kbar, G)).sum(dim=-1)
@@ -168,12 +176,15 @@ def attention_backward(
         return dq, dk[:, :Hkv], dv[:, :Hkv]
     ops = _Quantized(q32, k32, v32, G)
     do32 = _as_float32(grad_out)
-    drow = (do32 * _as_float32(out)).sum(dim=-1, keepdim=True)  # [B, Hq, Nq, 1]
+    # Drow and dP on the same 16-bit operands (FP32 inputs rounded to BF16), so that they cancel
+    # where they should (one visible key: dS = 0)
+    drow = (_dp_operand(grad_out) * _dp_operand(out)).sum(dim=-1, keepdim=True)  # [B, Hq, Nq, 1]
     if grad_lse is not None:
         drow = drow - _as_float32(grad_lse)[..., None]
     lse_s = lse - _lse_shift(q32, ops.kbar, G, scale)  # lse of the smoothed scores
     lse_s = torch.where(lse == -math.inf, math.inf, lse_s)[..., None]  # no visible key: P = 0
-    v16 = _per_q_head(v, G)  # dP in the input precision
+    # dP = dO V^T on 16-bit operands: FP16/BF16 inputs as given, FP32 rounded to BF16
+    v16, do16 = (_dp_operand(t) for t in (_per_q_head(v, G), grad_out))
     nqb = -(-Nq // BQ)
     doc, sdo = psi(_blocks(do32, BQ), (3,))  # per 64 rows and channel: [B,Hq,nqb,1,D]
     row_sum_ds = q32.new_zeros(B, Hq, Nq)
@@ -184,8 +195,8 @@ def attention_backward(
         pc, sp = psi(_blocks(p, BQ), (3,))  # [B, Hq, nqb, 64, keys], sp [B, Hq, nqb, 1, keys]
         acc = _mm64(pc.transpose(-1, -2), doc)  # [B, Hq, nqb, n, D]
         dv[:, :, j0:j1] += ((sp.transpose(-1, -2) * sdo) * acc).sum(dim=2)
-        # dS = P * (dP - Drow), dP = dO V^T in 16-bit with FP32 accumulation
-        dp = torch.matmul(grad_out.float(), v16[:, :, j0:j1].float().transpose(-1, -2))
+        # dS = P * (dP - Drow), dP with FP32 accumulation
+        dp = torch.matmul(do16, v16[:, :, j0:j1].transpose(-1, -2))
         ds = p * (dp - drow)
         row_sum_ds += ds.sum(dim=-1)
         dsc, sds = psi(_blocks(ds, BQ), (3, 4))  # one scale per 64 x 128 block: [B,Hq,nqb,1,1]

@@ -129,6 +129,12 @@ static void free_kv(kv_codes *c) {
   free(c->sv);
 }
 
+/* A value as dP = dO V^T and Drow = rowsum(dO O) see it (SPEC_INT8 3): FP16/BF16 inputs as they
+ * are, FP32 inputs rounded to BF16. */
+static inline float dp_operand(float x, fp4attn_dtype dt) {
+  return dt == FP4ATTN_FLOAT32 ? fp4attn_bf16_to_f32(fp4attn_f32_to_bf16(x)) : x;
+}
+
 /* acc[0..n) += c * x[0..n): the inner loop of every INT8 product, contiguous so it vectorizes. */
 static inline void axpy8(int32_t *acc, int32_t c, const int8_t *x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += c * (int32_t)x[i];
@@ -249,6 +255,7 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
   float *dvacc = (float *)calloc((size_t)(Nk * D), sizeof(float));
   float *dqacc = (float *)malloc(sizeof(float) * (size_t)(Nq * D));
   float *dor = (float *)malloc(sizeof(float) * (size_t)(BQ * D)); /* dO of the block, float */
+  float *dor16 = (float *)malloc(sizeof(float) * (size_t)(BQ * D)); /* ... as dP's operand */
   int8_t *doc = (int8_t *)malloc((size_t)(BQ * D)), *pcode = (int8_t *)malloc(BQ * BK);
   int8_t *dsc = (int8_t *)malloc(BQ * BK);
   float *sdo = (float *)malloc(sizeof(float) * (size_t)D),
@@ -257,7 +264,7 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
   float *rowsum = (float *)malloc(sizeof(float) * (size_t)Nq);
   float *vrow = (float *)malloc(sizeof(float) * (size_t)(BK * D));
   q_codes q = {0, 0};
-  int ok = P && dS && dkacc && dvacc && dqacc && dor && doc && pcode && dsc && sdo && sp && drow &&
+  int ok = P && dS && dkacc && dvacc && dqacc && dor && dor16 && doc && pcode && dsc && sdo && sp && drow &&
            lses && rowsum && vrow;
   for (int64_t g = 0; ok && g < G; ++g) {
     const int64_t h = hk * G + g;
@@ -280,7 +287,9 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
         for (int64_t d = 0; d < D; ++d) {
           const float go = load_row(bp->grad_out, p->dtype, bp->grad_out_stride, b, h, i, d);
           dor[r * D + d] = go;
-          dsum += go * load_row(p->out, p->dtype, p->out_stride, b, h, i, d);
+          dor16[r * D + d] = dp_operand(go, p->dtype);
+          dsum += dor16[r * D + d] *
+                  dp_operand(load_row(p->out, p->dtype, p->out_stride, b, h, i, d), p->dtype);
         }
         const int64_t li = (b * p->heads_q + h) * Nq + i;
         drow[r] = bp->grad_lse ? dsum - bp->grad_lse[li] : dsum;
@@ -295,7 +304,7 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
         const int64_t n0 = j * BK, w = Nk - n0 < BK ? Nk - n0 : BK;
         for (int64_t n = 0; n < w; ++n)
           for (int64_t d = 0; d < D; ++d)
-            vrow[n * D + d] = load_row(p->v, p->dtype, p->v_stride, b, hk, n0 + n, d);
+            vrow[n * D + d] = dp_operand(load_row(p->v, p->dtype, p->v_stride, b, hk, n0 + n, d), p->dtype);
         for (int64_t r = 0; r < rows; ++r) {
           score_row(p, &q, kv, b, h, r0 + r, j, P + r * BK);
           for (int64_t n = 0; n < w; ++n) P[r * BK + n] = expf(P[r * BK + n] - lses[r]);
@@ -309,11 +318,11 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
           for (int64_t d = 0; d < D; ++d)
             dvacc[(n0 + n) * D + d] += (sp[n] * sdo[d]) * (float)acc[d];
         }
-        /* dS = P (dP - Drow), dP = dO V^T in the input precision, FP32 accumulation */
+        /* dS = P (dP - Drow), dP = dO V^T on 16-bit operands, FP32 accumulation */
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t n = 0; n < w; ++n) {
             float dp = 0.0f;
-            for (int64_t d = 0; d < D; ++d) dp += dor[r * D + d] * vrow[n * D + d];
+            for (int64_t d = 0; d < D; ++d) dp += dor16[r * D + d] * vrow[n * D + d];
             const float ds = P[r * BK + n] * (dp - drow[r]);
             dS[r * BK + n] = ds;
             rowsum[r0 + r] += ds;
@@ -354,6 +363,7 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
   free(dvacc);
   free(dqacc);
   free(dor);
+  free(dor16);
   free(doc);
   free(pcode);
   free(dsc);

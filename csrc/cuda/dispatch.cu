@@ -2,9 +2,12 @@
  * The CUDA attention entry points of the C API, and the one place that decides how a call runs:
  * the arguments are validated once (checks.h, then this backend's limits), heuristics.h plans
  * the kernel, the pre-pass (prepass/) fills the workspace, and the planned kernel family
- * (sm80/, sm90/, sm120/) computes the output.
+ * (sm80/, sm90/, sm120/) computes the output. The 8-bit attention (SPEC_INT8) enters here too:
+ * its preparation kernels, then the int8/ forward or backward.
  */
 #include "heuristics.h"
+#include "int8/attention_int8.h"
+#include "int8/int8_tiles.cuh"
 #include "prepass/prepass.h"
 #include "sm120/attention_sm120.h"
 #include "sm80/attention_sm80.h"
@@ -43,6 +46,34 @@ AttnArgs make_args(const fp4attn_attention_params *p, const AttnPlan &plan, void
                p->out_stride[1] % 2 == 0 && p->out_stride[2] % 2 == 0;
   a.vec_out = p->dtype != FP4ATTN_FLOAT32 && vector_rows(p->out, p->out_stride, p->head_dim);
   a.scale_log2 = p->scale * 1.4426950408889634f;
+  return a;
+}
+
+/* The INT8 kernels' checks beyond the C API contract, and their kernel. */
+fp4attn_status check_int8(const fp4attn_attention_params *p, fp4attn_kernel *kernel) {
+  const fp4attn_status st = fp4attn_check_attention_params(p);
+  if (st.code != FP4ATTN_OK) return st;
+  if (p->q_stride[0] < 0 || p->q_stride[1] < 0 || p->q_stride[2] < 0 || p->k_stride[2] < 0 ||
+      p->v_stride[2] < 0 || p->out_stride[2] < 0)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 attention: negative strides");
+  if (!p->lse)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 attention: lse must not be null");
+  return plan_int8_attention(p, kernel);
+}
+
+fp4attn_status check_workspace(const void *workspace, const char *what) {
+  if (!workspace) return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "%s: workspace is null", what);
+  if (reinterpret_cast<uintptr_t>(workspace) & 255u)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "%s: workspace must be 256-byte aligned",
+                         what);
+  return fp4attn_ok();
+}
+
+Int8Args make_int8_args(const fp4attn_attention_params *p, bool backward, void *workspace) {
+  Int8Args a{};
+  a.p = *p;
+  a.ws = int8_workspace_layout(p, backward, workspace);
+  a.bf16_ops = p->dtype != FP4ATTN_FLOAT16;
   return a;
 }
 
@@ -87,14 +118,91 @@ extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params 
   AttnPlan plan;
   fp4attn_status st = check_and_plan(p, &plan);
   if (st.code != FP4ATTN_OK) return st;
-  if (!workspace)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: workspace is null");
-  if (reinterpret_cast<uintptr_t>(workspace) & 255u)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
-                         "attention: workspace must be 256-byte aligned");
+  st = check_workspace(workspace, "attention");
+  if (st.code != FP4ATTN_OK) return st;
   const AttnArgs a = make_args(p, plan, workspace);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   st = launch_prepass(a, plan.fp16_operands, static_cast<char *>(workspace) + a.ws.bytes, s);
   if (st.code != FP4ATTN_OK) return st;
   return launch_kernel(a, plan, workspace, s);
+}
+
+extern "C" int64_t fp4attn_cuda_int8_attention_workspace_bytes(const fp4attn_attention_params *p) {
+  fp4attn_kernel k;
+  if (check_int8(p, &k).code != FP4ATTN_OK) return 0;
+  return int8_workspace_layout(p, false, nullptr).bytes;
+}
+
+extern "C" fp4attn_status fp4attn_cuda_int8_attention(const fp4attn_attention_params *p,
+                                                      void *workspace, void *stream) {
+  fp4attn_kernel k;
+  fp4attn_status st = check_int8(p, &k);
+  if (st.code != FP4ATTN_OK) return st;
+  st = check_workspace(workspace, "int8 attention");
+  if (st.code != FP4ATTN_OK) return st;
+  const Int8Args a = make_int8_args(p, false, workspace);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  st = launch_int8_prepare(a, false, s);
+  if (st.code != FP4ATTN_OK) return st;
+  switch (a.ws.dp) {
+    case 64:
+      return launch_int8_forward<64>(a, s);
+    case 128:
+      return launch_int8_forward<128>(a, s);
+    default:
+      return launch_int8_forward<256>(a, s);
+  }
+}
+
+namespace {
+
+fp4attn_status check_int8_backward(const fp4attn_int8_backward_params *bp) {
+  if (!bp) return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 backward: null params");
+  fp4attn_kernel k;
+  const fp4attn_status st = check_int8(&bp->fwd, &k);
+  if (st.code != FP4ATTN_OK) return st;
+  if (!bp->grad_out || !bp->dq || !bp->dk || !bp->dv)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
+                         "int8 backward: grad_out, dq, dk and dv must not be null");
+  if (bp->grad_out_stride[0] < 0 || bp->grad_out_stride[1] < 0 || bp->grad_out_stride[2] < 0)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 backward: negative strides");
+  return fp4attn_ok();
+}
+
+}  // namespace
+
+extern "C" int64_t fp4attn_cuda_int8_attention_backward_workspace_bytes(
+    const fp4attn_int8_backward_params *bp) {
+  if (check_int8_backward(bp).code != FP4ATTN_OK) return 0;
+  return int8_workspace_layout(&bp->fwd, true, nullptr).bytes;
+}
+
+extern "C" fp4attn_status fp4attn_cuda_int8_attention_backward(
+    const fp4attn_int8_backward_params *bp, void *workspace, void *stream) {
+  fp4attn_status st = check_int8_backward(bp);
+  if (st.code != FP4ATTN_OK) return st;
+  st = check_workspace(workspace, "int8 backward");
+  if (st.code != FP4ATTN_OK) return st;
+  Int8Args a = make_int8_args(&bp->fwd, true, workspace);
+  a.grad_out = bp->grad_out;
+  for (int i = 0; i < 3; ++i) a.grad_out_stride[i] = bp->grad_out_stride[i];
+  a.grad_lse = bp->grad_lse;
+  a.dq = bp->dq;
+  a.dk = bp->dk;
+  a.dv = bp->dv;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  st = launch_int8_prepare(a, true, s);
+  if (st.code != FP4ATTN_OK) return st;
+  switch (a.ws.dp) {
+    case 64:
+      st = launch_int8_backward<64>(a, s);
+      break;
+    case 128:
+      st = launch_int8_backward<128>(a, s);
+      break;
+    default:
+      st = launch_int8_backward<256>(a, s);
+  }
+  if (st.code != FP4ATTN_OK) return st;
+  return launch_int8_finish_dq(a, s);
 }

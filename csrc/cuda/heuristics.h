@@ -69,6 +69,22 @@ static inline fp4attn_status plan_attention(const fp4attn_attention_params *p, A
   return fp4attn_ok();
 }
 
+/* The kernel of an 8-bit call (SPEC_INT8): the mma.sync INT8 kernels (int8/, sm_80 and newer),
+ * requested as AUTO or SM80; Hopper- and Blackwell-specific INT8 kernels would be chosen here. */
+static inline fp4attn_status plan_int8_attention(const fp4attn_attention_params *p,
+                                                 fp4attn_kernel *kernel) {
+  if (p->kernel != FP4ATTN_KERNEL_AUTO && p->kernel != FP4ATTN_KERNEL_SM80)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                         "int8 attention: no '%s' kernel; the 8-bit kernels are 'sm80' (mma.sync, "
+                         "any GPU of compute capability 8.0 or newer)",
+                         fp4attn_kernel_name(p->kernel));
+  if (device_capability() < 80)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                         "int8 attention needs a GPU of compute capability 8.0 or newer");
+  *kernel = FP4ATTN_KERNEL_SM80;
+  return fp4attn_ok();
+}
+
 }  // namespace fp4attn_cuda
 
 #endif /* FP4ATTN_CUDA_HEURISTICS_H */

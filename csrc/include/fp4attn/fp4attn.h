@@ -141,7 +141,7 @@ typedef struct {
 } fp4attn_attention_params;
 
 /* ---- 8-bit attention (SPEC_INT8). Forward: fp4attn_attention_params with lse required (always
- * produced) and `kernel` unused. Backward: the forward's params with `out` and `lse` as the
+ * produced); on CUDA `kernel` is AUTO or SM80 (the mma.sync INT8 kernels). Backward: the forward's params with `out` and `lse` as the
  * forward returned them; grad_out like out (its own strides), grad_lse optional (NULL or
  * [batch, heads_q, len_q] float32 contiguous); dq, dk, dv contiguous like q, k, v in dtype. */
 typedef struct {
@@ -178,6 +178,15 @@ fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params *p, void *w
  * or FP4ATTN_KERNEL_AUTO where the arguments or the request rule every kernel out. A chosen kernel
  * may still refuse at launch (e.g. too little shared memory for the head dim). */
 fp4attn_kernel fp4attn_cuda_attention_kernel(const fp4attn_attention_params *p);
+/* 8-bit attention on CUDA (SPEC_INT8), same conventions: a workspace of the size the matching
+ * *_workspace_bytes returns for the same params and device, nothing synchronised. The backward
+ * writes dq, dk, dv (contiguous) from the forward's out and lse. */
+int64_t fp4attn_cuda_int8_attention_workspace_bytes(const fp4attn_attention_params *p);
+fp4attn_status fp4attn_cuda_int8_attention(const fp4attn_attention_params *p, void *workspace,
+                                           void *stream);
+int64_t fp4attn_cuda_int8_attention_backward_workspace_bytes(const fp4attn_int8_backward_params *p);
+fp4attn_status fp4attn_cuda_int8_attention_backward(const fp4attn_int8_backward_params *p,
+                                                    void *workspace, void *stream);
 
 #ifdef __cplusplus
 }

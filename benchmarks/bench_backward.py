@@ -1,0 +1,170 @@
+"""Training-step attention benchmark: forward + backward of the 8-bit attention (SPEC_INT8) vs
+torch SDPA's flash and cuDNN backends, on the same inputs.
+
+For every (head dim, N, causal, dtype) it times out = attention(q, k, v); out.backward(dO):
+  int8attn      fp4attn.sdpa(..., precision="int8") end to end (preparation kernels included)
+  int8_fwd / int8_bwd / int8_prepare   device times of the forward kernel, the backward kernel and
+                everything else (psi of the operands, dO terms, dQ finish), from torch.profiler
+  flash, cudnn  torch.nn.functional.scaled_dot_product_attention pinned to a backend
+TFLOPS = 3.5 x the forward's 4*B*H*N^2*D (the backward counted as 2.5x the forward, as
+FlashAttention does), halved for causal. Timing as bench_attention.py: L2 flushed before every
+step, warm-up, CUDA events, median of --reps. Writes bench_backward.csv and .png into --out
+(default: the committed result set, benchmarks/results/).
+
+  python benchmarks/bench_backward.py                      # full sweep -> benchmarks/results
+  python benchmarks/bench_backward.py --quick --out bench_out
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import fp4attn  # noqa: E402
+from bench_attention import RESULTS, Timer, copy_bandwidth, sdpa_backend_fn  # noqa: E402
+from provenance import cpu_name, gpu_description, header, write_csv  # noqa: E402
+
+
+def step_fn(attn, q, k, v, grad):
+    def fn():
+        for t in (q, k, v):
+            t.grad = None
+        attn().backward(grad)
+
+    return fn
+
+
+def breakdown(fn, calls: int = 3) -> tuple[float, float, float]:
+    """(forward kernel, backward kernel, everything else) ms per step, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    fwd = bwd = other = 0.0
+    for ev in prof.events():
+        if ev.device_type is None or "cuda" not in str(ev.device_type).lower():
+            continue
+        dur = (ev.device_time if hasattr(ev, "device_time") else ev.cuda_time) / 1e3 / calls
+        if "int8_forward" in ev.name:
+            fwd += dur
+        elif "int8_backward" in ev.name:
+            bwd += dur
+        elif "int8" in ev.name or "fp4attn" in ev.name:
+            other += dur
+    return fwd, bwd, other
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sweep (~1 minute)")
+    ap.add_argument("--out", default=RESULTS, help="output folder (default: benchmarks/results)")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=16384, help="B*N per config")
+    ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths")
+    ap.add_argument("--dims", default=None, help="comma-separated head dims")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_backward: needs a CUDA GPU")
+        return 1
+    os.makedirs(args.out, exist_ok=True)
+    seqs, dims = ([1024, 4096, 16384], [64, 128]) if args.quick else ([1024, 2048, 4096, 8192, 16384], [64, 128])
+    dtypes = [torch.bfloat16] if args.quick else [torch.float16, torch.bfloat16]
+    reps = args.reps or (5 if args.quick else 15)
+    if args.seqs:
+        seqs = [int(x) for x in args.seqs.split(",")]
+    if args.dims:
+        dims = [int(x) for x in args.dims.split(",")]
+    timer = Timer()
+    bw = copy_bandwidth(timer)
+    head = header(f"{gpu_description()}, device-to-device copy {bw:.0f} GB/s; host {cpu_name()}")
+    for key, val in head.items():
+        print(f"{key}: {val}")
+    rows, t_start = [], time.time()
+    for dtype in dtypes:
+        for D in dims:
+            H = 2048 // D
+            for N in seqs:
+                B = max(1, args.tokens // N)
+                for causal in (False, True):
+                    g = torch.Generator(device="cuda").manual_seed(N + D)
+                    q, k, v, dout = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=g)
+                                     for _ in range(4))
+                    for t in (q, k, v):
+                        t.requires_grad_()
+                    flops = 3.5 * 4 * B * H * N * N * D * (0.5 if causal else 1.0)
+                    row = {"dtype": str(dtype).replace("torch.", ""), "D": D, "N": N, "B": B, "H": H,
+                           "causal": causal}
+                    ours = step_fn(lambda: fp4attn.sdpa(q, k, v, is_causal=causal, precision="int8"),
+                                   q, k, v, dout)
+                    ms = timer.time(ours, reps)
+                    row["int8attn_ms"], row["int8attn_tflops"] = ms, flops / ms / 1e9
+                    row["int8_fwd_ms"], row["int8_bwd_ms"], row["int8_prepare_ms"] = breakdown(ours)
+                    for name in ("flash", "cudnn"):
+                        try:
+                            ms_b = timer.time(step_fn(sdpa_backend_fn(name, q, k, v, causal), q, k, v, dout), reps)
+                        except RuntimeError as exc:  # backend unavailable for this config
+                            print(f"  {name} unavailable: {str(exc).splitlines()[0][:100]}")
+                            ms_b = float("nan")
+                        row[f"{name}_ms"], row[f"{name}_tflops"] = ms_b, flops / ms_b / 1e9
+                    rows.append(row)
+                    print(f"{row['dtype']:>8} D={D:<3} N={N:<6} causal={int(causal)} "
+                          f"int8 {row['int8attn_tflops']:6.1f} TFLOPS ({ms:.2f} ms: fwd {row['int8_fwd_ms']:.2f} "
+                          f"bwd {row['int8_bwd_ms']:.2f} prepare {row['int8_prepare_ms']:.2f}) | "
+                          f"flash {row['flash_tflops']:6.1f} cudnn {row['cudnn_tflops']:6.1f}", flush=True)
+                    del q, k, v, dout
+    path = os.path.join(args.out, "bench_backward.csv")
+    write_csv(path, head, rows)
+    print(f"\nwrote {path} ({time.time() - t_start:.0f} s)")
+    plot(rows, os.path.join(args.out, "bench_backward.png"), head["hardware"])
+    print("\nforward + backward TFLOPS (median):\n")
+    print("| dtype | D | N | causal | int8attn | flash | cudnn | int8/flash | int8/cudnn | fwd / bwd / prepare ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['D']} | {r['N']} | {int(r['causal'])} | {r['int8attn_tflops']:.1f} | "
+              f"{r['flash_tflops']:.1f} | {r['cudnn_tflops']:.1f} | "
+              f"{r['int8attn_tflops'] / r['flash_tflops']:.2f} | {r['int8attn_tflops'] / r['cudnn_tflops']:.2f} | "
+              f"{r['int8_fwd_ms']:.2f} / {r['int8_bwd_ms']:.2f} / {r['int8_prepare_ms']:.2f} |")
+    return 0
+
+
+def plot(rows, path, dev):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    keys = sorted({(r["dtype"], r["D"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 4), squeeze=False)
+    for ax, (dt, D, causal) in zip(axes[0], keys):
+        sel = [r for r in rows if (r["dtype"], r["D"], r["causal"]) == (dt, D, causal)]
+        ns = [r["N"] for r in sel]
+        for name, label in (("int8attn", "fp4attn int8"), ("flash", "sdpa flash"), ("cudnn", "sdpa cudnn")):
+            ax.plot(ns, [r[f"{name}_tflops"] for r in sel], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"fwd+bwd {dt} D={D} causal={causal}")
+        ax.set_xlabel("N")
+        ax.set_ylabel("TFLOPS (bwd = 2.5 fwd)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(dev)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+/*
+ * 8-bit attention backward (docs/SPEC_INT8.md 3) on mma.sync: m16n8k32 s8 for the four INT8
+ * products, m16n8k16 FP16/BF16 for dP = dO V^T.
+ *
+ * One block = 8 warps = one 128-key block j of one (batch, KV head), and DO of its head-dim
+ * columns (DO = DP, or half of it at head dim 256: the grid's y splits dK, dV and dQ by columns,
+ * recomputing S and dP). Each warp owns 16 keys. The block walks every 64-row query block i of the
+ * KV head's query heads (causal: only blocks that see key block j), double-buffering their tiles:
+ *   S^T  = K^ Q^_i^T * (sQ sK scale), masks, P^T = exp2(S^T - lse2)         (keys x 64 rows)
+ *   dV  += P^ per key column (psi over the 64 rows) x dO^ per channel       (A from registers)
+ *   dP^T = V dO^T in 16 bits; dS^T = P (dP - Drow); rowsum(dS) -> the smoothing correction
+ *   dS^  = psi over the 64 x 128 block (block-wide amax)
+ *   dK  += (scale sdS sQ_i) dS^T Q^_i                                       (A from registers)
+ *   dQ_i += (scale sdS sK_j) dS^ K^_j through shared memory, FP32 atomics into the workspace
+ * dK and dV sum over the group's query heads in registers and are stored once, no atomics.
+ */
+#ifndef FP4ATTN_CUDA_INT8_BACKWARD_CUH
+#define FP4ATTN_CUDA_INT8_BACKWARD_CUH
+
+#include "attention_int8.h"
+#include "int8_tiles.cuh"
+
+namespace fp4attn_cuda {
+
+template <int DP, int DO, int NBUF>
+struct BwdSmem {
+  static constexpr int kKc = 0;                    /* K^ [128][DP] */
+  static constexpr int kV16 = kKc + kBK8 * DP;     /* V [128][DP] 16-bit */
+  static constexpr int kKt = kV16 + kBK8 * DP * 2; /* K^T [DO][128] */
+  static constexpr int kDs = kKt + DO * kBK8;      /* dS^ [64][128] */
+  static constexpr int kRed = kDs + kBQ8 * kBK8;   /* 8 warp maxima, 64 row sums (floats) */
+  static constexpr int kBuf = kRed + 512;
+  /* one buffer of a query block's tiles */
+  static constexpr int bQc = 0;                   /* Q^ [64][DP] */
+  static constexpr int bQt = bQc + kBQ8 * DP;     /* Q^T [DO][64] perm */
+  static constexpr int bDo = bQt + DO * kBQ8;     /* dO [64][DP] 16-bit */
+  static constexpr int bDot = bDo + kBQ8 * DP * 2; /* dO^T [DO][64] perm */
+  static constexpr int bLse = bDot + DO * kBQ8;   /* lse2 [64] */
+  static constexpr int bDrow = bLse + kBQ8 * 4;   /* Drow [64] */
+  static constexpr int bSdo = bDrow + kBQ8 * 4;   /* sdO [DO] */
+  static constexpr int kBufBytes = bSdo + DO * 4;
+  static constexpr int kBytes = kBuf + NBUF * kBufBytes;
+};
+
+template <int DP, int DO, int NBUF, bool kBf16>
+__global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a) {
+  using L = BwdSmem<DP, DO, NBUF>;
+  extern __shared__ __align__(128) char smem[];
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int64_t j = blockIdx.x % w.nkb, bhk = blockIdx.x / w.nkb;
+  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv, G = p.heads_q / p.heads_kv;
+  const int d0 = blockIdx.y * DO, krow0 = warp * 16;
+  const int64_t j0 = j * kBK8;
+  const int64_t i_start = p.causal ? min(w.nqb, j0 / kBQ8) : 0, per_head = w.nqb - i_start;
+  const int iters = (int)(G * per_head);
+
+  auto block_of = [&](int it, int64_t &bh, int64_t &i) {
+    bh = b * p.heads_q + hk * G + it / per_head;
+    i = i_start + it % per_head;
+  };
+  auto load_block = [&](int it, int buf) {
+    int64_t bh, i;
+    block_of(it, bh, i);
+    char *B = smem + L::kBuf + buf * L::kBufBytes;
+    const int64_t blk = bh * w.nqb + i, r0 = bh * w.nqp + i * kBQ8;
+    load_tile<DP>(B + L::bQc, w.qc + r0 * DP, kBQ8, DP, tid, 256);
+    load_tile<kBQ8>(B + L::bQt, w.qct + (blk * DP + d0) * kBQ8, DO, kBQ8, tid, 256);
+    load_tile<2 * DP>(B + L::bDo, w.do16 + r0 * DP, kBQ8, 2 * DP, tid, 256);
+    load_tile<kBQ8>(B + L::bDot, w.doct + (blk * DP + d0) * kBQ8, DO, kBQ8, tid, 256);
+    load_bytes(B + L::bLse, w.lse2 + r0, kBQ8 * 4, tid, 256);
+    load_bytes(B + L::bDrow, w.drow + r0, kBQ8 * 4, tid, 256);
+    load_bytes(B + L::bSdo, w.sdo + blk * DP + d0, DO * 4, tid, 256);
+  };
+
+  load_tile<DP>(smem + L::kKc, w.kc + (bhk * w.nkp + j0) * DP, kBK8, DP, tid, 256);
+  load_tile<2 * DP>(smem + L::kV16, w.v16 + (bhk * w.nkp + j0) * DP, kBK8, 2 * DP, tid, 256);
+  load_tile<kBK8>(smem + L::kKt, w.kct + ((bhk * w.nkb + j) * DP + d0) * kBK8, DO, kBK8, tid, 256);
+  if (iters > 0) load_block(0, 0);
+  cp_async_commit();
+  float *red = reinterpret_cast<float *>(smem + L::kRed), *rowsum = red + 8;
+  if (tid < kBQ8) rowsum[tid] = 0.0f;
+
+  const float sk = w.sk[bhk * w.nkb + j];
+  float dv[DO / 8][4] = {}, dk[DO / 8][4] = {};
+  for (int it = 0; it < iters; ++it) {
+    const int buf = NBUF == 2 ? (it & 1) : 0;
+    if (NBUF == 2 && it + 1 < iters) {
+      load_block(it + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait_group<1>();
+    } else {
+      if (NBUF == 1 && it > 0) {
+        load_block(it, 0);
+        cp_async_commit();
+      }
+      cp_async_wait_group<0>();
+    }
+    __syncthreads();
+    int64_t bh, i;
+    block_of(it, bh, i);
+    const int64_t h = bh % p.heads_q, i0 = i * kBQ8;
+    const char *B = smem + L::kBuf + buf * L::kBufBytes;
+    const float *lse2 = reinterpret_cast<const float *>(B + L::bLse);
+    const float *drow = reinterpret_cast<const float *>(B + L::bDrow);
+    const float *sdo = reinterpret_cast<const float *>(B + L::bSdo);
+    const float sq = w.sq[bh * w.nqb + i];
+
+    /* S^T = K^ Q^T (this warp's 16 keys x the block's 64 rows), then P^T */
+    int acc[8][4] = {};
+#pragma unroll
+    for (int kc = 0; kc < DP / 32; ++kc) {
+      uint32_t ka[4];
+      ldsm_a<DP>(ka, smem + L::kKc, krow0, kc * 32);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t qb[2][2];
+        ldsm_b<DP>(qb, B + L::bQc, np * 16, kc * 32);
+        mma_s8(acc[2 * np], ka, qb[0]);
+        mma_s8(acc[2 * np + 1], ka, qb[1]);
+      }
+    }
+    const float f = ((sq * sk) * p.scale) * kLog2e;
+    float pm[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = n * 8 + 2 * t + (e & 1);
+        const int64_t key = j0 + krow0 + g + 8 * (e >> 1), row = i0 + col;
+        float s = (float)acc[n][e] * f;
+        bool visible = key < p.len_k && row < p.len_q && (!p.causal || key <= row);
+        if (visible && p.mask_kind != FP4ATTN_MASK_NONE) {
+          const int64_t off = b * p.mask_stride[0] + h * p.mask_stride[1] +
+                              row * p.mask_stride[2] + key * p.mask_stride[3];
+          if (p.mask_kind == FP4ATTN_MASK_BOOL)
+            visible = static_cast<const uint8_t *>(p.mask)[off] != 0;
+          else
+            s += load_as_float(p.mask, p.mask_dtype, off) * kLog2e;
+        }
+        pm[n][e] = visible ? exp2f(s - lse2[col]) : 0.0f;
+      }
+
+    /* dV += P^T dO: P^ per key over the 64 rows, dO^ per channel */
+    int pc[8][4];
+    float sp[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = 0.0f;
+#pragma unroll
+      for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(pm[n][2 * r], pm[n][2 * r + 1]));
+      float rr;
+      psi_factors(quad_max(mx), rr, sp[r]);
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        pc[n][2 * r] = code_s8(pm[n][2 * r], rr);
+        pc[n][2 * r + 1] = code_s8(pm[n][2 * r + 1], rr);
+      }
+    }
+    {
+      uint32_t pa[2][4];
+      pack_a_from_acc(pa[0], pc, 0);
+      pack_a_from_acc(pa[1], pc, 1);
+#pragma unroll
+      for (int np = 0; np < DO / 16; ++np) {
+        int c2[2][4] = {};
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          uint32_t ob[2][2];
+          ldsm_b<kBQ8>(ob, B + L::bDot, np * 16, c * 32);
+          mma_s8(c2[0], pa[c], ob[0]);
+          mma_s8(c2[1], pa[c], ob[1]);
+        }
+#pragma unroll
+        for (int x = 0; x < 2; ++x)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = np * 16 + x * 8 + 2 * t + (e & 1);
+            dv[2 * np + x][e] += (sp[e >> 1] * sdo[col]) * (float)c2[x][e];
+          }
+      }
+    }
+
+    /* dP^T = V dO^T in 16 bits, FP32 accumulation */
+    float dp[8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+      uint32_t va[4];
+      ldsm_a<2 * DP>(va, smem + L::kV16, krow0, kk * 32);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t ob[2][2];
+        ldsm_b<2 * DP>(ob, B + L::bDo, np * 16, kk * 32);
+        mma_16816<kBf16>(dp[2 * np], va, ob[0][0], ob[0][1]);
+        mma_16816<kBf16>(dp[2 * np + 1], va, ob[1][0], ob[1][1]);
+      }
+    }
+
+    /* dS^T = P (dP - Drow); its row sums; the block's amax */
+    float amax = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pm[n][e] = pm[n][e] * (dp[n][e] - drow[n * 8 + 2 * t + (e & 1)]);
+        amax = fmaxf(amax, fabsf(pm[n][e]));
+      }
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        float v = pm[n][x] + pm[n][2 + x];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (g == 0) atomicAdd(&rowsum[n * 8 + 2 * t + x], v);
+      }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (lane == 0) red[warp] = amax;
+    __syncthreads();
+    amax = 0.0f;
+#pragma unroll
+    for (int x = 0; x < 8; ++x) amax = fmaxf(amax, red[x]);
+    float rds, sds;
+    psi_factors(amax, rds, sds);
+    int dc[8][4];
+    char *ds_tile = smem + L::kDs;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        dc[n][e] = code_s8(pm[n][e], rds);
+        ds_tile[swz<kBK8>(n * 8 + 2 * t + (e & 1), krow0 + g + 8 * (e >> 1))] = (char)dc[n][e];
+      }
+
+    /* dK += (scale sdS sQ) dS^T Q^ */
+    {
+      uint32_t da[2][4];
+      pack_a_from_acc(da[0], dc, 0);
+      pack_a_from_acc(da[1], dc, 1);
+      const float fk = (p.scale * sds) * sq;
+#pragma unroll
+      for (int np = 0; np < DO / 16; ++np) {
+        int c2[2][4] = {};
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          uint32_t qb[2][2];
+          ldsm_b<kBQ8>(qb, B + L::bQt, np * 16, c * 32);
+          mma_s8(c2[0], da[c], qb[0]);
+          mma_s8(c2[1], da[c], qb[1]);
+        }
+#pragma unroll
+        for (int x = 0; x < 2; ++x)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dk[2 * np + x][e] += fk * (float)c2[x][e];
+      }
+    }
+    __syncthreads();
+
+    /* dQ_i += (scale sdS sK) dS^ K^: warp -> 16 rows x DO/2 columns, FP32 atomics */
+    {
+      constexpr int NT = DO / 16;
+      const int r0 = (warp & 3) * 16, c0 = (warp >> 2) * (DO / 2);
+      int c3[NT][4] = {};
+#pragma unroll
+      for (int kc = 0; kc < kBK8 / 32; ++kc) {
+        uint32_t sa[4];
+        ldsm_a<kBK8>(sa, ds_tile, r0, kc * 32);
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t kb[2][2];
+          ldsm_b<kBK8>(kb, smem + L::kKt, c0 + np * 16, kc * 32);
+          mma_s8(c3[2 * np], sa, kb[0]);
+          mma_s8(c3[2 * np + 1], sa, kb[1]);
+        }
+      }
+      const float fq = (p.scale * sds) * sk;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t row = i0 + r0 + g + 8 * r;
+        if (row >= p.len_q) continue;
+        float *dst = w.dq_acc + (bh * p.len_q + row) * DP + d0 + c0 + 2 * t;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          atomicAdd(dst + n * 8, fq * (float)c3[n][2 * r]);
+          atomicAdd(dst + n * 8 + 1, fq * (float)c3[n][2 * r + 1]);
+        }
+      }
+    }
+    if (tid < kBQ8) {
+      const float v = rowsum[tid];
+      if (blockIdx.y == 0 && i0 + tid < p.len_q && v != 0.0f)
+        atomicAdd(&w.ds_rowsum[bh * p.len_q + i0 + tid], v);
+      rowsum[tid] = 0.0f;
+    }
+  }
+
+  /* dK and dV of this block's keys (contiguous outputs), in the input dtype */
+  const bool pair_ok = p.head_dim % 2 == 0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = j0 + krow0 + g + 8 * r;
+    if (key >= p.len_k) continue;
+    const int64_t base = (bhk * p.len_k + key) * p.head_dim;
+#pragma unroll
+    for (int n = 0; n < DO / 8; ++n) {
+      const int col = d0 + n * 8 + 2 * t;
+      if (col >= p.head_dim) continue;
+      if (col + 1 < p.head_dim) {
+        store2_from_float(a.dk, p.dtype, base + col, dk[n][2 * r], dk[n][2 * r + 1], pair_ok);
+        store2_from_float(a.dv, p.dtype, base + col, dv[n][2 * r], dv[n][2 * r + 1], pair_ok);
+      } else {
+        store_from_float(a.dk, p.dtype, base + col, dk[n][2 * r]);
+        store_from_float(a.dv, p.dtype, base + col, dv[n][2 * r]);
+      }
+    }
+  }
+}
+
+/* Head dim DP: dK/dV/dQ columns per block (DO) and query-tile buffers; the kernel for the
+ * 16-bit type of dP. */
+template <int DP>
+fp4attn_status launch_int8_backward(const Int8Args &a, cudaStream_t s) {
+  constexpr int DO = DP > 128 ? 128 : DP, NBUF = DP > 128 ? 1 : 2;
+  using L = BwdSmem<DP, DO, NBUF>;
+  static int configured[64] = {0};
+  auto kernel = a.bf16_ops ? int8_backward_kernel<DP, DO, NBUF, true>
+                           : int8_backward_kernel<DP, DO, NBUF, false>;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const int bit = a.bf16_ops ? 2 : 1;
+  if (dev < 0 || dev >= 64 || !(configured[dev] & bit)) {
+    int optin = 0;
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (optin < L::kBytes)
+      return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                           "int8 attention backward: head dim %d needs %d bytes of shared memory, "
+                           "the device allows %d",
+                           DP, L::kBytes, optin);
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes) !=
+        cudaSuccess)
+      return launch_status("int8 attention backward");
+    if (dev >= 0 && dev < 64) configured[dev] |= bit;
+  }
+  const int64_t blocks = a.p.batch * a.p.heads_kv * a.ws.nkb;
+  if (blocks > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention backward: too many key blocks");
+  kernel<<<dim3((unsigned)blocks, DP / DO), 256, L::kBytes, s>>>(a);
+  return launch_status("int8 attention backward");
+}
+
+}  // namespace fp4attn_cuda
+
+#endif /* FP4ATTN_CUDA_INT8_BACKWARD_CUH */

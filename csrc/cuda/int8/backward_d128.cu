@@ -1,0 +1,5 @@
+#include "backward.cuh"
+
+namespace fp4attn_cuda {
+template fp4attn_status launch_int8_backward<128>(const Int8Args &, cudaStream_t);
+}

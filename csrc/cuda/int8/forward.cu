@@ -1,0 +1,221 @@
+/*
+ * 8-bit attention forward (docs/SPEC_INT8.md 2) on mma.sync m16n8k32 s8, sm_80 and newer.
+ *
+ * One block = 4 warps = the 64 query rows of one Q^ block (one scale sQ) of one (batch, query
+ * head); each warp owns 16 rows. Per 128-key step j (K^ and V^ tiles double-buffered by cp.async):
+ *   S    = Q^ K^_j^T (exact int32) * (sQ sK_j scale) in log2 units, masks (tile/mask.cuh)
+ *   t    = rowmax over the 128 keys; E = exp2(S - t); P^ = rne(127 E), codes 0..127 in registers
+ *   O    = alpha O + (exp2(t - m) / 127) (P^ V^_j * sV_j per column), l likewise, unquantized
+ * P^ goes from the accumulator layout straight into A fragments (k order perm16), which is why the
+ * preparation stores V^ transposed with the same permutation. Head dims 64 / 128 / 256.
+ */
+#include "../tile/mask.cuh"
+#include "attention_int8.h"
+#include "int8_tiles.cuh"
+
+namespace fp4attn_cuda {
+namespace {
+
+template <int DP>
+struct FwdSmem {
+  static constexpr int kQ = 0;                            /* Q^ [64][DP] */
+  static constexpr int kK = kQ + kBQ8 * DP;               /* K^ [2][128][DP] */
+  static constexpr int kV = kK + 2 * kBK8 * DP;           /* V^T [2][DP][128] perm */
+  static constexpr int kSv = kV + 2 * DP * kBK8;          /* sV [2][DP] */
+  static constexpr int kBytes = kSv + 2 * DP * 4;
+};
+
+template <int DP>
+__global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
+  using L = FwdSmem<DP>;
+  extern __shared__ __align__(128) char smem[];
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3;
+  const int64_t bhq = p.batch * p.heads_q;
+  /* causal: query blocks longest first across all heads; otherwise head-major (K/V reuse in L2) */
+  int64_t bh, qb;
+  if (p.causal) {
+    bh = blockIdx.x % bhq;
+    qb = w.nqb - 1 - blockIdx.x / bhq;
+  } else {
+    bh = blockIdx.x / w.nqb;
+    qb = blockIdx.x % w.nqb;
+  }
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+  const int64_t q0 = qb * kBQ8;
+  int ntiles = (int)w.nkb;
+  if (p.causal) ntiles = (int)min((int64_t)ntiles, (min(q0 + kBQ8, p.len_q) - 1) / kBK8 + 1);
+
+  auto load_kv = [&](int j, int buf) {
+    load_tile<DP>(smem + L::kK + buf * kBK8 * DP, w.kc + (bhk * w.nkp + (int64_t)j * kBK8) * DP,
+                  kBK8, DP, tid, 128);
+    load_tile<kBK8>(smem + L::kV + buf * DP * kBK8, w.vct + (bhk * w.nkb + j) * DP * kBK8, DP,
+                    kBK8, tid, 128);
+    load_bytes(smem + L::kSv + buf * DP * 4, w.sv + (bhk * w.nkb + j) * DP, DP * 4, tid, 128);
+  };
+  load_tile<DP>(smem + L::kQ, w.qc + (bh * w.nqp + q0) * DP, kBQ8, DP, tid, 128);
+  load_kv(0, 0);
+  cp_async_commit();
+
+  const float sq_scale = w.sq[bh * w.nqb + qb];
+  const WarpRows rows{b, h, q0 + warp * 16};
+  float o[DP / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* l: this thread's partial sums */
+
+  for (int j = 0; j < ntiles; ++j) {
+    const int buf = j & 1;
+    if (j + 1 < ntiles) {
+      load_kv(j + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait_group<1>();
+    } else {
+      cp_async_wait_group<0>();
+    }
+    __syncthreads();
+    const char *kt = smem + L::kK + buf * kBK8 * DP;
+    const char *vt = smem + L::kV + buf * DP * kBK8;
+    const float *sv = reinterpret_cast<const float *>(smem + L::kSv + buf * DP * 4);
+
+    int acc[16][4] = {};
+#pragma unroll
+    for (int kc = 0; kc < DP / 32; ++kc) {
+      uint32_t qa[4];
+      ldsm_a<DP>(qa, smem + L::kQ, warp * 16, kc * 32);
+#pragma unroll
+      for (int np = 0; np < 8; ++np) {
+        uint32_t kb[2][2];
+        ldsm_b<DP>(kb, kt, np * 16, kc * 32);
+        mma_s8(acc[2 * np], qa, kb[0]);
+        mma_s8(acc[2 * np + 1], qa, kb[1]);
+      }
+    }
+    const float f = ((sq_scale * w.sk[bhk * w.nkb + j]) * p.scale) * kLog2e;
+    float s[16][4];
+#pragma unroll
+    for (int n = 0; n < 16; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = (float)acc[n][e] * f;
+    const int64_t j0 = (int64_t)j * kBK8;
+    if (tile_has_masks(p, j0, rows.row0)) {
+      if (p.mask_kind == FP4ATTN_MASK_NONE)
+        mask_causal_tail(p, rows, j0, s);
+      else
+        mask_general(p, rows, j0, s);
+    }
+
+    /* online softmax with per-row INT8 P (SPEC_INT8 2.4), in log2 units */
+    float alpha[2], beta[2], pf[2], tmax[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float x = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) x = fmaxf(x, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      const float tr = quad_max(x);
+      const float m_new = fmaxf(m[r], tr);
+      alpha[r] = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - m_new);
+      beta[r] = tr == -INFINITY ? 0.0f : exp2f(tr - m_new);
+      pf[r] = beta[r] / 127.0f;
+      m[r] = m_new;
+      tmax[r] = tr == -INFINITY ? 0.0f : tr; /* a row hidden for the whole step: E = 0 */
+    }
+    int pc[16][4];
+    float rowsum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < 16; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float E = exp2f(s[n][e] - tmax[e >> 1]);
+        rowsum[e >> 1] += E;
+        pc[n][e] = __float2int_rn(127.0f * E);
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = alpha[r] * l[r] + beta[r] * rowsum[r];
+    uint32_t pa[4][4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) pack_a_from_acc(pa[c], pc, c);
+
+#pragma unroll
+    for (int np = 0; np < DP / 16; ++np) {
+      int pv[2][4] = {};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint32_t vb[2][2];
+        ldsm_b<kBK8>(vb, vt, np * 16, c * 32);
+        mma_s8(pv[0], pa[c], vb[0]);
+        mma_s8(pv[1], pa[c], vb[1]);
+      }
+#pragma unroll
+      for (int x = 0; x < 2; ++x)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = np * 16 + x * 8 + 2 * t + (e & 1);
+          float &oe = o[2 * np + x][e];
+          oe = alpha[e >> 1] * oe + pf[e >> 1] * ((float)pv[x][e] * sv[col]);
+        }
+    }
+    __syncthreads();
+  }
+
+  /* epilogue: O / l in the input dtype; lse = m ln2 + log(l) + scale (q . kbar) */
+  const int g = lane >> 2;
+  const bool pair_ok = p.head_dim % 2 == 0 && p.out_stride[0] % 2 == 0 &&
+                       p.out_stride[1] % 2 == 0 && p.out_stride[2] % 2 == 0 &&
+                       (reinterpret_cast<uintptr_t>(p.out) % (2 * dtype_size(p.dtype))) == 0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float lsum = quad_sum(l[r]);
+    const int64_t row = rows.row0 + g + 8 * r;
+    if (row >= p.len_q) continue;
+    const int64_t base = b * p.out_stride[0] + h * p.out_stride[1] + row * p.out_stride[2];
+#pragma unroll
+    for (int n = 0; n < DP / 8; ++n) {
+      const int col = n * 8 + 2 * t;
+      if (col >= p.head_dim) continue;
+      const float v0 = lsum > 0.0f ? o[n][2 * r] / lsum : 0.0f;
+      const float v1 = lsum > 0.0f ? o[n][2 * r + 1] / lsum : 0.0f;
+      if (col + 1 < p.head_dim)
+        store2_from_float(p.out, p.dtype, base + col, v0, v1, pair_ok);
+      else
+        store_from_float(p.out, p.dtype, base + col, v0);
+    }
+    if (t == 0)
+      p.lse[bh * p.len_q + row] =
+          lsum > 0.0f ? (m[r] * kLn2f + logf(lsum)) + w.qshift[bh * w.nqp + row] : -INFINITY;
+  }
+}
+
+}  // namespace
+
+template <int DP>
+fp4attn_status launch_int8_forward(const Int8Args &a, cudaStream_t s) {
+  static int configured[64] = {0};
+  const int smem = FwdSmem<DP>::kBytes;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64 || !configured[dev]) {
+    int optin = 0;
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (optin < smem)
+      return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                           "int8 attention: head dim %d needs %d bytes of shared memory, the "
+                           "device allows %d",
+                           DP, smem, optin);
+    if (cudaFuncSetAttribute(int8_forward_kernel<DP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem) != cudaSuccess)
+      return launch_status("int8 attention forward");
+    if (dev >= 0 && dev < 64) configured[dev] = 1;
+  }
+  const int64_t blocks = a.p.batch * a.p.heads_q * a.ws.nqb;
+  if (blocks > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many query blocks");
+  int8_forward_kernel<DP><<<(unsigned)blocks, 128, smem, s>>>(a);
+  return launch_status("int8 attention forward");
+}
+
+template fp4attn_status launch_int8_forward<64>(const Int8Args &, cudaStream_t);
+template fp4attn_status launch_int8_forward<128>(const Int8Args &, cudaStream_t);
+template fp4attn_status launch_int8_forward<256>(const Int8Args &, cudaStream_t);
+
+}  // namespace fp4attn_cuda

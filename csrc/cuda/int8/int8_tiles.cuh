@@ -1,0 +1,209 @@
+/*
+ * Shared pieces of the 8-bit attention kernels (docs/SPEC_INT8.md) on mma.sync m16n8k32 s8:
+ * block sizes, the workspace the preparation kernels fill and the attention kernels read,
+ * the INT8 psi code, byte-addressed swizzled shared-memory tiles and their ldmatrix fragments.
+ *
+ * Fragment conventions (g = lane / 4, t = lane % 4): the m16n8 accumulator holds rows g, g + 8
+ * and columns 2t, 2t + 1 of each 8-column tile; the A operand of m16n8k32 holds row g / g + 8 and
+ * k = 4t..4t+3 (+16); B holds k = 4t..4t+3 (+16) of column g. An A operand built from an
+ * accumulator (P, P^T, dS^T) therefore reads its k in the order perm16 below within every 16, and
+ * the B tiles it multiplies are stored with the same permutation (the "perm" tiles).
+ */
+#ifndef FP4ATTN_CUDA_INT8_INT8_TILES_CUH
+#define FP4ATTN_CUDA_INT8_INT8_TILES_CUH
+
+#include "../common/device.cuh"
+
+namespace fp4attn_cuda {
+
+constexpr int kBQ8 = 64;  /* SPEC_INT8 BQ: query rows per block (one Q^ scale, backward row block) */
+constexpr int kBK8 = 128; /* SPEC_INT8 BK: keys per block and per online-softmax step */
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2f = 0.69314718055994531f;
+
+/* Head dims the INT8 kernels are instantiated for (inputs are zero-padded up to them). */
+static inline int64_t int8_padded_head_dim(int64_t d) {
+  return d <= 64 ? 64 : (d <= 128 ? 128 : 256);
+}
+
+/* Position pos (0..15) of a perm tile holds element perm16(pos) of its 16-group: the k order of
+ * an A fragment packed from accumulator registers (pack_a_from_acc). */
+__host__ __device__ __forceinline__ int perm16(int pos) {
+  return ((pos & 3) < 2 ? 0 : 8) + 2 * (pos >> 2) + (pos & 1);
+}
+
+/* The workspace of one call; every operand tile is zero-padded to whole blocks and to dp. Codes
+ * are int8, "perm" tiles are transposed per block with perm16 along their rows. */
+struct Int8Workspace {
+  int64_t dp, nqb, nkb, nqp, nkp; /* padded head dim, block counts, padded lengths */
+  float *kbar_part;               /* [bhk][nkb][dp]: per-block column sums of K */
+  float *kbar;                    /* [bhk][dp] */
+  int8_t *kc;                     /* [bhk][nkp][dp]: K^ = psi(K - kbar) per 128 keys */
+  float *sk;                      /* [bhk][nkb] */
+  int8_t *vct;                    /* forward: [bhk][nkb][dp][128] perm: V^ per key and channel */
+  float *sv;                      /* [bhk][nkb][dp] */
+  int8_t *qc;                     /* [bhq][nqp][dp]: Q^ per 64 rows */
+  float *sq;                      /* [bhq][nqb] */
+  float *qshift;                  /* [bhq][nqp]: scale * (q . kbar), the lse's smoothing term */
+  /* backward only */
+  int8_t *kct;      /* [bhk][nkb][dp][128]: K^ transposed per block (natural key order) */
+  int8_t *qct;      /* [bhq][nqb][dp][64] perm: Q^ transposed per block */
+  uint16_t *v16;    /* [bhk][nkp][dp]: V in 16 bits (the dP operand) */
+  uint16_t *do16;   /* [bhq][nqp][dp]: dO in 16 bits */
+  int8_t *doct;     /* [bhq][nqb][dp][64] perm: dO^ per channel over each 64-row block */
+  float *sdo;       /* [bhq][nqb][dp] */
+  float *drow;      /* [bhq][nqp]: rowsum(dO * O) - dlse (0 on padding rows) */
+  float *lse2;      /* [bhq][nqp]: (lse - qshift) * log2(e), +inf where no key is visible */
+  float *dq_acc;    /* [bhq][len_q][dp]: FP32 dQ accumulated by the key blocks */
+  float *ds_rowsum; /* [bhq][len_q]: rowsum of dS (the smoothing correction of dQ) */
+  int64_t bytes;
+};
+
+/* Everything an INT8 kernel reads: the forward's params (out/lse as the forward returned them
+ * in the backward), the workspace, and the backward's extra tensors. */
+struct Int8Args {
+  fp4attn_attention_params p;
+  Int8Workspace ws;
+  const void *grad_out;
+  int64_t grad_out_stride[3];
+  const float *grad_lse;
+  void *dq, *dk, *dv; /* contiguous like q, k, v */
+  bool bf16_ops;      /* the backward's 16-bit operands are BF16 (input bf16 or fp32), else FP16 */
+};
+
+/* Fills the section pointers for `base` (null: sizes only); backward adds its sections. */
+static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params *p, bool backward,
+                                                  void *base) {
+  Int8Workspace w;
+  w.dp = int8_padded_head_dim(p->head_dim);
+  w.nqb = ceil_div(p->len_q, kBQ8);
+  w.nkb = ceil_div(p->len_k, kBK8);
+  w.nqp = w.nqb * kBQ8;
+  w.nkp = w.nkb * kBK8;
+  const int64_t bhq = p->batch * p->heads_q, bhk = p->batch * p->heads_kv, dp = w.dp;
+  int64_t off = 0;
+  char *b = static_cast<char *>(base);
+  auto take = [&](int64_t bytes) -> void * {
+    void *r = b && bytes ? b + off : nullptr;
+    off += round_up(bytes, 256);
+    return r;
+  };
+  w.kbar_part = (float *)take(4 * bhk * w.nkb * dp);
+  w.kbar = (float *)take(4 * bhk * dp);
+  w.kc = (int8_t *)take(bhk * w.nkp * dp);
+  w.sk = (float *)take(4 * bhk * w.nkb);
+  w.vct = (int8_t *)take(backward ? 0 : bhk * w.nkp * dp);
+  w.sv = (float *)take(backward ? 0 : 4 * bhk * w.nkb * dp);
+  w.qc = (int8_t *)take(bhq * w.nqp * dp);
+  w.sq = (float *)take(4 * bhq * w.nqb);
+  w.qshift = (float *)take(4 * bhq * w.nqp);
+  const int64_t bw = backward ? 1 : 0;
+  w.kct = (int8_t *)take(bw * bhk * w.nkp * dp);
+  w.qct = (int8_t *)take(bw * bhq * w.nqp * dp);
+  w.v16 = (uint16_t *)take(bw * 2 * bhk * w.nkp * dp);
+  w.do16 = (uint16_t *)take(bw * 2 * bhq * w.nqp * dp);
+  w.doct = (int8_t *)take(bw * bhq * w.nqp * dp);
+  w.sdo = (float *)take(bw * 4 * bhq * w.nqb * dp);
+  w.drow = (float *)take(bw * 4 * bhq * w.nqp);
+  w.lse2 = (float *)take(bw * 4 * bhq * w.nqp);
+  w.dq_acc = (float *)take(bw * 4 * bhq * p->len_q * dp);
+  w.ds_rowsum = (float *)take(bw * 4 * bhq * p->len_q);
+  w.bytes = off;
+  return w;
+}
+
+/* ------------------------------------------------------------------------ device helpers */
+
+/* SPEC_INT8 1 for one value: clamp(rne_int(x * r), -127, 127), r = 127 / amax or 0 for a
+ * flushed group (a NaN product converts to 0; its scale is NaN then). */
+__device__ __forceinline__ int code_s8(float x, float r) {
+  return max(-127, min(127, __float2int_rn(x * r)));
+}
+/* The group's (r, scale) from its amax; r = 0 where 127 / amax overflows (SPEC_INT8 1). */
+__device__ __forceinline__ void psi_factors(float amax, float &r, float &scale) {
+  r = 127.0f / amax;
+  scale = amax / 127.0f;
+  if (r == INFINITY) r = scale = 0.0f;
+}
+
+__device__ __forceinline__ uint32_t pack_s8x4(int a, int b, int c, int d) {
+  return (uint32_t)(a & 0xFF) | ((uint32_t)(b & 0xFF) << 8) | ((uint32_t)(c & 0xFF) << 16) |
+         ((uint32_t)d << 24);
+}
+
+/* Byte offset of (row, byte) in a [rows][W]-byte shared tile whose 16-byte chunks are XOR-swizzled
+ * by row, so that ldmatrix's 8 rows of one chunk column fall in 8 different bank groups
+ * (W = 64, or a multiple of 128). */
+template <int W>
+__device__ __forceinline__ int swz(int row, int byte) {
+  static_assert(W == 64 || W % 128 == 0, "swizzled tiles are 64 or k * 128 bytes wide");
+  const int x = W >= 128 ? (row & 7) : ((row >> 1) & 3);
+  return row * W + ((((byte >> 4) ^ x)) << 4) + (byte & 15);
+}
+
+/* cp.async of a dense [rows][W]-byte global tile (rows `pitch` bytes apart) into a swizzled one. */
+template <int W>
+__device__ __forceinline__ void load_tile(char *smem, const void *gmem, int rows, int64_t pitch,
+                                          int tid, int nthreads) {
+  const char *g = static_cast<const char *>(gmem);
+  for (int i = tid; i < rows * (W / 16); i += nthreads) {
+    const int r = i / (W / 16), c = i % (W / 16);
+    cp_async_16(smem + swz<W>(r, c * 16), g + r * pitch + c * 16);
+  }
+}
+/* cp.async of `bytes` (a multiple of 16) contiguous bytes. */
+__device__ __forceinline__ void load_bytes(char *smem, const void *gmem, int bytes, int tid,
+                                           int nthreads) {
+  for (int i = tid; i < bytes / 16; i += nthreads)
+    cp_async_16(smem + 16 * i, static_cast<const char *>(gmem) + 16 * i);
+}
+
+/* A fragment (16 rows from r0, 32 k-bytes from k0: 32 int8 or 16 16-bit values) of a swizzled
+ * row-major tile. */
+template <int W>
+__device__ __forceinline__ void ldsm_a(uint32_t (&a)[4], const char *tile, int r0, int k0) {
+  const int lane = threadIdx.x & 31, mi = lane >> 3;
+  const int row = r0 + (mi & 1) * 8 + (lane & 7), byte = k0 + (mi >> 1) * 16;
+  ldmatrix_x4(a[0], a[1], a[2], a[3], smem_u32(tile + swz<W>(row, byte)));
+}
+/* B fragments of two 8-column tiles (columns = tile rows n0..n0+15, 32 k-bytes from k0) of a
+ * swizzled [n][k] tile: b[x] is the (b0, b1) pair of columns n0 + 8x .. n0 + 8x + 7. */
+template <int W>
+__device__ __forceinline__ void ldsm_b(uint32_t (&b)[2][2], const char *tile, int n0, int k0) {
+  const int lane = threadIdx.x & 31, mi = lane >> 3;
+  const int row = n0 + (mi >> 1) * 8 + (lane & 7), byte = k0 + (mi & 1) * 16;
+  ldmatrix_x4(b[0][0], b[0][1], b[1][0], b[1][1], smem_u32(tile + swz<W>(row, byte)));
+}
+
+/* D += A (16x32 s8, row) * B (32x8 s8, col), exact int32 accumulation. */
+__device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/* The A fragment of k-chunk c (accumulator tiles 4c..4c+3, 32 columns) from INT8 codes held in
+ * accumulator layout: its k order is perm16 within each 16 (see the file comment). */
+template <int N>
+__device__ __forceinline__ void pack_a_from_acc(uint32_t (&a)[4], const int (&x)[N][4], int c) {
+  const int n = 4 * c;
+  a[0] = pack_s8x4(x[n][0], x[n][1], x[n + 1][0], x[n + 1][1]);
+  a[1] = pack_s8x4(x[n][2], x[n][3], x[n + 1][2], x[n + 1][3]);
+  a[2] = pack_s8x4(x[n + 2][0], x[n + 2][1], x[n + 3][0], x[n + 3][1]);
+  a[3] = pack_s8x4(x[n + 2][2], x[n + 2][3], x[n + 3][2], x[n + 3][3]);
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+}  // namespace fp4attn_cuda
+
+#endif /* FP4ATTN_CUDA_INT8_INT8_TILES_CUH */

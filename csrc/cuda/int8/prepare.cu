@@ -1,0 +1,274 @@
+/*
+ * The preparation kernels of the 8-bit attention (docs/SPEC_INT8.md 2.1-2.2, 3): one pass over the
+ * inputs that leaves every operand of the attention kernels in the workspace (int8_tiles.cuh).
+ *
+ *   kbar        per 128-key block column sums of K, then their ordered sum / Nk (deterministic,
+ *               so that the backward recomputes the forward's K^ bit for bit)
+ *   K, V        K^ = psi(K - kbar) per 128 keys (row-major; transposed too for the backward),
+ *               V^ = psi(V) per 128 keys and channel (perm tiles; forward), V in 16 bits (backward)
+ *   Q           Q^ = psi(Q) per 64 rows (row-major; perm tiles for the backward), and the lse's
+ *               smoothing term scale * (q . kbar) per row
+ *   dO          backward: Drow = rowsum(dO * O) - dlse (16-bit operands, like dP), the smoothed lse in log2 units, dO^ per
+ *               channel over each 64-row block (perm tiles), dO in 16 bits
+ *   finish_dq   backward: dQ = the kernel's FP32 sum + scale * rowsum(dS) kbar, in the input dtype
+ */
+#include "attention_int8.h"
+#include "int8_tiles.cuh"
+
+namespace fp4attn_cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+/* max of non-negative floats by their bits: a NaN (sign cleared) beats +inf, as SPEC_INT8 asks */
+__device__ __forceinline__ float amax_u(float a, float b) {
+  return __uint_as_float(max(__float_as_uint(a), __float_as_uint(b)));
+}
+
+__device__ float block_amax(float v, float *red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = amax_u(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = 0.0f;
+  for (int w = 0; w < kThreads / 32; ++w) v = amax_u(v, red[w]);
+  __syncthreads();
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+/* Element (b, h, n, d) of an input with (batch, head, token) strides. */
+__device__ __forceinline__ float at(const void *x, fp4attn_dtype dt, const int64_t *st, int64_t b,
+                                    int64_t h, int64_t n, int64_t d) {
+  return load_as_float(x, dt, b * st[0] + h * st[1] + n * st[2] + d);
+}
+
+__device__ __forceinline__ uint16_t to16(float x, bool bf16) {
+  return bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+}
+
+/* A value as dP and Drow see it (SPEC_INT8 3): FP32 inputs rounded to BF16. */
+__device__ __forceinline__ float as16(float x, fp4attn_dtype dt) {
+  return dt == FP4ATTN_FLOAT32 ? __bfloat162float(__float2bfloat16_rn(x)) : x;
+}
+
+/* 16 codes as one 16-byte store: code(e) for e = 0..15. */
+template <typename F>
+__device__ __forceinline__ void store16(int8_t *dst, F code) {
+  uint32_t w[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    w[q] = pack_s8x4(code(4 * q), code(4 * q + 1), code(4 * q + 2), code(4 * q + 3));
+  *reinterpret_cast<uint4 *>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__global__ void __launch_bounds__(kThreads) kbar_partial_kernel(const Int8Args a) {
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  const int64_t bhk = blockIdx.x / w.nkb, j = blockIdx.x % w.nkb;
+  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv;
+  const int64_t n0 = j * kBK8, n1 = min(n0 + kBK8, p.len_k);
+  for (int d = threadIdx.x; d < w.dp; d += kThreads) {
+    float s = 0.0f;
+    if (d < p.head_dim)
+      for (int64_t n = n0; n < n1; ++n) s += at(p.k, p.dtype, p.k_stride, b, hk, n, d);
+    w.kbar_part[(bhk * w.nkb + j) * w.dp + d] = s;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) kbar_final_kernel(const Int8Args a) {
+  const Int8Workspace &w = a.ws;
+  const int64_t bhk = blockIdx.x;
+  for (int d = threadIdx.x; d < w.dp; d += kThreads) {
+    float s = 0.0f;
+    for (int64_t j = 0; j < w.nkb; ++j) s += w.kbar_part[(bhk * w.nkb + j) * w.dp + d];
+    w.kbar[bhk * w.dp + d] = d < a.p.head_dim ? s / (float)a.p.len_k : 0.0f;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) quantize_kv_kernel(const Int8Args a, bool backward) {
+  __shared__ float red[kThreads / 32];
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  const int64_t bhk = blockIdx.x / w.nkb, j = blockIdx.x % w.nkb;
+  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv, n0 = j * kBK8;
+  const int rows = (int)min((int64_t)kBK8, p.len_k - n0), D = (int)p.head_dim, dp = (int)w.dp;
+  const float *kbar = w.kbar + bhk * dp;
+  auto ks = [&](int n, int d) { return at(p.k, p.dtype, p.k_stride, b, hk, n0 + n, d) - kbar[d]; };
+  float m = 0.0f;
+  for (int i = threadIdx.x; i < rows * D; i += kThreads) m = amax_u(m, fabsf(ks(i / D, i % D)));
+  m = block_amax(m, red);
+  float r, s;
+  psi_factors(m, r, s);
+  if (threadIdx.x == 0) w.sk[bhk * w.nkb + j] = s;
+  int8_t *kc = w.kc + (bhk * w.nkp + n0) * dp;
+  for (int i = threadIdx.x; i < kBK8 * (dp / 16); i += kThreads) {
+    const int n = i / (dp / 16), d0 = (i % (dp / 16)) * 16;
+    store16(kc + n * dp + d0, [&](int e) {
+      return n < rows && d0 + e < D ? code_s8(ks(n, d0 + e), r) : 0;
+    });
+  }
+  if (backward) {
+    int8_t *kct = w.kct + (bhk * w.nkb + j) * dp * kBK8;
+    for (int i = threadIdx.x; i < dp * (kBK8 / 16); i += kThreads) {
+      const int d = i / (kBK8 / 16), c0 = (i % (kBK8 / 16)) * 16;
+      store16(kct + d * kBK8 + c0,
+              [&](int e) { return c0 + e < rows && d < D ? code_s8(ks(c0 + e, d), r) : 0; });
+    }
+    for (int i = threadIdx.x; i < kBK8 * dp; i += kThreads) {
+      const int n = i / dp, d = i % dp;
+      const float x = n < rows && d < D ? at(p.v, p.dtype, p.v_stride, b, hk, n0 + n, d) : 0.0f;
+      w.v16[(bhk * w.nkp + n0 + n) * dp + d] = to16(x, a.bf16_ops);
+    }
+    return;
+  }
+  for (int d = threadIdx.x; d < dp; d += kThreads) { /* V: one scale per channel */
+    auto v = [&](int n) { return at(p.v, p.dtype, p.v_stride, b, hk, n0 + n, d); };
+    float vm = 0.0f;
+    if (d < D)
+      for (int n = 0; n < rows; ++n) vm = amax_u(vm, fabsf(v(n)));
+    float vr, vs;
+    psi_factors(vm, vr, vs);
+    w.sv[(bhk * w.nkb + j) * dp + d] = vs;
+    int8_t *row = w.vct + ((bhk * w.nkb + j) * dp + d) * kBK8;
+    for (int c0 = 0; c0 < kBK8; c0 += 16)
+      store16(row + c0, [&](int e) {
+        const int n = c0 + perm16(e);
+        return n < rows && d < D ? code_s8(v(n), vr) : 0;
+      });
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) quantize_q_kernel(const Int8Args a, bool backward) {
+  __shared__ float red[kThreads / 32];
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  const int64_t bh = blockIdx.x / w.nqb, i = blockIdx.x % w.nqb;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / (p.heads_q / p.heads_kv);
+  const int64_t r0 = i * kBQ8;
+  const int rows = (int)min((int64_t)kBQ8, p.len_q - r0), D = (int)p.head_dim, dp = (int)w.dp;
+  auto q = [&](int r, int d) { return at(p.q, p.dtype, p.q_stride, b, h, r0 + r, d); };
+  float m = 0.0f;
+  for (int e = threadIdx.x; e < rows * D; e += kThreads) m = amax_u(m, fabsf(q(e / D, e % D)));
+  m = block_amax(m, red);
+  float r, s;
+  psi_factors(m, r, s);
+  if (threadIdx.x == 0) w.sq[bh * w.nqb + i] = s;
+  int8_t *qc = w.qc + (bh * w.nqp + r0) * dp;
+  for (int e = threadIdx.x; e < kBQ8 * (dp / 16); e += kThreads) {
+    const int n = e / (dp / 16), d0 = (e % (dp / 16)) * 16;
+    store16(qc + n * dp + d0,
+            [&](int x) { return n < rows && d0 + x < D ? code_s8(q(n, d0 + x), r) : 0; });
+  }
+  const float *kbar = w.kbar + (b * p.heads_kv + hk) * dp;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int n = warp; n < kBQ8; n += kThreads / 32) {
+    float acc = 0.0f;
+    if (n < rows)
+      for (int d = lane; d < D; d += 32) acc += q(n, d) * kbar[d];
+    acc = warp_sum(acc);
+    if (lane == 0) w.qshift[bh * w.nqp + r0 + n] = n < rows ? p.scale * acc : 0.0f;
+  }
+  if (backward) {
+    int8_t *qct = w.qct + (bh * w.nqb + i) * dp * kBQ8;
+    for (int e = threadIdx.x; e < dp * (kBQ8 / 16); e += kThreads) {
+      const int d = e / (kBQ8 / 16), c0 = (e % (kBQ8 / 16)) * 16;
+      store16(qct + d * kBQ8 + c0, [&](int x) {
+        const int n = c0 + perm16(x);
+        return n < rows && d < D ? code_s8(q(n, d), r) : 0;
+      });
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) prepare_do_kernel(const Int8Args a) {
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  const int64_t bh = blockIdx.x / w.nqb, i = blockIdx.x % w.nqb;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q, r0 = i * kBQ8;
+  const int rows = (int)min((int64_t)kBQ8, p.len_q - r0), D = (int)p.head_dim, dp = (int)w.dp;
+  auto go = [&](int r, int d) { return at(a.grad_out, p.dtype, a.grad_out_stride, b, h, r0 + r, d); };
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int n = warp; n < kBQ8; n += kThreads / 32) {
+    float acc = 0.0f;
+    if (n < rows)
+      for (int d = lane; d < D; d += 32)
+        acc += as16(go(n, d), p.dtype) * as16(at(p.out, p.dtype, p.out_stride, b, h, r0 + n, d), p.dtype);
+    acc = warp_sum(acc);
+    if (lane != 0) continue;
+    float drow = 0.0f, lse2 = INFINITY;
+    if (n < rows) {
+      const int64_t li = bh * p.len_q + r0 + n;
+      drow = a.grad_lse ? acc - a.grad_lse[li] : acc;
+      const float lse = p.lse[li];
+      if (lse != -INFINITY) lse2 = (lse - w.qshift[bh * w.nqp + r0 + n]) * kLog2e;
+    }
+    w.drow[bh * w.nqp + r0 + n] = drow;
+    w.lse2[bh * w.nqp + r0 + n] = lse2;
+  }
+  for (int d = threadIdx.x; d < dp; d += kThreads) { /* dO^: one scale per channel */
+    float m = 0.0f;
+    if (d < D)
+      for (int n = 0; n < rows; ++n) m = amax_u(m, fabsf(go(n, d)));
+    float r, s;
+    psi_factors(m, r, s);
+    w.sdo[(bh * w.nqb + i) * dp + d] = s;
+    int8_t *row = w.doct + ((bh * w.nqb + i) * dp + d) * kBQ8;
+    for (int c0 = 0; c0 < kBQ8; c0 += 16)
+      store16(row + c0, [&](int e) {
+        const int n = c0 + perm16(e);
+        return n < rows && d < D ? code_s8(go(n, d), r) : 0;
+      });
+  }
+  for (int e = threadIdx.x; e < kBQ8 * dp; e += kThreads) {
+    const int n = e / dp, d = e % dp;
+    w.do16[(bh * w.nqp + r0 + n) * dp + d] = to16(n < rows && d < D ? go(n, d) : 0.0f, a.bf16_ops);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) finish_dq_kernel(const Int8Args a) {
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  const int64_t D = p.head_dim, total = p.batch * p.heads_q * p.len_q * D;
+  const int64_t G = p.heads_q / p.heads_kv;
+  for (int64_t e = blockIdx.x * (int64_t)kThreads + threadIdx.x; e < total;
+       e += (int64_t)gridDim.x * kThreads) {
+    const int64_t row = e / D, d = e % D, bh = row / p.len_q;
+    const int64_t bhk = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / G;
+    const float v = w.dq_acc[row * w.dp + d] + (p.scale * w.ds_rowsum[row]) * w.kbar[bhk * w.dp + d];
+    store_from_float(a.dq, p.dtype, e, v);
+  }
+}
+
+}  // namespace
+
+fp4attn_status launch_int8_prepare(const Int8Args &a, bool backward, cudaStream_t s) {
+  const Int8Workspace &w = a.ws;
+  const int64_t bhk = a.p.batch * a.p.heads_kv, bhq = a.p.batch * a.p.heads_q;
+  if (bhk * w.nkb > 0x7FFFFFFFLL || bhq * w.nqb > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many blocks");
+  kbar_partial_kernel<<<(unsigned)(bhk * w.nkb), kThreads, 0, s>>>(a);
+  kbar_final_kernel<<<(unsigned)bhk, kThreads, 0, s>>>(a);
+  quantize_kv_kernel<<<(unsigned)(bhk * w.nkb), kThreads, 0, s>>>(a, backward);
+  quantize_q_kernel<<<(unsigned)(bhq * w.nqb), kThreads, 0, s>>>(a, backward);
+  if (backward) {
+    prepare_do_kernel<<<(unsigned)(bhq * w.nqb), kThreads, 0, s>>>(a);
+    cudaMemsetAsync(w.dq_acc, 0, sizeof(float) * bhq * a.p.len_q * w.dp, s);
+    cudaMemsetAsync(w.ds_rowsum, 0, sizeof(float) * bhq * a.p.len_q, s);
+  }
+  return launch_status("int8 attention: prepare");
+}
+
+fp4attn_status launch_int8_finish_dq(const Int8Args &a, cudaStream_t s) {
+  const int64_t total = a.p.batch * a.p.heads_q * a.p.len_q * a.p.head_dim;
+  const int64_t blocks = min(ceil_div(total, kThreads), (int64_t)sm_count() * 16);
+  finish_dq_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(a);
+  return launch_status("int8 attention: finish dq");
+}
+
+}  // namespace fp4attn_cuda
