@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fp4attn  # noqa: E402
+from fp4attn.sdpa import PRECISIONS  # noqa: E402
 from provenance import ROOT, cpu_name, gpu_description, header, write_csv  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -124,7 +125,7 @@ def main() -> int:
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths (overrides the sweep's)")
     ap.add_argument("--dims", default=None, help="comma-separated head dims (overrides the sweep's)")
-    ap.add_argument("--precision", choices=fp4attn.PRECISIONS, default="fp4",
+    ap.add_argument("--precision", choices=PRECISIONS, default="fp4",
                     help="fp4 (SPEC) or int8 (SPEC_INT8) attention")
     args = ap.parse_args()
     prec = args.precision

@@ -22,6 +22,16 @@
 
 namespace fp4attn_cuda {
 
+/* dst[0..1] += (x, y) atomically (8-byte aligned): one vector atomic on sm_90 and newer. */
+__device__ __forceinline__ void add_pair(float *dst, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2 *>(dst), make_float2(x, y));
+#else
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
+#endif
+}
+
 template <int DP, int DO, int NBUF>
 struct BwdSmem {
   static constexpr int kKc = 0;                    /* K^ [128][DP] */
@@ -283,10 +293,7 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
         if (row >= p.len_q) continue;
         float *dst = w.dq_acc + (bh * p.len_q + row) * DP + d0 + c0 + 2 * t;
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          atomicAdd(dst + n * 8, fq * (float)c3[n][2 * r]);
-          atomicAdd(dst + n * 8 + 1, fq * (float)c3[n][2 * r + 1]);
-        }
+        for (int n = 0; n < NT; ++n) add_pair(dst + n * 8, fq * (float)c3[n][2 * r], fq * (float)c3[n][2 * r + 1]);
       }
     }
     if (tid < kBQ8) {
