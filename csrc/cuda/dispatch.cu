@@ -74,6 +74,10 @@ Int8Args make_int8_args(const fp4attn_attention_params *p, bool backward, void *
   a.p = *p;
   a.ws = int8_workspace_layout(p, backward, workspace);
   a.bf16_ops = p->dtype != FP4ATTN_FLOAT16;
+  a.vec_q = vector_rows(p->q, p->q_stride, p->head_dim);
+  a.vec_k = vector_rows(p->k, p->k_stride, p->head_dim);
+  a.vec_v = vector_rows(p->v, p->v_stride, p->head_dim);
+  a.vec_out = vector_rows(p->out, p->out_stride, p->head_dim);
   return a;
 }
 
@@ -186,6 +190,7 @@ extern "C" fp4attn_status fp4attn_cuda_int8_attention_backward(
   Int8Args a = make_int8_args(&bp->fwd, true, workspace);
   a.grad_out = bp->grad_out;
   for (int i = 0; i < 3; ++i) a.grad_out_stride[i] = bp->grad_out_stride[i];
+  a.vec_do = vector_rows(bp->grad_out, bp->grad_out_stride, bp->fwd.head_dim);
   a.grad_lse = bp->grad_lse;
   a.dq = bp->dq;
   a.dk = bp->dk;

@@ -69,6 +69,7 @@ struct Int8Args {
   const float *grad_lse;
   void *dq, *dk, *dv; /* contiguous like q, k, v */
   bool bf16_ops;      /* the backward's 16-bit operands are BF16 (input bf16 or fp32), else FP16 */
+  bool vec_q, vec_k, vec_v, vec_out, vec_do; /* rows allow 16-byte loads (vector_rows) */
 };
 
 /* Fills the section pointers for `base` (null: sizes only); backward adds its sections. */

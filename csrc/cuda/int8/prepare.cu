@@ -4,6 +4,8 @@
  *
  *   kbar        per 128-key block column sums of K, then their ordered sum / Nk (deterministic,
  *               so that the backward recomputes the forward's K^ bit for bit)
+ * Each block stages its rows once in shared memory as floats (coalesced 16-byte loads where the
+ * rows allow) and reads them from there in every order its outputs need.
  *   K, V        K^ = psi(K - kbar) per 128 keys (row-major; transposed too for the backward),
  *               V^ = psi(V) per 128 keys and channel (perm tiles; forward), V in 16 bits (backward)
  *   Q           Q^ = psi(Q) per 64 rows (row-major; perm tiles for the backward), and the lse's
@@ -67,17 +69,51 @@ __device__ __forceinline__ void store16(int8_t *dst, F code) {
   *reinterpret_cast<uint4 *>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+/* Rows r0 .. r0 + rows - 1 of x's (b, h) matrix into a float tile [rows_max][dp + 4] in shared
+ * memory, coalesced (16-byte loads where `vec`), zeros past `rows` and past D. */
+__device__ void stage_rows(float *tile, const void *x, fp4attn_dtype dt, const int64_t *st,
+                           int64_t b, int64_t h, int64_t r0, int rows, int rows_max, int D, int dp,
+                           bool vec) {
+  const int groups = dp / 8, pitch = dp + 4;
+  for (int i = threadIdx.x; i < rows_max * groups; i += kThreads) {
+    const int r = i / groups, c = (i % groups) * 8;
+    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (r < rows) load8_padded(x, dt, b * st[0] + h * st[1] + (r0 + r) * st[2], c, D, vec, v);
+    float4 *dst = reinterpret_cast<float4 *>(tile + r * pitch + c);
+    dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+    dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
+/* Shared-memory bytes of a staged tile of `rows` rows. */
+__host__ __device__ constexpr int tile_bytes(int rows, int dp) {
+  return rows * (dp + 4) * 4;
+}
+
 __global__ void __launch_bounds__(kThreads) kbar_partial_kernel(const Int8Args a) {
+  __shared__ float part[kThreads * 8];
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
   const int64_t bhk = blockIdx.x / w.nkb, j = blockIdx.x % w.nkb;
-  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv;
-  const int64_t n0 = j * kBK8, n1 = min(n0 + kBK8, p.len_k);
-  for (int d = threadIdx.x; d < w.dp; d += kThreads) {
-    float s = 0.0f;
-    if (d < p.head_dim)
-      for (int64_t n = n0; n < n1; ++n) s += at(p.k, p.dtype, p.k_stride, b, hk, n, d);
-    w.kbar_part[(bhk * w.nkb + j) * w.dp + d] = s;
+  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv, n0 = j * kBK8;
+  const int rows = (int)min((int64_t)kBK8, p.len_k - n0), dp = (int)w.dp;
+  const int groups = dp / 8, lanes = kThreads / groups; /* row lanes per 8-column group */
+  const int c = (threadIdx.x % groups) * 8, lane = threadIdx.x / groups;
+  float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (int r = lane; r < rows; r += lanes) {
+    float v[8];
+    load8_padded(p.k, p.dtype, b * p.k_stride[0] + hk * p.k_stride[1] + (n0 + r) * p.k_stride[2],
+                 c, (int)p.head_dim, a.vec_k, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s[e] += v[e];
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) part[lane * dp + c + e] = s[e];
+  __syncthreads();
+  for (int d = threadIdx.x; d < dp; d += kThreads) { /* the lanes in a fixed order */
+    float t = 0.0f;
+    for (int l = 0; l < lanes; ++l) t += part[l * dp + d];
+    w.kbar_part[(bhk * w.nkb + j) * dp + d] = t;
   }
 }
 
@@ -91,17 +127,26 @@ __global__ void __launch_bounds__(kThreads) kbar_final_kernel(const Int8Args a) 
   }
 }
 
+/* One 128-key block of one (batch, KV head): K^ (and K^T), then V^ (forward) or V16 (backward),
+ * each staged once in shared memory. */
 __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(const Int8Args a, bool backward) {
+  extern __shared__ __align__(16) float tile[]; /* [128][dp + 4] */
   __shared__ float red[kThreads / 32];
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
   const int64_t bhk = blockIdx.x / w.nkb, j = blockIdx.x % w.nkb;
   const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv, n0 = j * kBK8;
   const int rows = (int)min((int64_t)kBK8, p.len_k - n0), D = (int)p.head_dim, dp = (int)w.dp;
+  const int pitch = dp + 4;
   const float *kbar = w.kbar + bhk * dp;
-  auto ks = [&](int n, int d) { return at(p.k, p.dtype, p.k_stride, b, hk, n0 + n, d) - kbar[d]; };
-  float m = 0.0f;
-  for (int i = threadIdx.x; i < rows * D; i += kThreads) m = amax_u(m, fabsf(ks(i / D, i % D)));
+  stage_rows(tile, p.k, p.dtype, p.k_stride, b, hk, n0, rows, kBK8, D, dp, a.vec_k);
+  __syncthreads();
+  float m = 0.0f; /* smooth in place (real rows only: padding stays 0) and take the amax */
+  for (int i = threadIdx.x; i < rows * dp; i += kThreads) {
+    float &x = tile[(i / dp) * pitch + i % dp];
+    x -= kbar[i % dp];
+    m = amax_u(m, fabsf(x));
+  }
   m = block_amax(m, red);
   float r, s;
   psi_factors(m, r, s);
@@ -109,42 +154,38 @@ __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(const Int8Args a,
   int8_t *kc = w.kc + (bhk * w.nkp + n0) * dp;
   for (int i = threadIdx.x; i < kBK8 * (dp / 16); i += kThreads) {
     const int n = i / (dp / 16), d0 = (i % (dp / 16)) * 16;
-    store16(kc + n * dp + d0, [&](int e) {
-      return n < rows && d0 + e < D ? code_s8(ks(n, d0 + e), r) : 0;
-    });
+    store16(kc + n * dp + d0, [&](int e) { return code_s8(tile[n * pitch + d0 + e], r); });
   }
   if (backward) {
     int8_t *kct = w.kct + (bhk * w.nkb + j) * dp * kBK8;
     for (int i = threadIdx.x; i < dp * (kBK8 / 16); i += kThreads) {
-      const int d = i / (kBK8 / 16), c0 = (i % (kBK8 / 16)) * 16;
-      store16(kct + d * kBK8 + c0,
-              [&](int e) { return c0 + e < rows && d < D ? code_s8(ks(c0 + e, d), r) : 0; });
+      const int d = i % dp, c0 = (i / dp) * 16;
+      store16(kct + d * kBK8 + c0, [&](int e) { return code_s8(tile[(c0 + e) * pitch + d], r); });
     }
-    for (int i = threadIdx.x; i < kBK8 * dp; i += kThreads) {
-      const int n = i / dp, d = i % dp;
-      const float x = n < rows && d < D ? at(p.v, p.dtype, p.v_stride, b, hk, n0 + n, d) : 0.0f;
-      w.v16[(bhk * w.nkp + n0 + n) * dp + d] = to16(x, a.bf16_ops);
-    }
+  }
+  __syncthreads();
+  stage_rows(tile, p.v, p.dtype, p.v_stride, b, hk, n0, rows, kBK8, D, dp, a.vec_v);
+  __syncthreads();
+  if (backward) {
+    for (int i = threadIdx.x; i < kBK8 * dp; i += kThreads)
+      w.v16[(bhk * w.nkp + n0) * dp + i] = to16(tile[(i / dp) * pitch + i % dp], a.bf16_ops);
     return;
   }
   for (int d = threadIdx.x; d < dp; d += kThreads) { /* V: one scale per channel */
-    auto v = [&](int n) { return at(p.v, p.dtype, p.v_stride, b, hk, n0 + n, d); };
     float vm = 0.0f;
-    if (d < D)
-      for (int n = 0; n < rows; ++n) vm = amax_u(vm, fabsf(v(n)));
+    for (int n = 0; n < rows; ++n) vm = amax_u(vm, fabsf(tile[n * pitch + d]));
     float vr, vs;
     psi_factors(vm, vr, vs);
     w.sv[(bhk * w.nkb + j) * dp + d] = vs;
     int8_t *row = w.vct + ((bhk * w.nkb + j) * dp + d) * kBK8;
     for (int c0 = 0; c0 < kBK8; c0 += 16)
-      store16(row + c0, [&](int e) {
-        const int n = c0 + perm16(e);
-        return n < rows && d < D ? code_s8(v(n), vr) : 0;
-      });
+      store16(row + c0, [&](int e) { return code_s8(tile[(c0 + perm16(e)) * pitch + d], vr); });
   }
 }
 
+/* One 64-row block of one (batch, query head): Q^ (and its perm tiles), the lse's shift. */
 __global__ void __launch_bounds__(kThreads) quantize_q_kernel(const Int8Args a, bool backward) {
+  extern __shared__ __align__(16) float tile[]; /* [64][dp + 4] */
   __shared__ float red[kThreads / 32];
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
@@ -152,9 +193,12 @@ __global__ void __launch_bounds__(kThreads) quantize_q_kernel(const Int8Args a, 
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / (p.heads_q / p.heads_kv);
   const int64_t r0 = i * kBQ8;
   const int rows = (int)min((int64_t)kBQ8, p.len_q - r0), D = (int)p.head_dim, dp = (int)w.dp;
-  auto q = [&](int r, int d) { return at(p.q, p.dtype, p.q_stride, b, h, r0 + r, d); };
+  const int pitch = dp + 4;
+  stage_rows(tile, p.q, p.dtype, p.q_stride, b, h, r0, rows, kBQ8, D, dp, a.vec_q);
+  __syncthreads();
   float m = 0.0f;
-  for (int e = threadIdx.x; e < rows * D; e += kThreads) m = amax_u(m, fabsf(q(e / D, e % D)));
+  for (int e = threadIdx.x; e < kBQ8 * dp; e += kThreads)
+    m = amax_u(m, fabsf(tile[(e / dp) * pitch + e % dp]));
   m = block_amax(m, red);
   float r, s;
   psi_factors(m, r, s);
@@ -162,43 +206,45 @@ __global__ void __launch_bounds__(kThreads) quantize_q_kernel(const Int8Args a, 
   int8_t *qc = w.qc + (bh * w.nqp + r0) * dp;
   for (int e = threadIdx.x; e < kBQ8 * (dp / 16); e += kThreads) {
     const int n = e / (dp / 16), d0 = (e % (dp / 16)) * 16;
-    store16(qc + n * dp + d0,
-            [&](int x) { return n < rows && d0 + x < D ? code_s8(q(n, d0 + x), r) : 0; });
+    store16(qc + n * dp + d0, [&](int x) { return code_s8(tile[n * pitch + d0 + x], r); });
   }
   const float *kbar = w.kbar + (b * p.heads_kv + hk) * dp;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int n = warp; n < kBQ8; n += kThreads / 32) {
     float acc = 0.0f;
-    if (n < rows)
-      for (int d = lane; d < D; d += 32) acc += q(n, d) * kbar[d];
+    for (int d = lane; d < dp; d += 32) acc += tile[n * pitch + d] * kbar[d];
     acc = warp_sum(acc);
     if (lane == 0) w.qshift[bh * w.nqp + r0 + n] = n < rows ? p.scale * acc : 0.0f;
   }
   if (backward) {
     int8_t *qct = w.qct + (bh * w.nqb + i) * dp * kBQ8;
     for (int e = threadIdx.x; e < dp * (kBQ8 / 16); e += kThreads) {
-      const int d = e / (kBQ8 / 16), c0 = (e % (kBQ8 / 16)) * 16;
-      store16(qct + d * kBQ8 + c0, [&](int x) {
-        const int n = c0 + perm16(x);
-        return n < rows && d < D ? code_s8(q(n, d), r) : 0;
-      });
+      const int d = e % dp, c0 = (e / dp) * 16;
+      store16(qct + d * kBQ8 + c0,
+              [&](int x) { return code_s8(tile[(c0 + perm16(x)) * pitch + d], r); });
     }
   }
 }
 
+/* One 64-row block of one (batch, query head) of dO: Drow and the smoothed lse per row, dO^ per
+ * channel (perm tiles), dO in 16 bits. */
 __global__ void __launch_bounds__(kThreads) prepare_do_kernel(const Int8Args a) {
+  extern __shared__ __align__(16) float tile[]; /* dO, then O: [2][64][dp + 4] */
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
   const int64_t bh = blockIdx.x / w.nqb, i = blockIdx.x % w.nqb;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q, r0 = i * kBQ8;
   const int rows = (int)min((int64_t)kBQ8, p.len_q - r0), D = (int)p.head_dim, dp = (int)w.dp;
-  auto go = [&](int r, int d) { return at(a.grad_out, p.dtype, a.grad_out_stride, b, h, r0 + r, d); };
+  const int pitch = dp + 4;
+  float *otile = tile + kBQ8 * pitch;
+  stage_rows(tile, a.grad_out, p.dtype, a.grad_out_stride, b, h, r0, rows, kBQ8, D, dp, a.vec_do);
+  stage_rows(otile, p.out, p.dtype, p.out_stride, b, h, r0, rows, kBQ8, D, dp, a.vec_out);
+  __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int n = warp; n < kBQ8; n += kThreads / 32) {
     float acc = 0.0f;
-    if (n < rows)
-      for (int d = lane; d < D; d += 32)
-        acc += as16(go(n, d), p.dtype) * as16(at(p.out, p.dtype, p.out_stride, b, h, r0 + n, d), p.dtype);
+    for (int d = lane; d < dp; d += 32)
+      acc += as16(tile[n * pitch + d], p.dtype) * as16(otile[n * pitch + d], p.dtype);
     acc = warp_sum(acc);
     if (lane != 0) continue;
     float drow = 0.0f, lse2 = INFINITY;
@@ -213,22 +259,16 @@ __global__ void __launch_bounds__(kThreads) prepare_do_kernel(const Int8Args a) 
   }
   for (int d = threadIdx.x; d < dp; d += kThreads) { /* dO^: one scale per channel */
     float m = 0.0f;
-    if (d < D)
-      for (int n = 0; n < rows; ++n) m = amax_u(m, fabsf(go(n, d)));
+    for (int n = 0; n < rows; ++n) m = amax_u(m, fabsf(tile[n * pitch + d]));
     float r, s;
     psi_factors(m, r, s);
     w.sdo[(bh * w.nqb + i) * dp + d] = s;
     int8_t *row = w.doct + ((bh * w.nqb + i) * dp + d) * kBQ8;
     for (int c0 = 0; c0 < kBQ8; c0 += 16)
-      store16(row + c0, [&](int e) {
-        const int n = c0 + perm16(e);
-        return n < rows && d < D ? code_s8(go(n, d), r) : 0;
-      });
+      store16(row + c0, [&](int e) { return code_s8(tile[(c0 + perm16(e)) * pitch + d], r); });
   }
-  for (int e = threadIdx.x; e < kBQ8 * dp; e += kThreads) {
-    const int n = e / dp, d = e % dp;
-    w.do16[(bh * w.nqp + r0 + n) * dp + d] = to16(n < rows && d < D ? go(n, d) : 0.0f, a.bf16_ops);
-  }
+  for (int e = threadIdx.x; e < kBQ8 * dp; e += kThreads)
+    w.do16[(bh * w.nqp + r0) * dp + e] = to16(tile[(e / dp) * pitch + e % dp], a.bf16_ops);
 }
 
 __global__ void __launch_bounds__(kThreads) finish_dq_kernel(const Int8Args a) {
@@ -245,19 +285,40 @@ __global__ void __launch_bounds__(kThreads) finish_dq_kernel(const Int8Args a) {
   }
 }
 
+/* Raises a kernel's dynamic shared-memory limit to `bytes`, once per device (kernels here need at
+ * most 133 KB, at head dim 256). */
+template <typename Kernel>
+bool allow_smem(Kernel kernel, int bytes, int (&done)[64]) {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 0 && dev < 64 && done[dev] >= bytes) return true;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) !=
+      cudaSuccess)
+    return false;
+  if (dev >= 0 && dev < 64) done[dev] = bytes;
+  return true;
+}
+
 }  // namespace
 
 fp4attn_status launch_int8_prepare(const Int8Args &a, bool backward, cudaStream_t s) {
+  static int kv_smem[64], q_smem[64], do_smem[64];
   const Int8Workspace &w = a.ws;
+  const int dp = (int)w.dp;
   const int64_t bhk = a.p.batch * a.p.heads_kv, bhq = a.p.batch * a.p.heads_q;
   if (bhk * w.nkb > 0x7FFFFFFFLL || bhq * w.nqb > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many blocks");
+  const int kv_bytes = tile_bytes(kBK8, dp), q_bytes = tile_bytes(kBQ8, dp);
+  if (!allow_smem(quantize_kv_kernel, kv_bytes, kv_smem) ||
+      !allow_smem(quantize_q_kernel, q_bytes, q_smem) ||
+      (backward && !allow_smem(prepare_do_kernel, 2 * q_bytes, do_smem)))
+    return launch_status("int8 attention: prepare (shared memory)");
   kbar_partial_kernel<<<(unsigned)(bhk * w.nkb), kThreads, 0, s>>>(a);
   kbar_final_kernel<<<(unsigned)bhk, kThreads, 0, s>>>(a);
-  quantize_kv_kernel<<<(unsigned)(bhk * w.nkb), kThreads, 0, s>>>(a, backward);
-  quantize_q_kernel<<<(unsigned)(bhq * w.nqb), kThreads, 0, s>>>(a, backward);
+  quantize_kv_kernel<<<(unsigned)(bhk * w.nkb), kThreads, kv_bytes, s>>>(a, backward);
+  quantize_q_kernel<<<(unsigned)(bhq * w.nqb), kThreads, q_bytes, s>>>(a, backward);
   if (backward) {
-    prepare_do_kernel<<<(unsigned)(bhq * w.nqb), kThreads, 0, s>>>(a);
+    prepare_do_kernel<<<(unsigned)(bhq * w.nqb), kThreads, 2 * q_bytes, s>>>(a);
     cudaMemsetAsync(w.dq_acc, 0, sizeof(float) * bhq * a.p.len_q * w.dp, s);
     cudaMemsetAsync(w.ds_rowsum, 0, sizeof(float) * bhq * a.p.len_q, s);
   }
