@@ -473,6 +473,150 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward(
   return {dq, dk, dv};
 }
 
+// ---------------------------------------------------------------- FP4 KV cache (SPEC 6)
+
+// The cache's storage tensors checked against each other and described for the C API.
+fp4attn_kv_cache kv_cache_view(const at::Tensor &k_codes, const at::Tensor &k_scales,
+                               const at::Tensor &k_dec, const at::Tensor &v_codes,
+                               const at::Tensor &v_scales, const at::Tensor &v_dec,
+                               const at::Tensor &kmean, const at::Tensor &block_table) {
+  CHECK_ARG(kmean.dim() == 3 && kmean.scalar_type() == at::kFloat && kmean.is_contiguous(),
+            "kmean must be a contiguous float32 [batch, heads_kv, head_dim] tensor, got %s %s",
+            dtype_str(kmean.scalar_type()), shape_str(kmean.sizes()).c_str());
+  const int64_t B = kmean.size(0), H = kmean.size(1), D = kmean.size(2);
+  CHECK_ARG(D >= 1 && D <= FP4ATTN_MAX_HEAD_DIM, "head_dim must be in [1, %d], got %lld",
+            FP4ATTN_MAX_HEAD_DIM, static_cast<long long>(D));
+  CHECK_ARG(k_codes.dim() == 4 && k_codes.size(1) == H,
+            "k_codes must be uint8 [pages, heads_kv=%lld, page_size, %lld], got %s",
+            static_cast<long long>(H), static_cast<long long>(fp4attn_code_bytes(D)),
+            shape_str(k_codes.sizes()).c_str());
+  const int64_t P = k_codes.size(0), page = k_codes.size(2);
+  const std::vector<int64_t> cshape{P, H, page, fp4attn_code_bytes(D)};
+  const std::vector<int64_t> sshape{P, H, page, fp4attn_scale_count(D)};
+  const std::vector<int64_t> dshape{P, H, page};
+  for (const at::Tensor *t : {&k_codes, &v_codes})
+    CHECK_ARG(t->sizes() == cshape && t->scalar_type() == at::kByte && t->is_contiguous(),
+              "codes must be contiguous uint8 %s, got %s %s", shape_str(cshape).c_str(),
+              dtype_str(t->scalar_type()), shape_str(t->sizes()).c_str());
+  for (const at::Tensor *t : {&k_scales, &v_scales})
+    CHECK_ARG(t->sizes() == sshape && t->scalar_type() == at::kByte && t->is_contiguous(),
+              "scales must be contiguous uint8 %s, got %s %s", shape_str(sshape).c_str(),
+              dtype_str(t->scalar_type()), shape_str(t->sizes()).c_str());
+  for (const at::Tensor *t : {&k_dec, &v_dec})
+    CHECK_ARG(t->sizes() == dshape && t->scalar_type() == at::kFloat && t->is_contiguous(),
+              "dec must be contiguous float32 %s, got %s %s", shape_str(dshape).c_str(),
+              dtype_str(t->scalar_type()), shape_str(t->sizes()).c_str());
+  CHECK_ARG(block_table.dim() == 2 && block_table.size(0) == B &&
+                block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
+            "block_table must be a contiguous int32 [batch=%lld, max_pages] tensor, got %s %s",
+            static_cast<long long>(B), dtype_str(block_table.scalar_type()),
+            shape_str(block_table.sizes()).c_str());
+  for (const at::Tensor *t : {&k_scales, &k_dec, &v_codes, &v_scales, &v_dec, &kmean, &block_table})
+    CHECK_ARG(t->device() == k_codes.device(), "the cache's tensors must be on one device");
+  fp4attn_kv_cache c{};
+  c.k_codes = k_codes.data_ptr<uint8_t>();
+  c.k_scales = k_scales.data_ptr<uint8_t>();
+  c.k_dec = k_dec.data_ptr<float>();
+  c.v_codes = v_codes.data_ptr<uint8_t>();
+  c.v_scales = v_scales.data_ptr<uint8_t>();
+  c.v_dec = v_dec.data_ptr<float>();
+  c.kmean = kmean.data_ptr<float>();
+  c.block_table = block_table.data_ptr<int32_t>();
+  c.batch = B;
+  c.heads_kv = H;
+  c.head_dim = D;
+  c.page_size = page;
+  c.max_pages = block_table.size(1);
+  c.num_pages = P;
+  return c;
+}
+
+void kv_append(const at::Tensor &k_in, const at::Tensor &v_in, const at::Tensor &k_codes,
+               const at::Tensor &k_scales, const at::Tensor &k_dec, const at::Tensor &v_codes,
+               const at::Tensor &v_scales, const at::Tensor &v_dec, const at::Tensor &kmean,
+               const at::Tensor &block_table, int64_t start, bool set_mean) {
+  fp4attn_kv_append_params p{};
+  p.cache = kv_cache_view(k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, kmean, block_table);
+  CHECK_ARG(k_in.dim() == 4 && k_in.size(0) == p.cache.batch && k_in.size(1) == p.cache.heads_kv &&
+                k_in.size(3) == p.cache.head_dim,
+            "k must be [batch, heads_kv, n, head_dim] = [%lld, %lld, n, %lld], got %s",
+            static_cast<long long>(p.cache.batch), static_cast<long long>(p.cache.heads_kv),
+            static_cast<long long>(p.cache.head_dim), shape_str(k_in.sizes()).c_str());
+  CHECK_ARG(v_in.sizes() == k_in.sizes() && v_in.scalar_type() == k_in.scalar_type(),
+            "v must have the shape and dtype of k %s, got %s", shape_str(k_in.sizes()).c_str(),
+            shape_str(v_in.sizes()).c_str());
+  CHECK_ARG(k_in.device() == k_codes.device() && v_in.device() == k_codes.device(),
+            "k and v must be on the cache's device %s", k_codes.device().str().c_str());
+  const at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
+  const at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.dtype = to_c_dtype(k.scalar_type(), "k");
+  p.len = k.size(2);
+  p.start = start;
+  fill_strides3(k, p.k_stride);
+  fill_strides3(v, p.v_stride);
+  p.set_mean = set_mean ? 1 : 0;
+  if (p.len == 0) return;
+#ifdef FP4ATTN_WITH_CUDA
+  if (on_cuda(k)) {
+    c10::cuda::CUDAGuard guard(k.device());
+    check_status(fp4attn_cuda_kv_append(&p, at::cuda::getCurrentCUDAStream().stream()));
+    return;
+  }
+#endif
+  CHECK_ARG(k.device().is_cpu(), "k must be a CPU or CUDA tensor, got %s", k.device().str().c_str());
+  check_status(fp4attn_cpu_kv_append(&p));
+}
+
+std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor &q_in, const at::Tensor &k_codes,
+                                          const at::Tensor &k_scales, const at::Tensor &k_dec,
+                                          const at::Tensor &v_codes, const at::Tensor &v_scales,
+                                          const at::Tensor &v_dec, const at::Tensor &kmean,
+                                          const at::Tensor &block_table, const at::Tensor &seq_lens,
+                                          double scale) {
+  fp4attn_decode_params p{};
+  p.cache = kv_cache_view(k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, kmean, block_table);
+  CHECK_ARG(q_in.dim() == 4 && q_in.size(0) == p.cache.batch && q_in.size(3) == p.cache.head_dim &&
+                q_in.size(1) % p.cache.heads_kv == 0,
+            "q must be [batch=%lld, heads_q (a multiple of %lld), len_q, head_dim=%lld], got %s",
+            static_cast<long long>(p.cache.batch), static_cast<long long>(p.cache.heads_kv),
+            static_cast<long long>(p.cache.head_dim), shape_str(q_in.sizes()).c_str());
+  CHECK_ARG(seq_lens.dim() == 1 && seq_lens.size(0) == p.cache.batch &&
+                seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
+            "seq_lens must be a contiguous int32 [batch=%lld] tensor, got %s %s",
+            static_cast<long long>(p.cache.batch), dtype_str(seq_lens.scalar_type()),
+            shape_str(seq_lens.sizes()).c_str());
+  CHECK_ARG(q_in.device() == k_codes.device() && seq_lens.device() == k_codes.device(),
+            "q and seq_lens must be on the cache's device %s", k_codes.device().str().c_str());
+  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  at::Tensor out = at::zeros(q.sizes(), q.options());
+  at::Tensor lse =
+      at::full({q.size(0), q.size(1), q.size(2)}, -INFINITY, q.options().dtype(at::kFloat));
+  if (q.numel() == 0) return {out, lse};
+  p.q = q.data_ptr();
+  p.dtype = to_c_dtype(q.scalar_type(), "q");
+  p.heads_q = q.size(1);
+  p.len_q = q.size(2);
+  fill_strides3(q, p.q_stride);
+  p.out = out.data_ptr();
+  fill_strides3(out, p.out_stride);
+  p.lse = lse.data_ptr<float>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.scale = static_cast<float>(scale);
+#ifdef FP4ATTN_WITH_CUDA
+  if (on_cuda(q)) {
+    c10::cuda::CUDAGuard guard(q.device());
+    at::Tensor ws = cuda_workspace(fp4attn_cuda_decode_workspace_bytes(&p), q);
+    check_status(fp4attn_cuda_decode(&p, ws.data_ptr(), at::cuda::getCurrentCUDAStream().stream()));
+    return {out, lse};
+  }
+#endif
+  CHECK_ARG(q.device().is_cpu(), "q must be a CPU or CUDA tensor, got %s", q.device().str().c_str());
+  check_status(fp4attn_cpu_decode(&p));
+  return {out, lse};
+}
+
 #ifdef FP4ATTN_WITH_CUDA
 at::Tensor test_mma_fp4(const at::Tensor &a, const at::Tensor &b, const at::Tensor &c,
                         const at::Tensor &sfa, const at::Tensor &sfb, int64_t tid_a,
@@ -515,6 +659,14 @@ TORCH_LIBRARY(fp4attn, m) {
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float scale, "
       "bool return_lse, str cuda_kernel=\"auto\") -> (Tensor out, Tensor lse)");
+  m.def(
+      "kv_append(Tensor k, Tensor v, Tensor(a!) k_codes, Tensor(b!) k_scales, Tensor(c!) k_dec, "
+      "Tensor(d!) v_codes, Tensor(e!) v_scales, Tensor(f!) v_dec, Tensor(g!) kmean, "
+      "Tensor block_table, int start, bool set_mean) -> ()");
+  m.def(
+      "decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor k_dec, Tensor v_codes, "
+      "Tensor v_scales, Tensor v_dec, Tensor kmean, Tensor block_table, Tensor seq_lens, "
+      "float scale) -> (Tensor out, Tensor lse)");
 }
 
 // Private test hooks (csrc/testing/testing.h), undocumented; not part of the product's ops.
@@ -529,6 +681,8 @@ TORCH_LIBRARY_IMPL(fp4attn, CPU, m) {
   m.impl("dequantize", &dequantize);
   m.impl("fp4mm", &fp4mm);
   m.impl("attention", &attention);
+  m.impl("kv_append", &kv_append);
+  m.impl("decode", &decode);
 }
 
 #ifdef FP4ATTN_WITH_CUDA
@@ -537,6 +691,8 @@ TORCH_LIBRARY_IMPL(fp4attn, CUDA, m) {
   m.impl("dequantize", &dequantize);
   m.impl("fp4mm", &fp4mm);
   m.impl("attention", &attention);
+  m.impl("kv_append", &kv_append);
+  m.impl("decode", &decode);
 }
 
 TORCH_LIBRARY_IMPL(fp4attn_testing, CUDA, m) {

@@ -4,11 +4,13 @@
                                       precision="fp4" (NVFP4, inference) or "int8" (trainable)
     fp4attn.patch() / unpatch() / patched()   swap it into existing models
     fp4attn.quantize / dequantize / fp4mm     the NVFP4 quantizer and block-scaled FP4 matmul
+    fp4attn.FP4KVCache, decode, decode_paged  the FP4 KV cache and decode attention on it
     fp4attn.reference                 pure-PyTorch implementation of docs/SPEC.md (the oracle)
     fp4attn.reference_int8            the same for docs/SPEC_INT8.md, forward and backward
 """
 
 from ._ops import build_info
+from .kv_cache import FP4KVCache, decode, decode_paged
 from .patch import is_patched, patch, patched, unpatch
 from .sdpa import FP4AttnFallbackError, sdpa
 from .tensor import NVFP4Tensor, dequantize, fp4mm, quantize, swizzle_scales
@@ -17,8 +19,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FP4AttnFallbackError",
+    "FP4KVCache",
     "NVFP4Tensor",
     "build_info",
+    "decode",
+    "decode_paged",
     "dequantize",
     "fp4mm",
     "is_patched",

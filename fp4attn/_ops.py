@@ -69,3 +69,15 @@ def _attention_fake(q, k, v, attn_mask, is_causal, scale, return_lse, cuda_kerne
     lse_shape = q.shape[:-1] if return_lse else (0,)
     return out, q.new_empty(lse_shape, dtype=torch.float32)
 
+
+
+@torch.library.register_fake("fp4attn::kv_append")
+def _kv_append_fake(k, v, k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, kmean, block_table,
+                    start, set_mean):
+    return None
+
+
+@torch.library.register_fake("fp4attn::decode")
+def _decode_fake(q, k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, kmean, block_table,
+                 seq_lens, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)

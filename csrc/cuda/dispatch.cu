@@ -3,8 +3,10 @@
  * the arguments are validated once (checks.h, then this backend's limits), heuristics.h plans
  * the kernel, the pre-pass (prepass/) fills the workspace, and the planned kernel family
  * (sm80/, sm90/, sm120/) computes the output. The 8-bit attention (SPEC_INT8) enters here too:
- * its preparation kernels, then the int8/ forward or backward.
+ * its preparation kernels, then the int8/ forward or backward; and the FP4 KV cache (SPEC 6):
+ * decode/'s append and split-KV decode.
  */
+#include "decode/decode.h"
 #include "heuristics.h"
 #include "int8/attention_int8.h"
 #include "int8/int8_tiles.cuh"
@@ -210,4 +212,24 @@ extern "C" fp4attn_status fp4attn_cuda_int8_attention_backward(
   }
   if (st.code != FP4ATTN_OK) return st;
   return launch_int8_finish_dq(a, s);
+}
+
+extern "C" fp4attn_status fp4attn_cuda_kv_append(const fp4attn_kv_append_params *p, void *stream) {
+  const fp4attn_status st = fp4attn_check_kv_append_params(p);
+  if (st.code != FP4ATTN_OK) return st;
+  return launch_kv_append(*p, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" int64_t fp4attn_cuda_decode_workspace_bytes(const fp4attn_decode_params *p) {
+  if (fp4attn_check_decode_params(p).code != FP4ATTN_OK) return 0;
+  return plan_decode(*p).bytes;
+}
+
+extern "C" fp4attn_status fp4attn_cuda_decode(const fp4attn_decode_params *p, void *workspace,
+                                              void *stream) {
+  fp4attn_status st = fp4attn_check_decode_params(p);
+  if (st.code != FP4ATTN_OK) return st;
+  st = check_workspace(workspace, "decode");
+  if (st.code != FP4ATTN_OK) return st;
+  return launch_decode(*p, plan_decode(*p), workspace, static_cast<cudaStream_t>(stream));
 }

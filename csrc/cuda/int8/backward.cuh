@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         dc[n][e] = code_s8(pm[n][e], rds);
-        ds_tile[swz<kBK8>(n * 8 + 2 * t + (e & 1), krow0 + g + 8 * (e >> 1))] = (char)dc[n][e];
+        ds_tile[swz_byte<kBK8>(n * 8 + 2 * t + (e & 1), krow0 + g + 8 * (e >> 1))] = (char)dc[n][e];
       }
 
     /* dK += (scale sdS sQ) dS^T Q^ */

@@ -1,7 +1,7 @@
 /*
  * Shared pieces of the 8-bit attention kernels (docs/SPEC_INT8.md) on mma.sync m16n8k32 s8:
  * block sizes, the workspace the preparation kernels fill and the attention kernels read,
- * the INT8 psi code, byte-addressed swizzled shared-memory tiles and their ldmatrix fragments.
+ * the INT8 psi code, the s8 MMA and the A fragments packed from accumulators.
  *
  * Fragment conventions (g = lane / 4, t = lane % 4): the m16n8 accumulator holds rows g, g + 8
  * and columns 2t, 2t + 1 of each 8-column tile; the A operand of m16n8k32 holds row g / g + 8 and
@@ -12,7 +12,7 @@
 #ifndef FP4ATTN_CUDA_INT8_INT8_TILES_CUH
 #define FP4ATTN_CUDA_INT8_INT8_TILES_CUH
 
-#include "../common/device.cuh"
+#include "../common/smem_tiles.cuh"
 
 namespace fp4attn_cuda {
 
@@ -130,50 +130,6 @@ __device__ __forceinline__ void psi_factors(float amax, float &r, float &scale) 
 __device__ __forceinline__ uint32_t pack_s8x4(int a, int b, int c, int d) {
   return (uint32_t)(a & 0xFF) | ((uint32_t)(b & 0xFF) << 8) | ((uint32_t)(c & 0xFF) << 16) |
          ((uint32_t)d << 24);
-}
-
-/* Byte offset of (row, byte) in a [rows][W]-byte shared tile whose 16-byte chunks are XOR-swizzled
- * by row, so that ldmatrix's 8 rows of one chunk column fall in 8 different bank groups
- * (W = 64, or a multiple of 128). */
-template <int W>
-__device__ __forceinline__ int swz(int row, int byte) {
-  static_assert(W == 64 || W % 128 == 0, "swizzled tiles are 64 or k * 128 bytes wide");
-  const int x = W >= 128 ? (row & 7) : ((row >> 1) & 3);
-  return row * W + ((((byte >> 4) ^ x)) << 4) + (byte & 15);
-}
-
-/* cp.async of a dense [rows][W]-byte global tile (rows `pitch` bytes apart) into a swizzled one. */
-template <int W>
-__device__ __forceinline__ void load_tile(char *smem, const void *gmem, int rows, int64_t pitch,
-                                          int tid, int nthreads) {
-  const char *g = static_cast<const char *>(gmem);
-  for (int i = tid; i < rows * (W / 16); i += nthreads) {
-    const int r = i / (W / 16), c = i % (W / 16);
-    cp_async_16(smem + swz<W>(r, c * 16), g + r * pitch + c * 16);
-  }
-}
-/* cp.async of `bytes` (a multiple of 16) contiguous bytes. */
-__device__ __forceinline__ void load_bytes(char *smem, const void *gmem, int bytes, int tid,
-                                           int nthreads) {
-  for (int i = tid; i < bytes / 16; i += nthreads)
-    cp_async_16(smem + 16 * i, static_cast<const char *>(gmem) + 16 * i);
-}
-
-/* A fragment (16 rows from r0, 32 k-bytes from k0: 32 int8 or 16 16-bit values) of a swizzled
- * row-major tile. */
-template <int W>
-__device__ __forceinline__ void ldsm_a(uint32_t (&a)[4], const char *tile, int r0, int k0) {
-  const int lane = threadIdx.x & 31, mi = lane >> 3;
-  const int row = r0 + (mi & 1) * 8 + (lane & 7), byte = k0 + (mi >> 1) * 16;
-  ldmatrix_x4(a[0], a[1], a[2], a[3], smem_u32(tile + swz<W>(row, byte)));
-}
-/* B fragments of two 8-column tiles (columns = tile rows n0..n0+15, 32 k-bytes from k0) of a
- * swizzled [n][k] tile: b[x] is the (b0, b1) pair of columns n0 + 8x .. n0 + 8x + 7. */
-template <int W>
-__device__ __forceinline__ void ldsm_b(uint32_t (&b)[2][2], const char *tile, int n0, int k0) {
-  const int lane = threadIdx.x & 31, mi = lane >> 3;
-  const int row = n0 + (mi >> 1) * 8 + (lane & 7), byte = k0 + (mi & 1) * 16;
-  ldmatrix_x4(b[0][0], b[0][1], b[1][0], b[1][1], smem_u32(tile + swz<W>(row, byte)));
 }
 
 /* D += A (16x32 s8, row) * B (32x8 s8, col), exact int32 accumulation. */

@@ -71,4 +71,48 @@ static inline fp4attn_status fp4attn_check_attention_params(const fp4attn_attent
   return fp4attn_ok();
 }
 
+/* The contract of fp4attn_kv_cache: non-null storage, sizes >= 1, head_dim in [1, 256]. */
+static inline fp4attn_status fp4attn_check_kv_cache(const fp4attn_kv_cache *c) {
+  if (!c->k_codes || !c->k_scales || !c->k_dec || !c->v_codes || !c->v_scales || !c->v_dec ||
+      !c->kmean || !c->block_table)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "kv cache: null storage pointer");
+  if (c->batch < 1 || c->heads_kv < 1 || c->page_size < 1 || c->max_pages < 1 || c->num_pages < 1)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
+                         "kv cache: sizes must be >= 1, got batch=%lld heads_kv=%lld "
+                         "page_size=%lld max_pages=%lld num_pages=%lld",
+                         (long long)c->batch, (long long)c->heads_kv, (long long)c->page_size,
+                         (long long)c->max_pages, (long long)c->num_pages);
+  if (c->head_dim < 1 || c->head_dim > FP4ATTN_MAX_HEAD_DIM)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "kv cache: head_dim must be in [1, %d], got %lld",
+                         FP4ATTN_MAX_HEAD_DIM, (long long)c->head_dim);
+  return fp4attn_ok();
+}
+
+static inline fp4attn_status fp4attn_check_kv_append_params(const fp4attn_kv_append_params *p) {
+  if (!p || !p->k || !p->v)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "kv append: null tensor pointer");
+  if (!fp4attn_valid_dtype(p->dtype))
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "kv append: unsupported dtype %d", (int)p->dtype);
+  if (p->len < 1 || p->start < 0 ||
+      p->start + p->len > p->cache.max_pages * p->cache.page_size)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
+                         "kv append: tokens %lld .. %lld do not fit the block table (%lld tokens)",
+                         (long long)p->start, (long long)(p->start + p->len - 1),
+                         (long long)(p->cache.max_pages * p->cache.page_size));
+  return fp4attn_check_kv_cache(&p->cache);
+}
+
+static inline fp4attn_status fp4attn_check_decode_params(const fp4attn_decode_params *p) {
+  if (!p || !p->q || !p->out || !p->seq_lens)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "decode: null tensor pointer");
+  if (!fp4attn_valid_dtype(p->dtype))
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "decode: unsupported dtype %d", (int)p->dtype);
+  if (p->heads_q < 1 || p->len_q < 1 || p->heads_q % p->cache.heads_kv != 0)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
+                         "decode: heads_q (%lld) must be a positive multiple of heads_kv (%lld), "
+                         "len_q (%lld) >= 1",
+                         (long long)p->heads_q, (long long)p->cache.heads_kv, (long long)p->len_q);
+  return fp4attn_check_kv_cache(&p->cache);
+}
+
 #endif /* FP4ATTN_CHECKS_H */

@@ -152,6 +152,46 @@ typedef struct {
   void *dq, *dk, *dv;
 } fp4attn_int8_backward_params;
 
+/* ---- FP4 KV cache (SPEC 6). Paged storage: token t of sequence b is slot t % page_size of page
+ * block_table[b * max_pages + t / page_size]; a page holds [heads_kv][page_size] rows of
+ * code_bytes(head_dim) codes, scale_count(head_dim) E4M3 scales and one FP32 dec, for K and V. */
+typedef struct {
+  uint8_t *k_codes, *k_scales, *v_codes, *v_scales;
+  float *k_dec, *v_dec;
+  float *kmean;              /* [batch][heads_kv][head_dim] */
+  const int32_t *block_table; /* [batch][max_pages] */
+  int64_t batch, heads_kv, head_dim, page_size, max_pages, num_pages;
+} fp4attn_kv_cache;
+
+/* Append `len` tokens to every sequence at positions start .. start + len - 1 (the pages must be
+ * in the block table). k, v [batch, heads_kv, len, head_dim] with (batch, head, token) strides.
+ * set_mean: kmean = the mean of these tokens' K rows first (the first append, SPEC 6). */
+typedef struct {
+  fp4attn_kv_cache cache;
+  const void *k, *v;
+  fp4attn_dtype dtype;
+  int64_t len, start;
+  int64_t k_stride[3], v_stride[3];
+  int set_mean;
+  int num_threads; /* CPU only: 0 = OpenMP default */
+} fp4attn_kv_append_params;
+
+/* Decode attention on the cache (SPEC 6): q [batch, heads_q, len_q, head_dim] are the last len_q
+ * positions of each sequence (seq_lens[b] tokens, a device array on CUDA); out like q; lse
+ * optional [batch, heads_q, len_q] float32 contiguous. */
+typedef struct {
+  fp4attn_kv_cache cache;
+  const int32_t *seq_lens;
+  const void *q;
+  void *out;
+  float *lse;
+  fp4attn_dtype dtype;
+  int64_t heads_q, len_q;
+  int64_t q_stride[3], out_stride[3];
+  float scale;
+  int num_threads; /* CPU only */
+} fp4attn_decode_params;
+
 /* CPU backend (csrc/cpu) */
 fp4attn_status fp4attn_cpu_quantize(const fp4attn_quantize_params *p);
 fp4attn_status fp4attn_cpu_dequantize(const fp4attn_dequantize_params *p);
@@ -159,6 +199,8 @@ fp4attn_status fp4attn_cpu_fp4mm(const fp4attn_fp4mm_params *p);
 fp4attn_status fp4attn_cpu_attention(const fp4attn_attention_params *p);
 fp4attn_status fp4attn_cpu_int8_attention(const fp4attn_attention_params *p);
 fp4attn_status fp4attn_cpu_int8_attention_backward(const fp4attn_int8_backward_params *p);
+fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p);
+fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p);
 /* Non-zero when the CPU backend was compiled with OpenMP. */
 int fp4attn_cpu_has_openmp(void);
 
@@ -187,6 +229,13 @@ fp4attn_status fp4attn_cuda_int8_attention(const fp4attn_attention_params *p, vo
 int64_t fp4attn_cuda_int8_attention_backward_workspace_bytes(const fp4attn_int8_backward_params *p);
 fp4attn_status fp4attn_cuda_int8_attention_backward(const fp4attn_int8_backward_params *p,
                                                     void *workspace, void *stream);
+/* The FP4 KV cache on CUDA (SPEC 6): one fused append kernel (plus the mean on a first append);
+ * the decode is split-KV with a workspace of fp4attn_cuda_decode_workspace_bytes(p) bytes, its
+ * grid fixed by the cache's capacity (max_pages) so that lengths may change between graph
+ * replays. */
+fp4attn_status fp4attn_cuda_kv_append(const fp4attn_kv_append_params *p, void *stream);
+int64_t fp4attn_cuda_decode_workspace_bytes(const fp4attn_decode_params *p);
+fp4attn_status fp4attn_cuda_decode(const fp4attn_decode_params *p, void *workspace, void *stream);
 
 #ifdef __cplusplus
 }

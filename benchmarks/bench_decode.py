@@ -1,0 +1,118 @@
+"""Decode benchmark: one generation step of attention on a long KV cache, torch SDPA (flash and
+cuDNN backends) on an FP16 cache against fp4attn.decode on the FP4 cache (docs/SPEC.md section 6),
+on the same keys and values in the same run.
+
+For every (B, L, Hq/Hkv, D, nq): q [B, Hq, nq, D] against L cached tokens. Timing as
+bench_attention.py (L2 flushed before every call, warm-up, CUDA events, median of --reps).
+Bandwidth counts the bytes each method must read: the FP16 cache for torch (2 x B x Hkv x L x D x 2),
+the FP4 cache for fp4attn (codes, E4M3 scales and the FP32 row scale of K and V), against the
+device-to-device copy bandwidth. nq > 1 (speculative decoding) runs torch without a mask (its
+is_causal is top-left, not "the last nq positions"); the bytes read are the same.
+Writes bench_decode.csv and .png into --out (default: benchmarks/results/). Configurations whose
+FP16 cache would exceed --max-gb are skipped.
+
+  python benchmarks/bench_decode.py
+  python benchmarks/bench_decode.py --quick --out bench_out
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import fp4attn  # noqa: E402
+from bench_attention import RESULTS, Timer, copy_bandwidth  # noqa: E402
+from provenance import cpu_name, gpu_description, header, write_csv  # noqa: E402
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # pragma: no cover
+    SDPBackend = sdpa_kernel = None
+
+
+def torch_fn(name, q, k, v):
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+
+    def fn():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+
+    return fn
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="B in {1, 8}, L in {8K, 32K}, D=128")
+    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--max-gb", type=float, default=40.0, help="largest FP16 cache to build")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_decode: needs a CUDA GPU")
+        return 1
+    os.makedirs(args.out, exist_ok=True)
+    if args.quick:
+        batches, lens, heads, dims, nqs = [1, 8], [8192, 32768], [(32, 8), (32, 32)], [128], [1, 4]
+    else:
+        batches, lens, heads, dims, nqs = [1, 8, 64], [8192, 32768, 131072], [(32, 8), (32, 32)], [64, 128], [1, 4]
+    timer = Timer()
+    bw = copy_bandwidth(timer)
+    head = header(f"{gpu_description()}, device-to-device copy {bw:.0f} GB/s; host {cpu_name()}")
+    for key, val in head.items():
+        print(f"{key}: {val}")
+    rows, t0 = [], time.time()
+    for D, (Hq, Hkv), B, L, nq in itertools.product(dims, heads, batches, lens, nqs):
+        fp16_bytes = 2 * B * Hkv * L * D * 2
+        if fp16_bytes > args.max_gb * 1e9:
+            continue
+        g = torch.Generator(device="cuda").manual_seed(B + L + D)
+        k = torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.float16, generator=g)
+        v = torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.float16, generator=g)
+        q = torch.randn(B, Hq, nq, D, device="cuda", dtype=torch.float16, generator=g)
+        cache = fp4attn.FP4KVCache(B, Hkv, D, dtype=torch.float16, device="cuda", max_tokens=L)
+        cache.append(k, v)
+        fp4_bytes = sum(t.numel() * t.element_size() for t in cache.storage()[:6])
+        row = {"D": D, "Hq": Hq, "Hkv": Hkv, "B": B, "L": L, "nq": nq,
+               "fp16_cache_mb": fp16_bytes / 1e6, "fp4_cache_mb": fp4_bytes / 1e6}
+        ms = timer.time(lambda: fp4attn.decode(q, cache), args.reps)
+        row["fp4attn_ms"], row["fp4attn_tbps"] = ms, fp4_bytes / ms / 1e9
+        best = float("inf")
+        for name in ("flash", "cudnn"):
+            try:
+                ms_b = timer.time(torch_fn(name, q, k, v), args.reps)
+            except RuntimeError as exc:
+                print(f"  {name} unavailable: {str(exc).splitlines()[0][:90]}")
+                ms_b = float("nan")
+            row[f"{name}_ms"], row[f"{name}_tbps"] = ms_b, fp16_bytes / ms_b / 1e9
+            best = min(best, ms_b) if ms_b == ms_b else best
+        row["speedup_vs_best_torch"] = best / ms
+        row["fp4attn_frac_copy_bw"] = row["fp4attn_tbps"] * 1e3 / bw
+        rows.append(row)
+        print(f"D={D:<3} {Hq}/{Hkv:<2} B={B:<2} L={L:<6} nq={nq} | fp4attn {ms:7.3f} ms "
+              f"{row['fp4attn_tbps']:4.2f} TB/s ({100 * row['fp4attn_frac_copy_bw']:3.0f}% copy) | "
+              f"flash {row['flash_ms']:7.3f} cudnn {row['cudnn_ms']:7.3f} ms "
+              f"({max(row['flash_tbps'] if row['flash_tbps'] == row['flash_tbps'] else 0, row['cudnn_tbps'] if row['cudnn_tbps'] == row['cudnn_tbps'] else 0):4.2f} TB/s) | "
+              f"x{row['speedup_vs_best_torch']:.2f}", flush=True)
+        del k, v, q, cache
+        torch.cuda.empty_cache()
+    path = os.path.join(args.out, "bench_decode.csv")
+    write_csv(path, head, rows)
+    print(f"\nwrote {path} ({time.time() - t0:.0f} s)")
+    print("\n| D | Hq/Hkv | B | L | nq | fp4attn ms | TB/s | % copy | flash ms | cuDNN ms | speedup vs best torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['D']} | {r['Hq']}/{r['Hkv']} | {r['B']} | {r['L'] // 1024}K | {r['nq']} | {r['fp4attn_ms']:.3f} | "
+              f"{r['fp4attn_tbps']:.2f} | {100 * r['fp4attn_frac_copy_bw']:.0f} | {r['flash_ms']:.3f} | "
+              f"{r['cudnn_ms']:.3f} | {r['speedup_vs_best_torch']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

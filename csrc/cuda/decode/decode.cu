@@ -1,0 +1,365 @@
+/*
+ * Decode attention on the FP4 KV cache (docs/SPEC.md section 6): split-KV (flash-decoding) on
+ * mma.sync m16n8k16 with FP16/BF16 operands, then a merge of the splits by their lse.
+ *
+ * A block (4 warps) owns one tile of 16 query rows, the G query heads x len_q positions of one
+ * (batch, KV head) (GQA on the tensor cores: the heads share every key the block reads), and one
+ * key range of a split. Each warp takes 32-key chunks of the range in turn: it dequantizes the
+ * chunk's K and V rows from the pages into its own shared tiles as the exact 16-bit values
+ * value(code) x scale (the FP32 row `dec` stays outside: per key on the scores for K, folded into
+ * P for V), then S = Q K^T, the online softmax in FP32 and O += P V. The warps' partial results
+ * merge in shared memory, the splits' in the merge kernel. No host synchronisation: the grid
+ * follows the cache's capacity, each block reads its sequence's length on the device.
+ */
+#include "../common/smem_tiles.cuh"
+#include "decode.h"
+
+namespace fp4attn_cuda {
+
+namespace {
+
+constexpr int kWarps = 4, kThreads = 32 * kWarps;
+constexpr int kRows = 16;  /* query rows per tile */
+constexpr int kChunk = 32; /* keys per warp step */
+constexpr float kLog2eD = 1.4426950408889634f;
+constexpr float kLn2D = 0.69314718055994531f;
+
+struct DecodeArgs {
+  fp4attn_decode_params p;
+  float *o_part;  /* [tiles][splits][16][dp]: unnormalised O of a split */
+  float *ml_part; /* [tiles][splits][16][2]: its row max (log2 units) and row sum */
+  float *qshift;  /* [tiles][16]: scale * (q . kmean) */
+  int64_t mtiles, splits;
+};
+
+template <int DP>
+struct DecodeSmem {
+  static constexpr int kW = 2 * DP;                        /* bytes per 16-bit row */
+  static constexpr int kQ = 0;                             /* Q [16][DP] */
+  static constexpr int kWarp0 = kQ + kRows * kW;           /* per warp: K, V [32][DP], dec [2][32] */
+  static constexpr int kWarpBytes = 2 * kChunk * kW + 2 * kChunk * 4;
+  static constexpr int kBytes = kWarp0 + kWarps * kWarpBytes;
+};
+
+template <bool kBf16>
+__device__ __forceinline__ uint16_t to_bits(float x) {
+  return kBf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+}
+template <bool kBf16>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  return (uint32_t)to_bits<kBf16>(a) | ((uint32_t)to_bits<kBf16>(b) << 16);
+}
+
+/* Row index of token `pos` of (b, h) in the page arrays. */
+__device__ __forceinline__ int64_t cache_row(const fp4attn_kv_cache &c, int64_t b, int64_t h,
+                                             int64_t pos) {
+  const int64_t page = c.block_table[b * c.max_pages + pos / c.page_size];
+  return (page * c.heads_kv + h) * c.page_size + pos % c.page_size;
+}
+
+/* value(code) x scale of 8 codes (one 32-bit word) as 16-bit values (exact: 6 significant bits). */
+template <bool kBf16>
+__device__ __forceinline__ uint4 dequant8(uint32_t codes, float s) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float a = fp4attn_e2m1_decode((uint8_t)((codes >> (8 * i)) & 0xF)) * s;
+    const float b = fp4attn_e2m1_decode((uint8_t)((codes >> (8 * i + 4)) & 0xF)) * s;
+    w[i] = pack2<kBf16>(a, b);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <int DP, bool kBf16>
+__global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
+  using L = DecodeSmem<DP>;
+  extern __shared__ __align__(128) char smem[];
+  const fp4attn_decode_params &p = a.p;
+  const fp4attn_kv_cache &c = p.cache;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int64_t tile = blockIdx.x, split = blockIdx.y;
+  const int64_t H = c.heads_kv, G = p.heads_q / H, nq = p.len_q, M = G * nq;
+  const int64_t b = tile / (H * a.mtiles), hk = (tile / a.mtiles) % H, mt = tile % a.mtiles;
+  const int D = (int)c.head_dim;
+  const int64_t Lb = p.seq_lens[b];
+
+  /* Q rows of the tile as 16-bit operands; their smoothing shift (one split writes it) */
+  for (int i = tid; i < kRows * DP; i += kThreads) {
+    const int r = i / DP, d = i % DP;
+    const int64_t row = mt * kRows + r;
+    float v = 0.0f;
+    if (row < M && d < D)
+      v = load_as_float(p.q, p.dtype,
+                        b * p.q_stride[0] + (hk * G + row / nq) * p.q_stride[1] +
+                            (row % nq) * p.q_stride[2] + d);
+    *reinterpret_cast<uint16_t *>(smem + L::kQ + swz_byte<L::kW>(r, 2 * d)) = to_bits<kBf16>(v);
+  }
+  if (split == 0)
+    for (int r = warp; r < kRows; r += kWarps) {
+      const int64_t row = mt * kRows + r;
+      float acc = 0.0f;
+      if (row < M)
+        for (int d = lane; d < D; d += 32)
+          acc += load_as_float(p.q, p.dtype,
+                               b * p.q_stride[0] + (hk * G + row / nq) * p.q_stride[1] +
+                                   (row % nq) * p.q_stride[2] + d) *
+                 c.kmean[(b * H + hk) * D + d];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      if (lane == 0) a.qshift[tile * kRows + r] = p.scale * acc;
+    }
+  __syncthreads();
+
+  /* this split's chunks; each thread's two rows see keys below end[r] */
+  const int64_t nch = (Lb + kChunk - 1) / kChunk, per = (nch + a.splits - 1) / a.splits;
+  const int64_t c0 = split * per, c1 = min(c0 + per, nch);
+  int64_t end[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) end[r] = min(Lb, Lb - nq + (mt * kRows + g + 8 * r) % nq + 1);
+  char *ks = smem + L::kWarp0 + warp * L::kWarpBytes, *vs = ks + kChunk * L::kW;
+  float *kdec = reinterpret_cast<float *>(vs + kChunk * L::kW), *vdec = kdec + kChunk;
+  const int64_t cb = fp4_code_bytes(D), sc = fp4_scale_count(D);
+  const float scale_log2 = p.scale * kLog2eD;
+
+  float o[DP / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  for (int64_t ch = c0 + warp; ch < c1; ch += kWarps) {
+    const int64_t j0 = ch * kChunk;
+    /* dequantize the chunk: lane -> 8-value groups of the 32 rows, and key `lane`'s decs */
+    for (int i = lane; i < kChunk * (DP / 8); i += 32) {
+      const int key = i / (DP / 8), d0 = (i % (DP / 8)) * 8;
+      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+      if (j0 + key < Lb && d0 < D) {
+        const int64_t r = cache_row(c, b, hk, j0 + key);
+        kv = dequant8<kBf16>(*reinterpret_cast<const uint32_t *>(c.k_codes + r * cb + d0 / 2),
+                             fp4attn_e4m3_decode(c.k_scales[r * sc + d0 / 16]));
+        vv = dequant8<kBf16>(*reinterpret_cast<const uint32_t *>(c.v_codes + r * cb + d0 / 2),
+                             fp4attn_e4m3_decode(c.v_scales[r * sc + d0 / 16]));
+      }
+      *reinterpret_cast<uint4 *>(ks + swz_byte<L::kW>(key, 2 * d0)) = kv;
+      *reinterpret_cast<uint4 *>(vs + swz_byte<L::kW>(key, 2 * d0)) = vv;
+    }
+    float vd = 0.0f;
+    if (j0 + lane < Lb) {
+      const int64_t r = cache_row(c, b, hk, j0 + lane);
+      kdec[lane] = c.k_dec[r];
+      vd = c.v_dec[r];
+    } else {
+      kdec[lane] = 0.0f;
+    }
+    vdec[lane] = vd;
+    float vmax = fabsf(vd);
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, x));
+    __syncwarp();
+
+    float s[kChunk / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+      uint32_t qa[4];
+      ldsm_a<L::kW>(qa, smem + L::kQ, 0, kk * 32);
+#pragma unroll
+      for (int np = 0; np < kChunk / 16; ++np) {
+        uint32_t kb[2][2];
+        ldsm_b<L::kW>(kb, ks, np * 16, kk * 32);
+        mma_16816<kBf16>(s[2 * np], qa, kb[0][0], kb[0][1]);
+        mma_16816<kBf16>(s[2 * np + 1], qa, kb[1][0], kb[1][1]);
+      }
+    }
+    float alpha[2], mref[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float x = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < kChunk / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = n * 8 + 2 * t4 + e;
+          float &v = s[n][2 * r + e];
+          v = j0 + key < end[r] ? v * (kdec[key] * scale_log2) : -INFINITY;
+          x = fmaxf(x, v);
+        }
+      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+      const float m_new = fmaxf(m[r], x);
+      alpha[r] = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - m_new);
+      mref[r] = m_new == -INFINITY ? 0.0f : m_new;
+      m[r] = m_new;
+    }
+    uint32_t pa[kChunk / 16][4];
+    const float vinv = vmax > 0.0f ? 1.0f / vmax : 0.0f;
+    float rowsum[2] = {0.0f, 0.0f}, pv[kChunk / 8][4];
+#pragma unroll
+    for (int n = 0; n < kChunk / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pe = exp2f(s[n][e] - mref[e >> 1]);
+        rowsum[e >> 1] += pe;
+        pv[n][e] = pe * (vdec[n * 8 + 2 * t4 + (e & 1)] * vinv); /* in [0, 1] */
+      }
+#pragma unroll
+    for (int kk = 0; kk < kChunk / 16; ++kk) {
+      pa[kk][0] = pack2<kBf16>(pv[2 * kk][0], pv[2 * kk][1]);
+      pa[kk][1] = pack2<kBf16>(pv[2 * kk][2], pv[2 * kk][3]);
+      pa[kk][2] = pack2<kBf16>(pv[2 * kk + 1][0], pv[2 * kk + 1][1]);
+      pa[kk][3] = pack2<kBf16>(pv[2 * kk + 1][2], pv[2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = alpha[r] * l[r] + rowsum[r];
+#pragma unroll
+    for (int np = 0; np < DP / 16; ++np) {
+      float acc[2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < kChunk / 16; ++kk) {
+        uint32_t vb[2][2];
+        ldsm_b_trans<L::kW>(vb, vs, kk * 16, np * 16);
+        mma_16816<kBf16>(acc[0], pa[kk], vb[0][0], vb[0][1]);
+        mma_16816<kBf16>(acc[1], pa[kk], vb[1][0], vb[1][1]);
+      }
+#pragma unroll
+      for (int x = 0; x < 2; ++x)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          o[2 * np + x][e] = alpha[e >> 1] * o[2 * np + x][e] + vmax * acc[x][e];
+    }
+    __syncwarp();
+  }
+
+  /* merge the warps in shared memory (the Q and chunk tiles are free now) */
+  __syncthreads();
+  float *wo = reinterpret_cast<float *>(smem);          /* [warps][16][DP] */
+  float *wml = wo + kWarps * kRows * DP;                /* [warps][16][2] */
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float lsum = l[r] + __shfl_xor_sync(0xffffffffu, l[r], 1);
+    const float ls = lsum + __shfl_xor_sync(0xffffffffu, lsum, 2);
+    const int row = g + 8 * r;
+    if (t4 == 0) {
+      wml[(warp * kRows + row) * 2] = m[r];
+      wml[(warp * kRows + row) * 2 + 1] = ls;
+    }
+#pragma unroll
+    for (int n = 0; n < DP / 8; ++n) {
+      wo[(warp * kRows + row) * DP + n * 8 + 2 * t4] = o[n][2 * r];
+      wo[(warp * kRows + row) * DP + n * 8 + 2 * t4 + 1] = o[n][2 * r + 1];
+    }
+  }
+  __syncthreads();
+  const int64_t part = tile * a.splits + split;
+  for (int i = tid; i < kRows * DP; i += kThreads) {
+    const int row = i / DP, d = i % DP;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wml[(w * kRows + row) * 2]);
+    float acc = 0.0f, ls = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = wml[(w * kRows + row) * 2];
+      const float f = mw == -INFINITY ? 0.0f : exp2f(mw - mx);
+      acc += f * wo[(w * kRows + row) * DP + d];
+      ls += f * wml[(w * kRows + row) * 2 + 1];
+    }
+    a.o_part[(part * kRows + row) * DP + d] = acc;
+    if (d == 0) {
+      a.ml_part[(part * kRows + row) * 2] = mx;
+      a.ml_part[(part * kRows + row) * 2 + 1] = ls;
+    }
+  }
+}
+
+/* One block per tile: the splits merged by their row maxima, O / l and the lse. */
+template <int DP>
+__global__ void __launch_bounds__(256) decode_merge_kernel(const DecodeArgs a) {
+  const fp4attn_decode_params &p = a.p;
+  const int64_t tile = blockIdx.x, H = p.cache.heads_kv, G = p.heads_q / H, nq = p.len_q;
+  const int64_t b = tile / (H * a.mtiles), hk = (tile / a.mtiles) % H, mt = tile % a.mtiles;
+  const int D = (int)p.cache.head_dim;
+  for (int i = threadIdx.x; i < kRows * DP; i += 256) {
+    const int r = i / DP, d = i % DP;
+    const int64_t row = mt * kRows + r;
+    if (row >= G * nq || d >= D) continue;
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < a.splits; ++s)
+      mx = fmaxf(mx, a.ml_part[((tile * a.splits + s) * kRows + r) * 2]);
+    float acc = 0.0f, ls = 0.0f;
+    for (int64_t s = 0; s < a.splits; ++s) {
+      const int64_t part = tile * a.splits + s;
+      const float ms = a.ml_part[(part * kRows + r) * 2];
+      const float f = ms == -INFINITY ? 0.0f : exp2f(ms - mx);
+      acc += f * a.o_part[(part * kRows + r) * DP + d];
+      ls += f * a.ml_part[(part * kRows + r) * 2 + 1];
+    }
+    const int64_t h = hk * G + row / nq, t = row % nq;
+    store_from_float(p.out, p.dtype,
+                     b * p.out_stride[0] + h * p.out_stride[1] + t * p.out_stride[2] + d,
+                     ls > 0.0f ? acc / ls : 0.0f);
+    if (d == 0 && p.lse)
+      p.lse[(b * p.heads_q + h) * nq + t] =
+          ls > 0.0f ? (mx * kLn2D + logf(ls)) + a.qshift[tile * kRows + r] : -INFINITY;
+  }
+}
+
+template <int DP>
+fp4attn_status launch_dp(const DecodeArgs &a, const DecodePlan &plan, cudaStream_t s) {
+  static int configured[64][2];
+  const bool bf16 = a.p.dtype != FP4ATTN_FLOAT16;
+  auto kernel = bf16 ? decode_kernel<DP, true> : decode_kernel<DP, false>;
+  const int smem = DecodeSmem<DP>::kBytes > kWarps * kRows * (DP + 2) * 4
+                       ? DecodeSmem<DP>::kBytes
+                       : kWarps * kRows * (DP + 2) * 4;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64 || !configured[dev][bf16]) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+        cudaSuccess)
+      return launch_status("decode");
+    if (dev >= 0 && dev < 64) configured[dev][bf16] = 1;
+  }
+  kernel<<<dim3((unsigned)plan.tiles, (unsigned)plan.splits), kThreads, smem, s>>>(a);
+  decode_merge_kernel<DP><<<(unsigned)plan.tiles, 256, 0, s>>>(a);
+  return launch_status("decode");
+}
+
+}  // namespace
+
+DecodePlan plan_decode(const fp4attn_decode_params &p) {
+  DecodePlan d;
+  const int64_t hd = p.cache.head_dim;
+  d.dp = hd <= 64 ? 64 : (hd <= 128 ? 128 : 256);
+  const int64_t G = p.heads_q / p.cache.heads_kv;
+  d.mtiles = ceil_div(G * p.len_q, kRows);
+  d.tiles = p.cache.batch * p.cache.heads_kv * d.mtiles;
+  /* enough blocks for ~4 per SM, each with at least two chunks per warp at full capacity */
+  const int64_t chunks = ceil_div(p.cache.max_pages * p.cache.page_size, kChunk);
+  const int64_t want = ceil_div(4 * (int64_t)sm_count(), d.tiles);
+  d.splits = std::max<int64_t>(1, std::min<int64_t>(want, chunks / (2 * kWarps)));
+  d.o_part_bytes = round_up(4 * d.tiles * d.splits * kRows * d.dp, 256);
+  d.ml_part_bytes = round_up(4 * d.tiles * d.splits * kRows * 2, 256);
+  d.qshift_bytes = round_up(4 * d.tiles * kRows, 256);
+  d.bytes = d.o_part_bytes + d.ml_part_bytes + d.qshift_bytes;
+  return d;
+}
+
+fp4attn_status launch_decode(const fp4attn_decode_params &p, const DecodePlan &plan,
+                             void *workspace, cudaStream_t s) {
+  if (plan.tiles > 0x7FFFFFFFLL || plan.splits > 65535)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "decode: too many tiles");
+  DecodeArgs a;
+  a.p = p;
+  char *w = static_cast<char *>(workspace);
+  a.o_part = reinterpret_cast<float *>(w);
+  a.ml_part = reinterpret_cast<float *>(w + plan.o_part_bytes);
+  a.qshift = reinterpret_cast<float *>(w + plan.o_part_bytes + plan.ml_part_bytes);
+  a.mtiles = plan.mtiles;
+  a.splits = plan.splits;
+  switch (plan.dp) {
+    case 64:
+      return launch_dp<64>(a, plan, s);
+    case 128:
+      return launch_dp<128>(a, plan, s);
+    default:
+      return launch_dp<256>(a, plan, s);
+  }
+}
+
+}  // namespace fp4attn_cuda

@@ -1,0 +1,184 @@
+"""The FP4 KV cache and decode attention on it (docs/SPEC.md section 6).
+
+    cache = fp4attn.FP4KVCache(batch, kv_heads, head_dim, dtype=torch.float16, device="cuda")
+    cache.append(k, v)                 # [B, Hkv, n, D]: quantized once, here
+    out = fp4attn.decode(q, cache)     # q [B, Hq, nq, D]: the last nq positions
+
+Keys and values are stored as NVFP4 rows (one FP32 scale per token row, E4M3 per 16 values), K
+minus its mean over the first append, in fixed-size pages with a block table (the vLLM /
+FlashInfer convention): `fp4attn.decode_paged` takes the pages, a table and per-sequence lengths
+directly, for serving engines and ragged batches. The math of the decode is not quantized
+(FP16/BF16 tensor cores or FP32 with FP32 accumulation); only the cache is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import reference
+from ._ops import code_bytes, scale_count
+
+__all__ = ["FP4KVCache", "decode", "decode_paged"]
+
+#: Tokens per page when the constructor is not told.
+DEFAULT_PAGE_SIZE = 128
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class FP4KVCache:
+    """A KV cache of ``batch`` sequences of equal length, stored in NVFP4 (SPEC 6).
+
+    ``max_tokens=None`` grows by reallocating (doubling) its page pool; an ``int`` preallocates
+    that capacity once (no reallocation, so decode calls can be captured in a CUDA graph) and
+    appending past it is an error. ``page_size`` tokens per page (default 128).
+    """
+
+    def __init__(self, batch: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.float16,
+                 device: torch.device | str | None = None, page_size: int | None = None,
+                 max_tokens: int | None = None):
+        for name, val in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if head_dim > 256:
+            raise ValueError(f"head_dim must be at most 256, got {head_dim}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {[str(d) for d in _DTYPES]}, got {dtype}")
+        page_size = DEFAULT_PAGE_SIZE if page_size is None else page_size
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
+        self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
+        self.dtype, self.page_size, self.max_tokens = dtype, page_size, max_tokens
+        self.device = torch.device(device if device is not None else "cpu")
+        self._len = 0
+        self.kmean = torch.zeros(batch, kv_heads, head_dim, dtype=torch.float32, device=self.device)
+        self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=self.device)
+        pages = -(-max_tokens // page_size) if max_tokens is not None else 1
+        self._allocate(pages)
+
+    # ------------------------------------------------------------------ storage
+
+    def _allocate(self, pages_per_seq: int) -> None:
+        """(Re)allocates the pool for pages_per_seq pages per sequence, keeping the stored pages."""
+        B, H, P, D = self.batch, self.kv_heads, self.page_size, self.head_dim
+        n = B * pages_per_seq
+        new = {
+            "k_codes": torch.zeros(n, H, P, code_bytes(D), dtype=torch.uint8, device=self.device),
+            "k_scales": torch.zeros(n, H, P, scale_count(D), dtype=torch.uint8, device=self.device),
+            "k_dec": torch.zeros(n, H, P, dtype=torch.float32, device=self.device),
+        }
+        new["v_codes"] = torch.zeros_like(new["k_codes"])
+        new["v_scales"] = torch.zeros_like(new["k_scales"])
+        new["v_dec"] = torch.zeros_like(new["k_dec"])
+        old = getattr(self, "_pages_per_seq", 0)
+        if old:
+            for name, t in new.items():  # page i of sequence b is b * pages_per_seq + i
+                t.view(B, pages_per_seq, *t.shape[1:])[:, :old] = getattr(self, name).view(B, old, *t.shape[1:])
+        for name, t in new.items():
+            setattr(self, name, t)
+        self._pages_per_seq = pages_per_seq
+        seq = torch.arange(B, dtype=torch.int32, device=self.device)[:, None] * pages_per_seq
+        self.block_table = seq + torch.arange(pages_per_seq, dtype=torch.int32, device=self.device)
+
+    def storage(self) -> tuple[Tensor, ...]:
+        """(k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, kmean, block_table): the paged
+        form `decode_paged` takes (SPEC 6)."""
+        return (self.k_codes, self.k_scales, self.k_dec, self.v_codes, self.v_scales, self.v_dec,
+                self.kmean, self.block_table)
+
+    @property
+    def capacity(self) -> int:
+        return self._pages_per_seq * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all storage: pages, scales, decs, kmean, block table, lengths."""
+        return sum(t.numel() * t.element_size() for t in (*self.storage(), self.seq_lens))
+
+    def __len__(self) -> int:
+        return self._len
+
+    # ------------------------------------------------------------------ appending and reading
+
+    def append(self, k: Tensor, v: Tensor) -> None:
+        """Appends ``n >= 1`` tokens to every sequence: ``k, v [batch, kv_heads, n, head_dim]`` in
+        the cache's dtype and device. The first append also fixes K's mean. On bad input nothing
+        is changed."""
+        shape = (self.batch, self.kv_heads, None, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4 or any(
+                    s is not None and t.shape[i] != s for i, s in enumerate(shape)):
+                raise ValueError(f"{name} must be [batch={self.batch}, kv_heads={self.kv_heads}, n, "
+                                 f"head_dim={self.head_dim}], got {tuple(getattr(t, 'shape', ()))}")
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(f"{name} must be {self.dtype} on {self.device}, got {t.dtype} on {t.device}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        n = k.shape[2]
+        if n < 1:
+            raise ValueError("append needs at least one token")
+        need = self._len + n
+        if self.max_tokens is not None and need > self.max_tokens:
+            raise ValueError(f"appending {n} tokens to {self._len} exceeds max_tokens={self.max_tokens}")
+        if need > self.capacity:
+            self._allocate(max(2 * self._pages_per_seq, -(-need // self.page_size)))
+        torch.ops.fp4attn.kv_append(k, v, *self.storage(), self._len, self._len == 0)
+        self._len = need
+        self.seq_lens.fill_(need)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """``(k, v)`` ``[batch, kv_heads, len, head_dim]``: the values the decode computes with (K
+        with its mean added back), in ``dtype`` (default: the cache's). They are exact in float32;
+        a 16-bit dtype rounds them once."""
+        k = _dequantize_rows(self.k_codes, self.k_scales, self.k_dec, self.block_table, self._len,
+                             self.head_dim) + self.kmean[:, :, None, :]
+        v = _dequantize_rows(self.v_codes, self.v_scales, self.v_dec, self.block_table, self._len,
+                             self.head_dim)
+        dtype = self.dtype if dtype is None else dtype
+        return k.to(dtype), v.to(dtype)
+
+
+def _dequantize_rows(codes, scales, dec, block_table, length: int, D: int) -> Tensor:
+    """Float32 [B, H, length, D] of the stored rows of every sequence (equal lengths)."""
+    B, pages = block_table.shape
+    P = codes.shape[2]
+    idx = block_table.long()  # [B, pages] -> the pool's rows in token order
+    c = codes[idx].permute(0, 2, 1, 3, 4).reshape(B, codes.shape[1], pages * P, -1)[:, :, :length]
+    s = scales[idx].permute(0, 2, 1, 3, 4).reshape(B, scales.shape[1], pages * P, -1)[:, :, :length]
+    d = dec[idx].permute(0, 2, 1, 3).reshape(B, dec.shape[1], pages * P)[:, :, :length]
+    return reference.dequantize(c[..., None, :], s[..., None, :], d, D)[..., 0, :]
+
+
+def decode_paged(q: Tensor, k_codes: Tensor, k_scales: Tensor, k_dec: Tensor, v_codes: Tensor,
+                 v_scales: Tensor, v_dec: Tensor, kmean: Tensor, block_table: Tensor,
+                 seq_lens: Tensor, scale: float | None = None, return_lse: bool = False):
+    """Decode attention on a paged FP4 cache (SPEC 6). ``q [B, Hq, nq, D]``: the last ``nq``
+    positions of each sequence; ``seq_lens [B]`` int32 (may differ per sequence and change between
+    CUDA-graph replays); ``block_table [B, max_pages]`` int32. Returns ``out`` (q's dtype), and
+    ``lse [B, Hq, nq]`` float32 with ``return_lse``."""
+    if not isinstance(q, Tensor) or q.dtype not in _DTYPES:
+        raise ValueError(f"q must be a float16, bfloat16 or float32 tensor, got {getattr(q, 'dtype', q)!r}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, lse = torch.ops.fp4attn.decode(q, k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, kmean,
+                                        block_table, seq_lens, scale)
+    return (out, lse) if return_lse else out
+
+
+def decode(q: Tensor, cache: FP4KVCache, scale: float | None = None, return_lse: bool = False):
+    """Decode attention of ``q [B, Hq, nq, D]`` (the last ``nq`` positions: query ``t`` sees keys
+    ``0 .. len(cache) - nq + t``) on an :class:`FP4KVCache`; ``Hq`` a multiple of its KV heads."""
+    if not isinstance(cache, FP4KVCache):
+        raise ValueError(f"cache must be an fp4attn.FP4KVCache, got {type(cache).__name__}")
+    if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[0] != cache.batch or \
+            q.shape[3] != cache.head_dim or q.shape[1] % cache.kv_heads:
+        raise ValueError(f"q must be [batch={cache.batch}, heads (a multiple of {cache.kv_heads}), nq, "
+                         f"head_dim={cache.head_dim}], got {tuple(getattr(q, 'shape', ()))}")
+    if q.dtype != cache.dtype or q.device != cache.device:
+        raise ValueError(f"q must be {cache.dtype} on {cache.device}, got {q.dtype} on {q.device}")
+    if not 1 <= q.shape[2] <= len(cache):
+        raise ValueError(f"q has {q.shape[2]} positions; the cache holds {len(cache)} tokens")
+    return decode_paged(q, *cache.storage(), cache.seq_lens, scale=scale, return_lse=return_lse)

@@ -1,0 +1,204 @@
+"""The FP4 KV cache and decode (docs/SPEC.md section 6): the stored rows bit for bit against the
+reference quantizer, decode against exact attention on the dequantized cache, paged and ragged
+use, errors, memory; on a GPU the CUDA kernels against the CPU backend and graph replays with
+changing lengths."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fp4attn
+from fp4attn import reference
+from fp4attn.kv_cache import _dequantize_rows
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def rel_l1(a, b) -> float:
+    return ((a.double() - b.double()).abs().sum() / b.double().abs().sum().clamp_min(1e-30)).item()
+
+
+def kv(B, H, n, D, dtype, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, H, n, D, generator=g) * 2 + 1.5  # a mean for the smoothing to remove
+    v = torch.randn(B, H, n, D, generator=g)
+    return k.to(dtype).to(device), v.to(dtype).to(device)
+
+
+def exact_decode(q, k, v, lens):
+    """float64 attention of the last nq positions of each sequence on k, v [B, Hkv, >=L, D]."""
+    B, Hq, nq, D = q.shape
+    G = Hq // k.shape[1]
+    outs, lses = [], []
+    for b in range(B):
+        L = int(lens[b])
+        kk = k[b, :, :L].double().repeat_interleave(G, 0)
+        vv = v[b, :, :L].double().repeat_interleave(G, 0)
+        s = q[b].double() @ kk.transpose(-1, -2) / math.sqrt(D)
+        pos = torch.arange(L)[None, :] <= (L - nq + torch.arange(nq))[:, None]
+        s = s.masked_fill(~pos, -math.inf)
+        outs.append(torch.softmax(s, -1) @ vv)
+        lses.append(torch.logsumexp(s, -1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def filled_cache(B, H, D, dtype, appends, page_size=None, device="cpu", seed=0):
+    cache = fp4attn.FP4KVCache(B, H, D, dtype=dtype, device=device, page_size=page_size)
+    ks, vs = [], []
+    for i, n in enumerate(appends):
+        k, v = kv(B, H, n, D, dtype, seed + i, device)
+        cache.append(k, v)
+        ks.append(k)
+        vs.append(v)
+    return cache, torch.cat(ks, 2), torch.cat(vs, 2)
+
+
+@pytest.mark.parametrize("D", [64, 80, 128])
+def test_rows_are_bit_exact_with_the_reference_quantizer(D):
+    cache, k, v = filled_cache(2, 3, D, torch.bfloat16, [37, 1, 5], page_size=16)
+    first = k[:, :, :37].float()
+    kmean = torch.cumsum(first, dim=2)[:, :, -1] / 37  # token order, as SPEC 6 sums
+    assert torch.equal(cache.kmean, kmean)
+    for stored, rows in (
+        (_dequantize_rows(cache.k_codes, cache.k_scales, cache.k_dec, cache.block_table, 43, D),
+         k.float() - kmean[:, :, None]),
+        (_dequantize_rows(cache.v_codes, cache.v_scales, cache.v_dec, cache.block_table, 43, D),
+         v.float()),
+    ):
+        want = reference.dequantize(*reference.quantize(rows[..., None, :]), D)[..., 0, :]
+        assert torch.equal(stored, want)
+
+
+CASES = [  # B, Hq, Hkv, D, appends, nq, page_size
+    (2, 8, 2, 128, [300, 1, 1], 1, None),
+    (1, 8, 2, 128, [200, 4], 4, 16),
+    (2, 4, 4, 64, [129], 1, 32),
+    (1, 6, 2, 80, [50, 3], 3, 7),
+    (1, 2, 1, 256, [90], 2, None),
+    (3, 2, 2, 16, [5, 1], 1, None),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_decode_matches_exact_attention_on_the_dequantized_cache(case, dtype):
+    B, Hq, Hkv, D, appends, nq, page = case
+    cache, _, _ = filled_cache(B, Hkv, D, dtype, appends, page_size=page)
+    q = torch.randn(B, Hq, nq, D, generator=torch.Generator().manual_seed(9)).to(dtype)
+    out, lse = fp4attn.decode(q, cache, return_lse=True)
+    kd, vd = cache.dequantize(torch.float32)
+    ref, ref_lse = exact_decode(q, kd, vd, [len(cache)] * B)
+    assert out.dtype == dtype and rel_l1(out, ref) < 3e-3
+    assert (lse.double() - ref_lse).abs().max() < 2e-3
+
+
+def test_paged_ragged_batch_with_a_shuffled_block_table():
+    B, H, D, page = 3, 2, 64, 8
+    lens = [5, 40, 17]
+    pages_per_seq = 5
+    perm = torch.randperm(B * pages_per_seq, generator=torch.Generator().manual_seed(1))
+    table = perm.view(B, pages_per_seq).to(torch.int32)
+    caches = []
+    for b in range(B):  # each sequence filled through its own rows of the shared pool
+        c = fp4attn.FP4KVCache(1, H, D, dtype=torch.float16, page_size=page, max_tokens=40)
+        k, v = kv(1, H, lens[b], D, torch.float16, 30 + b)
+        c.append(k, v)
+        caches.append((c, k, v))
+    pool = [torch.zeros(B * pages_per_seq, *t.shape[1:], dtype=t.dtype) for t in caches[0][0].storage()[:6]]
+    for b, (c, _, _) in enumerate(caches):
+        for i in range(pages_per_seq):
+            for dst, src in zip(pool, c.storage()[:6]):
+                dst[table[b, i]] = src[i]
+    kmean = torch.cat([c.kmean for c, _, _ in caches])
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(B, 4, 1, D, dtype=torch.float16)
+    out = fp4attn.decode_paged(q, *pool, kmean, table, seq_lens)
+    for b, (c, _, _) in enumerate(caches):
+        kd, vd = c.dequantize(torch.float32)
+        ref, _ = exact_decode(q[b:b + 1], kd, vd, [lens[b]])
+        assert rel_l1(out[b:b + 1], ref) < 3e-3
+
+
+def test_growth_keeps_the_stored_tokens():
+    cache = fp4attn.FP4KVCache(2, 2, 32, dtype=torch.float16, page_size=4)
+    k, v = kv(2, 2, 3, 32, torch.float16, 0)
+    cache.append(k, v)
+    before = cache.dequantize()
+    for i in range(20):
+        cache.append(*kv(2, 2, 1, 32, torch.float16, i + 1))
+    assert len(cache) == 23 and cache.capacity >= 23
+    after = cache.dequantize()
+    assert torch.equal(after[0][:, :, :3], before[0]) and torch.equal(after[1][:, :, :3], before[1])
+
+
+def test_memory_is_at_least_3_2x_smaller_than_fp16():
+    cache = fp4attn.FP4KVCache(1, 8, 128, dtype=torch.float16, max_tokens=4096)
+    fp16_bytes = 2 * 8 * 4096 * 128 * 2
+    assert fp16_bytes / cache.nbytes >= 3.2
+
+
+def test_errors_leave_the_cache_unchanged():
+    cache = fp4attn.FP4KVCache(1, 2, 32, dtype=torch.float16, max_tokens=8)
+    k, v = kv(1, 2, 6, 32, torch.float16, 0)
+    cache.append(k, v)
+    state = [t.clone() for t in cache.storage()]
+    bad = [
+        (kv(1, 3, 1, 32, torch.float16, 1), "kv_heads=2"),
+        (kv(1, 2, 1, 16, torch.float16, 1), "head_dim=32"),
+        (kv(1, 2, 1, 32, torch.float32, 1), "must be torch.float16"),
+        (kv(1, 2, 3, 32, torch.float16, 1), "exceeds max_tokens=8"),
+    ]
+    for (bk, bv), msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            cache.append(bk, bv)
+    assert len(cache) == 6 and all(torch.equal(a, b) for a, b in zip(state, cache.storage()))
+    with pytest.raises(ValueError, match="heads"):
+        fp4attn.decode(torch.zeros(1, 3, 1, 32, dtype=torch.float16), cache)
+    with pytest.raises(ValueError, match="the cache holds 6 tokens"):
+        fp4attn.decode(torch.zeros(1, 2, 7, 32, dtype=torch.float16), cache)
+    with pytest.raises(ValueError, match="page_size"):
+        fp4attn.FP4KVCache(1, 2, 32, page_size=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_cache_is_bit_exact_and_decode_matches(case, dtype):
+    B, Hq, Hkv, D, appends, nq, page = case
+    cpu, _, _ = filled_cache(B, Hkv, D, dtype, appends, page_size=page)
+    gpu, _, _ = filled_cache(B, Hkv, D, dtype, appends, page_size=page, device="cuda")
+    for a, b in zip(cpu.storage(), gpu.storage()):
+        assert torch.equal(a, b.cpu())
+    q = torch.randn(B, Hq, nq, D, generator=torch.Generator().manual_seed(9)).to(dtype)
+    out, lse = fp4attn.decode(q.cuda(), gpu, return_lse=True)
+    kd, vd = cpu.dequantize(torch.float32)
+    ref, ref_lse = exact_decode(q, kd, vd, [len(cpu)] * B)
+    assert out.dtype == dtype and rel_l1(out.cpu(), ref) < 3e-3
+    assert (lse.cpu().double() - ref_lse).abs().max() < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_graph_replay_with_changing_lengths():
+    B, H, D = 2, 2, 128
+    cache = fp4attn.FP4KVCache(B, H, D, dtype=torch.float16, device="cuda", max_tokens=2048)
+    k, v = kv(B, H, 1500, D, torch.float16, 3, "cuda")
+    cache.append(k, v)
+    q = torch.randn(B, 8, 1, D, dtype=torch.float16, device="cuda")
+    lens = torch.tensor([1500, 700], dtype=torch.int32, device="cuda")
+    storage = cache.storage()
+    fp4attn.decode_paged(q, *storage, lens)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp4attn.decode_paged(q, *storage, lens)
+    kd, vd = cache.dequantize(torch.float32)
+    for new in ([1500, 700], [3, 1499]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = exact_decode(q.cpu(), kd.cpu(), vd.cpu(), new)
+        assert rel_l1(out.cpu(), ref) < 3e-3
