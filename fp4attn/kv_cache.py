@@ -53,7 +53,7 @@ class FP4KVCache:
             raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.dtype, self.page_size, self.max_tokens = dtype, page_size, max_tokens
-        self.device = torch.device(device if device is not None else "cpu")
+        self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", comparable
         self._len = 0
         self.kmean = torch.zeros(batch, kv_heads, head_dim, dtype=torch.float32, device=self.device)
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=self.device)
