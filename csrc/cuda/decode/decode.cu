@@ -4,10 +4,12 @@
  *
  * A block (4 warps) owns one tile of 16 query rows, the G query heads x len_q positions of one
  * (batch, KV head) (GQA on the tensor cores: the heads share every key the block reads), and one
- * key range of a split. Each warp takes 32-key chunks of the range in turn: it dequantizes the
- * chunk's K and V rows from the pages into its own shared tiles as the exact 16-bit values
- * value(code) x scale (the FP32 row `dec` stays outside: per key on the scores for K, folded into
- * P for V), then S = Q K^T, the online softmax in FP32 and O += P V. The warps' partial results
+ * key range of a split. Each warp takes 32-key chunks of the range in turn: it loads the chunk's
+ * K and V code runs (16 bytes per lane, all loads in flight before the first use) and dequantizes
+ * them into its own shared tiles as the exact 16-bit values value(code) x scale, one table lookup
+ * (byte -> two values) and one packed multiply per pair (the FP32 row `dec` stays outside: per
+ * key on the scores for K, folded into P for V); then S = Q K^T, the online softmax in FP32 and
+ * O += P V. FP32 inputs split Q into BF16 hi + lo parts (two MMAs) so that S keeps 16 bits. The warps' partial results
  * merge in shared memory, the splits' in the merge kernel. No host synchronisation: the grid
  * follows the cache's capacity, each block reads its sequence's length on the device.
  */
@@ -36,7 +38,9 @@ template <int DP>
 struct DecodeSmem {
   static constexpr int kW = 2 * DP;                        /* bytes per 16-bit row */
   static constexpr int kQ = 0;                             /* Q [16][DP] */
-  static constexpr int kWarp0 = kQ + kRows * kW;           /* per warp: K, V [32][DP], dec [2][32] */
+  static constexpr int kQlo = kQ + kRows * kW;             /* FP32 inputs: Q - Q_hi [16][DP] */
+  static constexpr int kPairs = kQlo + kRows * kW;         /* byte -> two 16-bit E2M1 values [256] */
+  static constexpr int kWarp0 = kPairs + 256 * 4;          /* per warp: K, V [32][DP], dec [2][32] */
   static constexpr int kWarpBytes = 2 * kChunk * kW + 2 * kChunk * 4;
   static constexpr int kBytes = kWarp0 + kWarps * kWarpBytes;
 };
@@ -57,20 +61,54 @@ __device__ __forceinline__ int64_t cache_row(const fp4attn_kv_cache &c, int64_t 
   return (page * c.heads_kv + h) * c.page_size + pos % c.page_size;
 }
 
-/* value(code) x scale of 8 codes (one 32-bit word) as 16-bit values (exact: 6 significant bits). */
+/* A 16-bit pair (x, y) times the 16-bit scale s in both halves: exact for E2M1 x E4M3 values. */
 template <bool kBf16>
-__device__ __forceinline__ uint4 dequant8(uint32_t codes, float s) {
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float a = fp4attn_e2m1_decode((uint8_t)((codes >> (8 * i)) & 0xF)) * s;
-    const float b = fp4attn_e2m1_decode((uint8_t)((codes >> (8 * i + 4)) & 0xF)) * s;
-    w[i] = pack2<kBf16>(a, b);
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
+__device__ __forceinline__ uint32_t mul2(uint32_t xy, uint32_t s2) {
+  uint32_t r;
+  if (kBf16) /* fma with -0 (sm_80 has no bf16x2 mul); the product is exact anyway */
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(xy), "r"(s2), "r"(0x80008000u));
+  else
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(xy), "r"(s2));
+  return r;
 }
 
-template <int DP, bool kBf16>
+/* The 16 code bytes of a run at p (32 values), `left` >= 8 bytes of the row from p on (a multiple
+ * of 8: rows end on whole 16-value blocks); missing bytes are zero codes. */
+__device__ __forceinline__ uint4 load_run(const uint8_t *p, int64_t left, bool vec16) {
+  if (vec16) return *reinterpret_cast<const uint4 *>(p);
+  const uint2 a = *reinterpret_cast<const uint2 *>(p);
+  const uint2 b = left >= 16 ? *reinterpret_cast<const uint2 *>(p + 8) : make_uint2(0, 0);
+  return make_uint4(a.x, a.y, b.x, b.y);
+}
+
+/* An E4M3 scale byte as a 16-bit value in both halves (exact in FP16 and BF16). */
+template <bool kBf16>
+__device__ __forceinline__ uint32_t scale2(uint8_t e4m3) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)e4m3, __NV_E4M3);
+  uint16_t bits = h.x;
+  if (kBf16) bits = __bfloat16_as_ushort(__float2bfloat16_rn(__half2float(__half(h))));
+  return (uint32_t)bits * 0x10001u;
+}
+
+/* 32 values (16 code bytes, two 16-value blocks with scales s0, s1) dequantized as value x scale
+ * into a 64-byte run of a swizzled 16-bit row: one table lookup and one packed multiply per pair. */
+template <int W, bool kBf16>
+__device__ __forceinline__ void dequant32(char *tile, int key, int d0, uint4 codes, uint32_t s0,
+                                          uint32_t s1, const uint32_t *pairs) {
+  const uint32_t w[4] = {codes.x, codes.y, codes.z, codes.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) { /* 8 values: 4 code bytes -> 4 pairs -> one 16-byte store */
+    const uint32_t s2 = q < 2 ? s0 : s1;
+    uint4 out;
+    out.x = mul2<kBf16>(pairs[w[q] & 0xFF], s2);
+    out.y = mul2<kBf16>(pairs[(w[q] >> 8) & 0xFF], s2);
+    out.z = mul2<kBf16>(pairs[(w[q] >> 16) & 0xFF], s2);
+    out.w = mul2<kBf16>(pairs[w[q] >> 24], s2);
+    *reinterpret_cast<uint4 *>(tile + swz_byte<W>(key, 2 * (d0 + 8 * q))) = out;
+  }
+}
+
+template <int DP, bool kBf16, bool kSplitQ>
 __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
   using L = DecodeSmem<DP>;
   extern __shared__ __align__(128) char smem[];
@@ -92,8 +130,17 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
       v = load_as_float(p.q, p.dtype,
                         b * p.q_stride[0] + (hk * G + row / nq) * p.q_stride[1] +
                             (row % nq) * p.q_stride[2] + d);
-    *reinterpret_cast<uint16_t *>(smem + L::kQ + swz_byte<L::kW>(r, 2 * d)) = to_bits<kBf16>(v);
+    const uint16_t hi = to_bits<kBf16>(v);
+    *reinterpret_cast<uint16_t *>(smem + L::kQ + swz_byte<L::kW>(r, 2 * d)) = hi;
+    if (kSplitQ) { /* FP32 Q as hi + lo BF16 parts: 16 significant bits in S */
+      const float lo = v - __bfloat162float(__ushort_as_bfloat16(hi));
+      *reinterpret_cast<uint16_t *>(smem + L::kQlo + swz_byte<L::kW>(r, 2 * d)) = to_bits<kBf16>(lo);
+    }
   }
+  uint32_t *pairs = reinterpret_cast<uint32_t *>(smem + L::kPairs);
+  for (int i = tid; i < 256; i += kThreads)
+    pairs[i] = (uint32_t)to_bits<kBf16>(fp4attn_e2m1_decode((uint8_t)(i & 0xF))) |
+               ((uint32_t)to_bits<kBf16>(fp4attn_e2m1_decode((uint8_t)(i >> 4))) << 16);
   if (split == 0)
     for (int r = warp; r < kRows; r += kWarps) {
       const int64_t row = mt * kRows + r;
@@ -125,29 +172,39 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   for (int64_t ch = c0 + warp; ch < c1; ch += kWarps) {
     const int64_t j0 = ch * kChunk;
-    /* dequantize the chunk: lane -> 8-value groups of the 32 rows, and key `lane`'s decs */
-    for (int i = lane; i < kChunk * (DP / 8); i += 32) {
-      const int key = i / (DP / 8), d0 = (i % (DP / 8)) * 8;
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+    /* the chunk's rows: lane l looks up key l's page once; then each lane loads 16-byte code
+     * runs (32 values) of K and V for its (key, run) pairs, all loads first, and dequantizes them
+     * into the warp's tiles */
+    const bool valid = j0 + lane < Lb;
+    const int64_t rl = valid ? cache_row(c, b, hk, j0 + lane) : 0;
+    constexpr int kRuns = DP / 32, kIters = kChunk * kRuns / 32;
+    const bool vec16 = cb % 16 == 0; /* rows of whole 16-byte runs, 16-byte aligned */
+    uint4 kc[kIters], vc[kIters];
+    uint16_t ksc[kIters], vsc[kIters];
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int i = lane + 32 * it, key = i / kRuns, d0 = (i % kRuns) * 32;
+      const int64_t r = __shfl_sync(0xffffffffu, rl, key);
+      kc[it] = vc[it] = make_uint4(0, 0, 0, 0);
+      ksc[it] = vsc[it] = 0;
       if (j0 + key < Lb && d0 < D) {
-        const int64_t r = cache_row(c, b, hk, j0 + key);
-        kv = dequant8<kBf16>(*reinterpret_cast<const uint32_t *>(c.k_codes + r * cb + d0 / 2),
-                             fp4attn_e4m3_decode(c.k_scales[r * sc + d0 / 16]));
-        vv = dequant8<kBf16>(*reinterpret_cast<const uint32_t *>(c.v_codes + r * cb + d0 / 2),
-                             fp4attn_e4m3_decode(c.v_scales[r * sc + d0 / 16]));
+        kc[it] = load_run(c.k_codes + r * cb + d0 / 2, cb - d0 / 2, vec16);
+        vc[it] = load_run(c.v_codes + r * cb + d0 / 2, cb - d0 / 2, vec16);
+        ksc[it] = c.k_scales[r * sc + d0 / 16] | (d0 + 16 < D ? c.k_scales[r * sc + d0 / 16 + 1] << 8 : 0);
+        vsc[it] = c.v_scales[r * sc + d0 / 16] | (d0 + 16 < D ? c.v_scales[r * sc + d0 / 16 + 1] << 8 : 0);
       }
-      *reinterpret_cast<uint4 *>(ks + swz_byte<L::kW>(key, 2 * d0)) = kv;
-      *reinterpret_cast<uint4 *>(vs + swz_byte<L::kW>(key, 2 * d0)) = vv;
     }
-    float vd = 0.0f;
-    if (j0 + lane < Lb) {
-      const int64_t r = cache_row(c, b, hk, j0 + lane);
-      kdec[lane] = c.k_dec[r];
-      vd = c.v_dec[r];
-    } else {
-      kdec[lane] = 0.0f;
-    }
+    const float vd = valid ? c.v_dec[rl] : 0.0f;
+    kdec[lane] = valid ? c.k_dec[rl] : 0.0f;
     vdec[lane] = vd;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int i = lane + 32 * it, key = i / kRuns, d0 = (i % kRuns) * 32;
+      dequant32<L::kW, kBf16>(ks, key, d0, kc[it], scale2<kBf16>(ksc[it] & 0xFF),
+                              scale2<kBf16>(ksc[it] >> 8), pairs);
+      dequant32<L::kW, kBf16>(vs, key, d0, vc[it], scale2<kBf16>(vsc[it] & 0xFF),
+                              scale2<kBf16>(vsc[it] >> 8), pairs);
+    }
     float vmax = fabsf(vd);
 #pragma unroll
     for (int x = 16; x > 0; x >>= 1) vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, x));
@@ -164,6 +221,12 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
         ldsm_b<L::kW>(kb, ks, np * 16, kk * 32);
         mma_16816<kBf16>(s[2 * np], qa, kb[0][0], kb[0][1]);
         mma_16816<kBf16>(s[2 * np + 1], qa, kb[1][0], kb[1][1]);
+        if (kSplitQ) {
+          uint32_t qlo[4];
+          ldsm_a<L::kW>(qlo, smem + L::kQlo, 0, kk * 32);
+          mma_16816<kBf16>(s[2 * np], qlo, kb[0][0], kb[0][1]);
+          mma_16816<kBf16>(s[2 * np + 1], qlo, kb[1][0], kb[1][1]);
+        }
       }
     }
     float alpha[2], mref[2];
@@ -301,19 +364,21 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const DecodeArgs a) {
 
 template <int DP>
 fp4attn_status launch_dp(const DecodeArgs &a, const DecodePlan &plan, cudaStream_t s) {
-  static int configured[64][2];
-  const bool bf16 = a.p.dtype != FP4ATTN_FLOAT16;
-  auto kernel = bf16 ? decode_kernel<DP, true> : decode_kernel<DP, false>;
+  static int configured[64][3];
+  const int variant = a.p.dtype == FP4ATTN_FLOAT16 ? 0 : (a.p.dtype == FP4ATTN_BFLOAT16 ? 1 : 2);
+  auto kernel = variant == 0 ? decode_kernel<DP, false, false>
+                             : (variant == 1 ? decode_kernel<DP, true, false>
+                                             : decode_kernel<DP, true, true>);
   const int smem = DecodeSmem<DP>::kBytes > kWarps * kRows * (DP + 2) * 4
                        ? DecodeSmem<DP>::kBytes
                        : kWarps * kRows * (DP + 2) * 4;
   int dev = 0;
   cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64 || !configured[dev][bf16]) {
+  if (dev < 0 || dev >= 64 || !configured[dev][variant]) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
         cudaSuccess)
       return launch_status("decode");
-    if (dev >= 0 && dev < 64) configured[dev][bf16] = 1;
+    if (dev >= 0 && dev < 64) configured[dev][variant] = 1;
   }
   kernel<<<dim3((unsigned)plan.tiles, (unsigned)plan.splits), kThreads, smem, s>>>(a);
   decode_merge_kernel<DP><<<(unsigned)plan.tiles, 256, 0, s>>>(a);
