@@ -101,3 +101,48 @@ def test_attn_implementation_fp4attn_int8_trains_with_padding(ids):
     q_proj = int8_model.model.layers[0].self_attn.q_proj.weight
     assert q_proj.grad is not None and torch.isfinite(q_proj.grad).all()
     assert abs(loss.item() - exact.item()) < 1e-2 * abs(exact.item())
+
+
+def test_fp4cache_generate_decodes_through_the_fp4_cache(ids, monkeypatch):
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    model = tiny_llama("fp4attn")
+    decodes = []
+    original = integration.decode
+
+    def counting(q, cache, **kwargs):
+        decodes.append(q.shape)
+        return original(q, cache, **kwargs)
+
+    monkeypatch.setattr(integration, "decode", counting)
+    cache = integration.FP4Cache(config=model.config)
+    with torch.no_grad():
+        out = model.generate(ids[:1, :40], max_new_tokens=6, do_sample=False, past_key_values=cache)
+    assert out.shape == (1, 46)
+    assert len(decodes) == 2 * 5  # every step after the prefill, in both layers, through the kernel
+    layer = cache.layers[0]
+    assert type(layer).__name__ == "FP4Layer" and len(layer.cache) == 45
+    assert cache.get_seq_length() == 45
+
+
+def test_fp4cache_step_matches_attention_on_the_dequantized_cache(ids):
+    """One decode step with an FP4Cache gives the logits of the same step computed with an
+    ordinary cache holding the FP4 cache's dequantized keys and values."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    model = tiny_llama("fp4attn")
+    prompt, nxt = ids[:1, :60], ids[:1, 60:61]
+    fp4 = integration.FP4Cache(config=model.config)
+    with torch.no_grad():
+        model(prompt, past_key_values=fp4)
+        got = model(nxt, past_key_values=fp4).logits
+        kv = [layer.cache.dequantize(torch.float32) for layer in fp4.layers]
+        ref_cache = transformers.DynamicCache()
+        for i, (k, v) in enumerate(kv):  # the first 60 tokens, as the FP4 cache stores them
+            ref_cache.update(k[:, :, :60], v[:, :, :60], i)
+        model.config._attn_implementation = "sdpa"
+        want = model(nxt, past_key_values=ref_cache).logits
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cos > 0.9999

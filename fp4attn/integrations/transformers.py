@@ -1,16 +1,61 @@
 """`attn_implementation="fp4attn"` (FP4) and `"fp4attn-int8"` (8-bit, trainable) for HuggingFace
-transformers.
+transformers, and `FP4Cache`, a KV cache stored in NVFP4 (docs/SPEC.md section 6).
 
 register() adds an attention function and, under the same name, the SDPA mask function: without
 a registered mask function transformers builds no causal mask for the new implementation.
+
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="fp4attn")
+    model.generate(ids, past_key_values=FP4Cache(config=model.config), max_new_tokens=128)
+
+With an FP4Cache, the prefill (the first update of a layer) runs the selected attention on the
+full-precision states; every later step appends its tokens to the FP4 cache and decodes through
+the fused kernel (`fp4attn.decode`): the layer's `update` returns the keys wrapped in
+`FP4CacheKeys`, which the registered attention functions recognise.
 """
 
 from __future__ import annotations
 
+import torch
+
+from ..kv_cache import FP4KVCache, decode
 from ..sdpa import sdpa
+
+#: Largest number of new tokens per step that decodes through the kernel (speculative decoding);
+#: longer chunks attend to the dequantized cache instead.
+MAX_DECODE_TOKENS = 16
 
 NAME = "fp4attn"
 NAME_INT8 = "fp4attn-int8"
+
+
+class FP4CacheKeys(torch.Tensor):
+    """The keys an FP4Cache layer returns after a decode-step update: the new tokens' keys, marked
+    with the layer whose FP4 cache now holds every key (``.fp4_layer``)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # results are plain tensors
+
+    @staticmethod
+    def wrap(key_states: torch.Tensor, layer) -> "FP4CacheKeys":
+        t = torch.Tensor._make_subclass(FP4CacheKeys, key_states)
+        t.fp4_layer = layer
+        return t
+
+
+def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
+    """Attention of this step's queries to everything in the layer's FP4 cache."""
+    cache = key.fp4_layer.cache
+    nq = query.shape[2]
+    if attention_mask is None and nq <= MAX_DECODE_TOKENS:
+        return decode(query, cache, scale=scaling)
+    # a padding mask or a long chunk: the dequantized cache, same values, the general kernel
+    k, v = cache.dequantize()
+    if attention_mask is not None and attention_mask.dim() == 4:
+        attention_mask = attention_mask[:, :, :, : k.shape[-2]]
+    elif attention_mask is None:  # the last nq positions: bottom-right causal
+        L = k.shape[-2]
+        attention_mask = torch.ones(nq, L, dtype=torch.bool, device=query.device).tril(L - nq)
+    return sdpa(query, k, v, attn_mask=attention_mask, scale=scaling,
+                enable_gqa=k.shape[1] != query.shape[1])
 
 
 def fp4attn_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
@@ -18,6 +63,8 @@ def fp4attn_attention_forward(module, query, key, value, attention_mask, dropout
     """transformers attention function: q [B, Hq, N, D], k/v [B, Hkv, S, D] -> ([B, N, Hq, D], None)."""
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("fp4attn: position_bias (T5-style relative bias) is not supported")
+    if isinstance(key, FP4CacheKeys):
+        return _cached_attention(query, key, attention_mask, scaling).transpose(1, 2).contiguous(), None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # Same rule as transformers' sdpa integration: a causal flag only without an explicit mask and
     # outside single-token decoding (a single query attends to the whole cache).
@@ -47,3 +94,81 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)
     AttentionInterface.register(NAME_INT8, fp4attn_int8_attention_forward)
     AttentionMaskInterface.register(NAME_INT8, sdpa_mask)
+
+
+def _cache_classes():
+    """FP4Layer and FP4Cache, built on the installed transformers' cache classes."""
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+
+    class FP4Layer(CacheLayerMixin):
+        """A full-attention layer of an FP4Cache: an fp4attn.FP4KVCache that grows."""
+
+        is_sliding = False
+        is_croppable = False
+
+        def __init__(self, page_size: int | None = None):
+            super().__init__()
+            self.page_size = page_size
+            self.cache = None
+
+        def lazy_initialization(self, key_states, value_states):
+            B, H, _, D = key_states.shape
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.cache = FP4KVCache(B, H, D, dtype=key_states.dtype, device=key_states.device,
+                                    page_size=self.page_size)
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            first = len(self.cache) == 0
+            self.cache.append(key_states.contiguous(), value_states.contiguous())
+            if first:  # prefill: the selected attention on the full-precision states
+                return key_states, value_states
+            return FP4CacheKeys.wrap(key_states, self), value_states
+
+        def get_seq_length(self) -> int:
+            return len(self.cache) if self.is_initialized else 0
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.get_seq_length() + query_length, 0
+
+        def get_max_length(self) -> int:
+            return -1
+
+        def reset(self) -> None:
+            if self.is_initialized:
+                self.cache = FP4KVCache(self.cache.batch, self.cache.kv_heads, self.cache.head_dim,
+                                        dtype=self.dtype, device=self.device,
+                                        page_size=self.page_size)
+
+        def reorder_cache(self, beam_idx) -> None:
+            raise NotImplementedError("FP4Cache: beam search (reorder_cache) is not supported")
+
+    class FP4Cache(Cache):
+        """A transformers Cache whose full-attention layers store keys and values in NVFP4 and
+        decode through fp4attn's fused kernel (use with attn_implementation="fp4attn" or
+        "fp4attn-int8"). Sliding-window layers (from `config.layer_types`) keep transformers'
+        own unquantized sliding-window layer."""
+
+        def __init__(self, config=None, page_size: int | None = None):
+            if config is None:
+                super().__init__(layer_class_to_replicate=lambda: FP4Layer(page_size))
+                return
+            text = config.get_text_config(decoder=True)
+            types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+            window = getattr(text, "sliding_window", None)
+            layers = [DynamicSlidingWindowLayer(sliding_window=window)
+                      if t == "sliding_attention" else FP4Layer(page_size) for t in types]
+            super().__init__(layers=layers)
+
+    return FP4Layer, FP4Cache
+
+
+def __getattr__(name):
+    """FP4Cache / FP4Layer on first use (transformers is imported only then)."""
+    if name in ("FP4Cache", "FP4Layer"):
+        layer, cache = _cache_classes()
+        globals().update(FP4Layer=layer, FP4Cache=cache)
+        return globals()[name]
+    raise AttributeError(name)

@@ -170,40 +170,53 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
 
   float o[DP / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  for (int64_t ch = c0 + warp; ch < c1; ch += kWarps) {
+  /* the chunk's raw rows: lane l looks up key l's page; each lane loads 16-byte code runs (32
+   * values) of K and V for its (key, run) pairs. The next chunk's loads are issued before the
+   * current chunk is dequantized, so a warp always has one chunk in flight. */
+  constexpr int kRuns = DP / 32, kIters = kChunk * kRuns / 32;
+  const bool vec16 = cb % 16 == 0; /* rows of whole 16-byte runs, 16-byte aligned */
+  struct Raw {
+    uint4 k[kIters], v[kIters];
+    uint16_t ks[kIters], vs[kIters];
+    float kd, vd;
+  };
+  auto issue = [&](int64_t ch, Raw &raw) {
     const int64_t j0 = ch * kChunk;
-    /* the chunk's rows: lane l looks up key l's page once; then each lane loads 16-byte code
-     * runs (32 values) of K and V for its (key, run) pairs, all loads first, and dequantizes them
-     * into the warp's tiles */
     const bool valid = j0 + lane < Lb;
     const int64_t rl = valid ? cache_row(c, b, hk, j0 + lane) : 0;
-    constexpr int kRuns = DP / 32, kIters = kChunk * kRuns / 32;
-    const bool vec16 = cb % 16 == 0; /* rows of whole 16-byte runs, 16-byte aligned */
-    uint4 kc[kIters], vc[kIters];
-    uint16_t ksc[kIters], vsc[kIters];
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int i = lane + 32 * it, key = i / kRuns, d0 = (i % kRuns) * 32;
       const int64_t r = __shfl_sync(0xffffffffu, rl, key);
-      kc[it] = vc[it] = make_uint4(0, 0, 0, 0);
-      ksc[it] = vsc[it] = 0;
+      raw.k[it] = raw.v[it] = make_uint4(0, 0, 0, 0);
+      raw.ks[it] = raw.vs[it] = 0;
       if (j0 + key < Lb && d0 < D) {
-        kc[it] = load_run(c.k_codes + r * cb + d0 / 2, cb - d0 / 2, vec16);
-        vc[it] = load_run(c.v_codes + r * cb + d0 / 2, cb - d0 / 2, vec16);
-        ksc[it] = c.k_scales[r * sc + d0 / 16] | (d0 + 16 < D ? c.k_scales[r * sc + d0 / 16 + 1] << 8 : 0);
-        vsc[it] = c.v_scales[r * sc + d0 / 16] | (d0 + 16 < D ? c.v_scales[r * sc + d0 / 16 + 1] << 8 : 0);
+        raw.k[it] = load_run(c.k_codes + r * cb + d0 / 2, cb - d0 / 2, vec16);
+        raw.v[it] = load_run(c.v_codes + r * cb + d0 / 2, cb - d0 / 2, vec16);
+        raw.ks[it] = c.k_scales[r * sc + d0 / 16] |
+                     (d0 + 16 < D ? c.k_scales[r * sc + d0 / 16 + 1] << 8 : 0);
+        raw.vs[it] = c.v_scales[r * sc + d0 / 16] |
+                     (d0 + 16 < D ? c.v_scales[r * sc + d0 / 16 + 1] << 8 : 0);
       }
     }
-    const float vd = valid ? c.v_dec[rl] : 0.0f;
-    kdec[lane] = valid ? c.k_dec[rl] : 0.0f;
-    vdec[lane] = vd;
+    raw.kd = valid ? c.k_dec[rl] : 0.0f;
+    raw.vd = valid ? c.v_dec[rl] : 0.0f;
+  };
+  Raw cur, nxt;
+  if (c0 + warp < c1) issue(c0 + warp, cur);
+  for (int64_t ch = c0 + warp; ch < c1; ch += kWarps) {
+    const int64_t j0 = ch * kChunk;
+    if (ch + kWarps < c1) issue(ch + kWarps, nxt);
+    kdec[lane] = cur.kd;
+    vdec[lane] = cur.vd;
+    const float vd = cur.vd;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int i = lane + 32 * it, key = i / kRuns, d0 = (i % kRuns) * 32;
-      dequant32<L::kW, kBf16>(ks, key, d0, kc[it], scale2<kBf16>(ksc[it] & 0xFF),
-                              scale2<kBf16>(ksc[it] >> 8), pairs);
-      dequant32<L::kW, kBf16>(vs, key, d0, vc[it], scale2<kBf16>(vsc[it] & 0xFF),
-                              scale2<kBf16>(vsc[it] >> 8), pairs);
+      dequant32<L::kW, kBf16>(ks, key, d0, cur.k[it], scale2<kBf16>(cur.ks[it] & 0xFF),
+                              scale2<kBf16>(cur.ks[it] >> 8), pairs);
+      dequant32<L::kW, kBf16>(vs, key, d0, cur.v[it], scale2<kBf16>(cur.vs[it] & 0xFF),
+                              scale2<kBf16>(cur.vs[it] >> 8), pairs);
     }
     float vmax = fabsf(vd);
 #pragma unroll
@@ -285,6 +298,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
         for (int e = 0; e < 4; ++e)
           o[2 * np + x][e] = alpha[e >> 1] * o[2 * np + x][e] + vmax * acc[x][e];
     }
+    cur = nxt;
     __syncwarp();
   }
 
