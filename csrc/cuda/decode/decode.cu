@@ -6,8 +6,8 @@
  * (batch, KV head) (GQA on the tensor cores: the heads share every key the block reads), and one
  * key range of a split. Each warp takes 32-key chunks of the range in turn: it loads the chunk's
  * K and V code runs (16 bytes per lane, all loads in flight before the first use) and dequantizes
- * them into its own shared tiles as the exact 16-bit values value(code) x scale, one table lookup
- * (byte -> two values) and one packed multiply per pair (the FP32 row `dec` stays outside: per
+ * them into its own shared tiles as the exact 16-bit values value(code) x scale, decoded in
+ * registers by byte permutes and one packed multiply per pair (the FP32 row `dec` stays outside: per
  * key on the scores for K, folded into P for V); then S = Q K^T, the online softmax in FP32 and
  * O += P V. FP32 inputs split Q into BF16 hi + lo parts (two MMAs) so that S keeps 16 bits. The warps' partial results
  * merge in shared memory, the splits' in the merge kernel. No host synchronisation: the grid
@@ -39,8 +39,7 @@ struct DecodeSmem {
   static constexpr int kW = 2 * DP;                        /* bytes per 16-bit row */
   static constexpr int kQ = 0;                             /* Q [16][DP] */
   static constexpr int kQlo = kQ + kRows * kW;             /* FP32 inputs: Q - Q_hi [16][DP] */
-  static constexpr int kPairs = kQlo + kRows * kW;         /* byte -> two 16-bit E2M1 values [256] */
-  static constexpr int kWarp0 = kPairs + 256 * 4;          /* per warp: K, V [32][DP], dec [2][32] */
+  static constexpr int kWarp0 = kQlo + kRows * kW;         /* per warp: K, V [32][DP], dec [2][32] */
   static constexpr int kWarpBytes = 2 * kChunk * kW + 2 * kChunk * 4;
   static constexpr int kBytes = kWarp0 + kWarps * kWarpBytes;
 };
@@ -90,20 +89,56 @@ __device__ __forceinline__ uint32_t scale2(uint8_t e4m3) {
   return (uint32_t)bits * 0x10001u;
 }
 
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+/* The 8 E2M1 codes of w (element 2i in nibble 2i... low nibble first) as four 16-bit pairs, all
+ * in registers: a byte permute looks the magnitudes up (an E2M1 magnitude in FP16 is one high
+ * byte: 00 38 3C 3E 40 42 44 46; in BF16 two bytes), another interleaves them into pairs, and the
+ * sign bits are replicated into place by a permute in sign mode. Exact. */
+template <bool kBf16>
+__device__ __forceinline__ void e2m1x8(uint32_t w, uint32_t (&pair)[4]) {
+  const uint32_t idx = w & 0x77777777u;
+  const uint32_t sgn_lo = w << 4; /* byte k's msb: the sign of nibble 2k (w's: of nibble 2k + 1) */
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t sel = (idx >> (16 * h)) & 0xFFFFu; /* nibbles 4h .. 4h + 3 */
+    uint32_t m[2];
+    if (kBf16) {
+      const uint32_t hi = prmt(0x3F3F3F00u, 0x40404040u, sel), lo = prmt(0xC0800000u, 0xC0804000u, sel);
+      m[0] = prmt(lo, hi, 0x5140u);
+      m[1] = prmt(lo, hi, 0x7362u);
+    } else {
+      const uint32_t hi = prmt(0x3E3C3800u, 0x46444240u, sel);
+      m[0] = prmt(hi, 0u, 0x1404u);
+      m[1] = prmt(hi, 0u, 0x3424u);
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) { /* pair 2h + k: nibbles 4h + 2k, 4h + 2k + 1 = byte 2h + k */
+      const uint32_t byte = 2 * h + k;
+      const uint32_t sign = prmt(sgn_lo, w, ((8u | (4u + byte)) << 12) | ((8u | byte) << 4));
+      pair[2 * h + k] = m[k] | (sign & 0x80008000u);
+    }
+  }
+}
+
 /* 32 values (16 code bytes, two 16-value blocks with scales s0, s1) dequantized as value x scale
- * into a 64-byte run of a swizzled 16-bit row: one table lookup and one packed multiply per pair. */
+ * into a 64-byte run of a swizzled 16-bit row: register-only decoding and one packed multiply per
+ * pair. */
 template <int W, bool kBf16>
 __device__ __forceinline__ void dequant32(char *tile, int key, int d0, uint4 codes, uint32_t s0,
-                                          uint32_t s1, const uint32_t *pairs) {
+                                          uint32_t s1) {
   const uint32_t w[4] = {codes.x, codes.y, codes.z, codes.w};
 #pragma unroll
-  for (int q = 0; q < 4; ++q) { /* 8 values: 4 code bytes -> 4 pairs -> one 16-byte store */
+  for (int q = 0; q < 4; ++q) { /* 8 values: one code word -> 4 pairs -> one 16-byte store */
     const uint32_t s2 = q < 2 ? s0 : s1;
-    uint4 out;
-    out.x = mul2<kBf16>(pairs[w[q] & 0xFF], s2);
-    out.y = mul2<kBf16>(pairs[(w[q] >> 8) & 0xFF], s2);
-    out.z = mul2<kBf16>(pairs[(w[q] >> 16) & 0xFF], s2);
-    out.w = mul2<kBf16>(pairs[w[q] >> 24], s2);
+    uint32_t pr[4];
+    e2m1x8<kBf16>(w[q], pr);
+    const uint4 out = make_uint4(mul2<kBf16>(pr[0], s2), mul2<kBf16>(pr[1], s2),
+                                 mul2<kBf16>(pr[2], s2), mul2<kBf16>(pr[3], s2));
     *reinterpret_cast<uint4 *>(tile + swz_byte<W>(key, 2 * (d0 + 8 * q))) = out;
   }
 }
@@ -137,10 +172,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
       *reinterpret_cast<uint16_t *>(smem + L::kQlo + swz_byte<L::kW>(r, 2 * d)) = to_bits<kBf16>(lo);
     }
   }
-  uint32_t *pairs = reinterpret_cast<uint32_t *>(smem + L::kPairs);
-  for (int i = tid; i < 256; i += kThreads)
-    pairs[i] = (uint32_t)to_bits<kBf16>(fp4attn_e2m1_decode((uint8_t)(i & 0xF))) |
-               ((uint32_t)to_bits<kBf16>(fp4attn_e2m1_decode((uint8_t)(i >> 4))) << 16);
+
   if (split == 0)
     for (int r = warp; r < kRows; r += kWarps) {
       const int64_t row = mt * kRows + r;
@@ -214,9 +246,9 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
     for (int it = 0; it < kIters; ++it) {
       const int i = lane + 32 * it, key = i / kRuns, d0 = (i % kRuns) * 32;
       dequant32<L::kW, kBf16>(ks, key, d0, cur.k[it], scale2<kBf16>(cur.ks[it] & 0xFF),
-                              scale2<kBf16>(cur.ks[it] >> 8), pairs);
+                              scale2<kBf16>(cur.ks[it] >> 8));
       dequant32<L::kW, kBf16>(vs, key, d0, cur.v[it], scale2<kBf16>(cur.vs[it] & 0xFF),
-                              scale2<kBf16>(cur.vs[it] >> 8), pairs);
+                              scale2<kBf16>(cur.vs[it] >> 8));
     }
     float vmax = fabsf(vd);
 #pragma unroll
