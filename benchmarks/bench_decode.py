@@ -8,8 +8,8 @@ Bandwidth counts the bytes each method must read: the FP16 cache for torch (2 x 
 the FP4 cache for fp4attn (codes, E4M3 scales and the FP32 row scale of K and V), against the
 device-to-device copy bandwidth. nq > 1 (speculative decoding) runs torch without a mask (its
 is_causal is top-left, not "the last nq positions"); the bytes read are the same.
-Writes bench_decode.csv and .png into --out (default: benchmarks/results/). Configurations whose
-FP16 cache would exceed --max-gb are skipped.
+Prints a table and writes bench_decode.csv into --out (default: benchmarks/results/).
+Configurations whose FP16 cache would exceed --max-gb are skipped.
 
   python benchmarks/bench_decode.py
   python benchmarks/bench_decode.py --quick --out bench_out

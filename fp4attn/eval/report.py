@@ -192,6 +192,91 @@ def _int8_fn(backend: str):
     return run
 
 
+#: Tokens of each perplexity window that "prefill" the FP4 KV cache (exact attention, and the
+#: cache's K mean); every later position decodes from the cache.
+CACHE_PREFILL = 128
+
+
+def _fp4cache_fn():
+    """SDPA on one causal window as generation with an FP4 KV cache computes it (SPEC 6): the
+    first CACHE_PREFILL positions by exact attention (the prefill), every later position by
+    fp4attn.decode on the cache holding all positions' keys and values (appended as prefill, then
+    the rest), so each query sees the FP4 rows of every key up to itself."""
+    import fp4attn
+
+    def run(i, q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        B, Hq, N, D = q.shape
+        if attn_mask is not None or not is_causal:
+            raise ValueError("fp4cache mode: expects causal windows without a mask")
+        P = min(CACHE_PREFILL, N)
+        out = TORCH_SDPA(q[:, :, :P], k[:, :, :P], v[:, :, :P], is_causal=True, scale=scale,
+                         enable_gqa=enable_gqa)
+        if P == N:
+            return out
+        cache = fp4attn.FP4KVCache(B, k.shape[1], D, dtype=k.dtype, device=k.device, max_tokens=N)
+        cache.append(k[:, :, :P].contiguous(), v[:, :, :P].contiguous())
+        cache.append(k[:, :, P:].contiguous(), v[:, :, P:].contiguous())
+        rest = fp4attn.decode(q[:, :, P:].contiguous(), cache, scale=scale)
+        return torch.cat([out, rest], dim=2)
+
+    return run
+
+
+def generation_agreement(model, tok, prompts: list[str], *, new_tokens: int) -> dict[str, dict]:
+    """Greedy generation from each prompt with exact attention and a default cache, then with
+    the FP4 KV cache (exact prefill, decode through it: the cache's own effect), with FP4
+    attention and a default cache, and with both (the default HF use of FP4Cache): tokens until
+    the first divergence from the exact continuation (``new_tokens`` when none)."""
+    from transformers import AttentionInterface
+
+    from ..integrations import transformers as hf
+
+    hf.register()
+
+    def exact_prefill(module, query, key, value, attention_mask, scaling=None, **kw):
+        if isinstance(key, hf.FP4CacheKeys):
+            return hf._cached_attention(query, key, attention_mask, scaling).transpose(1, 2).contiguous(), None
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+        o = TORCH_SDPA(query, key, value, attn_mask=attention_mask, scale=scaling,
+                       is_causal=attention_mask is None and query.shape[2] > 1,
+                       enable_gqa=key.shape[1] != query.shape[1])
+        return o.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("fp4attn-report-exact-prefill", exact_prefill)
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionMaskInterface.register("fp4attn-report-exact-prefill", sdpa_mask)
+    setups = {"exact": ("sdpa", False), "fp4cache": ("fp4attn-report-exact-prefill", True),
+              "fp4": ("fp4attn", False), "fp4+fp4cache": ("fp4attn", True)}
+    before = model.config._attn_implementation
+    runs: dict[str, list[list[int]]] = {m: [] for m in setups}
+    try:
+        for text in prompts:
+            ids = tok(text, return_tensors="pt").input_ids.to(next(model.parameters()).device)
+            for mode, (impl, fp4_cache) in setups.items():
+                model.config._attn_implementation = impl
+                kw = {"past_key_values": hf.FP4Cache(config=model.config)} if fp4_cache else {}
+                with torch.no_grad():
+                    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                         do_sample=False, **kw)
+                runs[mode].append(out[0, ids.shape[1]:].tolist())
+    finally:
+        model.config._attn_implementation = before
+    res = {}
+    for mode in setups:
+        if mode == "exact":
+            continue
+        same = []
+        for a, b in zip(runs[mode], runs["exact"]):
+            n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            same.append(n)
+        res[mode] = {"mean_tokens": sum(same) / len(same), "min_tokens": min(same),
+                     "all_tokens": sum(n == new_tokens for n in same), "prompts": len(same),
+                     "per_prompt": same}
+    return res
+
+
 def policy_sdpa(fp4_layers: set[int] | None, backend: str, fallback_dtype=None):
     """SDPA function for swap_sdpa: FP4 on ``fp4_layers`` (None = all), torch SDPA (in
     ``fallback_dtype``, default the input dtype) everywhere else."""
@@ -209,6 +294,13 @@ def fallback_mode(layers) -> str:
     return "fallback:" + ",".join(str(i) for i in sorted(layers))
 
 
+GEN_LABELS = {
+    "fp4cache": "exact attention, FP4 KV cache (FP4Cache)",
+    "fp4": "fp4attn FP4 attention, default cache",
+    "fp4+fp4cache": "fp4attn FP4 attention, FP4 KV cache",
+}
+
+
 def mode_label(mode: str) -> str:
     if mode.startswith("variant:"):
         return f"{METHODS[mode.split(':', 1)[1]][0]}, every layer (reference)"
@@ -217,7 +309,8 @@ def mode_label(mode: str) -> str:
         n = len(layers.split(",")) if layers else 0
         return f"fp4attn, {n} layer{'s' * (n != 1)} on BF16 ({layers})"
     return {"exact": "exact (FP32 SDPA)", "fp4": "fp4attn (FP4)", "int8": "fp4attn (INT8)",
-            "bf16": "BF16 SDPA", "fp16": "FP16 SDPA"}.get(mode, mode)
+            "bf16": "BF16 SDPA", "fp16": "FP16 SDPA",
+            "fp4cache": f"exact attention, FP4 KV cache (prefill {CACHE_PREFILL}, then decode)"}.get(mode, mode)
 
 
 @contextlib.contextmanager
@@ -251,6 +344,9 @@ def attention_mode(model, mode: str, backend: str):
             return o.to(q.device, q.dtype)
 
         with swap_sdpa(run, model):
+            yield
+    elif mode == "fp4cache":
+        with swap_sdpa(_fp4cache_fn(), model):
             yield
     elif mode.startswith("fallback:"):
         spec = mode.split(":", 1)[1]
@@ -471,6 +567,7 @@ class ModelResult:
     e2e: dict = field(default_factory=dict)
     e2e_kind: str = ""
     policies: list[dict] = field(default_factory=list)
+    generation: dict = field(default_factory=dict)
     n_layers: int = 0
     seconds: float = 0.0
 
@@ -511,9 +608,16 @@ def report_smollm2(args) -> ModelResult:
     if args.ppl_tokens > 1 and not args.no_e2e:
         ppl_ids = ids[: args.ppl_tokens]
         res.e2e = perplexity(model, ppl_ids, window=args.window,
-                             modes=["exact", "fp4", "int8", "bf16"], backend=args.backend)
+                             modes=["exact", "fp4", "int8", "bf16", "fp4cache"],
+                             backend=args.backend)
         res.e2e_kind = (f"perplexity on the first {args.ppl_tokens} tokens of {args.book}, "
-                        f"non-overlapping windows of {args.window}")
+                        f"non-overlapping windows of {args.window} (FP4 KV cache: the first "
+                        f"{CACHE_PREFILL} positions of a window prefill it, the others decode "
+                        "from it)")
+        if args.gen_prompts > 0:
+            paras = [p for p in M.austen_paragraphs(args.book) if len(p) > 400][: args.gen_prompts]
+            prompts = [tok.decode(tok(p).input_ids[:64]) for p in paras]
+            res.generation = generation_agreement(model, tok, prompts, new_tokens=args.gen_tokens)
         res.policies = fallback_policies(model, ppl_ids, res, args)
     res.seconds = time.perf_counter() - t0
     return res
@@ -680,6 +784,8 @@ def _summary(res: ModelResult) -> dict:
         s["e2e"] = res.e2e
     if res.policies:
         s["policies"] = res.policies
+    if res.generation:
+        s["generation"] = res.generation
     return s
 
 
@@ -859,6 +965,15 @@ def write_outputs(results: list[ModelResult], args, out: Path) -> str:
                         for m, d in res.e2e.items()]
                 md.append(_md_table(["attention", "perplexity", "change", "top-1 = exact",
                                      "KL(exact||x) per token"], body))
+            if res.generation:
+                g = next(iter(res.generation.values()))
+                md += ["", f"Greedy generation, {g['prompts']} prompts of {args.book} (their "
+                       f"first 64 tokens), {args.gen_tokens} new tokens: tokens until the first "
+                       "divergence from exact attention with transformers' default cache.", ""]
+                body = [[GEN_LABELS[m], f"{d['mean_tokens']:.1f}", str(d["min_tokens"]),
+                         f"{d['all_tokens']} / {d['prompts']}"] for m, d in res.generation.items()]
+                md.append(_md_table(["attention and cache", "mean tokens", "min",
+                                     "prompts with no divergence"], body))
             else:
                 body = [[mode_label(m), f"{d['mean_cos']:.6f}", f"{d['min_cos']:.6f}",
                          f"{100 * d['nn_agree']:.1f}%"] for m, d in res.e2e.items()]
@@ -968,6 +1083,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(whole paragraphs); 0 = all captured tokens (default)")
     ap.add_argument("--no-ablations", action="store_true", help="skip the reference ablations")
     ap.add_argument("--no-e2e", action="store_true", help="skip perplexity / embeddings")
+    ap.add_argument("--gen-prompts", type=int, default=10,
+                    help="prompts for the greedy-generation agreement (0: skip; default 10)")
+    ap.add_argument("--gen-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
     ap.add_argument("--no-policy", action="store_true",
                     help="do not measure per-layer fallback policies when a target fails")
     ap.add_argument("--policy-ladder", type=lambda t: [int(x) for x in t.split(",") if x],
