@@ -176,11 +176,13 @@ def test_report_on_real_models(tmp_path):
     out = tmp_path / "rep"
     argv = ["--model", "all", "--tokens", "160", "--layers", "0,1", "--ablation-tokens", "0",
             "--ppl-tokens", "320", "--window", "160", "--policy-ladder", "1",
-            "--minilm-layers", "0", "--paragraphs", "2", "--sentences", "8", "--out", str(out)]
+            "--minilm-layers", "0", "--paragraphs", "2", "--sentences", "8",
+            "--gen-prompts", "2", "--gen-tokens", "4", "--out", str(out)]
     assert RP.main(argv) == 0
     text = (out / "report.md").read_text()
     assert "## SmolLM2-135M-Instruct" in text and "## all-MiniLM-L6-v2" in text
     assert "Targets and closing note" in text
+    assert "FP4 KV cache (prefill 128, then decode)" in text and "Greedy generation, 2 prompts" in text
 
     with open(out / "smollm2_layers.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
@@ -203,6 +205,9 @@ def test_report_on_real_models(tmp_path):
     assert abs(e2e["bf16"]["rel_change"]) < 0.01
     assert math.isfinite(e2e["fp4"]["ppl"]) and e2e["fp4"]["rel_change"] < 0.5
     assert abs(e2e["int8"]["rel_change"]) < 0.05
+    assert abs(e2e["fp4cache"]["rel_change"]) < 0.05  # the FP4 KV cache, decode math unquantized
+    gen = summary["models"]["smollm2"]["generation"]
+    assert set(gen) == {"fp4cache", "fp4", "fp4+fp4cache"} and gen["fp4cache"]["prompts"] == 2
     emb = summary["models"]["minilm"]["e2e"]
     assert emb["fp4"]["mean_cos"] > 0.95 and emb["bf16"]["mean_cos"] > 0.9999
     assert emb["int8"]["mean_cos"] > 0.999
