@@ -206,7 +206,9 @@ def main() -> int:
     return 0
 
 
-def plot(rows, path, dev, baselines, prec):
+def plot_tflops(rows, path, dev, series, title="", ylabel="TFLOPS"):
+    """One panel per (dtype, D, causal) of TFLOPS against N, a line per (key, label) of series
+    (rows hold f"{key}_tflops")."""
     try:
         import matplotlib
 
@@ -220,21 +222,24 @@ def plot(rows, path, dev, baselines, prec):
     for ax, (dt, D, causal) in zip(axes[0], keys):
         sel = [r for r in rows if (r["dtype"], r["D"], r["causal"]) == (dt, D, causal)]
         ns = [r["N"] for r in sel]
-        for name, label in [(f"{prec}attn", f"fp4attn {prec} e2e"),
-                            (f"{prec}_kernel", f"fp4attn {prec} kernel")] + [
-            (b, f"sdpa {b}") for b in baselines
-        ]:
+        for name, label in series:
             ax.plot(ns, [r[f"{name}_tflops"] for r in sel], marker="o", label=label)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{dt} D={D} causal={causal}")
+        ax.set_title(f"{title}{dt} D={D} causal={causal}")
         ax.set_xlabel("N")
-        ax.set_ylabel("TFLOPS")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(dev)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"wrote {path}")
+
+
+def plot(rows, path, dev, baselines, prec):
+    plot_tflops(rows, path, dev, [(f"{prec}attn", f"fp4attn {prec} e2e"),
+                                  (f"{prec}_kernel", f"fp4attn {prec} kernel")] +
+                [(b, f"sdpa {b}") for b in baselines])
 
 
 def table(rows, baselines, prec):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fp4attn  # noqa: E402
-from bench_attention import RESULTS, Timer, copy_bandwidth, sdpa_backend_fn  # noqa: E402
+from bench_attention import RESULTS, Timer, copy_bandwidth, plot_tflops, sdpa_backend_fn  # noqa: E402
 from provenance import cpu_name, gpu_description, header, write_csv  # noqa: E402
 
 
@@ -139,31 +139,9 @@ def main() -> int:
 
 
 def plot(rows, path, dev):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return
-    keys = sorted({(r["dtype"], r["D"], r["causal"]) for r in rows})
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 4), squeeze=False)
-    for ax, (dt, D, causal) in zip(axes[0], keys):
-        sel = [r for r in rows if (r["dtype"], r["D"], r["causal"]) == (dt, D, causal)]
-        ns = [r["N"] for r in sel]
-        for name, label in (("int8attn", "fp4attn int8"), ("flash", "sdpa flash"), ("cudnn", "sdpa cudnn")):
-            ax.plot(ns, [r[f"{name}_tflops"] for r in sel], marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"fwd+bwd {dt} D={D} causal={causal}")
-        ax.set_xlabel("N")
-        ax.set_ylabel("TFLOPS (bwd = 2.5 fwd)")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(dev)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    plot_tflops(rows, path, dev, [("int8attn", "fp4attn int8"), ("flash", "sdpa flash"),
+                                  ("cudnn", "sdpa cudnn")], title="fwd+bwd ",
+                ylabel="TFLOPS (bwd = 2.5 fwd)")
 
 
 if __name__ == "__main__":
