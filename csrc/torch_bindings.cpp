@@ -405,8 +405,8 @@ std::tuple<at::Tensor, at::Tensor> int8_attention(const at::Tensor &q_in, const 
   if (on_cuda(c.q)) {
     c10::cuda::CUDAGuard guard(c.q.device());
     at::Tensor ws = cuda_workspace(fp4attn_cuda_int8_attention_workspace_bytes(&p), c.q);
-    check_status(fp4attn_cuda_int8_attention(&p, ws.data_ptr(),
-                                             at::cuda::getCurrentCUDAStream().stream()));
+    check_status(
+        fp4attn_cuda_int8_attention(&p, ws.data_ptr(), at::cuda::getCurrentCUDAStream().stream()));
     return {out, lse};
   }
 #endif
@@ -565,7 +565,8 @@ void kv_append(const at::Tensor &k_in, const at::Tensor &v_in, const at::Tensor 
     return;
   }
 #endif
-  CHECK_ARG(k.device().is_cpu(), "k must be a CPU or CUDA tensor, got %s", k.device().str().c_str());
+  CHECK_ARG(k.device().is_cpu(), "k must be a CPU or CUDA tensor, got %s",
+            k.device().str().c_str());
   check_status(fp4attn_cpu_kv_append(&p));
 }
 
@@ -612,7 +613,8 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor &q_in, const at::Tens
     return {out, lse};
   }
 #endif
-  CHECK_ARG(q.device().is_cpu(), "q must be a CPU or CUDA tensor, got %s", q.device().str().c_str());
+  CHECK_ARG(q.device().is_cpu(), "q must be a CPU or CUDA tensor, got %s",
+            q.device().str().c_str());
   check_status(fp4attn_cpu_decode(&p));
   return {out, lse};
 }

@@ -254,7 +254,7 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
   float *dkacc = (float *)calloc((size_t)(Nk * D), sizeof(float));
   float *dvacc = (float *)calloc((size_t)(Nk * D), sizeof(float));
   float *dqacc = (float *)malloc(sizeof(float) * (size_t)(Nq * D));
-  float *dor = (float *)malloc(sizeof(float) * (size_t)(BQ * D)); /* dO of the block, float */
+  float *dor = (float *)malloc(sizeof(float) * (size_t)(BQ * D));   /* dO of the block, float */
   float *dor16 = (float *)malloc(sizeof(float) * (size_t)(BQ * D)); /* ... as dP's operand */
   int8_t *doc = (int8_t *)malloc((size_t)(BQ * D)), *pcode = (int8_t *)malloc(BQ * BK);
   int8_t *dsc = (int8_t *)malloc(BQ * BK);
@@ -264,8 +264,8 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
   float *rowsum = (float *)malloc(sizeof(float) * (size_t)Nq);
   float *vrow = (float *)malloc(sizeof(float) * (size_t)(BK * D));
   q_codes q = {0, 0};
-  int ok = P && dS && dkacc && dvacc && dqacc && dor && dor16 && doc && pcode && dsc && sdo && sp && drow &&
-           lses && rowsum && vrow;
+  int ok = P && dS && dkacc && dvacc && dqacc && dor && dor16 && doc && pcode && dsc && sdo && sp &&
+           drow && lses && rowsum && vrow;
   for (int64_t g = 0; ok && g < G; ++g) {
     const int64_t h = hk * G + g;
     free(q.qc);
@@ -304,7 +304,8 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
         const int64_t n0 = j * BK, w = Nk - n0 < BK ? Nk - n0 : BK;
         for (int64_t n = 0; n < w; ++n)
           for (int64_t d = 0; d < D; ++d)
-            vrow[n * D + d] = dp_operand(load_row(p->v, p->dtype, p->v_stride, b, hk, n0 + n, d), p->dtype);
+            vrow[n * D + d] =
+                dp_operand(load_row(p->v, p->dtype, p->v_stride, b, hk, n0 + n, d), p->dtype);
         for (int64_t r = 0; r < rows; ++r) {
           score_row(p, &q, kv, b, h, r0 + r, j, P + r * BK);
           for (int64_t n = 0; n < w; ++n) P[r * BK + n] = expf(P[r * BK + n] - lses[r]);

@@ -24,7 +24,8 @@ static float quantize_row(const float *x, int64_t D, uint8_t *codes, uint8_t *sc
   return dec;
 }
 
-/* The stored row of token `pos` of (b, h): its index in the page arrays, or -1 outside the table. */
+/* The stored row of token `pos` of (b, h): its index in the page arrays, or -1 outside the table.
+ */
 static int64_t row_index(const fp4attn_kv_cache *c, int64_t b, int64_t h, int64_t pos) {
   const int64_t page = c->block_table[b * c->max_pages + pos / c->page_size];
   if (page < 0 || page >= c->num_pages) return -1;
@@ -53,7 +54,8 @@ fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
       for (int64_t d = 0; d < D; ++d) {
         float s = 0.0f;
         const int64_t base = (bh / H) * p->k_stride[0] + (bh % H) * p->k_stride[1] + d;
-        for (int64_t n = 0; n < p->len; ++n) s += fp4attn_load(p->k, p->dtype, base + n * p->k_stride[2]);
+        for (int64_t n = 0; n < p->len; ++n)
+          s += fp4attn_load(p->k, p->dtype, base + n * p->k_stride[2]);
         c->kmean[bh * D + d] = s / (float)p->len;
       }
   }
@@ -80,8 +82,9 @@ fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
     free(x);
   }
   if (bad)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
-                         "kv append: a block-table entry is outside the page pool (or out of memory)");
+    return fp4attn_error(
+        FP4ATTN_ERR_INVALID_ARGUMENT,
+        "kv append: a block-table entry is outside the page pool (or out of memory)");
   return fp4attn_ok();
 }
 
@@ -93,7 +96,8 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
   const int64_t cb = fp4attn_code_bytes(D), sc = fp4attn_scale_count(D);
   const int nt = p->num_threads > 0 ? p->num_threads : omp_get_max_threads();
   int bad = 0;
-  /* one (batch, KV head, query position) at a time: each key row dequantized once for its G heads */
+  /* one (batch, KV head, query position) at a time: each key row dequantized once for its G heads
+   */
 #pragma omp parallel num_threads(nt) reduction(|| : bad)
   {
     float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * D + G * (2 * D + 3)));
@@ -110,7 +114,8 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
       if (end > L) end = L;
       const float *kmean = c->kmean + (b * H + hk) * D;
       for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = hk * G + g, qb = b * p->q_stride[0] + h * p->q_stride[1] + t * p->q_stride[2];
+        const int64_t h = hk * G + g,
+                      qb = b * p->q_stride[0] + h * p->q_stride[1] + t * p->q_stride[2];
         float s = 0.0f;
         for (int64_t d = 0; d < D; ++d) {
           q[g * D + d] = fp4attn_load(p->q, p->dtype, qb + d);

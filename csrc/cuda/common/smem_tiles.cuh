@@ -49,7 +49,8 @@ __device__ __forceinline__ void ldsm_a(uint32_t (&a)[4], const char *tile, int r
  * n0..n0+15; ldmatrix .trans): b[x] is the (b0, b1) pair of columns n0 + 8x .. n0 + 8x + 7. For a
  * B operand stored k-major, e.g. V [keys][d] in P V. */
 template <int W>
-__device__ __forceinline__ void ldsm_b_trans(uint32_t (&b)[2][2], const char *tile, int k0, int n0) {
+__device__ __forceinline__ void ldsm_b_trans(uint32_t (&b)[2][2], const char *tile, int k0,
+                                             int n0) {
   const int lane = threadIdx.x & 31, mi = lane >> 3;
   const int row = k0 + (mi & 1) * 8 + (lane & 7), byte = 2 * (n0 + (mi >> 1) * 8);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"

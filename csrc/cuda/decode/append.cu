@@ -24,13 +24,14 @@ __global__ void __launch_bounds__(kThreads) kv_mean_kernel(const fp4attn_kv_appe
 }
 
 /* phi of one row by one warp: lane i < nb holds block i's 16 values (already smoothed). */
-__device__ __forceinline__ void quantize_row_warp(float (&x)[16], int lane, int nb,
-                                                  uint8_t *codes, uint8_t *scales, float *dec) {
+__device__ __forceinline__ void quantize_row_warp(float (&x)[16], int lane, int nb, uint8_t *codes,
+                                                  uint8_t *scales, float *dec) {
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < 16; ++i) amax = fp4attn_nanmax(amax, fabsf(x[i]));
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fp4attn_nanmax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  for (int o = 16; o > 0; o >>= 1)
+    amax = fp4attn_nanmax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   float enc, d;
   fp4attn_global_scales(amax, &enc, &d);
   if (lane == 0) *dec = d;
@@ -85,7 +86,8 @@ fp4attn_status launch_kv_append(const fp4attn_kv_append_params &p, cudaStream_t 
   const int64_t blocks = ceil_div(rows, kThreads / 32);
   if (blocks > 0x7FFFFFFFLL || p.cache.batch * p.cache.heads_kv > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "kv append: too many rows");
-  if (p.set_mean) kv_mean_kernel<<<(unsigned)(p.cache.batch * p.cache.heads_kv), kThreads, 0, s>>>(p);
+  if (p.set_mean)
+    kv_mean_kernel<<<(unsigned)(p.cache.batch * p.cache.heads_kv), kThreads, 0, s>>>(p);
   kv_append_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(p);
   return launch_status("kv append");
 }

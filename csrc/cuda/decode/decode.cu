@@ -5,13 +5,14 @@
  * A block (4 warps) owns one tile of 16 query rows, the G query heads x len_q positions of one
  * (batch, KV head) (GQA on the tensor cores: the heads share every key the block reads), and one
  * key range of a split. Each warp takes 32-key chunks of the range in turn: it loads the chunk's
- * K and V code runs (16 bytes per lane, all loads in flight before the first use) and dequantizes
- * them into its own shared tiles as the exact 16-bit values value(code) x scale, decoded in
- * registers by byte permutes and one packed multiply per pair (the FP32 row `dec` stays outside: per
- * key on the scores for K, folded into P for V); then S = Q K^T, the online softmax in FP32 and
- * O += P V. FP32 inputs split Q into BF16 hi + lo parts (two MMAs) so that S keeps 16 bits. The warps' partial results
- * merge in shared memory, the splits' in the merge kernel. No host synchronisation: the grid
- * follows the cache's capacity, each block reads its sequence's length on the device.
+ * K and V code runs (16 bytes per lane; the next chunk's loads are issued before this one is used)
+ * and dequantizes them into its own shared tiles as the exact 16-bit values value(code) x scale,
+ * decoded in registers by byte permutes and one packed multiply per pair (the FP32 row `dec` stays
+ * outside: per key on the scores for K, folded into P for V); then S = Q K^T, the online softmax in
+ * FP32 and O += P V. FP32 inputs split Q into BF16 hi + lo parts (two MMAs) so that S keeps 16
+ * bits. The warps' partial results merge in shared memory, the splits' in the merge kernel. No host
+ * synchronisation: the grid follows the cache's capacity, each block reads its sequence's length on
+ * the device.
  */
 #include "../common/smem_tiles.cuh"
 #include "decode.h"
@@ -36,17 +37,18 @@ struct DecodeArgs {
 
 template <int DP>
 struct DecodeSmem {
-  static constexpr int kW = 2 * DP;                        /* bytes per 16-bit row */
-  static constexpr int kQ = 0;                             /* Q [16][DP] */
-  static constexpr int kQlo = kQ + kRows * kW;             /* FP32 inputs: Q - Q_hi [16][DP] */
-  static constexpr int kWarp0 = kQlo + kRows * kW;         /* per warp: K, V [32][DP], dec [2][32] */
+  static constexpr int kW = 2 * DP;                /* bytes per 16-bit row */
+  static constexpr int kQ = 0;                     /* Q [16][DP] */
+  static constexpr int kQlo = kQ + kRows * kW;     /* FP32 inputs: Q - Q_hi [16][DP] */
+  static constexpr int kWarp0 = kQlo + kRows * kW; /* per warp: K, V [32][DP], dec [2][32] */
   static constexpr int kWarpBytes = 2 * kChunk * kW + 2 * kChunk * 4;
   static constexpr int kBytes = kWarp0 + kWarps * kWarpBytes;
 };
 
 template <bool kBf16>
 __device__ __forceinline__ uint16_t to_bits(float x) {
-  return kBf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+  return kBf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x))
+               : __half_as_ushort(__float2half_rn(x));
 }
 template <bool kBf16>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
@@ -108,7 +110,8 @@ __device__ __forceinline__ void e2m1x8(uint32_t w, uint32_t (&pair)[4]) {
     const uint32_t sel = (idx >> (16 * h)) & 0xFFFFu; /* nibbles 4h .. 4h + 3 */
     uint32_t m[2];
     if (kBf16) {
-      const uint32_t hi = prmt(0x3F3F3F00u, 0x40404040u, sel), lo = prmt(0xC0800000u, 0xC0804000u, sel);
+      const uint32_t hi = prmt(0x3F3F3F00u, 0x40404040u, sel),
+                     lo = prmt(0xC0800000u, 0xC0804000u, sel);
       m[0] = prmt(lo, hi, 0x5140u);
       m[1] = prmt(lo, hi, 0x7362u);
     } else {
@@ -162,14 +165,15 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
     const int64_t row = mt * kRows + r;
     float v = 0.0f;
     if (row < M && d < D)
-      v = load_as_float(p.q, p.dtype,
-                        b * p.q_stride[0] + (hk * G + row / nq) * p.q_stride[1] +
-                            (row % nq) * p.q_stride[2] + d);
+      v = load_as_float(
+          p.q, p.dtype,
+          b * p.q_stride[0] + (hk * G + row / nq) * p.q_stride[1] + (row % nq) * p.q_stride[2] + d);
     const uint16_t hi = to_bits<kBf16>(v);
     *reinterpret_cast<uint16_t *>(smem + L::kQ + swz_byte<L::kW>(r, 2 * d)) = hi;
     if (kSplitQ) { /* FP32 Q as hi + lo BF16 parts: 16 significant bits in S */
       const float lo = v - __bfloat162float(__ushort_as_bfloat16(hi));
-      *reinterpret_cast<uint16_t *>(smem + L::kQlo + swz_byte<L::kW>(r, 2 * d)) = to_bits<kBf16>(lo);
+      *reinterpret_cast<uint16_t *>(smem + L::kQlo + swz_byte<L::kW>(r, 2 * d)) =
+          to_bits<kBf16>(lo);
     }
   }
 
@@ -336,8 +340,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
 
   /* merge the warps in shared memory (the Q and chunk tiles are free now) */
   __syncthreads();
-  float *wo = reinterpret_cast<float *>(smem);          /* [warps][16][DP] */
-  float *wml = wo + kWarps * kRows * DP;                /* [warps][16][2] */
+  float *wo = reinterpret_cast<float *>(smem); /* [warps][16][DP] */
+  float *wml = wo + kWarps * kRows * DP;       /* [warps][16][2] */
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float lsum = l[r] + __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -412,9 +416,10 @@ template <int DP>
 fp4attn_status launch_dp(const DecodeArgs &a, const DecodePlan &plan, cudaStream_t s) {
   static int configured[64][3];
   const int variant = a.p.dtype == FP4ATTN_FLOAT16 ? 0 : (a.p.dtype == FP4ATTN_BFLOAT16 ? 1 : 2);
-  auto kernel = variant == 0 ? decode_kernel<DP, false, false>
-                             : (variant == 1 ? decode_kernel<DP, true, false>
-                                             : decode_kernel<DP, true, true>);
+  auto kernel =
+      variant == 0
+          ? decode_kernel<DP, false, false>
+          : (variant == 1 ? decode_kernel<DP, true, false> : decode_kernel<DP, true, true>);
   const int smem = DecodeSmem<DP>::kBytes > kWarps * kRows * (DP + 2) * 4
                        ? DecodeSmem<DP>::kBytes
                        : kWarps * kRows * (DP + 2) * 4;

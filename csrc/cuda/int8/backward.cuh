@@ -41,13 +41,13 @@ struct BwdSmem {
   static constexpr int kRed = kDs + kBQ8 * kBK8;   /* 8 warp maxima, 64 row sums (floats) */
   static constexpr int kBuf = kRed + 512;
   /* one buffer of a query block's tiles */
-  static constexpr int bQc = 0;                   /* Q^ [64][DP] */
-  static constexpr int bQt = bQc + kBQ8 * DP;     /* Q^T [DO][64] perm */
-  static constexpr int bDo = bQt + DO * kBQ8;     /* dO [64][DP] 16-bit */
+  static constexpr int bQc = 0;                    /* Q^ [64][DP] */
+  static constexpr int bQt = bQc + kBQ8 * DP;      /* Q^T [DO][64] perm */
+  static constexpr int bDo = bQt + DO * kBQ8;      /* dO [64][DP] 16-bit */
   static constexpr int bDot = bDo + kBQ8 * DP * 2; /* dO^T [DO][64] perm */
-  static constexpr int bLse = bDot + DO * kBQ8;   /* lse2 [64] */
-  static constexpr int bDrow = bLse + kBQ8 * 4;   /* Drow [64] */
-  static constexpr int bSdo = bDrow + kBQ8 * 4;   /* sdO [DO] */
+  static constexpr int bLse = bDot + DO * kBQ8;    /* lse2 [64] */
+  static constexpr int bDrow = bLse + kBQ8 * 4;    /* Drow [64] */
+  static constexpr int bSdo = bDrow + kBQ8 * 4;    /* sdO [DO] */
   static constexpr int kBufBytes = bSdo + DO * 4;
   static constexpr int kBytes = kBuf + NBUF * kBufBytes;
 };
@@ -142,8 +142,8 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
         float s = (float)acc[n][e] * f;
         bool visible = key < p.len_k && row < p.len_q && (!p.causal || key <= row);
         if (visible && p.mask_kind != FP4ATTN_MASK_NONE) {
-          const int64_t off = b * p.mask_stride[0] + h * p.mask_stride[1] +
-                              row * p.mask_stride[2] + key * p.mask_stride[3];
+          const int64_t off = b * p.mask_stride[0] + h * p.mask_stride[1] + row * p.mask_stride[2] +
+                              key * p.mask_stride[3];
           if (p.mask_kind == FP4ATTN_MASK_BOOL)
             visible = static_cast<const uint8_t *>(p.mask)[off] != 0;
           else
@@ -293,7 +293,8 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
         if (row >= p.len_q) continue;
         float *dst = w.dq_acc + (bh * p.len_q + row) * DP + d0 + c0 + 2 * t;
 #pragma unroll
-        for (int n = 0; n < NT; ++n) add_pair(dst + n * 8, fq * (float)c3[n][2 * r], fq * (float)c3[n][2 * r + 1]);
+        for (int n = 0; n < NT; ++n)
+          add_pair(dst + n * 8, fq * (float)c3[n][2 * r], fq * (float)c3[n][2 * r + 1]);
       }
     }
     if (tid < kBQ8) {

@@ -18,10 +18,10 @@ namespace {
 
 template <int DP>
 struct FwdSmem {
-  static constexpr int kQ = 0;                            /* Q^ [64][DP] */
-  static constexpr int kK = kQ + kBQ8 * DP;               /* K^ [2][128][DP] */
-  static constexpr int kV = kK + 2 * kBK8 * DP;           /* V^T [2][DP][128] perm */
-  static constexpr int kSv = kV + 2 * DP * kBK8;          /* sV [2][DP] */
+  static constexpr int kQ = 0;                   /* Q^ [64][DP] */
+  static constexpr int kK = kQ + kBQ8 * DP;      /* K^ [2][128][DP] */
+  static constexpr int kV = kK + 2 * kBK8 * DP;  /* V^T [2][DP][128] perm */
+  static constexpr int kSv = kV + 2 * DP * kBK8; /* sV [2][DP] */
   static constexpr int kBytes = kSv + 2 * DP * 4;
 };
 
@@ -51,8 +51,8 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
   auto load_kv = [&](int j, int buf) {
     load_tile<DP>(smem + L::kK + buf * kBK8 * DP, w.kc + (bhk * w.nkp + (int64_t)j * kBK8) * DP,
                   kBK8, DP, tid, 128);
-    load_tile<kBK8>(smem + L::kV + buf * DP * kBK8, w.vct + (bhk * w.nkb + j) * DP * kBK8, DP,
-                    kBK8, tid, 128);
+    load_tile<kBK8>(smem + L::kV + buf * DP * kBK8, w.vct + (bhk * w.nkb + j) * DP * kBK8, DP, kBK8,
+                    tid, 128);
     load_bytes(smem + L::kSv + buf * DP * 4, w.sv + (bhk * w.nkb + j) * DP, DP * 4, tid, 128);
   };
   load_tile<DP>(smem + L::kQ, w.qc + (bh * w.nqp + q0) * DP, kBQ8, DP, tid, 128);

@@ -16,7 +16,7 @@
 
 namespace fp4attn_cuda {
 
-constexpr int kBQ8 = 64;  /* SPEC_INT8 BQ: query rows per block (one Q^ scale, backward row block) */
+constexpr int kBQ8 = 64; /* SPEC_INT8 BQ: query rows per block (one Q^ scale, backward row block) */
 constexpr int kBK8 = 128; /* SPEC_INT8 BK: keys per block and per online-softmax step */
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2f = 0.69314718055994531f;
@@ -133,7 +133,8 @@ __device__ __forceinline__ uint32_t pack_s8x4(int a, int b, int c, int d) {
 }
 
 /* D += A (16x32 s8, row) * B (32x8 s8, col), exact int32 accumulation. */
-__device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+__device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4],
+                                       const uint32_t (&b)[2]) {
   asm volatile(
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"

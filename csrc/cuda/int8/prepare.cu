@@ -1,18 +1,18 @@
 /*
  * The preparation kernels of the 8-bit attention (docs/SPEC_INT8.md 2.1-2.2, 3): one pass over the
  * inputs that leaves every operand of the attention kernels in the workspace (int8_tiles.cuh).
- *
- *   kbar        per 128-key block column sums of K, then their ordered sum / Nk (deterministic,
- *               so that the backward recomputes the forward's K^ bit for bit)
  * Each block stages its rows once in shared memory as floats (coalesced 16-byte loads where the
  * rows allow) and reads them from there in every order its outputs need.
- *   K, V        K^ = psi(K - kbar) per 128 keys (row-major; transposed too for the backward),
- *               V^ = psi(V) per 128 keys and channel (perm tiles; forward), V in 16 bits (backward)
- *   Q           Q^ = psi(Q) per 64 rows (row-major; perm tiles for the backward), and the lse's
- *               smoothing term scale * (q . kbar) per row
- *   dO          backward: Drow = rowsum(dO * O) - dlse (16-bit operands, like dP), the smoothed lse in log2 units, dO^ per
- *               channel over each 64-row block (perm tiles), dO in 16 bits
- *   finish_dq   backward: dQ = the kernel's FP32 sum + scale * rowsum(dS) kbar, in the input dtype
+ *
+ * - kbar: per 128-key block column sums of K, then their ordered sum / Nk (deterministic, so that
+ *   the backward recomputes the forward's K^ bit for bit).
+ * - K, V: K^ = psi(K - kbar) per 128 keys (row-major; transposed too for the backward); V^ =
+ *   psi(V) per 128 keys and channel (perm tiles; forward), V in 16 bits (backward).
+ * - Q: Q^ = psi(Q) per 64 rows (row-major; perm tiles for the backward), and the lse's smoothing
+ *   term scale * (q . kbar) per row.
+ * - dO (backward): Drow = rowsum(dO * O) - dlse (16-bit operands, like dP), the smoothed lse in
+ *   log2 units, dO^ per channel over each 64-row block (perm tiles), dO in 16 bits.
+ * - finish_dq (backward): dQ = the kernel's FP32 sum + scale * rowsum(dS) kbar, in the input dtype.
  */
 #include "attention_int8.h"
 #include "int8_tiles.cuh"
@@ -102,8 +102,8 @@ __global__ void __launch_bounds__(kThreads) kbar_partial_kernel(const Int8Args a
   float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   for (int r = lane; r < rows; r += lanes) {
     float v[8];
-    load8_padded(p.k, p.dtype, b * p.k_stride[0] + hk * p.k_stride[1] + (n0 + r) * p.k_stride[2],
-                 c, (int)p.head_dim, a.vec_k, v);
+    load8_padded(p.k, p.dtype, b * p.k_stride[0] + hk * p.k_stride[1] + (n0 + r) * p.k_stride[2], c,
+                 (int)p.head_dim, a.vec_k, v);
 #pragma unroll
     for (int e = 0; e < 8; ++e) s[e] += v[e];
   }
@@ -280,7 +280,8 @@ __global__ void __launch_bounds__(kThreads) finish_dq_kernel(const Int8Args a) {
        e += (int64_t)gridDim.x * kThreads) {
     const int64_t row = e / D, d = e % D, bh = row / p.len_q;
     const int64_t bhk = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / G;
-    const float v = w.dq_acc[row * w.dp + d] + (p.scale * w.ds_rowsum[row]) * w.kbar[bhk * w.dp + d];
+    const float v =
+        w.dq_acc[row * w.dp + d] + (p.scale * w.ds_rowsum[row]) * w.kbar[bhk * w.dp + d];
     store_from_float(a.dq, p.dtype, e, v);
   }
 }

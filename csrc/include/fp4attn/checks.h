@@ -93,8 +93,7 @@ static inline fp4attn_status fp4attn_check_kv_append_params(const fp4attn_kv_app
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "kv append: null tensor pointer");
   if (!fp4attn_valid_dtype(p->dtype))
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "kv append: unsupported dtype %d", (int)p->dtype);
-  if (p->len < 1 || p->start < 0 ||
-      p->start + p->len > p->cache.max_pages * p->cache.page_size)
+  if (p->len < 1 || p->start < 0 || p->start + p->len > p->cache.max_pages * p->cache.page_size)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
                          "kv append: tokens %lld .. %lld do not fit the block table (%lld tokens)",
                          (long long)p->start, (long long)(p->start + p->len - 1),

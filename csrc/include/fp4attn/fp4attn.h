@@ -141,9 +141,10 @@ typedef struct {
 } fp4attn_attention_params;
 
 /* ---- 8-bit attention (SPEC_INT8). Forward: fp4attn_attention_params with lse required (always
- * produced); on CUDA `kernel` is AUTO or SM80 (the mma.sync INT8 kernels). Backward: the forward's params with `out` and `lse` as the
- * forward returned them; grad_out like out (its own strides), grad_lse optional (NULL or
- * [batch, heads_q, len_q] float32 contiguous); dq, dk, dv contiguous like q, k, v in dtype. */
+ * produced); on CUDA `kernel` is AUTO or SM80 (the mma.sync INT8 kernels). Backward: the forward's
+ * params with `out` and `lse` as the forward returned them; grad_out like out (its own strides),
+ * grad_lse optional (NULL or [batch, heads_q, len_q] float32 contiguous); dq, dk, dv contiguous
+ * like q, k, v in dtype. */
 typedef struct {
   fp4attn_attention_params fwd;
   const void *grad_out;
@@ -158,7 +159,7 @@ typedef struct {
 typedef struct {
   uint8_t *k_codes, *k_scales, *v_codes, *v_scales;
   float *k_dec, *v_dec;
-  float *kmean;              /* [batch][heads_kv][head_dim] */
+  float *kmean;               /* [batch][heads_kv][head_dim] */
   const int32_t *block_table; /* [batch][max_pages] */
   int64_t batch, heads_kv, head_dim, page_size, max_pages, num_pages;
 } fp4attn_kv_cache;
