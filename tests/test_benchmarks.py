@@ -39,3 +39,17 @@ def test_committed_results_have_headers():
         assert {"command", "hardware", "software"} <= set(head), name
         assert head["command"].startswith("python benchmarks/"), name
         assert rows, name
+
+
+def test_bench_generate_smoke_runs_on_the_cpu(tmp_path):
+    """The generation benchmark's code path (a toy model on the CPU; the numbers come from a GPU)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_generate.py"), "--tiny", "--device", "cpu",
+           "--batches", "1", "--prompts", "40", "--new", "3", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    head, rows = read_csv(str(tmp_path / "bench_generate.csv"))
+    assert head["command"].startswith("python benchmarks/bench_generate.py --tiny")
+    assert len(rows) == 1 and float(rows[0]["kv_ratio"]) > 2.5  # head dim 32: 64 vs 22 bytes

@@ -44,12 +44,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-/* Element (b, h, n, d) of an input with (batch, head, token) strides. */
-__device__ __forceinline__ float at(const void *x, fp4attn_dtype dt, const int64_t *st, int64_t b,
-                                    int64_t h, int64_t n, int64_t d) {
-  return load_as_float(x, dt, b * st[0] + h * st[1] + n * st[2] + d);
-}
-
 __device__ __forceinline__ uint16_t to16(float x, bool bf16) {
   return bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
 }
