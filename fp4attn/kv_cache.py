@@ -132,8 +132,8 @@ class FP4KVCache:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """``(k, v)`` ``[batch, kv_heads, len, head_dim]``: the values the decode computes with (K
-        with its mean added back), in ``dtype`` (default: the cache's). They are exact in float32;
-        a 16-bit dtype rounds them once."""
+        with its mean added back in one float32 addition), in ``dtype`` (default: the cache's); a
+        16-bit dtype rounds them once more."""
         k = _dequantize_rows(self.k_codes, self.k_scales, self.k_dec, self.block_table, self._len,
                              self.head_dim) + self.kmean[:, :, None, :]
         v = _dequantize_rows(self.v_codes, self.v_scales, self.v_dec, self.block_table, self._len,
