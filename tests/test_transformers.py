@@ -103,6 +103,13 @@ def test_attn_implementation_fp4attn_int8_trains_with_padding(ids):
     assert abs(loss.item() - exact.item()) < 1e-2 * abs(exact.item())
 
 
+def cache_keyword(model) -> str:
+    """generate's cache argument: `cache` in newer transformers, `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def test_fp4cache_generate_decodes_through_the_fp4_cache(ids, monkeypatch):
     from fp4attn.integrations import transformers as integration
 
@@ -117,8 +124,9 @@ def test_fp4cache_generate_decodes_through_the_fp4_cache(ids, monkeypatch):
 
     monkeypatch.setattr(integration, "decode", counting)
     cache = integration.FP4Cache(config=model.config)
-    with torch.no_grad():
-        out = model.generate(ids[:1, :40], max_new_tokens=6, do_sample=False, past_key_values=cache)
+    with torch.no_grad():  # the newer `cache=` keyword where this transformers has it (5.24 does)
+        out = model.generate(ids[:1, :40], max_new_tokens=6, do_sample=False,
+                             **{cache_keyword(model): cache})
     assert out.shape == (1, 46)
     assert len(decodes) == 2 * 5  # every step after the prefill, in both layers, through the kernel
     layer = cache.layers[0]
@@ -136,13 +144,14 @@ def test_fp4cache_step_matches_attention_on_the_dequantized_cache(ids):
     prompt, nxt = ids[:1, :60], ids[:1, 60:61]
     fp4 = integration.FP4Cache(config=model.config)
     with torch.no_grad():
-        model(prompt, past_key_values=fp4)
-        got = model(nxt, past_key_values=fp4).logits
+        kw = cache_keyword(model)
+        model(prompt, **{kw: fp4})
+        got = model(nxt, **{kw: fp4}).logits
         kv = [layer.cache.dequantize(torch.float32) for layer in fp4.layers]
         ref_cache = transformers.DynamicCache()
         for i, (k, v) in enumerate(kv):  # the first 60 tokens, as the FP4 cache stores them
             ref_cache.update(k[:, :, :60], v[:, :, :60], i)
         model.config._attn_implementation = "sdpa"
-        want = model(nxt, past_key_values=ref_cache).logits
+        want = model(nxt, **{kw: ref_cache}).logits
     cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
     assert cos > 0.9999

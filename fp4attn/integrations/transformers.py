@@ -6,6 +6,7 @@ a registered mask function transformers builds no causal mask for the new implem
 
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="fp4attn")
     model.generate(ids, past_key_values=FP4Cache(config=model.config), max_new_tokens=128)
+    # the newer keyword (transformers 5.24 has it): model.generate(ids, cache=FP4Cache(...), ...)
 
 With an FP4Cache, the prefill (the first update of a layer) runs the selected attention on the
 full-precision states; every later step appends its tokens to the FP4 cache and decodes through
