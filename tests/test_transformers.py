@@ -155,3 +155,26 @@ def test_fp4cache_step_matches_attention_on_the_dequantized_cache(ids):
         want = model(nxt, **{kw: ref_cache}).logits
     cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
     assert cos > 0.9999
+
+
+def test_fp4cache_with_a_padding_mask_attends_to_the_dequantized_cache(monkeypatch):
+    """Left-padded batches pass a mask: the step attends to the dequantized cache with it."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    model = tiny_llama("fp4attn")
+    steps = []
+    original = integration.ORIGINAL_SDPA
+
+    def counting(*args, **kwargs):
+        steps.append(kwargs["attn_mask"].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "ORIGINAL_SDPA", counting)
+    ids = torch.randint(0, 256, (2, 30))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :7] = 0  # the second sequence is left-padded
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             **{cache_keyword(model): integration.FP4Cache(config=model.config)})
+    assert out.shape == (2, 34) and len(steps) == 2 * 3  # both layers, every step after prefill

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..kv_cache import FP4KVCache, decode
-from ..sdpa import sdpa
+from ..sdpa import ORIGINAL_SDPA, sdpa
 
 #: Largest number of new tokens per step that decodes through the kernel (speculative decoding);
 #: longer chunks attend to the dequantized cache instead.
@@ -48,15 +48,16 @@ def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
     nq = query.shape[2]
     if attention_mask is None and nq <= MAX_DECODE_TOKENS:
         return decode(query, cache, scale=scaling)
-    # a padding mask or a long chunk: the dequantized cache, same values, the general kernel
+    # a padding mask or a long chunk: torch SDPA on the dequantized cache (the values the decode
+    # kernel computes with, unquantized math like it)
     k, v = cache.dequantize()
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, : k.shape[-2]]
     elif attention_mask is None:  # the last nq positions: bottom-right causal
         L = k.shape[-2]
         attention_mask = torch.ones(nq, L, dtype=torch.bool, device=query.device).tril(L - nq)
-    return sdpa(query, k, v, attn_mask=attention_mask, scale=scaling,
-                enable_gqa=k.shape[1] != query.shape[1])
+    return ORIGINAL_SDPA(query, k, v, attn_mask=attention_mask, scale=scaling,
+                         enable_gqa=k.shape[1] != query.shape[1])
 
 
 def fp4attn_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
