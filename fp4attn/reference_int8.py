@@ -21,7 +21,7 @@ from torch import Tensor
 from .reference import (_as_float32, _check_qkv, _div_rn, _mask_bias, _mask_scores, _normalise,
                         _online_softmax_step)
 
-__all__ = ["BK", "BQ", "QMAX", "attention_backward", "attention_forward", "psi"]
+__all__ = ["BK", "BQ", "PMAX", "QMAX", "attention_backward", "attention_forward", "psi"]
 
 #: Query rows per INT8 block (one scale for Q^ per block; the backward's row blocks).
 BQ = 64
@@ -29,6 +29,8 @@ BQ = 64
 BK = 128
 #: Largest INT8 code magnitude.
 QMAX = 127.0
+#: Largest code of the forward's P (unsigned bytes: P is never negative).
+PMAX = 255.0
 
 
 def psi(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
@@ -138,10 +140,10 @@ def attention_forward(
     for j in range(-(-Nk // BK)):
         j0, j1 = j * BK, min((j + 1) * BK, Nk)
         _, m_new, alpha, beta, e = _online_softmax_step(m, ops.scores(j, scale, allowed, additive))
-        p = torch.round(QMAX * e)  # per-row INT8 P: psi with amax = 1
+        p = torch.round(PMAX * e)  # per-row unsigned 8-bit P, amax = 1
         l = alpha * l + beta * e.sum(dim=-1)
         pv = _mm64(p, ops.vc[:, :, j0:j1]) * ops.sv[:, :, j, None, :]
-        out = alpha[..., None] * out + _div_rn(beta, QMAX)[..., None] * pv
+        out = alpha[..., None] * out + _div_rn(beta, PMAX)[..., None] * pv
         m = m_new
     out, visible = _normalise(out, l)
     lse = torch.where(visible, m + torch.log(l) + _lse_shift(q32, ops.kbar, G, scale), -math.inf)

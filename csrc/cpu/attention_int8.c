@@ -23,6 +23,11 @@ static inline int8_t code8(float y) {
   return (int8_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
 }
 
+/* The forward's P code (SPEC_INT8 2.4): rne_int(255 * e) for e in [0, 1], an unsigned byte. */
+static inline uint8_t p_code(float e) {
+  return e == e ? (uint8_t)nearbyintf(255.0f * e) : 0;
+}
+
 static inline float absmax_nan(float m, float x) {
   return fp4attn_nanmax(m, fabsf(x));
 }
@@ -172,7 +177,7 @@ static int forward_head(const fp4attn_attention_params *p, const kv_codes *kv, i
   const int64_t D = p->head_dim, Nq = p->len_q, Nk = p->len_k, nkb = (Nk + BK - 1) / BK;
   q_codes q = {0, 0};
   float *s = (float *)malloc(sizeof(float) * BK), *o = (float *)malloc(sizeof(float) * (size_t)D);
-  int8_t *pc = (int8_t *)malloc(BK);
+  uint8_t *pc = (uint8_t *)malloc(BK);
   int ok = s && o && pc && quantize_q(p, b, h, &q);
   for (int64_t i = 0; ok && i < Nq; ++i) {
     float m = -INFINITY, l = 0.0f;
@@ -191,10 +196,10 @@ static int forward_head(const fp4attn_attention_params *p, const kv_codes *kv, i
       for (int64_t n = 0; n < w; ++n) {
         const float e = t == -INFINITY ? 0.0f : expf(s[n] - t);
         rowsum += e;
-        pc[n] = code8(127.0f * e);
+        pc[n] = p_code(e);
       }
       l = alpha * l + beta * rowsum;
-      const float pf = beta / 127.0f;
+      const float pf = beta / 255.0f;
       int32_t acc[FP4ATTN_MAX_HEAD_DIM] = {0};
       for (int64_t n = 0; n < w; ++n)
         if (pc[n]) axpy8(acc, pc[n], kv->vc + (n0 + n) * D, D);

@@ -4,8 +4,8 @@
  * One block = 4 warps = the 64 query rows of one Q^ block (one scale sQ) of one (batch, query
  * head); each warp owns 16 rows. Per 128-key step j (K^ and V^ tiles double-buffered by cp.async):
  *   S    = Q^ K^_j^T (exact int32) * (sQ sK_j scale) in log2 units, masks (tile/mask.cuh)
- *   t    = rowmax over the 128 keys; E = exp2(S - t); P^ = rne(127 E), codes 0..127 in registers
- *   O    = alpha O + (exp2(t - m) / 127) (P^ V^_j * sV_j per column), l likewise, unquantized
+ *   t    = rowmax over the 128 keys; E = exp2(S - t); P^ = rne(255 E), unsigned codes in registers
+ *   O    = alpha O + (exp2(t - m) / 255) (P^ V^_j * sV_j per column; u8 x s8 MMA), l likewise
  * P^ goes from the accumulator layout straight into A fragments (k order perm16), which is why the
  * preparation stores V^ transposed with the same permutation. Head dims 64 / 128 / 256.
  */
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
       const float m_new = fmaxf(m[r], tr);
       alpha[r] = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - m_new);
       beta[r] = tr == -INFINITY ? 0.0f : exp2f(tr - m_new);
-      pf[r] = beta[r] / 127.0f;
+      pf[r] = beta[r] / 255.0f;
       m[r] = m_new;
       tmax[r] = tr == -INFINITY ? 0.0f : tr; /* a row hidden for the whole step: E = 0 */
     }
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
       for (int e = 0; e < 4; ++e) {
         const float E = exp2f(s[n][e] - tmax[e >> 1]);
         rowsum[e >> 1] += E;
-        pc[n][e] = __float2int_rn(127.0f * E);
+        pc[n][e] = __float2int_rn(255.0f * E); /* 0..255: an unsigned byte */
       }
 #pragma unroll
     for (int r = 0; r < 2; ++r) l[r] = alpha[r] * l[r] + beta[r] * rowsum[r];
@@ -143,8 +143,8 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
       for (int c = 0; c < 4; ++c) {
         uint32_t vb[2][2];
         ldsm_b<kBK8>(vb, vt, np * 16, c * 32);
-        mma_s8(pv[0], pa[c], vb[0]);
-        mma_s8(pv[1], pa[c], vb[1]);
+        mma_u8s8(pv[0], pa[c], vb[0]);
+        mma_u8s8(pv[1], pa[c], vb[1]);
       }
 #pragma unroll
       for (int x = 0; x < 2; ++x)

@@ -142,8 +142,19 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-/* The A fragment of k-chunk c (accumulator tiles 4c..4c+3, 32 columns) from INT8 codes held in
- * accumulator layout: its k order is perm16 within each 16 (see the file comment). */
+/* D += A (16x32 u8, row) * B (32x8 s8, col): the forward's P^ V^ (P's codes are unsigned). */
+__device__ __forceinline__ void mma_u8s8(int (&d)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/* The A fragment of k-chunk c (accumulator tiles 4c..4c+3, 32 columns) from 8-bit codes (signed,
+ * or unsigned 0..255) held in accumulator layout: its k order is perm16 within each 16 (see the
+ * file comment). */
 template <int N>
 __device__ __forceinline__ void pack_a_from_acc(uint32_t (&a)[4], const int (&x)[N][4], int c) {
   const int n = 4 * c;
