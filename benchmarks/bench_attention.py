@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fp4attn  # noqa: E402
 from fp4attn.sdpa import PRECISIONS  # noqa: E402
-from provenance import ROOT, cpu_name, gpu_description, header, write_csv  # noqa: E402
+from provenance import ROOT, announce, cpu_name, gpu_description, write_csv  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 # Names of the attention kernels per precision (every other kernel fp4attn launches is the
@@ -105,6 +105,20 @@ def copy_bandwidth(timer: Timer) -> float:
     return 2 * n / ms / 1e6
 
 
+def int_list(text: str) -> list[int]:
+    """"1024,4096" -> [1024, 4096] (comma-separated command-line lists)."""
+    return [int(x) for x in text.split(",")]
+
+
+def start_gpu_run() -> tuple[Timer, float, dict[str, str]]:
+    """The timer, the device-to-device copy bandwidth (GB/s) and the printed result header of a
+    GPU benchmark run."""
+    timer = Timer()
+    bw = copy_bandwidth(timer)
+    head = announce(f"{gpu_description()}, device-to-device copy {bw:.0f} GB/s; host {cpu_name()}")
+    return timer, bw, head
+
+
 def sdpa_backend_fn(name, q, k, v, causal):
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
@@ -140,15 +154,9 @@ def main() -> int:
         seqs, dims = [1024, 2048, 4096, 8192, 16384, 32768], [64, 128]
         causals, dtypes = [False, True], [torch.float16, torch.bfloat16]
         reps = args.reps or 30
-    if args.seqs:
-        seqs = [int(x) for x in args.seqs.split(",")]
-    if args.dims:
-        dims = [int(x) for x in args.dims.split(",")]
-    timer = Timer()
-    bw = copy_bandwidth(timer)
-    head = header(f"{gpu_description()}, device-to-device copy {bw:.0f} GB/s; host {cpu_name()}")
-    for k, v in head.items():
-        print(f"{k}: {v}")
+    seqs = int_list(args.seqs) if args.seqs else seqs
+    dims = int_list(args.dims) if args.dims else dims
+    timer, bw, head = start_gpu_run()
     baselines = [] if args.no_baselines else ["flash", "cudnn", "efficient"]
     rows = []
     t_start = time.time()
@@ -244,7 +252,7 @@ def plot(rows, path, dev, baselines, prec):
 
 def table(rows, baselines, prec):
     cols = [f"{prec}attn", f"{prec}_kernel"] + baselines
-    head = f"| dtype | D | N | causal | " + " | ".join(cols) + " | e2e/flash | e2e/cudnn | prepass % copy bw |"
+    head = "| dtype | D | N | causal | " + " | ".join(cols) + " | e2e/flash | e2e/cudnn | prepass % copy bw |"
     print("\nTFLOPS (median):\n")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))

@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fp4attn  # noqa: E402
-from bench_attention import RESULTS, Timer, copy_bandwidth, plot_tflops, sdpa_backend_fn  # noqa: E402
-from provenance import cpu_name, gpu_description, header, write_csv  # noqa: E402
+from bench_attention import RESULTS, int_list, plot_tflops, sdpa_backend_fn, start_gpu_run  # noqa: E402
+from provenance import print_table, write_csv  # noqa: E402
 
 
 def step_fn(attn, q, k, v, grad):
@@ -81,15 +79,9 @@ def main() -> int:
     seqs, dims = ([1024, 4096, 16384], [64, 128]) if args.quick else ([1024, 2048, 4096, 8192, 16384], [64, 128])
     dtypes = [torch.bfloat16] if args.quick else [torch.float16, torch.bfloat16]
     reps = args.reps or (5 if args.quick else 15)
-    if args.seqs:
-        seqs = [int(x) for x in args.seqs.split(",")]
-    if args.dims:
-        dims = [int(x) for x in args.dims.split(",")]
-    timer = Timer()
-    bw = copy_bandwidth(timer)
-    head = header(f"{gpu_description()}, device-to-device copy {bw:.0f} GB/s; host {cpu_name()}")
-    for key, val in head.items():
-        print(f"{key}: {val}")
+    seqs = int_list(args.seqs) if args.seqs else seqs
+    dims = int_list(args.dims) if args.dims else dims
+    timer, _, head = start_gpu_run()
     rows, t_start = [], time.time()
     for dtype in dtypes:
         for D in dims:
@@ -128,13 +120,14 @@ def main() -> int:
     print(f"\nwrote {path} ({time.time() - t_start:.0f} s)")
     plot(rows, os.path.join(args.out, "bench_backward.png"), head["hardware"])
     print("\nforward + backward TFLOPS (median):\n")
-    print("| dtype | D | N | causal | int8attn | flash | cudnn | int8/flash | int8/cudnn | fwd / bwd / prepare ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['dtype']} | {r['D']} | {r['N']} | {int(r['causal'])} | {r['int8attn_tflops']:.1f} | "
-              f"{r['flash_tflops']:.1f} | {r['cudnn_tflops']:.1f} | "
-              f"{r['int8attn_tflops'] / r['flash_tflops']:.2f} | {r['int8attn_tflops'] / r['cudnn_tflops']:.2f} | "
-              f"{r['int8_fwd_ms']:.2f} / {r['int8_bwd_ms']:.2f} / {r['int8_prepare_ms']:.2f} |")
+    print_table(["dtype", "D", "N", "causal", "int8attn", "flash", "cudnn", "int8/flash", "int8/cudnn",
+                 "fwd / bwd / prepare ms"],
+                [[r["dtype"], str(r["D"]), str(r["N"]), str(int(r["causal"])), f"{r['int8attn_tflops']:.1f}",
+                  f"{r['flash_tflops']:.1f}", f"{r['cudnn_tflops']:.1f}",
+                  f"{r['int8attn_tflops'] / r['flash_tflops']:.2f}",
+                  f"{r['int8attn_tflops'] / r['cudnn_tflops']:.2f}",
+                  f"{r['int8_fwd_ms']:.2f} / {r['int8_bwd_ms']:.2f} / {r['int8_prepare_ms']:.2f}"]
+                 for r in rows])
     return 0
 
 

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fp4attn  # noqa: E402
 from fp4attn.sdpa import ORIGINAL_SDPA  # noqa: E402
-from provenance import ROOT, cpu_description, header, write_csv  # noqa: E402
+from provenance import ROOT, announce, cpu_description, write_csv  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
@@ -77,9 +77,7 @@ def main() -> int:
     if not args.quick:
         shapes += [(1, 8, 256, 64, False), (1, 8, 2048, 64, False), (1, 8, 4096, 64, False),
                    (1, 8, 1024, 128, False), (1, 8, 2048, 128, True), (2, 9, 512, 64, True)]
-    head = header(cpu_description())
-    for k, v in head.items():
-        print(f"{k}: {v}")
+    head = announce(cpu_description())
     if args.precision == "int8":
         rows = run_int8(shapes, args.repeats)
         print("| B | H | N | D | causal | int8 fwd ms | torch fwd ms | ratio | int8 fwd+bwd ms | "

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fp4attn  # noqa: E402
-from bench_attention import RESULTS, Timer, copy_bandwidth  # noqa: E402
-from provenance import cpu_name, gpu_description, header, write_csv  # noqa: E402
+from bench_attention import RESULTS, start_gpu_run  # noqa: E402
+from provenance import print_table, write_csv  # noqa: E402
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -47,6 +47,11 @@ def torch_fn(name, q, k, v):
     return fn
 
 
+def best_torch_tbps(row) -> float:
+    """Bandwidth of the faster torch backend on the FP16 cache (its time: fp4attn's x speedup)."""
+    return row["fp16_cache_mb"] / 1e3 / (row["fp4attn_ms"] * row["speedup_vs_best_torch"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="B in {1, 8}, L in {8K, 32K}, D=128")
@@ -62,11 +67,7 @@ def main() -> int:
         batches, lens, heads, dims, nqs = [1, 8], [8192, 32768], [(32, 8), (32, 32)], [128], [1, 4]
     else:
         batches, lens, heads, dims, nqs = [1, 8, 64], [8192, 32768, 131072], [(32, 8), (32, 32)], [64, 128], [1, 4]
-    timer = Timer()
-    bw = copy_bandwidth(timer)
-    head = header(f"{gpu_description()}, device-to-device copy {bw:.0f} GB/s; host {cpu_name()}")
-    for key, val in head.items():
-        print(f"{key}: {val}")
+    timer, bw, head = start_gpu_run()
     rows, t0 = [], time.time()
     for D, (Hq, Hkv), B, L, nq in itertools.product(dims, heads, batches, lens, nqs):
         fp16_bytes = 2 * B * Hkv * L * D * 2
@@ -83,7 +84,7 @@ def main() -> int:
                "fp16_cache_mb": fp16_bytes / 1e6, "fp4_cache_mb": fp4_bytes / 1e6}
         ms = timer.time(lambda: fp4attn.decode(q, cache), args.reps)
         row["fp4attn_ms"], row["fp4attn_tbps"] = ms, fp4_bytes / ms / 1e9
-        best = float("inf")
+        best = float("inf")  # the faster torch backend's ms
         for name in ("flash", "cudnn"):
             try:
                 ms_b = timer.time(torch_fn(name, q, k, v), args.reps)
@@ -98,19 +99,20 @@ def main() -> int:
         print(f"D={D:<3} {Hq}/{Hkv:<2} B={B:<2} L={L:<6} nq={nq} | fp4attn {ms:7.3f} ms "
               f"{row['fp4attn_tbps']:4.2f} TB/s ({100 * row['fp4attn_frac_copy_bw']:3.0f}% copy) | "
               f"flash {row['flash_ms']:7.3f} cudnn {row['cudnn_ms']:7.3f} ms "
-              f"({max(row['flash_tbps'] if row['flash_tbps'] == row['flash_tbps'] else 0, row['cudnn_tbps'] if row['cudnn_tbps'] == row['cudnn_tbps'] else 0):4.2f} TB/s) | "
+              f"({best_torch_tbps(row):4.2f} TB/s) | "
               f"x{row['speedup_vs_best_torch']:.2f}", flush=True)
         del k, v, q, cache
         torch.cuda.empty_cache()
     path = os.path.join(args.out, "bench_decode.csv")
     write_csv(path, head, rows)
     print(f"\nwrote {path} ({time.time() - t0:.0f} s)")
-    print("\n| D | Hq/Hkv | B | L | nq | fp4attn ms | TB/s | % copy | flash ms | cuDNN ms | speedup vs best torch |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['D']} | {r['Hq']}/{r['Hkv']} | {r['B']} | {r['L'] // 1024}K | {r['nq']} | {r['fp4attn_ms']:.3f} | "
-              f"{r['fp4attn_tbps']:.2f} | {100 * r['fp4attn_frac_copy_bw']:.0f} | {r['flash_ms']:.3f} | "
-              f"{r['cudnn_ms']:.3f} | {r['speedup_vs_best_torch']:.2f} |")
+    print()
+    print_table(["D", "Hq/Hkv", "B", "L", "nq", "fp4attn ms", "TB/s", "% copy", "flash ms", "cuDNN ms",
+                 "best torch TB/s", "speedup vs best torch"],
+                [[str(r["D"]), f"{r['Hq']}/{r['Hkv']}", str(r["B"]), f"{r['L'] // 1024}K", str(r["nq"]),
+                  f"{r['fp4attn_ms']:.3f}", f"{r['fp4attn_tbps']:.2f}", f"{100 * r['fp4attn_frac_copy_bw']:.0f}",
+                  f"{r['flash_ms']:.3f}", f"{r['cudnn_ms']:.3f}", f"{best_torch_tbps(r):.2f}",
+                  f"{r['speedup_vs_best_torch']:.2f}"] for r in rows])
     return 0
 
 

@@ -27,7 +27,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from provenance import ROOT, cpu_name, gpu_description, header, write_csv  # noqa: E402
+from bench_attention import int_list  # noqa: E402
+from provenance import ROOT, announce, cpu_name, gpu_description, print_table, write_csv  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
@@ -95,7 +96,6 @@ def main() -> int:
         return 1
     import transformers
 
-    import fp4attn
     from fp4attn.integrations import transformers as hf
 
     hf.register()
@@ -104,13 +104,11 @@ def main() -> int:
     model = transformers.LlamaForCausalLM(llama_config(args.tiny)).to(device=device, dtype=dtype).eval()
     params = sum(p.numel() for p in model.parameters())
     dev = gpu_description() if device.type == "cuda" else cpu_name()
-    head = header(f"{dev}; model: Llama config with {params / 1e9:.2f}B parameters (random weights), {args.dtype}")
-    for k, v in head.items():
-        print(f"{k}: {v}")
+    head = announce(f"{dev}; model: Llama config with {params / 1e9:.2f}B parameters (random weights), {args.dtype}")
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for B in [int(x) for x in args.batches.split(",")]:
-        for P in [int(x) for x in args.prompts.split(",")]:
+    for B in int_list(args.batches):
+        for P in int_list(args.prompts):
             ids = torch.randint(0, model.config.vocab_size, (B, P), device=device)
             row = {"B": B, "prompt": P, "new": args.new}
             for name, impl, factory in (("default", "sdpa", None),
@@ -132,12 +130,13 @@ def main() -> int:
     path = os.path.join(args.out, "bench_generate.csv")
     write_csv(path, head, rows)
     print(f"\nwrote {path}")
-    print("\n| B | prompt | default ms/token | FP4Cache ms/token | default peak GB | FP4Cache peak GB | KV ratio | context in the same KV memory |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['B']} | {r['prompt']} | {r['default_ms_per_token']:.2f} | {r['fp4cache_ms_per_token']:.2f} | "
-              f"{r['default_peak_gb']:.2f} | {r['fp4cache_peak_gb']:.2f} | {r['kv_ratio']:.2f} | "
-              f"{r['fp4cache_context_in_default_kv_memory']} |")
+    print()
+    print_table(["B", "prompt", "default ms/token", "FP4Cache ms/token", "default peak GB", "FP4Cache peak GB",
+                 "KV ratio", "context in the same KV memory"],
+                [[str(r["B"]), str(r["prompt"]), f"{r['default_ms_per_token']:.2f}",
+                  f"{r['fp4cache_ms_per_token']:.2f}", f"{r['default_peak_gb']:.2f}",
+                  f"{r['fp4cache_peak_gb']:.2f}", f"{r['kv_ratio']:.2f}",
+                  str(r["fp4cache_context_in_default_kv_memory"])] for r in rows])
     return 0
 
 

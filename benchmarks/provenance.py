@@ -89,6 +89,22 @@ def header(hardware: str) -> dict[str, str]:
     }
 
 
+def announce(hardware: str) -> dict[str, str]:
+    """header(hardware), printed as the run starts."""
+    head = header(hardware)
+    for k, v in head.items():
+        print(f"{k}: {v}")
+    return head
+
+
+def print_table(columns: list[str], body: list[list[str]]) -> None:
+    """A Markdown table of preformatted cells."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for cells in body:
+        print("| " + " | ".join(cells) + " |")
+
+
 def write_csv(path: str, head: dict[str, str], rows: list[dict]) -> None:
     """`# key: value` header lines, then the rows as CSV."""
     with open(path, "w", newline="") as f:
