@@ -6,6 +6,8 @@
  * its preparation kernels, then the int8/ forward or backward; and the FP4 KV cache (SPEC 6):
  * decode/'s append and split-KV decode.
  */
+#include <type_traits>
+
 #include "decode/decode.h"
 #include "heuristics.h"
 #include "int8/attention_int8.h"
@@ -49,6 +51,19 @@ AttnArgs make_args(const fp4attn_attention_params *p, const AttnPlan &plan, void
   a.vec_out = p->dtype != FP4ATTN_FLOAT32 && vector_rows(p->out, p->out_stride, p->head_dim);
   a.scale_log2 = p->scale * 1.4426950408889634f;
   return a;
+}
+
+/* launch(dp) for an instantiated padded head dim (64, 128 or 256), dp a compile-time constant. */
+template <typename Launch>
+fp4attn_status for_head_dim(int64_t dp, Launch launch) {
+  switch (dp) {
+    case 64:
+      return launch(std::integral_constant<int, 64>{});
+    case 128:
+      return launch(std::integral_constant<int, 128>{});
+    default:
+      return launch(std::integral_constant<int, 256>{});
+  }
 }
 
 /* The INT8 kernels' checks beyond the C API contract, and their kernel. */
@@ -150,14 +165,7 @@ extern "C" fp4attn_status fp4attn_cuda_int8_attention(const fp4attn_attention_pa
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   st = launch_int8_prepare(a, false, s);
   if (st.code != FP4ATTN_OK) return st;
-  switch (a.ws.dp) {
-    case 64:
-      return launch_int8_forward<64>(a, s);
-    case 128:
-      return launch_int8_forward<128>(a, s);
-    default:
-      return launch_int8_forward<256>(a, s);
-  }
+  return for_head_dim(a.ws.dp, [&](auto dp) { return launch_int8_forward<dp()>(a, s); });
 }
 
 namespace {
@@ -200,16 +208,7 @@ extern "C" fp4attn_status fp4attn_cuda_int8_attention_backward(
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   st = launch_int8_prepare(a, true, s);
   if (st.code != FP4ATTN_OK) return st;
-  switch (a.ws.dp) {
-    case 64:
-      st = launch_int8_backward<64>(a, s);
-      break;
-    case 128:
-      st = launch_int8_backward<128>(a, s);
-      break;
-    default:
-      st = launch_int8_backward<256>(a, s);
-  }
+  st = for_head_dim(a.ws.dp, [&](auto dp) { return launch_int8_backward<dp()>(a, s); });
   if (st.code != FP4ATTN_OK) return st;
   return launch_int8_finish_dq(a, s);
 }
