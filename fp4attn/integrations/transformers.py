@@ -124,7 +124,7 @@ def _cache_classes():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             first = len(self.cache) == 0
-            self.cache.append(key_states.contiguous(), value_states.contiguous())
+            self.cache.append(key_states, value_states)  # any strides with a unit head-dim stride
             if first:  # prefill: the selected attention on the full-precision states
                 return key_states, value_states
             return FP4CacheKeys.wrap(key_states, self), value_states
