@@ -4,7 +4,10 @@ kernel; prefill with attn_implementation="fp4attn").
 
 For every (batch B, prompt length P): greedy generation of --new tokens after a prompt of P random
 tokens, per setup
-  default   attn_implementation="sdpa", transformers' DynamicCache (FP16/BF16 keys and values)
+  default   attn_implementation="sdpa", transformers' DynamicCache (FP16/BF16 keys and values),
+            torch's own SDPA backend choice (cuDNN on Hopper, which plans anew for every new
+            key length)
+  flash     the same with SDPA restricted to the flash backend (the fastest torch decode here)
   fp4cache  attn_implementation="fp4attn", fp4attn.integrations.transformers.FP4Cache
 it measures the prefill (a one-token generate), the whole generate, ms per new token
 ((whole - prefill) / (new - 1)), peak device memory, and the KV cache's bytes per token; from
@@ -20,6 +23,7 @@ Prints a table and writes bench_generate.csv into --out (default: benchmarks/res
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -51,13 +55,16 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_generate(model, ids, new, cache_factory, device):
-    """(seconds of a 1-token generate, seconds of the whole generate, peak bytes, cache object)."""
+def run_generate(model, ids, new, cache_factory, device, backend=None):
+    """(seconds of a 1-token generate, seconds of the whole generate, peak bytes, cache object);
+    backend: a torch SDPBackend to restrict torch SDPA to."""
+    from torch.nn.attention import sdpa_kernel
+
     def gen(n):
         kw = {"past_key_values": cache_factory()} if cache_factory else {}
         sync(device)
         t = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), (sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()):
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
         sync(device)
         return time.perf_counter() - t, kw.get("past_key_values")
@@ -111,10 +118,15 @@ def main() -> int:
         for P in int_list(args.prompts):
             ids = torch.randint(0, model.config.vocab_size, (B, P), device=device)
             row = {"B": B, "prompt": P, "new": args.new}
-            for name, impl, factory in (("default", "sdpa", None),
-                                        ("fp4cache", "fp4attn", lambda: hf.FP4Cache(config=model.config))):
+            from torch.nn.attention import SDPBackend
+
+            setups = [("default", "sdpa", None, None),
+                      ("fp4cache", "fp4attn", lambda: hf.FP4Cache(config=model.config), None)]
+            if device.type == "cuda":
+                setups.insert(1, ("flash", "sdpa", None, SDPBackend.FLASH_ATTENTION))
+            for name, impl, factory, backend in setups:
                 model.config._attn_implementation = impl
-                prefill, whole, peak, cache = run_generate(model, ids, args.new, factory, device)
+                prefill, whole, peak, cache = run_generate(model, ids, args.new, factory, device, backend)
                 row[f"{name}_prefill_s"] = prefill
                 row[f"{name}_ms_per_token"] = 1e3 * (whole - prefill) / max(args.new - 1, 1)
                 row[f"{name}_peak_gb"] = peak / 1e9
@@ -123,7 +135,8 @@ def main() -> int:
             row["kv_ratio"] = ratio
             row["fp4cache_context_in_default_kv_memory"] = int((P + args.new) * ratio)
             rows.append(row)
-            print(f"B={B} prompt={P}: default {row['default_ms_per_token']:.2f} ms/token, peak "
+            flash = f" (flash {row['flash_ms_per_token']:.2f})" if "flash_ms_per_token" in row else ""
+            print(f"B={B} prompt={P}: default {row['default_ms_per_token']:.2f}{flash} ms/token, peak "
                   f"{row['default_peak_gb']:.2f} GB | FP4Cache {row['fp4cache_ms_per_token']:.2f} ms/token, "
                   f"peak {row['fp4cache_peak_gb']:.2f} GB | KV {ratio:.2f}x smaller: "
                   f"{row['fp4cache_context_in_default_kv_memory']} tokens in the same KV memory", flush=True)
@@ -131,9 +144,10 @@ def main() -> int:
     write_csv(path, head, rows)
     print(f"\nwrote {path}")
     print()
-    print_table(["B", "prompt", "default ms/token", "FP4Cache ms/token", "default peak GB", "FP4Cache peak GB",
-                 "KV ratio", "context in the same KV memory"],
+    print_table(["B", "prompt", "default ms/token", "flash ms/token", "FP4Cache ms/token", "default peak GB",
+                 "FP4Cache peak GB", "KV ratio", "context in the same KV memory"],
                 [[str(r["B"]), str(r["prompt"]), f"{r['default_ms_per_token']:.2f}",
+                  f"{r.get('flash_ms_per_token', float('nan')):.2f}",
                   f"{r['fp4cache_ms_per_token']:.2f}", f"{r['default_peak_gb']:.2f}",
                   f"{r['fp4cache_peak_gb']:.2f}", f"{r['kv_ratio']:.2f}",
                   str(r["fp4cache_context_in_default_kv_memory"])] for r in rows])

@@ -575,8 +575,10 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor &q_in, const at::Tens
                                           const at::Tensor &v_codes, const at::Tensor &v_scales,
                                           const at::Tensor &v_dec, const at::Tensor &kmean,
                                           const at::Tensor &block_table, const at::Tensor &seq_lens,
-                                          double scale) {
+                                          double scale, int64_t window) {
   fp4attn_decode_params p{};
+  CHECK_ARG(window >= 0, "window must be >= 0 (0: no sliding window), got %lld",
+            static_cast<long long>(window));
   p.cache = kv_cache_view(k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, kmean, block_table);
   CHECK_ARG(q_in.dim() == 4 && q_in.size(0) == p.cache.batch && q_in.size(3) == p.cache.head_dim &&
                 q_in.size(1) % p.cache.heads_kv == 0,
@@ -605,6 +607,7 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor &q_in, const at::Tens
   p.lse = lse.data_ptr<float>();
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.scale = static_cast<float>(scale);
+  p.window = window;
 #ifdef FP4ATTN_WITH_CUDA
   if (on_cuda(q)) {
     c10::cuda::CUDAGuard guard(q.device());
@@ -668,7 +671,7 @@ TORCH_LIBRARY(fp4attn, m) {
   m.def(
       "decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor k_dec, Tensor v_codes, "
       "Tensor v_scales, Tensor v_dec, Tensor kmean, Tensor block_table, Tensor seq_lens, "
-      "float scale) -> (Tensor out, Tensor lse)");
+      "float scale, int window=0) -> (Tensor out, Tensor lse)");
 }
 
 // Private test hooks (csrc/testing/testing.h), undocumented; not part of the product's ops.

@@ -79,5 +79,5 @@ def _kv_append_fake(k, v, k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, km
 
 @torch.library.register_fake("fp4attn::decode")
 def _decode_fake(q, k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, kmean, block_table,
-                 seq_lens, scale):
+                 seq_lens, scale, window=0):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)

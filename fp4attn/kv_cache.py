@@ -155,22 +155,28 @@ def _dequantize_rows(codes, scales, dec, block_table, length: int, D: int) -> Te
 
 def decode_paged(q: Tensor, k_codes: Tensor, k_scales: Tensor, k_dec: Tensor, v_codes: Tensor,
                  v_scales: Tensor, v_dec: Tensor, kmean: Tensor, block_table: Tensor,
-                 seq_lens: Tensor, scale: float | None = None, return_lse: bool = False):
+                 seq_lens: Tensor, scale: float | None = None, return_lse: bool = False,
+                 window: int | None = None):
     """Decode attention on a paged FP4 cache (SPEC 6). ``q [B, Hq, nq, D]``: the last ``nq``
     positions of each sequence; ``seq_lens [B]`` int32 (may differ per sequence and change between
-    CUDA-graph replays); ``block_table [B, max_pages]`` int32. Returns ``out`` (q's dtype), and
-    ``lse [B, Hq, nq]`` float32 with ``return_lse``."""
+    CUDA-graph replays); ``block_table [B, max_pages]`` int32. ``window``: sliding-window attention,
+    each query sees only its last ``window`` keys (itself included). Returns ``out`` (q's dtype),
+    and ``lse [B, Hq, nq]`` float32 with ``return_lse``."""
     if not isinstance(q, Tensor) or q.dtype not in _DTYPES:
         raise ValueError(f"q must be a float16, bfloat16 or float32 tensor, got {getattr(q, 'dtype', q)!r}")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"window must be None or a positive int, got {window!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = torch.ops.fp4attn.decode(q, k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, kmean,
-                                        block_table, seq_lens, scale)
+                                        block_table, seq_lens, scale, window or 0)
     return (out, lse) if return_lse else out
 
 
-def decode(q: Tensor, cache: FP4KVCache, scale: float | None = None, return_lse: bool = False):
+def decode(q: Tensor, cache: FP4KVCache, scale: float | None = None, return_lse: bool = False,
+           window: int | None = None):
     """Decode attention of ``q [B, Hq, nq, D]`` (the last ``nq`` positions: query ``t`` sees keys
-    ``0 .. len(cache) - nq + t``) on an :class:`FP4KVCache`; ``Hq`` a multiple of its KV heads."""
+    ``0 .. len(cache) - nq + t``, or only the last ``window`` of them) on an :class:`FP4KVCache`;
+    ``Hq`` a multiple of its KV heads."""
     if not isinstance(cache, FP4KVCache):
         raise ValueError(f"cache must be an fp4attn.FP4KVCache, got {type(cache).__name__}")
     if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[0] != cache.batch or \
@@ -181,4 +187,5 @@ def decode(q: Tensor, cache: FP4KVCache, scale: float | None = None, return_lse:
         raise ValueError(f"q must be {cache.dtype} on {cache.device}, got {q.dtype} on {q.device}")
     if not 1 <= q.shape[2] <= len(cache):
         raise ValueError(f"q has {q.shape[2]} positions; the cache holds {len(cache)} tokens")
-    return decode_paged(q, *cache.storage(), cache.seq_lens, scale=scale, return_lse=return_lse)
+    return decode_paged(q, *cache.storage(), cache.seq_lens, scale=scale, return_lse=return_lse,
+                        window=window)

@@ -28,8 +28,9 @@ def kv(B, H, n, D, dtype, seed, device="cpu"):
     return k.to(dtype).to(device), v.to(dtype).to(device)
 
 
-def exact_decode(q, k, v, lens):
-    """float64 attention of the last nq positions of each sequence on k, v [B, Hkv, >=L, D]."""
+def exact_decode(q, k, v, lens, window=None):
+    """float64 attention of the last nq positions of each sequence on k, v [B, Hkv, >=L, D] (each
+    query sees its last `window` keys with a window)."""
     B, Hq, nq, D = q.shape
     G = Hq // k.shape[1]
     outs, lses = [], []
@@ -38,7 +39,10 @@ def exact_decode(q, k, v, lens):
         kk = k[b, :, :L].double().repeat_interleave(G, 0)
         vv = v[b, :, :L].double().repeat_interleave(G, 0)
         s = q[b].double() @ kk.transpose(-1, -2) / math.sqrt(D)
-        pos = torch.arange(L)[None, :] <= (L - nq + torch.arange(nq))[:, None]
+        last = (L - nq + torch.arange(nq))[:, None]
+        pos = torch.arange(L)[None, :] <= last
+        if window is not None:
+            pos &= torch.arange(L)[None, :] > last - window
         s = s.masked_fill(~pos, -math.inf)
         outs.append(torch.softmax(s, -1) @ vv)
         lses.append(torch.logsumexp(s, -1))
@@ -93,6 +97,32 @@ def test_decode_matches_exact_attention_on_the_dequantized_cache(case, dtype):
     ref, ref_lse = exact_decode(q, kd, vd, [len(cache)] * B)
     assert out.dtype == dtype and rel_l1(out, ref) < 3e-3
     assert (lse.double() - ref_lse).abs().max() < 2e-3
+
+
+WINDOW_CASES = [  # B, Hq, Hkv, D, tokens, nq, page_size, window
+    (2, 8, 2, 128, 300, 1, None, 100),
+    (1, 8, 2, 128, 700, 4, 32, 64),
+    (1, 4, 4, 64, 90, 3, 7, 1),
+    (2, 2, 1, 80, 50, 2, None, 500),
+]
+
+
+def check_window_case(case, dtype, device):
+    B, Hq, Hkv, D, n, nq, page, window = case
+    cache, _, _ = filled_cache(B, Hkv, D, dtype, [n], page_size=page, device=device)
+    q = torch.randn(B, Hq, nq, D, generator=torch.Generator().manual_seed(5)).to(dtype)
+    out, lse = fp4attn.decode(q.to(device), cache, return_lse=True, window=window)
+    kd, vd = cache.dequantize(torch.float32)
+    ref, ref_lse = exact_decode(q, kd.cpu(), vd.cpu(), [n] * B, window=window)
+    assert rel_l1(out.cpu(), ref) < 3e-3
+    assert (lse.cpu().double() - ref_lse).abs().max() < 2e-3
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_sliding_window_decode(case):
+    check_window_case(case, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="window"):
+        check_window_case(case[:-1] + (0,), torch.bfloat16, "cpu")
 
 
 def test_paged_ragged_batch_with_a_shuffled_block_table():
@@ -179,6 +209,30 @@ def test_cuda_cache_is_bit_exact_and_decode_matches(case, dtype):
     ref, ref_lse = exact_decode(q, kd, vd, [len(cpu)] * B)
     assert out.dtype == dtype and rel_l1(out.cpu(), ref) < 3e-3
     assert (lse.cpu().double() - ref_lse).abs().max() < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_sliding_window_decode(case, dtype):
+    check_window_case(case, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_cuda_decode_long_gqa_matches_the_cpu_backend(D, dtype):
+    """Whole pages, many splits and a partial last chunk (the kernel's fast loads), GQA 32/8 with
+    4 query positions; the CPU backend computes the same SPEC 6 math in FP32."""
+    cpu, _, _ = filled_cache(2, 8, D, dtype, [3001, 2])
+    gpu, _, _ = filled_cache(2, 8, D, dtype, [3001, 2], device="cuda")
+    q = torch.randn(2, 32, 4, D, generator=torch.Generator().manual_seed(4)).to(dtype)
+    out, lse = fp4attn.decode(q.cuda(), gpu, return_lse=True)
+    want, want_lse = fp4attn.decode(q, cpu, return_lse=True)
+    assert rel_l1(out.cpu(), want) < 3e-3
+    assert (lse.cpu() - want_lse).abs().max() < 2e-3
 
 
 @pytest.mark.gpu

@@ -178,3 +178,64 @@ def test_fp4cache_with_a_padding_mask_attends_to_the_dequantized_cache(monkeypat
         out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                              **{cache_keyword(model): integration.FP4Cache(config=model.config)})
     assert out.shape == (2, 34) and len(steps) == 2 * 3  # both layers, every step after prefill
+
+
+
+def tiny_sliding_qwen2():
+    """A 2-layer Qwen2 whose first layer is a sliding-window layer (window 8)."""
+    config = transformers.Qwen2Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        use_sliding_window=True, sliding_window=8, max_window_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    model.config._attn_implementation = "fp4attn"
+    return model.eval()
+
+
+def test_fp4cache_with_a_sliding_window_layer_matches_the_dequantized_cache():
+    """A decode step in a model with a sliding-window layer gives the logits of transformers' own
+    sliding-window mask on an ordinary cache holding the FP4 cache's dequantized first 40 tokens
+    (the step's own keys and values are quantized in the FP4 cache only: cos, not equality)."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    model = tiny_sliding_qwen2()
+    ids = torch.randint(0, 256, (1, 41), generator=torch.Generator().manual_seed(1))
+    fp4 = integration.FP4Cache(config=model.config)
+    assert [layer.sliding_window for layer in fp4.layers] == [8, None]
+    with torch.no_grad():
+        kw = cache_keyword(model)
+        model(ids[:, :40], **{kw: fp4})
+        got = model(ids[:, 40:], **{kw: fp4}).logits
+        ref_cache = transformers.DynamicCache()
+        for i, layer in enumerate(fp4.layers):
+            k, v = layer.cache.dequantize(torch.float32)
+            ref_cache.update(k[:, :, :40], v[:, :, :40], i)
+        model.config._attn_implementation = "sdpa"
+        want = model(ids[:, 40:], **{kw: ref_cache}).logits
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cos > 0.9995
+
+
+@pytest.mark.parametrize("nq", [1, 3])
+def test_fp4cache_sliding_window_kernel_path_matches_the_mask_path(nq):
+    """The kernel path of a sliding-window layer (no mask: decode with the window) and the masked
+    path (SDPA with transformers' window mask on the dequantized cache) attend alike."""
+    from fp4attn.integrations import transformers as integration
+
+    layer = integration.FP4Layer(sliding_window=8)
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(1, 2, 40, 32, generator=g), torch.randn(1, 2, 40, 32, generator=g)
+    layer.update(k, v)
+    keys, _ = layer.update(torch.randn(1, 2, nq, 32, generator=g), torch.randn(1, 2, nq, 32, generator=g))
+    q = torch.randn(1, 4, nq, 32, generator=g)
+    L = 40 + nq
+    pos = torch.arange(L)[None, :]
+    last = (L - nq + torch.arange(nq))[:, None]
+    mask = ((pos <= last) & (pos > last - 8))[None, None]
+    got = integration._cached_attention(q, keys, None, 32 ** -0.5)
+    want = integration._cached_attention(q, keys, mask, 32 ** -0.5)
+    assert (got - want).abs().max() < 1e-5

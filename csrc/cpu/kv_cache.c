@@ -110,8 +110,9 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
         continue;
       }
       const int64_t b = i / (H * nq), hk = (i / nq) % H, t = i % nq;
-      int64_t L = p->seq_lens[b], end = L - nq + t + 1; /* keys 0 .. end - 1 are visible */
+      int64_t L = p->seq_lens[b], end = L - nq + t + 1; /* keys begin .. end - 1 are visible */
       if (end > L) end = L;
+      const int64_t begin = p->window > 0 && end > p->window ? end - p->window : 0;
       const float *kmean = c->kmean + (b * H + hk) * D;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hk * G + g,
@@ -126,7 +127,7 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
       }
-      for (int64_t j = 0; j < end; ++j) {
+      for (int64_t j = begin; j < end; ++j) {
         const int64_t r = row_index(c, b, hk, j);
         if (r < 0) {
           bad = 1;

@@ -43,19 +43,23 @@ class FP4CacheKeys(torch.Tensor):
 
 
 def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
-    """Attention of this step's queries to everything in the layer's FP4 cache."""
-    cache = key.fp4_layer.cache
+    """Attention of this step's queries to everything in the layer's FP4 cache (to the last
+    `sliding_window` keys of each query in a sliding-window layer)."""
+    layer = key.fp4_layer
+    cache, window = layer.cache, layer.sliding_window
     nq = query.shape[2]
     if attention_mask is None and nq <= MAX_DECODE_TOKENS:
-        return decode(query, cache, scale=scaling)
+        return decode(query, cache, scale=scaling, window=window)
     # a padding mask or a long chunk: torch SDPA on the dequantized cache (the values the decode
     # kernel computes with, unquantized math like it)
     k, v = cache.dequantize()
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, : k.shape[-2]]
-    elif attention_mask is None:  # the last nq positions: bottom-right causal
+    elif attention_mask is None:  # the last nq positions: bottom-right causal (and windowed)
         L = k.shape[-2]
         attention_mask = torch.ones(nq, L, dtype=torch.bool, device=query.device).tril(L - nq)
+        if window is not None:
+            attention_mask &= ~torch.ones_like(attention_mask).tril(L - nq - window)
     return ORIGINAL_SDPA(query, k, v, attn_mask=attention_mask, scale=scaling,
                          enable_gqa=k.shape[1] != query.shape[1])
 
@@ -100,17 +104,21 @@ def register() -> None:
 
 def _cache_classes():
     """FP4Layer and FP4Cache, built on the installed transformers' cache classes."""
-    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+    from transformers.cache_utils import Cache, CacheLayerMixin
 
     class FP4Layer(CacheLayerMixin):
-        """A full-attention layer of an FP4Cache: an fp4attn.FP4KVCache that grows."""
+        """A layer of an FP4Cache: an fp4attn.FP4KVCache that grows. With `sliding_window`, a
+        sliding-window layer: each query attends to its last `sliding_window` keys. The cache
+        keeps every token (pages are not recycled yet). transformers passes sliding layers a mask
+        once the cache is longer than the window; such steps attend to the dequantized cache."""
 
-        is_sliding = False
         is_croppable = False
 
-        def __init__(self, page_size: int | None = None):
+        def __init__(self, page_size: int | None = None, sliding_window: int | None = None):
             super().__init__()
             self.page_size = page_size
+            self.sliding_window = sliding_window
+            self.is_sliding = sliding_window is not None
             self.cache = None
 
         def lazy_initialization(self, key_states, value_states):
@@ -148,10 +156,9 @@ def _cache_classes():
             raise NotImplementedError("FP4Cache: beam search (reorder_cache) is not supported")
 
     class FP4Cache(Cache):
-        """A transformers Cache whose full-attention layers store keys and values in NVFP4 and
-        decode through fp4attn's fused kernel (use with attn_implementation="fp4attn" or
-        "fp4attn-int8"). Sliding-window layers (from `config.layer_types`) keep transformers'
-        own unquantized sliding-window layer."""
+        """A transformers Cache whose layers store keys and values in NVFP4 and decode through
+        fp4attn's fused kernel (use with attn_implementation="fp4attn" or "fp4attn-int8"), the
+        sliding-window layers of `config.layer_types` with the config's `sliding_window`."""
 
         def __init__(self, config=None, page_size: int | None = None):
             if config is None:
@@ -160,8 +167,7 @@ def _cache_classes():
             text = config.get_text_config(decoder=True)
             types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
             window = getattr(text, "sliding_window", None)
-            layers = [DynamicSlidingWindowLayer(sliding_window=window)
-                      if t == "sliding_attention" else FP4Layer(page_size) for t in types]
+            layers = [FP4Layer(page_size, window if t == "sliding_attention" else None) for t in types]
             super().__init__(layers=layers)
 
     return FP4Layer, FP4Cache

@@ -111,6 +111,9 @@ static inline fp4attn_status fp4attn_check_decode_params(const fp4attn_decode_pa
                          "decode: heads_q (%lld) must be a positive multiple of heads_kv (%lld), "
                          "len_q (%lld) >= 1",
                          (long long)p->heads_q, (long long)p->cache.heads_kv, (long long)p->len_q);
+  if (p->window < 0)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "decode: window (%lld) must be >= 0",
+                         (long long)p->window);
   return fp4attn_check_kv_cache(&p->cache);
 }
 

@@ -179,7 +179,8 @@ typedef struct {
 
 /* Decode attention on the cache (SPEC 6): q [batch, heads_q, len_q, head_dim] are the last len_q
  * positions of each sequence (seq_lens[b] tokens, a device array on CUDA); out like q; lse
- * optional [batch, heads_q, len_q] float32 contiguous. */
+ * optional [batch, heads_q, len_q] float32 contiguous. window > 0: sliding-window attention, each
+ * query sees only its last `window` keys (itself included); 0: all keys up to its position. */
 typedef struct {
   fp4attn_kv_cache cache;
   const int32_t *seq_lens;
@@ -190,6 +191,7 @@ typedef struct {
   int64_t heads_q, len_q;
   int64_t q_stride[3], out_stride[3];
   float scale;
+  int64_t window;
   int num_threads; /* CPU only */
 } fp4attn_decode_params;
 
