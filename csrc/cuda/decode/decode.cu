@@ -562,7 +562,8 @@ DecodePlan plan_decode(const fp4attn_decode_params &p) {
   if (p.window > 0) keys = std::min(keys, p.window + p.len_q + kChunk);
   const int64_t chunks = ceil_div(keys, kChunk);
   int smem = 0;
-  const int64_t wave = (int64_t)blocks_per_sm(kernel_for(p, d.dp, &smem), smem) * sm_count();
+  const DecodeKernel kernel = kernel_for(p, d.dp, &smem);
+  const int64_t wave = (int64_t)blocks_per_sm(kernel, smem) * sm_count();
   d.splits = std::max<int64_t>(1, std::min<int64_t>(wave / d.tiles, chunks / (2 * kWarps)));
   d.o_part_bytes = round_up(4 * d.tiles * d.splits * kRows * d.dp, 256);
   d.ml_part_bytes = round_up(4 * d.tiles * d.splits * kRows * 2, 256);
