@@ -6,9 +6,8 @@
  * (batch, KV head) (GQA on the tensor cores: the heads share every key the block reads), and one
  * key range of a split. Each warp takes 32-key chunks of the range in turn and never touches
  * shared memory in its loop: every lane loads the code words that its own MMA fragments need and
- * decodes them in registers (byte permutes, one packed multiply by the E4M3 scale per pair; the
- * FP32 row `dec` stays outside: per key on the scores for K, folded into P for V). The next
- * chunk's loads are issued before the current chunk is used.
+ * decodes them in registers (e2m1_pairs.cuh, then one packed multiply by the E4M3 scale per pair;
+ * the FP32 row `dec` stays outside: per key on the scores for K, folded into P for V).
  *
  * Fragment layouts (g = lane / 4, t4 = lane % 4, chunk keys 0..31, n-tile j = keys 8j..8j+7):
  *  - S = Q K^T: lane (g, t4) decodes key 8j + g, bytes [t4 DP/8, (t4 + 1) DP/8) of its row, i.e.
@@ -17,8 +16,8 @@
  *    not care in which order it sums d.
  *  - O += P V: the S accumulator is P's A operand (keys 8j + 2 t4 + b), so lane (g, t4) decodes
  *    the V rows of exactly those 8 keys, bytes [g DP/16, (g + 1) DP/16): d = g DP/8 + 8w + n.
- *    Two keys' words are nibble-interleaved so that one decoded pair holds (key, key + 1) at one
- *    d: n-tile nt of O is d = (DP/8) n + nt for its column n (o_dim), undone when O is stored.
+ *    Half words of two keys are joined so that one decoded pair holds (key, key + 1) at one d:
+ *    n-tile nt of O is d = (DP/8) n + nt for its column n (o_dim), undone when O is stored.
  * FP32 inputs split Q into BF16 hi + lo parts (two MMAs) so that S keeps 16 bits. The warps'
  * partial results merge in shared memory, the splits' in the merge kernel. No host
  * synchronisation: the grid follows the cache's capacity, each block reads its sequence's length
@@ -29,6 +28,7 @@
 
 #include "../common/smem_tiles.cuh"
 #include "decode.h"
+#include "e2m1_pairs.cuh"
 
 namespace fp4attn_cuda {
 
@@ -57,11 +57,12 @@ struct DecodeSmem {
   static constexpr int kBytes = 2 * kRows * kW > kMerge ? 2 * kRows * kW : kMerge;
 };
 
-/* Storage d of Q slot column c (k-step c / 16, slot c % 16) in the K fragment layout above. */
+/* Storage d of Q slot column c (k-step c / 16, slot c % 16) in the K fragment layout above:
+ * slot 2 t4 + e (+ 8 for hi) of k-step 2i + h is nibble 2h + hi + 4e of the lane's word i. */
 template <int DP>
 __device__ __forceinline__ int q_dim(int c) {
   const int ks = c >> 4, slot = c & 15;
-  return ((slot & 7) >> 1) * (DP / 4) + 8 * (ks >> 1) + 4 * (ks & 1) + 2 * (slot >> 3) + (slot & 1);
+  return ((slot & 7) >> 1) * (DP / 4) + 8 * (ks >> 1) + 2 * (ks & 1) + (slot >> 3) + 4 * (slot & 1);
 }
 /* Storage d of O column n of n-tile nt (the V fragment layout above). */
 template <int DP>
@@ -95,43 +96,6 @@ template <bool kBf16>
 __device__ __forceinline__ uint32_t scale1(uint32_t e4m3) {
   const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)(e4m3 & 0xFFu), __NV_E4M3);
   return kBf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(__half2float(__half(h)))) : h.x;
-}
-
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-  return r;
-}
-
-/* The 8 E2M1 codes of w (low nibble first) as four 16-bit pairs (nibbles 2k, 2k + 1 in pair k),
- * all in registers: a byte permute looks the magnitudes up (an E2M1 magnitude in FP16 is one high
- * byte: 00 38 3C 3E 40 42 44 46; in BF16 two bytes), another interleaves them into pairs, and the
- * sign bits are replicated into place by a permute in sign mode. Exact. */
-template <bool kBf16>
-__device__ __forceinline__ void e2m1x8(uint32_t w, uint32_t (&pair)[4]) {
-  const uint32_t idx = w & 0x77777777u;
-  const uint32_t sgn_lo = w << 4; /* byte k's msb: the sign of nibble 2k (w's: of nibble 2k + 1) */
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const uint32_t sel = (idx >> (16 * h)) & 0xFFFFu; /* nibbles 4h .. 4h + 3 */
-    uint32_t m[2];
-    if (kBf16) {
-      const uint32_t hi = prmt(0x3F3F3F00u, 0x40404040u, sel),
-                     lo = prmt(0xC0800000u, 0xC0804000u, sel);
-      m[0] = prmt(lo, hi, 0x5140u);
-      m[1] = prmt(lo, hi, 0x7362u);
-    } else {
-      const uint32_t hi = prmt(0x3E3C3800u, 0x46444240u, sel);
-      m[0] = prmt(hi, 0u, 0x1404u);
-      m[1] = prmt(hi, 0u, 0x3424u);
-    }
-#pragma unroll
-    for (int k = 0; k < 2; ++k) { /* pair 2h + k: nibbles 4h + 2k, 4h + 2k + 1 = byte 2h + k */
-      const uint32_t byte = 2 * h + k;
-      const uint32_t sign = prmt(sgn_lo, w, ((8u | (4u + byte)) << 12) | ((8u | byte) << 4));
-      pair[2 * h + k] = m[k] | (sign & 0x80008000u);
-    }
-  }
 }
 
 /* N consecutive 32-bit words at byte `off` of a row of `len` bytes (zeros past its end): one
@@ -229,7 +193,7 @@ __device__ __forceinline__ void load_chunk(Raw<DP> &raw, const fp4attn_kv_cache 
 }
 
 template <int DP, bool kBf16, bool kSplitQ, bool kFast>
-__global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
+__global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1)) decode_kernel(const DecodeArgs a) {
   using L = DecodeSmem<DP>;
   using F = Frag<DP>;
   extern __shared__ __align__(128) char smem[];
@@ -286,18 +250,10 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
 
   float o[DP / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  /* head dim 128 keeps the next chunk's loads in flight in a second Raw (2 blocks per SM either
-   * way); 64 fits 3 blocks per SM without it, 256 has no registers left for it */
-  constexpr bool kPrefetch = DP == 128;
-  Raw<DP> cur, nxt;
-  if (kPrefetch && c0 + warp < c1)
-    load_chunk<DP, kFast>(cur, c, b, hk, (c0 + warp) * kChunk, Lb, lane);
   for (int ch = c0 + warp; ch < c1; ch += kWarps) {
     const int j0 = ch * kChunk;
-    if (!kPrefetch)
-      load_chunk<DP, kFast>(cur, c, b, hk, j0, Lb, lane);
-    else if (ch + kWarps < c1)
-      load_chunk<DP, kFast>(nxt, c, b, hk, j0 + kWarps * kChunk, Lb, lane);
+    Raw<DP> cur; /* no register prefetch: 3 blocks per SM hide the loads instead (measured alike) */
+    load_chunk<DP, kFast>(cur, c, b, hk, j0, Lb, lane);
 
     /* S = Q K^T: word i of key 8j + g feeds k-steps 2i, 2i + 1 of n-tile j */
     float s[4][4] = {};
@@ -312,7 +268,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t pr[4];
-        e2m1x8<kBf16>(cur.k[j][i], pr);
+        e2m1_pairs<kBf16>(cur.k[j][i], pr);
         const uint32_t s1 = scale1<kBf16>(cur.ks[j] >> (8 * (i / 2))), s2 = s1 * 0x10001u;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -377,32 +333,31 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeArgs a) {
       pa[3] = pack2<kBf16>(pv[2 * kk + 1][2], pv[2 * kk + 1][3]);
 #pragma unroll
       for (int w = 0; w < F::kVWords; ++w) {
-        uint32_t pair[2][2][4]; /* [k-slot half][d parity][pair] */
+        uint32_t pair[2][2][4]; /* [k-slot half][d nibbles 0-3 / 4-7][pair] */
         uint32_t sc2[2];
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const uint32_t x0 = cur.v[2 * kk + hf][0][w], x1 = cur.v[2 * kk + hf][1][w];
-          /* bytes (key 0, key 1) at d = 2n (even) and 2n + 1 (odd) of the word */
-          e2m1x8<kBf16>((x0 & 0x0F0F0F0Fu) | ((x1 & 0x0F0F0F0Fu) << 4), pair[hf][0]);
-          e2m1x8<kBf16>(((x0 >> 4) & 0x0F0F0F0Fu) | (x1 & 0xF0F0F0F0u), pair[hf][1]);
+          /* key 0's 4 nibbles below key 1's: pair j = (key 0, key 1) at nibble j */
+          e2m1_pairs<kBf16>(prmt_b32(x0, x1, 0x5410u), pair[hf][0]);
+          e2m1_pairs<kBf16>(prmt_b32(x0, x1, 0x7632u), pair[hf][1]);
           const int sh = 8 * (w / 2);
           sc2[hf] = scale1<kBf16>(cur.vs[2 * kk + hf][0] >> sh) |
                     (scale1<kBf16>(cur.vs[2 * kk + hf][1] >> sh) << 16);
         }
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+        for (int half = 0; half < 2; ++half)
 #pragma unroll
-          for (int par = 0; par < 2; ++par) {
-            const int nt = 8 * w + 2 * n + par;
+          for (int n = 0; n < 4; ++n) {
+            const int nt = 8 * w + 4 * half + n;
             float acc[4] = {};
-            mma_16816<kBf16>(acc, pa, mul2<kBf16>(pair[0][par][n], sc2[0]),
-                             mul2<kBf16>(pair[1][par][n], sc2[1]));
+            mma_16816<kBf16>(acc, pa, mul2<kBf16>(pair[0][half][n], sc2[0]),
+                             mul2<kBf16>(pair[1][half][n], sc2[1]));
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[nt][e] = fmaf(vmax, acc[e], o[nt][e]);
           }
       }
     }
-    if (kPrefetch) cur = nxt;
   }
 
   /* merge the warps in shared memory (the Q tiles are free now) */
