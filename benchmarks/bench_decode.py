@@ -8,6 +8,9 @@ Bandwidth counts the bytes each method must read: the FP16 cache for torch (2 x 
 the FP4 cache for fp4attn (codes, E4M3 scales and the FP32 row scale of K and V), against the
 device-to-device copy bandwidth. nq > 1 (speculative decoding) runs torch without a mask (its
 is_causal is top-left, not "the last nq positions"); the bytes read are the same.
+A last column times the same call without a cache, fp4attn.sdpa on the FP16 keys and values (FP4
+attention quantizing them on the fly: the fused decode kernel where the dispatch picks it), against
+flash: the cost of plain decode-shaped calls.
 Prints a table and writes bench_decode.csv into --out (default: benchmarks/results/).
 Configurations whose FP16 cache would exceed --max-gb are skipped.
 
@@ -95,12 +98,17 @@ def main() -> int:
             best = min(best, ms_b) if ms_b == ms_b else best
         row["speedup_vs_best_torch"] = best / ms
         row["fp4attn_frac_copy_bw"] = row["fp4attn_tbps"] * 1e3 / bw
+        # the same call without a cache: fp4attn.sdpa on the FP16 keys and values (FP4 attention,
+        # quantized on the fly: the fused decode kernel where the dispatch picks it)
+        row["sdpa_ms"] = timer.time(lambda: fp4attn.sdpa(q, k, v, enable_gqa=Hq != Hkv), args.reps)
+        row["sdpa_vs_flash"] = row["sdpa_ms"] / row["flash_ms"]
         rows.append(row)
         print(f"D={D:<3} {Hq}/{Hkv:<2} B={B:<2} L={L:<6} nq={nq} | fp4attn {ms:7.3f} ms "
               f"{row['fp4attn_tbps']:4.2f} TB/s ({100 * row['fp4attn_frac_copy_bw']:3.0f}% copy) | "
               f"flash {row['flash_ms']:7.3f} cudnn {row['cudnn_ms']:7.3f} ms "
               f"({best_torch_tbps(row):4.2f} TB/s) | "
-              f"x{row['speedup_vs_best_torch']:.2f}", flush=True)
+              f"x{row['speedup_vs_best_torch']:.2f} | sdpa {row['sdpa_ms']:7.3f} ms "
+              f"({row['sdpa_vs_flash']:.2f}x flash)", flush=True)
         del k, v, q, cache
         torch.cuda.empty_cache()
     path = os.path.join(args.out, "bench_decode.csv")
@@ -108,11 +116,12 @@ def main() -> int:
     print(f"\nwrote {path} ({time.time() - t0:.0f} s)")
     print()
     print_table(["D", "Hq/Hkv", "B", "L", "nq", "fp4attn ms", "TB/s", "% copy", "flash ms", "cuDNN ms",
-                 "best torch TB/s", "speedup vs best torch"],
+                 "best torch TB/s", "speedup vs best torch", "sdpa ms (no cache)", "sdpa / flash"],
                 [[str(r["D"]), f"{r['Hq']}/{r['Hkv']}", str(r["B"]), f"{r['L'] // 1024}K", str(r["nq"]),
                   f"{r['fp4attn_ms']:.3f}", f"{r['fp4attn_tbps']:.2f}", f"{100 * r['fp4attn_frac_copy_bw']:.0f}",
                   f"{r['flash_ms']:.3f}", f"{r['cudnn_ms']:.3f}", f"{best_torch_tbps(r):.2f}",
-                  f"{r['speedup_vs_best_torch']:.2f}"] for r in rows])
+                  f"{r['speedup_vs_best_torch']:.2f}", f"{r['sdpa_ms']:.3f}",
+                  f"{r['sdpa_vs_flash']:.2f}"] for r in rows])
     return 0
 
 

@@ -23,8 +23,9 @@ from .int8 import int8_attention
 ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
 
 # The CUDA kernel requests by their C API names (fp4attn_kernel_name in fp4attn.h): "auto" lets the
-# dispatch choose; the others force one kernel family (an error where it cannot run).
-KERNELS = ("auto", "sm80", "sm90", "sm120")
+# dispatch choose; the others force one kernel family (an error where it cannot run). "decode" is
+# the fused split-KV kernel for few query rows, which "auto" picks for decode shapes.
+KERNELS = ("auto", "sm80", "sm90", "sm120", "decode")
 # The numerics: "fp4" (docs/SPEC.md, inference) or "int8" (docs/SPEC_INT8.md, with a backward).
 PRECISIONS = ("fp4", "int8")
 _warned: set[str] = set()

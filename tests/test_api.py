@@ -50,9 +50,9 @@ def test_op_level_errors_from_the_binding():
     q, k, v = qkv(1, 2, 16, 32)
     with pytest.raises(RuntimeError, match="query must be 4-D"):
         torch.ops.fp4attn.attention(q[0], k, v, None, False, 1.0, False, "auto")
-    with pytest.raises(RuntimeError, match="cuda_kernel must be one of auto, sm80, sm120, sm90, got 'hopper'"):
+    with pytest.raises(RuntimeError, match="cuda_kernel must be one of auto, sm80, sm120, sm90, decode, got 'hopper'"):
         torch.ops.fp4attn.attention(q, k, v, None, False, 1.0, False, "hopper")
-    for gpu_kernel in ("sm80", "sm90", "sm120"):
+    for gpu_kernel in ("sm80", "sm90", "sm120", "decode"):
         with pytest.raises(RuntimeError, match="needs CUDA tensors"):
             torch.ops.fp4attn.attention(q, k, v, None, False, 1.0, False, gpu_kernel)
 
@@ -62,7 +62,7 @@ def test_kernel_env_names(monkeypatch):
 
     front = importlib.import_module("fp4attn.sdpa")  # the module (fp4attn.sdpa is the function)
 
-    for name in ("auto", "sm80", "sm90", "sm120", "SM90"):
+    for name in ("auto", "sm80", "sm90", "sm120", "decode", "SM90"):
         monkeypatch.setenv("FP4ATTN_KERNEL", name)
         assert front._kernel_from_env() == name.lower()
     monkeypatch.setenv("FP4ATTN_KERNEL", "hopper")

@@ -2,13 +2,15 @@
  * The CUDA attention entry points of the C API, and the one place that decides how a call runs:
  * the arguments are validated once (checks.h, then this backend's limits), heuristics.h plans
  * the kernel, the pre-pass (prepass/) fills the workspace, and the planned kernel family
- * (sm80/, sm90/, sm120/) computes the output. The 8-bit attention (SPEC_INT8) enters here too:
- * its preparation kernels, then the int8/ forward or backward; and the FP4 KV cache (SPEC 6):
- * decode/'s append and split-KV decode.
+ * (sm80/, sm90/, sm120/) computes the output; decode shapes run the fused split-KV decode
+ * (decode/sdpa_decode.cu) instead, without the pre-pass. The 8-bit attention (SPEC_INT8) enters
+ * here too: its preparation kernels, then the int8/ forward or backward; and the FP4 KV cache (SPEC
+ * 6): decode/'s append and split-KV decode.
  */
 #include <type_traits>
 
 #include "decode/decode.h"
+#include "decode/sdpa_decode.h"
 #include "heuristics.h"
 #include "int8/attention_int8.h"
 #include "int8/int8_tiles.cuh"
@@ -32,8 +34,10 @@ fp4attn_status check_and_plan(const fp4attn_attention_params *p, AttnPlan *plan)
 }
 
 /* The workspace: the shared sections (tile/workspace.cuh), the pre-pass's staging, then the
- * sm120 kernel's own sections; each part a multiple of 256 bytes. */
+ * sm120 kernel's own sections; each part a multiple of 256 bytes. The fused decode has its own
+ * (decode/sdpa_decode.h) and no pre-pass. */
 int64_t workspace_bytes(const fp4attn_attention_params *p, const AttnPlan &plan) {
+  if (plan.kernel == FP4ATTN_KERNEL_DECODE) return sdpa_decode_layout(*p, plan, nullptr).bytes;
   const int64_t shared = attn_workspace_layout(p, plan, nullptr).bytes + prepass_staging_bytes(*p);
   return plan.kernel == FP4ATTN_KERNEL_SM120 ? shared + sm120_workspace_bytes(*p) : shared;
 }
@@ -141,8 +145,9 @@ extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params 
   if (st.code != FP4ATTN_OK) return st;
   st = check_workspace(workspace, "attention");
   if (st.code != FP4ATTN_OK) return st;
-  const AttnArgs a = make_args(p, plan, workspace);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (plan.kernel == FP4ATTN_KERNEL_DECODE) return launch_sdpa_decode(*p, plan, workspace, s);
+  const AttnArgs a = make_args(p, plan, workspace);
   st = launch_prepass(a, plan.fp16_operands, static_cast<char *>(workspace) + a.ws.bytes, s);
   if (st.code != FP4ATTN_OK) return st;
   return launch_kernel(a, plan, workspace, s);

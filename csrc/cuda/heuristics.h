@@ -9,6 +9,9 @@
 
 #include <string.h>
 
+#include <algorithm>
+
+#include "decode/sdpa_decode.h"
 #include "tile/workspace.cuh"
 
 #define FP4ATTN_STR2(x) #x
@@ -40,32 +43,103 @@ static inline int64_t causal_item_heads(const fp4attn_attention_params *p, int64
   return 1;
 }
 
+/* The opt-in shared memory per block of the current device, cached per device. */
+static inline int smem_optin() {
+  static int cache[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  if (cache[dev] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    cache[dev] = n > 0 ? n : -1;
+  }
+  return cache[dev];
+}
+
+/* Why the fused split-KV decode (decode/sdpa_decode.cu) cannot run p on this device, or null. */
+static inline const char *sdpa_decode_refusal(const fp4attn_attention_params *p, int cc) {
+  if (cc < 80) return "a GPU of compute capability 8.0 or newer";
+  if (p->dtype == FP4ATTN_FLOAT32) return "float16 or bfloat16 inputs";
+  if (p->mask_kind != FP4ATTN_MASK_NONE) return "no attn_mask";
+  if (p->len_q > kDecodeMaxLenQ) return "len_q <= 128 (one query-smoothing block)";
+  if (!vector_rows(p->k, p->k_stride, p->head_dim) || !vector_rows(p->v, p->v_stride, p->head_dim))
+    return "K and V rows 16-byte aligned, with head_dim and strides multiples of 8";
+  if (smem_optin() < sdpa_decode_smem_bytes(padded_head_dim(p->head_dim)))
+    return "more shared memory per block than this device has at this head dim";
+  return nullptr;
+}
+
+/* The fused decode's schedule: m-tiles of 16 rows; splits of the key tiles so that the attention
+ * grid holds about one block per resident slot of the device (its 128-key tiles cost far more than
+ * the per-split prologue and merge, so more splits than slots only add overhead); the statistics
+ * kernel's token chunks (multiples of 64 tokens) so that its grid holds about 2 blocks per SM,
+ * at most 32 per head (the attention prologue reduces a head's chunk partials). Causal: the
+ * top-left causal mask leaves the first key tile only (len_q <= 128), one split. */
+static inline DecodeSchedule sdpa_decode_schedule(const fp4attn_attention_params *p, int64_t dp) {
+  DecodeSchedule d;
+  const int64_t bhk = p->batch * p->heads_kv, group = p->heads_q / p->heads_kv;
+  d.mtiles = ceil_div(group * p->len_q, kDecodeRows);
+  const int64_t ntiles = p->causal ? 1 : ceil_div(p->len_k, kTile);
+  const int64_t slots = (int64_t)sm_count() * (dp <= 64 ? 2 : 1);
+  const int64_t want = std::max<int64_t>(1, ceil_div(slots, bhk * d.mtiles));
+  d.tiles_per_split = ceil_div(ntiles, std::min(want, ntiles));
+  d.splits = ceil_div(ntiles, d.tiles_per_split);
+  const int64_t chunks = std::min<int64_t>(32, ceil_div(2 * (int64_t)sm_count(), bhk));
+  d.chunk_len = round_up(ceil_div(p->len_k, chunks), 64);
+  d.chunks = ceil_div(p->len_k, d.chunk_len);
+  return d;
+}
+
 /* The plan for p (already validated) on the current device, or an FP4ATTN_ERR_UNSUPPORTED status
- * where the requested kernel cannot run. AUTO: sm120 on compute capability 12.x, sm90 on 9.0 with
- * an sm_90a build and head dim <= 128, sm80 otherwise. */
+ * where the requested kernel cannot run. AUTO: the fused decode for decode shapes (below), else
+ * sm120 on compute capability 12.x, sm90 on 9.0 with an sm_90a build and head dim <= 128, sm80
+ * otherwise.
+ *
+ * Decode shapes: len_q <= 16, len_k >= 256 and batch x heads_kv <= 16 (from 32 (batch, KV head)
+ * pairs on, measured on the H200, the fused decode is no faster than the sm90 kernel: its 128-key
+ * tiles are compute-bound), where sdpa_decode_refusal finds nothing. With at
+ * most 16 query rows per head the 128-row query tiles of the other kernels are nearly empty, and
+ * their pre-pass writes and re-reads FP16 copies of all of K and V; the fused decode reads K and V
+ * twice in their input dtype (statistics, then attention, mostly from L2) and spreads the keys
+ * over the SMs. Below two key tiles (256 keys) there is nothing to split and either path is bound
+ * by launch latency, so the general kernels keep those calls. */
 static inline fp4attn_status plan_attention(const fp4attn_attention_params *p, AttnPlan *plan) {
   const int cc = device_capability();
   const int64_t dp = padded_head_dim(p->head_dim);
   const bool sm90_ok = built_for_sm90a() && cc == 90 && dp <= 128;
   fp4attn_kernel k = p->kernel;
-  if (k == FP4ATTN_KERNEL_AUTO)
-    k = cc / 10 == 12 ? FP4ATTN_KERNEL_SM120
-                      : (sm90_ok ? FP4ATTN_KERNEL_SM90 : FP4ATTN_KERNEL_SM80);
+  if (k == FP4ATTN_KERNEL_AUTO) {
+    if (p->len_q <= 16 && p->len_k >= 2 * kTile && p->batch * p->heads_kv <= 16 &&
+        !sdpa_decode_refusal(p, cc))
+      k = FP4ATTN_KERNEL_DECODE;
+    else
+      k = cc / 10 == 12 ? FP4ATTN_KERNEL_SM120
+                        : (sm90_ok ? FP4ATTN_KERNEL_SM90 : FP4ATTN_KERNEL_SM80);
+  }
   if (k == FP4ATTN_KERNEL_SM90 && !sm90_ok)
     return fp4attn_error(
         FP4ATTN_ERR_UNSUPPORTED,
         "attention: kernel sm90 needs a GPU of compute capability 9.0, a build with "
         "sm_90a in FP4ATTN_CUDA_ARCHS and head dim <= 128 (got %lld)",
         (long long)p->head_dim);
+  if (k == FP4ATTN_KERNEL_DECODE) {
+    const char *why = sdpa_decode_refusal(p, cc);
+    if (why)
+      return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: kernel decode needs %s", why);
+  }
   /* the sm120 operand writer's grids have B x Hq or B x Hkv blocks in y (at most 65535) */
   if (k == FP4ATTN_KERNEL_SM120 && p->batch * p->heads_q > 65535)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
                          "batch * heads_q must be at most 65535 for the sm120 kernel");
   plan->kernel = k;
   plan->dp = dp;
-  plan->fp16_operands = k != FP4ATTN_KERNEL_SM120;
+  plan->fp16_operands = k != FP4ATTN_KERNEL_SM120 && k != FP4ATTN_KERNEL_DECODE;
   plan->qstage_blocks = k == FP4ATTN_KERNEL_SM90 && dp == 64 ? sm_count() : 0;
   plan->item_heads = causal_item_heads(p, ceil_div(p->len_q, 128));
+  plan->decode = k == FP4ATTN_KERNEL_DECODE ? sdpa_decode_schedule(p, dp) : DecodeSchedule{};
+  if (k == FP4ATTN_KERNEL_DECODE && (p->batch * p->heads_kv * plan->decode.mtiles > 0x7FFFFFFFLL ||
+                                     p->batch * p->heads_kv > 0x7FFFFFFFLL))
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: kernel decode: too many heads");
   return fp4attn_ok();
 }
 

@@ -293,6 +293,12 @@ __device__ __forceinline__ void mma_16816(float *d, const uint32_t *a, uint32_t 
 __device__ __forceinline__ void cp_async_16(void *smem, const void *gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
 }
+/* cp_async_16 that copies `src_bytes` (0 or 16) bytes and zero-fills the rest of the 16: a zero
+ * chunk for padding without a branch around the copy (gmem must be a valid address either way). */
+__device__ __forceinline__ void cp_async_16_zfill(void *smem, const void *gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+               "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::);
 }

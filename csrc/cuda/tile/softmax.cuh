@@ -90,30 +90,33 @@ __device__ __forceinline__ void tile_scores_log2(const fp4attn_attention_params 
 
 /* Block maxima of the log2 scores: bm[kb][r] is the maximum of 16-key block kb of row g + 8r
  * (s[2kb][2r..2r+1] and s[2kb+1][2r..2r+1] of the 4 quad lanes), in every lane of the quad.
- * exp2 is monotonic, so exp2(bm - off) is the block maximum of Pq without a pass over Pq. */
-__device__ __forceinline__ void block_maxima(const float (&s)[16][4], float (&bm)[8][2]) {
+ * exp2 is monotonic, so exp2(bm - off) is the block maximum of Pq without a pass over Pq.
+ * NT 8-key column tiles (16 for a 128-key tile; the split-KV decode's warps hold 4). */
+template <int NT>
+__device__ __forceinline__ void block_maxima(const float (&s)[NT][4], float (&bm)[NT / 2][2]) {
 #pragma unroll
-  for (int kb = 0; kb < 8; ++kb)
+  for (int kb = 0; kb < NT / 2; ++kb)
 #pragma unroll
     for (int r = 0; r < 2; ++r)
       bm[kb][r] = fmaxf(fmaxf(s[2 * kb][2 * r], s[2 * kb][2 * r + 1]),
                         fmaxf(s[2 * kb + 1][2 * r], s[2 * kb + 1][2 * r + 1]));
 #pragma unroll
-  for (int kb = 0; kb < 8; ++kb)
+  for (int kb = 0; kb < NT / 2; ++kb)
 #pragma unroll
     for (int r = 0; r < 2; ++r)
       bm[kb][r] = fmaxf(bm[kb][r], __shfl_xor_sync(0xffffffffu, bm[kb][r], 1));
 #pragma unroll
-  for (int kb = 0; kb < 8; ++kb)
+  for (int kb = 0; kb < NT / 2; ++kb)
 #pragma unroll
     for (int r = 0; r < 2; ++r)
       bm[kb][r] = fmaxf(bm[kb][r], __shfl_xor_sync(0xffffffffu, bm[kb][r], 2));
 }
 
-__device__ __forceinline__ float tile_row_max(const float (&bm)[8][2], int r) {
+template <int NB>
+__device__ __forceinline__ float tile_row_max(const float (&bm)[NB][2], int r) {
   float tmax = bm[0][r];
 #pragma unroll
-  for (int kb = 1; kb < 8; ++kb) tmax = fmaxf(tmax, bm[kb][r]);
+  for (int kb = 1; kb < NB; ++kb) tmax = fmaxf(tmax, bm[kb][r]);
   return tmax;
 }
 
@@ -124,13 +127,15 @@ __device__ __forceinline__ float tile_row_max(const float (&bm)[8][2], int r) {
  * exact in FP16. The approximate exp2/log2 move Pq / s by a few units in the last place, which
  * changes its E2M1 code only when it sits on a rounding tie: the same kind of difference the
  * approximate exp always made, within SPEC 4's rel_l1 < 2e-3 against the reference. */
-__device__ __forceinline__ void quantize_p_blocks(const float (&s)[16][4], const float (&bm)[8][2],
-                                                  const float (&toff)[2], uint32_t (&pa)[8][4],
+template <int NT>
+__device__ __forceinline__ void quantize_p_blocks(const float (&s)[NT][4],
+                                                  const float (&bm)[NT / 2][2],
+                                                  const float (&toff)[2], uint32_t (&pa)[NT / 2][4],
                                                   float (&rsum)[2]) {
   rsum[0] = rsum[1] = 0.0f;
   const float toff6[2] = {toff[0] + kLog2_6, toff[1] + kLog2_6}; /* exp2(x - toff6) = Pq / 6 */
 #pragma unroll
-  for (int kb = 0; kb < 8; ++kb) {
+  for (int kb = 0; kb < NT / 2; ++kb) {
     float sv[2], off[2];
     uint32_t hw;
     block_scales(fast_exp2(bm[kb][0] - toff6[0]), fast_exp2(bm[kb][1] - toff6[1]), sv, hw);
@@ -157,12 +162,37 @@ __device__ __forceinline__ void quantize_p_blocks(const float (&s)[16][4], const
   }
 }
 
-/* Scores of one 128-key tile (raw FP16-MMA accumulators Q^ K^T, see tile_scores_log2) -> P^q
- * fragments, updating m and l, for a caller that accumulates P^q V^ of the tile separately:
+/* The online-softmax step of SPEC 4.5 for scores already in log2 units (scaled, corrected,
+ * masked) whose tile row maxima t are tmax (r = 0: row g, 1: row g + 8; the maximum over the whole
+ * 128-key tile, which may be wider than the NT x 8 keys this warp holds):
  *   out: pa = P^q as exact FP16 A fragments, 16-key block kb in pa[kb];
- *        alpha = exp(m_old - m_new) and gsc = exp(t - m_new) / 2688 per row (r = 0: g, 1: g+8),
- *        so that O = alpha O + gsc dV (P^q V^).
- * SPEC 4.4-4.5 in log2 units. */
+ *        alpha = exp(m_old - m_new) and gsc = exp(t - m_new) / 2688 per row,
+ *        so that O = alpha O + gsc dV (P^q V^); st.l gets this lane's part of the tile's sum. */
+template <int NT>
+__device__ __forceinline__ void softmax_step_p(const float (&tmax)[2], const float (&s)[NT][4],
+                                               const float (&bm)[NT / 2][2], SoftmaxState &st,
+                                               float (&alpha)[2], float (&gsc)[2],
+                                               uint32_t (&pa)[NT / 2][4]) {
+  float toff[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float mnew = fmaxf(st.m[r], tmax[r]);
+    const bool empty = tmax[r] == -INFINITY;
+    alpha[r] = st.m[r] == -INFINITY ? 0.0f : fast_exp2(st.m[r] - mnew);
+    const float beta = empty ? 0.0f : fast_exp2(tmax[r] - mnew);
+    gsc[r] = beta * (1.0f / FP4ATTN_NVFP4_RANGE);
+    toff[r] = (empty ? 0.0f : tmax[r]) - kLog2_2688; /* Pq = 2688 exp2(x - t) = exp2(x - toff) */
+    st.m[r] = mnew;
+  }
+  float rsum[2];
+  quantize_p_blocks(s, bm, toff, pa, rsum);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) st.l[r] = fmaf(alpha[r], st.l[r], gsc[r] * rsum[r]);
+}
+
+/* Scores of one 128-key tile (raw FP16-MMA accumulators Q^ K^T, see tile_scores_log2) -> P^q
+ * fragments, updating m and l, for a caller that accumulates P^q V^ of the tile separately
+ * (outputs as softmax_step_p). SPEC 4.4-4.5 in log2 units. */
 __device__ __forceinline__ void softmax_quantize_p(const fp4attn_attention_params &p,
                                                    const WarpRows &w, int64_t j0, float cqk,
                                                    const float *bias, float (&s)[16][4],
@@ -171,22 +201,8 @@ __device__ __forceinline__ void softmax_quantize_p(const fp4attn_attention_param
   tile_scores_log2(p, w, j0, cqk, bias, s);
   float bm[8][2];
   block_maxima(s, bm);
-  float toff[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float tmax = tile_row_max(bm, r);
-    const float mnew = fmaxf(st.m[r], tmax);
-    const bool empty = tmax == -INFINITY;
-    alpha[r] = st.m[r] == -INFINITY ? 0.0f : fast_exp2(st.m[r] - mnew);
-    const float beta = empty ? 0.0f : fast_exp2(tmax - mnew);
-    gsc[r] = beta * (1.0f / FP4ATTN_NVFP4_RANGE);
-    toff[r] = (empty ? 0.0f : tmax) - kLog2_2688; /* Pq = 2688 exp2(x - t) = exp2(x - toff) */
-    st.m[r] = mnew;
-  }
-  float rsum[2];
-  quantize_p_blocks(s, bm, toff, pa, rsum);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) st.l[r] = fmaf(alpha[r], st.l[r], gsc[r] * rsum[r]);
+  const float tmax[2] = {tile_row_max(bm, 0), tile_row_max(bm, 1)};
+  softmax_step_p(tmax, s, bm, st, alpha, gsc, pa);
 }
 
 /* A tile whose row maximum t lies this far (log2 units) below the running maximum m adds at most

@@ -41,6 +41,13 @@ static inline int64_t padded_head_dim(int64_t d) {
   return d <= 64 ? 64 : (d <= 128 ? 128 : 256);
 }
 
+/* The schedule of the fused split-KV decode (decode/sdpa_decode.cu): m-tiles of 16 query rows
+ * per (batch, KV head), key-tile ranges (splits of tiles_per_split 128-key tiles), and the
+ * statistics kernel's token chunks. */
+struct DecodeSchedule {
+  int64_t mtiles, splits, tiles_per_split, chunks, chunk_len;
+};
+
 /* How one attention call runs (planned by heuristics.h); the workspace is sized for it. */
 struct AttnPlan {
   fp4attn_kernel kernel; /* never AUTO */
@@ -48,6 +55,7 @@ struct AttnPlan {
   bool fp16_operands;    /* the pre-pass writes K^/V^ as exact FP16 values (sm80, sm90) */
   int64_t qstage_blocks; /* Q^ staging buffers of the persistent sm90 kernel (one per SM), or 0 */
   int64_t item_heads;    /* (batch, query head)s per group of the sm90 causal work order */
+  DecodeSchedule decode; /* FP4ATTN_KERNEL_DECODE only */
 };
 
 struct AttnWorkspace {

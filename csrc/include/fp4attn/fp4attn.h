@@ -51,11 +51,16 @@ typedef enum {
   FP4ATTN_KERNEL_SM80 = 1, /* "sm80": mma.sync on exact FP16/BF16 dequantization, sm_80 and newer */
   FP4ATTN_KERNEL_SM120 = 2, /* "sm120": block-scaled FP4 MMA; emulated exactly off Blackwell */
   FP4ATTN_KERNEL_SM90 = 3, /* "sm90": Hopper wgmma + TMA (sm_90a build, capability 9.0, D <= 128) */
+  /* "decode": fused split-KV decode for few query rows (len_q <= 128, no attn_mask, fp16/bf16,
+   * 16-byte aligned K/V rows with head_dim % 8 == 0), mma.sync, sm_80 and newer: K and V read in
+   * their input dtype and quantized in registers, no pre-pass */
+  FP4ATTN_KERNEL_DECODE = 4,
 } fp4attn_kernel;
 
-#define FP4ATTN_KERNEL_COUNT 4
+#define FP4ATTN_KERNEL_COUNT 5
 
-/* The name of a kernel request ("auto", "sm80", "sm120", "sm90"); NULL for an invalid value. */
+/* The name of a kernel request ("auto", "sm80", "sm120", "sm90", "decode"); NULL for an invalid
+ * value. */
 static inline const char *fp4attn_kernel_name(fp4attn_kernel k) {
   switch (k) {
     case FP4ATTN_KERNEL_AUTO:
@@ -66,6 +71,8 @@ static inline const char *fp4attn_kernel_name(fp4attn_kernel k) {
       return "sm120";
     case FP4ATTN_KERNEL_SM90:
       return "sm90";
+    case FP4ATTN_KERNEL_DECODE:
+      return "decode";
   }
   return 0;
 }
