@@ -193,7 +193,8 @@ __device__ __forceinline__ void load_chunk(Raw<DP> &raw, const fp4attn_kv_cache 
 }
 
 template <int DP, bool kBf16, bool kSplitQ, bool kFast>
-__global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1)) decode_kernel(const DecodeArgs a) {
+__global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
+    decode_kernel(const DecodeArgs a) {
   using L = DecodeSmem<DP>;
   using F = Frag<DP>;
   extern __shared__ __align__(128) char smem[];
