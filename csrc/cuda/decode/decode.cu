@@ -158,18 +158,18 @@ __device__ __forceinline__ void load_chunk(Raw<DP> &raw, const fp4attn_kv_cache 
   const int cb = kFast ? DP / 2 : (int)fp4_code_bytes(c.head_dim);
   const int sc = kFast ? DP / 16 : (int)fp4_scale_count(c.head_dim);
   const int ps = (int)c.page_size;
-  /* row r of the chunk: base + r (kFast) or a row of its own */
   int64_t base = 0;
   if (kFast) {
     const int64_t page = c.block_table[b * c.max_pages + key0 / ps];
     base = (page * c.heads_kv + hk) * ps + key0 % ps;
   }
-  auto row_of = [&](int key) -> int64_t { /* keys past the end read the last one (then unused) */
-                                          if (kFast) return key;
-                                          const int pos = min(key0 + key, len - 1);
-                                          const int64_t page =
-                                              c.block_table[b * c.max_pages + pos / ps];
-                                          return (page * c.heads_kv + hk) * ps + pos % ps;
+  /* The row of chunk key `key`: base + key where pages hold whole chunks, else looked up (a key
+   * past the sequence's end reads its last key). Such keys' scores are masked, their V zeroed. */
+  auto row_of = [&](int key) -> int64_t {
+    if (kFast) return key;
+    const int pos = min(key0 + key, len - 1);
+    const int64_t page = c.block_table[b * c.max_pages + pos / ps];
+    return (page * c.heads_kv + hk) * ps + pos % ps;
   };
   const uint8_t *kc = c.k_codes + base * cb, *ks = c.k_scales + base * sc;
   const uint8_t *vc = c.v_codes + base * cb, *vs = c.v_scales + base * sc;
