@@ -195,13 +195,23 @@ def tiny_sliding_qwen2():
     return model.eval()
 
 
-def test_fp4cache_with_a_sliding_window_layer_matches_the_dequantized_cache():
-    """A decode step in a model with a sliding-window layer gives the logits of transformers' own
-    sliding-window mask on an ordinary cache holding the FP4 cache's dequantized first 40 tokens
-    (the step's own keys and values are quantized in the FP4 cache only: cos, not equality)."""
+def test_fp4cache_with_a_sliding_window_layer_matches_the_dequantized_cache(monkeypatch):
+    """A decode step in a model with a sliding-window layer runs both layers through the kernel
+    (transformers' window mask of the sliding layer is recognised as the plain pattern) and gives
+    the logits of transformers' own sliding-window mask on an ordinary cache holding the FP4
+    cache's dequantized first 40 tokens (the step's own keys and values are quantized in the FP4
+    cache only: cos, not equality)."""
     from fp4attn.integrations import transformers as integration
 
     integration.register()
+    windows = []
+    original = integration.decode
+
+    def counting(q, cache, **kwargs):
+        windows.append(kwargs.get("window"))
+        return original(q, cache, **kwargs)
+
+    monkeypatch.setattr(integration, "decode", counting)
     model = tiny_sliding_qwen2()
     ids = torch.randint(0, 256, (1, 41), generator=torch.Generator().manual_seed(1))
     fp4 = integration.FP4Cache(config=model.config)
@@ -210,6 +220,7 @@ def test_fp4cache_with_a_sliding_window_layer_matches_the_dequantized_cache():
         kw = cache_keyword(model)
         model(ids[:, :40], **{kw: fp4})
         got = model(ids[:, 40:], **{kw: fp4}).logits
+        assert windows == [8, None]
         ref_cache = transformers.DynamicCache()
         for i, layer in enumerate(fp4.layers):
             k, v = layer.cache.dequantize(torch.float32)
@@ -239,3 +250,29 @@ def test_fp4cache_sliding_window_kernel_path_matches_the_mask_path(nq):
     got = integration._cached_attention(q, keys, None, 32 ** -0.5)
     want = integration._cached_attention(q, keys, mask, 32 ** -0.5)
     assert (got - want).abs().max() < 1e-5
+
+
+def test_fp4cache_sliding_window_layer_with_padding_attends_to_the_dequantized_cache(monkeypatch):
+    """With a left-padded batch whose padding lies inside the window, the sliding layer's mask is
+    not the plain pattern: the step attends to the dequantized cache with it. Once the padding
+    falls out of the window, the mask is the plain pattern again and the kernel takes the step."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    model = tiny_sliding_qwen2()
+    windows = []
+    original = integration.decode
+
+    def counting(q, cache, **kwargs):
+        windows.append(kwargs.get("window"))
+        return original(q, cache, **kwargs)
+
+    monkeypatch.setattr(integration, "decode", counting)
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0  # keys 0, 1 of the second sequence: inside the window of 8 below length 10
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                             **{cache_keyword(model): integration.FP4Cache(config=model.config)})
+    assert out.shape == (2, 14)
+    assert windows == [8] * 4  # the steps at lengths 10-13 (the full layer: masked, SDPA)

@@ -42,13 +42,35 @@ class FP4CacheKeys(torch.Tensor):
         return t
 
 
+def _window_mask(nq: int, L: int, window: int | None, device) -> torch.Tensor:
+    """[nq, L] bool: the last nq positions, bottom-right causal, each seeing its last `window` keys."""
+    mask = torch.ones(nq, L, dtype=torch.bool, device=device).tril(L - nq)
+    if window is not None:
+        mask &= ~torch.ones_like(mask).tril(L - nq - window)
+    return mask
+
+
+def _is_plain_window(attention_mask: torch.Tensor, nq: int, L: int, window: int | None) -> bool:
+    """Whether a 4D mask (bool, True = attend) is the plain causal / sliding-window pattern for
+    every sequence, i.e. no padding: the kernel computes exactly that without a mask. transformers
+    passes sliding-window layers such a mask on every step once the cache is longer than the
+    window. One comparison on the device (a host synchronisation) instead of attending to the
+    whole dequantized cache."""
+    if window is None or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool or \
+            attention_mask.shape[-2] != nq or attention_mask.shape[-1] < L:
+        return False
+    want = _window_mask(nq, L, window, attention_mask.device)
+    return bool((attention_mask[..., :L] == want).all())
+
+
 def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
     """Attention of this step's queries to everything in the layer's FP4 cache (to the last
     `sliding_window` keys of each query in a sliding-window layer)."""
     layer = key.fp4_layer
     cache, window = layer.cache, layer.sliding_window
     nq = query.shape[2]
-    if attention_mask is None and nq <= MAX_DECODE_TOKENS:
+    if nq <= MAX_DECODE_TOKENS and (attention_mask is None or
+                                    _is_plain_window(attention_mask, nq, len(cache), window)):
         return decode(query, cache, scale=scaling, window=window)
     # a padding mask or a long chunk: torch SDPA on the dequantized cache (the values the decode
     # kernel computes with, unquantized math like it)
@@ -56,10 +78,7 @@ def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, : k.shape[-2]]
     elif attention_mask is None:  # the last nq positions: bottom-right causal (and windowed)
-        L = k.shape[-2]
-        attention_mask = torch.ones(nq, L, dtype=torch.bool, device=query.device).tril(L - nq)
-        if window is not None:
-            attention_mask &= ~torch.ones_like(attention_mask).tril(L - nq - window)
+        attention_mask = _window_mask(nq, k.shape[-2], window, query.device)
     return ORIGINAL_SDPA(query, k, v, attn_mask=attention_mask, scale=scaling,
                          enable_gqa=k.shape[1] != query.shape[1])
 
@@ -108,9 +127,9 @@ def _cache_classes():
 
     class FP4Layer(CacheLayerMixin):
         """A layer of an FP4Cache: an fp4attn.FP4KVCache that grows. With `sliding_window`, a
-        sliding-window layer: each query attends to its last `sliding_window` keys. The cache
-        keeps every token (pages are not recycled yet). transformers passes sliding layers a mask
-        once the cache is longer than the window; such steps attend to the dequantized cache."""
+        sliding-window layer: each query attends to its last `sliding_window` keys (through the
+        kernel when the mask transformers passes is the plain window pattern, i.e. no padding).
+        The cache keeps every token: pages are not recycled yet."""
 
         is_croppable = False
 
