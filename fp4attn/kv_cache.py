@@ -25,6 +25,9 @@ __all__ = ["FP4KVCache", "decode", "decode_paged"]
 
 #: Tokens per page when the constructor is not told.
 DEFAULT_PAGE_SIZE = 128
+#: Most query positions one decode call serves (speculative decoding); a windowed cache keeps
+#: the last window + MAX_DECODE_QUERIES - 1 tokens, all that such calls can read.
+MAX_DECODE_QUERIES = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -34,11 +37,17 @@ class FP4KVCache:
     ``max_tokens=None`` grows by reallocating (doubling) its page pool; an ``int`` preallocates
     that capacity once (no reallocation, so decode calls can be captured in a CUDA graph) and
     appending past it is an error. ``page_size`` tokens per page (default 128).
+
+    ``window=W``: a sliding-window cache for attention that sees each query's last ``W`` keys. It
+    keeps the last ``W + 15`` tokens (all that a decode of up to 16 query positions reads) in a
+    fixed ring of pages per sequence, so its memory does not grow with the sequence: token ``t``
+    lives in page ``t // page_size`` of the block table, whose entries cycle through the ring.
+    Its decodes use the window; ``dequantize`` returns the kept tokens, from ``start`` on.
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.float16,
                  device: torch.device | str | None = None, page_size: int | None = None,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, window: int | None = None):
         for name, val in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
@@ -51,8 +60,13 @@ class FP4KVCache:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ValueError(f"window must be a positive int or None, got {window!r}")
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.dtype, self.page_size, self.max_tokens = dtype, page_size, max_tokens
+        self.window = window
+        # a ring holds the kept tokens wherever they start in a page, plus the page being filled
+        self._ring = None if window is None else -(-(window + MAX_DECODE_QUERIES - 1) // page_size) + 1
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", comparable
         self._len = 0
         self.kmean = torch.zeros(batch, kv_heads, head_dim, dtype=torch.float32, device=self.device)
@@ -63,26 +77,32 @@ class FP4KVCache:
     # ------------------------------------------------------------------ storage
 
     def _allocate(self, pages_per_seq: int) -> None:
-        """(Re)allocates the pool for pages_per_seq pages per sequence, keeping the stored pages."""
+        """(Re)allocates for pages_per_seq logical pages per sequence, keeping the stored pages: the
+        pool and the block table, or for a windowed cache its block table only (the ring's pool
+        is allocated once)."""
         B, H, P, D = self.batch, self.kv_heads, self.page_size, self.head_dim
-        n = B * pages_per_seq
-        new = {
-            "k_codes": torch.zeros(n, H, P, code_bytes(D), dtype=torch.uint8, device=self.device),
-            "k_scales": torch.zeros(n, H, P, scale_count(D), dtype=torch.uint8, device=self.device),
-            "k_dec": torch.zeros(n, H, P, dtype=torch.float32, device=self.device),
-        }
-        new["v_codes"] = torch.zeros_like(new["k_codes"])
-        new["v_scales"] = torch.zeros_like(new["k_scales"])
-        new["v_dec"] = torch.zeros_like(new["k_dec"])
+        pool_pages = self._ring if self._ring is not None else pages_per_seq
         old = getattr(self, "_pages_per_seq", 0)
-        if old:
-            for name, t in new.items():  # page i of sequence b is b * pages_per_seq + i
-                t.view(B, pages_per_seq, *t.shape[1:])[:, :old] = getattr(self, name).view(B, old, *t.shape[1:])
-        for name, t in new.items():
-            setattr(self, name, t)
+        if not old or self._ring is None:
+            n = B * pool_pages
+            new = {
+                "k_codes": torch.zeros(n, H, P, code_bytes(D), dtype=torch.uint8, device=self.device),
+                "k_scales": torch.zeros(n, H, P, scale_count(D), dtype=torch.uint8, device=self.device),
+                "k_dec": torch.zeros(n, H, P, dtype=torch.float32, device=self.device),
+            }
+            new["v_codes"] = torch.zeros_like(new["k_codes"])
+            new["v_scales"] = torch.zeros_like(new["k_scales"])
+            new["v_dec"] = torch.zeros_like(new["k_dec"])
+            if old:
+                for name, t in new.items():  # page i of sequence b is b * pages_per_seq + i
+                    t.view(B, pages_per_seq, *t.shape[1:])[:, :old] = \
+                        getattr(self, name).view(B, old, *t.shape[1:])
+            for name, t in new.items():
+                setattr(self, name, t)
         self._pages_per_seq = pages_per_seq
-        seq = torch.arange(B, dtype=torch.int32, device=self.device)[:, None] * pages_per_seq
-        self.block_table = seq + torch.arange(pages_per_seq, dtype=torch.int32, device=self.device)
+        seq = torch.arange(B, dtype=torch.int32, device=self.device)[:, None] * pool_pages
+        page = torch.arange(pages_per_seq, dtype=torch.int32, device=self.device)
+        self.block_table = seq + (page if self._ring is None else page % self._ring)
 
     def storage(self) -> tuple[Tensor, ...]:
         """(k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, kmean, block_table): the paged
@@ -92,7 +112,16 @@ class FP4KVCache:
 
     @property
     def capacity(self) -> int:
+        """Tokens the block table addresses before it grows (a windowed cache keeps fewer)."""
         return self._pages_per_seq * self.page_size
+
+    @property
+    def start(self) -> int:
+        """Position of the first token `dequantize` returns: 0, or for a windowed cache the first
+        of the kept ``window + 15``."""
+        if self.window is None:
+            return 0
+        return max(0, self._len - (self.window + MAX_DECODE_QUERIES - 1))
 
     @property
     def nbytes(self) -> int:
@@ -106,8 +135,9 @@ class FP4KVCache:
 
     def append(self, k: Tensor, v: Tensor) -> None:
         """Appends ``n >= 1`` tokens to every sequence: ``k, v [batch, kv_heads, n, head_dim]`` in
-        the cache's dtype and device. The first append also fixes K's mean. On bad input nothing
-        is changed."""
+        the cache's dtype and device. The first append also fixes K's mean (over the tokens it
+        stores: a windowed cache stores only the last ``window + 15``). On bad input nothing is
+        changed."""
         shape = (self.batch, self.kv_heads, None, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, Tensor) or t.dim() != 4 or any(
@@ -126,20 +156,28 @@ class FP4KVCache:
             raise ValueError(f"appending {n} tokens to {self._len} exceeds max_tokens={self.max_tokens}")
         if need > self.capacity:
             self._allocate(max(2 * self._pages_per_seq, -(-need // self.page_size)))
-        torch.ops.fp4attn.kv_append(k, v, *self.storage(), self._len, self._len == 0)
+        skip = 0  # a windowed cache stores only the tokens a decode can still read
+        if self.window is not None:
+            skip = max(0, n - (self.window + MAX_DECODE_QUERIES - 1))
+        torch.ops.fp4attn.kv_append(k[:, :, skip:], v[:, :, skip:], *self.storage(), self._len + skip,
+                                    self._len == 0)
         self._len = need
         self.seq_lens.fill_(need)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-        """``(k, v)`` ``[batch, kv_heads, len, head_dim]``: the values the decode computes with (K
-        with its mean added back in one float32 addition), in ``dtype`` (default: the cache's); a
+        """``(k, v)`` ``[batch, kv_heads, len - start, head_dim]``: the values the decode computes
+        with (K with its mean added back in one float32 addition) of the tokens from ``start`` on
+        (all of them unless a window dropped older ones), in ``dtype`` (default: the cache's); a
         16-bit dtype rounds them once more."""
-        k = _dequantize_rows(self.k_codes, self.k_scales, self.k_dec, self.block_table, self._len,
-                             self.head_dim) + self.kmean[:, :, None, :]
-        v = _dequantize_rows(self.v_codes, self.v_scales, self.v_dec, self.block_table, self._len,
-                             self.head_dim)
+        first = self.start // self.page_size  # logical pages from the one holding `start`
+        pages = max(-(-self._len // self.page_size), first + 1)
+        table = self.block_table[:, first:pages]
+        lo, hi = self.start - first * self.page_size, self._len - first * self.page_size
+        k = _dequantize_rows(self.k_codes, self.k_scales, self.k_dec, table, hi, self.head_dim)
+        v = _dequantize_rows(self.v_codes, self.v_scales, self.v_dec, table, hi, self.head_dim)
+        k = k[:, :, lo:] + self.kmean[:, :, None, :]
         dtype = self.dtype if dtype is None else dtype
-        return k.to(dtype), v.to(dtype)
+        return k.to(dtype), v[:, :, lo:].to(dtype)
 
 
 def _dequantize_rows(codes, scales, dec, block_table, length: int, D: int) -> Tensor:
@@ -187,5 +225,12 @@ def decode(q: Tensor, cache: FP4KVCache, scale: float | None = None, return_lse:
         raise ValueError(f"q must be {cache.dtype} on {cache.device}, got {q.dtype} on {q.device}")
     if not 1 <= q.shape[2] <= len(cache):
         raise ValueError(f"q has {q.shape[2]} positions; the cache holds {len(cache)} tokens")
+    if cache.window is not None:  # older tokens are gone: the cache's window at most
+        if q.shape[2] > MAX_DECODE_QUERIES:
+            raise ValueError(f"q has {q.shape[2]} positions; a windowed cache serves at most "
+                             f"{MAX_DECODE_QUERIES}")
+        if window is not None and window > cache.window:
+            raise ValueError(f"window={window} exceeds the cache's window={cache.window}")
+        window = cache.window if window is None else window
     return decode_paged(q, *cache.storage(), cache.seq_lens, scale=scale, return_lse=return_lse,
                         window=window)

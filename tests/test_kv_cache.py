@@ -125,6 +125,36 @@ def test_sliding_window_decode(case):
         check_window_case(case[:-1] + (0,), torch.bfloat16, "cpu")
 
 
+def test_windowed_cache_keeps_the_window_in_a_ring():
+    """A windowed cache stores only the last window + 15 tokens (a long first append, then single
+    tokens wrapping the ring many times), its memory stays put, and its decodes agree with exact
+    windowed attention on what it keeps."""
+    B, H, D, W, page = 2, 2, 64, 40, 16
+    cache = fp4attn.FP4KVCache(B, H, D, dtype=torch.float32, window=W, page_size=page, max_tokens=600)
+    k, v = kv(B, H, 300, D, torch.float32, 1)
+    cache.append(k, v)
+    pool = cache.k_codes.numel()
+    assert cache.start == 300 - (W + 15) and cache.k_codes.shape[0] == B * (-(-(W + 15) // page) + 1)
+    for i in range(120):
+        cache.append(*kv(B, H, 1, D, torch.float32, 100 + i))
+    assert len(cache) == 420 and cache.start == 420 - (W + 15) and cache.k_codes.numel() == pool
+    kd, vd = cache.dequantize(torch.float32)
+    assert kd.shape == (B, H, W + 15, D)
+    for nq, window in ((1, None), (4, None), (16, 25)):
+        q = torch.randn(B, 8, nq, D, generator=torch.Generator().manual_seed(nq))
+        out, lse = fp4attn.decode(q, cache, return_lse=True, window=window)
+        pad = torch.zeros(B, H, cache.start, D)  # dropped tokens: outside every window
+        ref, ref_lse = exact_decode(q, torch.cat([pad, kd], 2), torch.cat([pad, vd], 2), [420] * B,
+                                    window=window or W)
+        assert rel_l1(out, ref) < 3e-3 and (lse.double() - ref_lse).abs().max() < 2e-3
+    with pytest.raises(ValueError, match="exceeds the cache's window=40"):
+        fp4attn.decode(torch.zeros(B, 8, 1, D), cache, window=41)
+    with pytest.raises(ValueError, match="serves at most 16"):
+        fp4attn.decode(torch.zeros(B, 8, 17, D), cache)
+    with pytest.raises(ValueError, match="window must be"):
+        fp4attn.FP4KVCache(1, 1, 64, window=0)
+
+
 def test_paged_ragged_batch_with_a_shuffled_block_table():
     B, H, D, page = 3, 2, 64, 8
     lens = [5, 40, 17]
@@ -233,6 +263,25 @@ def test_cuda_decode_long_gqa_matches_the_cpu_backend(D, dtype):
     want, want_lse = fp4attn.decode(q, cpu, return_lse=True)
     assert rel_l1(out.cpu(), want) < 3e-3
     assert (lse.cpu() - want_lse).abs().max() < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("page", [16, 128])
+def test_cuda_windowed_cache_matches_the_cpu_backend(page):
+    """A windowed cache wrapping its ring on CUDA holds the CPU's bytes and decodes alike."""
+    caches = [fp4attn.FP4KVCache(2, 2, 128, dtype=torch.float16, device=dev, window=100,
+                                 page_size=page) for dev in ("cpu", "cuda")]
+    for i, n in enumerate([700, 1, 1, 3, 250, 1]):
+        k, v = kv(2, 2, n, 128, torch.float16, 40 + i)
+        for cache in caches:
+            cache.append(k.to(cache.device), v.to(cache.device))
+    for a, b in zip(caches[0].storage(), caches[1].storage()):
+        assert torch.equal(a, b.cpu())
+    q = torch.randn(2, 8, 4, 128, generator=torch.Generator().manual_seed(6)).to(torch.float16)
+    want, want_lse = fp4attn.decode(q, caches[0], return_lse=True)
+    out, lse = fp4attn.decode(q.cuda(), caches[1], return_lse=True)
+    assert rel_l1(out.cpu(), want) < 3e-3 and (lse.cpu() - want_lse).abs().max() < 2e-3
 
 
 @pytest.mark.gpu

@@ -221,10 +221,12 @@ def test_fp4cache_with_a_sliding_window_layer_matches_the_dequantized_cache(monk
         model(ids[:, :40], **{kw: fp4})
         got = model(ids[:, 40:], **{kw: fp4}).logits
         assert windows == [8, None]
+        assert fp4.layers[0].cache.start == 41 - 23 and fp4.layers[1].cache.start == 0
         ref_cache = transformers.DynamicCache()
-        for i, layer in enumerate(fp4.layers):
-            k, v = layer.cache.dequantize(torch.float32)
-            ref_cache.update(k[:, :, :40], v[:, :, :40], i)
+        for i, layer in enumerate(fp4.layers):  # the sliding layer kept its last 8 + 15 tokens only:
+            k, v = layer.cache.dequantize(torch.float32)  # zeros before (outside every window)
+            pad = torch.zeros(*k.shape[:2], layer.cache.start, k.shape[3])
+            ref_cache.update(torch.cat([pad, k], 2)[:, :, :40], torch.cat([pad, v], 2)[:, :, :40], i)
         model.config._attn_implementation = "sdpa"
         want = model(ids[:, 40:], **{kw: ref_cache}).logits
     cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
@@ -276,3 +278,29 @@ def test_fp4cache_sliding_window_layer_with_padding_attends_to_the_dequantized_c
                              **{cache_keyword(model): integration.FP4Cache(config=model.config)})
     assert out.shape == (2, 14)
     assert windows == [8] * 4  # the steps at lengths 10-13 (the full layer: masked, SDPA)
+
+
+def test_fp4cache_sliding_window_layer_long_chunk():
+    """A chunk of 20 new tokens after the prefill (more than the kernel serves): the sliding layer
+    attends to its kept tokens and the chunk's own states although its ring then drops tokens the
+    chunk's first queries see, like an ordinary cache holding the dequantized tokens."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    model = tiny_sliding_qwen2()
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(4))
+    fp4 = integration.FP4Cache(config=model.config)
+    with torch.no_grad():
+        kw = cache_keyword(model)
+        model(ids[:, :40], **{kw: fp4})
+        ref_cache = transformers.DynamicCache()
+        for i, layer in enumerate(fp4.layers):  # zeros before the sliding layer's kept tokens
+            k, v = layer.cache.dequantize(torch.float32)
+            pad = torch.zeros(*k.shape[:2], layer.cache.start, k.shape[3])
+            ref_cache.update(torch.cat([pad, k], 2), torch.cat([pad, v], 2), i)
+        got = model(ids[:, 40:], **{kw: fp4}).logits
+        assert fp4.layers[0].cache.start == 60 - 23
+        model.config._attn_implementation = "sdpa"
+        want = model(ids[:, 40:], **{kw: ref_cache}).logits
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cos > 0.999  # the full layer attends to the chunk's quantized states, the reference not

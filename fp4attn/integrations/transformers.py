@@ -73,12 +73,15 @@ def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
                                     _is_plain_window(attention_mask, nq, len(cache), window)):
         return decode(query, cache, scale=scaling, window=window)
     # a padding mask or a long chunk: torch SDPA on the dequantized cache (the values the decode
-    # kernel computes with, unquantized math like it)
-    k, v = cache.dequantize()
+    # kernel computes with, unquantized math like it), from position `start` on
+    if layer.chunk_states is not None:  # a long chunk of a windowed layer (see FP4Layer.update)
+        k, v, start = layer.chunk_states
+    else:
+        (k, v), start = cache.dequantize(), cache.start
     if attention_mask is not None and attention_mask.dim() == 4:
-        attention_mask = attention_mask[:, :, :, : k.shape[-2]]
+        attention_mask = attention_mask[:, :, :, start:start + k.shape[-2]]
     elif attention_mask is None:  # the last nq positions: bottom-right causal (and windowed)
-        attention_mask = _window_mask(nq, k.shape[-2], window, query.device)
+        attention_mask = _window_mask(nq, start + k.shape[-2], window, query.device)[:, start:]
     return ORIGINAL_SDPA(query, k, v, attn_mask=attention_mask, scale=scaling,
                          enable_gqa=k.shape[1] != query.shape[1])
 
@@ -128,8 +131,8 @@ def _cache_classes():
     class FP4Layer(CacheLayerMixin):
         """A layer of an FP4Cache: an fp4attn.FP4KVCache that grows. With `sliding_window`, a
         sliding-window layer: each query attends to its last `sliding_window` keys (through the
-        kernel when the mask transformers passes is the plain window pattern, i.e. no padding).
-        The cache keeps every token: pages are not recycled yet."""
+        kernel when the mask transformers passes is the plain window pattern, i.e. no padding),
+        and the cache keeps only the tokens that can still be seen (a windowed FP4KVCache)."""
 
         is_croppable = False
 
@@ -139,18 +142,28 @@ def _cache_classes():
             self.sliding_window = sliding_window
             self.is_sliding = sliding_window is not None
             self.cache = None
+            # a windowed layer's long chunk (more than MAX_DECODE_TOKENS new tokens after the
+            # prefill) attends to (the kept tokens before it, dequantized, + its own states) and
+            # their first position: the append may drop tokens its first queries still see
+            self.chunk_states = None
 
         def lazy_initialization(self, key_states, value_states):
             B, H, _, D = key_states.shape
             self.dtype, self.device = key_states.dtype, key_states.device
             self.cache = FP4KVCache(B, H, D, dtype=key_states.dtype, device=key_states.device,
-                                    page_size=self.page_size)
+                                    page_size=self.page_size, window=self.sliding_window)
             self.is_initialized = True
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             first = len(self.cache) == 0
+            self.chunk_states = None
+            if not first and self.sliding_window is not None and \
+                    key_states.shape[2] > MAX_DECODE_TOKENS:
+                k, v = self.cache.dequantize()
+                self.chunk_states = (torch.cat([k, key_states], 2), torch.cat([v, value_states], 2),
+                                     self.cache.start)
             self.cache.append(key_states, value_states)  # any strides with a unit head-dim stride
             if first:  # prefill: the selected attention on the full-precision states
                 return key_states, value_states
@@ -169,7 +182,8 @@ def _cache_classes():
             if self.is_initialized:
                 self.cache = FP4KVCache(self.cache.batch, self.cache.kv_heads, self.cache.head_dim,
                                         dtype=self.dtype, device=self.device,
-                                        page_size=self.page_size)
+                                        page_size=self.page_size, window=self.sliding_window)
+                self.chunk_states = None
 
         def reorder_cache(self, beam_idx) -> None:
             raise NotImplementedError("FP4Cache: beam search (reorder_cache) is not supported")
