@@ -195,6 +195,19 @@ def tiny_sliding_qwen2():
     return model.eval()
 
 
+def decode_windows(monkeypatch, integration) -> list:
+    """The `window` of every kernel decode the integration makes from now on."""
+    windows = []
+    original = integration.decode
+
+    def counting(q, cache, **kwargs):
+        windows.append(kwargs.get("window"))
+        return original(q, cache, **kwargs)
+
+    monkeypatch.setattr(integration, "decode", counting)
+    return windows
+
+
 def test_fp4cache_with_a_sliding_window_layer_matches_the_dequantized_cache(monkeypatch):
     """A decode step in a model with a sliding-window layer runs both layers through the kernel
     (transformers' window mask of the sliding layer is recognised as the plain pattern) and gives
@@ -204,14 +217,7 @@ def test_fp4cache_with_a_sliding_window_layer_matches_the_dequantized_cache(monk
     from fp4attn.integrations import transformers as integration
 
     integration.register()
-    windows = []
-    original = integration.decode
-
-    def counting(q, cache, **kwargs):
-        windows.append(kwargs.get("window"))
-        return original(q, cache, **kwargs)
-
-    monkeypatch.setattr(integration, "decode", counting)
+    windows = decode_windows(monkeypatch, integration)
     model = tiny_sliding_qwen2()
     ids = torch.randint(0, 256, (1, 41), generator=torch.Generator().manual_seed(1))
     fp4 = integration.FP4Cache(config=model.config)
@@ -262,14 +268,7 @@ def test_fp4cache_sliding_window_layer_with_padding_attends_to_the_dequantized_c
 
     integration.register()
     model = tiny_sliding_qwen2()
-    windows = []
-    original = integration.decode
-
-    def counting(q, cache, **kwargs):
-        windows.append(kwargs.get("window"))
-        return original(q, cache, **kwargs)
-
-    monkeypatch.setattr(integration, "decode", counting)
+    windows = decode_windows(monkeypatch, integration)
     ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
     mask = torch.ones(2, 6, dtype=torch.long)
     mask[1, :2] = 0  # keys 0, 1 of the second sequence: inside the window of 8 below length 10
