@@ -70,8 +70,9 @@ class Timer:
         return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def kernel_breakdown(fn, names, calls: int = 5) -> tuple[float, float]:
-    """(forward kernel ms, pre-pass ms) per call, medians over `calls` profiled calls."""
+def profiled_kernels(fn, calls: int) -> list[tuple[str, float]]:
+    """(kernel name, ms) of every CUDA kernel that `calls` calls of fn launch, from torch.profiler
+    (after one unprofiled warm-up call)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -80,18 +81,21 @@ def kernel_breakdown(fn, names, calls: int = 5) -> tuple[float, float]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return [(ev.name, (ev.device_time if hasattr(ev, "device_time") else ev.cuda_time) / 1e3)
+            for ev in prof.events()
+            if ev.device_type is not None and "cuda" in str(ev.device_type).lower()]
+
+
+def kernel_breakdown(fn, names, calls: int = 5) -> tuple[float, float]:
+    """(forward kernel ms, pre-pass ms) per call, medians over `calls` profiled calls."""
     fwd, pre = [], []
-    for ev in prof.events():
-        if ev.device_type is None or "cuda" not in str(ev.device_type).lower():
-            continue
-        name = ev.name
-        dur = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+    for name, ms in profiled_kernels(fn, calls):
         if any(k in name for k in names):
-            fwd.append(dur)
+            fwd.append(ms)
         else:  # everything else fp4attn launches is the quantization pre-pass
-            pre.append(dur)
-    fwd_ms = statistics.median(fwd) / 1e3 if fwd else float("nan")
-    pre_ms = sum(pre) / calls / 1e3 if pre else float("nan")
+            pre.append(ms)
+    fwd_ms = statistics.median(fwd) if fwd else float("nan")
+    pre_ms = sum(pre) / calls if pre else float("nan")
     return fwd_ms, pre_ms
 
 

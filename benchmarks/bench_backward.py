@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fp4attn  # noqa: E402
-from bench_attention import RESULTS, int_list, plot_tflops, sdpa_backend_fn, start_gpu_run  # noqa: E402
+from bench_attention import (RESULTS, int_list, plot_tflops, profiled_kernels, sdpa_backend_fn,  # noqa: E402
+                             start_gpu_run)
 from provenance import print_table, write_csv  # noqa: E402
 
 
@@ -41,25 +42,14 @@ def step_fn(attn, q, k, v, grad):
 
 def breakdown(fn, calls: int = 3) -> tuple[float, float, float]:
     """(forward kernel, backward kernel, everything else) ms per step, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
     fwd = bwd = other = 0.0
-    for ev in prof.events():
-        if ev.device_type is None or "cuda" not in str(ev.device_type).lower():
-            continue
-        dur = (ev.device_time if hasattr(ev, "device_time") else ev.cuda_time) / 1e3 / calls
-        if "int8_forward" in ev.name:
-            fwd += dur
-        elif "int8_backward" in ev.name:
-            bwd += dur
-        elif "int8" in ev.name or "fp4attn" in ev.name:
-            other += dur
+    for name, ms in profiled_kernels(fn, calls):
+        if "int8_forward" in name:
+            fwd += ms / calls
+        elif "int8_backward" in name:
+            bwd += ms / calls
+        elif "int8" in name or "fp4attn" in name:
+            other += ms / calls
     return fwd, bwd, other
 
 
