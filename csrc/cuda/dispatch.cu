@@ -23,13 +23,20 @@ using namespace fp4attn_cuda;
 
 namespace {
 
-/* The C API contract plus this backend's limits, then the plan. */
-fp4attn_status check_and_plan(const fp4attn_attention_params *p, AttnPlan *plan) {
+/* The C API contract plus what every CUDA attention kernel needs: non-negative strides. */
+fp4attn_status check_cuda_attention(const fp4attn_attention_params *p, const char *what) {
   const fp4attn_status st = fp4attn_check_attention_params(p);
   if (st.code != FP4ATTN_OK) return st;
   if (p->q_stride[0] < 0 || p->q_stride[1] < 0 || p->q_stride[2] < 0 || p->k_stride[2] < 0 ||
       p->v_stride[2] < 0 || p->out_stride[2] < 0)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: negative strides");
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "%s: negative strides", what);
+  return fp4attn_ok();
+}
+
+/* The checks, then the plan. */
+fp4attn_status check_and_plan(const fp4attn_attention_params *p, AttnPlan *plan) {
+  const fp4attn_status st = check_cuda_attention(p, "attention");
+  if (st.code != FP4ATTN_OK) return st;
   return plan_attention(p, plan);
 }
 
@@ -72,11 +79,8 @@ fp4attn_status for_head_dim(int64_t dp, Launch launch) {
 
 /* The INT8 kernels' checks beyond the C API contract, and their kernel. */
 fp4attn_status check_int8(const fp4attn_attention_params *p, fp4attn_kernel *kernel) {
-  const fp4attn_status st = fp4attn_check_attention_params(p);
+  const fp4attn_status st = check_cuda_attention(p, "int8 attention");
   if (st.code != FP4ATTN_OK) return st;
-  if (p->q_stride[0] < 0 || p->q_stride[1] < 0 || p->q_stride[2] < 0 || p->k_stride[2] < 0 ||
-      p->v_stride[2] < 0 || p->out_stride[2] < 0)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 attention: negative strides");
   if (!p->lse)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 attention: lse must not be null");
   return plan_int8_attention(p, kernel);
