@@ -175,13 +175,7 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
 #pragma unroll
       for (int np = 0; np < DO / 16; ++np) {
         int c2[2][4] = {};
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          uint32_t ob[2][2];
-          ldsm_b<kBQ8>(ob, B + L::bDot, np * 16, c * 32);
-          mma_s8(c2[0], pa[c], ob[0]);
-          mma_s8(c2[1], pa[c], ob[1]);
-        }
+        mma_s8_k64<kBQ8>(c2, pa, B + L::bDot, np);
 #pragma unroll
         for (int x = 0; x < 2; ++x)
 #pragma unroll
@@ -254,13 +248,7 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
 #pragma unroll
       for (int np = 0; np < DO / 16; ++np) {
         int c2[2][4] = {};
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          uint32_t qb[2][2];
-          ldsm_b<kBQ8>(qb, B + L::bQt, np * 16, c * 32);
-          mma_s8(c2[0], da[c], qb[0]);
-          mma_s8(c2[1], da[c], qb[1]);
-        }
+        mma_s8_k64<kBQ8>(c2, da, B + L::bQt, np);
 #pragma unroll
         for (int x = 0; x < 2; ++x)
 #pragma unroll

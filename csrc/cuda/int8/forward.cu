@@ -143,8 +143,8 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
       for (int c = 0; c < 4; ++c) {
         uint32_t vb[2][2];
         ldsm_b<kBK8>(vb, vt, np * 16, c * 32);
-        mma_u8s8(pv[0], pa[c], vb[0]);
-        mma_u8s8(pv[1], pa[c], vb[1]);
+        mma_s8<true>(pv[0], pa[c], vb[0]);
+        mma_s8<true>(pv[1], pa[c], vb[1]);
       }
 #pragma unroll
       for (int x = 0; x < 2; ++x)

@@ -132,24 +132,36 @@ __device__ __forceinline__ uint32_t pack_s8x4(int a, int b, int c, int d) {
          ((uint32_t)d << 24);
 }
 
-/* D += A (16x32 s8, row) * B (32x8 s8, col), exact int32 accumulation. */
+/* D += A (16x32, row) * B (32x8 s8, col), exact int32 accumulation; A signed bytes, or unsigned
+ * with kU8A (the forward's P^ V^: P's codes are 0..255). */
+#define FP4ATTN_MMA_I8(atype)                                                    \
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32." atype                    \
+               ".s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n" \
+               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])                  \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
+template <bool kU8A = false>
 __device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4],
                                        const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  if (kU8A)
+    FP4ATTN_MMA_I8("u8");
+  else
+    FP4ATTN_MMA_I8("s8");
 }
+#undef FP4ATTN_MMA_I8
 
-/* D += A (16x32 u8, row) * B (32x8 s8, col): the forward's P^ V^ (P's codes are unsigned). */
-__device__ __forceinline__ void mma_u8s8(int (&d)[4], const uint32_t (&a)[4],
-                                         const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+/* B (8x32 s8) times the A fragments of two 32-column k-chunks: the 16x16 int32 block of n-tiles
+ * 2np, 2np + 1 of A (accumulator layout, k = 64) x B^T, B the rows np*16 .. np*16+15 of a
+ * swizzled [n][64] byte tile. */
+template <int W>
+__device__ __forceinline__ void mma_s8_k64(int (&c)[2][4], const uint32_t (&a)[2][4],
+                                           const char *tile, int np) {
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    uint32_t b[2][2];
+    ldsm_b<W>(b, tile, np * 16, k * 32);
+    mma_s8(c[0], a[k], b[0]);
+    mma_s8(c[1], a[k], b[1]);
+  }
 }
 
 /* The A fragment of k-chunk c (accumulator tiles 4c..4c+3, 32 columns) from 8-bit codes (signed,

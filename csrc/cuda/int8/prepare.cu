@@ -79,6 +79,22 @@ __device__ void stage_rows(float *tile, const void *x, fp4attn_dtype dt, const i
   }
 }
 
+/* Row-major codes of a staged tile's kRows rows with one scale per tile (psi of its amax m, the
+ * block-wide value): thread 0 writes the scale to *scale, the codes go to out [kRows][dp].
+ * Returns the factor r, for further codes of the same tile. */
+template <int kRows>
+__device__ __forceinline__ float code_rows(const float *tile, int pitch, int dp, float m,
+                                           float *scale, int8_t *out) {
+  float r, s;
+  psi_factors(m, r, s);
+  if (threadIdx.x == 0) *scale = s;
+  for (int i = threadIdx.x; i < kRows * (dp / 16); i += kThreads) {
+    const int n = i / (dp / 16), d0 = (i % (dp / 16)) * 16;
+    store16(out + n * dp + d0, [&](int e) { return code_s8(tile[n * pitch + d0 + e], r); });
+  }
+  return r;
+}
+
 /* Shared-memory bytes of a staged tile of `rows` rows. */
 __host__ __device__ constexpr int tile_bytes(int rows, int dp) {
   return rows * (dp + 4) * 4;
@@ -141,15 +157,8 @@ __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(const Int8Args a,
     x -= kbar[i % dp];
     m = amax_u(m, fabsf(x));
   }
-  m = block_amax(m, red);
-  float r, s;
-  psi_factors(m, r, s);
-  if (threadIdx.x == 0) w.sk[bhk * w.nkb + j] = s;
-  int8_t *kc = w.kc + (bhk * w.nkp + n0) * dp;
-  for (int i = threadIdx.x; i < kBK8 * (dp / 16); i += kThreads) {
-    const int n = i / (dp / 16), d0 = (i % (dp / 16)) * 16;
-    store16(kc + n * dp + d0, [&](int e) { return code_s8(tile[n * pitch + d0 + e], r); });
-  }
+  const float r = code_rows<kBK8>(tile, pitch, dp, block_amax(m, red), w.sk + bhk * w.nkb + j,
+                                  w.kc + (bhk * w.nkp + n0) * dp);
   if (backward) {
     int8_t *kct = w.kct + (bhk * w.nkb + j) * dp * kBK8;
     for (int i = threadIdx.x; i < dp * (kBK8 / 16); i += kThreads) {
@@ -193,15 +202,8 @@ __global__ void __launch_bounds__(kThreads) quantize_q_kernel(const Int8Args a, 
   float m = 0.0f;
   for (int e = threadIdx.x; e < kBQ8 * dp; e += kThreads)
     m = amax_u(m, fabsf(tile[(e / dp) * pitch + e % dp]));
-  m = block_amax(m, red);
-  float r, s;
-  psi_factors(m, r, s);
-  if (threadIdx.x == 0) w.sq[bh * w.nqb + i] = s;
-  int8_t *qc = w.qc + (bh * w.nqp + r0) * dp;
-  for (int e = threadIdx.x; e < kBQ8 * (dp / 16); e += kThreads) {
-    const int n = e / (dp / 16), d0 = (e % (dp / 16)) * 16;
-    store16(qc + n * dp + d0, [&](int x) { return code_s8(tile[n * pitch + d0 + x], r); });
-  }
+  const float r = code_rows<kBQ8>(tile, pitch, dp, block_amax(m, red), w.sq + bh * w.nqb + i,
+                                  w.qc + (bh * w.nqp + r0) * dp);
   const float *kbar = w.kbar + (b * p.heads_kv + hk) * dp;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int n = warp; n < kBQ8; n += kThreads / 32) {
