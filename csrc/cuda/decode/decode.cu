@@ -29,6 +29,7 @@
 #include "../common/smem_tiles.cuh"
 #include "decode.h"
 #include "e2m1_pairs.cuh"
+#include "split_merge.cuh"
 
 namespace fp4attn_cuda {
 
@@ -38,7 +39,6 @@ constexpr int kWarps = 4, kThreads = 32 * kWarps;
 constexpr int kRows = 16;  /* query rows per tile */
 constexpr int kChunk = 32; /* keys per warp step */
 constexpr float kLog2eD = 1.4426950408889634f;
-constexpr float kLn2D = 0.69314718055994531f;
 
 struct DecodeArgs {
   fp4attn_decode_params p;
@@ -403,38 +403,6 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
   }
 }
 
-/* One block per tile: the splits merged by their row maxima, O / l and the lse. */
-template <int DP>
-__global__ void __launch_bounds__(256) decode_merge_kernel(const DecodeArgs a) {
-  const fp4attn_decode_params &p = a.p;
-  const int64_t tile = blockIdx.x, H = p.cache.heads_kv, G = p.heads_q / H, nq = p.len_q;
-  const int64_t b = tile / (H * a.mtiles), hk = (tile / a.mtiles) % H, mt = tile % a.mtiles;
-  const int D = (int)p.cache.head_dim;
-  for (int i = threadIdx.x; i < kRows * DP; i += 256) {
-    const int r = i / DP, d = i % DP;
-    const int64_t row = mt * kRows + r;
-    if (row >= G * nq || d >= D) continue;
-    float mx = -INFINITY;
-    for (int64_t s = 0; s < a.splits; ++s)
-      mx = fmaxf(mx, a.ml_part[((tile * a.splits + s) * kRows + r) * 2]);
-    float acc = 0.0f, ls = 0.0f;
-    for (int64_t s = 0; s < a.splits; ++s) {
-      const int64_t part = tile * a.splits + s;
-      const float ms = a.ml_part[(part * kRows + r) * 2];
-      const float f = ms == -INFINITY ? 0.0f : exp2f(ms - mx);
-      acc += f * a.o_part[(part * kRows + r) * DP + d];
-      ls += f * a.ml_part[(part * kRows + r) * 2 + 1];
-    }
-    const int64_t h = hk * G + row / nq, t = row % nq;
-    store_from_float(p.out, p.dtype,
-                     b * p.out_stride[0] + h * p.out_stride[1] + t * p.out_stride[2] + d,
-                     ls > 0.0f ? acc / ls : 0.0f);
-    if (d == 0 && p.lse)
-      p.lse[(b * p.heads_q + h) * nq + t] =
-          ls > 0.0f ? (mx * kLn2D + logf(ls)) + a.qshift[tile * kRows + r] : -INFINITY;
-  }
-}
-
 /* Whether the cache allows the fast loads (load_chunk's kFast) for this head dim. */
 bool fast_layout(const fp4attn_kv_cache &c, int64_t dp) {
   auto aligned = [](const void *x) { return reinterpret_cast<uintptr_t>(x) % 16 == 0; };
@@ -498,7 +466,21 @@ fp4attn_status launch_dp(const DecodeArgs &a, const DecodePlan &plan, cudaStream
   const DecodeKernel kernel = kernel_for(a.p, DP, &smem);
   blocks_per_sm(kernel, smem); /* raises the kernel's shared memory limit once */
   kernel<<<dim3((unsigned)plan.tiles, (unsigned)plan.splits), kThreads, smem, s>>>(a);
-  decode_merge_kernel<DP><<<(unsigned)plan.tiles, 256, 0, s>>>(a);
+  const fp4attn_decode_params &p = a.p;
+  SplitMerge m{a.o_part,
+               a.ml_part,
+               a.qshift,
+               a.splits,
+               a.mtiles,
+               p.heads_q,
+               p.cache.heads_kv,
+               p.len_q,
+               p.cache.head_dim,
+               p.out,
+               {p.out_stride[0], p.out_stride[1], p.out_stride[2]},
+               p.dtype,
+               p.lse};
+  split_merge_kernel<DP><<<(unsigned)plan.tiles, 256, 0, s>>>(m);
   return launch_status("decode");
 }
 

@@ -36,8 +36,9 @@
  *    split writes its O, m (log2 units) and l per row, and split 0 the LSE term
  *    scale * (Q_r - qbar) . kbar.
  *
- * 3. sdpa_decode_merge_kernel, one block per m-tile: the splits merged by their maxima, O / l in
- *    the input dtype and lse = m ln2 + log l + scale * (Q_r - qbar) . kbar (SPEC 4.6).
+ * 3. split_merge_kernel (split_merge.cuh, shared with the KV-cache decode), one block per m-tile:
+ *    the splits merged by their maxima, O / l in the input dtype and
+ *    lse = m ln2 + log l + scale * (Q_r - qbar) . kbar (SPEC 4.6).
  *
  * Grid sizes follow from the shapes (heuristics.h, sdpa_decode_schedule); nothing waits on the
  * host.
@@ -49,6 +50,7 @@
 #include "../tile/qmean_bias.cuh"
 #include "../tile/softmax.cuh"
 #include "sdpa_decode.h"
+#include "split_merge.cuh"
 
 namespace fp4attn_cuda {
 
@@ -583,40 +585,6 @@ __global__ void __launch_bounds__(NW * 32, 1)
   DecodeKernel<T, DP, NBUF, NW>::run(a, smem);
 }
 
-/* ============================================================ kernel 3: merge */
-
-template <int DP>
-__global__ void __launch_bounds__(256)
-    sdpa_decode_merge_kernel(const __grid_constant__ DecodeArgs a) {
-  const fp4attn_attention_params &p = a.p;
-  const int64_t tile = blockIdx.x, S = a.d.splits;
-  const int64_t bhk = tile / a.d.mtiles, mt = tile % a.d.mtiles;
-  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv;
-  const int D = (int)p.head_dim;
-  for (int i = threadIdx.x; i < kRows * DP; i += 256) {
-    const int r = i / DP, d = i % DP;
-    const int64_t R = mt * kRows + r;
-    if (R >= a.group * p.len_q || d >= D) continue;
-    const float *ml = a.w.ml_part + tile * S * kRows * 2 + r * 2;
-    float mx = -INFINITY;
-    for (int64_t s = 0; s < S; ++s) mx = fmaxf(mx, ml[s * kRows * 2]);
-    float acc = 0.0f, ls = 0.0f;
-    for (int64_t s = 0; s < S; ++s) {
-      const float ms = ml[s * kRows * 2];
-      const float f = ms == -INFINITY ? 0.0f : exp2f(ms - mx);
-      acc = fmaf(f, a.w.o_part[((tile * S + s) * kRows + r) * DP + d], acc);
-      ls = fmaf(f, ml[s * kRows * 2 + 1], ls);
-    }
-    const int64_t h = hk * a.group + R / p.len_q, t = R % p.len_q;
-    store_from_float(p.out, p.dtype,
-                     b * p.out_stride[0] + h * p.out_stride[1] + t * p.out_stride[2] + d,
-                     ls > 0.0f ? acc / ls : 0.0f);
-    if (d == 0 && p.lse)
-      p.lse[(b * p.heads_q + h) * p.len_q + t] =
-          ls > 0.0f ? mx * kLn2 + logf(ls) + a.w.qshift[tile * kRows + r] : -INFINITY;
-  }
-}
-
 template <typename T, int DP>
 fp4attn_status launch_typed(const DecodeArgs &a, const AttnPlan &plan, cudaStream_t s) {
   constexpr int NBUF = DP <= 128 ? 2 : 1, NW = DP <= 128 ? 8 : 4;
@@ -639,7 +607,21 @@ fp4attn_status launch_typed(const DecodeArgs &a, const AttnPlan &plan, cudaStrea
   kernel<<<dim3((unsigned)tiles, (unsigned)plan.decode.splits), NW * 32, L::kBytes, s>>>(a);
   st = launch_status("attention: decode kernel");
   if (st.code != FP4ATTN_OK) return st;
-  sdpa_decode_merge_kernel<DP><<<(unsigned)tiles, 256, 0, s>>>(a);
+  const fp4attn_attention_params &p = a.p;
+  SplitMerge m{a.w.o_part,
+               a.w.ml_part,
+               a.w.qshift,
+               plan.decode.splits,
+               plan.decode.mtiles,
+               p.heads_q,
+               p.heads_kv,
+               p.len_q,
+               p.head_dim,
+               p.out,
+               {p.out_stride[0], p.out_stride[1], p.out_stride[2]},
+               p.dtype,
+               p.lse};
+  split_merge_kernel<DP><<<(unsigned)tiles, 256, 0, s>>>(m);
   return launch_status("attention: decode merge kernel");
 }
 
