@@ -95,6 +95,24 @@ __device__ __forceinline__ float code_rows(const float *tile, int pitch, int dp,
   return r;
 }
 
+/* Per-channel codes of a staged tile (the first `rows` of its kRows rows are real): channel d's
+ * scale (psi of its amax over the rows) to scales[d], its kRows codes in perm16 order to
+ * out + d x kRows. */
+template <int kRows>
+__device__ __forceinline__ void code_channels(const float *tile, int pitch, int rows, int dp,
+                                              float *scales, int8_t *out) {
+  for (int d = threadIdx.x; d < dp; d += kThreads) {
+    float m = 0.0f;
+    for (int n = 0; n < rows; ++n) m = amax_u(m, fabsf(tile[n * pitch + d]));
+    float r, s;
+    psi_factors(m, r, s);
+    scales[d] = s;
+    for (int c0 = 0; c0 < kRows; c0 += 16)
+      store16(out + d * kRows + c0,
+              [&](int e) { return code_s8(tile[(c0 + perm16(e)) * pitch + d], r); });
+  }
+}
+
 /* Shared-memory bytes of a staged tile of `rows` rows. */
 __host__ __device__ constexpr int tile_bytes(int rows, int dp) {
   return rows * (dp + 4) * 4;
@@ -174,16 +192,8 @@ __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(const Int8Args a,
       w.v16[(bhk * w.nkp + n0) * dp + i] = to16(tile[(i / dp) * pitch + i % dp], a.bf16_ops);
     return;
   }
-  for (int d = threadIdx.x; d < dp; d += kThreads) { /* V: one scale per channel */
-    float vm = 0.0f;
-    for (int n = 0; n < rows; ++n) vm = amax_u(vm, fabsf(tile[n * pitch + d]));
-    float vr, vs;
-    psi_factors(vm, vr, vs);
-    w.sv[(bhk * w.nkb + j) * dp + d] = vs;
-    int8_t *row = w.vct + ((bhk * w.nkb + j) * dp + d) * kBK8;
-    for (int c0 = 0; c0 < kBK8; c0 += 16)
-      store16(row + c0, [&](int e) { return code_s8(tile[(c0 + perm16(e)) * pitch + d], vr); });
-  }
+  code_channels<kBK8>(tile, pitch, rows, dp, w.sv + (bhk * w.nkb + j) * dp,
+                      w.vct + (bhk * w.nkb + j) * dp * kBK8); /* V: one scale per channel */
 }
 
 /* One 64-row block of one (batch, query head): Q^ (and its perm tiles), the lse's shift. */
@@ -253,16 +263,8 @@ __global__ void __launch_bounds__(kThreads) prepare_do_kernel(const Int8Args a) 
     w.drow[bh * w.nqp + r0 + n] = drow;
     w.lse2[bh * w.nqp + r0 + n] = lse2;
   }
-  for (int d = threadIdx.x; d < dp; d += kThreads) { /* dO^: one scale per channel */
-    float m = 0.0f;
-    for (int n = 0; n < rows; ++n) m = amax_u(m, fabsf(tile[n * pitch + d]));
-    float r, s;
-    psi_factors(m, r, s);
-    w.sdo[(bh * w.nqb + i) * dp + d] = s;
-    int8_t *row = w.doct + ((bh * w.nqb + i) * dp + d) * kBQ8;
-    for (int c0 = 0; c0 < kBQ8; c0 += 16)
-      store16(row + c0, [&](int e) { return code_s8(tile[(c0 + perm16(e)) * pitch + d], r); });
-  }
+  code_channels<kBQ8>(tile, pitch, rows, dp, w.sdo + (bh * w.nqb + i) * dp,
+                      w.doct + (bh * w.nqb + i) * dp * kBQ8); /* dO^: one scale per channel */
   for (int e = threadIdx.x; e < kBQ8 * dp; e += kThreads)
     w.do16[(bh * w.nqp + r0) * dp + e] = to16(tile[(e / dp) * pitch + e % dp], a.bf16_ops);
 }
