@@ -72,6 +72,7 @@ def main() -> int:
         batches, lens, heads, dims, nqs = [1, 8, 64], [8192, 32768, 131072], [(32, 8), (32, 32)], [64, 128], [1, 4]
     timer, bw, head = start_gpu_run()
     rows, t0 = [], time.time()
+    path = os.path.join(args.out, "bench_decode.csv")
     for D, (Hq, Hkv), B, L, nq in itertools.product(dims, heads, batches, lens, nqs):
         fp16_bytes = 2 * B * Hkv * L * D * 2
         if fp16_bytes > args.max_gb * 1e9:
@@ -103,6 +104,7 @@ def main() -> int:
         row["sdpa_ms"] = timer.time(lambda: fp4attn.sdpa(q, k, v, enable_gqa=Hq != Hkv), args.reps)
         row["sdpa_vs_flash"] = row["sdpa_ms"] / row["flash_ms"]
         rows.append(row)
+        write_csv(path, head, rows)  # after every row: a run cut short keeps what it measured
         print(f"D={D:<3} {Hq}/{Hkv:<2} B={B:<2} L={L:<6} nq={nq} | fp4attn {ms:7.3f} ms "
               f"{row['fp4attn_tbps']:4.2f} TB/s ({100 * row['fp4attn_frac_copy_bw']:3.0f}% copy) | "
               f"flash {row['flash_ms']:7.3f} cudnn {row['cudnn_ms']:7.3f} ms "
@@ -111,8 +113,6 @@ def main() -> int:
               f"({row['sdpa_vs_flash']:.2f}x flash)", flush=True)
         del k, v, q, cache
         torch.cuda.empty_cache()
-    path = os.path.join(args.out, "bench_decode.csv")
-    write_csv(path, head, rows)
     print(f"\nwrote {path} ({time.time() - t0:.0f} s)")
     print()
     print_table(["D", "Hq/Hkv", "B", "L", "nq", "fp4attn ms", "TB/s", "% copy", "flash ms", "cuDNN ms",
