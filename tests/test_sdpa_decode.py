@@ -43,7 +43,9 @@ def check(q, k, v, causal=False, kernel="decode"):
     ref, ref_lse = R.attention(q.cpu(), k.cpu(), v.cpu(), None, causal, None, return_lse=True)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.isfinite(out.float()).all()
-    err = R.metrics(out.float().cpu(), ref.float())["rel_l1"]
+    # SPEC 4.6 casts O to the input dtype: compare with the reference's output cast alike (the
+    # cast alone is rel_l1 ~1.4e-3 in bfloat16, most of the budget if ref stayed in float32)
+    err = R.metrics(out.float().cpu(), ref.to(q.dtype).float())["rel_l1"]
     assert err < 2e-3, err
     dl = (lse.cpu() - ref_lse).abs().max().item()
     assert dl < 1e-3, dl
