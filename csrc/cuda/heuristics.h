@@ -69,9 +69,9 @@ static inline const char *sdpa_decode_refusal(const fp4attn_attention_params *p,
   return nullptr;
 }
 
-/* The fused decode's schedule: m-tiles of 16 rows; splits of the key tiles so that the attention
- * grid holds about one block per resident slot of the device (its 128-key tiles cost far more than
- * the per-split prologue and merge, so more splits than slots only add overhead); the statistics
+/* The fused decode's schedule: m-tiles of 16 rows; splits of the key tiles that minimise the
+ * attention grid's makespan, waves x tiles per split (a partial last wave costs a whole one), the
+ * fewest splits among equals (each adds a prologue and merge work); the statistics
  * kernel's token chunks (multiples of 64 tokens) so that its grid holds about 2 blocks per SM,
  * at most 32 per head (the attention prologue reduces a head's chunk partials). Causal: the
  * top-left causal mask leaves the first key tile only (len_q <= 128), one split. */
@@ -80,9 +80,12 @@ static inline DecodeSchedule sdpa_decode_schedule(const fp4attn_attention_params
   const int64_t bhk = p->batch * p->heads_kv, group = p->heads_q / p->heads_kv;
   d.mtiles = ceil_div(group * p->len_q, kDecodeRows);
   const int64_t ntiles = p->causal ? 1 : ceil_div(p->len_k, kTile);
-  const int64_t slots = (int64_t)sm_count() * (dp <= 64 ? 2 : 1);
-  const int64_t want = std::max<int64_t>(1, ceil_div(slots, bhk * d.mtiles));
-  d.tiles_per_split = ceil_div(ntiles, std::min(want, ntiles));
+  const int64_t slots = (int64_t)sm_count() * (dp <= 64 ? 2 : 1), blocks = bhk * d.mtiles;
+  int64_t best = INT64_MAX;
+  for (int64_t s = 1; s <= std::min(ntiles, 4 * slots); ++s) { /* past 4 waves: overhead only */
+    const int64_t per = ceil_div(ntiles, s), makespan = ceil_div(blocks * s, slots) * per;
+    if (makespan < best && ceil_div(ntiles, per) == s) best = makespan, d.tiles_per_split = per;
+  }
   d.splits = ceil_div(ntiles, d.tiles_per_split);
   const int64_t chunks = std::min<int64_t>(32, ceil_div(2 * (int64_t)sm_count(), bhk));
   d.chunk_len = round_up(ceil_div(p->len_k, chunks), 64);

@@ -1,13 +1,15 @@
 /*
  * Decode attention on the FP4 KV cache (docs/SPEC.md section 6): split-KV (flash-decoding) on
- * mma.sync m16n8k16 with FP16/BF16 operands, then a merge of the splits by their lse.
+ * mma.sync m16n8k16 with FP16 operands whatever the input dtype, then a merge of the splits by
+ * their lse.
  *
  * A block (4 warps) owns one tile of 16 query rows, the G query heads x len_q positions of one
  * (batch, KV head) (GQA on the tensor cores: the heads share every key the block reads), and one
  * key range of a split. Each warp takes 32-key chunks of the range in turn and never touches
  * shared memory in its loop: every lane loads the code words that its own MMA fragments need and
- * decodes them in registers (e2m1_pairs.cuh, then one packed multiply by the E4M3 scale per pair;
- * the FP32 row `dec` stays outside: per key on the scores for K, folded into P for V).
+ * decodes them in registers (e2m1_pairs.cuh, then one packed multiply by the E4M3 scale per pair,
+ * exact in FP16; the FP32 row `dec` stays outside: per key on the scores for K, folded into P for
+ * V).
  *
  * Fragment layouts (g = lane / 4, t4 = lane % 4, chunk keys 0..31, n-tile j = keys 8j..8j+7):
  *  - S = Q K^T: lane (g, t4) decodes key 8j + g, bytes [t4 DP/8, (t4 + 1) DP/8) of its row, i.e.
@@ -18,11 +20,12 @@
  *    the V rows of exactly those 8 keys, bytes [g DP/16, (g + 1) DP/16): d = g DP/8 + 8w + n.
  *    Half words of two keys are joined so that one decoded pair holds (key, key + 1) at one d:
  *    n-tile nt of O is d = (DP/8) n + nt for its column n (o_dim), undone when O is stored.
- * FP32 inputs split Q into BF16 hi + lo parts (two MMAs) so that S keeps 16 bits. The warps'
- * partial results merge in shared memory, the splits' in the merge kernel. No host
- * synchronisation: the grid follows the cache's capacity, each block reads its sequence's length
- * on the device.
+ * Q is staged as FP16 times a power of two per tile (exact for FP16 and BF16 inputs; FP32 inputs
+ * as hi + lo parts, two MMAs, 22 bits), P as FP16 in [0, 1]. The warps' partial results merge in
+ * shared memory, the splits' in the merge kernel. No host synchronisation: the grid follows the
+ * cache's capacity, each block reads its sequence's length on the device.
  */
+#include <cfloat>
 #include <map>
 #include <mutex>
 
@@ -48,13 +51,31 @@ struct DecodeArgs {
   int64_t mtiles, splits;
 };
 
-/* Shared memory: the Q tile (and its FP32 low part) in MMA slot order; later the warps' merge. */
+/* One staged chunk (the kFast path) in shared memory: the chunk's rows of the cache arrays, copied
+ * whole. V's code rows are padded by 16 bytes so that the lanes' reads of four even (or odd) keys
+ * at once fall into distinct banks. */
 template <int DP>
+struct ChunkSlot {
+  static constexpr int kKc = 0;                       /* K codes [32][DP/2] */
+  static constexpr int kVStride = DP / 2 + 16;        /* bytes per V code row */
+  static constexpr int kVc = kKc + kChunk * DP / 2;   /* V codes [32][kVStride] */
+  static constexpr int kKs = kVc + kChunk * kVStride; /* K scales [32][DP/16] */
+  static constexpr int kVs = kKs + kChunk * DP / 16;  /* V scales [32][DP/16] */
+  static constexpr int kKd = kVs + kChunk * DP / 16;  /* K dec [32] */
+  static constexpr int kVd = kKd + 4 * kChunk;        /* V dec [32] */
+  static constexpr int kBytes = kVd + 4 * kChunk;
+};
+constexpr int kStages = 2; /* a warp's slots: the chunk it works on and the next one, in flight */
+
+/* Shared memory: the Q tile (and its FP32 low part) in MMA slot order, then (kFast) the warps'
+ * chunk slots; after the loop, the warps' merge over all of it. */
+template <int DP, bool kFast>
 struct DecodeSmem {
   static constexpr int kW = 2 * DP; /* bytes per 16-bit row */
-  static constexpr int kQ = 0, kQlo = kRows * kW;
+  static constexpr int kQ = 0, kQlo = kRows * kW, kRing = 2 * kRows * kW;
+  static constexpr int kLoop = kRing + (kFast ? kWarps * kStages * ChunkSlot<DP>::kBytes : 0);
   static constexpr int kMerge = kWarps * kRows * (DP + 2) * 4;
-  static constexpr int kBytes = 2 * kRows * kW > kMerge ? 2 * kRows * kW : kMerge;
+  static constexpr int kBytes = kLoop > kMerge ? kLoop : kMerge;
 };
 
 /* Storage d of Q slot column c (k-step c / 16, slot c % 16) in the K fragment layout above:
@@ -70,56 +91,55 @@ __device__ __forceinline__ int o_dim(int nt, int n) {
   return (DP / 8) * n + nt;
 }
 
-template <bool kBf16>
-__device__ __forceinline__ uint16_t to_bits(float x) {
-  return kBf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x))
-               : __half_as_ushort(__float2half_rn(x));
-}
-template <bool kBf16>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  return (uint32_t)to_bits<kBf16>(a) | ((uint32_t)to_bits<kBf16>(b) << 16);
+__device__ __forceinline__ uint32_t pack_half2(float a, float b) {
+  return (uint32_t)__half_as_ushort(__float2half_rn(a)) |
+         ((uint32_t)__half_as_ushort(__float2half_rn(b)) << 16);
 }
 
-/* A 16-bit pair (x, y) times the 16-bit pair s2: exact for E2M1 x E4M3 values. */
-template <bool kBf16>
-__device__ __forceinline__ uint32_t mul2(uint32_t xy, uint32_t s2) {
+__device__ __forceinline__ uint32_t hmul2(uint32_t xy, uint32_t s2) {
   uint32_t r;
-  if (kBf16) /* fma with -0 (sm_80 has no bf16x2 mul); the product is exact anyway */
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(xy), "r"(s2), "r"(0x80008000u));
-  else
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(xy), "r"(s2));
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(xy), "r"(s2));
   return r;
 }
 
-/* An E4M3 scale byte as a 16-bit value (exact in FP16 and BF16). */
-template <bool kBf16>
-__device__ __forceinline__ uint32_t scale1(uint32_t e4m3) {
-  const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)(e4m3 & 0xFFu), __NV_E4M3);
-  return kBf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(__half2float(__half(h)))) : h.x;
+/* Byte k of `bytes` (E4M3 scales: non-negative, never NaN; the sign bit is dropped) as FP16
+ * s * 2^-8 in both halves: E4M3's exponent and mantissa bits (subnormals included) read as FP16
+ * bits 7 places up are the same value times 2^-8. One E2M1 value times it, by hmul2, is exact
+ * (a multiple of 2^-18, at most 10.5); the 2^8 is restored in FP32 (kScaleUnit). */
+constexpr float kScaleUnit = 256.0f;
+__device__ __forceinline__ uint32_t scale_pair(uint32_t bytes, int k) {
+  return prmt_b32(bytes & 0x7F7F7F7Fu, 0u, 0x4040u | (uint32_t)(k * 0x101)) << 7;
 }
 
-/* N consecutive 32-bit words at byte `off` of a row of `len` bytes (zeros past its end): one
- * vector load where kVec (then off and the row are 4N-byte aligned and the row is whole). */
-template <int N, bool kVec>
-__device__ __forceinline__ void load_words(uint32_t (&w)[N], const uint8_t *row, int off, int len) {
-  if (kVec) {
-    if constexpr (N == 1) {
-      w[0] = *reinterpret_cast<const uint32_t *>(row + off);
-    } else if constexpr (N == 2) {
-      const uint2 x = *reinterpret_cast<const uint2 *>(row + off);
-      w[0] = x.x, w[1] = x.y;
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; i += 4) {
-        const uint4 x = *reinterpret_cast<const uint4 *>(row + off + 4 * i);
-        w[i] = x.x, w[i + 1] = x.y, w[i + 2] = x.z, w[i + 3] = x.w;
-      }
-    }
+/* N consecutive 32-bit words at `at` (4N-byte aligned, global or shared): vector loads. */
+template <int N>
+__device__ __forceinline__ void vector_words(uint32_t (&w)[N], const void *at) {
+  if constexpr (N == 1) {
+    w[0] = *reinterpret_cast<const uint32_t *>(at);
+  } else if constexpr (N == 2) {
+    const uint2 x = *reinterpret_cast<const uint2 *>(at);
+    w[0] = x.x, w[1] = x.y;
   } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i)
-      w[i] = off + 4 * i + 4 <= len ? *reinterpret_cast<const uint32_t *>(row + off + 4 * i) : 0u;
+    for (int i = 0; i < N; i += 4) {
+      const uint4 x = reinterpret_cast<const uint4 *>(at)[i / 4];
+      w[i] = x.x, w[i + 1] = x.y, w[i + 2] = x.z, w[i + 3] = x.w;
+    }
   }
+}
+/* N consecutive 32-bit words at byte `off` of a row of `len` bytes, zeros past its end. */
+template <int N>
+__device__ __forceinline__ void load_words(uint32_t (&w)[N], const uint8_t *row, int off, int len) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    w[i] = off + 4 * i + 4 <= len ? *reinterpret_cast<const uint32_t *>(row + off + 4 * i) : 0u;
+}
+/* N (1, 2 or 4) consecutive bytes at `at` (N-byte aligned), packed. */
+template <int N>
+__device__ __forceinline__ uint32_t vector_bytes(const void *at) {
+  if constexpr (N == 4) return *reinterpret_cast<const uint32_t *>(at);
+  if constexpr (N == 2) return *reinterpret_cast<const uint16_t *>(at);
+  return *reinterpret_cast<const uint8_t *>(at);
 }
 /* N consecutive scale bytes from block `blk` of a row of `len` blocks (0 past its end), packed. */
 template <int N>
@@ -147,57 +167,112 @@ struct Raw {
   float kd[4][2], vd[4][2];
 };
 
-/* kFast: pages hold whole chunks (page_size % 32 == 0), D == DP and 16-byte aligned code arrays:
- * one page lookup per chunk, compile-time row strides and vector loads. Otherwise a lookup per
- * key and bounded loads. */
-template <int DP, bool kFast>
+/* The general path: a page lookup per key (a key past the sequence's end reads its last key; such
+ * keys' scores are masked, their V zeroed) and bounded loads, straight into registers. */
+template <int DP>
 __device__ __forceinline__ void load_chunk(Raw<DP> &raw, const fp4attn_kv_cache &c, int64_t b,
                                            int64_t hk, int key0, int len, int lane) {
   using F = Frag<DP>;
   const int g = lane >> 2, t4 = lane & 3;
-  const int cb = kFast ? DP / 2 : (int)fp4_code_bytes(c.head_dim);
-  const int sc = kFast ? DP / 16 : (int)fp4_scale_count(c.head_dim);
+  const int cb = (int)fp4_code_bytes(c.head_dim), sc = (int)fp4_scale_count(c.head_dim);
   const int ps = (int)c.page_size;
-  int64_t base = 0;
-  if (kFast) {
-    const int64_t page = c.block_table[b * c.max_pages + key0 / ps];
-    base = (page * c.heads_kv + hk) * ps + key0 % ps;
-  }
-  /* The row of chunk key `key`: base + key where pages hold whole chunks, else looked up (a key
-   * past the sequence's end reads its last key). Such keys' scores are masked, their V zeroed. */
   auto row_of = [&](int key) -> int64_t {
-    if (kFast) return key;
     const int pos = min(key0 + key, len - 1);
     const int64_t page = c.block_table[b * c.max_pages + pos / ps];
     return (page * c.heads_kv + hk) * ps + pos % ps;
   };
-  const uint8_t *kc = c.k_codes + base * cb, *ks = c.k_scales + base * sc;
-  const uint8_t *vc = c.v_codes + base * cb, *vs = c.v_scales + base * sc;
-  const float *kd = c.k_dec + base, *vd = c.v_dec + base;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int64_t r = row_of(8 * j + g);
-    load_words<F::kKWords, kFast>(raw.k[j], kc + r * cb, t4 * (DP / 8), cb);
-    raw.ks[j] = load_scales<F::kKBlocks>(ks + r * sc, t4 * (DP / 64), sc);
+    load_words(raw.k[j], c.k_codes + r * cb, t4 * (DP / 8), cb);
+    raw.ks[j] = load_scales<F::kKBlocks>(c.k_scales + r * sc, t4 * (DP / 64), sc);
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
       const int key = 8 * j + 2 * t4 + x;
       const bool valid = key0 + key < len;
       const int64_t rv = row_of(key);
-      load_words<F::kVWords, kFast>(raw.v[j][x], vc + rv * cb, g * (DP / 16), cb);
-      raw.vs[j][x] = valid ? load_scales<F::kVBlocks>(vs + rv * sc, g * DP / 128, sc) : 0u;
-      raw.kd[j][x] = kd[rv];
-      raw.vd[j][x] = valid ? vd[rv] : 0.0f; /* zero V past the end: no NaN from free slots */
+      load_words(raw.v[j][x], c.v_codes + rv * cb, g * (DP / 16), cb);
+      raw.vs[j][x] = valid ? load_scales<F::kVBlocks>(c.v_scales + rv * sc, g * DP / 128, sc) : 0u;
+      raw.kd[j][x] = c.k_dec[rv];
+      raw.vd[j][x] = valid ? c.v_dec[rv] : 0.0f; /* zero V past the end: no NaN from free slots */
     }
   }
 }
 
-template <int DP, bool kBf16, bool kSplitQ, bool kFast>
+/* kFast (pages hold whole chunks, D == DP, 16-byte aligned arrays): the chunk at key0 is 32
+ * consecutive rows of every cache array, copied into `slot` by the warp's cp.async, 16 bytes per
+ * copy, without waiting. */
+template <int DP>
+__device__ __forceinline__ void stage_chunk(char *slot, const fp4attn_kv_cache &c, int64_t b,
+                                            int64_t hk, int key0, int lane) {
+  using S = ChunkSlot<DP>;
+  constexpr int kCodeCopies = kChunk * DP / 32, kRowCopies = DP / 32; /* 16-byte copies */
+  constexpr int kScaleCopies = kChunk * DP / 256, kDecCopies = kChunk * 4 / 16;
+  const int ps = (int)c.page_size;
+  const int64_t page = c.block_table[b * c.max_pages + key0 / ps];
+  const int64_t base = (page * c.heads_kv + hk) * ps + key0 % ps;
+  const uint8_t *kc = c.k_codes + base * (DP / 2), *vc = c.v_codes + base * (DP / 2);
+#pragma unroll
+  for (int i = lane; i < kCodeCopies; i += 32) {
+    cp_async_16(slot + S::kKc + 16 * i, kc + 16 * i);
+    cp_async_16(slot + S::kVc + (i / kRowCopies) * S::kVStride + 16 * (i % kRowCopies),
+                vc + 16 * i);
+  }
+  /* the small arrays: K scales, V scales, K dec, V dec, back to back */
+#pragma unroll
+  for (int i = lane; i < 2 * kScaleCopies + 2 * kDecCopies; i += 32) {
+    const void *src;
+    int dst;
+    if (i < kScaleCopies) {
+      src = c.k_scales + base * (DP / 16) + 16 * i, dst = S::kKs + 16 * i;
+    } else if (i < 2 * kScaleCopies) {
+      const int x = i - kScaleCopies;
+      src = c.v_scales + base * (DP / 16) + 16 * x, dst = S::kVs + 16 * x;
+    } else if (i < 2 * kScaleCopies + kDecCopies) {
+      const int x = i - 2 * kScaleCopies;
+      src = c.k_dec + base + 4 * x, dst = S::kKd + 16 * x;
+    } else {
+      const int x = i - 2 * kScaleCopies - kDecCopies;
+      src = c.v_dec + base + 4 * x, dst = S::kVd + 16 * x;
+    }
+    cp_async_16(slot + dst, src);
+  }
+}
+
+/* A staged chunk's registers for this lane, as load_chunk gives them. */
+template <int DP>
+__device__ __forceinline__ void read_chunk(Raw<DP> &raw, const char *slot, int key0, int len,
+                                           int lane) {
+  using F = Frag<DP>;
+  using S = ChunkSlot<DP>;
+  const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int kr = 8 * j + g;
+    vector_words(raw.k[j], slot + S::kKc + kr * (DP / 2) + t4 * (DP / 8));
+    raw.ks[j] = vector_bytes<F::kKBlocks>(slot + S::kKs + kr * (DP / 16) + t4 * F::kKBlocks);
+    const float2 kd = *reinterpret_cast<const float2 *>(slot + S::kKd + 4 * (8 * j + 2 * t4));
+    const float2 vd = *reinterpret_cast<const float2 *>(slot + S::kVd + 4 * (8 * j + 2 * t4));
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const int key = 8 * j + 2 * t4 + x;
+      const bool valid = key0 + key < len;
+      vector_words(raw.v[j][x], slot + S::kVc + key * S::kVStride + g * (DP / 16));
+      raw.vs[j][x] =
+          valid ? vector_bytes<F::kVBlocks>(slot + S::kVs + key * (DP / 16) + g * DP / 128) : 0u;
+      raw.kd[j][x] = x ? kd.y : kd.x;
+      raw.vd[j][x] = valid ? (x ? vd.y : vd.x) : 0.0f;
+    }
+  }
+}
+
+template <int DP, bool kSplitQ, bool kFast>
 __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
     decode_kernel(const DecodeArgs a) {
-  using L = DecodeSmem<DP>;
+  using L = DecodeSmem<DP, kFast>;
   using F = Frag<DP>;
   extern __shared__ __align__(128) char smem[];
+  __shared__ float warp_qmax[kWarps];
   const fp4attn_decode_params &p = a.p;
   const fp4attn_kv_cache &c = p.cache;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -206,30 +281,39 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
   const int64_t b = tile / (H * a.mtiles), hk = (tile / a.mtiles) % H, mt = tile % a.mtiles;
   const int D = (int)c.head_dim;
   const int Lb = p.seq_lens[b];
-  auto q_index = [&](int64_t row, int d) {
-    return b * p.q_stride[0] + (hk * G + row / nq) * p.q_stride[1] + (row % nq) * p.q_stride[2] + d;
+  auto q_value = [&](int r, int d) {
+    const int64_t row = mt * kRows + r;
+    if (row >= M || d >= D) return 0.0f;
+    return load_as_float(
+        p.q, p.dtype,
+        b * p.q_stride[0] + (hk * G + row / nq) * p.q_stride[1] + (row % nq) * p.q_stride[2] + d);
   };
 
-  /* Q rows of the tile as 16-bit operands in MMA slot order; their smoothing shift */
+  /* The tile's Q as FP16 times 2^-qexp, a power of two that puts its largest |q| in [2^14, 2^15):
+   * exact for FP16 and BF16 inputs (bar values below 2^-38 of that largest, which S cannot
+   * notice), 22 bits as hi + lo parts for FP32. */
+  float qmax = 0.0f;
+  for (int i = tid; i < kRows * D; i += kThreads) qmax = fmaxf(qmax, fabsf(q_value(i / D, i % D)));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, o));
+  if (lane == 0) warp_qmax[warp] = qmax;
+  __syncthreads();
+  qmax = fmaxf(fmaxf(warp_qmax[0], warp_qmax[1]), fmaxf(warp_qmax[2], warp_qmax[3]));
+  const int qexp = qmax > 0.0f && qmax <= FLT_MAX ? max(-126, min(126, ilogbf(qmax) - 14)) : 0;
+  const float qinv = ldexpf(1.0f, -qexp);
   for (int i = tid; i < kRows * DP; i += kThreads) {
-    const int r = i / DP, col = i % DP, d = q_dim<DP>(col);
-    const int64_t row = mt * kRows + r;
-    const float v = row < M && d < D ? load_as_float(p.q, p.dtype, q_index(row, d)) : 0.0f;
-    const uint16_t hi = to_bits<kBf16>(v);
-    *reinterpret_cast<uint16_t *>(smem + L::kQ + swz_byte<L::kW>(r, 2 * col)) = hi;
-    if (kSplitQ) { /* FP32 Q as hi + lo BF16 parts: 16 significant bits in S */
-      const float lo = v - __bfloat162float(__ushort_as_bfloat16(hi));
-      *reinterpret_cast<uint16_t *>(smem + L::kQlo + swz_byte<L::kW>(r, 2 * col)) =
-          to_bits<kBf16>(lo);
-    }
+    const int r = i / DP, col = i % DP;
+    const float v = q_value(r, q_dim<DP>(col)) * qinv;
+    const __half hi = __float2half_rn(v);
+    *reinterpret_cast<__half *>(smem + L::kQ + swz_byte<L::kW>(r, 2 * col)) = hi;
+    if (kSplitQ)
+      *reinterpret_cast<__half *>(smem + L::kQlo + swz_byte<L::kW>(r, 2 * col)) =
+          __float2half_rn(v - __half2float(hi));
   }
   if (split == 0)
     for (int r = warp; r < kRows; r += kWarps) {
-      const int64_t row = mt * kRows + r;
       float acc = 0.0f;
-      if (row < M)
-        for (int d = lane; d < D; d += 32)
-          acc += load_as_float(p.q, p.dtype, q_index(row, d)) * c.kmean[(b * H + hk) * D + d];
+      for (int d = lane; d < D; d += 32) acc += q_value(r, d) * c.kmean[(b * H + hk) * D + d];
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
       if (lane == 0) a.qshift[tile * kRows + r] = p.scale * acc;
@@ -247,14 +331,33 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
   const int nch = (Lb + kChunk - 1) / kChunk - first;
   const int per = (nch + (int)a.splits - 1) / (int)a.splits;
   const int c0 = first + (int)split * per, c1 = min(c0 + per, first + nch);
-  const float scale_log2 = p.scale * kLog2eD;
+  /* S in log2 units = (Q 2^-qexp . K 2^-8) x dec x s_log2 */
+  const float s_log2 = ldexpf(p.scale * kLog2eD * kScaleUnit, qexp);
 
+  /* O = (sum P V 2^-8) x vref: the MMAs accumulate P dec / vref, vref the warp's running
+   * max |dec| of V, in [0, 1] like P itself; O is rescaled when vref grows, as when m does */
   float o[DP / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  for (int ch = c0 + warp; ch < c1; ch += kWarps) {
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, vref = 0.0f;
+  char *ring = smem + L::kRing + warp * kStages * ChunkSlot<DP>::kBytes;
+  if (kFast) { /* the warp's first chunk in flight */
+    if (c0 + warp < c1) stage_chunk<DP>(ring, c, b, hk, (c0 + warp) * kChunk, lane);
+    cp_async_commit();
+  }
+  for (int ch = c0 + warp, it = 0; ch < c1; ch += kWarps, ++it) {
     const int j0 = ch * kChunk;
-    Raw<DP> cur; /* no register prefetch: 3 blocks per SM hide the loads instead (measured alike) */
-    load_chunk<DP, kFast>(cur, c, b, hk, j0, Lb, lane);
+    Raw<DP> cur;
+    if (kFast) {    /* the next chunk into the other slot, then this one's registers */
+      __syncwarp(); /* the lanes' reads of the slot to be refilled are done */
+      if (ch + kWarps < c1)
+        stage_chunk<DP>(ring + ((it + 1) % kStages) * ChunkSlot<DP>::kBytes, c, b, hk,
+                        j0 + kWarps * kChunk, lane);
+      cp_async_commit();
+      cp_async_wait_group<1>();
+      __syncwarp();
+      read_chunk<DP>(cur, ring + (it % kStages) * ChunkSlot<DP>::kBytes, j0, Lb, lane);
+    } else {
+      load_chunk<DP>(cur, c, b, hk, j0, Lb, lane);
+    }
 
     /* S = Q K^T: word i of key 8j + g feeds k-steps 2i, 2i + 1 of n-tile j */
     float s[4][4] = {};
@@ -269,23 +372,26 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t pr[4];
-        e2m1_pairs<kBf16>(cur.k[j][i], pr);
-        const uint32_t s1 = scale1<kBf16>(cur.ks[j] >> (8 * (i / 2))), s2 = s1 * 0x10001u;
+        e2m1_pairs<false>(cur.k[j][i], pr);
+        const uint32_t s2 = scale_pair(cur.ks[j], i / 2);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint32_t b0 = mul2<kBf16>(pr[2 * h], s2), b1 = mul2<kBf16>(pr[2 * h + 1], s2);
-          mma_16816<kBf16>(s[j], qa[h], b0, b1);
-          if (kSplitQ) mma_16816<kBf16>(s[j], qlo[h], b0, b1);
+          const uint32_t b0 = hmul2(pr[2 * h], s2), b1 = hmul2(pr[2 * h + 1], s2);
+          mma_16816(s[j], qa[h], b0, b1);
+          if (kSplitQ) mma_16816(s[j], qlo[h], b0, b1);
         }
       }
     }
 
-    /* online softmax over the chunk; V's dec goes into P, normalised by the chunk's largest */
+    /* online softmax over the chunk */
     float vmax = 0.0f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) vmax = fmaxf(vmax, fmaxf(fabsf(cur.vd[j][0]), fabsf(cur.vd[j][1])));
     vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1));
     vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2));
+    const float vnew = fmaxf(vref, vmax), vinv = vnew > 0.0f ? 1.0f / vnew : 0.0f;
+    const float vgrow = vnew > vref ? vref * vinv : 1.0f; /* O's factor for the new vref */
+    vref = vnew;
     float alpha[2], mref[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -296,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
         for (int e = 0; e < 2; ++e) {
           const int key = j0 + 8 * j + 2 * t4 + e;
           float &v = s[j][2 * r + e];
-          v = key < end[r] && key >= begin[r] ? v * (cur.kd[j][e] * scale_log2) : -INFINITY;
+          v = key < end[r] && key >= begin[r] ? v * (cur.kd[j][e] * s_log2) : -INFINITY;
           x = fmaxf(x, v);
         }
       x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -306,7 +412,6 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
       mref[r] = m_new == -INFINITY ? 0.0f : m_new;
       m[r] = m_new;
     }
-    const float vinv = vmax > 0.0f ? 1.0f / vmax : 0.0f;
     float rowsum[2] = {0.0f, 0.0f}, pv[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -318,53 +423,51 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
       }
 #pragma unroll
     for (int r = 0; r < 2; ++r) l[r] = alpha[r] * l[r] + rowsum[r];
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f || vgrow != 1.0f))
 #pragma unroll
       for (int nt = 0; nt < DP / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1];
+        for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1] * vgrow;
 
     /* O += P V: k-step kk holds keys 16kk + 2t4 + x (n-tile 2kk) and + 8 (n-tile 2kk + 1) */
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
       uint32_t pa[4];
-      pa[0] = pack2<kBf16>(pv[2 * kk][0], pv[2 * kk][1]);
-      pa[1] = pack2<kBf16>(pv[2 * kk][2], pv[2 * kk][3]);
-      pa[2] = pack2<kBf16>(pv[2 * kk + 1][0], pv[2 * kk + 1][1]);
-      pa[3] = pack2<kBf16>(pv[2 * kk + 1][2], pv[2 * kk + 1][3]);
+      pa[0] = pack_half2(pv[2 * kk][0], pv[2 * kk][1]);
+      pa[1] = pack_half2(pv[2 * kk][2], pv[2 * kk][3]);
+      pa[2] = pack_half2(pv[2 * kk + 1][0], pv[2 * kk + 1][1]);
+      pa[3] = pack_half2(pv[2 * kk + 1][2], pv[2 * kk + 1][3]);
 #pragma unroll
       for (int w = 0; w < F::kVWords; ++w) {
         uint32_t pair[2][2][4]; /* [k-slot half][d nibbles 0-3 / 4-7][pair] */
-        uint32_t sc2[2];
+        uint32_t sc2[2];        /* the two keys' scales (key 0 low, key 1 high) */
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const uint32_t x0 = cur.v[2 * kk + hf][0][w], x1 = cur.v[2 * kk + hf][1][w];
           /* key 0's 4 nibbles below key 1's: pair j = (key 0, key 1) at nibble j */
-          e2m1_pairs<kBf16>(prmt_b32(x0, x1, 0x5410u), pair[hf][0]);
-          e2m1_pairs<kBf16>(prmt_b32(x0, x1, 0x7632u), pair[hf][1]);
-          const int sh = 8 * (w / 2);
-          sc2[hf] = scale1<kBf16>(cur.vs[2 * kk + hf][0] >> sh) |
-                    (scale1<kBf16>(cur.vs[2 * kk + hf][1] >> sh) << 16);
+          e2m1_pairs<false>(prmt_b32(x0, x1, 0x5410u), pair[hf][0]);
+          e2m1_pairs<false>(prmt_b32(x0, x1, 0x7632u), pair[hf][1]);
+          const uint32_t k = w / 2; /* byte k of each key's scales; selector 8: a zero byte */
+          sc2[hf] = prmt_b32(cur.vs[2 * kk + hf][0] & 0x7F7F7F7Fu,
+                             cur.vs[2 * kk + hf][1] & 0x7F7F7F7Fu, 0x8080u | k | ((4 + k) << 8))
+                    << 7;
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
-          for (int n = 0; n < 4; ++n) {
-            const int nt = 8 * w + 4 * half + n;
-            float acc[4] = {};
-            mma_16816<kBf16>(acc, pa, mul2<kBf16>(pair[0][half][n], sc2[0]),
-                             mul2<kBf16>(pair[1][half][n], sc2[1]));
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[nt][e] = fmaf(vmax, acc[e], o[nt][e]);
-          }
+          for (int n = 0; n < 4; ++n)
+            mma_16816(o[8 * w + 4 * half + n], pa, hmul2(pair[0][half][n], sc2[0]),
+                      hmul2(pair[1][half][n], sc2[1]));
       }
     }
   }
 
-  /* merge the warps in shared memory (the Q tiles are free now) */
+  /* merge the warps in shared memory (the Q tiles and slots are free now) */
+  if (kFast) cp_async_wait_all();
   __syncthreads();
   float *wo = reinterpret_cast<float *>(smem); /* [warps][16][DP] */
   float *wml = wo + kWarps * kRows * DP;       /* [warps][16][2] */
+  const float ounit = vref * kScaleUnit;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float lsum = l[r] + __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -378,7 +481,7 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
     for (int nt = 0; nt < DP / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        wo[(warp * kRows + row) * DP + o_dim<DP>(nt, 2 * t4 + e)] = o[nt][2 * r + e];
+        wo[(warp * kRows + row) * DP + o_dim<DP>(nt, 2 * t4 + e)] = o[nt][2 * r + e] * ounit;
   }
   __syncthreads();
   const int64_t part = tile * a.splits + split;
@@ -403,24 +506,19 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
   }
 }
 
-/* Whether the cache allows the fast loads (load_chunk's kFast) for this head dim. */
+/* Whether the cache allows the staged loads (stage_chunk, kFast) for this head dim. */
 bool fast_layout(const fp4attn_kv_cache &c, int64_t dp) {
   auto aligned = [](const void *x) { return reinterpret_cast<uintptr_t>(x) % 16 == 0; };
-  return c.page_size % kChunk == 0 && c.head_dim == dp && aligned(c.k_codes) && aligned(c.v_codes);
+  return c.page_size % kChunk == 0 && c.head_dim == dp && aligned(c.k_codes) &&
+         aligned(c.v_codes) && aligned(c.k_scales) && aligned(c.v_scales) && aligned(c.k_dec) &&
+         aligned(c.v_dec);
 }
 
 using DecodeKernel = void (*)(DecodeArgs);
 
 template <int DP, bool kFast>
 DecodeKernel kernel_for_dtype(fp4attn_dtype dt) {
-  switch (dt) {
-    case FP4ATTN_FLOAT16:
-      return decode_kernel<DP, false, false, kFast>;
-    case FP4ATTN_BFLOAT16:
-      return decode_kernel<DP, true, false, kFast>;
-    default:
-      return decode_kernel<DP, true, true, kFast>;
-  }
+  return dt == FP4ATTN_FLOAT32 ? decode_kernel<DP, true, kFast> : decode_kernel<DP, false, kFast>;
 }
 
 /* The kernel variant of a call and its dynamic shared memory. */
@@ -428,13 +526,13 @@ DecodeKernel kernel_for(const fp4attn_decode_params &p, int64_t dp, int *smem) {
   const bool fast = fast_layout(p.cache, dp);
   switch (dp) {
     case 64:
-      *smem = DecodeSmem<64>::kBytes;
+      *smem = fast ? DecodeSmem<64, true>::kBytes : DecodeSmem<64, false>::kBytes;
       return fast ? kernel_for_dtype<64, true>(p.dtype) : kernel_for_dtype<64, false>(p.dtype);
     case 128:
-      *smem = DecodeSmem<128>::kBytes;
+      *smem = fast ? DecodeSmem<128, true>::kBytes : DecodeSmem<128, false>::kBytes;
       return fast ? kernel_for_dtype<128, true>(p.dtype) : kernel_for_dtype<128, false>(p.dtype);
     default:
-      *smem = DecodeSmem<256>::kBytes;
+      *smem = fast ? DecodeSmem<256, true>::kBytes : DecodeSmem<256, false>::kBytes;
       return fast ? kernel_for_dtype<256, true>(p.dtype) : kernel_for_dtype<256, false>(p.dtype);
   }
 }
