@@ -5,8 +5,9 @@
  * by one add and one subtract. Each helper is checked against numerics.h by
  * tests/cuda_harness/check_prepass.cu (exhaustively where a single float is the input).
  * Used by the pre-pass (K^, V^: two lanes per block, quantize_half_block in prepass/prepass.cu) and
- * by the attention kernels' Q quantization (quantize_block16: one thread per block), and by the
- * split-KV decode's K^ and V^ from mma fragments (quantize_block_lanes: one quad per block).
+ * by the attention kernels' Q quantization (quantize_block16: one thread per block). The split-KV
+ * decode's K^ and V^ from mma fragments take a branch-free variant for bounded blocks
+ * (decode/sdpa_decode.cu, quantize_quad_bounded).
  */
 #ifndef FP4ATTN_CUDA_COMMON_FAST_ROUNDING_CUH
 #define FP4ATTN_CUDA_COMMON_FAST_ROUNDING_CUH

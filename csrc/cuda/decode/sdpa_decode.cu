@@ -22,7 +22,7 @@
  *    to Dp = 128). Warp w owns keys KW w .. KW w + KW - 1 of a tile (KW = 128 / NW):
  *      - raw K B-fragments by ldmatrix: lane (g, t) holds key g, columns 2t, 2t+1, 2t+8, 2t+9 of
  *        a 16-column block, so the quad holds the block (SPEC 2 along D: its max in 2 shuffles);
- *        K^ = phi((K - kbar) * encK) in registers (quantize_block_lanes<4>), S = Q^ K^T on
+ *        K^ = phi((K - kbar) * encK) in registers (quantize_quad_bounded), S = Q^ K^T on
  *        mma.sync FP16, and the correction qbar . K = sum of parts x raw K, on mma.sync in K's
  *        dtype (every product exact, FP32 accumulation);
  *      - S * scale * dQ dK + scale * qbar . K in log2 units, causal (top-left: query position i
@@ -74,6 +74,86 @@ template <bool kBf16>
 __device__ __forceinline__ float2 word_to_float2(uint32_t w) {
   if (kBf16) return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
   return __half22float2(*reinterpret_cast<const __half2 *>(&w));
+}
+
+/* min / max on two FP16 lanes (sm_80+). */
+__device__ __forceinline__ uint32_t h2_min(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ uint32_t h2_max(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+/* e2m1_round_signed (fast_rounding.cuh) in four instructions instead of five: its constant
+ * C = 1.5 * 2^(max(e, 0) + 22) is 1.5 * 2^22 times the power of two 2^max(e, 0) (the exponent bits
+ * of max(|y|, 1): one max, one AND), so fma(+-2^max(e, 0), 1.5 * 2^22, .) adds and subtracts C with
+ * the same single roundings as y + C and (y + C) - C. The same value for every finite y below
+ * 2^100 in magnitude. */
+__device__ __forceinline__ float e2m1_round_fma(float y) {
+  const float c = __uint_as_float(__float_as_uint(fmaxf(fabsf(y), 1.0f)) & 0x7F800000u);
+  return __fmaf_rn(-c, 6291456.0f, __fmaf_rn(c, 6291456.0f, y));
+}
+
+/* e4m3_encode_fast (device.cuh) as a 32-bit value: the byte, zero above (no masking needed to
+ * index a table with it). */
+__device__ __forceinline__ uint32_t e4m3_byte(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t r;
+  asm("{.reg .b16 t;\n cvt.rn.satfinite.e4m3x2.f32 t, %2, %1;\n cvt.u32.u16 %0, t;}"
+      : "=r"(r)
+      : "f"(v), "f"(0.0f));
+  return r;
+#else
+  return e4m3_encode_fast(v);
+#endif
+}
+
+/* What the in-register K^ / V^ quantization needs of a block scale, by its E4M3 byte (the sign bit
+ * is ignored: 256 entries): 1/s as quantize_block_lanes computes it (__frcp_rn, 0 for s = 0) and s
+ * as an FP16 pair. */
+struct ScaleEntry {
+  float r;
+  uint32_t s2;
+};
+
+__device__ __forceinline__ ScaleEntry scale_entry(int byte) {
+  const __half_raw hs = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)(byte & 0x7F), __NV_E4M3);
+  const float sv = __half2float(__half(hs));
+  return ScaleEntry{(byte & 0x7F) == 0 ? 0.0f : __frcp_rn(sv),
+                    (uint32_t)hs.x | ((uint32_t)hs.x << 16)};
+}
+
+/* quantize_block_lanes<4> (fast_rounding.cuh) of one 16-value block held by a quad, for blocks of
+ * real keys of a slice whose global amax is finite: then every |xs| is at most 2688 (1 + 2^-22)
+ * (|x - kbar| <= amax K, |x| <= amax V, and xs = x enc with enc = 2688 / amax), far inside the
+ * range (max below 2^96) where quantize_block_lanes takes this path, and the bytes are the same.
+ * Branch-free, so that the compiler interleaves a tile's independent blocks:
+ *  - the scale's reciprocal and FP16 form come from the table tab (scale_entry);
+ *  - y is rounded first (e2m1_round_fma) and saturated after: for |y| >= 7 the rounding gives 8
+ *    or more (its grid point 2^e <= |y|), exactly representable or +-Inf in FP16, which the FP16
+ *    clamp to [-6, 6] maps to +-6 like rne_e2m1 of the clamped y; below 7 the clamp changes
+ *    nothing. The clamp runs on FP16 pairs (one min and one max per two values).
+ * Blocks of other inputs (NaN or Inf, key padding past Nk) get codes that need not match: a
+ * non-finite amax makes dK or dV NaN, and then every score of the slice or every output row is
+ * NaN whatever the codes; padding keys are masked to -inf before the softmax reads them, and
+ * their V rows are zeros. */
+__device__ __forceinline__ void quantize_quad_bounded(const float (&xs)[4], const ScaleEntry *tab,
+                                                      uint32_t (&o)[2]) {
+  float m = max_nan(max_nan(fabsf(xs[0]), fabsf(xs[1])), max_nan(fabsf(xs[2]), fabsf(xs[3])));
+  m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  const ScaleEntry e = tab[e4m3_byte(div6_e4m3(m))];
+  const uint32_t six = 0x46004600u, neg_six = 0xC600C600u; /* FP16 pairs (6, 6), (-6, -6) */
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const uint32_t c = pack_half2(e2m1_round_fma(__fmul_rn(xs[2 * k], e.r)),
+                                  e2m1_round_fma(__fmul_rn(xs[2 * k + 1], e.r)));
+    o[k] = h2_mul(h2_min(h2_max(c, neg_six), six), e.s2);
+  }
 }
 
 /* ============================================================ kernel 1: statistics */
@@ -166,7 +246,8 @@ struct AttnSmem {
   static constexpr int kQbar = kQpart + 3 * kRows * kW;    /* f32 [16 heads][DP] */
   static constexpr int kKbar = kQbar + kRows * DP * 4;     /* f32 [DP] */
   static constexpr int kTmax = kKbar + DP * 4;             /* f32 [2][warps][16] */
-  static constexpr int kScal = kTmax + 2 * NW * kRows * 4; /* see Scalars */
+  static constexpr int kStab = kTmax + 2 * NW * kRows * 4; /* ScaleEntry [256] */
+  static constexpr int kScal = kStab + 256 * 8;            /* see Scalars */
   static constexpr int kBytes = kScal + 256;
   static_assert(NW * kRows * (DP + 2) * 4 <= NBUF * 2 * kTileBytes, "merge buffer");
 };
@@ -188,22 +269,29 @@ struct DecodeKernel {
   static constexpr int W = L::kW;
 
   /* cp.async of raw K and V tile j of (b, hk) into buffer buf, rows past Nk and columns past
-   * head_dim zero-filled. */
+   * head_dim zero-filled. Thread i copies 16-byte chunk i % CH of rows i / CH + RS u: one row
+   * test and two pointer steps per chunk pair. */
   static __device__ void issue_tile(const DecodeArgs &a, const T *kg, const T *vg, int64_t j,
                                     char *smem, int buf) {
     const fp4attn_attention_params &p = a.p;
-    constexpr int CH = DP / 8; /* 16-byte chunks per row */
+    constexpr int CH = DP / 8, RS = kThreads / CH; /* 16-byte chunks per row; rows per pass */
+    static_assert(kThreads % CH == 0 && kTile % RS == 0, "whole rows per pass");
     char *kt = smem + L::kK + buf * 2 * L::kTileBytes, *vt = kt + L::kTileBytes;
-    const int D = (int)p.head_dim;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < kTile * CH; i += kThreads) {
-      const int r = i / CH, ch = i % CH;
-      const int64_t tok = j * kTile + r;
-      const bool ok = tok < p.len_k && ch * 8 < D;
-      const int64_t tk = ok ? tok : 0;
-      const int off = swz_byte<W>(r, ch * 16);
-      cp_async_16_zfill(kt + off, kg + tk * p.k_stride[2] + (ok ? ch * 8 : 0), ok ? 16 : 0);
-      cp_async_16_zfill(vt + off, vg + tk * p.v_stride[2] + (ok ? ch * 8 : 0), ok ? 16 : 0);
+    const int r0 = threadIdx.x / CH, ch = threadIdx.x % CH;
+    const int64_t tok0 = j * kTile + r0;
+    /* rows of this thread that exist (none past head_dim) */
+    const int64_t avail = ch * 8 < (int)p.head_dim ? p.len_k - tok0 : 0;
+    const int rows = (int)(avail < kTile ? avail : kTile);
+    const T *kr = kg + tok0 * p.k_stride[2] + ch * 8, *vr = vg + tok0 * p.v_stride[2] + ch * 8;
+    const int64_t kstep = RS * p.k_stride[2], vstep = RS * p.v_stride[2];
+#pragma unroll
+    for (int u = 0; u < kTile / RS; ++u) {
+      const bool ok = u * RS < rows;
+      const int off = swz_byte<W>(r0 + u * RS, ch * 16);
+      cp_async_16_zfill(kt + off, ok ? kr : kg, ok ? 16 : 0);
+      cp_async_16_zfill(vt + off, ok ? vr : vg, ok ? 16 : 0);
+      kr += kstep;
+      vr += vstep;
     }
   }
 
@@ -356,6 +444,7 @@ struct DecodeKernel {
     const char *kt = smem + L::kK + buf * 2 * L::kTileBytes, *vt = kt + L::kTileBytes;
     const char *qhat = smem + L::kQhat, *qpart = smem + L::kQpart;
     const float *kbar = reinterpret_cast<const float *>(smem + L::kKbar);
+    const ScaleEntry *stab = reinterpret_cast<const ScaleEntry *>(smem + L::kStab);
     const Scalars &sc = *reinterpret_cast<const Scalars *>(smem + L::kScal);
     float *tmax_s = reinterpret_cast<float *>(smem + L::kTmax) + parity * kWarps * kRows;
     const int key0 = warp * KW;
@@ -375,7 +464,9 @@ struct DecodeKernel {
       const float enck = sc.enck;
 #pragma unroll
       for (int kk = 0; kk < DP / 16; ++kk) {
-        if (kk * 16 >= D) break;
+        /* past D, K, Q^ and the qbar parts are zeros (so is K^): a 16-column step there adds
+         * zeros, and stopping only at 32-column boundaries gives the compiler 4 blocks at once */
+        if (kk % 2 == 0 && kk * 16 >= D) break;
         uint32_t qa[4], qp[kParts][4];
         ldsm_a<W>(qa, qhat, 0, kk * 32);
 #pragma unroll
@@ -397,7 +488,7 @@ struct DecodeKernel {
                 __fmul_rn(__fsub_rn(f0.x, kb0.x), enck), __fmul_rn(__fsub_rn(f0.y, kb0.y), enck),
                 __fmul_rn(__fsub_rn(f1.x, kb1.x), enck), __fmul_rn(__fsub_rn(f1.y, kb1.y), enck)};
             uint32_t kq[2];
-            quantize_block_lanes<4>(xs, kq);
+            quantize_quad_bounded(xs, stab, kq);
             mma_16816(s[2 * np + x], qa, kq[0], kq[1]);
           }
         }
@@ -446,7 +537,7 @@ struct DecodeKernel {
         for (int kb = 0; kb < NT / 2; ++kb)
 #pragma unroll
           for (int np = 0; np < GW / 16; ++np) {
-            if (grp * GW + np * 16 >= D) break;
+            if (np % 2 == 0 && grp * GW + np * 16 >= D) break; /* zero channels, as for K */
             uint32_t vr[2][2];
             ldsm_b_trans<W>(vr, vt, key0 + kb * 16, grp * GW + np * 16);
 #pragma unroll
@@ -456,7 +547,7 @@ struct DecodeKernel {
               const float xs[4] = {__fmul_rn(f0.x, encv), __fmul_rn(f0.y, encv),
                                    __fmul_rn(f1.x, encv), __fmul_rn(f1.y, encv)};
               uint32_t vq[2];
-              quantize_block_lanes<4>(xs, vq);
+              quantize_quad_bounded(xs, stab, vq);
               mma_16816(acc[2 * np + x], pa[kb], vq[0], vq[1]);
             }
           }
@@ -483,6 +574,8 @@ struct DecodeKernel {
     cp_async_commit();
     if (tid < kRows) sc.qam[tid] = 0u;
     if (tid == 0) sc.kam = sc.vam = 0u;
+    for (int i = tid; i < 256; i += kThreads)
+      reinterpret_cast<ScaleEntry *>(smem + L::kStab)[i] = scale_entry(i);
     __syncthreads();
     const int64_t h0 = mt * kRows / p.len_q; /* the tile's first head (within the group) */
     const int nh = (int)((min(rows, (mt + 1) * kRows) - 1) / p.len_q - h0 + 1);
