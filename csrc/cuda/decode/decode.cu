@@ -578,7 +578,7 @@ fp4attn_status launch_dp(const DecodeArgs &a, const DecodePlan &plan, cudaStream
                {p.out_stride[0], p.out_stride[1], p.out_stride[2]},
                p.dtype,
                p.lse};
-  split_merge_kernel<DP><<<(unsigned)plan.tiles, 256, 0, s>>>(m);
+  split_merge_kernel<DP><<<dim3((unsigned)plan.tiles, 16), DP, 0, s>>>(m);
   return launch_status("decode");
 }
 

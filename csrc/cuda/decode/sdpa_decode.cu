@@ -36,7 +36,7 @@
  *    split writes its O, m (log2 units) and l per row, and split 0 the LSE term
  *    scale * (Q_r - qbar) . kbar.
  *
- * 3. split_merge_kernel (split_merge.cuh, shared with the KV-cache decode), one block per m-tile:
+ * 3. split_merge_kernel (split_merge.cuh, shared with the KV-cache decode), a block per row:
  *    the splits merged by their maxima, O / l in the input dtype and
  *    lse = m ln2 + log l + scale * (Q_r - qbar) . kbar (SPEC 4.6).
  *
@@ -714,7 +714,7 @@ fp4attn_status launch_typed(const DecodeArgs &a, const AttnPlan &plan, cudaStrea
                {p.out_stride[0], p.out_stride[1], p.out_stride[2]},
                p.dtype,
                p.lse};
-  split_merge_kernel<DP><<<(unsigned)tiles, 256, 0, s>>>(m);
+  split_merge_kernel<DP><<<dim3((unsigned)tiles, 16), DP, 0, s>>>(m);
   return launch_status("attention: decode merge kernel");
 }
 

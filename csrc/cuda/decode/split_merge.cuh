@@ -1,6 +1,6 @@
 /*
- * The last step of the split-KV decodes (decode.cu, sdpa_decode.cu): one block per tile of 16
- * query rows merges its splits' partial results by their row maxima and writes O / l and the lse.
+ * The last step of the split-KV decodes (decode.cu, sdpa_decode.cu): each query row of a tile of
+ * 16 merges its splits' partial results by their row maxima and writes O / l and the lse.
  * Both kernels lay their partials out alike: o_part [tiles][splits][16][DP] (unnormalised O),
  * ml_part [tiles][splits][16][2] (row max in log2 units, row sum), qshift [tiles][16] (the lse's
  * constant term); tile = (b x Hkv + hk) x mtiles + mt, tile row R = query head hk G + R / len_q at
@@ -23,42 +23,39 @@ struct SplitMerge {
   float *lse; /* [batch][heads_q][len_q], or null */
 };
 
-/* Tile `tile`: its rows' O (the input dtype) and lse from the splits' partials. */
+/* Grid (tiles, 16 rows), DP threads: row blockIdx.y of tile blockIdx.x, a column per thread. The
+ * splits' loads are independent, so a few tiles with many splits (small batches on long caches)
+ * still spread over the SMs instead of serialising on a block per tile. */
 template <int DP>
-__device__ __forceinline__ void merge_split_tile(const SplitMerge &m, int64_t tile) {
+__global__ void __launch_bounds__(DP) split_merge_kernel(const SplitMerge m) {
   constexpr int kRows = 16;
   constexpr float kLn2 = 0.69314718055994531f;
-  const int64_t S = m.splits, G = m.heads_q / m.heads_kv, nq = m.len_q;
-  const int64_t bhk = tile / m.mtiles, mt = tile % m.mtiles;
+  const int64_t tile = blockIdx.x, S = m.splits, G = m.heads_q / m.heads_kv, nq = m.len_q;
+  const int r = blockIdx.y, d = threadIdx.x;
+  const int64_t bhk = tile / m.mtiles, row = (tile % m.mtiles) * kRows + r;
+  if (row >= G * nq) return;
   const int64_t b = bhk / m.heads_kv, hk = bhk % m.heads_kv;
-  for (int i = threadIdx.x; i < kRows * DP; i += blockDim.x) {
-    const int r = i / DP, d = i % DP;
-    const int64_t row = mt * kRows + r;
-    if (row >= G * nq || d >= m.head_dim) continue;
-    const float *ml = m.ml_part + tile * S * kRows * 2 + r * 2;
-    float mx = -INFINITY;
-    for (int64_t s = 0; s < S; ++s) mx = fmaxf(mx, ml[s * kRows * 2]);
-    float acc = 0.0f, ls = 0.0f;
-    for (int64_t s = 0; s < S; ++s) {
-      const float ms = ml[s * kRows * 2];
-      const float f = ms == -INFINITY ? 0.0f : exp2f(ms - mx);
-      acc = fmaf(f, m.o_part[((tile * S + s) * kRows + r) * DP + d], acc);
-      ls = fmaf(f, ml[s * kRows * 2 + 1], ls);
-    }
-    const int64_t h = hk * G + row / nq, t = row % nq;
+  const float *ml = m.ml_part + (tile * S * kRows + r) * 2;
+  const float *o = m.o_part + (tile * S * kRows + r) * DP + d;
+  float mx = -INFINITY;
+#pragma unroll 4
+  for (int64_t s = 0; s < S; ++s) mx = fmaxf(mx, ml[s * kRows * 2]);
+  float acc = 0.0f, ls = 0.0f;
+#pragma unroll 4
+  for (int64_t s = 0; s < S; ++s) {
+    const float ms = ml[s * kRows * 2];
+    const float f = ms == -INFINITY ? 0.0f : exp2f(ms - mx);
+    acc = fmaf(f, o[s * kRows * DP], acc);
+    ls = fmaf(f, ml[s * kRows * 2 + 1], ls);
+  }
+  const int64_t h = hk * G + row / nq, t = row % nq;
+  if (d < m.head_dim)
     store_from_float(m.out, m.dtype,
                      b * m.out_stride[0] + h * m.out_stride[1] + t * m.out_stride[2] + d,
                      ls > 0.0f ? acc / ls : 0.0f);
-    if (d == 0 && m.lse)
-      m.lse[(b * m.heads_q + h) * nq + t] =
-          ls > 0.0f ? mx * kLn2 + logf(ls) + m.qshift[tile * kRows + r] : -INFINITY;
-  }
-}
-
-/* One block (any size) per tile. */
-template <int DP>
-__global__ void __launch_bounds__(256) split_merge_kernel(const SplitMerge m) {
-  merge_split_tile<DP>(m, blockIdx.x);
+  if (d == 0 && m.lse)
+    m.lse[(b * m.heads_q + h) * nq + t] =
+        ls > 0.0f ? mx * kLn2 + logf(ls) + m.qshift[tile * kRows + r] : -INFINITY;
 }
 
 }  // namespace fp4attn_cuda
