@@ -125,8 +125,8 @@ def test_decode_large_query_mean_and_tile_maxima():
 
 def test_decode_deterministic_and_auto():
     """AUTO runs the decode kernel for decode shapes (same bytes as requesting it), the general
-    kernels for len_q > 16, short keys, more than 32 (batch, KV head) pairs with fewer than 4 query
-    rows per KV head, and an attn_mask."""
+    kernels for len_q > 16, short keys, more than 32 (batch, KV head) pairs with GQA groups of
+    fewer than 4 heads, and an attn_mask."""
     q, k, v = qkv(2, 32, 8, 1, 4096, 128, torch.float16, 21)
     a, la = run(q, k, v)
     b, lb = run(q, k, v)
@@ -136,7 +136,7 @@ def test_decode_deterministic_and_auto():
     assert torch.equal(fp4attn.sdpa(q, k, v, enable_gqa=True), a)
     general = "sm90" if torch.cuda.get_device_capability() == (9, 0) and "90a" in fp4attn.build_info()[
         "cuda_archs"] else ("sm120" if torch.cuda.get_device_capability()[0] == 12 else "sm80")
-    q2, k2, v2 = qkv(5, 32, 8, 1, 1024, 128, torch.float16, 24)  # 40 pairs, 4 rows per KV head
+    q2, k2, v2 = qkv(5, 32, 8, 1, 1024, 128, torch.float16, 24)  # 40 pairs, groups of 4
     assert torch.equal(run(q2, k2, v2, kernel="auto")[0], run(q2, k2, v2)[0])
     for B, nq, nk in ((1, 17, 4096), (1, 1, 255), (5, 1, 4096)):
         q2, k2, v2 = qkv(B, 8, 8, nq, nk, 128, torch.float16, 22)

@@ -98,16 +98,17 @@ static inline DecodeSchedule sdpa_decode_schedule(const fp4attn_attention_params
  * sm120 on compute capability 12.x, sm90 on 9.0 with an sm_90a build and head dim <= 128, sm80
  * otherwise.
  *
- * Decode shapes: len_q <= 16, len_k >= 256, and batch x heads_kv <= 32 or at least 4 query rows
- * per KV head (G x len_q), where sdpa_decode_refusal finds nothing. The fused decode quantizes K
- * and V in registers once per m-tile, so its cost per key falls with the rows that share it:
- * measured on the H200 (D = 128, 8K-128K keys), it beats sm90 by 1.2-7x at 4 rows and at any
- * row count up to 32 (batch, KV head) pairs, and loses (6.6 against 5.2 ms) with one row per KV
- * head at 256 pairs. With at most 16 query rows per head the 128-row query tiles of the other
- * kernels are nearly empty, and their pre-pass writes and re-reads FP16 copies of all of K and V;
- * the fused decode reads K and V twice in their input dtype (statistics, then attention) and
- * spreads the keys over the SMs. Below two key tiles (256 keys) there is nothing to split and
- * either path is bound by launch latency, so the general kernels keep those calls. */
+ * Decode shapes: len_q <= 16, len_k >= 256, and batch x heads_kv <= 32 or GQA groups of at least
+ * 4 query heads, where sdpa_decode_refusal finds nothing. The fused decode quantizes K and V in
+ * registers once per m-tile, which the heads of a group share: measured on the H200 (D = 64 and
+ * 128, 8K-128K keys) it beats sm90 up to 32 (batch, KV head) pairs (1.4-7x) and with groups of 4
+ * at up to 512 pairs (1.2-1.25x; equal at 4 query tokens), and mostly loses without GQA from 256
+ * pairs (6.6 against 5.2 ms at one query token, 0.75-1.8x sm90's time at four). With at most 16
+ * query rows per head the 128-row query tiles of the other kernels are nearly empty, and their
+ * pre-pass writes and re-reads FP16 copies of all of K and V; the fused decode reads K and V twice
+ * in their input dtype (statistics, then attention) and spreads the keys over the SMs. Below two
+ * key tiles (256 keys) there is nothing to split and either path is bound by launch latency, so
+ * the general kernels keep those calls. */
 static inline fp4attn_status plan_attention(const fp4attn_attention_params *p, AttnPlan *plan) {
   const int cc = device_capability();
   const int64_t dp = padded_head_dim(p->head_dim);
@@ -115,7 +116,7 @@ static inline fp4attn_status plan_attention(const fp4attn_attention_params *p, A
   fp4attn_kernel k = p->kernel;
   if (k == FP4ATTN_KERNEL_AUTO) {
     if (p->len_q <= 16 && p->len_k >= 2 * kTile &&
-        (p->batch * p->heads_kv <= 32 || p->heads_q / p->heads_kv * p->len_q >= 4) &&
+        (p->batch * p->heads_kv <= 32 || p->heads_q / p->heads_kv >= 4) &&
         !sdpa_decode_refusal(p, cc))
       k = FP4ATTN_KERNEL_DECODE;
     else
