@@ -5,11 +5,13 @@
  *
  * A block (4 warps) owns one tile of 16 query rows, the G query heads x len_q positions of one
  * (batch, KV head) (GQA on the tensor cores: the heads share every key the block reads), and one
- * key range of a split. Each warp takes 32-key chunks of the range in turn and never touches
- * shared memory in its loop: every lane loads the code words that its own MMA fragments need and
- * decodes them in registers (e2m1_pairs.cuh, then one packed multiply by the E4M3 scale per pair,
- * exact in FP16; the FP32 row `dec` stays outside: per key on the scores for K, folded into P for
- * V).
+ * key range of a split. Each warp takes 32-key chunks of the range in turn; where pages hold whole
+ * chunks it copies the next chunk's rows into its second shared-memory slot by cp.async while it
+ * works on the current one (stage_chunk), otherwise it loads straight from global memory
+ * (load_chunk). Either way every lane takes exactly the code words that its own MMA fragments need
+ * and decodes them in registers (e2m1_pairs.cuh, then one packed multiply by the E4M3 scale per
+ * pair, exact in FP16; the FP32 row `dec` stays outside: per key on the scores for K, folded into
+ * P for V).
  *
  * Fragment layouts (g = lane / 4, t4 = lane % 4, chunk keys 0..31, n-tile j = keys 8j..8j+7):
  *  - S = Q K^T: lane (g, t4) decodes key 8j + g, bytes [t4 DP/8, (t4 + 1) DP/8) of its row, i.e.
