@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t pr[4];
-        e2m1_pairs<false>(cur.k[j][i], pr);
+        e2m1_pairs(cur.k[j][i], pr);
         const uint32_t s2 = scale_pair(cur.ks[j], i / 2);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -447,8 +447,8 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
         for (int hf = 0; hf < 2; ++hf) {
           const uint32_t x0 = cur.v[2 * kk + hf][0][w], x1 = cur.v[2 * kk + hf][1][w];
           /* key 0's 4 nibbles below key 1's: pair j = (key 0, key 1) at nibble j */
-          e2m1_pairs<false>(prmt_b32(x0, x1, 0x5410u), pair[hf][0]);
-          e2m1_pairs<false>(prmt_b32(x0, x1, 0x7632u), pair[hf][1]);
+          e2m1_pairs(prmt_b32(x0, x1, 0x5410u), pair[hf][0]);
+          e2m1_pairs(prmt_b32(x0, x1, 0x7632u), pair[hf][1]);
           const uint32_t k = w / 2; /* byte k of each key's scales; selector 8: a zero byte */
           sc2[hf] = prmt_b32(cur.vs[2 * kk + hf][0] & 0x7F7F7F7Fu,
                              cur.vs[2 * kk + hf][1] & 0x7F7F7F7Fu, 0x8080u | k | ((4 + k) << 8))

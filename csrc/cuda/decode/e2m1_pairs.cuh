@@ -1,8 +1,8 @@
 /*
  * E2M1 codes to exact 16-bit pairs in registers, for the FP4 KV-cache decode (decode.cu): a code
  * word w holds 8 codes, nibble n at bits 4n..4n+3 (sign in the top bit); pair j (j = 0..3) holds
- * nibble j in its low half and nibble j + 4 in its high half, as FP16 or BF16 bits (+-0 for the
- * zero codes). Byte permutes look the magnitudes up in 8-entry tables, place them (zero bytes from
+ * nibble j in its low half and nibble j + 4 in its high half, as FP16 bits (+-0 for the zero
+ * codes). Byte permutes look the magnitudes up in 8-entry tables, place them (zero bytes from
  * the permute's sign mode on a positive byte), and one shift + one LOP3 per pair adds the signs:
  * nibbles j and j + 4 are 16 bits apart, so one shift brings both sign bits to bits 15 and 31.
  * Host emulation of prmt included, so tests/cuda_harness/check_e2m1_pairs.cu checks every case.
@@ -34,30 +34,14 @@ __host__ __device__ __forceinline__ uint32_t prmt_b32(uint32_t a, uint32_t b, ui
 #endif
 }
 
-template <bool kBf16>
 __host__ __device__ __forceinline__ void e2m1_pairs(uint32_t w, uint32_t (&pair)[4]) {
   const uint32_t idx = w & 0x77777777u; /* magnitudes; the selectors of the table lookups */
-  uint32_t mag[4];
-  if (!kBf16) { /* an FP16 magnitude is one high byte: 00 38 3C 3E 40 42 44 46 */
-    const uint32_t lo = prmt_b32(0x3E3C3800u, 0x46444240u, idx), /* nibbles 0-3 */
-        hi = prmt_b32(0x3E3C3800u, 0x46444240u, idx >> 16);      /* nibbles 4-7 */
-    /* pair j = [hi_j, 0, lo_j, 0]: selector 8 (sign mode on byte 0, whose msb is clear) = 0 */
-    mag[0] = prmt_b32(lo, hi, 0x4808u);
-    mag[1] = prmt_b32(lo, hi, 0x5818u);
-    mag[2] = prmt_b32(lo, hi, 0x6828u);
-    mag[3] = prmt_b32(lo, hi, 0x7838u);
-  } else { /* a BF16 magnitude is two bytes: high 00 3F 3F 3F 40 40 40 40, low 00 00 80 C0 ... */
-    const uint32_t hi_a = prmt_b32(0x3F3F3F00u, 0x40404040u, idx),
-                   lo_a = prmt_b32(0xC0800000u, 0xC0804000u, idx),
-                   hi_b = prmt_b32(0x3F3F3F00u, 0x40404040u, idx >> 16),
-                   lo_b = prmt_b32(0xC0800000u, 0xC0804000u, idx >> 16);
-    const uint32_t a01 = prmt_b32(lo_a, hi_a, 0x5140u), a23 = prmt_b32(lo_a, hi_a, 0x7362u),
-                   b01 = prmt_b32(lo_b, hi_b, 0x5140u), b23 = prmt_b32(lo_b, hi_b, 0x7362u);
-    mag[0] = prmt_b32(a01, b01, 0x5410u);
-    mag[1] = prmt_b32(a01, b01, 0x7632u);
-    mag[2] = prmt_b32(a23, b23, 0x5410u);
-    mag[3] = prmt_b32(a23, b23, 0x7632u);
-  }
+  /* an FP16 magnitude is one high byte: 00 38 3C 3E 40 42 44 46 */
+  const uint32_t lo = prmt_b32(0x3E3C3800u, 0x46444240u, idx), /* nibbles 0-3 */
+      hi = prmt_b32(0x3E3C3800u, 0x46444240u, idx >> 16);      /* nibbles 4-7 */
+  /* pair j = [hi_j, 0, lo_j, 0]: selector 8 (sign mode on byte 0, whose msb is clear) = 0 */
+  const uint32_t mag[4] = {prmt_b32(lo, hi, 0x4808u), prmt_b32(lo, hi, 0x5818u),
+                           prmt_b32(lo, hi, 0x6828u), prmt_b32(lo, hi, 0x7838u)};
 #pragma unroll
   for (int j = 0; j < 4; ++j) /* sign of nibble j (bit 4j + 3) to 15, of nibble j + 4 to 31 */
     pair[j] = mag[j] | ((w << (12 - 4 * j)) & 0x80008000u);
