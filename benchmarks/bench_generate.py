@@ -31,10 +31,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_attention import int_list  # noqa: E402
-from provenance import ROOT, announce, cpu_name, gpu_description, print_table, write_csv  # noqa: E402
-
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
+from bench_attention import RESULTS, SDPBackend, int_list, sdpa_kernel  # noqa: E402
+from provenance import announce, cpu_name, gpu_description, print_table, write_csv  # noqa: E402
 
 
 def llama_config(tiny: bool):
@@ -58,7 +56,6 @@ def sync(device):
 def run_generate(model, ids, new, cache_factory, device, backend=None):
     """(seconds of a 1-token generate, seconds of the whole generate, peak bytes, cache object);
     backend: a torch SDPBackend to restrict torch SDPA to."""
-    from torch.nn.attention import sdpa_kernel
 
     def gen(n):
         kw = {"past_key_values": cache_factory()} if cache_factory else {}
@@ -118,8 +115,6 @@ def main() -> int:
         for P in int_list(args.prompts):
             ids = torch.randint(0, model.config.vocab_size, (B, P), device=device)
             row = {"B": B, "prompt": P, "new": args.new}
-            from torch.nn.attention import SDPBackend
-
             setups = [("default", "sdpa", None, None),
                       ("fp4cache", "fp4attn", lambda: hf.FP4Cache(config=model.config), None)]
             if device.type == "cuda":

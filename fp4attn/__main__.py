@@ -12,7 +12,6 @@ _KERNEL_TEXT = {
     "sm80": "sm80 (mma.sync, exact FP16/BF16 dequantization)",
     "sm90": "sm90 (wgmma + TMA)",
     "sm120": "sm120 (block-scaled FP4 MMA)",
-    "decode": "decode (fused split-KV, few query rows)",
 }
 
 

@@ -65,8 +65,10 @@ class FP4KVCache:
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.dtype, self.page_size, self.max_tokens = dtype, page_size, max_tokens
         self.window = window
-        # a ring holds the kept tokens wherever they start in a page, plus the page being filled
-        self._ring = None if window is None else -(-(window + MAX_DECODE_QUERIES - 1) // page_size) + 1
+        # a windowed cache keeps the last _keep tokens (all its decodes can read) in a ring of pages
+        # that holds them wherever they start in a page, plus the page being filled
+        self._keep = None if window is None else window + MAX_DECODE_QUERIES - 1
+        self._ring = None if window is None else -(-self._keep // page_size) + 1
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", comparable
         self._len = 0
         self.kmean = torch.zeros(batch, kv_heads, head_dim, dtype=torch.float32, device=self.device)
@@ -121,7 +123,7 @@ class FP4KVCache:
         of the kept ``window + 15``."""
         if self.window is None:
             return 0
-        return max(0, self._len - (self.window + MAX_DECODE_QUERIES - 1))
+        return max(0, self._len - self._keep)
 
     @property
     def nbytes(self) -> int:
@@ -158,7 +160,7 @@ class FP4KVCache:
             self._allocate(max(2 * self._pages_per_seq, -(-need // self.page_size)))
         skip = 0  # a windowed cache stores only the tokens a decode can still read
         if self.window is not None:
-            skip = max(0, n - (self.window + MAX_DECODE_QUERIES - 1))
+            skip = max(0, n - self._keep)
         torch.ops.fp4attn.kv_append(k[:, :, skip:], v[:, :, skip:], *self.storage(), self._len + skip,
                                     self._len == 0)
         self._len = need

@@ -122,6 +122,10 @@ static inline fp4attn_status plan_attention(const fp4attn_attention_params *p, A
     else
       k = cc / 10 == 12 ? FP4ATTN_KERNEL_SM120
                         : (sm90_ok ? FP4ATTN_KERNEL_SM90 : FP4ATTN_KERNEL_SM80);
+  } else if (k == FP4ATTN_KERNEL_DECODE) { /* AUTO asked sdpa_decode_refusal already */
+    const char *why = sdpa_decode_refusal(p, cc);
+    if (why)
+      return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: kernel decode needs %s", why);
   }
   if (k == FP4ATTN_KERNEL_SM90 && !sm90_ok)
     return fp4attn_error(
@@ -129,11 +133,6 @@ static inline fp4attn_status plan_attention(const fp4attn_attention_params *p, A
         "attention: kernel sm90 needs a GPU of compute capability 9.0, a build with "
         "sm_90a in FP4ATTN_CUDA_ARCHS and head dim <= 128 (got %lld)",
         (long long)p->head_dim);
-  if (k == FP4ATTN_KERNEL_DECODE) {
-    const char *why = sdpa_decode_refusal(p, cc);
-    if (why)
-      return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: kernel decode needs %s", why);
-  }
   /* the sm120 operand writer's grids have B x Hq or B x Hkv blocks in y (at most 65535) */
   if (k == FP4ATTN_KERNEL_SM120 && p->batch * p->heads_q > 65535)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
@@ -144,8 +143,7 @@ static inline fp4attn_status plan_attention(const fp4attn_attention_params *p, A
   plan->qstage_blocks = k == FP4ATTN_KERNEL_SM90 && dp == 64 ? sm_count() : 0;
   plan->item_heads = causal_item_heads(p, ceil_div(p->len_q, 128));
   plan->decode = k == FP4ATTN_KERNEL_DECODE ? sdpa_decode_schedule(p, dp) : DecodeSchedule{};
-  if (k == FP4ATTN_KERNEL_DECODE && (p->batch * p->heads_kv * plan->decode.mtiles > 0x7FFFFFFFLL ||
-                                     p->batch * p->heads_kv > 0x7FFFFFFFLL))
+  if (k == FP4ATTN_KERNEL_DECODE && p->batch * p->heads_kv * plan->decode.mtiles > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: kernel decode: too many heads");
   return fp4attn_ok();
 }

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import FP4KVCache, decode
+from ..kv_cache import MAX_DECODE_QUERIES, FP4KVCache, decode
 from ..sdpa import ORIGINAL_SDPA, sdpa
 
 #: Largest number of new tokens per step that decodes through the kernel (speculative decoding);
 #: longer chunks attend to the dequantized cache instead.
-MAX_DECODE_TOKENS = 16
+MAX_DECODE_TOKENS = MAX_DECODE_QUERIES
 
 NAME = "fp4attn"
 NAME_INT8 = "fp4attn-int8"
@@ -55,12 +55,19 @@ def _is_plain_window(attention_mask: torch.Tensor, nq: int, L: int, window: int 
     every sequence, i.e. no padding: the kernel computes exactly that without a mask. transformers
     passes sliding-window layers such a mask on every step once the cache is longer than the
     window. One comparison on the device (a host synchronisation) instead of attending to the
-    whole dequantized cache."""
+    whole dequantized cache; its answer is kept on the mask, which transformers passes to every
+    layer of a type in a forward, so the other sliding layers of the step reuse it."""
     if window is None or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool or \
             attention_mask.shape[-2] != nq or attention_mask.shape[-1] < L:
         return False
+    key = (nq, L, window)
+    known = getattr(attention_mask, "_fp4attn_plain", None)
+    if known is not None and known[0] == key:
+        return known[1]
     want = _window_mask(nq, L, window, attention_mask.device)
-    return bool((attention_mask[..., :L] == want).all())
+    plain = bool((attention_mask[..., :L] == want).all())
+    attention_mask._fp4attn_plain = (key, plain)
+    return plain
 
 
 def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
@@ -76,12 +83,14 @@ def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
     # kernel computes with, unquantized math like it), from position `start` on
     if layer.chunk_states is not None:  # a long chunk of a windowed layer (see FP4Layer.update)
         k, v, start = layer.chunk_states
+        layer.chunk_states = None  # used once: no full-precision copy kept past the step
     else:
         (k, v), start = cache.dequantize(), cache.start
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, start:start + k.shape[-2]]
-    elif attention_mask is None:  # the last nq positions: bottom-right causal (and windowed)
-        attention_mask = _window_mask(nq, start + k.shape[-2], window, query.device)[:, start:]
+    elif attention_mask is None:  # the last nq positions: bottom-right causal (and windowed); the
+        # pattern depends on key - query - (L - nq) only, so the kept keys need no offset
+        attention_mask = _window_mask(nq, k.shape[-2], window, query.device)
     return ORIGINAL_SDPA(query, k, v, attn_mask=attention_mask, scale=scaling,
                          enable_gqa=k.shape[1] != query.shape[1])
 
@@ -147,11 +156,14 @@ def _cache_classes():
             # their first position: the append may drop tokens its first queries still see
             self.chunk_states = None
 
+        def _new_cache(self, B, H, D):
+            return FP4KVCache(B, H, D, dtype=self.dtype, device=self.device,
+                              page_size=self.page_size, window=self.sliding_window)
+
         def lazy_initialization(self, key_states, value_states):
             B, H, _, D = key_states.shape
             self.dtype, self.device = key_states.dtype, key_states.device
-            self.cache = FP4KVCache(B, H, D, dtype=key_states.dtype, device=key_states.device,
-                                    page_size=self.page_size, window=self.sliding_window)
+            self.cache = self._new_cache(B, H, D)
             self.is_initialized = True
 
         def update(self, key_states, value_states, *args, **kwargs):
@@ -180,9 +192,8 @@ def _cache_classes():
 
         def reset(self) -> None:
             if self.is_initialized:
-                self.cache = FP4KVCache(self.cache.batch, self.cache.kv_heads, self.cache.head_dim,
-                                        dtype=self.dtype, device=self.device,
-                                        page_size=self.page_size, window=self.sliding_window)
+                self.cache = self._new_cache(self.cache.batch, self.cache.kv_heads,
+                                             self.cache.head_dim)
                 self.chunk_states = None
 
         def reorder_cache(self, beam_idx) -> None:

@@ -35,7 +35,7 @@ __host__ __device__ static unsigned long long check_background(uint32_t bg) {
   return bad;
 }
 
-/* Backgrounds: a simple generator over 2^16 words per thread index, both dtypes. */
+/* Backgrounds: a simple generator over 2^16 words per thread index. */
 __host__ __device__ static uint32_t background(uint32_t i) {
   uint32_t x = i * 0x9E3779B9u + 0x7F4A7C15u;
   x ^= x >> 15;

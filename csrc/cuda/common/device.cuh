@@ -24,6 +24,9 @@
 
 namespace fp4attn_cuda {
 
+constexpr float kLog2e = 1.4426950408889634f; /* log2(e) */
+constexpr float kLn2 = 0.69314718055994531f;  /* ln(2) */
+
 /* ---------------------------------------------------------------------------------- status */
 
 /* Status of the last launch (cudaGetLastError also clears a sticky launch error). */
@@ -314,6 +317,23 @@ __device__ __forceinline__ void cp_async_wait_group() {
 __device__ __forceinline__ uint32_t pack_half2(float a, float b) {
   __half2 h = __floats2half2_rn(a, b);
   return *reinterpret_cast<uint32_t *>(&h);
+}
+
+/* a * b, min, max on two FP16 lanes (round to nearest; subnormals kept). */
+__device__ __forceinline__ uint32_t h2_mul(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ uint32_t h2_min(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ uint32_t h2_max(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
 }
 
 /* Unsigned-bits maximum of non-negative floats; NaN (0x7FC00000 after clearing the sign) is

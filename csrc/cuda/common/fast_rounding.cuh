@@ -64,13 +64,6 @@ __device__ __forceinline__ float clamp6(float y) {
   return fminf(fmaxf(y, -6.0f), 6.0f);
 }
 
-/* a * b on two FP16 lanes (exact for the products used here: code * E4M3 scale). */
-__device__ __forceinline__ uint32_t h2_mul(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
 /* The rare blocks with NaN, Inf or magnitudes above 2^96: numerics.h itself, out of line. */
 static __device__ __noinline__ uint4 quantize_half_block_slow(float4 lo, float4 hi, float m) {
   const float xs[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
@@ -89,54 +82,46 @@ static __device__ __noinline__ uint4 quantize_half_block_slow(float4 lo, float4 
   return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-/* One 16-value block (global scale already applied) quantized by kLanes adjacent lanes (1: one
- * thread; 4: the quad of an mma.sync fragment, lanes 4i .. 4i + 3), each holding N = 16 / kLanes
- * of its values, all lanes of the warp calling together: writes this lane's N exact FP16 values
- * code * scale as N / 2 half2 words, byte-identical to fp4attn_quantize_block + block_f16_words
- * (check_prepass.cu; the block max is the same in any order, NaN anywhere makes it NaN). Finite
- * blocks below 2^96: hardware E4M3 of m / 6, the correctly rounded 1/s (__frcp_rn; 0 for the zero
- * scale, so a zero block quantizes to zeros without a branch), E2M1 by e2m1_round_signed (clamped
- * first when some |y| can reach 7), code * s as one FP16 multiply per pair; other blocks:
- * numerics.h (quantize_half_block_slow). */
-template <int kLanes, int N>
-__device__ __forceinline__ void quantize_block_lanes(const float (&xs)[N], uint32_t (&o)[N / 2]) {
-  static_assert(N * kLanes == 16 && (kLanes == 1 || kLanes == 2 || kLanes == 4), "16-value blocks");
-  float m = 0.0f;
-#pragma unroll
-  for (int i = 0; i < N; ++i) m = max_nan(m, fabsf(xs[i]));
-#pragma unroll
-  for (int x = 1; x < kLanes; x <<= 1) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, x));
-  if (!(m <= 7.9228163e28f)) { /* 2^96; NaN fails the test too */
-#pragma unroll
-    for (int h = 0; h < (N + 7) / 8; ++h) {
-      float v[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = 8 * h + e < N ? xs[8 * h + e] : 0.0f;
-      const uint4 w = quantize_half_block_slow(make_float4(v[0], v[1], v[2], v[3]),
-                                               make_float4(v[4], v[5], v[6], v[7]), m);
-      const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (4 * h + k < N / 2) o[4 * h + k] = ws[k];
-    }
-    return;
-  }
-  const uint8_t s = e4m3_encode_fast(div6_e4m3(m)) & 0x7F;
-  const __half_raw hs = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)s, __NV_E4M3); /* exact */
-  const uint32_t sv2 = (uint32_t)hs.x | ((uint32_t)hs.x << 16);
-  const float r = s == 0 ? 0.0f : __frcp_rn(__half2float(__half(hs)));
-  const bool clamp = __fmul_rn(m, r) >= 7.0f;
-#pragma unroll
-  for (int k = 0; k < N / 2; ++k) {
-    float y0 = __fmul_rn(xs[2 * k], r), y1 = __fmul_rn(xs[2 * k + 1], r);
-    if (clamp) y0 = clamp6(y0), y1 = clamp6(y1);
-    o[k] = h2_mul(pack_half2(e2m1_round_signed(y0), e2m1_round_signed(y1)), sv2);
-  }
+/* What quantizing with E4M3 scale byte s needs (the sign bit is dropped): 1/s correctly rounded
+ * (__frcp_rn; 0 for the zero scale, so a zero block quantizes to zeros without a branch) and s as
+ * an FP16 pair (exact). */
+struct ScaleEntry {
+  float r;
+  uint32_t s2;
+};
+__device__ __forceinline__ ScaleEntry e4m3_scale_entry(uint32_t s) {
+  const __half_raw hs = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)(s & 0x7F), __NV_E4M3);
+  return ScaleEntry{(s & 0x7F) == 0 ? 0.0f : __frcp_rn(__half2float(__half(hs))),
+                    (uint32_t)hs.x | ((uint32_t)hs.x << 16)};
 }
 
-/* quantize_block_lanes by one thread: the whole block in xs. */
+/* One 16-value block (global scale already applied) quantized by one thread: its 16 exact FP16
+ * values code * scale as 8 half2 words, byte-identical to fp4attn_quantize_block +
+ * block_f16_words (check_prepass.cu; NaN anywhere makes the block max NaN). Finite blocks below
+ * 2^96: hardware E4M3 of m / 6, e4m3_scale_entry, E2M1 by e2m1_round_signed (clamped first when
+ * some |y| can reach 7), code * s as one FP16 multiply per pair; other blocks: numerics.h
+ * (quantize_half_block_slow). */
 __device__ __forceinline__ void quantize_block16(const float (&xs)[16], uint32_t (&o)[8]) {
-  quantize_block_lanes<1>(xs, o);
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) m = max_nan(m, fabsf(xs[i]));
+  if (!(m <= 7.9228163e28f)) { /* 2^96; NaN fails the test too */
+    const uint4 lo = quantize_half_block_slow(make_float4(xs[0], xs[1], xs[2], xs[3]),
+                                              make_float4(xs[4], xs[5], xs[6], xs[7]), m);
+    const uint4 hi = quantize_half_block_slow(make_float4(xs[8], xs[9], xs[10], xs[11]),
+                                              make_float4(xs[12], xs[13], xs[14], xs[15]), m);
+    o[0] = lo.x, o[1] = lo.y, o[2] = lo.z, o[3] = lo.w, o[4] = hi.x, o[5] = hi.y, o[6] = hi.z,
+    o[7] = hi.w;
+    return;
+  }
+  const ScaleEntry e = e4m3_scale_entry(e4m3_encode_fast(div6_e4m3(m)));
+  const bool clamp = __fmul_rn(m, e.r) >= 7.0f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    float y0 = __fmul_rn(xs[2 * k], e.r), y1 = __fmul_rn(xs[2 * k + 1], e.r);
+    if (clamp) y0 = clamp6(y0), y1 = clamp6(y1);
+    o[k] = h2_mul(pack_half2(e2m1_round_signed(y0), e2m1_round_signed(y1)), e.s2);
+  }
 }
 
 }  // namespace fp4attn_cuda

@@ -43,7 +43,6 @@ namespace {
 constexpr int kWarps = 4, kThreads = 32 * kWarps;
 constexpr int kRows = 16;  /* query rows per tile */
 constexpr int kChunk = 32; /* keys per warp step */
-constexpr float kLog2eD = 1.4426950408889634f;
 
 struct DecodeArgs {
   fp4attn_decode_params p;
@@ -93,24 +92,16 @@ __device__ __forceinline__ int o_dim(int nt, int n) {
   return (DP / 8) * n + nt;
 }
 
-__device__ __forceinline__ uint32_t pack_half2(float a, float b) {
-  return (uint32_t)__half_as_ushort(__float2half_rn(a)) |
-         ((uint32_t)__half_as_ushort(__float2half_rn(b)) << 16);
-}
-
-__device__ __forceinline__ uint32_t hmul2(uint32_t xy, uint32_t s2) {
-  uint32_t r;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(xy), "r"(s2));
-  return r;
-}
-
-/* Byte k of `bytes` (E4M3 scales: non-negative, never NaN; the sign bit is dropped) as FP16
- * s * 2^-8 in both halves: E4M3's exponent and mantissa bits (subnormals included) read as FP16
- * bits 7 places up are the same value times 2^-8. One E2M1 value times it, by hmul2, is exact
- * (a multiple of 2^-18, at most 10.5); the 2^8 is restored in FP32 (kScaleUnit). */
+/* Byte k of `lo` and byte k of `hi` (E4M3 scales: non-negative, never NaN; the sign bit is
+ * dropped) as the FP16 pair (s_lo, s_hi) * 2^-8: E4M3's exponent and mantissa bits (subnormals
+ * included) read as FP16 bits 7 places up are the same value times 2^-8. An E2M1 value times
+ * it, by h2_mul, is exact (a multiple of 2^-18, at most 10.5); the 2^8 is restored in FP32
+ * (kScaleUnit). Selector 8: a zero byte (sign mode on a byte whose msb is clear). */
 constexpr float kScaleUnit = 256.0f;
-__device__ __forceinline__ uint32_t scale_pair(uint32_t bytes, int k) {
-  return prmt_b32(bytes & 0x7F7F7F7Fu, 0u, 0x4040u | (uint32_t)(k * 0x101)) << 7;
+__device__ __forceinline__ uint32_t scale_pair(uint32_t lo, uint32_t hi, int k) {
+  return prmt_b32(lo & 0x7F7F7F7Fu, hi & 0x7F7F7F7Fu,
+                  0x8080u | (uint32_t)k | (uint32_t)(4 + k) << 8)
+         << 7;
 }
 
 /* N consecutive 32-bit words at `at` (4N-byte aligned, global or shared): vector loads. */
@@ -334,7 +325,7 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
   const int per = (nch + (int)a.splits - 1) / (int)a.splits;
   const int c0 = first + (int)split * per, c1 = min(c0 + per, first + nch);
   /* S in log2 units = (Q 2^-qexp . K 2^-8) x dec x s_log2 */
-  const float s_log2 = ldexpf(p.scale * kLog2eD * kScaleUnit, qexp);
+  const float s_log2 = ldexpf(p.scale * kLog2e * kScaleUnit, qexp);
 
   /* O = (sum P V 2^-8) x vref: the MMAs accumulate P dec / vref, vref the warp's running
    * max |dec| of V, in [0, 1] like P itself; O is rescaled when vref grows, as when m does */
@@ -375,10 +366,10 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
       for (int j = 0; j < 4; ++j) {
         uint32_t pr[4];
         e2m1_pairs(cur.k[j][i], pr);
-        const uint32_t s2 = scale_pair(cur.ks[j], i / 2);
+        const uint32_t s2 = scale_pair(cur.ks[j], cur.ks[j], i / 2);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint32_t b0 = hmul2(pr[2 * h], s2), b1 = hmul2(pr[2 * h + 1], s2);
+          const uint32_t b0 = h2_mul(pr[2 * h], s2), b1 = h2_mul(pr[2 * h + 1], s2);
           mma_16816(s[j], qa[h], b0, b1);
           if (kSplitQ) mma_16816(s[j], qlo[h], b0, b1);
         }
@@ -449,17 +440,14 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
           /* key 0's 4 nibbles below key 1's: pair j = (key 0, key 1) at nibble j */
           e2m1_pairs(prmt_b32(x0, x1, 0x5410u), pair[hf][0]);
           e2m1_pairs(prmt_b32(x0, x1, 0x7632u), pair[hf][1]);
-          const uint32_t k = w / 2; /* byte k of each key's scales; selector 8: a zero byte */
-          sc2[hf] = prmt_b32(cur.vs[2 * kk + hf][0] & 0x7F7F7F7Fu,
-                             cur.vs[2 * kk + hf][1] & 0x7F7F7F7Fu, 0x8080u | k | ((4 + k) << 8))
-                    << 7;
+          sc2[hf] = scale_pair(cur.vs[2 * kk + hf][0], cur.vs[2 * kk + hf][1], w / 2);
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
           for (int n = 0; n < 4; ++n)
-            mma_16816(o[8 * w + 4 * half + n], pa, hmul2(pair[0][half][n], sc2[0]),
-                      hmul2(pair[1][half][n], sc2[1]));
+            mma_16816(o[8 * w + 4 * half + n], pa, h2_mul(pair[0][half][n], sc2[0]),
+                      h2_mul(pair[1][half][n], sc2[1]));
       }
     }
   }
@@ -567,20 +555,20 @@ fp4attn_status launch_dp(const DecodeArgs &a, const DecodePlan &plan, cudaStream
   blocks_per_sm(kernel, smem); /* raises the kernel's shared memory limit once */
   kernel<<<dim3((unsigned)plan.tiles, (unsigned)plan.splits), kThreads, smem, s>>>(a);
   const fp4attn_decode_params &p = a.p;
-  SplitMerge m{a.o_part,
-               a.ml_part,
-               a.qshift,
-               a.splits,
-               a.mtiles,
-               p.heads_q,
-               p.cache.heads_kv,
-               p.len_q,
-               p.cache.head_dim,
-               p.out,
-               {p.out_stride[0], p.out_stride[1], p.out_stride[2]},
-               p.dtype,
-               p.lse};
-  split_merge_kernel<DP><<<dim3((unsigned)plan.tiles, 16), DP, 0, s>>>(m);
+  launch_split_merge<DP>({a.o_part,
+                          a.ml_part,
+                          a.qshift,
+                          a.splits,
+                          a.mtiles,
+                          p.heads_q,
+                          p.cache.heads_kv,
+                          p.len_q,
+                          p.cache.head_dim,
+                          p.out,
+                          {p.out_stride[0], p.out_stride[1], p.out_stride[2]},
+                          p.dtype,
+                          p.lse},
+                         plan.tiles, s);
   return launch_status("decode");
 }
 

@@ -58,7 +58,6 @@ namespace {
 
 constexpr int kRows = kDecodeRows;
 constexpr int kStatThreads = 256;
-constexpr float kLog2e = 1.4426950408889634f;
 
 struct DecodeArgs {
   fp4attn_attention_params p;
@@ -74,18 +73,6 @@ template <bool kBf16>
 __device__ __forceinline__ float2 word_to_float2(uint32_t w) {
   if (kBf16) return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
   return __half22float2(*reinterpret_cast<const __half2 *>(&w));
-}
-
-/* min / max on two FP16 lanes (sm_80+). */
-__device__ __forceinline__ uint32_t h2_min(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ uint32_t h2_max(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
 }
 
 /* e2m1_round_signed (fast_rounding.cuh) in four instructions instead of five: its constant
@@ -112,27 +99,12 @@ __device__ __forceinline__ uint32_t e4m3_byte(float v) {
 #endif
 }
 
-/* What the in-register K^ / V^ quantization needs of a block scale, by its E4M3 byte (the sign bit
- * is ignored: 256 entries): 1/s as quantize_block_lanes computes it (__frcp_rn, 0 for s = 0) and s
- * as an FP16 pair. */
-struct ScaleEntry {
-  float r;
-  uint32_t s2;
-};
-
-__device__ __forceinline__ ScaleEntry scale_entry(int byte) {
-  const __half_raw hs = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)(byte & 0x7F), __NV_E4M3);
-  const float sv = __half2float(__half(hs));
-  return ScaleEntry{(byte & 0x7F) == 0 ? 0.0f : __frcp_rn(sv),
-                    (uint32_t)hs.x | ((uint32_t)hs.x << 16)};
-}
-
-/* quantize_block_lanes<4> (fast_rounding.cuh) of one 16-value block held by a quad, for blocks of
- * real keys of a slice whose global amax is finite: then every |xs| is at most 2688 (1 + 2^-22)
- * (|x - kbar| <= amax K, |x| <= amax V, and xs = x enc with enc = 2688 / amax), far inside the
- * range (max below 2^96) where quantize_block_lanes takes this path, and the bytes are the same.
- * Branch-free, so that the compiler interleaves a tile's independent blocks:
- *  - the scale's reciprocal and FP16 form come from the table tab (scale_entry);
+/* quantize_block16 (fast_rounding.cuh) of one 16-value block held by a quad (4 values per lane),
+ * for blocks of real keys of a slice whose global amax is finite: then every |xs| is at most
+ * 2688 (1 + 2^-22) (|x - kbar| <= amax K, |x| <= amax V, and xs = x enc with enc = 2688 / amax),
+ * far inside the range (max below 2^96) where quantize_block16 takes its fast path, and the
+ * bytes are the same. Branch-free, so that the compiler interleaves a tile's independent blocks:
+ *  - the scale's reciprocal and FP16 form come from the table tab (e4m3_scale_entry);
  *  - y is rounded first (e2m1_round_fma) and saturated after: for |y| >= 7 the rounding gives 8
  *    or more (its grid point 2^e <= |y|), exactly representable or +-Inf in FP16, which the FP16
  *    clamp to [-6, 6] maps to +-6 like rne_e2m1 of the clamped y; below 7 the clamp changes
@@ -575,7 +547,7 @@ struct DecodeKernel {
     if (tid < kRows) sc.qam[tid] = 0u;
     if (tid == 0) sc.kam = sc.vam = 0u;
     for (int i = tid; i < 256; i += kThreads)
-      reinterpret_cast<ScaleEntry *>(smem + L::kStab)[i] = scale_entry(i);
+      reinterpret_cast<ScaleEntry *>(smem + L::kStab)[i] = e4m3_scale_entry(i);
     __syncthreads();
     const int64_t h0 = mt * kRows / p.len_q; /* the tile's first head (within the group) */
     const int nh = (int)((min(rows, (mt + 1) * kRows) - 1) / p.len_q - h0 + 1);
@@ -678,10 +650,17 @@ __global__ void __launch_bounds__(NW * 32, 1)
   DecodeKernel<T, DP, NBUF, NW>::run(a, smem);
 }
 
+/* The attention kernel at padded head dim DP: its tile buffers and warps, its shared memory. */
+template <int DP>
+struct AttnShape {
+  static constexpr int kBufs = DP <= 128 ? 2 : 1, kWarps = DP <= 128 ? 8 : 4;
+  using Smem = AttnSmem<DP, kBufs, kWarps>;
+};
+
 template <typename T, int DP>
 fp4attn_status launch_typed(const DecodeArgs &a, const AttnPlan &plan, cudaStream_t s) {
-  constexpr int NBUF = DP <= 128 ? 2 : 1, NW = DP <= 128 ? 8 : 4;
-  using L = AttnSmem<DP, NBUF, NW>;
+  constexpr int NBUF = AttnShape<DP>::kBufs, NW = AttnShape<DP>::kWarps;
+  using L = typename AttnShape<DP>::Smem;
   auto kernel = sdpa_decode_attn_kernel<T, DP, NBUF, NW>;
   static int configured[64] = {0};
   int dev = 0;
@@ -701,20 +680,20 @@ fp4attn_status launch_typed(const DecodeArgs &a, const AttnPlan &plan, cudaStrea
   st = launch_status("attention: decode kernel");
   if (st.code != FP4ATTN_OK) return st;
   const fp4attn_attention_params &p = a.p;
-  SplitMerge m{a.w.o_part,
-               a.w.ml_part,
-               a.w.qshift,
-               plan.decode.splits,
-               plan.decode.mtiles,
-               p.heads_q,
-               p.heads_kv,
-               p.len_q,
-               p.head_dim,
-               p.out,
-               {p.out_stride[0], p.out_stride[1], p.out_stride[2]},
-               p.dtype,
-               p.lse};
-  split_merge_kernel<DP><<<dim3((unsigned)tiles, 16), DP, 0, s>>>(m);
+  launch_split_merge<DP>({a.w.o_part,
+                          a.w.ml_part,
+                          a.w.qshift,
+                          plan.decode.splits,
+                          plan.decode.mtiles,
+                          p.heads_q,
+                          p.heads_kv,
+                          p.len_q,
+                          p.head_dim,
+                          p.out,
+                          {p.out_stride[0], p.out_stride[1], p.out_stride[2]},
+                          p.dtype,
+                          p.lse},
+                         tiles, s);
   return launch_status("attention: decode merge kernel");
 }
 
@@ -733,13 +712,13 @@ fp4attn_status launch_for_dp(const DecodeArgs &a, const AttnPlan &plan, cudaStre
 }  // namespace
 
 int64_t sdpa_decode_smem_bytes(int64_t dp) {
-  return dp <= 64 ? AttnSmem<64, 2, 8>::kBytes
-                  : (dp <= 128 ? AttnSmem<128, 2, 8>::kBytes : AttnSmem<256, 1, 4>::kBytes);
+  return dp <= 64 ? AttnShape<64>::Smem::kBytes
+                  : (dp <= 128 ? AttnShape<128>::Smem::kBytes : AttnShape<256>::Smem::kBytes);
 }
 
 fp4attn_status launch_sdpa_decode(const fp4attn_attention_params &p, const AttnPlan &plan,
                                   void *workspace, cudaStream_t s) {
-  if (plan.decode.chunks > 65535 || plan.decode.splits > 65535)
+  if (plan.decode.splits > 65535) /* chunks: at most 32 (sdpa_decode_schedule) */
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: decode grid too large");
   DecodeArgs a;
   a.p = p;

@@ -13,6 +13,8 @@
 
 namespace fp4attn_cuda {
 
+constexpr int kMergeRows = 16; /* query rows per tile */
+
 struct SplitMerge {
   const float *o_part, *ml_part, *qshift;
   int64_t splits, mtiles;
@@ -23,30 +25,28 @@ struct SplitMerge {
   float *lse; /* [batch][heads_q][len_q], or null */
 };
 
-/* Grid (tiles, 16 rows), DP threads: row blockIdx.y of tile blockIdx.x, a column per thread. The
- * splits' loads are independent, so a few tiles with many splits (small batches on long caches)
- * still spread over the SMs instead of serialising on a block per tile. */
+/* Row blockIdx.y of tile blockIdx.x, a column per thread (launch_split_merge). The splits' loads
+ * are independent, so a few tiles with many splits (small batches on long caches) still spread
+ * over the SMs instead of serialising on a block per tile. */
 template <int DP>
 __global__ void __launch_bounds__(DP) split_merge_kernel(const SplitMerge m) {
-  constexpr int kRows = 16;
-  constexpr float kLn2 = 0.69314718055994531f;
   const int64_t tile = blockIdx.x, S = m.splits, G = m.heads_q / m.heads_kv, nq = m.len_q;
   const int r = blockIdx.y, d = threadIdx.x;
-  const int64_t bhk = tile / m.mtiles, row = (tile % m.mtiles) * kRows + r;
+  const int64_t bhk = tile / m.mtiles, row = (tile % m.mtiles) * kMergeRows + r;
   if (row >= G * nq) return;
   const int64_t b = bhk / m.heads_kv, hk = bhk % m.heads_kv;
-  const float *ml = m.ml_part + (tile * S * kRows + r) * 2;
-  const float *o = m.o_part + (tile * S * kRows + r) * DP + d;
+  const float *ml = m.ml_part + (tile * S * kMergeRows + r) * 2;
+  const float *o = m.o_part + (tile * S * kMergeRows + r) * DP + d;
   float mx = -INFINITY;
 #pragma unroll 4
-  for (int64_t s = 0; s < S; ++s) mx = fmaxf(mx, ml[s * kRows * 2]);
+  for (int64_t s = 0; s < S; ++s) mx = fmaxf(mx, ml[s * kMergeRows * 2]);
   float acc = 0.0f, ls = 0.0f;
 #pragma unroll 4
   for (int64_t s = 0; s < S; ++s) {
-    const float ms = ml[s * kRows * 2];
+    const float ms = ml[s * kMergeRows * 2];
     const float f = ms == -INFINITY ? 0.0f : exp2f(ms - mx);
-    acc = fmaf(f, o[s * kRows * DP], acc);
-    ls = fmaf(f, ml[s * kRows * 2 + 1], ls);
+    acc = fmaf(f, o[s * kMergeRows * DP], acc);
+    ls = fmaf(f, ml[s * kMergeRows * 2 + 1], ls);
   }
   const int64_t h = hk * G + row / nq, t = row % nq;
   if (d < m.head_dim)
@@ -55,7 +55,13 @@ __global__ void __launch_bounds__(DP) split_merge_kernel(const SplitMerge m) {
                      ls > 0.0f ? acc / ls : 0.0f);
   if (d == 0 && m.lse)
     m.lse[(b * m.heads_q + h) * nq + t] =
-        ls > 0.0f ? mx * kLn2 + logf(ls) + m.qshift[tile * kRows + r] : -INFINITY;
+        ls > 0.0f ? mx * kLn2 + logf(ls) + m.qshift[tile * kMergeRows + r] : -INFINITY;
+}
+
+/* The merge of `tiles` tiles on stream s: a block of DP threads per row. */
+template <int DP>
+void launch_split_merge(const SplitMerge &m, int64_t tiles, cudaStream_t s) {
+  split_merge_kernel<DP><<<dim3((unsigned)tiles, kMergeRows), DP, 0, s>>>(m);
 }
 
 }  // namespace fp4attn_cuda

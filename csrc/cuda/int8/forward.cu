@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
     }
     if (t == 0)
       p.lse[bh * p.len_q + row] =
-          lsum > 0.0f ? (m[r] * kLn2f + logf(lsum)) + w.qshift[bh * w.nqp + row] : -INFINITY;
+          lsum > 0.0f ? (m[r] * kLn2 + logf(lsum)) + w.qshift[bh * w.nqp + row] : -INFINITY;
   }
 }
 

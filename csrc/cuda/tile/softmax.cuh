@@ -18,7 +18,6 @@ namespace fp4attn_cuda {
 
 constexpr float kLog2_2688 = 11.392317422778760f; /* log2(2688) */
 constexpr float kLog2_6 = 2.5849625007211562f;    /* log2(6) */
-constexpr float kLn2 = 0.69314718055994531f;
 
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
