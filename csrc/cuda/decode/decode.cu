@@ -318,9 +318,9 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     end[r] = min((int64_t)Lb, Lb - nq + (mt * kRows + g + 8 * r) % nq + 1);
-    begin[r] = p.window > 0 ? max(0, end[r] - (int)p.window) : 0;
+    begin[r] = p.window > 0 ? (int)max((int64_t)0, end[r] - p.window) : 0;
   }
-  const int first = p.window > 0 ? max(0, Lb - (int)nq + 1 - (int)p.window) / kChunk : 0;
+  const int first = p.window > 0 ? (int)(max((int64_t)0, Lb - nq + 1 - p.window) / kChunk) : 0;
   const int nch = (Lb + kChunk - 1) / kChunk - first;
   const int per = (nch + (int)a.splits - 1) / (int)a.splits;
   const int c0 = first + (int)split * per, c1 = min(c0 + per, first + nch);
