@@ -251,6 +251,18 @@ def test_cuda_sliding_window_decode(case, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("window", [2**31 - 1, 2**31, 2**33 + 5])
+def test_cuda_window_wider_than_int32_is_no_window(window):
+    """The C API takes the window as int64: widths of 2^31 and more see every key, as no window."""
+    cache, _, _ = filled_cache(2, 2, 128, torch.float16, [300], page_size=32, device="cuda")
+    q = torch.randn(2, 8, 3, 128, generator=torch.Generator().manual_seed(7)).to(torch.float16)
+    want, want_lse = fp4attn.decode(q.cuda(), cache, return_lse=True)
+    out, lse = fp4attn.decode(q.cuda(), cache, return_lse=True, window=window)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_cuda_decode_long_gqa_matches_the_cpu_backend(D, dtype):
