@@ -67,6 +67,15 @@ __device__ __forceinline__ void ldsm_b(uint32_t (&b)[2][2], const char *tile, in
   ldmatrix_x4(b[0][0], b[0][1], b[1][0], b[1][1], smem_u32(tile + swz_byte<W>(row, byte)));
 }
 
+/* B fragments of one 8-column tile (columns = tile rows n0..n0+7) for two k steps (64 k-bytes
+ * from k0, 16-bit operands) of a swizzled [n][k] tile: b[h] is the (b0, b1) pair of k step h. */
+template <int W>
+__device__ __forceinline__ void ldsm_b_x2k(uint32_t (&b)[2][2], const char *tile, int n0, int k0) {
+  const int lane = threadIdx.x & 31;
+  const int row = n0 + (lane & 7), byte = k0 + (lane >> 3) * 16;
+  ldmatrix_x4(b[0][0], b[0][1], b[1][0], b[1][1], smem_u32(tile + swz_byte<W>(row, byte)));
+}
+
 }  // namespace fp4attn_cuda
 
 #endif /* FP4ATTN_CUDA_COMMON_SMEM_TILES_CUH */

@@ -3,25 +3,33 @@
  * mma.sync m16n8k16 with FP16 operands whatever the input dtype, then a merge of the splits by
  * their lse.
  *
- * A block (4 warps) owns one tile of 16 query rows, the G query heads x len_q positions of one
- * (batch, KV head) (GQA on the tensor cores: the heads share every key the block reads), and one
- * key range of a split. Each warp takes 32-key chunks of the range in turn; where pages hold whole
- * chunks it copies the next chunk's rows into its second shared-memory slot by cp.async while it
- * works on the current one (stage_chunk), otherwise it loads straight from global memory
- * (load_chunk). Either way every lane takes exactly the code words that its own MMA fragments need
- * and decodes them in registers (e2m1_pairs.cuh, then one packed multiply by the E4M3 scale per
- * pair, exact in FP16; the FP32 row `dec` stays outside: per key on the scores for K, folded into
- * P for V).
+ * The products are transposed: S^T = K Q^T with 16 keys as the MMA's M and the query rows as N,
+ * O^T = V^T P^T with 16 channels as M and the keys as K. A decode tile has few query rows (the G
+ * query heads x len_q positions of one (batch, KV head); 4 for GQA 32/8 with one position), so
+ * N = 8 (or 16, NT = 2 n-tiles) pads far less than the M = 16 of Q K^T, and O^T takes DP / 4
+ * registers per lane and n-tile instead of DP / 2.
  *
- * Fragment layouts (g = lane / 4, t4 = lane % 4, chunk keys 0..31, n-tile j = keys 8j..8j+7):
- *  - S = Q K^T: lane (g, t4) decodes key 8j + g, bytes [t4 DP/8, (t4 + 1) DP/8) of its row, i.e.
+ * A block (4 warps) owns one tile of 8 NT query rows (GQA on the tensor cores: the heads share
+ * every key the block reads) and one key range of a split. Each warp takes 32-key chunks of the
+ * range in turn; where pages hold whole chunks it copies the next chunk's rows into its second
+ * shared-memory slot by cp.async while it works on the current one (stage_chunk), otherwise it
+ * loads straight from global memory (load_chunk). Either way every lane takes exactly the code
+ * words that its own MMA fragments need and decodes them in registers (e2m1_pairs.cuh, then one
+ * packed multiply by the E4M3 scale per pair, exact in FP16; the FP32 row `dec` stays outside:
+ * per key on the scores for K, folded into P for V).
+ *
+ * Fragment layouts (g = lane / 4, t4 = lane % 4, chunk keys 0..31, key group j = keys 8j..8j+7):
+ *  - S^T: m-tile mt holds keys 16 mt + r (rows r = g: group 2 mt, r = g + 8: group 2 mt + 1).
+ *    Lane (g, t4) decodes key 8j + g, bytes [t4 DP/8, (t4 + 1) DP/8) of its row, i.e.
  *    d = t4 DP/4 + 8i + n for word i, nibble n. Word i feeds k-steps 2i and 2i + 1; the MMA slot
  *    order this implies is applied to Q once, when the block stages it (q_dim). A dot product does
  *    not care in which order it sums d.
- *  - O += P V: the S accumulator is P's A operand (keys 8j + 2 t4 + b), so lane (g, t4) decodes
- *    the V rows of exactly those 8 keys, bytes [g DP/16, (g + 1) DP/16): d = g DP/8 + 8w + n.
- *    Half words of two keys are joined so that one decoded pair holds (key, key + 1) at one d:
- *    n-tile nt of O is d = (DP/8) n + nt for its column n (o_dim), undone when O is stored.
+ *  - P^T: the S^T accumulator (lane: keys 8j + g, queries 2 t4 + e) transposed by movmatrix is
+ *    the B operand of O^T's k-step mt (keys 16 mt + 2 t4 + e (+ 8), query g).
+ *  - O^T: lane (g, t4) decodes the V rows of keys 8j + 2 t4 + b, bytes [g DP/16, (g + 1) DP/16):
+ *    d = g DP/8 + 8w + n. Half words of two keys are joined so that one decoded pair holds
+ *    (key, key + 1) at one d; m-tile mt's row r is d = (DP/8) (r % 8) + 2 mt + r / 8 (o_dim),
+ *    undone when O is stored.
  * Q is staged as FP16 times a power of two per tile (exact for FP16 and BF16 inputs; FP32 inputs
  * as hi + lo parts, two MMAs, 22 bits), P as FP16 in [0, 1]. The warps' partial results merge in
  * shared memory, the splits' in the merge kernel. No host synchronisation: the grid follows the
@@ -41,14 +49,14 @@ namespace fp4attn_cuda {
 namespace {
 
 constexpr int kWarps = 4, kThreads = 32 * kWarps;
-constexpr int kRows = 16;  /* query rows per tile */
 constexpr int kChunk = 32; /* keys per warp step */
 
+/* (rows = the tile's 8 or 16 query rows) */
 struct DecodeArgs {
   fp4attn_decode_params p;
-  float *o_part;  /* [tiles][splits][16][dp]: unnormalised O of a split */
-  float *ml_part; /* [tiles][splits][16][2]: its row max (log2 units) and row sum */
-  float *qshift;  /* [tiles][16]: scale * (q . kmean) */
+  float *o_part;  /* [tiles][splits][rows][dp]: unnormalised O of a split */
+  float *ml_part; /* [tiles][splits][rows][2]: its row max (log2 units) and row sum */
+  float *qshift;  /* [tiles][rows]: scale * (q . kmean) */
   int64_t mtiles, splits;
 };
 
@@ -68,14 +76,14 @@ struct ChunkSlot {
 };
 constexpr int kStages = 2; /* a warp's slots: the chunk it works on and the next one, in flight */
 
-/* Shared memory: the Q tile (and its FP32 low part) in MMA slot order, then (kFast) the warps'
- * chunk slots; after the loop, the warps' merge over all of it. */
-template <int DP, bool kFast>
+/* Shared memory: the Q tile of NQ rows (and its FP32 low part) in MMA slot order, then (kFast)
+ * the warps' chunk slots; after the loop, the warps' merge over all of it. */
+template <int DP, int NQ, bool kFast>
 struct DecodeSmem {
   static constexpr int kW = 2 * DP; /* bytes per 16-bit row */
-  static constexpr int kQ = 0, kQlo = kRows * kW, kRing = 2 * kRows * kW;
+  static constexpr int kQ = 0, kQlo = NQ * kW, kRing = 2 * NQ * kW;
   static constexpr int kLoop = kRing + (kFast ? kWarps * kStages * ChunkSlot<DP>::kBytes : 0);
-  static constexpr int kMerge = kWarps * kRows * (DP + 2) * 4;
+  static constexpr int kMerge = kWarps * NQ * (DP + 2) * 4;
   static constexpr int kBytes = kLoop > kMerge ? kLoop : kMerge;
 };
 
@@ -86,10 +94,10 @@ __device__ __forceinline__ int q_dim(int c) {
   const int ks = c >> 4, slot = c & 15;
   return ((slot & 7) >> 1) * (DP / 4) + 8 * (ks >> 1) + 2 * (ks & 1) + (slot >> 3) + 4 * (slot & 1);
 }
-/* Storage d of O column n of n-tile nt (the V fragment layout above). */
+/* Storage d of row r of O^T's m-tile mt (the V fragment layout above). */
 template <int DP>
-__device__ __forceinline__ int o_dim(int nt, int n) {
-  return (DP / 8) * n + nt;
+__device__ __forceinline__ int o_dim(int mt, int r) {
+  return (DP / 8) * (r & 7) + 2 * mt + (r >> 3);
 }
 
 /* Byte k of `lo` and byte k of `hi` (E4M3 scales: non-negative, never NaN; the sign bit is
@@ -151,17 +159,18 @@ struct Frag {
   static constexpr int kVBlocks = DP / 128 > 0 ? DP / 128 : 1;
 };
 
-/* One chunk's raw loads of a lane: K rows of keys 8j + g, V rows and decs of keys 8j + 2 t4 + b. */
+/* One chunk's raw loads of a lane: K rows and both decs of keys 8j + g (the S^T layout), V rows
+ * and scales of keys 8j + 2 t4 + b (the O^T layout). */
 template <int DP>
 struct Raw {
   using F = Frag<DP>;
   uint32_t k[4][F::kKWords], ks[4];
   uint32_t v[4][2][F::kVWords], vs[4][2];
-  float kd[4][2], vd[4][2];
+  float kd[4], vd[4];
 };
 
 /* The general path: a page lookup per key (a key past the sequence's end reads its last key; such
- * keys' scores are masked, their V zeroed) and bounded loads, straight into registers. */
+ * keys' scores are masked, their V dec zeroed) and bounded loads, straight into registers. */
 template <int DP>
 __device__ __forceinline__ void load_chunk(Raw<DP> &raw, const fp4attn_kv_cache &c, int64_t b,
                                            int64_t hk, int key0, int len, int lane) {
@@ -179,15 +188,13 @@ __device__ __forceinline__ void load_chunk(Raw<DP> &raw, const fp4attn_kv_cache 
     const int64_t r = row_of(8 * j + g);
     load_words(raw.k[j], c.k_codes + r * cb, t4 * (DP / 8), cb);
     raw.ks[j] = load_scales<F::kKBlocks>(c.k_scales + r * sc, t4 * (DP / 64), sc);
+    raw.kd[j] = c.k_dec[r];
+    raw.vd[j] = key0 + 8 * j + g < len ? c.v_dec[r] : 0.0f; /* no NaN from free slots */
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
-      const int key = 8 * j + 2 * t4 + x;
-      const bool valid = key0 + key < len;
-      const int64_t rv = row_of(key);
+      const int64_t rv = row_of(8 * j + 2 * t4 + x);
       load_words(raw.v[j][x], c.v_codes + rv * cb, g * (DP / 16), cb);
-      raw.vs[j][x] = valid ? load_scales<F::kVBlocks>(c.v_scales + rv * sc, g * DP / 128, sc) : 0u;
-      raw.kd[j][x] = c.k_dec[rv];
-      raw.vd[j][x] = valid ? c.v_dec[rv] : 0.0f; /* zero V past the end: no NaN from free slots */
+      raw.vs[j][x] = load_scales<F::kVBlocks>(c.v_scales + rv * sc, g * DP / 128, sc);
     }
   }
 }
@@ -244,25 +251,28 @@ __device__ __forceinline__ void read_chunk(Raw<DP> &raw, const char *slot, int k
     const int kr = 8 * j + g;
     vector_words(raw.k[j], slot + S::kKc + kr * (DP / 2) + t4 * (DP / 8));
     raw.ks[j] = vector_bytes<F::kKBlocks>(slot + S::kKs + kr * (DP / 16) + t4 * F::kKBlocks);
-    const float2 kd = *reinterpret_cast<const float2 *>(slot + S::kKd + 4 * (8 * j + 2 * t4));
-    const float2 vd = *reinterpret_cast<const float2 *>(slot + S::kVd + 4 * (8 * j + 2 * t4));
+    raw.kd[j] = *reinterpret_cast<const float *>(slot + S::kKd + 4 * kr);
+    raw.vd[j] = key0 + kr < len ? *reinterpret_cast<const float *>(slot + S::kVd + 4 * kr) : 0.0f;
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
       const int key = 8 * j + 2 * t4 + x;
-      const bool valid = key0 + key < len;
       vector_words(raw.v[j][x], slot + S::kVc + key * S::kVStride + g * (DP / 16));
-      raw.vs[j][x] =
-          valid ? vector_bytes<F::kVBlocks>(slot + S::kVs + key * (DP / 16) + g * DP / 128) : 0u;
-      raw.kd[j][x] = x ? kd.y : kd.x;
-      raw.vd[j][x] = valid ? (x ? vd.y : vd.x) : 0.0f;
+      raw.vs[j][x] = vector_bytes<F::kVBlocks>(slot + S::kVs + key * (DP / 16) + g * DP / 128);
     }
   }
 }
 
-template <int DP, bool kSplitQ, bool kFast>
-__global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
+/* Blocks per SM the register budget is set for: O^T takes DP / 4 registers per n-tile. */
+template <int DP, int NT>
+constexpr int min_blocks() {
+  return DP * NT <= 64 ? 5 : (DP * NT <= 128 ? 4 : (DP * NT <= 256 ? 3 : 1));
+}
+
+template <int DP, int NT, bool kSplitQ, bool kFast>
+__global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
     decode_kernel(const DecodeArgs a) {
-  using L = DecodeSmem<DP, kFast>;
+  constexpr int NQ = 8 * NT; /* query rows per tile */
+  using L = DecodeSmem<DP, NQ, kFast>;
   using F = Frag<DP>;
   extern __shared__ __align__(128) char smem[];
   __shared__ float warp_qmax[kWarps];
@@ -275,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
   const int D = (int)c.head_dim;
   const int Lb = p.seq_lens[b];
   auto q_value = [&](int r, int d) {
-    const int64_t row = mt * kRows + r;
+    const int64_t row = mt * NQ + r;
     if (row >= M || d >= D) return 0.0f;
     return load_as_float(
         p.q, p.dtype,
@@ -286,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
    * exact for FP16 and BF16 inputs (bar values below 2^-38 of that largest, which S cannot
    * notice), 22 bits as hi + lo parts for FP32. */
   float qmax = 0.0f;
-  for (int i = tid; i < kRows * D; i += kThreads) qmax = fmaxf(qmax, fabsf(q_value(i / D, i % D)));
+  for (int i = tid; i < NQ * D; i += kThreads) qmax = fmaxf(qmax, fabsf(q_value(i / D, i % D)));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, o));
   if (lane == 0) warp_qmax[warp] = qmax;
@@ -294,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
   qmax = fmaxf(fmaxf(warp_qmax[0], warp_qmax[1]), fmaxf(warp_qmax[2], warp_qmax[3]));
   const int qexp = qmax > 0.0f && qmax <= FLT_MAX ? max(-126, min(126, ilogbf(qmax) - 14)) : 0;
   const float qinv = ldexpf(1.0f, -qexp);
-  for (int i = tid; i < kRows * DP; i += kThreads) {
+  for (int i = tid; i < NQ * DP; i += kThreads) {
     const int r = i / DP, col = i % DP;
     const float v = q_value(r, q_dim<DP>(col)) * qinv;
     const __half hi = __float2half_rn(v);
@@ -304,22 +314,24 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
           __float2half_rn(v - __half2float(hi));
   }
   if (split == 0)
-    for (int r = warp; r < kRows; r += kWarps) {
+    for (int r = warp; r < NQ; r += kWarps) {
       float acc = 0.0f;
       for (int d = lane; d < D; d += 32) acc += q_value(r, d) * c.kmean[(b * H + hk) * D + d];
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (lane == 0) a.qshift[tile * kRows + r] = p.scale * acc;
+      if (lane == 0) a.qshift[tile * NQ + r] = p.scale * acc;
     }
   __syncthreads();
 
-  /* this split's chunks; each thread's two rows see keys [begin[r], end[r]) */
-  int end[2], begin[2];
+  /* this split's chunks; the lane's query 8n + 2 t4 + e sees keys [begin, end) */
+  int end[NT][2], begin[NT][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    end[r] = min((int64_t)Lb, Lb - nq + (mt * kRows + g + 8 * r) % nq + 1);
-    begin[r] = p.window > 0 ? (int)max((int64_t)0, end[r] - p.window) : 0;
-  }
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      end[n][e] = min((int64_t)Lb, Lb - nq + (mt * NQ + 8 * n + 2 * t4 + e) % nq + 1);
+      begin[n][e] = p.window > 0 ? (int)max((int64_t)0, end[n][e] - p.window) : 0;
+    }
   const int first = p.window > 0 ? (int)(max((int64_t)0, Lb - nq + 1 - p.window) / kChunk) : 0;
   const int nch = (Lb + kChunk - 1) / kChunk - first;
   const int per = (nch + (int)a.splits - 1) / (int)a.splits;
@@ -329,8 +341,10 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
 
   /* O = (sum P V 2^-8) x vref: the MMAs accumulate P dec / vref, vref the warp's running
    * max |dec| of V, in [0, 1] like P itself; O is rescaled when vref grows, as when m does */
-  float o[DP / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, vref = 0.0f;
+  float o[DP / 16][NT][4] = {};
+  float m[NT][2], l[NT][2], vref = 0.0f;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) m[n][0] = m[n][1] = -INFINITY, l[n][0] = l[n][1] = 0.0f;
   char *ring = smem + L::kRing + warp * kStages * ChunkSlot<DP>::kBytes;
   if (kFast) { /* the warp's first chunk in flight */
     if (c0 + warp < c1) stage_chunk<DP>(ring, c, b, hk, (c0 + warp) * kChunk, lane);
@@ -352,146 +366,173 @@ __global__ void __launch_bounds__(kThreads, DP == 64 ? 4 : (DP == 128 ? 3 : 1))
       load_chunk<DP>(cur, c, b, hk, j0, Lb, lane);
     }
 
-    /* S = Q K^T: word i of key 8j + g feeds k-steps 2i, 2i + 1 of n-tile j */
-    float s[4][4] = {};
+    /* S^T = K Q^T: word i of key 8j + g feeds k-steps 2i, 2i + 1 of m-tile j / 2 */
+    float s[2][NT][4] = {};
 #pragma unroll
     for (int i = 0; i < F::kKWords; ++i) {
-      uint32_t qa[2][4], qlo[2][4];
+      uint32_t qb[NT][2][2], qlo[NT][2][2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        ldsm_a<L::kW>(qa[h], smem + L::kQ, 0, (2 * i + h) * 32);
-        if (kSplitQ) ldsm_a<L::kW>(qlo[h], smem + L::kQlo, 0, (2 * i + h) * 32);
+      for (int n = 0; n < NT; ++n) {
+        ldsm_b_x2k<L::kW>(qb[n], smem + L::kQ, 8 * n, 2 * i * 32);
+        if (kSplitQ) ldsm_b_x2k<L::kW>(qlo[n], smem + L::kQlo, 8 * n, 2 * i * 32);
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t pr[4];
-        e2m1_pairs(cur.k[j][i], pr);
-        const uint32_t s2 = scale_pair(cur.ks[j], cur.ks[j], i / 2);
+      for (int km = 0; km < 2; ++km) {
+        uint32_t pr[2][4], s2[2]; /* keys 8 (2 km + x) + g */
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          e2m1_pairs(cur.k[2 * km + x][i], pr[x]);
+          s2[x] = scale_pair(cur.ks[2 * km + x], cur.ks[2 * km + x], i / 2);
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint32_t b0 = h2_mul(pr[2 * h], s2), b1 = h2_mul(pr[2 * h + 1], s2);
-          mma_16816(s[j], qa[h], b0, b1);
-          if (kSplitQ) mma_16816(s[j], qlo[h], b0, b1);
+          const uint32_t ka[4] = {h2_mul(pr[0][2 * h], s2[0]), h2_mul(pr[1][2 * h], s2[1]),
+                                  h2_mul(pr[0][2 * h + 1], s2[0]), h2_mul(pr[1][2 * h + 1], s2[1])};
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            mma_16816(s[km][n], ka, qb[n][h][0], qb[n][h][1]);
+            if (kSplitQ) mma_16816(s[km][n], ka, qlo[n][h][0], qlo[n][h][1]);
+          }
         }
       }
     }
 
-    /* online softmax over the chunk */
-    float vmax = 0.0f;
+    /* online softmax over the chunk: a query's keys lie across the lanes of one t4 */
+    float vmax =
+        fmaxf(fmaxf(fabsf(cur.vd[0]), fabsf(cur.vd[1])), fmaxf(fabsf(cur.vd[2]), fabsf(cur.vd[3])));
 #pragma unroll
-    for (int j = 0; j < 4; ++j) vmax = fmaxf(vmax, fmaxf(fabsf(cur.vd[j][0]), fabsf(cur.vd[j][1])));
-    vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1));
-    vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2));
+    for (int o4 = 4; o4 < 32; o4 <<= 1) vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, o4));
     const float vnew = fmaxf(vref, vmax), vinv = vnew > 0.0f ? 1.0f / vnew : 0.0f;
     const float vgrow = vnew > vref ? vref * vinv : 1.0f; /* O's factor for the new vref */
     vref = vnew;
-    float alpha[2], mref[2];
+    float kf[4], vf[4];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float x = -INFINITY;
+    for (int j = 0; j < 4; ++j) kf[j] = cur.kd[j] * s_log2, vf[j] = cur.vd[j] * vinv;
+    float alpha[NT][2], mref[NT][2];
+    bool rescale = vgrow != 1.0f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+    for (int n = 0; n < NT; ++n)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = j0 + 8 * j + 2 * t4 + e;
-          float &v = s[j][2 * r + e];
-          v = key < end[r] && key >= begin[r] ? v * (cur.kd[j][e] * s_log2) : -INFINITY;
+      for (int e = 0; e < 2; ++e) {
+        float x = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int key = j0 + 8 * j + g;
+          float &v = s[j >> 1][n][2 * (j & 1) + e];
+          v = key < end[n][e] && key >= begin[n][e] ? v * kf[j] : -INFINITY;
           x = fmaxf(x, v);
         }
-      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-      const float m_new = fmaxf(m[r], x);
-      alpha[r] = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - m_new);
-      mref[r] = m_new == -INFINITY ? 0.0f : m_new;
-      m[r] = m_new;
-    }
-    float rowsum[2] = {0.0f, 0.0f}, pv[4][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pe = exp2f(s[j][e] - mref[e >> 1]);
-        rowsum[e >> 1] += pe;
-        pv[j][e] = pe * (cur.vd[j][e & 1] * vinv); /* in [0, 1] */
+        for (int o4 = 4; o4 < 32; o4 <<= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o4));
+        const float m_new = fmaxf(m[n][e], x);
+        alpha[n][e] = m[n][e] == -INFINITY ? 0.0f : exp2f(m[n][e] - m_new);
+        mref[n][e] = m_new == -INFINITY ? 0.0f : m_new;
+        m[n][e] = m_new;
+        l[n][e] *= alpha[n][e];
+        rescale |= alpha[n][e] != 1.0f;
       }
+    /* P^T fragments: pb[km][n] = (b0, b1) of O^T's k-step km */
+    uint32_t pb[2][NT][2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = alpha[r] * l[r] + rowsum[r];
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f || vgrow != 1.0f))
+    for (int km = 0; km < 2; ++km)
 #pragma unroll
-      for (int nt = 0; nt < DP / 8; ++nt)
+      for (int n = 0; n < NT; ++n) {
+        float pv[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1] * vgrow;
+        for (int e = 0; e < 4; ++e) {
+          const float pe = exp2f(s[km][n][e] - mref[n][e & 1]);
+          l[n][e & 1] += pe;                  /* the lane's share of the row sum */
+          pv[e] = pe * vf[2 * km + (e >> 1)]; /* in [0, 1] */
+        }
+        pb[km][n][0] = movmatrix_trans(pack_half2(pv[0], pv[1]));
+        pb[km][n][1] = movmatrix_trans(pack_half2(pv[2], pv[3]));
+      }
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) alpha[n][e] *= vgrow;
+#pragma unroll
+      for (int r = 0; r < DP / 16; ++r)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[r][n][e] *= alpha[n][e & 1];
+    }
 
-    /* O += P V: k-step kk holds keys 16kk + 2t4 + x (n-tile 2kk) and + 8 (n-tile 2kk + 1) */
+    /* O^T += V^T P^T: k-step km holds keys 16 km + 2 t4 + x (group 2 km) and + 8 (2 km + 1) */
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      uint32_t pa[4];
-      pa[0] = pack_half2(pv[2 * kk][0], pv[2 * kk][1]);
-      pa[1] = pack_half2(pv[2 * kk][2], pv[2 * kk][3]);
-      pa[2] = pack_half2(pv[2 * kk + 1][0], pv[2 * kk + 1][1]);
-      pa[3] = pack_half2(pv[2 * kk + 1][2], pv[2 * kk + 1][3]);
+    for (int km = 0; km < 2; ++km)
 #pragma unroll
       for (int w = 0; w < F::kVWords; ++w) {
         uint32_t pair[2][2][4]; /* [k-slot half][d nibbles 0-3 / 4-7][pair] */
         uint32_t sc2[2];        /* the two keys' scales (key 0 low, key 1 high) */
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          const uint32_t x0 = cur.v[2 * kk + hf][0][w], x1 = cur.v[2 * kk + hf][1][w];
+          const uint32_t x0 = cur.v[2 * km + hf][0][w], x1 = cur.v[2 * km + hf][1][w];
           /* key 0's 4 nibbles below key 1's: pair j = (key 0, key 1) at nibble j */
           e2m1_pairs(prmt_b32(x0, x1, 0x5410u), pair[hf][0]);
           e2m1_pairs(prmt_b32(x0, x1, 0x7632u), pair[hf][1]);
-          sc2[hf] = scale_pair(cur.vs[2 * kk + hf][0], cur.vs[2 * kk + hf][1], w / 2);
+          sc2[hf] = scale_pair(cur.vs[2 * km + hf][0], cur.vs[2 * km + hf][1], w / 2);
         }
+      /* m-tile 4w + 2 half + y: rows 0-7 nibble 2y, rows 8-15 nibble 2y + 1 */
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
-          for (int n = 0; n < 4; ++n)
-            mma_16816(o[8 * w + 4 * half + n], pa, h2_mul(pair[0][half][n], sc2[0]),
-                      h2_mul(pair[1][half][n], sc2[1]));
+          for (int y = 0; y < 2; ++y) {
+            const uint32_t va[4] = {
+                h2_mul(pair[0][half][2 * y], sc2[0]), h2_mul(pair[0][half][2 * y + 1], sc2[0]),
+                h2_mul(pair[1][half][2 * y], sc2[1]), h2_mul(pair[1][half][2 * y + 1], sc2[1])};
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+              mma_16816(o[4 * w + 2 * half + y][n], va, pb[km][n][0], pb[km][n][1]);
+          }
       }
-    }
   }
 
   /* merge the warps in shared memory (the Q tiles and slots are free now) */
   if (kFast) cp_async_wait_all();
   __syncthreads();
-  float *wo = reinterpret_cast<float *>(smem); /* [warps][16][DP] */
-  float *wml = wo + kWarps * kRows * DP;       /* [warps][16][2] */
+  float *wo = reinterpret_cast<float *>(smem); /* [warps][NQ][DP] */
+  float *wml = wo + kWarps * NQ * DP;          /* [warps][NQ][2] */
   const float ounit = vref * kScaleUnit;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float lsum = l[r] + __shfl_xor_sync(0xffffffffu, l[r], 1);
-    const float ls = lsum + __shfl_xor_sync(0xffffffffu, lsum, 2);
-    const int row = g + 8 * r;
-    if (t4 == 0) {
-      wml[(warp * kRows + row) * 2] = m[r];
-      wml[(warp * kRows + row) * 2 + 1] = ls;
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float ls = l[n][e];
+#pragma unroll
+      for (int o4 = 4; o4 < 32; o4 <<= 1) ls += __shfl_xor_sync(0xffffffffu, ls, o4);
+      const int row = 8 * n + 2 * t4 + e;
+      if (g == 0) {
+        wml[(warp * NQ + row) * 2] = m[n][e];
+        wml[(warp * NQ + row) * 2 + 1] = ls;
+      }
+#pragma unroll
+      for (int r = 0; r < DP / 16; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          wo[(warp * NQ + row) * DP + o_dim<DP>(r, g + 8 * h)] = o[r][n][2 * h + e] * ounit;
     }
-#pragma unroll
-    for (int nt = 0; nt < DP / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        wo[(warp * kRows + row) * DP + o_dim<DP>(nt, 2 * t4 + e)] = o[nt][2 * r + e] * ounit;
-  }
   __syncthreads();
   const int64_t part = tile * a.splits + split;
-  for (int i = tid; i < kRows * DP; i += kThreads) {
+  for (int i = tid; i < NQ * DP; i += kThreads) {
     const int row = i / DP, d = i % DP;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wml[(w * kRows + row) * 2]);
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wml[(w * NQ + row) * 2]);
     float acc = 0.0f, ls = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float mw = wml[(w * kRows + row) * 2];
+      const float mw = wml[(w * NQ + row) * 2];
       const float f = mw == -INFINITY ? 0.0f : exp2f(mw - mx);
-      acc += f * wo[(w * kRows + row) * DP + d];
-      ls += f * wml[(w * kRows + row) * 2 + 1];
+      acc += f * wo[(w * NQ + row) * DP + d];
+      ls += f * wml[(w * NQ + row) * 2 + 1];
     }
-    a.o_part[(part * kRows + row) * DP + d] = acc;
+    a.o_part[(part * NQ + row) * DP + d] = acc;
     if (d == 0) {
-      a.ml_part[(part * kRows + row) * 2] = mx;
-      a.ml_part[(part * kRows + row) * 2 + 1] = ls;
+      a.ml_part[(part * NQ + row) * 2] = mx;
+      a.ml_part[(part * NQ + row) * 2 + 1] = ls;
     }
   }
 }
@@ -506,24 +547,25 @@ bool fast_layout(const fp4attn_kv_cache &c, int64_t dp) {
 
 using DecodeKernel = void (*)(DecodeArgs);
 
-template <int DP, bool kFast>
-DecodeKernel kernel_for_dtype(fp4attn_dtype dt) {
-  return dt == FP4ATTN_FLOAT32 ? decode_kernel<DP, true, kFast> : decode_kernel<DP, false, kFast>;
+template <int DP, int NT>
+DecodeKernel variant(fp4attn_dtype dt, bool fast, int *smem) {
+  *smem = fast ? DecodeSmem<DP, 8 * NT, true>::kBytes : DecodeSmem<DP, 8 * NT, false>::kBytes;
+  const bool f32 = dt == FP4ATTN_FLOAT32;
+  if (fast) return f32 ? decode_kernel<DP, NT, true, true> : decode_kernel<DP, NT, false, true>;
+  return f32 ? decode_kernel<DP, NT, true, false> : decode_kernel<DP, NT, false, false>;
 }
 
-/* The kernel variant of a call and its dynamic shared memory. */
-DecodeKernel kernel_for(const fp4attn_decode_params &p, int64_t dp, int *smem) {
-  const bool fast = fast_layout(p.cache, dp);
+/* The kernel variant of a call (padded head dim, 8 or 16 query rows per tile) and its dynamic
+ * shared memory. */
+DecodeKernel kernel_for(const fp4attn_decode_params &p, int64_t dp, int64_t rows, int *smem) {
+  const bool fast = fast_layout(p.cache, dp), one = rows == 8;
   switch (dp) {
     case 64:
-      *smem = fast ? DecodeSmem<64, true>::kBytes : DecodeSmem<64, false>::kBytes;
-      return fast ? kernel_for_dtype<64, true>(p.dtype) : kernel_for_dtype<64, false>(p.dtype);
+      return one ? variant<64, 1>(p.dtype, fast, smem) : variant<64, 2>(p.dtype, fast, smem);
     case 128:
-      *smem = fast ? DecodeSmem<128, true>::kBytes : DecodeSmem<128, false>::kBytes;
-      return fast ? kernel_for_dtype<128, true>(p.dtype) : kernel_for_dtype<128, false>(p.dtype);
+      return one ? variant<128, 1>(p.dtype, fast, smem) : variant<128, 2>(p.dtype, fast, smem);
     default:
-      *smem = fast ? DecodeSmem<256, true>::kBytes : DecodeSmem<256, false>::kBytes;
-      return fast ? kernel_for_dtype<256, true>(p.dtype) : kernel_for_dtype<256, false>(p.dtype);
+      return one ? variant<256, 1>(p.dtype, fast, smem) : variant<256, 2>(p.dtype, fast, smem);
   }
 }
 
@@ -551,7 +593,7 @@ int blocks_per_sm(DecodeKernel kernel, int smem) {
 template <int DP>
 fp4attn_status launch_dp(const DecodeArgs &a, const DecodePlan &plan, cudaStream_t s) {
   int smem = 0;
-  const DecodeKernel kernel = kernel_for(a.p, DP, &smem);
+  const DecodeKernel kernel = kernel_for(a.p, DP, plan.rows, &smem);
   blocks_per_sm(kernel, smem); /* raises the kernel's shared memory limit once */
   kernel<<<dim3((unsigned)plan.tiles, (unsigned)plan.splits), kThreads, smem, s>>>(a);
   const fp4attn_decode_params &p = a.p;
@@ -560,6 +602,7 @@ fp4attn_status launch_dp(const DecodeArgs &a, const DecodePlan &plan, cudaStream
                           a.qshift,
                           a.splits,
                           a.mtiles,
+                          plan.rows,
                           p.heads_q,
                           p.cache.heads_kv,
                           p.len_q,
@@ -579,7 +622,8 @@ DecodePlan plan_decode(const fp4attn_decode_params &p) {
   const int64_t hd = p.cache.head_dim;
   d.dp = hd <= 64 ? 64 : (hd <= 128 ? 128 : 256);
   const int64_t G = p.heads_q / p.cache.heads_kv;
-  d.mtiles = ceil_div(G * p.len_q, kRows);
+  d.rows = G * p.len_q <= 8 ? 8 : 16; /* N of the transposed products: 1 or 2 n-tiles */
+  d.mtiles = ceil_div(G * p.len_q, d.rows);
   d.tiles = p.cache.batch * p.cache.heads_kv * d.mtiles;
   /* Splits fill whole waves: as many blocks as are resident at once (a second, partial wave
    * would leave most SMs idle at its end), each with at least two chunks per warp over the keys
@@ -588,12 +632,12 @@ DecodePlan plan_decode(const fp4attn_decode_params &p) {
   if (p.window > 0) keys = std::min(keys, p.window + p.len_q + kChunk);
   const int64_t chunks = ceil_div(keys, kChunk);
   int smem = 0;
-  const DecodeKernel kernel = kernel_for(p, d.dp, &smem);
+  const DecodeKernel kernel = kernel_for(p, d.dp, d.rows, &smem);
   const int64_t wave = (int64_t)blocks_per_sm(kernel, smem) * sm_count();
   d.splits = std::max<int64_t>(1, std::min<int64_t>(wave / d.tiles, chunks / (2 * kWarps)));
-  d.o_part_bytes = round_up(4 * d.tiles * d.splits * kRows * d.dp, 256);
-  d.ml_part_bytes = round_up(4 * d.tiles * d.splits * kRows * 2, 256);
-  d.qshift_bytes = round_up(4 * d.tiles * kRows, 256);
+  d.o_part_bytes = round_up(4 * d.tiles * d.splits * d.rows * d.dp, 256);
+  d.ml_part_bytes = round_up(4 * d.tiles * d.splits * d.rows * 2, 256);
+  d.qshift_bytes = round_up(4 * d.tiles * d.rows, 256);
   d.bytes = d.o_part_bytes + d.ml_part_bytes + d.qshift_bytes;
   return d;
 }

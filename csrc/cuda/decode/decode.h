@@ -11,10 +11,11 @@
 
 namespace fp4attn_cuda {
 
-/* How a decode call is split: tiles of 16 query rows (G query heads x len_q positions of one
- * (batch, KV head), in m-tiles) times `splits` key ranges; its workspace layout. */
+/* How a decode call is split: tiles of `rows` (8 or 16) query rows (G query heads x len_q
+ * positions of one (batch, KV head), in m-tiles) times `splits` key ranges; its workspace
+ * layout. */
 struct DecodePlan {
-  int64_t dp, mtiles, tiles, splits;
+  int64_t dp, rows, mtiles, tiles, splits;
   int64_t o_part_bytes, ml_part_bytes, qshift_bytes, bytes;
 };
 DecodePlan plan_decode(const fp4attn_decode_params &p);

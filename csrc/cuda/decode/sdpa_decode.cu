@@ -685,6 +685,7 @@ fp4attn_status launch_typed(const DecodeArgs &a, const AttnPlan &plan, cudaStrea
                           a.w.qshift,
                           plan.decode.splits,
                           plan.decode.mtiles,
+                          kRows,
                           p.heads_q,
                           p.heads_kv,
                           p.len_q,
