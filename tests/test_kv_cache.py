@@ -83,6 +83,8 @@ CASES = [  # B, Hq, Hkv, D, appends, nq, page_size
     (1, 6, 2, 80, [50, 3], 3, 7),
     (1, 2, 1, 256, [90], 2, None),
     (3, 2, 2, 16, [5, 1], 1, None),
+    (2, 16, 2, 128, [400, 2], 2, 96),  # 16 query rows per KV head; pages of 3 chunks
+    (1, 12, 1, 64, [333], 1, 96),
 ]
 
 

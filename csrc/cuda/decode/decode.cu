@@ -58,6 +58,7 @@ struct DecodeArgs {
   float *ml_part; /* [tiles][splits][rows][2]: its row max (log2 units) and row sum */
   float *qshift;  /* [tiles][rows]: scale * (q . kmean) */
   int64_t mtiles, splits;
+  DivU32 page; /* by the cache's page size */
 };
 
 /* One staged chunk (the kFast path) in shared memory: the chunk's rows of the cache arrays, copied
@@ -172,16 +173,16 @@ struct Raw {
 /* The general path: a page lookup per key (a key past the sequence's end reads its last key; such
  * keys' scores are masked, their V dec zeroed) and bounded loads, straight into registers. */
 template <int DP>
-__device__ __forceinline__ void load_chunk(Raw<DP> &raw, const fp4attn_kv_cache &c, int64_t b,
-                                           int64_t hk, int key0, int len, int lane) {
+__device__ __forceinline__ void load_chunk(Raw<DP> &raw, const fp4attn_kv_cache &c,
+                                           const DivU32 &page, int64_t b, int64_t hk, int key0,
+                                           int len, int lane) {
   using F = Frag<DP>;
   const int g = lane >> 2, t4 = lane & 3;
   const int cb = (int)fp4_code_bytes(c.head_dim), sc = (int)fp4_scale_count(c.head_dim);
   const int ps = (int)c.page_size;
   auto row_of = [&](int key) -> int64_t {
-    const int pos = min(key0 + key, len - 1);
-    const int64_t page = c.block_table[b * c.max_pages + pos / ps];
-    return (page * c.heads_kv + hk) * ps + pos % ps;
+    const int pos = min(key0 + key, len - 1), pi = (int)page.div(pos);
+    return (c.block_table[b * c.max_pages + pi] * c.heads_kv + hk) * ps + (pos - pi * ps);
   };
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -203,14 +204,16 @@ __device__ __forceinline__ void load_chunk(Raw<DP> &raw, const fp4attn_kv_cache 
  * consecutive rows of every cache array, copied into `slot` by the warp's cp.async, 16 bytes per
  * copy, without waiting. */
 template <int DP>
-__device__ __forceinline__ void stage_chunk(char *slot, const fp4attn_kv_cache &c, int64_t b,
-                                            int64_t hk, int key0, int lane) {
+__device__ __forceinline__ void stage_chunk(char *slot, const fp4attn_kv_cache &c,
+                                            const DivU32 &page, int64_t b, int64_t hk, int key0,
+                                            int lane) {
   using S = ChunkSlot<DP>;
   constexpr int kCodeCopies = kChunk * DP / 32, kRowCopies = DP / 32; /* 16-byte copies */
   constexpr int kScaleCopies = kChunk * DP / 256, kDecCopies = kChunk * 4 / 16;
   const int ps = (int)c.page_size;
-  const int64_t page = c.block_table[b * c.max_pages + key0 / ps];
-  const int64_t base = (page * c.heads_kv + hk) * ps + key0 % ps;
+  const int pi = (int)page.div(key0);
+  const int64_t base =
+      (c.block_table[b * c.max_pages + pi] * c.heads_kv + hk) * ps + (key0 - pi * ps);
   const uint8_t *kc = c.k_codes + base * (DP / 2), *vc = c.v_codes + base * (DP / 2);
 #pragma unroll
   for (int i = lane; i < kCodeCopies; i += 32) {
@@ -218,24 +221,18 @@ __device__ __forceinline__ void stage_chunk(char *slot, const fp4attn_kv_cache &
     cp_async_16(slot + S::kVc + (i / kRowCopies) * S::kVStride + 16 * (i % kRowCopies),
                 vc + 16 * i);
   }
-  /* the small arrays: K scales, V scales, K dec, V dec, back to back */
+  /* the small arrays: the K and V scales, then the K and V decs, a copy per lane */
+  const uint8_t *ks = c.k_scales + base * (DP / 16), *vs = c.v_scales + base * (DP / 16);
 #pragma unroll
-  for (int i = lane; i < 2 * kScaleCopies + 2 * kDecCopies; i += 32) {
-    const void *src;
-    int dst;
-    if (i < kScaleCopies) {
-      src = c.k_scales + base * (DP / 16) + 16 * i, dst = S::kKs + 16 * i;
-    } else if (i < 2 * kScaleCopies) {
-      const int x = i - kScaleCopies;
-      src = c.v_scales + base * (DP / 16) + 16 * x, dst = S::kVs + 16 * x;
-    } else if (i < 2 * kScaleCopies + kDecCopies) {
-      const int x = i - 2 * kScaleCopies;
-      src = c.k_dec + base + 4 * x, dst = S::kKd + 16 * x;
-    } else {
-      const int x = i - 2 * kScaleCopies - kDecCopies;
-      src = c.v_dec + base + 4 * x, dst = S::kVd + 16 * x;
-    }
-    cp_async_16(slot + dst, src);
+  for (int i = lane; i < 2 * kScaleCopies; i += 32) {
+    const bool v = i >= kScaleCopies;
+    const int x = v ? i - kScaleCopies : i;
+    cp_async_16(slot + (v ? S::kVs : S::kKs) + 16 * x, (v ? vs : ks) + 16 * x);
+  }
+  if (lane < 2 * kDecCopies) {
+    const bool v = lane >= kDecCopies;
+    const int x = v ? lane - kDecCopies : lane;
+    cp_async_16(slot + (v ? S::kVd : S::kKd) + 16 * x, (v ? c.v_dec : c.k_dec) + base + 4 * x);
   }
 }
 
@@ -276,6 +273,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   using F = Frag<DP>;
   extern __shared__ __align__(128) char smem[];
   __shared__ float warp_qmax[kWarps];
+  __shared__ int64_t q_row[NQ]; /* element offset of each tile row's q, -1 past the G x nq rows */
   const fp4attn_decode_params &p = a.p;
   const fp4attn_kv_cache &c = p.cache;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -284,12 +282,16 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   const int64_t b = tile / (H * a.mtiles), hk = (tile / a.mtiles) % H, mt = tile % a.mtiles;
   const int D = (int)c.head_dim;
   const int Lb = p.seq_lens[b];
+  if (tid < NQ) {
+    const int64_t row = mt * NQ + tid;
+    q_row[tid] = row < M ? b * p.q_stride[0] + (hk * G + row / nq) * p.q_stride[1] +
+                               (row % nq) * p.q_stride[2]
+                         : -1;
+  }
+  __syncthreads();
   auto q_value = [&](int r, int d) {
-    const int64_t row = mt * NQ + r;
-    if (row >= M || d >= D) return 0.0f;
-    return load_as_float(
-        p.q, p.dtype,
-        b * p.q_stride[0] + (hk * G + row / nq) * p.q_stride[1] + (row % nq) * p.q_stride[2] + d);
+    const int64_t at = q_row[r];
+    return at < 0 || d >= D ? 0.0f : load_as_float(p.q, p.dtype, at + d);
   };
 
   /* The tile's Q as FP16 times 2^-qexp, a power of two that puts its largest |q| in [2^14, 2^15):
@@ -347,7 +349,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   for (int n = 0; n < NT; ++n) m[n][0] = m[n][1] = -INFINITY, l[n][0] = l[n][1] = 0.0f;
   char *ring = smem + L::kRing + warp * kStages * ChunkSlot<DP>::kBytes;
   if (kFast) { /* the warp's first chunk in flight */
-    if (c0 + warp < c1) stage_chunk<DP>(ring, c, b, hk, (c0 + warp) * kChunk, lane);
+    if (c0 + warp < c1) stage_chunk<DP>(ring, c, a.page, b, hk, (c0 + warp) * kChunk, lane);
     cp_async_commit();
   }
   for (int ch = c0 + warp, it = 0; ch < c1; ch += kWarps, ++it) {
@@ -356,14 +358,14 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
     if (kFast) {    /* the next chunk into the other slot, then this one's registers */
       __syncwarp(); /* the lanes' reads of the slot to be refilled are done */
       if (ch + kWarps < c1)
-        stage_chunk<DP>(ring + ((it + 1) % kStages) * ChunkSlot<DP>::kBytes, c, b, hk,
+        stage_chunk<DP>(ring + ((it + 1) % kStages) * ChunkSlot<DP>::kBytes, c, a.page, b, hk,
                         j0 + kWarps * kChunk, lane);
       cp_async_commit();
       cp_async_wait_group<1>();
       __syncwarp();
       read_chunk<DP>(cur, ring + (it % kStages) * ChunkSlot<DP>::kBytes, j0, Lb, lane);
     } else {
-      load_chunk<DP>(cur, c, b, hk, j0, Lb, lane);
+      load_chunk<DP>(cur, c, a.page, b, hk, j0, Lb, lane);
     }
 
     /* S^T = K Q^T: word i of key 8j + g feeds k-steps 2i, 2i + 1 of m-tile j / 2 */
@@ -654,6 +656,7 @@ fp4attn_status launch_decode(const fp4attn_decode_params &p, const DecodePlan &p
   a.qshift = reinterpret_cast<float *>(w + plan.o_part_bytes + plan.ml_part_bytes);
   a.mtiles = plan.mtiles;
   a.splits = plan.splits;
+  a.page = DivU32((uint32_t)p.cache.page_size);
   switch (plan.dp) {
     case 64:
       return launch_dp<64>(a, plan, s);
