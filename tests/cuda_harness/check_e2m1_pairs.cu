@@ -2,8 +2,9 @@
  * Exhaustive check of the KV-cache decode's E2M1 decoder (e2m1_pairs, csrc/cuda/decode/
  * e2m1_pairs.cuh): for every pair position j and every 8-bit (nibble j,
  * nibble j + 4) combination, over many backgrounds of the other six nibbles, pair j must be the
- * exact 16-bit values of both codes and no other nibble may leak in. The host emulation always
- * runs; the device code too where a GPU is present. Build and run: scripts/check_e2m1_pairs.sh.
+ * exact FP16 values of both codes times 2^-14 and no other nibble may leak in. The host emulation
+ * always runs; the device code too where a GPU is present. Build and run:
+ * scripts/check_e2m1_pairs.sh.
  */
 #include <cstdio>
 #include <cstring>
@@ -12,12 +13,16 @@
 #include "../../csrc/include/fp4attn/numerics.h"
 #include "cuda_check.h"
 
-/* The FP16 bits of E2M1 code c (a zero magnitude keeps its sign). */
+/* The FP16 bits of E2M1 code c times 2^-14 (a zero magnitude keeps its sign): normal from
+ * 2^-14 up, else subnormal (a multiple of 2^-24). */
 __host__ __device__ static uint32_t want_bits(uint32_t c) {
-  const float v = fp4attn_e2m1_decode((uint8_t)(c & 7u));
+  const float v = fp4attn_e2m1_decode((uint8_t)(c & 7u)) * 0x1p-14f;
   const uint32_t f = fp4attn_float_bits(v);
-  const uint32_t mag =
-      v == 0.0f ? 0u : ((((f >> 23) & 0xFFu) - 127u + 15u) << 10) | ((f >> 13) & 0x3FFu);
+  uint32_t mag = 0;
+  if (v >= 0x1p-14f)
+    mag = ((((f >> 23) & 0xFFu) - 127u + 15u) << 10) | ((f >> 13) & 0x3FFu);
+  else if (v > 0.0f)
+    mag = (uint32_t)(v * 0x1p24f);
   return mag | ((c & 8u) ? 0x8000u : 0u);
 }
 

@@ -14,9 +14,9 @@
  * range in turn; where pages hold whole chunks it copies the next chunk's rows into its second
  * shared-memory slot by cp.async while it works on the current one (stage_chunk), otherwise it
  * loads straight from global memory (load_chunk). Either way every lane takes exactly the code
- * words that its own MMA fragments need and decodes them in registers (e2m1_pairs.cuh, then one
- * packed multiply by the E4M3 scale per pair, exact in FP16; the FP32 row `dec` stays outside:
- * per key on the scores for K, folded into P for V).
+ * words that its own MMA fragments need and decodes them in registers (e2m1_pairs.cuh: FP16 bits
+ * placed by shifts and masks, then one packed multiply by the E4M3 scale per pair, exact in FP16;
+ * the FP32 row `dec` stays outside: per key on the scores for K, folded into P for V).
  *
  * Fragment layouts (g = lane / 4, t4 = lane % 4, chunk keys 0..31, key group j = keys 8j..8j+7):
  *  - S^T: m-tile mt holds keys 16 mt + r (rows r = g: group 2 mt, r = g + 8: group 2 mt + 1).
@@ -102,15 +102,18 @@ __device__ __forceinline__ int o_dim(int mt, int r) {
 }
 
 /* Byte k of `lo` and byte k of `hi` (E4M3 scales: non-negative, never NaN; the sign bit is
- * dropped) as the FP16 pair (s_lo, s_hi) * 2^-8: E4M3's exponent and mantissa bits (subnormals
- * included) read as FP16 bits 7 places up are the same value times 2^-8. An E2M1 value times
- * it, by h2_mul, is exact (a multiple of 2^-18, at most 10.5); the 2^8 is restored in FP32
- * (kScaleUnit). Selector 8: a zero byte (sign mode on a byte whose msb is clear). */
+ * dropped) as the FP16 pair (s_lo, s_hi) * 2^6: E4M3's exponent and mantissa bits (subnormals
+ * included) read as FP16 bits 7 places up are the same value times 2^-8, exactly, and the
+ * multiply by 2^14 (kE2m1Unit) is exact too (2^-3 <= s 2^6 <= 28672). Times an e2m1_pairs value
+ * (code x 2^-14), by h2_mul, that is code x s x 2^-8, exact (a multiple of 2^-18, at most 10.5);
+ * the 2^8 is restored in FP32 (kScaleUnit). Selector 8: a zero byte (sign mode on a byte whose
+ * msb is clear). */
 constexpr float kScaleUnit = 256.0f;
 __device__ __forceinline__ uint32_t scale_pair(uint32_t lo, uint32_t hi, int k) {
-  return prmt_b32(lo & 0x7F7F7F7Fu, hi & 0x7F7F7F7Fu,
-                  0x8080u | (uint32_t)k | (uint32_t)(4 + k) << 8)
-         << 7;
+  return h2_mul(
+      prmt_b32(lo & 0x7F7F7F7Fu, hi & 0x7F7F7F7Fu, 0x8080u | (uint32_t)k | (uint32_t)(4 + k) << 8)
+          << 7,
+      kE2m1Unit);
 }
 
 /* N consecutive 32-bit words at `at` (4N-byte aligned, global or shared): vector loads. */

@@ -1,11 +1,13 @@
 /*
  * E2M1 codes to exact 16-bit pairs in registers, for the FP4 KV-cache decode (decode.cu): a code
  * word w holds 8 codes, nibble n at bits 4n..4n+3 (sign in the top bit); pair j (j = 0..3) holds
- * nibble j in its low half and nibble j + 4 in its high half, as FP16 bits (+-0 for the zero
- * codes). Byte permutes look the magnitudes up in 8-entry tables, place them (zero bytes from
- * the permute's sign mode on a positive byte), and one shift + one LOP3 per pair adds the signs:
- * nibbles j and j + 4 are 16 bits apart, so one shift brings both sign bits to bits 15 and 31.
- * Host emulation of prmt included, so tests/cuda_harness/check_e2m1_pairs.cu checks every case.
+ * nibble j in its low half and nibble j + 4 in its high half, as the FP16 bits of the code's
+ * value times 2^-14. E2M1 is a small float of FP16's form (bias 1 against 15): its magnitude bits
+ * e1 e0 m placed as FP16 bits 11..9 are exactly value x 2^-14, the subnormal 0.5 included
+ * (2^-15, FP16's subnormal), and its sign goes to bit 15. Nibbles j and j + 4 are 16 bits apart,
+ * so one shift places both: two shifts (multiplies, off the ALU pipe) and two LOP3 per pair. A
+ * multiply by a scale times 2^14 (kE2m1Unit) gives the exact product. Host emulation of prmt
+ * included; tests/cuda_harness/check_e2m1_pairs.cu checks every case.
  */
 #ifndef FP4ATTN_CUDA_DECODE_E2M1_PAIRS_CUH
 #define FP4ATTN_CUDA_DECODE_E2M1_PAIRS_CUH
@@ -34,17 +36,24 @@ __host__ __device__ __forceinline__ uint32_t prmt_b32(uint32_t a, uint32_t b, ui
 #endif
 }
 
+/* The FP16 pair (2^14, 2^14): a scale pair times it makes e2m1_pairs' values whole. */
+constexpr uint32_t kE2m1Unit = 0x74007400u;
+
+/* w >> 3 as a multiply-high on the device (the FMA pipe; the ALU pipe is the decode's busiest). */
+__host__ __device__ __forceinline__ uint32_t shr3(uint32_t w) {
+#ifdef __CUDA_ARCH__
+  return __umulhi(w, 1u << 29);
+#else
+  return w >> 3;
+#endif
+}
+
 __host__ __device__ __forceinline__ void e2m1_pairs(uint32_t w, uint32_t (&pair)[4]) {
-  const uint32_t idx = w & 0x77777777u; /* magnitudes; the selectors of the table lookups */
-  /* an FP16 magnitude is one high byte: 00 38 3C 3E 40 42 44 46 */
-  const uint32_t lo = prmt_b32(0x3E3C3800u, 0x46444240u, idx), /* nibbles 0-3 */
-      hi = prmt_b32(0x3E3C3800u, 0x46444240u, idx >> 16);      /* nibbles 4-7 */
-  /* pair j = [hi_j, 0, lo_j, 0]: selector 8 (sign mode on byte 0, whose msb is clear) = 0 */
-  const uint32_t mag[4] = {prmt_b32(lo, hi, 0x4808u), prmt_b32(lo, hi, 0x5818u),
-                           prmt_b32(lo, hi, 0x6828u), prmt_b32(lo, hi, 0x7838u)};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) /* sign of nibble j (bit 4j + 3) to 15, of nibble j + 4 to 31 */
-    pair[j] = mag[j] | ((w << (12 - 4 * j)) & 0x80008000u);
+  constexpr uint32_t kMag = 0x0E000E00u, kSign = 0x80008000u;
+  pair[0] = ((w << 9) & kMag) | ((w << 12) & kSign);
+  pair[1] = ((w << 5) & kMag) | ((w << 8) & kSign);
+  pair[2] = ((w << 1) & kMag) | ((w << 4) & kSign);
+  pair[3] = (shr3(w) & kMag) | (w & kSign);
 }
 
 }  // namespace fp4attn_cuda
