@@ -239,13 +239,15 @@ def test_fp4cache_with_a_sliding_window_layer_matches_the_dequantized_cache(monk
     assert cos > 0.9995
 
 
+@pytest.mark.parametrize("window", [8, None])
 @pytest.mark.parametrize("nq", [1, 3])
-def test_fp4cache_sliding_window_kernel_path_matches_the_mask_path(nq):
-    """The kernel path of a sliding-window layer (no mask: decode with the window) and the masked
-    path (SDPA with transformers' window mask on the dequantized cache) attend alike."""
+def test_fp4cache_kernel_path_matches_sdpa_on_the_dequantized_cache(nq, window, monkeypatch):
+    """A step given transformers' plain causal (or sliding-window) mask runs the decode kernel
+    without the mask, and attends like torch SDPA with that mask on the dequantized cache."""
     from fp4attn.integrations import transformers as integration
 
-    layer = integration.FP4Layer(sliding_window=8)
+    windows = decode_windows(monkeypatch, integration)
+    layer = integration.FP4Layer(sliding_window=window)
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(1, 2, 40, 32, generator=g), torch.randn(1, 2, 40, 32, generator=g)
     layer.update(k, v)
@@ -254,10 +256,44 @@ def test_fp4cache_sliding_window_kernel_path_matches_the_mask_path(nq):
     L = 40 + nq
     pos = torch.arange(L)[None, :]
     last = (L - nq + torch.arange(nq))[:, None]
-    mask = ((pos <= last) & (pos > last - 8))[None, None]
+    mask = ((pos <= last) & (pos > last - (window or L)))[None, None]
     got = integration._cached_attention(q, keys, None, 32 ** -0.5)
-    want = integration._cached_attention(q, keys, mask, 32 ** -0.5)
-    assert (got - want).abs().max() < 1e-5
+    got_masked = integration._cached_attention(q, keys, mask, 32 ** -0.5)
+    assert windows == [window, window]  # both through the kernel
+    (kd, vd), start = layer.cache.dequantize(), layer.cache.start
+    want = integration.ORIGINAL_SDPA(q, kd, vd, attn_mask=mask[..., start:], scale=32 ** -0.5,
+                                     enable_gqa=True)
+    assert (got - want).abs().max() < 1e-5 and torch.equal(got, got_masked)
+    padded = mask.clone()
+    padded[..., L - 1 - (window or L) + 1] = False  # a hole inside the window: not the plain pattern
+    integration._cached_attention(q, keys, padded, 32 ** -0.5)
+    assert len(windows) == 2
+
+
+def test_fp4cache_multi_token_step_decodes_through_the_kernel(ids, monkeypatch):
+    """A step of several new tokens (speculative decoding) on full-attention layers gets
+    transformers' causal 4D mask, recognised as the plain pattern: the kernel decodes it, and the
+    logits match an ordinary cache holding the FP4 cache's dequantized prompt."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    windows = decode_windows(monkeypatch, integration)
+    model = tiny_llama("fp4attn")
+    prompt, nxt = ids[:1, :50], ids[:1, 50:54]
+    fp4 = integration.FP4Cache(config=model.config)
+    with torch.no_grad():
+        kw = cache_keyword(model)
+        model(prompt, **{kw: fp4})
+        got = model(nxt, **{kw: fp4}).logits
+        assert windows == [None, None]
+        ref_cache = transformers.DynamicCache()
+        for i, layer in enumerate(fp4.layers):
+            k, v = layer.cache.dequantize(torch.float32)
+            ref_cache.update(k[:, :, :50], v[:, :, :50], i)
+        model.config._attn_implementation = "sdpa"
+        want = model(nxt, **{kw: ref_cache}).logits
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cos > 0.9999
 
 
 def test_fp4cache_sliding_window_layer_with_padding_attends_to_the_dequantized_cache(monkeypatch):

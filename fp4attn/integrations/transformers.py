@@ -53,11 +53,12 @@ def _window_mask(nq: int, L: int, window: int | None, device) -> torch.Tensor:
 def _is_plain_window(attention_mask: torch.Tensor, nq: int, L: int, window: int | None) -> bool:
     """Whether a 4D mask (bool, True = attend) is the plain causal / sliding-window pattern for
     every sequence, i.e. no padding: the kernel computes exactly that without a mask. transformers
-    passes sliding-window layers such a mask on every step once the cache is longer than the
-    window. One comparison on the device (a host synchronisation) instead of attending to the
-    whole dequantized cache; its answer is kept on the mask, which transformers passes to every
-    layer of a type in a forward, so the other sliding layers of the step reuse it."""
-    if window is None or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool or \
+    passes such a mask to sliding-window layers on every step once the cache is longer than the
+    window, and to every layer on steps of several tokens (speculative decoding). One comparison
+    on the device (a host synchronisation) instead of attending to the whole dequantized cache;
+    its answer is kept on the mask, which transformers passes to every layer of a type in a
+    forward, so the step's other layers of that type reuse it."""
+    if attention_mask.dim() != 4 or attention_mask.dtype != torch.bool or \
             attention_mask.shape[-2] != nq or attention_mask.shape[-1] < L:
         return False
     key = (nq, L, window)
