@@ -75,10 +75,10 @@ static inline int device_capability() {
 /* Division of 32-bit unsigned integers by a divisor fixed on the host (Granlund-Montgomery): a
  * multiply-high, two adds and two shifts instead of a division's ~25 instructions. */
 struct DivU32 {
-  uint32_t d = 1, m = 1;
+  uint32_t m = 1; /* the multiplier; the default divides by 1 */
   int s1 = 0, s2 = 0;
   DivU32() = default;
-  explicit DivU32(uint32_t divisor) : d(divisor) {
+  explicit DivU32(uint32_t divisor) {
     int l = 0;
     while (l < 32 && (1ull << l) < divisor) ++l; /* ceil(log2 d) */
     m = (uint32_t)(((1ull << 32) * ((1ull << l) - divisor)) / divisor + 1);
