@@ -134,6 +134,26 @@ def test_fp4cache_generate_decodes_through_the_fp4_cache(ids, monkeypatch):
     assert cache.get_seq_length() == 45
 
 
+def step_against_the_dequantized_cache(model, prompt, nxt) -> float:
+    """Cosine similarity of the logits of the step `nxt` after `prompt` with an FP4Cache, and of
+    the same step with torch SDPA on an ordinary cache holding the FP4 cache's dequantized prompt."""
+    from fp4attn.integrations import transformers as integration
+
+    fp4 = integration.FP4Cache(config=model.config)
+    n = prompt.shape[1]
+    with torch.no_grad():
+        kw = cache_keyword(model)
+        model(prompt, **{kw: fp4})
+        got = model(nxt, **{kw: fp4}).logits
+        ref_cache = transformers.DynamicCache()
+        for i, layer in enumerate(fp4.layers):  # the prompt's tokens, as the FP4 cache stores them
+            k, v = layer.cache.dequantize(torch.float32)
+            ref_cache.update(k[:, :, :n], v[:, :, :n], i)
+        model.config._attn_implementation = "sdpa"
+        want = model(nxt, **{kw: ref_cache}).logits
+    return torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+
+
 def test_fp4cache_step_matches_attention_on_the_dequantized_cache(ids):
     """One decode step with an FP4Cache gives the logits of the same step computed with an
     ordinary cache holding the FP4 cache's dequantized keys and values."""
@@ -141,20 +161,7 @@ def test_fp4cache_step_matches_attention_on_the_dequantized_cache(ids):
 
     integration.register()
     model = tiny_llama("fp4attn")
-    prompt, nxt = ids[:1, :60], ids[:1, 60:61]
-    fp4 = integration.FP4Cache(config=model.config)
-    with torch.no_grad():
-        kw = cache_keyword(model)
-        model(prompt, **{kw: fp4})
-        got = model(nxt, **{kw: fp4}).logits
-        kv = [layer.cache.dequantize(torch.float32) for layer in fp4.layers]
-        ref_cache = transformers.DynamicCache()
-        for i, (k, v) in enumerate(kv):  # the first 60 tokens, as the FP4 cache stores them
-            ref_cache.update(k[:, :, :60], v[:, :, :60], i)
-        model.config._attn_implementation = "sdpa"
-        want = model(nxt, **{kw: ref_cache}).logits
-    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
-    assert cos > 0.9999
+    assert step_against_the_dequantized_cache(model, ids[:1, :60], ids[:1, 60:61]) > 0.9999
 
 
 def test_fp4cache_with_a_padding_mask_attends_to_the_dequantized_cache(monkeypatch):
@@ -279,21 +286,8 @@ def test_fp4cache_multi_token_step_decodes_through_the_kernel(ids, monkeypatch):
     integration.register()
     windows = decode_windows(monkeypatch, integration)
     model = tiny_llama("fp4attn")
-    prompt, nxt = ids[:1, :50], ids[:1, 50:54]
-    fp4 = integration.FP4Cache(config=model.config)
-    with torch.no_grad():
-        kw = cache_keyword(model)
-        model(prompt, **{kw: fp4})
-        got = model(nxt, **{kw: fp4}).logits
-        assert windows == [None, None]
-        ref_cache = transformers.DynamicCache()
-        for i, layer in enumerate(fp4.layers):
-            k, v = layer.cache.dequantize(torch.float32)
-            ref_cache.update(k[:, :, :50], v[:, :, :50], i)
-        model.config._attn_implementation = "sdpa"
-        want = model(nxt, **{kw: ref_cache}).logits
-    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
-    assert cos > 0.9999
+    assert step_against_the_dequantized_cache(model, ids[:1, :50], ids[:1, 50:54]) > 0.9999
+    assert windows == [None, None]  # the 4-token step, both layers through the kernel
 
 
 def test_fp4cache_sliding_window_layer_with_padding_attends_to_the_dequantized_cache(monkeypatch):
