@@ -36,6 +36,7 @@
  * cache's capacity, each block reads its sequence's length on the device.
  */
 #include <cfloat>
+#include <climits>
 #include <map>
 #include <mutex>
 
@@ -77,12 +78,12 @@ struct ChunkSlot {
 };
 constexpr int kStages = 2; /* a warp's slots: the chunk it works on and the next one, in flight */
 
-/* Shared memory: the Q tile of NQ rows (and its FP32 low part) in MMA slot order, then (kFast)
- * the warps' chunk slots; after the loop, the warps' merge over all of it. */
-template <int DP, int NQ, bool kFast>
+/* Shared memory: the Q tile of NQ rows (and, kSplitQ, its FP32 low part) in MMA slot order, then
+ * (kFast) the warps' chunk slots; after the loop, the warps' merge over all of it. */
+template <int DP, int NQ, bool kSplitQ, bool kFast>
 struct DecodeSmem {
   static constexpr int kW = 2 * DP; /* bytes per 16-bit row */
-  static constexpr int kQ = 0, kQlo = NQ * kW, kRing = 2 * NQ * kW;
+  static constexpr int kQ = 0, kQlo = NQ * kW, kRing = (kSplitQ ? 2 : 1) * NQ * kW;
   static constexpr int kLoop = kRing + (kFast ? kWarps * kStages * ChunkSlot<DP>::kBytes : 0);
   static constexpr int kMerge = kWarps * NQ * (DP + 2) * 4;
   static constexpr int kBytes = kLoop > kMerge ? kLoop : kMerge;
@@ -101,19 +102,25 @@ __device__ __forceinline__ int o_dim(int mt, int r) {
   return (DP / 8) * (r & 7) + 2 * mt + (r >> 3);
 }
 
-/* Byte k of `lo` and byte k of `hi` (E4M3 scales: non-negative, never NaN; the sign bit is
- * dropped) as the FP16 pair (s_lo, s_hi) * 2^6: E4M3's exponent and mantissa bits (subnormals
- * included) read as FP16 bits 7 places up are the same value times 2^-8, exactly, and the
+/* E4M3 scale bytes as FP16 pairs times 2^6: an E4M3 byte's exponent and mantissa bits read as
+ * FP16 bits 7 places up are the same value times 2^-8, exactly (subnormals included), and the
  * multiply by 2^14 (kE2m1Unit) is exact too (2^-3 <= s 2^6 <= 28672). Times an e2m1_pairs value
  * (code x 2^-14), by h2_mul, that is code x s x 2^-8, exact (a multiple of 2^-18, at most 10.5);
- * the 2^8 is restored in FP32 (kScaleUnit). Selector 8: a zero byte (sign mode on a byte whose
- * msb is clear). */
+ * the 2^8 is restored in FP32 (kScaleUnit). */
 constexpr float kScaleUnit = 256.0f;
-__device__ __forceinline__ uint32_t scale_pair(uint32_t lo, uint32_t hi, int k) {
-  return h2_mul(
-      prmt_b32(lo & 0x7F7F7F7Fu, hi & 0x7F7F7F7Fu, 0x8080u | (uint32_t)k | (uint32_t)(4 + k) << 8)
-          << 7,
-      kE2m1Unit);
+/* K: byte k of `w` in both halves. Selector 8 | k repeats byte k's sign bit, which SPEC 6 keeps
+ * clear, into the bytes between. A garbage row (a free slot past the sequence's end) may decode
+ * to anything, NaN included, but reaches only its own row of S^T, whose scores are masked. */
+__device__ __forceinline__ uint32_t k_scale_pair(uint32_t w, int k) {
+  const uint32_t sel =
+      (uint32_t)k | (uint32_t)(8 | k) << 4 | (uint32_t)k << 8 | (uint32_t)(8 | k) << 12;
+  return h2_mul(prmt_b32(w, w, sel) << 7, kE2m1Unit);
+}
+/* V: byte k of `lo` and of `hi` (the pair's two keys), masked after the shift (the sign bit and
+ * the bytes between cleared): a garbage row stays finite, so its zero weight in P^T zeroes it. */
+__device__ __forceinline__ uint32_t v_scale_pair(uint32_t lo, uint32_t hi, int k) {
+  return h2_mul((prmt_b32(lo, hi, (uint32_t)k | (uint32_t)(4 + k) << 8) << 7) & 0x3F803F80u,
+                kE2m1Unit);
 }
 
 /* N consecutive 32-bit words at `at` (4N-byte aligned, global or shared): vector loads. */
@@ -173,6 +180,16 @@ struct Raw {
   float kd[4], vd[4];
 };
 
+/* The cache row of key `key` of sequence b, KV head hk (a block table lookup); rows fit in 31 bits
+ * (launch_decode checks). */
+__device__ __forceinline__ int64_t cache_row(const fp4attn_kv_cache &c, const DivU32 &page,
+                                             int64_t b, int64_t hk, int key) {
+  const uint32_t ps = (uint32_t)c.page_size, pi = page.div((uint32_t)key);
+  const uint32_t pg = (uint32_t)c.block_table[b * c.max_pages + pi];
+  return (int64_t)(pg * ((uint32_t)c.heads_kv * ps) + (uint32_t)hk * ps +
+                   ((uint32_t)key - pi * ps));
+}
+
 /* The general path: a page lookup per key (a key past the sequence's end reads its last key; such
  * keys' scores are masked, their V dec zeroed) and bounded loads, straight into registers. */
 template <int DP>
@@ -182,11 +199,7 @@ __device__ __forceinline__ void load_chunk(Raw<DP> &raw, const fp4attn_kv_cache 
   using F = Frag<DP>;
   const int g = lane >> 2, t4 = lane & 3;
   const int cb = (int)fp4_code_bytes(c.head_dim), sc = (int)fp4_scale_count(c.head_dim);
-  const int ps = (int)c.page_size;
-  auto row_of = [&](int key) -> int64_t {
-    const int pos = min(key0 + key, len - 1), pi = (int)page.div(pos);
-    return (c.block_table[b * c.max_pages + pi] * c.heads_kv + hk) * ps + (pos - pi * ps);
-  };
+  auto row_of = [&](int key) { return cache_row(c, page, b, hk, min(key0 + key, len - 1)); };
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int64_t r = row_of(8 * j + g);
@@ -203,29 +216,28 @@ __device__ __forceinline__ void load_chunk(Raw<DP> &raw, const fp4attn_kv_cache 
   }
 }
 
-/* kFast (pages hold whole chunks, D == DP, 16-byte aligned arrays): the chunk at key0 is 32
- * consecutive rows of every cache array, copied into `slot` by the warp's cp.async, 16 bytes per
- * copy, without waiting. */
+/* kFast (pages hold whole chunks, D == DP, 16-byte aligned arrays): the chunk whose first key is
+ * cache row `row` is 32 consecutive rows of every cache array, copied into `slot` by the warp's
+ * cp.async, 16 bytes per copy, without waiting. Each lane's copies sit at fixed offsets from its
+ * first one, so the addresses are one 64-bit base per array and immediate offsets. */
 template <int DP>
-__device__ __forceinline__ void stage_chunk(char *slot, const fp4attn_kv_cache &c,
-                                            const DivU32 &page, int64_t b, int64_t hk, int key0,
+__device__ __forceinline__ void stage_chunk(char *slot, const fp4attn_kv_cache &c, int64_t row,
                                             int lane) {
   using S = ChunkSlot<DP>;
   constexpr int kCodeCopies = kChunk * DP / 32, kRowCopies = DP / 32; /* 16-byte copies */
   constexpr int kScaleCopies = kChunk * DP / 256, kDecCopies = kChunk * 4 / 16;
-  const int ps = (int)c.page_size;
-  const int pi = (int)page.div(key0);
-  const int64_t base =
-      (c.block_table[b * c.max_pages + pi] * c.heads_kv + hk) * ps + (key0 - pi * ps);
-  const uint8_t *kc = c.k_codes + base * (DP / 2), *vc = c.v_codes + base * (DP / 2);
+  static_assert(kCodeCopies % 32 == 0 && 32 % kRowCopies == 0, "whole copies per lane");
+  const uint8_t *kc = c.k_codes + row * (DP / 2) + 16 * lane;
+  const uint8_t *vc = c.v_codes + row * (DP / 2) + 16 * lane;
+  char *kd = slot + S::kKc + 16 * lane;
+  char *vd = slot + S::kVc + (lane / kRowCopies) * S::kVStride + 16 * (lane % kRowCopies);
 #pragma unroll
-  for (int i = lane; i < kCodeCopies; i += 32) {
-    cp_async_16(slot + S::kKc + 16 * i, kc + 16 * i);
-    cp_async_16(slot + S::kVc + (i / kRowCopies) * S::kVStride + 16 * (i % kRowCopies),
-                vc + 16 * i);
+  for (int i = 0; i < kCodeCopies / 32; ++i) {
+    cp_async_16(kd + 512 * i, kc + 512 * i);
+    cp_async_16(vd + (32 / kRowCopies) * S::kVStride * i, vc + 512 * i);
   }
   /* the small arrays: the K and V scales, then the K and V decs, a copy per lane */
-  const uint8_t *ks = c.k_scales + base * (DP / 16), *vs = c.v_scales + base * (DP / 16);
+  const uint8_t *ks = c.k_scales + row * (DP / 16), *vs = c.v_scales + row * (DP / 16);
 #pragma unroll
   for (int i = lane; i < 2 * kScaleCopies; i += 32) {
     const bool v = i >= kScaleCopies;
@@ -235,14 +247,15 @@ __device__ __forceinline__ void stage_chunk(char *slot, const fp4attn_kv_cache &
   if (lane < 2 * kDecCopies) {
     const bool v = lane >= kDecCopies;
     const int x = v ? lane - kDecCopies : lane;
-    cp_async_16(slot + (v ? S::kVd : S::kKd) + 16 * x, (v ? c.v_dec : c.k_dec) + base + 4 * x);
+    cp_async_16(slot + (v ? S::kVd : S::kKd) + 16 * x, (v ? c.v_dec : c.k_dec) + row + 4 * x);
   }
 }
 
-/* A staged chunk's registers for this lane, as load_chunk gives them. */
+/* A staged chunk's registers for this lane, as load_chunk gives them, in two parts: K's rows and
+ * both decs first, V's rows and scales when O^T needs them (they are not live across S^T). */
 template <int DP>
-__device__ __forceinline__ void read_chunk(Raw<DP> &raw, const char *slot, int key0, int len,
-                                           int lane) {
+__device__ __forceinline__ void read_chunk_k(Raw<DP> &raw, const char *slot, int key0, int len,
+                                             int lane) {
   using F = Frag<DP>;
   using S = ChunkSlot<DP>;
   const int g = lane >> 2, t4 = lane & 3;
@@ -253,16 +266,25 @@ __device__ __forceinline__ void read_chunk(Raw<DP> &raw, const char *slot, int k
     raw.ks[j] = vector_bytes<F::kKBlocks>(slot + S::kKs + kr * (DP / 16) + t4 * F::kKBlocks);
     raw.kd[j] = *reinterpret_cast<const float *>(slot + S::kKd + 4 * kr);
     raw.vd[j] = key0 + kr < len ? *reinterpret_cast<const float *>(slot + S::kVd + 4 * kr) : 0.0f;
+  }
+}
+template <int DP>
+__device__ __forceinline__ void read_chunk_v(Raw<DP> &raw, const char *slot, int lane) {
+  using F = Frag<DP>;
+  using S = ChunkSlot<DP>;
+  const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
       const int key = 8 * j + 2 * t4 + x;
       vector_words(raw.v[j][x], slot + S::kVc + key * S::kVStride + g * (DP / 16));
       raw.vs[j][x] = vector_bytes<F::kVBlocks>(slot + S::kVs + key * (DP / 16) + g * DP / 128);
     }
-  }
 }
 
-/* Blocks per SM the register budget is set for: O^T takes DP / 4 registers per n-tile. */
+/* Blocks per SM the register budget is set for: O^T takes DP / 4 registers per n-tile. (5 blocks
+ * at DP x NT = 128, 96 registers, spill and measured slower.) */
 template <int DP, int NT>
 constexpr int min_blocks() {
   return DP * NT <= 64 ? 5 : (DP * NT <= 128 ? 4 : (DP * NT <= 256 ? 3 : 1));
@@ -272,7 +294,7 @@ template <int DP, int NT, bool kSplitQ, bool kFast>
 __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
     decode_kernel(const DecodeArgs a) {
   constexpr int NQ = 8 * NT; /* query rows per tile */
-  using L = DecodeSmem<DP, NQ, kFast>;
+  using L = DecodeSmem<DP, NQ, kSplitQ, kFast>;
   using F = Frag<DP>;
   extern __shared__ __align__(128) char smem[];
   __shared__ float warp_qmax[kWarps];
@@ -337,6 +359,18 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
       end[n][e] = min((int64_t)Lb, Lb - nq + (mt * NQ + 8 * n + 2 * t4 + e) % nq + 1);
       begin[n][e] = p.window > 0 ? (int)max((int64_t)0, end[n][e] - p.window) : 0;
     }
+  /* keys that every row of the tile sees: the chunks inside need no mask */
+  int seen_lo = 0, seen_hi = INT_MAX;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      seen_lo = max(seen_lo, begin[n][e]), seen_hi = min(seen_hi, end[n][e]);
+#pragma unroll
+  for (int o = 1; o < 4; o <<= 1) {
+    seen_lo = max(seen_lo, __shfl_xor_sync(0xffffffffu, seen_lo, o));
+    seen_hi = min(seen_hi, __shfl_xor_sync(0xffffffffu, seen_hi, o));
+  }
   const int first = p.window > 0 ? (int)(max((int64_t)0, Lb - nq + 1 - p.window) / kChunk) : 0;
   const int nch = (Lb + kChunk - 1) / kChunk - first;
   const int per = (nch + (int)a.splits - 1) / (int)a.splits;
@@ -347,26 +381,33 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   /* O = (sum P V 2^-8) x vref: the MMAs accumulate P dec / vref, vref the warp's running
    * max |dec| of V, in [0, 1] like P itself; O is rescaled when vref grows, as when m does */
   float o[DP / 16][NT][4] = {};
-  float m[NT][2], l[NT][2], vref = 0.0f;
+  float m[NT][2], l[NT][2], vref = 0.0f, vinv = 0.0f; /* vinv = 1 / vref (0 while vref is) */
 #pragma unroll
   for (int n = 0; n < NT; ++n) m[n][0] = m[n][1] = -INFINITY, l[n][0] = l[n][1] = 0.0f;
   char *ring = smem + L::kRing + warp * kStages * ChunkSlot<DP>::kBytes;
+  int64_t next_row =
+      0;       /* kFast: the cache row of the chunk staged next, looked up an iteration early */
   if (kFast) { /* the warp's first chunk in flight */
-    if (c0 + warp < c1) stage_chunk<DP>(ring, c, a.page, b, hk, (c0 + warp) * kChunk, lane);
+    if (c0 + warp < c1)
+      stage_chunk<DP>(ring, c, cache_row(c, a.page, b, hk, (c0 + warp) * kChunk), lane);
     cp_async_commit();
+    if (c0 + warp + kWarps < c1)
+      next_row = cache_row(c, a.page, b, hk, (c0 + warp + kWarps) * kChunk);
   }
   for (int ch = c0 + warp, it = 0; ch < c1; ch += kWarps, ++it) {
     const int j0 = ch * kChunk;
     Raw<DP> cur;
+    const char *slot = ring + (it % kStages) * ChunkSlot<DP>::kBytes; /* kFast: this chunk's */
     if (kFast) {    /* the next chunk into the other slot, then this one's registers */
       __syncwarp(); /* the lanes' reads of the slot to be refilled are done */
-      if (ch + kWarps < c1)
-        stage_chunk<DP>(ring + ((it + 1) % kStages) * ChunkSlot<DP>::kBytes, c, a.page, b, hk,
-                        j0 + kWarps * kChunk, lane);
+      if (ch + kWarps < c1) {
+        stage_chunk<DP>(ring + ((it + 1) % kStages) * ChunkSlot<DP>::kBytes, c, next_row, lane);
+        if (ch + 2 * kWarps < c1) next_row = cache_row(c, a.page, b, hk, j0 + 2 * kWarps * kChunk);
+      }
       cp_async_commit();
       cp_async_wait_group<1>();
       __syncwarp();
-      read_chunk<DP>(cur, ring + (it % kStages) * ChunkSlot<DP>::kBytes, j0, Lb, lane);
+      read_chunk_k<DP>(cur, slot, j0, Lb, lane);
     } else {
       load_chunk<DP>(cur, c, a.page, b, hk, j0, Lb, lane);
     }
@@ -387,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
           e2m1_pairs(cur.k[2 * km + x][i], pr[x]);
-          s2[x] = scale_pair(cur.ks[2 * km + x], cur.ks[2 * km + x], i / 2);
+          s2[x] = k_scale_pair(cur.ks[2 * km + x], i / 2);
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -407,30 +448,46 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
         fmaxf(fmaxf(fabsf(cur.vd[0]), fabsf(cur.vd[1])), fmaxf(fabsf(cur.vd[2]), fabsf(cur.vd[3])));
 #pragma unroll
     for (int o4 = 4; o4 < 32; o4 <<= 1) vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, o4));
-    const float vnew = fmaxf(vref, vmax), vinv = vnew > 0.0f ? 1.0f / vnew : 0.0f;
-    const float vgrow = vnew > vref ? vref * vinv : 1.0f; /* O's factor for the new vref */
-    vref = vnew;
+    float vgrow = 1.0f; /* O's factor for a new vref */
+    if (vmax > vref) {  /* the same in every lane, and rare: vref only grows */
+      vinv = 1.0f / vmax;
+      vgrow = vref * vinv;
+      vref = vmax;
+    }
     float kf[4], vf[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) kf[j] = cur.kd[j] * s_log2, vf[j] = cur.vd[j] * vinv;
+    const bool inside = j0 >= seen_lo && j0 + kChunk <= seen_hi; /* the same in every lane */
     float alpha[NT][2], mref[NT][2];
     bool rescale = vgrow != 1.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) s[j >> 1][n][2 * (j & 1) + e] *= kf[j];
+    if (!inside) /* (a garbage key's NaN score is dropped here) */
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = j0 + 8 * j + g;
+            float &v = s[j >> 1][n][2 * (j & 1) + e];
+            v = key < end[n][e] && key >= begin[n][e] ? v : -INFINITY;
+          }
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float x = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int key = j0 + 8 * j + g;
-          float &v = s[j >> 1][n][2 * (j & 1) + e];
-          v = key < end[n][e] && key >= begin[n][e] ? v * kf[j] : -INFINITY;
-          x = fmaxf(x, v);
-        }
+        for (int j = 0; j < 4; ++j) x = fmaxf(x, s[j >> 1][n][2 * (j & 1) + e]);
 #pragma unroll
         for (int o4 = 4; o4 < 32; o4 <<= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o4));
         const float m_new = fmaxf(m[n][e], x);
-        alpha[n][e] = m[n][e] == -INFINITY ? 0.0f : exp2f(m[n][e] - m_new);
+        alpha[n][e] = m[n][e] == -INFINITY ? 0.0f : fast_exp2(m[n][e] - m_new);
         mref[n][e] = m_new == -INFINITY ? 0.0f : m_new;
         m[n][e] = m_new;
         l[n][e] *= alpha[n][e];
@@ -445,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
         float pv[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float pe = exp2f(s[km][n][e] - mref[n][e & 1]);
+          const float pe = fast_exp2(s[km][n][e] - mref[n][e & 1]);
           l[n][e & 1] += pe;                  /* the lane's share of the row sum */
           pv[e] = pe * vf[2 * km + (e >> 1)]; /* in [0, 1] */
         }
@@ -465,6 +522,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
           for (int e = 0; e < 4; ++e) o[r][n][e] *= alpha[n][e & 1];
     }
 
+    if (kFast) read_chunk_v<DP>(cur, slot, lane);
     /* O^T += V^T P^T: k-step km holds keys 16 km + 2 t4 + x (group 2 km) and + 8 (2 km + 1) */
 #pragma unroll
     for (int km = 0; km < 2; ++km)
@@ -478,7 +536,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
           /* key 0's 4 nibbles below key 1's: pair j = (key 0, key 1) at nibble j */
           e2m1_pairs(prmt_b32(x0, x1, 0x5410u), pair[hf][0]);
           e2m1_pairs(prmt_b32(x0, x1, 0x7632u), pair[hf][1]);
-          sc2[hf] = scale_pair(cur.vs[2 * km + hf][0], cur.vs[2 * km + hf][1], w / 2);
+          sc2[hf] = v_scale_pair(cur.vs[2 * km + hf][0], cur.vs[2 * km + hf][1], w / 2);
         }
       /* m-tile 4w + 2 half + y: rows 0-7 nibble 2y, rows 8-15 nibble 2y + 1 */
 #pragma unroll
@@ -554,10 +612,15 @@ using DecodeKernel = void (*)(DecodeArgs);
 
 template <int DP, int NT>
 DecodeKernel variant(fp4attn_dtype dt, bool fast, int *smem) {
-  *smem = fast ? DecodeSmem<DP, 8 * NT, true>::kBytes : DecodeSmem<DP, 8 * NT, false>::kBytes;
-  const bool f32 = dt == FP4ATTN_FLOAT32;
-  if (fast) return f32 ? decode_kernel<DP, NT, true, true> : decode_kernel<DP, NT, false, true>;
-  return f32 ? decode_kernel<DP, NT, true, false> : decode_kernel<DP, NT, false, false>;
+  constexpr int kNQ = 8 * NT;
+  if (dt == FP4ATTN_FLOAT32) {
+    *smem =
+        fast ? DecodeSmem<DP, kNQ, true, true>::kBytes : DecodeSmem<DP, kNQ, true, false>::kBytes;
+    return fast ? decode_kernel<DP, NT, true, true> : decode_kernel<DP, NT, true, false>;
+  }
+  *smem =
+      fast ? DecodeSmem<DP, kNQ, false, true>::kBytes : DecodeSmem<DP, kNQ, false, false>::kBytes;
+  return fast ? decode_kernel<DP, NT, false, true> : decode_kernel<DP, NT, false, false>;
 }
 
 /* The kernel variant of a call (padded head dim, 8 or 16 query rows per tile) and its dynamic
@@ -576,7 +639,7 @@ DecodeKernel kernel_for(const fp4attn_decode_params &p, int64_t dp, int64_t rows
 
 /* Blocks of `kernel` resident per SM on the current device (1 where the query fails), asked once
  * per kernel and device; the dynamic shared memory limit is raised first (only the head dim 256
- * variants need more than the default 48 KB). */
+ * variants need more than the default 48 KB) and the carveout set to shared memory. */
 int blocks_per_sm(DecodeKernel kernel, int smem) {
   static std::mutex mu;
   static std::map<std::pair<DecodeKernel, int>, int> known;
@@ -586,8 +649,11 @@ int blocks_per_sm(DecodeKernel kernel, int smem) {
   const auto it = known.find({kernel, dev});
   if (it != known.end()) return it->second;
   int n = 0;
+  /* the chunk slots are the kernel's cache (cp.async.cg bypasses L1): all of it shared memory */
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
           cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem) != cudaSuccess) {
     cudaGetLastError();
     return 1;
@@ -651,6 +717,8 @@ fp4attn_status launch_decode(const fp4attn_decode_params &p, const DecodePlan &p
                              void *workspace, cudaStream_t s) {
   if (plan.tiles > 0x7FFFFFFFLL || plan.splits > 65535)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "decode: too many tiles");
+  if (p.cache.num_pages * p.cache.heads_kv * p.cache.page_size > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "decode: a cache of more than 2^31 - 1 rows");
   DecodeArgs a;
   a.p = p;
   char *w = static_cast<char *>(workspace);

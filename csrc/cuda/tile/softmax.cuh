@@ -19,18 +19,6 @@ namespace fp4attn_cuda {
 constexpr float kLog2_2688 = 11.392317422778760f; /* log2(2688) */
 constexpr float kLog2_6 = 2.5849625007211562f;    /* log2(6) */
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float fast_log2(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 /* E4M3 block scales of two P blocks (rows g and g+8) from their maxima over 6, u = max Pq / 6:
  * s = rne_e4m3_sat(u) as floats (sv) and as the FP16 pair (s_g, s_g+8) (hw). u comes from one
  * exp2 with log2(6) folded into its offset, within a few units in the last place of max Pq / 6, so
