@@ -593,9 +593,9 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor &q_in, const at::Tens
   CHECK_ARG(q_in.device() == k_codes.device() && seq_lens.device() == k_codes.device(),
             "q and seq_lens must be on the cache's device %s", k_codes.device().str().c_str());
   const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
-  at::Tensor out = at::zeros(q.sizes(), q.options());
-  at::Tensor lse =
-      at::full({q.size(0), q.size(1), q.size(2)}, -INFINITY, q.options().dtype(at::kFloat));
+  /* both backends write every element of out and lse (no fill kernels on the decode's path) */
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (q.numel() == 0) return {out, lse};
   p.q = q.data_ptr();
   p.dtype = to_c_dtype(q.scalar_type(), "q");

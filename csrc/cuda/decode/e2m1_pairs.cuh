@@ -5,9 +5,12 @@
  * value times 2^-14. E2M1 is a small float of FP16's form (bias 1 against 15): its magnitude bits
  * e1 e0 m placed as FP16 bits 11..9 are exactly value x 2^-14, the subnormal 0.5 included
  * (2^-15, FP16's subnormal), and its sign goes to bit 15. Nibbles j and j + 4 are 16 bits apart,
- * so one shift places both: two shifts (multiplies, off the ALU pipe) and two LOP3 per pair. A
- * multiply by a scale times 2^14 (kE2m1Unit) gives the exact product. Host emulation of prmt
- * included; tests/cuda_harness/check_e2m1_pairs.cu checks every case.
+ * so one shift places both. With the even and the odd nibbles apart (one LOP3 each per word), a
+ * code owns its byte: the shift that places its magnitude (bits 9..11) and the one that places
+ * its sign (bit 15) leave every other bit of the byte, and of the pair's other byte, outside a
+ * pair's 8 bits (kPair), so one LOP3 ORs the two and masks: 6 LOP3 and 7 shifts (multiplies, off
+ * the ALU pipe) per word. A multiply by a scale times 2^14 (kE2m1Unit) gives the exact product.
+ * Host emulation of prmt included; tests/cuda_harness/check_e2m1_pairs.cu checks every case.
  */
 #ifndef FP4ATTN_CUDA_DECODE_E2M1_PAIRS_CUH
 #define FP4ATTN_CUDA_DECODE_E2M1_PAIRS_CUH
@@ -36,6 +39,19 @@ __host__ __device__ __forceinline__ uint32_t prmt_b32(uint32_t a, uint32_t b, ui
 #endif
 }
 
+/* w & M, opaque to the compiler on the device: it would otherwise fold e2m1_pairs' nibble split
+ * into its masks and go back to two LOP3 per pair. */
+template <uint32_t M>
+__host__ __device__ __forceinline__ uint32_t and_opaque(uint32_t w) {
+#ifdef __CUDA_ARCH__
+  uint32_t r;
+  asm("and.b32 %0, %1, %2;" : "=r"(r) : "r"(w), "n"(M));
+  return r;
+#else
+  return w & M;
+#endif
+}
+
 /* The FP16 pair (2^14, 2^14): a scale pair times it makes e2m1_pairs' values whole. */
 constexpr uint32_t kE2m1Unit = 0x74007400u;
 
@@ -49,11 +65,13 @@ __host__ __device__ __forceinline__ uint32_t shr3(uint32_t w) {
 }
 
 __host__ __device__ __forceinline__ void e2m1_pairs(uint32_t w, uint32_t (&pair)[4]) {
-  constexpr uint32_t kMag = 0x0E000E00u, kSign = 0x80008000u;
-  pair[0] = ((w << 9) & kMag) | ((w << 12) & kSign);
-  pair[1] = ((w << 5) & kMag) | ((w << 8) & kSign);
-  pair[2] = ((w << 1) & kMag) | ((w << 4) & kSign);
-  pair[3] = (shr3(w) & kMag) | (w & kSign);
+  constexpr uint32_t kPair = 0x8E008E00u; /* magnitude bits 9..11 and sign bit 15, both halves */
+  const uint32_t e = and_opaque<0x0F0F0F0Fu>(w); /* nibbles 0, 2, 4, 6: byte k's low half */
+  const uint32_t o = w - e; /* nibbles 1, 3, 5, 7, byte k's high half (a subtraction: FMA pipe) */
+  pair[0] = ((e << 9) | (e << 12)) & kPair;
+  pair[1] = ((o << 5) | (o << 8)) & kPair;
+  pair[2] = ((e << 1) | (e << 4)) & kPair;
+  pair[3] = (shr3(o) | o) & kPair;
 }
 
 }  // namespace fp4attn_cuda
