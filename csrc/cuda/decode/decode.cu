@@ -385,8 +385,8 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
 #pragma unroll
   for (int n = 0; n < NT; ++n) m[n][0] = m[n][1] = -INFINITY, l[n][0] = l[n][1] = 0.0f;
   char *ring = smem + L::kRing + warp * kStages * ChunkSlot<DP>::kBytes;
-  int64_t next_row =
-      0;       /* kFast: the cache row of the chunk staged next, looked up an iteration early */
+  /* kFast: the cache row of the chunk staged next, looked up an iteration early */
+  int64_t next_row = 0;
   if (kFast) { /* the warp's first chunk in flight */
     if (c0 + warp < c1)
       stage_chunk<DP>(ring, c, cache_row(c, a.page, b, hk, (c0 + warp) * kChunk), lane);
