@@ -32,15 +32,6 @@ static int64_t row_index(const fp4attn_kv_cache *c, int64_t b, int64_t h, int64_
   return (page * c->heads_kv + h) * c->page_size + pos % c->page_size;
 }
 
-/* Row r dequantized (SPEC 2: (value * s) * dec), D values. */
-static void dequantize_row(const uint8_t *codes, const uint8_t *scales, float dec, int64_t D,
-                           float *out) {
-  for (int64_t d = 0; d < D; ++d) {
-    const uint8_t code = (d & 1) ? (uint8_t)(codes[d / 2] >> 4) : (uint8_t)(codes[d / 2] & 0xF);
-    out[d] = (fp4attn_e2m1_decode(code) * fp4attn_e4m3_decode(scales[d / 16])) * dec;
-  }
-}
-
 fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
   fp4attn_status st = fp4attn_check_kv_append_params(p);
   if (st.code != FP4ATTN_OK) return st;
@@ -88,75 +79,165 @@ fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
   return fp4attn_ok();
 }
 
+/* Decode, one task = (batch, KV head, a group of its query rows); row r of a KV head is query head
+ * r / nq at position r % nq. Each key row is dequantized once per task (not once per query row),
+ * by tables of the code and scale values, into a block of kKeys rows; every query row then runs
+ * the online softmax over its visible keys in order, one key at a time, exactly as a per-row loop
+ * would (so results do not depend on the grouping or the thread count). Scores of keys that every
+ * row of the group sees are computed for all rows at once from Q transposed (vectorisable across
+ * rows, each row's sum still in d order). */
+enum { kKeys = 32 };
+
+typedef struct {
+  float *q, *qt, *o, *m, *l, *shift, *s, *kr, *vr;
+} DecodeScratch;
+
+static DecodeScratch decode_scratch(int64_t rows, int64_t D) {
+  DecodeScratch w;
+  float *buf = (float *)malloc(sizeof(float) * (size_t)(rows * (3 * D + 4) + 2 * kKeys * D));
+  w.q = buf;
+  w.qt = w.q ? w.q + rows * D : NULL;
+  w.o = w.q ? w.qt + rows * D : NULL;
+  w.m = w.q ? w.o + rows * D : NULL;
+  w.l = w.q ? w.m + rows : NULL;
+  w.shift = w.q ? w.l + rows : NULL;
+  w.s = w.q ? w.shift + rows : NULL;
+  w.kr = w.q ? w.s + rows : NULL;
+  w.vr = w.q ? w.kr + kKeys * D : NULL;
+  return w;
+}
+
+/* A stored row dequantized (SPEC 2: (value * s) * dec), D values, by the tables of the 16 code
+ * values and the 256 scale values. */
+static void dequantize_row(const uint8_t *restrict codes, const uint8_t *restrict scales, float dec,
+                           int64_t D, const float *restrict code_value,
+                           const float *restrict scale_value, float *restrict out) {
+  for (int64_t blk = 0; blk < (D + 15) / 16; ++blk) {
+    const float s = scale_value[scales[blk]];
+    const int64_t n = D - 16 * blk < 16 ? D - 16 * blk : 16;
+    for (int64_t i = 0; i < n; i += 2) {
+      const uint8_t byte = codes[8 * blk + i / 2];
+      out[16 * blk + i] = (code_value[byte & 0xF] * s) * dec;
+      if (i + 1 < n) out[16 * blk + i + 1] = (code_value[byte >> 4] * s) * dec;
+    }
+  }
+}
+
+/* One key's update of one row's online softmax (m, l, o) with its score s (SPEC 6 decode math). */
+static inline void softmax_step(float s, const float *restrict v, int64_t D, float *m, float *l,
+                                float *restrict o) {
+  const float m_new = s > *m ? s : *m;
+  /* exp(0) is 1 exactly: the same result without the call while the maximum stays */
+  const float alpha = m_new == *m && isfinite(m_new) ? 1.0f : expf(*m - m_new);
+  const float w = expf(s - m_new);
+  *l = alpha * *l + w;
+  for (int64_t d = 0; d < D; ++d) o[d] = alpha * o[d] + w * v[d];
+  *m = m_new;
+}
+
 fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
   fp4attn_status st = fp4attn_check_decode_params(p);
   if (st.code != FP4ATTN_OK) return st;
   const fp4attn_kv_cache *c = &p->cache;
-  const int64_t D = c->head_dim, H = c->heads_kv, G = p->heads_q / H, nq = p->len_q;
+  const int64_t D = c->head_dim, H = c->heads_kv, G = p->heads_q / H, nq = p->len_q, R = G * nq;
   const int64_t cb = fp4attn_code_bytes(D), sc = fp4attn_scale_count(D);
   const int nt = p->num_threads > 0 ? p->num_threads : omp_get_max_threads();
+  float code_value[16], scale_value[256];
+  for (int i = 0; i < 16; ++i) code_value[i] = fp4attn_e2m1_decode((uint8_t)i);
+  for (int i = 0; i < 256; ++i) scale_value[i] = fp4attn_e4m3_decode((uint8_t)i);
+  /* enough tasks for the threads; a group re-reads the keys, so no more groups than that */
+  int64_t groups = (4 * (int64_t)nt + c->batch * H - 1) / (c->batch * H);
+  groups = groups < 1 ? 1 : (groups > R ? R : groups);
+  const int64_t per = (R + groups - 1) / groups;
   int bad = 0;
-  /* one (batch, KV head, query position) at a time: each key row dequantized once for its G heads
-   */
 #pragma omp parallel num_threads(nt) reduction(|| : bad)
   {
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * D + G * (2 * D + 3)));
-    float *kr = buf, *vr = buf + D, *q = buf + 2 * D, *o = q + G * D, *m = o + G * D;
-    float *l = m + G, *shift = l + G;
+    DecodeScratch w = decode_scratch(per, D);
 #pragma omp for schedule(dynamic)
-    for (int64_t i = 0; i < c->batch * H * nq; ++i) {
-      if (!buf) {
+    for (int64_t task = 0; task < c->batch * H * groups; ++task) {
+      if (!w.q) {
         bad = 1;
         continue;
       }
-      const int64_t b = i / (H * nq), hk = (i / nq) % H, t = i % nq;
-      int64_t L = p->seq_lens[b], end = L - nq + t + 1; /* keys begin .. end - 1 are visible */
-      if (end > L) end = L;
-      const int64_t begin = p->window > 0 && end > p->window ? end - p->window : 0;
+      const int64_t b = task / (H * groups), hk = (task / groups) % H;
+      const int64_t r0 = (task % groups) * per, r1 = r0 + per < R ? r0 + per : R, n = r1 - r0;
+      if (n <= 0) continue;
+      const int64_t L = p->seq_lens[b];
       const float *kmean = c->kmean + (b * H + hk) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = hk * G + g,
-                      qb = b * p->q_stride[0] + h * p->q_stride[1] + t * p->q_stride[2];
+      /* the rows' queries, constant lse terms and visible keys [begin, end); the keys every row
+       * sees, [all_lo, all_hi), and those any row sees, [lo, hi) */
+      int64_t lo = L, hi = 0, all_lo = 0, all_hi = L;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = r0 + i, h = hk * G + r / nq, t = r % nq;
+        const int64_t qb = b * p->q_stride[0] + h * p->q_stride[1] + t * p->q_stride[2];
         float s = 0.0f;
         for (int64_t d = 0; d < D; ++d) {
-          q[g * D + d] = fp4attn_load(p->q, p->dtype, qb + d);
-          s += q[g * D + d] * kmean[d];
-          o[g * D + d] = 0.0f;
+          w.q[i * D + d] = fp4attn_load(p->q, p->dtype, qb + d);
+          w.qt[d * n + i] = w.q[i * D + d];
+          s += w.q[i * D + d] * kmean[d];
+          w.o[i * D + d] = 0.0f;
         }
-        shift[g] = p->scale * s;
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
+        w.shift[i] = p->scale * s;
+        w.m[i] = -INFINITY;
+        w.l[i] = 0.0f;
+        int64_t end = L - nq + t + 1;
+        if (end > L) end = L;
+        const int64_t begin = p->window > 0 && end > p->window ? end - p->window : 0;
+        lo = begin < lo ? begin : lo, hi = end > hi ? end : hi;
+        all_lo = begin > all_lo ? begin : all_lo, all_hi = end < all_hi ? end : all_hi;
       }
-      for (int64_t j = begin; j < end; ++j) {
-        const int64_t r = row_index(c, b, hk, j);
-        if (r < 0) {
-          bad = 1;
-          break;
+      for (int64_t j0 = lo; j0 < hi && !bad; j0 += kKeys) {
+        const int64_t nk = hi - j0 < kKeys ? hi - j0 : kKeys;
+        for (int64_t j = 0; j < nk; ++j) { /* the block's key and value rows, dequantized */
+          const int64_t r = row_index(c, b, hk, j0 + j);
+          if (r < 0) {
+            bad = 1;
+            break;
+          }
+          const uint8_t *kc = c->k_codes + r * cb, *vc = c->v_codes + r * cb;
+          const uint8_t *ks = c->k_scales + r * sc, *vs = c->v_scales + r * sc;
+          dequantize_row(kc, ks, c->k_dec[r], D, code_value, scale_value, w.kr + j * D);
+          dequantize_row(vc, vs, c->v_dec[r], D, code_value, scale_value, w.vr + j * D);
         }
-        dequantize_row(c->k_codes + r * cb, c->k_scales + r * sc, c->k_dec[r], D, kr);
-        dequantize_row(c->v_codes + r * cb, c->v_scales + r * sc, c->v_dec[r], D, vr);
-        for (int64_t g = 0; g < G; ++g) {
-          float s = 0.0f;
-          for (int64_t d = 0; d < D; ++d) s += q[g * D + d] * kr[d];
-          s *= p->scale;
-          const float m_new = s > m[g] ? s : m[g];
-          const float alpha = expf(m[g] - m_new), w = expf(s - m_new);
-          l[g] = alpha * l[g] + w;
-          for (int64_t d = 0; d < D; ++d) o[g * D + d] = alpha * o[g * D + d] + w * vr[d];
-          m[g] = m_new;
+        if (bad) break;
+        for (int64_t j = 0; j < nk; ++j) {
+          const int64_t key = j0 + j;
+          const float *kr = w.kr + j * D, *vr = w.vr + j * D;
+          if (key >= all_lo && key < all_hi) { /* every row: scores across rows at once */
+            float *restrict sv = w.s;
+            for (int64_t i = 0; i < n; ++i) sv[i] = 0.0f;
+            for (int64_t d = 0; d < D; ++d) {
+              const float *restrict qt = w.qt + d * n;
+              const float kd = kr[d];
+              for (int64_t i = 0; i < n; ++i) sv[i] += qt[i] * kd;
+            }
+            for (int64_t i = 0; i < n; ++i)
+              softmax_step(w.s[i] * p->scale, vr, D, &w.m[i], &w.l[i], w.o + i * D);
+            continue;
+          }
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t t = (r0 + i) % nq;
+            int64_t end = L - nq + t + 1;
+            if (end > L) end = L;
+            const int64_t begin = p->window > 0 && end > p->window ? end - p->window : 0;
+            if (key < begin || key >= end) continue;
+            float s = 0.0f;
+            for (int64_t d = 0; d < D; ++d) s += w.q[i * D + d] * kr[d];
+            softmax_step(s * p->scale, vr, D, &w.m[i], &w.l[i], w.o + i * D);
+          }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = hk * G + g;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = r0 + i, h = hk * G + r / nq, t = r % nq;
         const int64_t ob = b * p->out_stride[0] + h * p->out_stride[1] + t * p->out_stride[2];
         for (int64_t d = 0; d < D; ++d)
-          fp4attn_store(p->out, p->dtype, ob + d, l[g] > 0.0f ? o[g * D + d] / l[g] : 0.0f);
+          fp4attn_store(p->out, p->dtype, ob + d, w.l[i] > 0.0f ? w.o[i * D + d] / w.l[i] : 0.0f);
         if (p->lse)
           p->lse[(b * p->heads_q + h) * nq + t] =
-              l[g] > 0.0f ? m[g] + logf(l[g]) + shift[g] : -INFINITY;
+              w.l[i] > 0.0f ? w.m[i] + logf(w.l[i]) + w.shift[i] : -INFINITY;
       }
     }
-    free(buf);
+    free(w.q);
   }
   if (bad)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
