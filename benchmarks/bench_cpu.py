@@ -3,11 +3,14 @@ on the same shapes, in one run. Prints a table and writes bench_cpu.csv (headed 
 the CPU and the software versions, see provenance.py) and bench_cpu.png (if matplotlib exists)
 into --out; the default writes the committed result set, benchmarks/results/.
 
-    python benchmarks/bench_cpu.py [--quick] [--precision fp4|int8] [--out benchmarks/results]
+    python benchmarks/bench_cpu.py [--quick] [--precision fp4|int8] [--decode] [--out benchmarks/results]
 
 Target: at most 5x torch's CPU SDPA time at B=1, H=8, N=1024, D=64. --precision int8 times the
 8-bit trainable attention instead, forward and forward + backward against torch's CPU SDPA with
-its autograd, into bench_cpu_int8.csv / .png.
+its autograd, into bench_cpu_int8.csv / .png. --decode times fp4attn.decode on an FP4KVCache
+(its C backend reads the FP4 rows) against torch's CPU SDPA on the same cache dequantized to FP32
+beforehand (what the decode computes with; the dequantization is not timed), into
+bench_cpu_decode.csv.
 """
 
 from __future__ import annotations
@@ -64,14 +67,47 @@ def run_int8(shapes, repeats: int) -> list[dict]:
     return rows
 
 
+def run_decode(quick: bool, repeats: int) -> list[dict]:
+    """One decode call (nq query positions, the last of each sequence) on L cached tokens."""
+    shapes = [(1, 9, 3, 4096, 64, 1), (4, 32, 8, 8192, 128, 1)]
+    if not quick:
+        shapes += [(1, 9, 3, 4096, 64, 4), (1, 32, 8, 8192, 128, 1), (1, 32, 32, 8192, 128, 1),
+                   (1, 32, 8, 32768, 128, 1)]
+    rows = []
+    for B, Hq, Hkv, L, D, nq in shapes:
+        cache = fp4attn.FP4KVCache(B, Hkv, D, dtype=torch.float32, device="cpu", max_tokens=L)
+        k = torch.randn(B, Hkv, L, D)
+        cache.append(k, torch.randn_like(k))
+        q = torch.randn(B, Hq, nq, D)
+        kd, vd = cache.dequantize()
+        mask = torch.ones(nq, L, dtype=torch.bool).tril(L - nq)  # the last nq positions
+        t_fp4 = median_time(lambda: fp4attn.decode(q, cache), repeats)
+        t_ref = median_time(lambda: ORIGINAL_SDPA(q, kd, vd, attn_mask=mask, enable_gqa=Hq != Hkv), repeats)
+        rows.append({"B": B, "Hq": Hq, "Hkv": Hkv, "L": L, "D": D, "nq": nq, "fp4attn_decode_ms": 1e3 * t_fp4,
+                     "torch_sdpa_fp32_dequantized_ms": 1e3 * t_ref, "ratio": t_fp4 / t_ref})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="only the target shape and one more")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--precision", choices=("fp4", "int8"), default="fp4")
+    ap.add_argument("--decode", action="store_true", help="decode on the FP4 KV cache instead")
     ap.add_argument("--out", default=RESULTS,
                     help="folder for bench_cpu.csv/.png (default: benchmarks/results)")
     args = ap.parse_args()
+    if args.decode:
+        head = announce(cpu_description())
+        rows = run_decode(args.quick, args.repeats)
+        print("| B | heads (q/kv) | L | D | nq | fp4attn.decode ms | torch SDPA FP32 (dequantized) ms | ratio |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['B']} | {r['Hq']}/{r['Hkv']} | {r['L']} | {r['D']} | {r['nq']} | "
+                  f"{r['fp4attn_decode_ms']:.1f} | {r['torch_sdpa_fp32_dequantized_ms']:.1f} | {r['ratio']:.2f}x |")
+        os.makedirs(args.out, exist_ok=True)
+        write_csv(os.path.join(args.out, "bench_cpu_decode.csv"), head, rows)
+        return 0
 
     shapes = [(1, 8, 1024, 64, False), (1, 8, 1024, 64, True)]
     if not args.quick:

@@ -145,9 +145,11 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
   float code_value[16], scale_value[256];
   for (int i = 0; i < 16; ++i) code_value[i] = fp4attn_e2m1_decode((uint8_t)i);
   for (int i = 0; i < 256; ++i) scale_value[i] = fp4attn_e4m3_decode((uint8_t)i);
-  /* enough tasks for the threads; a group re-reads the keys, so no more groups than that */
+  /* enough tasks for the threads, but every group dequantizes the keys again: at least 16 rows
+   * each (a key row's dequantization costs about what 16 rows' scores and updates of it cost) */
   int64_t groups = (4 * (int64_t)nt + c->batch * H - 1) / (c->batch * H);
-  groups = groups < 1 ? 1 : (groups > R ? R : groups);
+  groups = groups > (R + 15) / 16 ? (R + 15) / 16 : groups;
+  groups = groups < 1 ? 1 : groups;
   const int64_t per = (R + groups - 1) / groups;
   int bad = 0;
 #pragma omp parallel num_threads(nt) reduction(|| : bad)
