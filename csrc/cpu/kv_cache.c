@@ -81,20 +81,21 @@ fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
 
 /* Decode, one task = (batch, KV head, a group of its query rows); row r of a KV head is query head
  * r / nq at position r % nq. Each key row is dequantized once per task (not once per query row),
- * by tables of the code and scale values, into a block of kKeys rows; every query row then runs
- * the online softmax over its visible keys in order, one key at a time, exactly as a per-row loop
- * would (so results do not depend on the grouping or the thread count). Scores of keys that every
- * row of the group sees are computed for all rows at once from Q transposed (vectorisable across
- * rows, each row's sum still in d order). */
+ * by tables of the code and scale values, into a block of kKeys keys (K transposed); every query
+ * row then runs the online softmax over its visible keys in order, one key at a time, exactly as a
+ * per-row loop would (so results do not depend on the grouping or the thread count). Each score is
+ * a sum in d order; they are computed for a whole block of keys at once where every row sees all
+ * of it (vectorisable across keys), else across rows for a key every row sees, else one by one. */
 enum { kKeys = 32 };
 
 typedef struct {
-  float *q, *qt, *o, *m, *l, *shift, *s, *kr, *vr;
+  float *q, *qt, *o, *m, *l, *shift, *s, *kt, *vr, *sk;
 } DecodeScratch;
 
 static DecodeScratch decode_scratch(int64_t rows, int64_t D) {
   DecodeScratch w;
-  float *buf = (float *)malloc(sizeof(float) * (size_t)(rows * (3 * D + 4) + 2 * kKeys * D));
+  float *buf =
+      (float *)malloc(sizeof(float) * (size_t)(rows * (3 * D + 4) + 2 * kKeys * D + kKeys));
   w.q = buf;
   w.qt = w.q ? w.q + rows * D : NULL;
   w.o = w.q ? w.qt + rows * D : NULL;
@@ -102,23 +103,24 @@ static DecodeScratch decode_scratch(int64_t rows, int64_t D) {
   w.l = w.q ? w.m + rows : NULL;
   w.shift = w.q ? w.l + rows : NULL;
   w.s = w.q ? w.shift + rows : NULL;
-  w.kr = w.q ? w.s + rows : NULL;
-  w.vr = w.q ? w.kr + kKeys * D : NULL;
+  w.kt = w.q ? w.s + rows : NULL; /* [D][kKeys] */
+  w.vr = w.q ? w.kt + kKeys * D : NULL;
+  w.sk = w.q ? w.vr + kKeys * D : NULL;
   return w;
 }
 
-/* A stored row dequantized (SPEC 2: (value * s) * dec), D values, by the tables of the 16 code
- * values and the 256 scale values. */
+/* A stored row dequantized (SPEC 2: (value * s) * dec), D values `stride` floats apart, by the
+ * tables of the 16 code values and the 256 scale values. */
 static void dequantize_row(const uint8_t *restrict codes, const uint8_t *restrict scales, float dec,
                            int64_t D, const float *restrict code_value,
-                           const float *restrict scale_value, float *restrict out) {
+                           const float *restrict scale_value, float *restrict out, int64_t stride) {
   for (int64_t blk = 0; blk < (D + 15) / 16; ++blk) {
     const float s = scale_value[scales[blk]];
     const int64_t n = D - 16 * blk < 16 ? D - 16 * blk : 16;
     for (int64_t i = 0; i < n; i += 2) {
       const uint8_t byte = codes[8 * blk + i / 2];
-      out[16 * blk + i] = (code_value[byte & 0xF] * s) * dec;
-      if (i + 1 < n) out[16 * blk + i + 1] = (code_value[byte >> 4] * s) * dec;
+      out[(16 * blk + i) * stride] = (code_value[byte & 0xF] * s) * dec;
+      if (i + 1 < n) out[(16 * blk + i + 1) * stride] = (code_value[byte >> 4] * s) * dec;
     }
   }
 }
@@ -198,19 +200,33 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
           }
           const uint8_t *kc = c->k_codes + r * cb, *vc = c->v_codes + r * cb;
           const uint8_t *ks = c->k_scales + r * sc, *vs = c->v_scales + r * sc;
-          dequantize_row(kc, ks, c->k_dec[r], D, code_value, scale_value, w.kr + j * D);
-          dequantize_row(vc, vs, c->v_dec[r], D, code_value, scale_value, w.vr + j * D);
+          dequantize_row(kc, ks, c->k_dec[r], D, code_value, scale_value, w.kt + j, kKeys);
+          dequantize_row(vc, vs, c->v_dec[r], D, code_value, scale_value, w.vr + j * D, 1);
         }
         if (bad) break;
+        if (j0 >= all_lo && j0 + nk <= all_hi) { /* every row sees the block: scores by rows */
+          float *restrict sk = w.sk;
+          for (int64_t i = 0; i < n; ++i) {
+            for (int64_t j = 0; j < nk; ++j) sk[j] = 0.0f;
+            for (int64_t d = 0; d < D; ++d) {
+              const float qd = w.q[i * D + d];
+              const float *restrict kt = w.kt + d * kKeys;
+              for (int64_t j = 0; j < nk; ++j) sk[j] += qd * kt[j];
+            }
+            for (int64_t j = 0; j < nk; ++j)
+              softmax_step(sk[j] * p->scale, w.vr + j * D, D, &w.m[i], &w.l[i], w.o + i * D);
+          }
+          continue;
+        }
         for (int64_t j = 0; j < nk; ++j) {
           const int64_t key = j0 + j;
-          const float *kr = w.kr + j * D, *vr = w.vr + j * D;
+          const float *vr = w.vr + j * D;
           if (key >= all_lo && key < all_hi) { /* every row: scores across rows at once */
             float *restrict sv = w.s;
             for (int64_t i = 0; i < n; ++i) sv[i] = 0.0f;
             for (int64_t d = 0; d < D; ++d) {
               const float *restrict qt = w.qt + d * n;
-              const float kd = kr[d];
+              const float kd = w.kt[d * kKeys + j];
               for (int64_t i = 0; i < n; ++i) sv[i] += qt[i] * kd;
             }
             for (int64_t i = 0; i < n; ++i)
@@ -224,7 +240,7 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
             const int64_t begin = p->window > 0 && end > p->window ? end - p->window : 0;
             if (key < begin || key >= end) continue;
             float s = 0.0f;
-            for (int64_t d = 0; d < D; ++d) s += w.q[i * D + d] * kr[d];
+            for (int64_t d = 0; d < D; ++d) s += w.q[i * D + d] * w.kt[d * kKeys + j];
             softmax_step(s * p->scale, vr, D, &w.m[i], &w.l[i], w.o + i * D);
           }
         }
