@@ -67,6 +67,16 @@ def run_int8(shapes, repeats: int) -> list[dict]:
     return rows
 
 
+def report(rows: list[dict], header: list[str], cells, csv_path: str, head) -> None:
+    """Prints rows as a markdown table (cells(row): its cell strings) and writes them to csv_path."""
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(cells(r)) + " |")
+    os.makedirs(os.path.dirname(csv_path), exist_ok=True)
+    write_csv(csv_path, head, rows)
+
+
 def run_decode(quick: bool, repeats: int) -> list[dict]:
     """One decode call (nq query positions, the last of each sequence) on L cached tokens."""
     shapes = [(1, 9, 3, 4096, 64, 1), (4, 32, 8, 8192, 128, 1)]
@@ -97,35 +107,32 @@ def main() -> int:
     ap.add_argument("--out", default=RESULTS,
                     help="folder for bench_cpu.csv/.png (default: benchmarks/results)")
     args = ap.parse_args()
+    head = announce(cpu_description())
     if args.decode:
-        head = announce(cpu_description())
-        rows = run_decode(args.quick, args.repeats)
-        print("| B | heads (q/kv) | L | D | nq | fp4attn.decode ms | torch SDPA FP32 (dequantized) ms | ratio |")
-        print("|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['B']} | {r['Hq']}/{r['Hkv']} | {r['L']} | {r['D']} | {r['nq']} | "
-                  f"{r['fp4attn_decode_ms']:.1f} | {r['torch_sdpa_fp32_dequantized_ms']:.1f} | {r['ratio']:.2f}x |")
-        os.makedirs(args.out, exist_ok=True)
-        write_csv(os.path.join(args.out, "bench_cpu_decode.csv"), head, rows)
+        report(run_decode(args.quick, args.repeats),
+               ["B", "heads (q/kv)", "L", "D", "nq", "fp4attn.decode ms",
+                "torch SDPA FP32 (dequantized) ms", "ratio"],
+               lambda r: [str(r["B"]), f"{r['Hq']}/{r['Hkv']}", str(r["L"]), str(r["D"]), str(r["nq"]),
+                          f"{r['fp4attn_decode_ms']:.1f}", f"{r['torch_sdpa_fp32_dequantized_ms']:.1f}",
+                          f"{r['ratio']:.2f}x"],
+               os.path.join(args.out, "bench_cpu_decode.csv"), head)
         return 0
 
     shapes = [(1, 8, 1024, 64, False), (1, 8, 1024, 64, True)]
     if not args.quick:
         shapes += [(1, 8, 256, 64, False), (1, 8, 2048, 64, False), (1, 8, 4096, 64, False),
                    (1, 8, 1024, 128, False), (1, 8, 2048, 128, True), (2, 9, 512, 64, True)]
-    head = announce(cpu_description())
+    def shape_cells(r):
+        return [str(r[k]) for k in ("B", "H", "N", "D", "causal")]
+
     if args.precision == "int8":
-        rows = run_int8(shapes, args.repeats)
-        print("| B | H | N | D | causal | int8 fwd ms | torch fwd ms | ratio | int8 fwd+bwd ms | "
-              "torch fwd+bwd ms | ratio |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['B']} | {r['H']} | {r['N']} | {r['D']} | {r['causal']} | "
-                  f"{r['int8_fwd_ms']:.1f} | {r['torch_fwd_ms']:.1f} | {r['fwd_ratio']:.2f}x | "
-                  f"{r['int8_fwd_bwd_ms']:.1f} | {r['torch_fwd_bwd_ms']:.1f} | "
-                  f"{r['fwd_bwd_ratio']:.2f}x |")
-        os.makedirs(args.out, exist_ok=True)
-        write_csv(os.path.join(args.out, "bench_cpu_int8.csv"), head, rows)
+        report(run_int8(shapes, args.repeats),
+               ["B", "H", "N", "D", "causal", "int8 fwd ms", "torch fwd ms", "ratio", "int8 fwd+bwd ms",
+                "torch fwd+bwd ms", "ratio"],
+               lambda r: shape_cells(r) + [f"{r['int8_fwd_ms']:.1f}", f"{r['torch_fwd_ms']:.1f}",
+                                           f"{r['fwd_ratio']:.2f}x", f"{r['int8_fwd_bwd_ms']:.1f}",
+                                           f"{r['torch_fwd_bwd_ms']:.1f}", f"{r['fwd_bwd_ratio']:.2f}x"],
+               os.path.join(args.out, "bench_cpu_int8.csv"), head)
         return 0
     rows = []
     for B, H, N, D, causal in shapes:
@@ -135,13 +142,10 @@ def main() -> int:
         rows.append({"B": B, "H": H, "N": N, "D": D, "causal": causal,
                      "fp4attn_ms": 1e3 * t_fp4, "torch_sdpa_fp32_ms": 1e3 * t_ref,
                      "ratio": t_fp4 / t_ref})
-    print("| B | H | N | D | causal | fp4attn ms | torch SDPA FP32 ms | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['B']} | {r['H']} | {r['N']} | {r['D']} | {r['causal']} | "
-              f"{r['fp4attn_ms']:.1f} | {r['torch_sdpa_fp32_ms']:.1f} | {r['ratio']:.2f}x |")
-    os.makedirs(args.out, exist_ok=True)
-    write_csv(os.path.join(args.out, "bench_cpu.csv"), head, rows)
+    report(rows, ["B", "H", "N", "D", "causal", "fp4attn ms", "torch SDPA FP32 ms", "ratio"],
+           lambda r: shape_cells(r) + [f"{r['fp4attn_ms']:.1f}", f"{r['torch_sdpa_fp32_ms']:.1f}",
+                                       f"{r['ratio']:.2f}x"],
+           os.path.join(args.out, "bench_cpu.csv"), head)
     try:
         import matplotlib
 

@@ -82,30 +82,33 @@ fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
 /* Decode, one task = (batch, KV head, a group of its query rows); row r of a KV head is query head
  * r / nq at position r % nq. Each key row is dequantized once per task (not once per query row),
  * by tables of the code and scale values, into a block of kKeys keys (K transposed); every query
- * row then runs the online softmax over its visible keys in order, one key at a time, exactly as a
- * per-row loop would (so results do not depend on the grouping or the thread count). Each score is
- * a sum in d order; they are computed for a whole block of keys at once where every row sees all
- * of it (vectorisable across keys), else across rows for a key every row sees, else one by one. */
+ * row then scores the keys of the block it sees, each score a sum in d order (vectorisable across
+ * the keys), and runs the online softmax over them in order, one key at a time, exactly as a
+ * per-row loop would (so results do not depend on the grouping or the thread count). */
 enum { kKeys = 32 };
 
 typedef struct {
-  float *q, *qt, *o, *m, *l, *shift, *s, *kt, *vr, *sk;
+  float *q, *o, *m, *l, *shift, *kt, *vr, *sk;
+  int64_t *begin, *end; /* each row's visible keys */
 } DecodeScratch;
 
 static DecodeScratch decode_scratch(int64_t rows, int64_t D) {
   DecodeScratch w;
-  float *buf =
-      (float *)malloc(sizeof(float) * (size_t)(rows * (3 * D + 4) + 2 * kKeys * D + kKeys));
-  w.q = buf;
-  w.qt = w.q ? w.q + rows * D : NULL;
-  w.o = w.q ? w.qt + rows * D : NULL;
-  w.m = w.q ? w.o + rows * D : NULL;
-  w.l = w.q ? w.m + rows : NULL;
-  w.shift = w.q ? w.l + rows : NULL;
-  w.s = w.q ? w.shift + rows : NULL;
-  w.kt = w.q ? w.s + rows : NULL; /* [D][kKeys] */
-  w.vr = w.q ? w.kt + kKeys * D : NULL;
-  w.sk = w.q ? w.vr + kKeys * D : NULL;
+  w.q = (float *)malloc(sizeof(float) * (size_t)(rows * (2 * D + 3) + 2 * kKeys * D + kKeys));
+  w.begin = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * rows));
+  if (!w.q || !w.begin) {
+    free(w.q), free(w.begin);
+    w.q = NULL, w.begin = NULL;
+    return w;
+  }
+  w.o = w.q + rows * D;
+  w.m = w.o + rows * D;
+  w.l = w.m + rows;
+  w.shift = w.l + rows;
+  w.kt = w.shift + rows; /* [D][kKeys] */
+  w.vr = w.kt + kKeys * D;
+  w.sk = w.vr + kKeys * D;
+  w.end = w.begin + rows;
   return w;
 }
 
@@ -168,27 +171,24 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
       if (n <= 0) continue;
       const int64_t L = p->seq_lens[b];
       const float *kmean = c->kmean + (b * H + hk) * D;
-      /* the rows' queries, constant lse terms and visible keys [begin, end); the keys every row
-       * sees, [all_lo, all_hi), and those any row sees, [lo, hi) */
-      int64_t lo = L, hi = 0, all_lo = 0, all_hi = L;
+      /* the rows' queries, constant lse terms and visible keys; the keys any row sees, [lo, hi) */
+      int64_t lo = L, hi = 0;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t r = r0 + i, h = hk * G + r / nq, t = r % nq;
         const int64_t qb = b * p->q_stride[0] + h * p->q_stride[1] + t * p->q_stride[2];
         float s = 0.0f;
         for (int64_t d = 0; d < D; ++d) {
           w.q[i * D + d] = fp4attn_load(p->q, p->dtype, qb + d);
-          w.qt[d * n + i] = w.q[i * D + d];
           s += w.q[i * D + d] * kmean[d];
           w.o[i * D + d] = 0.0f;
         }
         w.shift[i] = p->scale * s;
         w.m[i] = -INFINITY;
         w.l[i] = 0.0f;
-        int64_t end = L - nq + t + 1;
-        if (end > L) end = L;
-        const int64_t begin = p->window > 0 && end > p->window ? end - p->window : 0;
-        lo = begin < lo ? begin : lo, hi = end > hi ? end : hi;
-        all_lo = begin > all_lo ? begin : all_lo, all_hi = end < all_hi ? end : all_hi;
+        const int64_t end = L - nq + t + 1 < L ? L - nq + t + 1 : L;
+        w.end[i] = end;
+        w.begin[i] = p->window > 0 && end > p->window ? end - p->window : 0;
+        lo = w.begin[i] < lo ? w.begin[i] : lo, hi = end > hi ? end : hi;
       }
       for (int64_t j0 = lo; j0 < hi && !bad; j0 += kKeys) {
         const int64_t nk = hi - j0 < kKeys ? hi - j0 : kKeys;
@@ -204,45 +204,19 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
           dequantize_row(vc, vs, c->v_dec[r], D, code_value, scale_value, w.vr + j * D, 1);
         }
         if (bad) break;
-        if (j0 >= all_lo && j0 + nk <= all_hi) { /* every row sees the block: scores by rows */
-          float *restrict sk = w.sk;
-          for (int64_t i = 0; i < n; ++i) {
-            for (int64_t j = 0; j < nk; ++j) sk[j] = 0.0f;
-            for (int64_t d = 0; d < D; ++d) {
-              const float qd = w.q[i * D + d];
-              const float *restrict kt = w.kt + d * kKeys;
-              for (int64_t j = 0; j < nk; ++j) sk[j] += qd * kt[j];
-            }
-            for (int64_t j = 0; j < nk; ++j)
-              softmax_step(sk[j] * p->scale, w.vr + j * D, D, &w.m[i], &w.l[i], w.o + i * D);
+        float *restrict sk = w.sk;
+        for (int64_t i = 0; i < n; ++i) { /* the block's keys [ja, jb) that row i sees */
+          const int64_t ja = w.begin[i] > j0 ? w.begin[i] - j0 : 0;
+          const int64_t jb = w.end[i] < j0 + nk ? w.end[i] - j0 : nk;
+          if (ja >= jb) continue;
+          for (int64_t j = ja; j < jb; ++j) sk[j] = 0.0f;
+          for (int64_t d = 0; d < D; ++d) {
+            const float qd = w.q[i * D + d];
+            const float *restrict kt = w.kt + d * kKeys;
+            for (int64_t j = ja; j < jb; ++j) sk[j] += qd * kt[j];
           }
-          continue;
-        }
-        for (int64_t j = 0; j < nk; ++j) {
-          const int64_t key = j0 + j;
-          const float *vr = w.vr + j * D;
-          if (key >= all_lo && key < all_hi) { /* every row: scores across rows at once */
-            float *restrict sv = w.s;
-            for (int64_t i = 0; i < n; ++i) sv[i] = 0.0f;
-            for (int64_t d = 0; d < D; ++d) {
-              const float *restrict qt = w.qt + d * n;
-              const float kd = w.kt[d * kKeys + j];
-              for (int64_t i = 0; i < n; ++i) sv[i] += qt[i] * kd;
-            }
-            for (int64_t i = 0; i < n; ++i)
-              softmax_step(w.s[i] * p->scale, vr, D, &w.m[i], &w.l[i], w.o + i * D);
-            continue;
-          }
-          for (int64_t i = 0; i < n; ++i) {
-            const int64_t t = (r0 + i) % nq;
-            int64_t end = L - nq + t + 1;
-            if (end > L) end = L;
-            const int64_t begin = p->window > 0 && end > p->window ? end - p->window : 0;
-            if (key < begin || key >= end) continue;
-            float s = 0.0f;
-            for (int64_t d = 0; d < D; ++d) s += w.q[i * D + d] * w.kt[d * kKeys + j];
-            softmax_step(s * p->scale, vr, D, &w.m[i], &w.l[i], w.o + i * D);
-          }
+          for (int64_t j = ja; j < jb; ++j)
+            softmax_step(sk[j] * p->scale, w.vr + j * D, D, &w.m[i], &w.l[i], w.o + i * D);
         }
       }
       for (int64_t i = 0; i < n; ++i) {
@@ -256,6 +230,7 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
       }
     }
     free(w.q);
+    free(w.begin);
   }
   if (bad)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
