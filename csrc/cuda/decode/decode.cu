@@ -610,17 +610,17 @@ bool fast_layout(const fp4attn_kv_cache &c, int64_t dp) {
 
 using DecodeKernel = void (*)(DecodeArgs);
 
+template <int DP, int NT, bool kSplitQ>
+DecodeKernel variant(bool fast, int *smem) {
+  using Fast = DecodeSmem<DP, 8 * NT, kSplitQ, true>;
+  using Plain = DecodeSmem<DP, 8 * NT, kSplitQ, false>;
+  *smem = fast ? Fast::kBytes : Plain::kBytes;
+  return fast ? decode_kernel<DP, NT, kSplitQ, true> : decode_kernel<DP, NT, kSplitQ, false>;
+}
 template <int DP, int NT>
 DecodeKernel variant(fp4attn_dtype dt, bool fast, int *smem) {
-  constexpr int kNQ = 8 * NT;
-  if (dt == FP4ATTN_FLOAT32) {
-    *smem =
-        fast ? DecodeSmem<DP, kNQ, true, true>::kBytes : DecodeSmem<DP, kNQ, true, false>::kBytes;
-    return fast ? decode_kernel<DP, NT, true, true> : decode_kernel<DP, NT, true, false>;
-  }
-  *smem =
-      fast ? DecodeSmem<DP, kNQ, false, true>::kBytes : DecodeSmem<DP, kNQ, false, false>::kBytes;
-  return fast ? decode_kernel<DP, NT, false, true> : decode_kernel<DP, NT, false, false>;
+  return dt == FP4ATTN_FLOAT32 ? variant<DP, NT, true>(fast, smem)
+                               : variant<DP, NT, false>(fast, smem);
 }
 
 /* The kernel variant of a call (padded head dim, 8 or 16 query rows per tile) and its dynamic
