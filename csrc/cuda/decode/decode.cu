@@ -296,8 +296,10 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   constexpr int NQ = 8 * NT; /* query rows per tile */
   using L = DecodeSmem<DP, NQ, kSplitQ, kFast>;
   using F = Frag<DP>;
+  constexpr int kQPer = NQ * DP / kThreads; /* Q elements per thread */
   extern __shared__ __align__(128) char smem[];
   __shared__ float warp_qmax[kWarps];
+  __shared__ float q_dot[NQ][DP / 32]; /* q . kmean over 32 columns of a row */
   __shared__ int64_t q_row[NQ]; /* element offset of each tile row's q, -1 past the G x nq rows */
   const fp4attn_decode_params &p = a.p;
   const fp4attn_kv_cache &c = p.cache;
@@ -307,6 +309,22 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   const int64_t b = tile / (H * a.mtiles), hk = (tile / a.mtiles) % H, mt = tile % a.mtiles;
   const int D = (int)c.head_dim;
   const int Lb = p.seq_lens[b];
+
+  /* this split's chunks; the warp's first one is in flight while the block stages Q */
+  const int first = p.window > 0 ? (int)(max((int64_t)0, Lb - nq + 1 - p.window) / kChunk) : 0;
+  const int nch = (Lb + kChunk - 1) / kChunk - first;
+  const int per = (nch + (int)a.splits - 1) / (int)a.splits;
+  const int c0 = first + (int)split * per, c1 = min(c0 + per, first + nch);
+  char *ring = smem + L::kRing + warp * kStages * ChunkSlot<DP>::kBytes;
+  int64_t next_row = 0; /* kFast: the cache row of the chunk staged next, looked up early */
+  if (kFast) {
+    if (c0 + warp < c1)
+      stage_chunk<DP>(ring, c, cache_row(c, a.page, b, hk, (c0 + warp) * kChunk), lane);
+    cp_async_commit();
+    if (c0 + warp + kWarps < c1)
+      next_row = cache_row(c, a.page, b, hk, (c0 + warp + kWarps) * kChunk);
+  }
+
   if (tid < NQ) {
     const int64_t row = mt * NQ + tid;
     q_row[tid] = row < M ? b * p.q_stride[0] + (hk * G + row / nq) * p.q_stride[1] +
@@ -314,16 +332,20 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
                          : -1;
   }
   __syncthreads();
-  auto q_value = [&](int r, int d) {
-    const int64_t at = q_row[r];
-    return at < 0 || d >= D ? 0.0f : load_as_float(p.q, p.dtype, at + d);
-  };
 
   /* The tile's Q as FP16 times 2^-qexp, a power of two that puts its largest |q| in [2^14, 2^15):
    * exact for FP16 and BF16 inputs (bar values below 2^-38 of that largest, which S cannot
-   * notice), 22 bits as hi + lo parts for FP32. */
+   * notice), 22 bits as hi + lo parts for FP32. Thread tid holds slot columns (tid + kThreads k)
+   * % DP of row (tid + kThreads k) / DP, all loaded at once (one warp: one row, 32 columns). */
+  float qv[kQPer];
   float qmax = 0.0f;
-  for (int i = tid; i < NQ * D; i += kThreads) qmax = fmaxf(qmax, fabsf(q_value(i / D, i % D)));
+#pragma unroll
+  for (int k = 0; k < kQPer; ++k) {
+    const int i = tid + kThreads * k, r = i / DP, d = q_dim<DP>(i % DP);
+    const int64_t at = q_row[r];
+    qv[k] = at < 0 || d >= D ? 0.0f : load_as_float(p.q, p.dtype, at + d);
+    qmax = fmaxf(qmax, fabsf(qv[k]));
+  }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, o));
   if (lane == 0) warp_qmax[warp] = qmax;
@@ -331,26 +353,38 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   qmax = fmaxf(fmaxf(warp_qmax[0], warp_qmax[1]), fmaxf(warp_qmax[2], warp_qmax[3]));
   const int qexp = qmax > 0.0f && qmax <= FLT_MAX ? max(-126, min(126, ilogbf(qmax) - 14)) : 0;
   const float qinv = ldexpf(1.0f, -qexp);
-  for (int i = tid; i < NQ * DP; i += kThreads) {
-    const int r = i / DP, col = i % DP;
-    const float v = q_value(r, q_dim<DP>(col)) * qinv;
+#pragma unroll
+  for (int k = 0; k < kQPer; ++k) {
+    const int i = tid + kThreads * k, r = i / DP, col = i % DP;
+    const float v = qv[k] * qinv;
     const __half hi = __float2half_rn(v);
     *reinterpret_cast<__half *>(smem + L::kQ + swz_byte<L::kW>(r, 2 * col)) = hi;
     if (kSplitQ)
       *reinterpret_cast<__half *>(smem + L::kQlo + swz_byte<L::kW>(r, 2 * col)) =
           __float2half_rn(v - __half2float(hi));
   }
-  if (split == 0)
-    for (int r = warp; r < NQ; r += kWarps) {
-      float acc = 0.0f;
-      for (int d = lane; d < D; d += 32) acc += q_value(r, d) * c.kmean[(b * H + hk) * D + d];
+  /* split 0: the rows' lse term scale (q . kmean), summed over each row's 32-column groups in
+   * order */
+  if (split == 0) {
+    const float *kmean = c.kmean + (b * H + hk) * D;
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (lane == 0) a.qshift[tile * NQ + r] = p.scale * acc;
+    for (int k = 0; k < kQPer; ++k) {
+      const int i = tid + kThreads * k, d = q_dim<DP>(i % DP);
+      float x = d < D ? qv[k] * kmean[d] : 0.0f;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+      if (lane == 0) q_dot[i / DP][(i % DP) / 32] = x;
     }
+  }
   __syncthreads();
+  if (split == 0 && tid < NQ) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int x = 0; x < DP / 32; ++x) acc += q_dot[tid][x];
+    a.qshift[tile * NQ + tid] = p.scale * acc;
+  }
 
-  /* this split's chunks; the lane's query 8n + 2 t4 + e sees keys [begin, end) */
+  /* the lane's query 8n + 2 t4 + e sees keys [begin, end) */
   int end[NT][2], begin[NT][2];
 #pragma unroll
   for (int n = 0; n < NT; ++n)
@@ -371,10 +405,6 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
     seen_lo = max(seen_lo, __shfl_xor_sync(0xffffffffu, seen_lo, o));
     seen_hi = min(seen_hi, __shfl_xor_sync(0xffffffffu, seen_hi, o));
   }
-  const int first = p.window > 0 ? (int)(max((int64_t)0, Lb - nq + 1 - p.window) / kChunk) : 0;
-  const int nch = (Lb + kChunk - 1) / kChunk - first;
-  const int per = (nch + (int)a.splits - 1) / (int)a.splits;
-  const int c0 = first + (int)split * per, c1 = min(c0 + per, first + nch);
   /* S in log2 units = (Q 2^-qexp . K 2^-8) x dec x s_log2 */
   const float s_log2 = ldexpf(p.scale * kLog2e * kScaleUnit, qexp);
 
@@ -384,16 +414,6 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   float m[NT][2], l[NT][2], vref = 0.0f, vinv = 0.0f; /* vinv = 1 / vref (0 while vref is) */
 #pragma unroll
   for (int n = 0; n < NT; ++n) m[n][0] = m[n][1] = -INFINITY, l[n][0] = l[n][1] = 0.0f;
-  char *ring = smem + L::kRing + warp * kStages * ChunkSlot<DP>::kBytes;
-  /* kFast: the cache row of the chunk staged next, looked up an iteration early */
-  int64_t next_row = 0;
-  if (kFast) { /* the warp's first chunk in flight */
-    if (c0 + warp < c1)
-      stage_chunk<DP>(ring, c, cache_row(c, a.page, b, hk, (c0 + warp) * kChunk), lane);
-    cp_async_commit();
-    if (c0 + warp + kWarps < c1)
-      next_row = cache_row(c, a.page, b, hk, (c0 + warp + kWarps) * kChunk);
-  }
   for (int ch = c0 + warp, it = 0; ch < c1; ch += kWarps, ++it) {
     const int j0 = ch * kChunk;
     Raw<DP> cur;

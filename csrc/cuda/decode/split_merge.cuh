@@ -23,43 +23,77 @@ struct SplitMerge {
   float *lse; /* [batch][heads_q][len_q], or null */
 };
 
-/* Row blockIdx.y of tile blockIdx.x, a column per thread (launch_split_merge). The splits' loads
- * are independent, so a few tiles with many splits (small batches on long caches) still spread
- * over the SMs instead of serialising on a block per tile. */
+constexpr int kMergeWarps = 8;
+
+/* Row blockIdx.y of tile blockIdx.x (launch_split_merge). Warp w takes splits w, w + 8, ..., each
+ * lane DP / 32 consecutive columns (vector loads): many splits of a few rows (small batches on
+ * long caches) are eight independent load streams per row instead of one chain. The row's maximum
+ * comes first, so every split's weight exp2(m_s - max) is computed once, the same in every warp. */
 template <int DP>
-__global__ void __launch_bounds__(DP) split_merge_kernel(const SplitMerge m) {
+__global__ void __launch_bounds__(32 * kMergeWarps) split_merge_kernel(const SplitMerge m) {
+  constexpr int V = DP / 32; /* columns per lane */
+  static_assert(V == 2 || V % 4 == 0, "DP: 64, 128 or 256");
+  __shared__ float part[kMergeWarps][DP], part_l[kMergeWarps], warp_max[kMergeWarps];
   const int64_t tile = blockIdx.x, S = m.splits, G = m.heads_q / m.heads_kv, nq = m.len_q;
-  const int r = blockIdx.y, d = threadIdx.x;
+  const int r = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t R = m.rows, bhk = tile / m.mtiles, row = (tile % m.mtiles) * R + r;
-  if (row >= G * nq) return;
+  if (row >= G * nq) return; /* the whole block: no barrier is left waiting */
   const int64_t b = bhk / m.heads_kv, hk = bhk % m.heads_kv;
   const float *ml = m.ml_part + (tile * S * R + r) * 2;
-  const float *o = m.o_part + (tile * S * R + r) * DP + d;
+  const float *o = m.o_part + (tile * S * R + r) * DP + V * lane;
   float mx = -INFINITY;
+  for (int64_t s = threadIdx.x; s < S; s += 32 * kMergeWarps) mx = fmaxf(mx, ml[s * R * 2]);
+#pragma unroll
+  for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+  if (lane == 0) warp_max[warp] = mx;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kMergeWarps; ++w) mx = fmaxf(mx, warp_max[w]);
+  float acc[V] = {}, ls = 0.0f;
 #pragma unroll 4
-  for (int64_t s = 0; s < S; ++s) mx = fmaxf(mx, ml[s * R * 2]);
-  float acc = 0.0f, ls = 0.0f;
-#pragma unroll 4
-  for (int64_t s = 0; s < S; ++s) {
+  for (int64_t s = warp; s < S; s += kMergeWarps) {
     const float ms = ml[s * R * 2];
     const float f = ms == -INFINITY ? 0.0f : exp2f(ms - mx);
-    acc = fmaf(f, o[s * R * DP], acc);
+    float x[V];
+    if constexpr (V == 2) {
+      const float2 t = *reinterpret_cast<const float2 *>(o + s * R * DP);
+      x[0] = t.x, x[1] = t.y;
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; i += 4) {
+        const float4 t = *reinterpret_cast<const float4 *>(o + s * R * DP + i);
+        x[i] = t.x, x[i + 1] = t.y, x[i + 2] = t.z, x[i + 3] = t.w;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc[i] = fmaf(f, x[i], acc[i]);
     ls = fmaf(f, ml[s * R * 2 + 1], ls);
   }
+#pragma unroll
+  for (int i = 0; i < V; ++i) part[warp][V * lane + i] = acc[i];
+  if (lane == 0) part_l[warp] = ls;
+  __syncthreads();
+  ls = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kMergeWarps; ++w) ls += part_l[w];
   const int64_t h = hk * G + row / nq, t = row % nq;
-  if (d < m.head_dim)
+  for (int d = threadIdx.x; d < m.head_dim; d += 32 * kMergeWarps) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMergeWarps; ++w) sum += part[w][d];
     store_from_float(m.out, m.dtype,
                      b * m.out_stride[0] + h * m.out_stride[1] + t * m.out_stride[2] + d,
-                     ls > 0.0f ? acc / ls : 0.0f);
-  if (d == 0 && m.lse)
+                     ls > 0.0f ? sum / ls : 0.0f);
+  }
+  if (threadIdx.x == 0 && m.lse)
     m.lse[(b * m.heads_q + h) * nq + t] =
         ls > 0.0f ? mx * kLn2 + logf(ls) + m.qshift[tile * R + r] : -INFINITY;
 }
 
-/* The merge of `tiles` tiles on stream s: a block of DP threads per row. */
+/* The merge of `tiles` tiles on stream s: a block of kMergeWarps warps per row. */
 template <int DP>
 void launch_split_merge(const SplitMerge &m, int64_t tiles, cudaStream_t s) {
-  split_merge_kernel<DP><<<dim3((unsigned)tiles, (unsigned)m.rows), DP, 0, s>>>(m);
+  split_merge_kernel<DP><<<dim3((unsigned)tiles, (unsigned)m.rows), 32 * kMergeWarps, 0, s>>>(m);
 }
 
 }  // namespace fp4attn_cuda
