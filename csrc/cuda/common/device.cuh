@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include <utility>
+
 #include "fp4attn/checks.h"
 #include "fp4attn/fp4attn.h"
 #include "fp4attn/numerics.h"
@@ -365,6 +367,45 @@ __device__ __forceinline__ uint32_t h2_mul(uint32_t a, uint32_t b) {
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
+/* ------------------------------------------------------- programmatic dependent launch */
+
+/* A kernel launched by launch_dependent may start before the stream's previous kernel ends: it
+ * calls grid_dependency_wait() before it reads anything that kernel writes. The previous kernel
+ * lets it launch early by grid_dependents_launch() (else it launches at that kernel's end, after
+ * the launch latency the attribute hides). Both are no-ops below sm_90. */
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+/* kernel<<<grid, block, smem, s>>>(args...), as a programmatic dependent of the stream's previous
+ * kernel on devices that support it (compute capability 9.0 and newer). */
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                             cudaStream_t s, Args &&...args) {
+  static int capability[64] = {0}; /* major, per device; 0: not asked yet */
+  int dev = 0;
+  cudaGetDevice(&dev);
+  int major = dev >= 0 && dev < 64 ? capability[dev] : 0;
+  if (major == 0) {
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+      major = 1;
+    if (dev >= 0 && dev < 64) capability[dev] = major;
+  }
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = s;
+  cfg.attrs = &attr, cfg.numAttrs = major >= 9 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
 __device__ __forceinline__ uint32_t h2_min(uint32_t a, uint32_t b) {
   uint32_t r;
   asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));

@@ -284,7 +284,8 @@ __device__ __forceinline__ void read_chunk_v(Raw<DP> &raw, const char *slot, int
 }
 
 /* Blocks per SM the register budget is set for: O^T takes DP / 4 registers per n-tile. (5 blocks
- * at DP x NT = 128, 96 registers, spill and measured slower.) */
+ * at DP x NT = 128, 96 registers, spill and measured slower; blocks of 3 warps would need 96 too,
+ * as a sub-partition's register file holds 5 of the 18 warps of 6 blocks.) */
 template <int DP, int NT>
 constexpr int min_blocks() {
   return DP * NT <= 64 ? 5 : (DP * NT <= 128 ? 4 : (DP * NT <= 256 ? 3 : 1));
@@ -309,6 +310,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   const int64_t b = tile / (H * a.mtiles), hk = (tile / a.mtiles) % H, mt = tile % a.mtiles;
   const int D = (int)c.head_dim;
   const int Lb = p.seq_lens[b];
+  grid_dependents_launch(); /* the merge kernel may start */
 
   /* this split's chunks; the warp's first one is in flight while the block stages Q */
   const int first = p.window > 0 ? (int)(max((int64_t)0, Lb - nq + 1 - p.window) / kChunk) : 0;
@@ -350,7 +352,8 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   for (int o = 16; o > 0; o >>= 1) qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, o));
   if (lane == 0) warp_qmax[warp] = qmax;
   __syncthreads();
-  qmax = fmaxf(fmaxf(warp_qmax[0], warp_qmax[1]), fmaxf(warp_qmax[2], warp_qmax[3]));
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) qmax = fmaxf(qmax, warp_qmax[w]);
   const int qexp = qmax > 0.0f && qmax <= FLT_MAX ? max(-126, min(126, ilogbf(qmax) - 14)) : 0;
   const float qinv = ldexpf(1.0f, -qexp);
 #pragma unroll

@@ -142,6 +142,7 @@ __global__ void __launch_bounds__(kStatThreads)
   const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv;
   const int D = (int)p.head_dim, tid = threadIdx.x, rg = tid / CG, cg = tid % CG;
   const bool live = cg * 8 < D;
+  grid_dependents_launch(); /* the attention kernel's prologue may start */
   const T *kp = static_cast<const T *>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1] + cg * 8;
   const T *vp = static_cast<const T *>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1] + cg * 8;
   const int64_t r0 = c * a.d.chunk_len, r1 = min(r0 + a.d.chunk_len, p.len_k);
@@ -541,7 +542,8 @@ struct DecodeKernel {
     const T *vg = static_cast<const T *>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
     Scalars &sc = *reinterpret_cast<Scalars *>(smem + L::kScal);
 
-    /* the first tile's copy overlaps the prologue */
+    grid_dependents_launch(); /* the merge kernel may start */
+    /* the first tile's copy overlaps the prologue (and the end of the statistics kernel) */
     if (j0 < j1) issue_tile(a, kg, vg, j0, smem, 0);
     cp_async_commit();
     if (tid < kRows) sc.qam[tid] = 0u;
@@ -551,6 +553,7 @@ struct DecodeKernel {
     __syncthreads();
     const int64_t h0 = mt * kRows / p.len_q; /* the tile's first head (within the group) */
     const int nh = (int)((min(rows, (mt + 1) * kRows) - 1) / p.len_q - h0 + 1);
+    grid_dependency_wait(); /* the statistics are complete */
     finish_kv_stats(a, bhk, smem);
     q_head_stats(a, b, hk * a.group + h0, nh, smem);
     __syncthreads();
@@ -676,7 +679,8 @@ fp4attn_status launch_typed(const DecodeArgs &a, const AttnPlan &plan, cudaStrea
       <<<dim3((unsigned)bhk, (unsigned)plan.decode.chunks), kStatThreads, 0, s>>>(a);
   fp4attn_status st = launch_status("attention: decode statistics kernel");
   if (st.code != FP4ATTN_OK) return st;
-  kernel<<<dim3((unsigned)tiles, (unsigned)plan.decode.splits), NW * 32, L::kBytes, s>>>(a);
+  launch_dependent(kernel, dim3((unsigned)tiles, (unsigned)plan.decode.splits), dim3(NW * 32),
+                   L::kBytes, s, a);
   st = launch_status("attention: decode kernel");
   if (st.code != FP4ATTN_OK) return st;
   const fp4attn_attention_params &p = a.p;

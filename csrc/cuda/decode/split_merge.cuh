@@ -38,6 +38,7 @@ __global__ void __launch_bounds__(32 * kMergeWarps) split_merge_kernel(const Spl
   const int r = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t R = m.rows, bhk = tile / m.mtiles, row = (tile % m.mtiles) * R + r;
   if (row >= G * nq) return; /* the whole block: no barrier is left waiting */
+  grid_dependency_wait();    /* the splits' partial results are complete */
   const int64_t b = bhk / m.heads_kv, hk = bhk % m.heads_kv;
   const float *ml = m.ml_part + (tile * S * R + r) * 2;
   const float *o = m.o_part + (tile * S * R + r) * DP + V * lane;
@@ -90,10 +91,12 @@ __global__ void __launch_bounds__(32 * kMergeWarps) split_merge_kernel(const Spl
         ls > 0.0f ? mx * kLn2 + logf(ls) + m.qshift[tile * R + r] : -INFINITY;
 }
 
-/* The merge of `tiles` tiles on stream s: a block of kMergeWarps warps per row. */
+/* The merge of `tiles` tiles on stream s, right after the kernel that writes the partial results
+ * (a programmatic dependent of it): a block of kMergeWarps warps per row. */
 template <int DP>
 void launch_split_merge(const SplitMerge &m, int64_t tiles, cudaStream_t s) {
-  split_merge_kernel<DP><<<dim3((unsigned)tiles, (unsigned)m.rows), 32 * kMergeWarps, 0, s>>>(m);
+  launch_dependent(split_merge_kernel<DP>, dim3((unsigned)tiles, (unsigned)m.rows),
+                   dim3(32 * kMergeWarps), 0, s, m);
 }
 
 }  // namespace fp4attn_cuda
