@@ -32,8 +32,9 @@
  *    undone when O is stored.
  * Q is staged as FP16 times a power of two per tile (exact for FP16 and BF16 inputs; FP32 inputs
  * as hi + lo parts, two MMAs, 22 bits), P as FP16 in [0, 1]. The warps' partial results merge in
- * shared memory, the splits' in the merge kernel. No host synchronisation: the grid follows the
- * cache's capacity, each block reads its sequence's length on the device.
+ * shared memory, the splits' in the merge kernel (a programmatic dependent: its launch overlaps
+ * this kernel). No host synchronisation: the grid follows the cache's capacity, each block reads
+ * its sequence's length on the device.
  */
 #include <cfloat>
 #include <climits>

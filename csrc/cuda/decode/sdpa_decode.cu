@@ -40,8 +40,9 @@
  *    the splits merged by their maxima, O / l in the input dtype and
  *    lse = m ln2 + log l + scale * (Q_r - qbar) . kbar (SPEC 4.6).
  *
- * Grid sizes follow from the shapes (heuristics.h, sdpa_decode_schedule); nothing waits on the
- * host.
+ * Kernels 2 and 3 are programmatic dependents of the kernel before them (launch_dependent): 2
+ * starts its first tile's copy before 1 ends and waits for it before reading the statistics. Grid
+ * sizes follow from the shapes (heuristics.h, sdpa_decode_schedule); nothing waits on the host.
  */
 #include <type_traits>
 
