@@ -369,10 +369,10 @@ __device__ __forceinline__ uint32_t h2_mul(uint32_t a, uint32_t b) {
 }
 /* ------------------------------------------------------- programmatic dependent launch */
 
-/* A kernel launched by launch_dependent may start before the stream's previous kernel ends: it
- * calls grid_dependency_wait() before it reads anything that kernel writes. The previous kernel
- * lets it launch early by grid_dependents_launch() (else it launches at that kernel's end, after
- * the launch latency the attribute hides). Both are no-ops below sm_90. */
+/* A kernel launched by launch_dependent may start before the stream's previous kernel ends, so it
+ * calls grid_dependency_wait() before it reads anything that kernel writes (the wait returns once
+ * that kernel has completed and its writes are visible). The previous kernel lets it launch once
+ * all its blocks have called grid_dependents_launch() (or exited). Both are no-ops below sm_90. */
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
