@@ -71,10 +71,10 @@ static inline const char *sdpa_decode_refusal(const fp4attn_attention_params *p,
 
 /* The fused decode's schedule: m-tiles of 16 rows; splits of the key tiles that minimise the
  * attention grid's makespan, waves x (tiles per split + the block's prologue, which finishes the
- * statistics and quantizes Q: about 1.6 tiles' time, measured at head dim 128 on the H200), where
- * a partial last wave costs a whole one, the fewest splits among equals (each adds merge work);
- * the statistics kernel's token chunks (multiples of 64 tokens) so that its grid holds about 2
- * blocks per SM, at most 32 per head (the attention prologue reduces a head's chunk partials).
+ * statistics and quantizes Q: about 1.6 tiles' time at head dim 128 on the H200, counted as 2),
+ * where a partial last wave costs a whole one, the fewest splits among equals (each adds merge
+ * work); the statistics kernel's token chunks (multiples of 64 tokens) so that its grid holds about
+ * 2 blocks per SM, at most 32 per head (the attention prologue reduces a head's chunk partials).
  * Causal: the top-left causal mask leaves the first key tile only (len_q <= 128), one split. */
 static inline DecodeSchedule sdpa_decode_schedule(const fp4attn_attention_params *p, int64_t dp) {
   constexpr int64_t kPrologueTiles = 2;

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include <map>
+#include <mutex>
 #include <utility>
 
 #include "fp4attn/checks.h"
@@ -383,27 +385,50 @@ __device__ __forceinline__ void grid_dependents_launch() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+/* Whether `kernel` may launch as a programmatic dependent on the current device: a GPU of compute
+ * capability 9.0 or newer running code built from PTX for sm_90 or newer (the compute_80 PTX that
+ * a newer GPU may JIT-compile has no grid_dependency_wait()), with a runtime whose graph capture
+ * keeps programmatic edges (12.3). Asked once per kernel and device; never when an earlier error
+ * is pending, and a failed query leaves no error behind. */
+static inline bool dependent_launch_ok(const void *kernel) {
+#if CUDART_VERSION >= 12030
+  static std::mutex mu;
+  static std::map<std::pair<const void *, int>, bool> known;
+  int dev = 0;
+  if (cudaPeekAtLastError() != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess) return false;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = known.find({kernel, dev});
+  if (it != known.end()) return it->second;
+  cudaFuncAttributes fa;
+  const bool sm90_code = cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.ptxVersion >= 90;
+  const bool ok = sm90_code && device_capability() >= 90;
+  if (cudaPeekAtLastError() != cudaSuccess) cudaGetLastError(); /* the query's own error */
+  known[{kernel, dev}] = ok;
+  return ok;
+#else
+  (void)kernel;
+  return false;
+#endif
+}
 /* kernel<<<grid, block, smem, s>>>(args...), as a programmatic dependent of the stream's previous
- * kernel on devices that support it (compute capability 9.0 and newer). */
+ * kernel where dependent_launch_ok (else, or if the runtime refuses the attribute, plainly). */
 template <typename... Params, typename... Args>
 cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                              cudaStream_t s, Args &&...args) {
-  static int capability[64] = {0}; /* major, per device; 0: not asked yet */
-  int dev = 0;
-  cudaGetDevice(&dev);
-  int major = dev >= 0 && dev < 64 ? capability[dev] : 0;
-  if (major == 0) {
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-      major = 1;
-    if (dev >= 0 && dev < 64) capability[dev] = major;
-  }
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = s;
-  cfg.attrs = &attr, cfg.numAttrs = major >= 9 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  cfg.attrs = &attr;
+  cfg.numAttrs = dependent_launch_ok(reinterpret_cast<const void *>(kernel)) ? 1 : 0;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+  if (e != cudaSuccess && cfg.numAttrs == 1) { /* nothing was pending (dependent_launch_ok) */
+    cudaGetLastError();
+    cfg.numAttrs = 0;
+    e = cudaLaunchKernelEx(&cfg, kernel, args...);
+  }
+  return e;
 }
 
 __device__ __forceinline__ uint32_t h2_min(uint32_t a, uint32_t b) {

@@ -284,9 +284,9 @@ __device__ __forceinline__ void read_chunk_v(Raw<DP> &raw, const char *slot, int
     }
 }
 
-/* Blocks per SM the register budget is set for: O^T takes DP / 4 registers per n-tile. (5 blocks
- * at DP x NT = 128, 96 registers, spill and measured slower; blocks of 3 warps would need 96 too,
- * as a sub-partition's register file holds 5 of the 18 warps of 6 blocks.) */
+/* Blocks per SM the register budget is set for: O^T takes DP / 4 registers per n-tile. (More warps
+ * at DP x NT = 128 need 96 registers, which spill: 5 blocks measured slower, and 6 blocks of 3
+ * warps put 5 warps on some sub-partitions just the same.) */
 template <int DP, int NT>
 constexpr int min_blocks() {
   return DP * NT <= 64 ? 5 : (DP * NT <= 128 ? 4 : (DP * NT <= 256 ? 3 : 1));
@@ -299,6 +299,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   using L = DecodeSmem<DP, NQ, kSplitQ, kFast>;
   using F = Frag<DP>;
   constexpr int kQPer = NQ * DP / kThreads; /* Q elements per thread */
+  static_assert(NQ * DP % kThreads == 0, "whole Q elements per thread");
   extern __shared__ __align__(128) char smem[];
   __shared__ float warp_qmax[kWarps];
   __shared__ float q_dot[NQ][DP / 32]; /* q . kmean over 32 columns of a row */
@@ -339,7 +340,8 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   /* The tile's Q as FP16 times 2^-qexp, a power of two that puts its largest |q| in [2^14, 2^15):
    * exact for FP16 and BF16 inputs (bar values below 2^-38 of that largest, which S cannot
    * notice), 22 bits as hi + lo parts for FP32. Thread tid holds slot columns (tid + kThreads k)
-   * % DP of row (tid + kThreads k) / DP, all loaded at once (one warp: one row, 32 columns). */
+   * % DP of row (tid + kThreads k) / DP, all loaded at once (a warp: 32 slot columns of one row).
+   */
   float qv[kQPer];
   float qmax = 0.0f;
 #pragma unroll
