@@ -363,6 +363,19 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
+/* The maximum of x over a block of W warps, for every thread (fmaxf: NaN operands are dropped);
+ * scratch: W floats of shared memory. Every thread of the block must call it (one barrier). */
+template <int W>
+__device__ __forceinline__ float block_max(float x, float *scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < W; ++w) x = fmaxf(x, scratch[w]);
+  return x;
+}
+
 /* a * b, min, max on two FP16 lanes (round to nearest; subnormals kept). */
 __device__ __forceinline__ uint32_t h2_mul(uint32_t a, uint32_t b) {
   uint32_t r;

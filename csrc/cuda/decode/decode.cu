@@ -351,12 +351,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
     qv[k] = at < 0 || d >= D ? 0.0f : load_as_float(p.q, p.dtype, at + d);
     qmax = fmaxf(qmax, fabsf(qv[k]));
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, o));
-  if (lane == 0) warp_qmax[warp] = qmax;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) qmax = fmaxf(qmax, warp_qmax[w]);
+  qmax = block_max<kWarps>(qmax, warp_qmax);
   const int qexp = qmax > 0.0f && qmax <= FLT_MAX ? max(-126, min(126, ilogbf(qmax) - 14)) : 0;
   const float qinv = ldexpf(1.0f, -qexp);
 #pragma unroll

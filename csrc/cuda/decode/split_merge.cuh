@@ -44,12 +44,7 @@ __global__ void __launch_bounds__(32 * kMergeWarps) split_merge_kernel(const Spl
   const float *o = m.o_part + (tile * S * R + r) * DP + V * lane;
   float mx = -INFINITY;
   for (int64_t s = threadIdx.x; s < S; s += 32 * kMergeWarps) mx = fmaxf(mx, ml[s * R * 2]);
-#pragma unroll
-  for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
-  if (lane == 0) warp_max[warp] = mx;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kMergeWarps; ++w) mx = fmaxf(mx, warp_max[w]);
+  mx = block_max<kMergeWarps>(mx, warp_max);
   float acc[V] = {}, ls = 0.0f;
 #pragma unroll 4
   for (int64_t s = warp; s < S; s += kMergeWarps) {
