@@ -333,3 +333,58 @@ def test_fp4cache_sliding_window_layer_long_chunk():
         want = model(ids[:, 40:], **{kw: ref_cache}).logits
     cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
     assert cos > 0.999  # the full layer attends to the chunk's quantized states, the reference not
+
+
+def chunked_logits(model, ids, cache, chunk: int):
+    """The logits of `ids` fed to the model in chunks of `chunk` tokens with `cache`."""
+    kw = cache_keyword(model)
+    with torch.no_grad():
+        return torch.cat([model(ids[:, i:i + chunk], **{kw: cache}).logits
+                          for i in range(0, ids.shape[1], chunk)], 1)
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 20])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_sliding_qwen2], ids=["llama", "qwen2-window"])
+def test_fp4cache_with_another_attention_implementation_attends_to_the_whole_cache(
+        make_model, impl, chunk):
+    """FP4Cache(config=...) with an attention implementation that is not fp4attn's (the default
+    "sdpa", or "eager") hands it the whole cache dequantized, with a warning: the logits are those
+    of attn_implementation="fp4attn" on the same cache (which decodes through the kernel), in
+    single-token steps, 16-token chunks (the kernel's most) and 20-token chunks alike, sliding-window
+    layers included. (Both
+    prefills use `impl`: the cache stores the prefill's states unchanged.)"""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    model = make_model(impl) if make_model is tiny_llama else make_model()
+    model.config._attn_implementation = impl
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(5))
+    prompt, rest = ids[:, :16], ids[:, 16:]
+    kw = cache_keyword(model)
+    with torch.no_grad():
+        fp4 = integration.FP4Cache(config=model.config)
+        model(prompt, **{kw: fp4})
+        model.config._attn_implementation = "fp4attn"
+        want = chunked_logits(model, rest, fp4, chunk)
+        model.config._attn_implementation = impl
+        other = integration.FP4Cache(config=model.config)
+        model(prompt, **{kw: other})
+        integration._warned.discard(impl)
+        with pytest.warns(UserWarning, match="dequantizes the whole cache"):
+            got = chunked_logits(model, rest, other, chunk)
+    assert len(other.layers[1].cache) == 48
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cos > 0.9999, cos
+
+
+def test_fp4cache_without_config_refuses_another_attention_implementation():
+    """Without the model's config the cache cannot tell which attention reads it: an
+    implementation that is not fp4attn's gets an error naming the fix, not this step's keys."""
+    from fp4attn.integrations import transformers as integration
+
+    model = tiny_llama("sdpa")
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"FP4Cache\(config=model.config\)"):
+        model.generate(ids, max_new_tokens=3, do_sample=False,
+                       **{cache_keyword(model): integration.FP4Cache()})

@@ -12,9 +12,17 @@ With an FP4Cache, the prefill (the first update of a layer) runs the selected at
 full-precision states; every later step appends its tokens to the FP4 cache and decodes through
 the fused kernel (`fp4attn.decode`): the layer's `update` returns the keys wrapped in
 `FP4CacheKeys`, which the registered attention functions recognise.
+
+Any other attention implementation ("sdpa", "eager", ...) gets the whole cache dequantized from
+`update` instead (correct, with a warning: every step then dequantizes the cache). That takes
+`FP4Cache(config=model.config)`, which tells the cache the model's implementation; without a
+config the cache cannot know it, and FP4CacheKeys refuses every torch operation outside
+fp4attn's attention functions with an error that says what to do: never a silent wrong answer.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -27,13 +35,31 @@ MAX_DECODE_TOKENS = MAX_DECODE_QUERIES
 
 NAME = "fp4attn"
 NAME_INT8 = "fp4attn-int8"
+#: The attention implementations that read an FP4Cache through the decode kernel.
+FP4_IMPLEMENTATIONS = (NAME, NAME_INT8)
+
+# Tensor metadata an attention implementation may read before it computes anything.
+_METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+             torch.Tensor.dim, torch.Tensor.size, torch.Tensor.ndim.__get__}
 
 
 class FP4CacheKeys(torch.Tensor):
-    """The keys an FP4Cache layer returns after a decode-step update: the new tokens' keys, marked
-    with the layer whose FP4 cache now holds every key (``.fp4_layer``)."""
+    """The keys an FP4Cache layer returns after a decode-step update: the new tokens' keys only,
+    marked with the layer whose FP4 cache now holds every key (``.fp4_layer``). Only fp4attn's
+    attention functions can attend with them: any other computation on them (another attention
+    implementation) raises, since it would see only this step's keys."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # results are plain tensors
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+        raise RuntimeError(
+            "FP4Cache: the model's attention implementation is not fp4attn's, and the cache was "
+            "made without the model's config, so it handed back this step's keys only. Load the "
+            f'model with attn_implementation="{NAME}" (or "{NAME_INT8}") after '
+            "fp4attn.integrations.transformers.register() for the fused FP4 decode, or create the "
+            "cache as FP4Cache(config=model.config): then other implementations get the whole "
+            f"cache dequantized (slower). (refused: {getattr(func, '__name__', func)})")
 
     @staticmethod
     def wrap(key_states: torch.Tensor, layer) -> "FP4CacheKeys":
@@ -134,6 +160,18 @@ def register() -> None:
     AttentionMaskInterface.register(NAME_INT8, sdpa_mask)
 
 
+_warned: set = set()
+
+
+def _warn_once(impl: str) -> None:
+    if impl not in _warned:
+        _warned.add(impl)
+        warnings.warn(
+            f'FP4Cache with attn_implementation="{impl}": every step dequantizes the whole cache '
+            f'for it. For the fused FP4 decode kernel, load the model with attn_implementation='
+            f'"{NAME}" after fp4attn.integrations.transformers.register().', stacklevel=3)
+
+
 def _cache_classes():
     """FP4Layer and FP4Cache, built on the installed transformers' cache classes."""
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -146,8 +184,11 @@ def _cache_classes():
 
         is_croppable = False
 
-        def __init__(self, page_size: int | None = None, sliding_window: int | None = None):
+        def __init__(self, page_size: int | None = None, sliding_window: int | None = None,
+                     attn_implementation=None):
             super().__init__()
+            # () -> the model's attention implementation, or None where unknown (no config)
+            self.attn_implementation = attn_implementation or (lambda: None)
             self.page_size = page_size
             self.sliding_window = sliding_window
             self.is_sliding = sliding_window is not None
@@ -172,6 +213,8 @@ def _cache_classes():
                 self.lazy_initialization(key_states, value_states)
             first = len(self.cache) == 0
             self.chunk_states = None
+            impl = self.attn_implementation()
+            other = not first and impl is not None and impl not in FP4_IMPLEMENTATIONS
             if not first and self.sliding_window is not None and \
                     key_states.shape[2] > MAX_DECODE_TOKENS:
                 k, v = self.cache.dequantize()
@@ -180,7 +223,25 @@ def _cache_classes():
             self.cache.append(key_states, value_states)  # any strides with a unit head-dim stride
             if first:  # prefill: the selected attention on the full-precision states
                 return key_states, value_states
+            if other:
+                return self._dequantized(impl)
             return FP4CacheKeys.wrap(key_states, self), value_states
+
+        def _dequantized(self, impl):
+            """For an attention implementation that is not fp4attn's: every key and value the
+            cache holds, dequantized (what the kernel would read), at their positions (a
+            sliding-window layer's dropped tokens as zeros, outside every window of transformers'
+            mask; a long chunk's as for fp4attn's attention, see __init__)."""
+            _warn_once(impl)
+            if self.chunk_states is not None:
+                k, v, start = self.chunk_states
+                self.chunk_states = None
+            else:
+                (k, v), start = self.cache.dequantize(), self.cache.start
+            if start:
+                pad = k.new_zeros(*k.shape[:2], start, k.shape[3])
+                k, v = torch.cat([pad, k], 2), torch.cat([pad, v], 2)
+            return k, v
 
         def get_seq_length(self) -> int:
             return len(self.cache) if self.is_initialized else 0
@@ -212,7 +273,12 @@ def _cache_classes():
             text = config.get_text_config(decoder=True)
             types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
             window = getattr(text, "sliding_window", None)
-            layers = [FP4Layer(page_size, window if t == "sliding_attention" else None) for t in types]
+
+            def implementation():  # read at every step: the model's may change after this
+                return getattr(text, "_attn_implementation", None)
+
+            layers = [FP4Layer(page_size, window if t == "sliding_attention" else None,
+                               implementation) for t in types]
             super().__init__(layers=layers)
 
     return FP4Layer, FP4Cache
