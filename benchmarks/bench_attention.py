@@ -6,6 +6,8 @@ For every (head dim, N, causal, dtype) it times, on the same inputs:
   fp4_kernel   the attention kernel alone, and fp4_prepass the pre-pass kernels alone
                (per-kernel device times from torch.profiler, medians over the profiled calls)
   flash, cudnn, efficient   torch.nn.functional.scaled_dot_product_attention pinned to a backend
+  sage         SageAttention's sageattn (INT8 Q K^T, FP16 P V; Triton) on the same inputs, when the
+               package is importable (pip install sageattention==1.0.6: pure Python)
 Timing: L2 flushed before every call (a 256 MB write), warm-up, CUDA events, median of --reps.
 prepass % copy bw: bytes the pre-pass moves (Q, K, V read once; K^, V^ written as the FP16
 values the workspace holds, or Q^, K^, V^ as INT8 codes) per second, over the device-to-device copy
@@ -134,6 +136,15 @@ def sdpa_backend_fn(name, q, k, v, causal):
     return fn
 
 
+def sage_fn(q, k, v, causal):
+    """SageAttention's forward on the same inputs, or None where the package is missing."""
+    try:
+        from sageattention import sageattn
+    except ImportError:
+        return None
+    return lambda: sageattn(q, k, v, tensor_layout="HND", is_causal=causal)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sweep (~2 minutes)")
@@ -162,6 +173,8 @@ def main() -> int:
     dims = int_list(args.dims) if args.dims else dims
     timer, bw, head = start_gpu_run()
     baselines = [] if args.no_baselines else ["flash", "cudnn", "efficient"]
+    if baselines and sage_fn(None, None, None, False) is not None:
+        baselines.append("sage")
     rows = []
     t_start = time.time()
     for dtype in dtypes:
@@ -194,7 +207,9 @@ def main() -> int:
                     row["prepass_frac_copy"] = row["prepass_gbps"] / bw
                     for name in baselines:
                         try:
-                            ms_b = timer.time(sdpa_backend_fn(name, q, k, v, causal), reps)
+                            fn = sage_fn(q, k, v, causal) if name == "sage" else \
+                                sdpa_backend_fn(name, q, k, v, causal)
+                            ms_b = timer.time(fn, reps)
                             row[f"{name}_ms"] = ms_b
                             row[f"{name}_tflops"] = flops / ms_b / 1e9
                         except RuntimeError as exc:  # backend unavailable for this config
@@ -203,11 +218,12 @@ def main() -> int:
                     rows.append(row)
                     fl = row.get("flash_tflops", float("nan"))
                     cu = row.get("cudnn_tflops", float("nan"))
+                    sa = row.get("sage_tflops", float("nan"))
                     print(f"{row['dtype']:>8} D={D:<3} N={N:<6} causal={int(causal)} "
                           f"{prec}attn {row[f'{prec}attn_tflops']:6.1f} "
                           f"kernel {row[f'{prec}_kernel_tflops']:6.1f} "
                           f"prepass {pre_ms:6.3f} ms ({100 * row['prepass_frac_copy']:3.0f}% copy bw) | "
-                          f"flash {fl:6.1f} cudnn {cu:6.1f} TFLOPS", flush=True)
+                          f"flash {fl:6.1f} cudnn {cu:6.1f} sage {sa:6.1f} TFLOPS", flush=True)
                     del q, k, v
     stem = "bench_attention" if prec == "fp4" else f"bench_attention_{prec}"
     path = os.path.join(args.out, f"{stem}.csv")
@@ -251,7 +267,7 @@ def plot_tflops(rows, path, dev, series, title="", ylabel="TFLOPS"):
 def plot(rows, path, dev, baselines, prec):
     plot_tflops(rows, path, dev, [(f"{prec}attn", f"fp4attn {prec} e2e"),
                                   (f"{prec}_kernel", f"fp4attn {prec} kernel")] +
-                [(b, f"sdpa {b}") for b in baselines])
+                [(b, "SageAttention" if b == "sage" else f"sdpa {b}") for b in baselines])
 
 
 def table(rows, baselines, prec):

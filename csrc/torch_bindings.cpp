@@ -391,9 +391,11 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::T
 std::tuple<at::Tensor, at::Tensor> int8_attention(const at::Tensor &q_in, const at::Tensor &k_in,
                                                   const at::Tensor &v_in,
                                                   const c10::optional<at::Tensor> &attn_mask,
-                                                  bool is_causal, double scale) {
+                                                  bool is_causal, double scale,
+                                                  c10::string_view cuda_kernel) {
   AttentionCall c = prepare_attention(q_in, k_in, v_in, attn_mask, is_causal, scale);
   fp4attn_attention_params &p = c.p;
+  p.kernel = kernel_from_name(cuda_kernel);
   at::Tensor out = at::zeros({p.batch, p.heads_q, p.len_q, p.head_dim}, c.q.options());
   at::Tensor lse =
       at::full({p.batch, p.heads_q, p.len_q}, -INFINITY, c.q.options().dtype(at::kFloat));
@@ -412,6 +414,8 @@ std::tuple<at::Tensor, at::Tensor> int8_attention(const at::Tensor &q_in, const 
 #endif
   CHECK_ARG(c.q.device().is_cpu(), "query must be a CPU or CUDA tensor, got %s",
             c.q.device().str().c_str());
+  CHECK_ARG(p.kernel == FP4ATTN_KERNEL_AUTO, "cuda_kernel '%s' needs CUDA tensors",
+            fp4attn_kernel_name(p.kernel));
   check_status(fp4attn_cpu_int8_attention(&p));
   return {out, lse};
 }
@@ -725,25 +729,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "SPEC_INT8 backward on the C CPU backend or the CUDA kernels: (dq, dk, dv)");
   m.def(
       "attention_kernel",
-      [](int64_t device, int64_t head_dim) -> std::string {
+      [](int64_t device, int64_t head_dim, bool int8) -> std::string {
 #ifdef FP4ATTN_WITH_CUDA
         // The dispatch's choice for a call of this head dim on `device` (python -m fp4attn info).
-        // Planning reads sizes only; the tensor pointers just have to be non-null.
+        // Planning reads sizes only; the pointers just have to be non-null.
         c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
         char placeholder = 0;
+        float lse_placeholder = 0.0f;
         fp4attn_attention_params p{};
         p.q = p.k = p.v = p.out = &placeholder;
+        p.lse = &lse_placeholder;
         p.dtype = FP4ATTN_FLOAT16;
-        p.batch = p.heads_q = p.heads_kv = p.len_q = p.len_k = 1;
+        p.batch = p.heads_q = p.heads_kv = 1;
+        p.len_q = p.len_k = 1024; /* a prefill (decode shapes choose the decode kernel) */
         p.head_dim = head_dim;
-        const fp4attn_kernel k = fp4attn_cuda_attention_kernel(&p);
+        const fp4attn_kernel k =
+            int8 ? fp4attn_cuda_int8_attention_kernel(&p) : fp4attn_cuda_attention_kernel(&p);
         return k == FP4ATTN_KERNEL_AUTO ? "none" : fp4attn_kernel_name(k);
 #else
         (void)device;
         (void)head_dim;
+        (void)int8;
         return "none";
 #endif
       },
-      "The CUDA attention kernel the dispatch chooses for `head_dim` on `device` (none: no "
-      "choice)");
+      "The CUDA attention kernel the dispatch chooses for `head_dim` on `device`, FP4 or (int8) "
+      "the 8-bit attention's forward (none: no choice)");
 }

@@ -13,6 +13,11 @@ _KERNEL_TEXT = {
     "sm90": "sm90 (wgmma + TMA)",
     "sm120": "sm120 (block-scaled FP4 MMA)",
 }
+# The 8-bit attention's forward kernels (its backward runs on mma.sync everywhere).
+_INT8_KERNEL_TEXT = {
+    "sm80": "sm80 (INT8 mma.sync)",
+    "sm90": "sm90 (INT8 wgmma + TMA)",
+}
 
 
 def info(argv: list[str]) -> int:
@@ -28,9 +33,12 @@ def info(argv: list[str]) -> int:
         print(f"CUDA backend: compiled for {b['cuda_archs'].replace('_', ', ')}")
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            chosen = ", ".join(f"D<={d}: {_KERNEL_TEXT.get(attention_kernel(i, d), 'none')}"
-                               for d in (64, 128, 256))
-            print(f"  cuda:{i} {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs -> {chosen}")
+            print(f"  cuda:{i} {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs")
+            for precision, texts in (("fp4", _KERNEL_TEXT), ("int8", _INT8_KERNEL_TEXT)):
+                chosen = ", ".join(
+                    f"D<={d}: {texts.get(attention_kernel(i, d, precision), 'none')}"
+                    for d in (64, 128, 256))
+                print(f"    {precision:4s} -> {chosen}")
     else:
         print("CUDA backend: not compiled (CPU-only build)")
     return 0

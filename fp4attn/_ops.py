@@ -28,10 +28,13 @@ def build_info() -> dict:
     return dict(_BUILD_INFO)
 
 
-def attention_kernel(device: int, head_dim: int) -> str:
-    """The CUDA kernel the dispatch chooses for `head_dim` on CUDA device `device` ("sm80", "sm90",
-    "sm120", or "none" where no kernel can run); "none" on a build without CUDA."""
-    return _C.attention_kernel(int(device), int(head_dim))
+def attention_kernel(device: int, head_dim: int, precision: str = "fp4") -> str:
+    """The CUDA kernel the dispatch chooses for a prefill of `head_dim` on CUDA device `device`
+    ("sm80", "sm90", "sm120", or "none" where no kernel can run), for the FP4 attention or
+    (precision="int8") the 8-bit attention's forward; "none" on a build without CUDA."""
+    if precision not in ("fp4", "int8"):
+        raise ValueError(f"precision must be 'fp4' or 'int8', got {precision!r}")
+    return _C.attention_kernel(int(device), int(head_dim), precision == "int8")
 
 
 def code_bytes(cols: int) -> int:

@@ -1,15 +1,18 @@
 """The 8-bit trainable attention ops (docs/SPEC_INT8.md): forward and backward as torch custom ops
 with fake kernels, tied together for autograd.
 
-    torch.ops.fp4attn.int8_attention(q, k, v, attn_mask, is_causal, scale) -> (out, lse)
+    torch.ops.fp4attn.int8_attention(q, k, v, attn_mask, is_causal, scale, cuda_kernel="auto")
+        -> (out, lse)
     torch.ops.fp4attn.int8_attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask,
                                               is_causal, scale) -> (dq, dk, dv)
 
 q [B, Hq, Nq, D], k / v [B, Hkv, Nk, D] (Hq a multiple of Hkv), one dtype; out in that dtype,
 lse float32 [B, Hq, Nq]. The autograd saves q, k, v, out and lse; the backward recomputes the
 quantized operands bit-exactly. CPU tensors run the C backend (csrc/cpu/attention_int8.c), CUDA
-tensors the mma.sync INT8 kernels (csrc/cuda/int8); other devices run the PyTorch implementation
-of the spec (fp4attn.reference_int8): correct, not fast.
+tensors the INT8 kernels (csrc/cuda/int8: the wgmma forward on Hopper, mma.sync otherwise and for
+the backward; `cuda_kernel` requests the forward's kernel by name, as for the FP4 attention);
+other devices run the PyTorch implementation of the spec (fp4attn.reference_int8): correct, not
+fast.
 """
 
 from __future__ import annotations
@@ -28,16 +31,19 @@ def _native(q: Tensor) -> bool:
 
 @torch.library.custom_op("fp4attn::int8_attention", mutates_args=())
 def int8_attention(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float,
+    cuda_kernel: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     if _native(q):
-        return _C.int8_attention(q, k, v, attn_mask, is_causal, scale)
+        return _C.int8_attention(q, k, v, attn_mask, is_causal, scale, cuda_kernel)
+    if cuda_kernel != "auto":
+        raise ValueError(f"cuda_kernel={cuda_kernel!r} needs CUDA tensors")
     out, lse = reference_int8.attention_forward(q, k, v, attn_mask, is_causal, scale)
     return out.to(q.dtype), lse
 
 
 @int8_attention.register_fake
-def _int8_attention_fake(q, k, v, attn_mask, is_causal, scale):
+def _int8_attention_fake(q, k, v, attn_mask, is_causal, scale, cuda_kernel="auto"):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
@@ -70,7 +76,7 @@ def _int8_attention_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_ma
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, is_causal, scale = inputs
+    q, k, v, attn_mask, is_causal, scale = inputs[:6]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.is_causal, ctx.scale = is_causal, scale
@@ -83,7 +89,7 @@ def _backward(ctx, grad_out, grad_lse):
     dq, dk, dv = int8_attention_backward(
         grad_out, grad_lse, q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale
     )
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 int8_attention.register_autograd(_backward, setup_context=_setup_context)

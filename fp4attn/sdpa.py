@@ -148,7 +148,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if mask is not None and mask.dim() > 4:
         mask = mask.expand(*query.shape[:-1], key.shape[-2]).reshape(-1, *query.shape[-3:-1], key.shape[-2])
     if precision == "int8":
-        out, lse = int8_attention(q4, k4, v4, mask, bool(is_causal), scale)
+        out, lse = int8_attention(q4, k4, v4, mask, bool(is_causal), scale, _kernel_from_env())
     else:
         out, lse = ops.attention(q4, k4, v4, mask, bool(is_causal), scale, bool(return_lse),
                                  _kernel_from_env())

@@ -259,19 +259,30 @@ GPU_CASES = CASES + [
 ]
 
 
-def check_against_reference(q, k, v, mask, causal, seed=21):
-    """The ops on q's device against the reference (computed on the CPU): SPEC_INT8 4."""
+def forward_against_reference(q, k, v, mask, causal, kernel="auto"):
+    """The forward op on q's device (CUDA kernel `kernel`) against the reference (computed on the
+    CPU): SPEC_INT8 4. Returns out and lse (lse on the CPU)."""
     dtype = q.dtype
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = torch.ops.fp4attn.int8_attention(q, k, v, mask, causal, scale)
+    out, lse = torch.ops.fp4attn.int8_attention(q, k, v, mask, causal, scale, kernel)
     cpu = [t.cpu() for t in (q, k, v)]
-    cmask = None if mask is None else mask.cpu()
-    ref, ref_lse = R8.attention_forward(*cpu, cmask, causal, scale)
-    assert out.dtype == dtype and rel_l1(out.cpu(), ref.to(dtype)) < 2e-3
+    ref, ref_lse = R8.attention_forward(*cpu, None if mask is None else mask.cpu(), causal, scale)
+    err = rel_l1(out.cpu(), ref.to(dtype))
+    assert out.dtype == dtype and err < 2e-3, f"out: rel_l1 {err:.2e}"
     lse = lse.cpu()
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     finite = torch.isfinite(ref_lse)
     assert (lse[finite] - ref_lse[finite]).abs().max() < 1e-3
+    return out, lse
+
+
+def check_against_reference(q, k, v, mask, causal, seed=21):
+    """The ops on q's device against the reference (computed on the CPU): SPEC_INT8 4."""
+    dtype = q.dtype
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = forward_against_reference(q, k, v, mask, causal)
+    cpu = [t.cpu() for t in (q, k, v)]
+    cmask = None if mask is None else mask.cpu()
     g = torch.Generator().manual_seed(seed)
     grad_out = torch.randn(out.shape, generator=g).to(dtype)
     grad_lse = torch.randn(lse.shape, generator=g)
@@ -300,6 +311,61 @@ def test_cuda_kernels_against_reference(case, dtype):
                                                 causal)
     if kind == "bool":  # the row with no visible key: zero output and gradient
         assert out[..., 0, :].abs().max() == 0 and dq[..., 0, :].abs().max() == 0
+
+
+SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+# Shapes for the forward kernels: several tiles each way and a ring of K^/V^ stages that wraps
+# around (Nk > 512), lengths off the 64/128 blocks (a 128-row block whose second Q^ block is
+# padding: Nq = 130), GQA and MQA, causal with Nq < Nk and Nq > Nk, head dims padded to 64 / 128.
+FORWARD_CASES = GPU_CASES[:-2] + [
+    (1, 2, 2, 1100, 1300, 64, True, None),
+    (1, 4, 1, 130, 2000, 128, False, None),
+    (2, 2, 2, 2048, 2048, 128, True, None),
+    (1, 3, 3, 1500, 700, 80, True, None),
+    (1, 2, 2, 300, 700, 128, False, "bool"),
+    (1, 2, 1, 500, 500, 40, True, "additive"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_forward_kernels_against_reference(case, dtype, kernel):
+    """Each 8-bit forward kernel, requested by name, against the reference."""
+    B, Hq, Hkv, Nq, Nk, D, causal, kind = case
+    if kernel == "sm90" and (not SM90 or D > 128):
+        pytest.skip("the sm90 kernel runs on compute capability 9.0, head dims <= 128")
+    q, k, v = make(B, Hq, Hkv, Nq, Nk, D, dtype=dtype, device="cuda")
+    mask = make_mask(kind, Nq, Nk)
+    out, _ = forward_against_reference(q, k, v, None if mask is None else mask.cuda(), causal,
+                                       kernel)
+    if kind == "bool":  # the row with no visible key: zero output
+        assert out[..., 0, :].abs().max() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_int8_kernel_requests():
+    """auto takes the wgmma forward on Hopper for head dims <= 128; a kernel that cannot run is
+    refused with the reason, the backward has the mma.sync kernel only."""
+    from fp4attn._ops import attention_kernel
+
+    dev = torch.cuda.current_device()
+    assert attention_kernel(dev, 128, "int8") == ("sm90" if SM90 else "sm80")
+    assert attention_kernel(dev, 256, "int8") == "sm80"
+    q, k, v = make(1, 2, 2, 64, 64, 256, device="cuda")
+    with pytest.raises(RuntimeError, match="kernel sm90 needs"):
+        torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125, "sm90")
+    with pytest.raises(RuntimeError, match="no 'sm120' kernel"):
+        torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125, "sm120")
+
+
+def test_int8_kernel_request_needs_cuda():
+    q, k, v = make(1, 2, 2, 16, 16, 32)
+    with pytest.raises(RuntimeError, match="cuda_kernel 'sm90' needs CUDA tensors"):
+        torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125, "sm90")
 
 
 @pytest.mark.gpu

@@ -158,32 +158,7 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
     __syncthreads();
   }
 
-  /* epilogue: O / l in the input dtype; lse = m ln2 + log(l) + scale (q . kbar) */
-  const int g = lane >> 2;
-  const bool pair_ok = p.head_dim % 2 == 0 && p.out_stride[0] % 2 == 0 &&
-                       p.out_stride[1] % 2 == 0 && p.out_stride[2] % 2 == 0 &&
-                       (reinterpret_cast<uintptr_t>(p.out) % (2 * dtype_size(p.dtype))) == 0;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float lsum = quad_sum(l[r]);
-    const int64_t row = rows.row0 + g + 8 * r;
-    if (row >= p.len_q) continue;
-    const int64_t base = b * p.out_stride[0] + h * p.out_stride[1] + row * p.out_stride[2];
-#pragma unroll
-    for (int n = 0; n < DP / 8; ++n) {
-      const int col = n * 8 + 2 * t;
-      if (col >= p.head_dim) continue;
-      const float v0 = lsum > 0.0f ? o[n][2 * r] / lsum : 0.0f;
-      const float v1 = lsum > 0.0f ? o[n][2 * r + 1] / lsum : 0.0f;
-      if (col + 1 < p.head_dim)
-        store2_from_float(p.out, p.dtype, base + col, v0, v1, pair_ok);
-      else
-        store_from_float(p.out, p.dtype, base + col, v0);
-    }
-    if (t == 0)
-      p.lse[bh * p.len_q + row] =
-          lsum > 0.0f ? (m[r] * kLn2 + logf(lsum)) + w.qshift[bh * w.nqp + row] : -INFINITY;
-  }
+  store_forward_rows<DP>(p, w, rows, bh, o, m, l);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #define FP4ATTN_CUDA_INT8_INT8_TILES_CUH
 
 #include "../common/smem_tiles.cuh"
+#include "../tile/mask.cuh"
 
 namespace fp4attn_cuda {
 
@@ -181,6 +182,42 @@ __device__ __forceinline__ float quad_max(float v) {
 __device__ __forceinline__ float quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+/* The forward's epilogue for one warp's 16 query rows from rows.row0 (accumulator layout, see the
+ * file comment): O / l in the input dtype and lse = m ln2 + log(l) + scale (q . kbar) (SPEC_INT8
+ * 2.5); m in log2 units, l this thread's partial row sums (quad-reduced here). Rows past len_q
+ * are not stored. */
+template <int DP>
+__device__ __forceinline__ void store_forward_rows(const fp4attn_attention_params &p,
+                                                   const Int8Workspace &w, const WarpRows &rows,
+                                                   int64_t bh, const float (&o)[DP / 8][4],
+                                                   const float (&m)[2], const float (&l)[2]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const bool pair_ok = p.head_dim % 2 == 0 && p.out_stride[0] % 2 == 0 &&
+                       p.out_stride[1] % 2 == 0 && p.out_stride[2] % 2 == 0 &&
+                       (reinterpret_cast<uintptr_t>(p.out) % (2 * dtype_size(p.dtype))) == 0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float lsum = quad_sum(l[r]);
+    const int64_t row = rows.row0 + g + 8 * r;
+    if (row >= p.len_q) continue;
+    const int64_t base = rows.b * p.out_stride[0] + rows.h * p.out_stride[1] + row * p.out_stride[2];
+#pragma unroll
+    for (int n = 0; n < DP / 8; ++n) {
+      const int col = n * 8 + 2 * t;
+      if (col >= p.head_dim) continue;
+      const float v0 = lsum > 0.0f ? o[n][2 * r] / lsum : 0.0f;
+      const float v1 = lsum > 0.0f ? o[n][2 * r + 1] / lsum : 0.0f;
+      if (col + 1 < p.head_dim)
+        store2_from_float(p.out, p.dtype, base + col, v0, v1, pair_ok);
+      else
+        store_from_float(p.out, p.dtype, base + col, v0);
+    }
+    if (t == 0)
+      p.lse[bh * p.len_q + row] =
+          lsum > 0.0f ? (m[r] * kLn2 + logf(lsum)) + w.qshift[bh * w.nqp + row] : -INFINITY;
+  }
 }
 
 }  // namespace fp4attn_cuda

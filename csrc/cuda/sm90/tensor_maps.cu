@@ -1,6 +1,7 @@
 /*
- * The TMA tensor maps of the Hopper kernel (attention_sm90.cuh), encoded on the host for each
- * call: K^ and V^ in the workspace, and Q in the caller's strides.
+ * The TMA tensor maps of the Hopper kernels, encoded on the host for each call: K^ and V^ in the
+ * workspace and Q in the caller's strides (attention_sm90.cuh), the 8-bit codes
+ * (int8/forward_sm90.cu).
  */
 #include "tensor_maps.h"
 
@@ -70,6 +71,24 @@ fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &km
   const cuuint64_t vdims[3] = {(cuuint64_t)kTile, (cuuint64_t)(w.nkt * dp), bhk};
   const cuuint64_t vstrides[2] = {(cuuint64_t)kTile * 2, (cuuint64_t)(w.nkt * dp * kTile * 2)};
   return encode_map(vmap, w.vdq, vdims, vstrides, (cuuint32_t)dp, "V^");
+}
+
+fp4attn_status encode_byte_map(CUtensorMap &map, const void *base, const cuuint64_t (&dims)[3],
+                               const cuuint64_t (&strides)[2], cuuint32_t inner, cuuint32_t rows,
+                               const char *what) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr)
+    return fp4attn_error(FP4ATTN_ERR_CUDA,
+                         "int8 attention (sm90 kernel): the driver has no cuTensorMapEncodeTiled");
+  const cuuint32_t box[3] = {inner, rows, 1};
+  const CUresult r = encode_tiled<3>(
+      encode, map, CU_TENSOR_MAP_DATA_TYPE_UINT8, base, dims, strides, box,
+      inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
+  if (r != CUDA_SUCCESS)
+    return fp4attn_error(FP4ATTN_ERR_CUDA,
+                         "int8 attention (sm90 kernel): cuTensorMapEncodeTiled failed for %s (%d)",
+                         what, (int)r);
+  return fp4attn_ok();
 }
 
 bool encode_q_map(const AttnArgs &a, int64_t dp, CUtensorMap &qmap) {

@@ -21,6 +21,12 @@ fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &km
  * false where the driver does not take its strides (e.g. a broadcast head): the kernel then
  * copies Q row by row. */
 bool encode_q_map(const AttnArgs &a, int64_t dp, CUtensorMap &qmap);
+/* A 3-D map of bytes (the 8-bit kernels' codes in their workspace): dims innermost first, the byte
+ * strides of the outer two, boxes of inner x rows x 1 swizzled over their inner width (64 or 128
+ * bytes), as the 8-bit wgmma's K-major operands are laid out (wgmma.cuh, kmajor_desc). */
+fp4attn_status encode_byte_map(CUtensorMap &map, const void *base, const cuuint64_t (&dims)[3],
+                               const cuuint64_t (&strides)[2], cuuint32_t inner, cuuint32_t rows,
+                               const char *what);
 
 }  // namespace sm90
 }  // namespace fp4attn_cuda

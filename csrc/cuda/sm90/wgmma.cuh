@@ -1,6 +1,7 @@
 /*
- * Hopper (sm_90a) primitives for the wgmma attention kernel: shared-memory matrix descriptors,
- * warpgroup MMA (wgmma.mma_async, FP16 operands, FP32 accumulators), named barriers and mbarriers
+ * Hopper (sm_90a) primitives for the wgmma attention kernels: shared-memory matrix descriptors,
+ * warpgroup MMA (wgmma.mma_async: FP16 operands with FP32 accumulators, 8-bit integer operands
+ * with int32 accumulators), named barriers and mbarriers
  * between the producer and consumer warpgroups, TMA tensor loads, and register reallocation
  * (setmaxnreg).
  *
@@ -44,6 +45,17 @@ __device__ __forceinline__ uint32_t sw128_desc_lo(uint32_t addr) {
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
   return (uint64_t)lo | ((uint64_t)(1024 >> 4) << 32) /* stride byte offset: 8 rows x 128 bytes */
          | ((uint64_t)1 << 62);                       /* 128-byte swizzle */
+}
+
+/* Descriptor of a K-major operand of 8-bit elements whose rows are kRowBytes (64 or 128) bytes
+ * wide and swizzled over that width (the TMA's SWIZZLE_64B / SWIZZLE_128B), 8-row groups
+ * 8 x kRowBytes apart; the tile is aligned to that group. A k32 step is +32 bytes: + 2 on the
+ * descriptor (as for sw128_desc_lo, the start field never carries). */
+template <int kRowBytes>
+__device__ __forceinline__ uint64_t kmajor_desc(uint32_t addr) {
+  static_assert(kRowBytes == 64 || kRowBytes == 128, "64- or 128-byte swizzle");
+  return (uint64_t)((addr & 0x3FFFFu) >> 4) | (1ull << 16) |
+         ((uint64_t)(8 * kRowBytes >> 4) << 32) | ((uint64_t)(kRowBytes == 128 ? 1 : 2) << 62);
 }
 
 #if defined(FP4ATTN_SM90_WGMMA)
@@ -118,6 +130,66 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[16][4], const uin
       "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
       "{%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
       : FP4ATTN_WGMMA_ACC(d, 0), FP4ATTN_WGMMA_ACC(d, 8)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+/* The same for an int32 accumulator (the 8-bit products). */
+#define FP4ATTN_WGMMA_IACC4(d, n) "+r"(d[n][0]), "+r"(d[n][1]), "+r"(d[n][2]), "+r"(d[n][3])
+#define FP4ATTN_WGMMA_IACC(d, n)                                                                   \
+  FP4ATTN_WGMMA_IACC4(d, n), FP4ATTN_WGMMA_IACC4(d, n + 1), FP4ATTN_WGMMA_IACC4(d, n + 2),         \
+      FP4ATTN_WGMMA_IACC4(d, n + 3), FP4ATTN_WGMMA_IACC4(d, n + 4), FP4ATTN_WGMMA_IACC4(d, n + 5), \
+      FP4ATTN_WGMMA_IACC4(d, n + 6), FP4ATTN_WGMMA_IACC4(d, n + 7)
+
+template <int NB>
+__device__ __forceinline__ void fence_regs(int (&d)[NB][4]) {
+#pragma unroll
+  for (int n = 0; n < NB; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(d[n][e])::"memory");
+}
+
+/* 8-bit products, exact int32 accumulation (no scale or transpose operands for integers).
+ * D[64 x 128] (+)= A[64 x 32] * B[128 x 32]^T, signed A and B in shared memory. */
+__device__ __forceinline__ void wgmma_ss_m64n128k32_s8(int (&d)[16][4], uint64_t desc_a,
+                                                       uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+      "%64, %65, p;\n}\n"
+      : FP4ATTN_WGMMA_IACC(d, 0), FP4ATTN_WGMMA_IACC(d, 8)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+/* D[64 x 128] (+)= A[64 x 32] * B[128 x 32]^T, unsigned A in registers (each warp's m16n8k32 A
+ * fragment of its 16 rows), signed B in shared memory. */
+__device__ __forceinline__ void wgmma_rs_m64n128k32_u8s8(int (&d)[16][4], const uint32_t (&a)[4],
+                                                         uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.s32.u8.s8 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+      "{%64,%65,%66,%67}, %68, p;\n}\n"
+      : FP4ATTN_WGMMA_IACC(d, 0), FP4ATTN_WGMMA_IACC(d, 8)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+/* D[64 x 64] (+)= A[64 x 32] * B[64 x 32]^T, as above. */
+__device__ __forceinline__ void wgmma_rs_m64n64k32_u8s8(int (&d)[8][4], const uint32_t (&a)[4],
+                                                        uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+      "{%32,%33,%34,%35}, %36, p;\n}\n"
+      : FP4ATTN_WGMMA_IACC(d, 0)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 

@@ -230,6 +230,8 @@ fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params *p, void *w
  * or FP4ATTN_KERNEL_AUTO where the arguments or the request rule every kernel out. A chosen kernel
  * may still refuse at launch (e.g. too little shared memory for the head dim). */
 fp4attn_kernel fp4attn_cuda_attention_kernel(const fp4attn_attention_params *p);
+/* The same for fp4attn_cuda_int8_attention (p->lse must be set). */
+fp4attn_kernel fp4attn_cuda_int8_attention_kernel(const fp4attn_attention_params *p);
 /* 8-bit attention on CUDA (SPEC_INT8), same conventions: a workspace of the size the matching
  * *_workspace_bytes returns for the same params and device, nothing synchronised. The backward
  * writes dq, dk, dv (contiguous) from the forward's out and lse. */

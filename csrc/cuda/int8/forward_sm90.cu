@@ -1,0 +1,398 @@
+/*
+ * 8-bit attention forward (docs/SPEC_INT8.md 2) for Hopper (sm_90a) on wgmma: the numbers of the
+ * mma.sync kernel (forward.cu), with the matrix work on warpgroup MMA and the loads on TMA.
+ *
+ * One block = 128 query rows (two SPEC_INT8 Q^ blocks) of one (batch, query head), 3 warpgroups:
+ *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the item's Q^ rows, then
+ *     per 128-key tile j the K^ tile, the V^T tile (perm order, as the preparation writes it) and
+ *     V's channel scales sV_j into a ring of kStages stages ("full" mbarriers), refilling a stage
+ *     once all 8 consumer warps have released it ("empty" mbarriers).
+ *   warpgroups 1 and 2, consumers (setmaxnreg up): one Q^ block of 64 rows each (wgmma's M).
+ *     S_j = Q^ K^_j^T by wgmma m64n128k32 s8.s8 (both in shared memory, exact int32), the scores
+ *     and the online softmax with per-row 8-bit P in registers (SPEC_INT8 2.4), then
+ *     PV_j = P^_j V^_j by wgmma m64n{DP}k32 u8.s8 with P^_j from registers (the accumulator
+ *     layout packed into A fragments in perm16 k order, which V^T's perm tiles match), folded into
+ *     the FP32 output as O = alpha O + (exp2(t - m) / 255) (PV_j * sV_j) per column.
+ *     PV_j is issued together with S_{j+1} and folded after S_{j+1}'s row maxima are known, so the
+ *     tensor cores run it during that softmax; the two consumers take turns at issuing (named
+ *     barriers), so one's wgmma run while the other computes.
+ * Operand layouts: K-major rows swizzled over their width (wgmma.cuh, kmajor_desc): Q^ and K^ rows
+ * of DP bytes (64: 64-byte swizzle, 128: 128-byte swizzle), V^T rows of 128 keys (128-byte).
+ */
+#include "../sm90/tensor_maps.h"
+#include "../sm90/wgmma.cuh"
+#include "attention_int8.h"
+#include "int8_tiles.cuh"
+
+namespace fp4attn_cuda {
+namespace {
+
+using namespace sm90;
+
+constexpr int kThreads = 384; /* producer + 2 consumer warpgroups */
+constexpr int kRows = 2 * kBQ8; /* query rows per block: one Q^ block per consumer */
+/* Named barriers (0 is __syncthreads): the consumers' turns at issuing wgmma, one per consumer;
+ * one consumer arrives, the other syncs. */
+constexpr int kBarTurn = 1;
+constexpr int kTurnCount = 256;
+
+template <int DP>
+struct Sm90Config {
+  static constexpr int kStages = 4;
+  static constexpr int kQBytes = kRows * DP; /* Q^ [128][DP] */
+  static constexpr int kKBytes = kBK8 * DP;  /* K^ [128][DP] */
+  static constexpr int kVBytes = DP * kBK8;  /* V^T [DP][128] perm */
+  static constexpr int kSvBytes = DP * 4;    /* sV [DP] */
+  /* shared memory from a 1024-byte boundary (the swizzled tiles' alignment) */
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffK = kOffQ + kQBytes;
+  static constexpr int kOffV = kOffK + kStages * kKBytes;
+  static constexpr int kOffSv = kOffV + kStages * kVBytes;
+  static constexpr int kOffBar = kOffSv + kStages * kSvBytes; /* full[S], empty[S], qfull */
+  static constexpr int kBytes = kOffBar + (2 * kStages + 1) * 8;
+  static constexpr int kSmem = kBytes + 1023;
+  /* setmaxnreg split of 168 x 384: the producer only issues copies */
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(kProducerRegs + 2 * kConsumerRegs == 3 * 168, "setmaxnreg split of 168 x 384");
+};
+
+/* Kernel parameters: the 8-bit arguments and this call's TMA maps of Q^ {DP, nqp, BHq}, K^ {DP,
+ * nkp, BHk} and the V^T tiles {128, nkb x DP, BHk} (bytes, innermost first). */
+struct Int8Sm90Params {
+  Int8Args a;
+  CUtensorMap qmap, kmap, vmap;
+};
+
+/* Block c's 128 query rows: causal calls longest first across all heads, otherwise head-major
+ * (neighbouring blocks share K^ and V^ in L2), as forward.cu orders its blocks. */
+struct Int8Item {
+  int64_t bh, qi;
+};
+__device__ __forceinline__ Int8Item int8_item(const fp4attn_attention_params &p, int64_t nqi) {
+  const int64_t bhq = p.batch * p.heads_q;
+  if (p.causal) return {(int64_t)blockIdx.x % bhq, nqi - 1 - (int64_t)blockIdx.x / bhq};
+  return {(int64_t)blockIdx.x / nqi, (int64_t)blockIdx.x % nqi};
+}
+
+#if defined(FP4ATTN_SM90_WGMMA)
+
+/* P^ codes of four scores as bytes of one word, from the FP32 words v + 1.5 * 2^23 whose low
+ * bytes hold rne(v) (see p_word): bytes a, b, c, d from low to high. */
+__device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+}
+/* rne(255 E) for E in [0, 1] in the low byte of the result: 255 E rounded to FP32 as the spec
+ * multiplies, then 1.5 * 2^23 added, which rounds to an integer ties to even (no F2I). */
+__device__ __forceinline__ uint32_t p_word(float e) {
+  return __float_as_uint(__fadd_rn(__fmul_rn(255.0f, e), 12582912.0f));
+}
+
+template <int DP>
+struct Int8Sm90 {
+  using C = Sm90Config<DP>;
+  static constexpr int kQkRow = DP;  /* bytes per Q^ / K^ row: their swizzle width */
+  static constexpr int kSteps = DP / 32; /* k32 steps of S */
+
+  static __device__ void producer(const Int8Sm90Params &prm, char *tiles, int64_t nqi) {
+    const Int8Args &a = prm.a;
+    const fp4attn_attention_params &p = a.p;
+    const Int8Workspace &w = a.ws;
+    const Int8Item it = int8_item(p, nqi);
+    const int64_t b = it.bh / p.heads_q, h = it.bh % p.heads_q;
+    const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+    const int ntiles = tile_count(p, w, it.qi);
+    const uint32_t bars = smem_u32(tiles + C::kOffBar);
+    const auto full = [&](int s) { return bars + 8 * s; };
+    const auto empty = [&](int s) { return bars + 8 * (C::kStages + s); };
+    const uint32_t qfull = bars + 16 * C::kStages;
+
+    mbar_expect_tx(qfull, C::kQBytes);
+    tma_load_3d(smem_u32(tiles + C::kOffQ), &prm.qmap, 0, (int)(it.qi * kRows), (int)it.bh, qfull);
+    mbar_arrive(qfull);
+    for (int j = 0; j < ntiles; ++j) {
+      const int s = j % C::kStages;
+      if (j >= C::kStages) mbar_wait(empty(s), ((j / C::kStages) - 1) & 1);
+      mbar_expect_tx(full(s), C::kKBytes + C::kVBytes + C::kSvBytes);
+      tma_load_3d(smem_u32(tiles + C::kOffK + s * C::kKBytes), &prm.kmap, 0, j * kBK8, (int)bhk,
+                  full(s));
+      tma_load_3d(smem_u32(tiles + C::kOffV + s * C::kVBytes), &prm.vmap, 0, j * DP, (int)bhk,
+                  full(s));
+      bulk_load(smem_u32(tiles + C::kOffSv + s * C::kSvBytes), w.sv + (bhk * w.nkb + j) * DP,
+                C::kSvBytes, full(s));
+      mbar_arrive(full(s));
+    }
+  }
+
+  /* Key tiles of item qi: all of them, or with causal masking those up to its last row's key. */
+  static __device__ __forceinline__ int tile_count(const fp4attn_attention_params &p,
+                                                   const Int8Workspace &w, int64_t qi) {
+    int64_t n = w.nkb;
+    if (p.causal) n = min(n, (min((qi + 1) * kRows, p.len_q) - 1) / kBK8 + 1);
+    return (int)n;
+  }
+
+  static __device__ void consumer(const Int8Sm90Params &prm, char *tiles, int64_t nqi) {
+    const Int8Args &a = prm.a;
+    const fp4attn_attention_params &p = a.p;
+    const Int8Workspace &w = a.ws;
+    const int ctid = threadIdx.x - 128, cwg = ctid >> 7, wwarp = (ctid >> 5) & 3, lane = ctid & 31;
+    const int t = lane & 3;
+    const Int8Item it = int8_item(p, nqi);
+    const int64_t b = it.bh / p.heads_q, h = it.bh % p.heads_q;
+    const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+    const int64_t qb = 2 * it.qi + cwg; /* this warpgroup's Q^ block (past nqb: padding rows) */
+    const int ntiles = tile_count(p, w, it.qi);
+    const WarpRows rows{b, h, qb * kBQ8 + wwarp * 16};
+    const uint32_t bars = smem_u32(tiles + C::kOffBar);
+    const auto full = [&](int s) { return bars + 8 * s; };
+    const auto empty = [&](int s) { return bars + 8 * (C::kStages + s); };
+    const uint32_t qfull = bars + 16 * C::kStages;
+    const uint64_t q_desc = kmajor_desc<kQkRow>(smem_u32(tiles + C::kOffQ) + cwg * kBQ8 * DP);
+    const auto k_desc = [&](int s) {
+      return kmajor_desc<kQkRow>(smem_u32(tiles + C::kOffK + s * C::kKBytes));
+    };
+    const auto v_desc = [&](int s) {
+      return kmajor_desc<kBK8>(smem_u32(tiles + C::kOffV + s * C::kVBytes));
+    };
+    const auto turn_begin = [&]() { named_sync(kBarTurn + cwg, kTurnCount); };
+    const auto turn_end = [&]() { named_arrive(kBarTurn + (cwg ^ 1), kTurnCount); };
+    if (cwg == 1) named_arrive(kBarTurn + 0, kTurnCount); /* consumer 0 issues first */
+
+    const float sq = qb < w.nqb ? w.sq[it.bh * w.nqb + qb] : 0.0f;
+    float o[DP / 8][4];
+#pragma unroll
+    for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* l: this thread's partial sums */
+    float fold_alpha[2] = {0.0f, 0.0f}, fold_pf[2] = {0.0f, 0.0f}; /* of the PV in flight */
+    uint32_t pa[4][4];  /* P^ of the last tile: A fragments of its 4 k32 steps */
+    int pv[DP / 8][4];  /* P^ V^ of the last tile, exact */
+    int prev = 0;       /* its stage */
+
+    /* O = alpha O + pf (PV * sV) per column, sV of stage s; then the stage is released */
+    const auto fold = [&](int s) {
+      const float *sv = reinterpret_cast<const float *>(tiles + C::kOffSv + s * C::kSvBytes);
+#pragma unroll
+      for (int n = 0; n < DP / 8; ++n) {
+        const float2 scl = *reinterpret_cast<const float2 *>(sv + n * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float x = (float)pv[n][e] * ((e & 1) ? scl.y : scl.x);
+          o[n][e] = fold_alpha[e >> 1] * o[n][e] + fold_pf[e >> 1] * x;
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty(s));
+    };
+    const auto issue_pv = [&](int s) {
+      const uint64_t vd = v_desc(s);
+#pragma unroll
+      for (int kb = 0; kb < 4; ++kb) {
+        if constexpr (DP == 128)
+          wgmma_rs_m64n128k32_u8s8(pv, pa[kb], vd + 2 * kb, kb > 0);
+        else
+          wgmma_rs_m64n64k32_u8s8(pv, pa[kb], vd + 2 * kb, kb > 0);
+      }
+    };
+
+    int acc[16][4];     /* S of the current tile, exact */
+    float sc[16][4];    /* its scores in log2 units, masked */
+    float alpha[2], beta[2], tmax[2];
+    const bool general_mask = p.mask_kind != FP4ATTN_MASK_NONE;
+    const auto issue_scores = [&](int s) {
+#pragma unroll
+      for (int kk = 0; kk < kSteps; ++kk)
+        wgmma_ss_m64n128k32_s8(acc, q_desc + 2 * kk, k_desc(s) + 2 * kk, kk > 0);
+    };
+    /* scores of tile j from acc, its row maxima and the online-softmax factors */
+    const auto tile_stats = [&](int j) {
+      const float f = ((sq * w.sk[bhk * w.nkb + j]) * p.scale) * kLog2e;
+#pragma unroll
+      for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[n][e] = (float)acc[n][e] * f;
+      const int64_t j0 = (int64_t)j * kBK8;
+      if (tile_has_masks(p, j0, rows.row0)) {
+        if (!general_mask)
+          mask_causal_tail(p, rows, j0, sc);
+        else
+          mask_general(p, rows, j0, sc);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float x = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < 16; ++n) x = fmaxf(x, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
+        const float tr = quad_max(x);
+        const float m_new = fmaxf(m[r], tr);
+        alpha[r] = m[r] == -INFINITY ? 0.0f : fast_exp2(m[r] - m_new);
+        beta[r] = tr == -INFINITY ? 0.0f : fast_exp2(tr - m_new);
+        m[r] = m_new;
+        tmax[r] = tr == -INFINITY ? 0.0f : tr; /* a row hidden for the whole tile: E = 0 */
+      }
+    };
+    /* P^ = rne(255 E) of the tile into pa, E = exp2(S - rowmax), and l */
+    const auto make_p = [&]() {
+      float rowsum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint32_t wd[4][4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float E = fast_exp2(sc[4 * c + q][e] - tmax[e >> 1]);
+            rowsum[e >> 1] += E;
+            wd[q][e] = p_word(E);
+          }
+        /* the A fragment of k32 step c (pack_a_from_acc's order) */
+        pa[c][0] = pack_low_bytes(wd[0][0], wd[0][1], wd[1][0], wd[1][1]);
+        pa[c][1] = pack_low_bytes(wd[0][2], wd[0][3], wd[1][2], wd[1][3]);
+        pa[c][2] = pack_low_bytes(wd[2][0], wd[2][1], wd[3][0], wd[3][1]);
+        pa[c][3] = pack_low_bytes(wd[2][2], wd[2][3], wd[3][2], wd[3][3]);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        l[r] = alpha[r] * l[r] + beta[r] * rowsum[r];
+        fold_alpha[r] = alpha[r];
+        fold_pf[r] = beta[r] / 255.0f;
+      }
+    };
+
+    mbar_wait(qfull, 0);
+    if (ntiles > 0) {
+      /* tile 0: S only */
+      mbar_wait(full(0), 0);
+      turn_begin();
+      wgmma_fence();
+      issue_scores(0);
+      wgmma_commit();
+      turn_end();
+      wgmma_wait<0>();
+      fence_regs(acc);
+      tile_stats(0);
+      make_p();
+      for (int j = 1; j < ntiles; ++j) {
+        const int s = j % C::kStages;
+        mbar_wait(full(s), (j / C::kStages) & 1);
+        turn_begin();
+        wgmma_fence();
+        issue_scores(s);
+        wgmma_commit();
+        issue_pv(prev);
+        wgmma_commit();
+        turn_end();
+        if (!general_mask) {
+          wgmma_wait<1>(); /* S_j; its statistics overlap P^_{j-1} V^_{j-1} */
+          fence_regs(acc);
+          tile_stats(j);
+          wgmma_wait<0>();
+        } else {
+          /* the general mask's loads and branches while a wgmma is in flight make ptxas
+           * serialize every wgmma (C7513): both groups first */
+          wgmma_wait<0>();
+          fence_regs(acc);
+          tile_stats(j);
+        }
+        fence_regs(pv);
+        fold(prev);
+        make_p();
+        prev = s;
+      }
+      /* the last tile's P^ V^ */
+      turn_begin();
+      wgmma_fence();
+      issue_pv(prev);
+      wgmma_commit();
+      turn_end();
+      wgmma_wait<0>();
+      fence_regs(pv);
+      fold(prev);
+    }
+    if (cwg == 0) turn_begin(); /* consumer 1's last hand-over */
+    store_forward_rows<DP>(p, w, rows, it.bh, o, m, l);
+  }
+
+  static __device__ void run(const Int8Sm90Params &prm, char *smem) {
+    const int64_t nqi = (prm.a.p.len_q + kRows - 1) / kRows;
+    char *tiles = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
+    if (threadIdx.x == 0) {
+      const uint32_t bars = smem_u32(tiles + C::kOffBar);
+      for (int s = 0; s < C::kStages; ++s) {
+        mbar_init(bars + 8 * s, 1);                       /* full: the producer's arrival + bytes */
+        mbar_init(bars + 8 * (C::kStages + s), 8);        /* empty: the 8 consumer warps */
+      }
+      mbar_init(bars + 16 * C::kStages, 1); /* Q^ full */
+      mbar_init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) {
+      regs_dealloc<C::kProducerRegs>();
+      if (threadIdx.x == 0) producer(prm, tiles, nqi);
+    } else {
+      regs_alloc<C::kConsumerRegs>();
+      consumer(prm, tiles, nqi);
+    }
+  }
+};
+
+#endif /* FP4ATTN_SM90_WGMMA */
+
+template <int DP>
+__global__ void __launch_bounds__(kThreads, 1)
+    int8_forward_sm90_kernel(const __grid_constant__ Int8Sm90Params prm) {
+#if defined(FP4ATTN_SM90_WGMMA)
+  extern __shared__ __align__(16) char smem[];
+  Int8Sm90<DP>::run(prm, smem);
+#else
+  __trap(); /* never launched: the dispatch picks this kernel only for sm_90a builds on CC 9.0 */
+#endif
+}
+
+}  // namespace
+
+template <int DP>
+fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
+  static_assert(DP == 64 || DP == 128, "the sm90 INT8 forward serves padded head dims 64 and 128");
+  using C = Sm90Config<DP>;
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  Int8Sm90Params prm;
+  prm.a = a;
+  const cuuint64_t bhq = (cuuint64_t)(p.batch * p.heads_q), bhk = (cuuint64_t)(p.batch * p.heads_kv);
+  const cuuint64_t qdims[3] = {(cuuint64_t)DP, (cuuint64_t)w.nqp, bhq};
+  const cuuint64_t qstrides[2] = {(cuuint64_t)DP, (cuuint64_t)(w.nqp * DP)};
+  fp4attn_status st = encode_byte_map(prm.qmap, w.qc, qdims, qstrides, DP, kRows, "Q^");
+  if (st.code != FP4ATTN_OK) return st;
+  const cuuint64_t kdims[3] = {(cuuint64_t)DP, (cuuint64_t)w.nkp, bhk};
+  const cuuint64_t kstrides[2] = {(cuuint64_t)DP, (cuuint64_t)(w.nkp * DP)};
+  st = encode_byte_map(prm.kmap, w.kc, kdims, kstrides, DP, kBK8, "K^");
+  if (st.code != FP4ATTN_OK) return st;
+  const cuuint64_t vdims[3] = {(cuuint64_t)kBK8, (cuuint64_t)(w.nkb * DP), bhk};
+  const cuuint64_t vstrides[2] = {(cuuint64_t)kBK8, (cuuint64_t)(w.nkb * DP * kBK8)};
+  st = encode_byte_map(prm.vmap, w.vct, vdims, vstrides, kBK8, DP, "V^T");
+  if (st.code != FP4ATTN_OK) return st;
+
+  static int configured[64] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64 || !configured[dev]) {
+    if (cudaFuncSetAttribute(int8_forward_sm90_kernel<DP>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem) != cudaSuccess)
+      return launch_status("int8 attention forward (sm90 kernel)");
+    if (dev >= 0 && dev < 64) configured[dev] = 1;
+  }
+  const int64_t blocks = p.batch * p.heads_q * ceil_div(p.len_q, (int64_t)kRows);
+  if (blocks > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many query blocks");
+  if (w.nkb * DP > 0x7FFFFFFFLL || w.nqp > 0x7FFFFFFFLL || w.nkp > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                         "int8 attention (sm90 kernel): sequences too long for TMA coordinates");
+  int8_forward_sm90_kernel<DP><<<(unsigned)blocks, kThreads, C::kSmem, s>>>(prm);
+  return launch_status("int8 attention forward (sm90 kernel)");
+}
+
+template fp4attn_status launch_int8_forward_sm90<64>(const Int8Args &, cudaStream_t);
+template fp4attn_status launch_int8_forward_sm90<128>(const Int8Args &, cudaStream_t);
+
+}  // namespace fp4attn_cuda
