@@ -6,6 +6,8 @@ For every (head dim, N, causal, dtype) it times out = attention(q, k, v); out.ba
   int8_fwd / int8_bwd / int8_prepare   device times of the forward kernel, the backward kernel and
                 everything else (psi of the operands, dO terms, dQ finish), from torch.profiler
   flash, cudnn  torch.nn.functional.scaled_dot_product_attention pinned to a backend
+SageAttention (bench_attention.py's peer column) has no backward: sageattn 1.0.6 is a Triton
+forward only, so it has no column here.
 TFLOPS = 3.5 x the forward's 4*B*H*N^2*D (the backward counted as 2.5x the forward, as
 FlashAttention does), halved for causal. Timing as bench_attention.py: L2 flushed before every
 step, warm-up, CUDA events, median of --reps. Writes bench_backward.csv and .png into --out

@@ -396,10 +396,14 @@ std::tuple<at::Tensor, at::Tensor> int8_attention(const at::Tensor &q_in, const 
   AttentionCall c = prepare_attention(q_in, k_in, v_in, attn_mask, is_causal, scale);
   fp4attn_attention_params &p = c.p;
   p.kernel = kernel_from_name(cuda_kernel);
-  at::Tensor out = at::zeros({p.batch, p.heads_q, p.len_q, p.head_dim}, c.q.options());
-  at::Tensor lse =
-      at::full({p.batch, p.heads_q, p.len_q}, -INFINITY, c.q.options().dtype(at::kFloat));
-  if (out.numel() == 0 || p.len_k == 0) return {out, lse};
+  // the backends write every element of out and lse; no keys: zeros and -inf
+  const bool empty = p.len_k == 0;
+  at::Tensor out = empty ? at::zeros({p.batch, p.heads_q, p.len_q, p.head_dim}, c.q.options())
+                         : at::empty({p.batch, p.heads_q, p.len_q, p.head_dim}, c.q.options());
+  at::Tensor lse = empty ? at::full({p.batch, p.heads_q, p.len_q}, -INFINITY,
+                                    c.q.options().dtype(at::kFloat))
+                         : at::empty({p.batch, p.heads_q, p.len_q}, c.q.options().dtype(at::kFloat));
+  if (out.numel() == 0 || empty) return {out, lse};
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   fill_strides3(out, p.out_stride);

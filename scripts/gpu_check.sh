@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One command on a GPU machine: build fp4attn with its CUDA backend, run the GPU tests, run the
-# quick benchmark. Logs go to the folder given as $1, else $OUT, else ./gpu_logs.
+# One command on a GPU machine: build fp4attn with its CUDA backend, run every GPU-marked test
+# under tests/, run the quick benchmarks (FP4 and 8-bit forward). Logs go to the folder given as
+# $1, else $OUT, else ./gpu_logs.
 #   scripts/gpu_check.sh logs/            (FP4ATTN_CUDA_ARCHS=90a to build only for Hopper)
 #   SKIP_SLOW=1 scripts/gpu_check.sh logs/   (skip the slow tests: 16K, > 2^31 elements)
 set -uo pipefail
@@ -32,15 +33,18 @@ echo "== the KV-cache decode's E2M1 decoder on the device"
 bash scripts/check_e2m1_pairs.sh --device || status=1
 run_tests() {  # $1: marker expression, $2: log name
   local t0=$(date +%s)
-  "$PY" -m pytest tests/test_cuda.py -m "$1" -q -rfE -p no:cacheprovider > "$LOG/$2" 2>&1 || status=1
+  "$PY" -m pytest tests/ -m "$1" -q -rfE -p no:cacheprovider > "$LOG/$2" 2>&1 || status=1
   tail -15 "$LOG/$2"
   echo "($2: $(( $(date +%s) - t0 )) s)"
 }
 echo "== GPU tests"
 run_tests "gpu and not slow" tests.log
-echo "== quick benchmark"
+echo "== quick benchmarks"
 "$PY" benchmarks/bench_attention.py --quick --out "$LOG" > "$LOG/bench.log" 2>&1 || status=1
 tail -32 "$LOG/bench.log"
+"$PY" benchmarks/bench_attention.py --quick --precision int8 --out "$LOG" > "$LOG/bench_int8.log" 2>&1 ||
+  status=1
+tail -16 "$LOG/bench_int8.log"
 if [ "${SKIP_SLOW:-0}" != "1" ]; then
   echo "== slow GPU tests"
   run_tests "gpu and slow" tests_slow.log

@@ -82,10 +82,11 @@ __device__ __forceinline__ Int8Item int8_item(const fp4attn_attention_params &p,
 __device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
 }
-/* rne(255 E) for E in [0, 1] in the low byte of the result: 255 E rounded to FP32 as the spec
- * multiplies, then 1.5 * 2^23 added, which rounds to an integer ties to even (no F2I). */
+/* rne(255 E) for E in [0, 1] in the low byte of the result: 255 E + 1.5 * 2^23 in one rounding,
+ * to an integer ties to even (no F2I). It differs from rounding 255 E to FP32 first only where
+ * 255 E lies within an FP32 ulp of a tie: a code off by one there (SPEC_INT8 4). */
 __device__ __forceinline__ uint32_t p_word(float e) {
-  return __float_as_uint(__fadd_rn(__fmul_rn(255.0f, e), 12582912.0f));
+  return __float_as_uint(__fmaf_rn(255.0f, e, 12582912.0f));
 }
 
 template <int DP>
@@ -169,16 +170,19 @@ struct Int8Sm90 {
     int pv[DP / 8][4];  /* P^ V^ of the last tile, exact */
     int prev = 0;       /* its stage */
 
-    /* O = alpha O + pf (PV * sV) per column, sV of stage s; then the stage is released */
+    /* O = alpha O + pf (PV * sV) per column, sV of stage s; then the stage is released. Once
+     * the row maxima settle, alpha is exactly 1 in every row of the warp: no rescaling. */
     const auto fold = [&](int s) {
       const float *sv = reinterpret_cast<const float *>(tiles + C::kOffSv + s * C::kSvBytes);
+      const bool rescale = __any_sync(0xffffffffu, fold_alpha[0] != 1.0f || fold_alpha[1] != 1.0f);
 #pragma unroll
       for (int n = 0; n < DP / 8; ++n) {
         const float2 scl = *reinterpret_cast<const float2 *>(sv + n * 8 + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float x = (float)pv[n][e] * ((e & 1) ? scl.y : scl.x);
-          o[n][e] = fold_alpha[e >> 1] * o[n][e] + fold_pf[e >> 1] * x;
+          const float kept = rescale ? fold_alpha[e >> 1] * o[n][e] : o[n][e];
+          o[n][e] = fmaf(fold_pf[e >> 1], x, kept);
         }
       }
       __syncwarp();
@@ -195,8 +199,11 @@ struct Int8Sm90 {
       }
     };
 
-    int acc[16][4];     /* S of the current tile, exact */
-    float sc[16][4];    /* its scores in log2 units, masked */
+    /* S of the current tile: exact int32 products, or (tile_stats on a masked tile) the bits of
+     * its FP32 scores in log2 units, masked: one register array for both */
+    int acc[16][4];
+    bool scores_in_acc = false; /* which of the two acc holds */
+    float f = 0.0f;             /* the tile's score factor sQ sK scale log2(e) */
     float alpha[2], beta[2], tmax[2];
     const bool general_mask = p.mask_kind != FP4ATTN_MASK_NONE;
     const auto issue_scores = [&](int s) {
@@ -204,26 +211,49 @@ struct Int8Sm90 {
       for (int kk = 0; kk < kSteps; ++kk)
         wgmma_ss_m64n128k32_s8(acc, q_desc + 2 * kk, k_desc(s) + 2 * kk, kk > 0);
     };
-    /* scores of tile j from acc, its row maxima and the online-softmax factors */
+    /* Tile j's row maxima and online-softmax factors. A tile without masks and with f >= 0 takes
+     * its row maxima on the integers (f x is increasing in x, and FP32 rounding keeps that
+     * order) and leaves acc as it is; a masked tile gets its scores scaled and masked in acc. */
     const auto tile_stats = [&](int j) {
-      const float f = ((sq * w.sk[bhk * w.nkb + j]) * p.scale) * kLog2e;
-#pragma unroll
-      for (int n = 0; n < 16; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[n][e] = (float)acc[n][e] * f;
+      f = ((sq * w.sk[bhk * w.nkb + j]) * p.scale) * kLog2e;
       const int64_t j0 = (int64_t)j * kBK8;
-      if (tile_has_masks(p, j0, rows.row0)) {
+      scores_in_acc = tile_has_masks(p, j0, rows.row0) || !(f >= 0.0f);
+      float tr2[2];
+      if (scores_in_acc) {
+        float sc[16][4];
+#pragma unroll
+        for (int n = 0; n < 16; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[n][e] = (float)acc[n][e] * f;
         if (!general_mask)
           mask_causal_tail(p, rows, j0, sc);
         else
           mask_general(p, rows, j0, sc);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float x = -INFINITY;
+#pragma unroll
+          for (int n = 0; n < 16; ++n) x = fmaxf(x, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
+          tr2[r] = quad_max(x);
+        }
+#pragma unroll
+        for (int n = 0; n < 16; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[n][e] = __float_as_int(sc[n][e]);
+      } else {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          int x = INT_MIN;
+#pragma unroll
+          for (int n = 0; n < 16; ++n) x = max(x, max(acc[n][2 * r], acc[n][2 * r + 1]));
+          x = max(x, __shfl_xor_sync(0xffffffffu, x, 1));
+          x = max(x, __shfl_xor_sync(0xffffffffu, x, 2));
+          tr2[r] = (float)x * f;
+        }
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float x = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < 16; ++n) x = fmaxf(x, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
-        const float tr = quad_max(x);
+        const float tr = tr2[r];
         const float m_new = fmaxf(m[r], tr);
         alpha[r] = m[r] == -INFINITY ? 0.0f : fast_exp2(m[r] - m_new);
         beta[r] = tr == -INFINITY ? 0.0f : fast_exp2(tr - m_new);
@@ -241,7 +271,10 @@ struct Int8Sm90 {
         for (int q = 0; q < 4; ++q)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float E = fast_exp2(sc[4 * c + q][e] - tmax[e >> 1]);
+            const int a_ne = acc[4 * c + q][e];
+            const float x = scores_in_acc ? __int_as_float(a_ne) - tmax[e >> 1]
+                                          : fmaf((float)a_ne, f, -tmax[e >> 1]);
+            const float E = fast_exp2(x);
             rowsum[e >> 1] += E;
             wd[q][e] = p_word(E);
           }

@@ -64,18 +64,32 @@ __device__ __forceinline__ void store16(int8_t *dst, F code) {
 }
 
 /* Rows r0 .. r0 + rows - 1 of x's (b, h) matrix into a float tile [rows_max][dp + 4] in shared
- * memory, coalesced (16-byte loads where `vec`), zeros past `rows` and past D. */
-__device__ void stage_rows(float *tile, const void *x, fp4attn_dtype dt, const int64_t *st,
+ * memory, coalesced (16-byte loads where `vec`), zeros past `rows` and past D. Each thread issues
+ * kBatch loads before it stores any: the compiler cannot move a global load above a store through
+ * another pointer, and one load in flight per thread leaves DRAM idle. */
+__device__ __forceinline__ void stage_rows(float *tile, const void *x, fp4attn_dtype dt, const int64_t *st,
                            int64_t b, int64_t h, int64_t r0, int rows, int rows_max, int D, int dp,
                            bool vec) {
-  const int groups = dp / 8, pitch = dp + 4;
-  for (int i = threadIdx.x; i < rows_max * groups; i += kThreads) {
-    const int r = i / groups, c = (i % groups) * 8;
-    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    if (r < rows) load8_padded(x, dt, b * st[0] + h * st[1] + (r0 + r) * st[2], c, D, vec, v);
-    float4 *dst = reinterpret_cast<float4 *>(tile + r * pitch + c);
-    dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-    dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+  constexpr int kBatch = 4;
+  const int groups = dp / 8, pitch = dp + 4, n = rows_max * groups;
+  for (int i0 = threadIdx.x; i0 < n; i0 += kBatch * kThreads) {
+    float v[kBatch][8];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = i0 + u * kThreads, r = i / groups, c = (i % groups) * 8;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[u][e] = 0.0f;
+      if (i < n && r < rows)
+        load8_padded(x, dt, b * st[0] + h * st[1] + (r0 + r) * st[2], c, D, vec, v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = i0 + u * kThreads, r = i / groups, c = (i % groups) * 8;
+      if (i >= n) break;
+      float4 *dst = reinterpret_cast<float4 *>(tile + r * pitch + c);
+      dst[0] = make_float4(v[u][0], v[u][1], v[u][2], v[u][3]);
+      dst[1] = make_float4(v[u][4], v[u][5], v[u][6], v[u][7]);
+    }
   }
 }
 
@@ -97,17 +111,21 @@ __device__ __forceinline__ float code_rows(const float *tile, int pitch, int dp,
 
 /* Per-channel codes of a staged tile (the first `rows` of its kRows rows are real): channel d's
  * scale (psi of its amax over the rows) to scales[d], its kRows codes in perm16 order to
- * out + d x kRows. */
+ * out + d x kRows. kThreads / dp neighbouring threads share a channel (its rows for the amax, its
+ * 16-code groups for the stores), so that every thread works at dp < kThreads. */
 template <int kRows>
 __device__ __forceinline__ void code_channels(const float *tile, int pitch, int rows, int dp,
                                               float *scales, int8_t *out) {
-  for (int d = threadIdx.x; d < dp; d += kThreads) {
+  const int tpc = dp < kThreads ? kThreads / dp : 1; /* 1, 2 or 4: lanes of one warp */
+  const int part = threadIdx.x % tpc;
+  for (int d = threadIdx.x / tpc; d < dp; d += kThreads / tpc) {
     float m = 0.0f;
-    for (int n = 0; n < rows; ++n) m = amax_u(m, fabsf(tile[n * pitch + d]));
+    for (int n = part; n < rows; n += tpc) m = amax_u(m, fabsf(tile[n * pitch + d]));
+    for (int o = 1; o < tpc; o <<= 1) m = amax_u(m, __shfl_xor_sync(0xffffffffu, m, o));
     float r, s;
     psi_factors(m, r, s);
-    scales[d] = s;
-    for (int c0 = 0; c0 < kRows; c0 += 16)
+    if (part == 0) scales[d] = s;
+    for (int c0 = 16 * part; c0 < kRows; c0 += 16 * tpc)
       store16(out + d * kRows + c0,
               [&](int e) { return code_s8(tile[(c0 + perm16(e)) * pitch + d], r); });
   }
@@ -157,6 +175,7 @@ __global__ void __launch_bounds__(kThreads) kbar_final_kernel(const Int8Args a) 
 
 /* One 128-key block of one (batch, KV head): K^ (and K^T), then V^ (forward) or V16 (backward),
  * each staged once in shared memory. */
+template <int DP>
 __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(const Int8Args a, bool backward) {
   extern __shared__ __align__(16) float tile[]; /* [128][dp + 4] */
   __shared__ float red[kThreads / 32];
@@ -164,7 +183,8 @@ __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(const Int8Args a,
   const Int8Workspace &w = a.ws;
   const int64_t bhk = blockIdx.x / w.nkb, j = blockIdx.x % w.nkb;
   const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv, n0 = j * kBK8;
-  const int rows = (int)min((int64_t)kBK8, p.len_k - n0), D = (int)p.head_dim, dp = (int)w.dp;
+  const int rows = (int)min((int64_t)kBK8, p.len_k - n0), D = (int)p.head_dim;
+  constexpr int dp = DP; /* compile-time: the index arithmetic below is shifts and masks */
   const int pitch = dp + 4;
   const float *kbar = w.kbar + bhk * dp;
   stage_rows(tile, p.k, p.dtype, p.k_stride, b, hk, n0, rows, kBK8, D, dp, a.vec_k);
@@ -197,6 +217,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(const Int8Args a,
 }
 
 /* One 64-row block of one (batch, query head): Q^ (and its perm tiles), the lse's shift. */
+template <int DP>
 __global__ void __launch_bounds__(kThreads) quantize_q_kernel(const Int8Args a, bool backward) {
   extern __shared__ __align__(16) float tile[]; /* [64][dp + 4] */
   __shared__ float red[kThreads / 32];
@@ -205,7 +226,8 @@ __global__ void __launch_bounds__(kThreads) quantize_q_kernel(const Int8Args a, 
   const int64_t bh = blockIdx.x / w.nqb, i = blockIdx.x % w.nqb;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / (p.heads_q / p.heads_kv);
   const int64_t r0 = i * kBQ8;
-  const int rows = (int)min((int64_t)kBQ8, p.len_q - r0), D = (int)p.head_dim, dp = (int)w.dp;
+  const int rows = (int)min((int64_t)kBQ8, p.len_q - r0), D = (int)p.head_dim;
+  constexpr int dp = DP;
   const int pitch = dp + 4;
   stage_rows(tile, p.q, p.dtype, p.q_stride, b, h, r0, rows, kBQ8, D, dp, a.vec_q);
   __syncthreads();
@@ -234,13 +256,15 @@ __global__ void __launch_bounds__(kThreads) quantize_q_kernel(const Int8Args a, 
 
 /* One 64-row block of one (batch, query head) of dO: Drow and the smoothed lse per row, dO^ per
  * channel (perm tiles), dO in 16 bits. */
+template <int DP>
 __global__ void __launch_bounds__(kThreads) prepare_do_kernel(const Int8Args a) {
   extern __shared__ __align__(16) float tile[]; /* dO, then O: [2][64][dp + 4] */
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
   const int64_t bh = blockIdx.x / w.nqb, i = blockIdx.x % w.nqb;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q, r0 = i * kBQ8;
-  const int rows = (int)min((int64_t)kBQ8, p.len_q - r0), D = (int)p.head_dim, dp = (int)w.dp;
+  const int rows = (int)min((int64_t)kBQ8, p.len_q - r0), D = (int)p.head_dim;
+  constexpr int dp = DP;
   const int pitch = dp + 4;
   float *otile = tile + kBQ8 * pitch;
   stage_rows(tile, a.grad_out, p.dtype, a.grad_out_stride, b, h, r0, rows, kBQ8, D, dp, a.vec_do);
@@ -300,28 +324,46 @@ bool allow_smem(Kernel kernel, int bytes, int (&done)[64]) {
 
 }  // namespace
 
-fp4attn_status launch_int8_prepare(const Int8Args &a, bool backward, cudaStream_t s) {
+namespace {
+
+template <int DP>
+fp4attn_status launch_prepare(const Int8Args &a, bool backward, cudaStream_t s) {
   static int kv_smem[64], q_smem[64], do_smem[64];
   const Int8Workspace &w = a.ws;
-  const int dp = (int)w.dp;
+  constexpr int dp = DP;
   const int64_t bhk = a.p.batch * a.p.heads_kv, bhq = a.p.batch * a.p.heads_q;
   if (bhk * w.nkb > 0x7FFFFFFFLL || bhq * w.nqb > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many blocks");
   const int kv_bytes = tile_bytes(kBK8, dp), q_bytes = tile_bytes(kBQ8, dp);
-  if (!allow_smem(quantize_kv_kernel, kv_bytes, kv_smem) ||
-      !allow_smem(quantize_q_kernel, q_bytes, q_smem) ||
-      (backward && !allow_smem(prepare_do_kernel, 2 * q_bytes, do_smem)))
+  if (!allow_smem(quantize_kv_kernel<DP>, kv_bytes, kv_smem) ||
+      !allow_smem(quantize_q_kernel<DP>, q_bytes, q_smem) ||
+      (backward && !allow_smem(prepare_do_kernel<DP>, 2 * q_bytes, do_smem)))
     return launch_status("int8 attention: prepare (shared memory)");
   kbar_partial_kernel<<<(unsigned)(bhk * w.nkb), kThreads, 0, s>>>(a);
   kbar_final_kernel<<<(unsigned)bhk, kThreads, 0, s>>>(a);
-  quantize_kv_kernel<<<(unsigned)(bhk * w.nkb), kThreads, kv_bytes, s>>>(a, backward);
-  quantize_q_kernel<<<(unsigned)(bhq * w.nqb), kThreads, q_bytes, s>>>(a, backward);
+  quantize_kv_kernel<DP><<<(unsigned)(bhk * w.nkb), kThreads, kv_bytes, s>>>(a, backward);
+  quantize_q_kernel<DP><<<(unsigned)(bhq * w.nqb), kThreads, q_bytes, s>>>(a, backward);
   if (backward) {
-    prepare_do_kernel<<<(unsigned)(bhq * w.nqb), kThreads, 2 * q_bytes, s>>>(a);
+    prepare_do_kernel<DP><<<(unsigned)(bhq * w.nqb), kThreads, 2 * q_bytes, s>>>(a);
     cudaMemsetAsync(w.dq_acc, 0, sizeof(float) * bhq * a.p.len_q * w.dp, s);
     cudaMemsetAsync(w.ds_rowsum, 0, sizeof(float) * bhq * a.p.len_q, s);
   }
   return launch_status("int8 attention: prepare");
+}
+
+}  // namespace
+
+/* The padded head dim is a template parameter of the staged kernels: their per-element index
+ * arithmetic (row = i / dp, ...) is then shifts, not divisions (which made them issue-bound). */
+fp4attn_status launch_int8_prepare(const Int8Args &a, bool backward, cudaStream_t s) {
+  switch (a.ws.dp) {
+    case 64:
+      return launch_prepare<64>(a, backward, s);
+    case 128:
+      return launch_prepare<128>(a, backward, s);
+    default:
+      return launch_prepare<256>(a, backward, s);
+  }
 }
 
 fp4attn_status launch_int8_finish_dq(const Int8Args &a, cudaStream_t s) {
