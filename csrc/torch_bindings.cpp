@@ -400,9 +400,9 @@ std::tuple<at::Tensor, at::Tensor> int8_attention(const at::Tensor &q_in, const 
   const bool empty = p.len_k == 0;
   at::Tensor out = empty ? at::zeros({p.batch, p.heads_q, p.len_q, p.head_dim}, c.q.options())
                          : at::empty({p.batch, p.heads_q, p.len_q, p.head_dim}, c.q.options());
-  at::Tensor lse = empty ? at::full({p.batch, p.heads_q, p.len_q}, -INFINITY,
-                                    c.q.options().dtype(at::kFloat))
-                         : at::empty({p.batch, p.heads_q, p.len_q}, c.q.options().dtype(at::kFloat));
+  at::Tensor lse =
+      empty ? at::full({p.batch, p.heads_q, p.len_q}, -INFINITY, c.q.options().dtype(at::kFloat))
+            : at::empty({p.batch, p.heads_q, p.len_q}, c.q.options().dtype(at::kFloat));
   if (out.numel() == 0 || empty) return {out, lse};
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();

@@ -152,8 +152,9 @@ static inline fp4attn_status plan_attention(const fp4attn_attention_params *p, A
 }
 
 /* The kernel of an 8-bit call (SPEC_INT8). AUTO: the wgmma forward (int8/forward_sm90.cu) on
- * compute capability 9.0 with an sm_90a build and head dim <= 128, else the mma.sync kernels (int8/,
- * sm_80 and newer). The backward has the mma.sync kernel only: a request for another is refused. */
+ * compute capability 9.0 with an sm_90a build and head dim <= 128, else the mma.sync kernels
+ * (int8/, sm_80 and newer). The backward has the mma.sync kernel only: a request for another is
+ * refused. */
 static inline fp4attn_status plan_int8_attention(const fp4attn_attention_params *p, bool backward,
                                                  fp4attn_kernel *kernel) {
   if (p->kernel != FP4ATTN_KERNEL_AUTO && p->kernel != FP4ATTN_KERNEL_SM80 &&

@@ -29,7 +29,7 @@ namespace {
 
 using namespace sm90;
 
-constexpr int kThreads = 384; /* producer + 2 consumer warpgroups */
+constexpr int kThreads = 384;   /* producer + 2 consumer warpgroups */
 constexpr int kRows = 2 * kBQ8; /* query rows per block: one Q^ block per consumer */
 /* Named barriers (0 is __syncthreads): the consumers' turns at issuing wgmma, one per consumer;
  * one consumer arrives, the other syncs. */
@@ -92,7 +92,7 @@ __device__ __forceinline__ uint32_t p_word(float e) {
 template <int DP>
 struct Int8Sm90 {
   using C = Sm90Config<DP>;
-  static constexpr int kQkRow = DP;  /* bytes per Q^ / K^ row: their swizzle width */
+  static constexpr int kQkRow = DP;      /* bytes per Q^ / K^ row: their swizzle width */
   static constexpr int kSteps = DP / 32; /* k32 steps of S */
 
   static __device__ void producer(const Int8Sm90Params &prm, char *tiles, int64_t nqi) {
@@ -166,9 +166,9 @@ struct Int8Sm90 {
     for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* l: this thread's partial sums */
     float fold_alpha[2] = {0.0f, 0.0f}, fold_pf[2] = {0.0f, 0.0f}; /* of the PV in flight */
-    uint32_t pa[4][4];  /* P^ of the last tile: A fragments of its 4 k32 steps */
-    int pv[DP / 8][4];  /* P^ V^ of the last tile, exact */
-    int prev = 0;       /* its stage */
+    uint32_t pa[4][4]; /* P^ of the last tile: A fragments of its 4 k32 steps */
+    int pv[DP / 8][4]; /* P^ V^ of the last tile, exact */
+    int prev = 0;      /* its stage */
 
     /* O = alpha O + pf (PV * sV) per column, sV of stage s; then the stage is released. Once
      * the row maxima settle, alpha is exactly 1 in every row of the warp: no rescaling. */
@@ -352,8 +352,8 @@ struct Int8Sm90 {
     if (threadIdx.x == 0) {
       const uint32_t bars = smem_u32(tiles + C::kOffBar);
       for (int s = 0; s < C::kStages; ++s) {
-        mbar_init(bars + 8 * s, 1);                       /* full: the producer's arrival + bytes */
-        mbar_init(bars + 8 * (C::kStages + s), 8);        /* empty: the 8 consumer warps */
+        mbar_init(bars + 8 * s, 1);                /* full: the producer's arrival + bytes */
+        mbar_init(bars + 8 * (C::kStages + s), 8); /* empty: the 8 consumer warps */
       }
       mbar_init(bars + 16 * C::kStages, 1); /* Q^ full */
       mbar_init_fence();
@@ -392,7 +392,8 @@ fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
   const Int8Workspace &w = a.ws;
   Int8Sm90Params prm;
   prm.a = a;
-  const cuuint64_t bhq = (cuuint64_t)(p.batch * p.heads_q), bhk = (cuuint64_t)(p.batch * p.heads_kv);
+  const cuuint64_t bhq = (cuuint64_t)(p.batch * p.heads_q),
+                   bhk = (cuuint64_t)(p.batch * p.heads_kv);
   const cuuint64_t qdims[3] = {(cuuint64_t)DP, (cuuint64_t)w.nqp, bhq};
   const cuuint64_t qstrides[2] = {(cuuint64_t)DP, (cuuint64_t)(w.nqp * DP)};
   fp4attn_status st = encode_byte_map(prm.qmap, w.qc, qdims, qstrides, DP, kRows, "Q^");

@@ -202,7 +202,8 @@ __device__ __forceinline__ void store_forward_rows(const fp4attn_attention_param
     const float lsum = quad_sum(l[r]);
     const int64_t row = rows.row0 + g + 8 * r;
     if (row >= p.len_q) continue;
-    const int64_t base = rows.b * p.out_stride[0] + rows.h * p.out_stride[1] + row * p.out_stride[2];
+    const int64_t base =
+        rows.b * p.out_stride[0] + rows.h * p.out_stride[1] + row * p.out_stride[2];
 #pragma unroll
     for (int n = 0; n < DP / 8; ++n) {
       const int col = n * 8 + 2 * t;

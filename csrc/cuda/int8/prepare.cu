@@ -67,9 +67,9 @@ __device__ __forceinline__ void store16(int8_t *dst, F code) {
  * memory, coalesced (16-byte loads where `vec`), zeros past `rows` and past D. Each thread issues
  * kBatch loads before it stores any: the compiler cannot move a global load above a store through
  * another pointer, and one load in flight per thread leaves DRAM idle. */
-__device__ __forceinline__ void stage_rows(float *tile, const void *x, fp4attn_dtype dt, const int64_t *st,
-                           int64_t b, int64_t h, int64_t r0, int rows, int rows_max, int D, int dp,
-                           bool vec) {
+__device__ __forceinline__ void stage_rows(float *tile, const void *x, fp4attn_dtype dt,
+                                           const int64_t *st, int64_t b, int64_t h, int64_t r0,
+                                           int rows, int rows_max, int D, int dp, bool vec) {
   constexpr int kBatch = 4;
   const int groups = dp / 8, pitch = dp + 4, n = rows_max * groups;
   for (int i0 = threadIdx.x; i0 < n; i0 += kBatch * kThreads) {

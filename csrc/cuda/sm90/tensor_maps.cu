@@ -81,9 +81,9 @@ fp4attn_status encode_byte_map(CUtensorMap &map, const void *base, const cuuint6
     return fp4attn_error(FP4ATTN_ERR_CUDA,
                          "int8 attention (sm90 kernel): the driver has no cuTensorMapEncodeTiled");
   const cuuint32_t box[3] = {inner, rows, 1};
-  const CUresult r = encode_tiled<3>(
-      encode, map, CU_TENSOR_MAP_DATA_TYPE_UINT8, base, dims, strides, box,
-      inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
+  const CUresult r =
+      encode_tiled<3>(encode, map, CU_TENSOR_MAP_DATA_TYPE_UINT8, base, dims, strides, box,
+                      inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
   if (r != CUDA_SUCCESS)
     return fp4attn_error(FP4ATTN_ERR_CUDA,
                          "int8 attention (sm90 kernel): cuTensorMapEncodeTiled failed for %s (%d)",
