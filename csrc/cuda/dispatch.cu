@@ -5,11 +5,10 @@
  * (sm80/, sm90/, sm120/) computes the output; decode shapes run the fused split-KV decode
  * (decode/sdpa_decode.cu) instead, without the pre-pass. The 8-bit attention (SPEC_INT8) enters
  * here too: its preparation kernels, then the int8/ forward or backward; and the FP4 KV cache (SPEC
- * 6): decode/'s append and split-KV decode.
+ * 6): kv_cache/'s append and split-KV decode.
  */
 #include <type_traits>
 
-#include "decode/decode.h"
 #include "decode/sdpa_decode.h"
 #include "heuristics.h"
 #include "int8/attention_int8.h"
@@ -238,7 +237,7 @@ extern "C" fp4attn_status fp4attn_cuda_kv_append(const fp4attn_kv_append_params 
 
 extern "C" int64_t fp4attn_cuda_decode_workspace_bytes(const fp4attn_decode_params *p) {
   if (fp4attn_check_decode_params(p).code != FP4ATTN_OK) return 0;
-  return plan_decode(*p).bytes;
+  return plan_kv_decode(p).bytes;
 }
 
 extern "C" fp4attn_status fp4attn_cuda_decode(const fp4attn_decode_params *p, void *workspace,
@@ -247,5 +246,5 @@ extern "C" fp4attn_status fp4attn_cuda_decode(const fp4attn_decode_params *p, vo
   if (st.code != FP4ATTN_OK) return st;
   st = check_workspace(workspace, "decode");
   if (st.code != FP4ATTN_OK) return st;
-  return launch_decode(*p, plan_decode(*p), workspace, static_cast<cudaStream_t>(stream));
+  return launch_kv_decode(*p, plan_kv_decode(p), workspace, static_cast<cudaStream_t>(stream));
 }

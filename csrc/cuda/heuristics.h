@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "decode/sdpa_decode.h"
+#include "kv_cache/kv_cache.h"
 #include "tile/workspace.cuh"
 
 #define FP4ATTN_STR2(x) #x
@@ -149,6 +150,29 @@ static inline fp4attn_status plan_attention(const fp4attn_attention_params *p, A
   if (k == FP4ATTN_KERNEL_DECODE && p->batch * p->heads_kv * plan->decode.mtiles > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: kernel decode: too many heads");
   return fp4attn_ok();
+}
+
+/* The plan of a decode on the FP4 KV cache (kv_cache/decode.cu). Splits fill whole waves: as many
+ * blocks as are resident at once (a second, partial wave would leave most SMs idle at its end),
+ * each with at least two chunks per warp over the keys a full cache (or the window) lets a tile
+ * read. */
+static inline KvDecodePlan plan_kv_decode(const fp4attn_decode_params *p) {
+  KvDecodePlan d;
+  d.dp = padded_head_dim(p->cache.head_dim);
+  const int64_t G = p->heads_q / p->cache.heads_kv;
+  d.rows = G * p->len_q <= 8 ? 8 : 16; /* N of the transposed products: 1 or 2 n-tiles */
+  d.mtiles = ceil_div(G * p->len_q, d.rows);
+  d.tiles = p->cache.batch * p->cache.heads_kv * d.mtiles;
+  int64_t keys = p->cache.max_pages * p->cache.page_size;
+  if (p->window > 0) keys = std::min(keys, p->window + p->len_q + kKvDecodeChunk);
+  const int64_t chunks = ceil_div(keys, kKvDecodeChunk);
+  const int64_t wave = (int64_t)kv_decode_blocks_per_sm(*p, d.dp, d.rows) * sm_count();
+  d.splits = std::max<int64_t>(1, std::min<int64_t>(wave / d.tiles, chunks / (2 * kKvDecodeWarps)));
+  d.o_part_bytes = round_up(4 * d.tiles * d.splits * d.rows * d.dp, 256);
+  d.ml_part_bytes = round_up(4 * d.tiles * d.splits * d.rows * 2, 256);
+  d.qshift_bytes = round_up(4 * d.tiles * d.rows, 256);
+  d.bytes = d.o_part_bytes + d.ml_part_bytes + d.qshift_bytes;
+  return d;
 }
 
 /* The kernel of an 8-bit call (SPEC_INT8). AUTO: the wgmma forward (int8/forward_sm90.cu) on

@@ -1,5 +1,5 @@
 /*
- * Exhaustive check of the KV-cache decode's E2M1 decoder (e2m1_pairs, csrc/cuda/decode/
+ * Exhaustive check of the KV-cache decode's E2M1 decoder (e2m1_pairs, csrc/cuda/kv_cache/
  * e2m1_pairs.cuh): for every 32-bit word of 8 codes and every pair position j, pair j must be
  * the exact FP16 values of codes j and j + 4 times 2^-14, with no bit of the other six codes.
  * The host emulation always runs (seconds); the device code too where a GPU is present. Build
@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "../../csrc/cuda/decode/e2m1_pairs.cuh"
+#include "../../csrc/cuda/kv_cache/e2m1_pairs.cuh"
 #include "../../csrc/include/fp4attn/numerics.h"
 #include "cuda_check.h"
 

@@ -50,8 +50,8 @@
 #include "../common/smem_tiles.cuh"
 #include "../tile/qmean_bias.cuh"
 #include "../tile/softmax.cuh"
+#include "../tile/split_merge.cuh"
 #include "sdpa_decode.h"
-#include "split_merge.cuh"
 
 namespace fp4attn_cuda {
 

@@ -48,6 +48,14 @@ struct DecodeSchedule {
   int64_t mtiles, splits, tiles_per_split, chunks, chunk_len;
 };
 
+/* How a decode call on the FP4 KV cache (kv_cache/decode.cu) is split (planned by heuristics.h,
+ * plan_kv_decode): tiles of `rows` (8 or 16) query rows (G query heads x len_q positions of one
+ * (batch, KV head), in m-tiles) times `splits` key ranges; its workspace layout. */
+struct KvDecodePlan {
+  int64_t dp, rows, mtiles, tiles, splits;
+  int64_t o_part_bytes, ml_part_bytes, qshift_bytes, bytes;
+};
+
 /* How one attention call runs (planned by heuristics.h); the workspace is sized for it. */
 struct AttnPlan {
   fp4attn_kernel kernel; /* never AUTO */

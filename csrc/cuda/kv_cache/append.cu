@@ -5,7 +5,7 @@
  * first (sums in token order: bit-exact with the CPU backend).
  */
 #include "../common/device.cuh"
-#include "decode.h"
+#include "kv_cache.h"
 
 namespace fp4attn_cuda {
 namespace {

@@ -12,8 +12,8 @@
  * the ALU pipe) per word. A multiply by a scale times 2^14 (kE2m1Unit) gives the exact product.
  * Host emulation of prmt included; tests/cuda_harness/check_e2m1_pairs.cu checks every case.
  */
-#ifndef FP4ATTN_CUDA_DECODE_E2M1_PAIRS_CUH
-#define FP4ATTN_CUDA_DECODE_E2M1_PAIRS_CUH
+#ifndef FP4ATTN_CUDA_KV_CACHE_E2M1_PAIRS_CUH
+#define FP4ATTN_CUDA_KV_CACHE_E2M1_PAIRS_CUH
 
 #include <cstdint>
 
@@ -76,4 +76,4 @@ __host__ __device__ __forceinline__ void e2m1_pairs(uint32_t w, uint32_t (&pair)
 
 }  // namespace fp4attn_cuda
 
-#endif /* FP4ATTN_CUDA_DECODE_E2M1_PAIRS_CUH */
+#endif /* FP4ATTN_CUDA_KV_CACHE_E2M1_PAIRS_CUH */

@@ -1,13 +1,13 @@
 /*
- * The last step of the split-KV decodes (decode.cu, sdpa_decode.cu): each query row of a tile of
- * `rows` merges its splits' partial results by their row maxima and writes O / l and the lse.
- * Both kernels lay their partials out alike: o_part [tiles][splits][rows][DP] (unnormalised O),
- * ml_part [tiles][splits][rows][2] (row max in log2 units, row sum), qshift [tiles][rows] (the
- * lse's constant term); tile = (b x Hkv + hk) x mtiles + mt, tile row R = query head hk G + R /
- * len_q at position R % len_q.
+ * The last step of the split-KV decodes (kv_cache/decode.cu, decode/sdpa_decode.cu): each query row
+ * of a tile of `rows` merges its splits' partial results by their row maxima and writes O / l and
+ * the lse. Both kernels lay their partials out alike: o_part [tiles][splits][rows][DP]
+ * (unnormalised O), ml_part [tiles][splits][rows][2] (row max in log2 units, row sum), qshift
+ * [tiles][rows] (the lse's constant term); tile = (b x Hkv + hk) x mtiles + mt, tile row R = query
+ * head hk G + R / len_q at position R % len_q.
  */
-#ifndef FP4ATTN_CUDA_DECODE_SPLIT_MERGE_CUH
-#define FP4ATTN_CUDA_DECODE_SPLIT_MERGE_CUH
+#ifndef FP4ATTN_CUDA_TILE_SPLIT_MERGE_CUH
+#define FP4ATTN_CUDA_TILE_SPLIT_MERGE_CUH
 
 #include "../common/device.cuh"
 
@@ -96,4 +96,4 @@ void launch_split_merge(const SplitMerge &m, int64_t tiles, cudaStream_t s) {
 
 }  // namespace fp4attn_cuda
 
-#endif /* FP4ATTN_CUDA_DECODE_SPLIT_MERGE_CUH */
+#endif /* FP4ATTN_CUDA_TILE_SPLIT_MERGE_CUH */

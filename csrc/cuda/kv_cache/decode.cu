@@ -42,16 +42,16 @@
 #include <mutex>
 
 #include "../common/smem_tiles.cuh"
-#include "decode.h"
+#include "../tile/split_merge.cuh"
 #include "e2m1_pairs.cuh"
-#include "split_merge.cuh"
+#include "kv_cache.h"
 
 namespace fp4attn_cuda {
 
 namespace {
 
-constexpr int kWarps = 4, kThreads = 32 * kWarps;
-constexpr int kChunk = 32; /* keys per warp step */
+constexpr int kWarps = kKvDecodeWarps, kThreads = 32 * kWarps;
+constexpr int kChunk = kKvDecodeChunk;
 
 /* (rows = the tile's 8 or 16 query rows) */
 struct DecodeArgs {
@@ -683,7 +683,7 @@ int blocks_per_sm(DecodeKernel kernel, int smem) {
 }
 
 template <int DP>
-fp4attn_status launch_dp(const DecodeArgs &a, const DecodePlan &plan, cudaStream_t s) {
+fp4attn_status launch_dp(const DecodeArgs &a, const KvDecodePlan &plan, cudaStream_t s) {
   int smem = 0;
   const DecodeKernel kernel = kernel_for(a.p, DP, plan.rows, &smem);
   blocks_per_sm(kernel, smem); /* raises the kernel's shared memory limit once */
@@ -709,33 +709,14 @@ fp4attn_status launch_dp(const DecodeArgs &a, const DecodePlan &plan, cudaStream
 
 }  // namespace
 
-DecodePlan plan_decode(const fp4attn_decode_params &p) {
-  DecodePlan d;
-  const int64_t hd = p.cache.head_dim;
-  d.dp = hd <= 64 ? 64 : (hd <= 128 ? 128 : 256);
-  const int64_t G = p.heads_q / p.cache.heads_kv;
-  d.rows = G * p.len_q <= 8 ? 8 : 16; /* N of the transposed products: 1 or 2 n-tiles */
-  d.mtiles = ceil_div(G * p.len_q, d.rows);
-  d.tiles = p.cache.batch * p.cache.heads_kv * d.mtiles;
-  /* Splits fill whole waves: as many blocks as are resident at once (a second, partial wave
-   * would leave most SMs idle at its end), each with at least two chunks per warp over the keys
-   * a full cache (or the window) lets a tile read. */
-  int64_t keys = p.cache.max_pages * p.cache.page_size;
-  if (p.window > 0) keys = std::min(keys, p.window + p.len_q + kChunk);
-  const int64_t chunks = ceil_div(keys, kChunk);
+int kv_decode_blocks_per_sm(const fp4attn_decode_params &p, int64_t dp, int64_t rows) {
   int smem = 0;
-  const DecodeKernel kernel = kernel_for(p, d.dp, d.rows, &smem);
-  const int64_t wave = (int64_t)blocks_per_sm(kernel, smem) * sm_count();
-  d.splits = std::max<int64_t>(1, std::min<int64_t>(wave / d.tiles, chunks / (2 * kWarps)));
-  d.o_part_bytes = round_up(4 * d.tiles * d.splits * d.rows * d.dp, 256);
-  d.ml_part_bytes = round_up(4 * d.tiles * d.splits * d.rows * 2, 256);
-  d.qshift_bytes = round_up(4 * d.tiles * d.rows, 256);
-  d.bytes = d.o_part_bytes + d.ml_part_bytes + d.qshift_bytes;
-  return d;
+  const DecodeKernel kernel = kernel_for(p, dp, rows, &smem);
+  return blocks_per_sm(kernel, smem);
 }
 
-fp4attn_status launch_decode(const fp4attn_decode_params &p, const DecodePlan &plan,
-                             void *workspace, cudaStream_t s) {
+fp4attn_status launch_kv_decode(const fp4attn_decode_params &p, const KvDecodePlan &plan,
+                                void *workspace, cudaStream_t s) {
   if (plan.tiles > 0x7FFFFFFFLL || plan.splits > 65535)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "decode: too many tiles");
   if (p.cache.num_pages * p.cache.heads_kv * p.cache.page_size > 0x7FFFFFFFLL)
