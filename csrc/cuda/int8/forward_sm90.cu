@@ -64,16 +64,32 @@ struct Int8Sm90Params {
   CUtensorMap qmap, kmap, vmap;
 };
 
-/* Block c's 128 query rows: causal calls longest first across all heads, otherwise head-major
- * (neighbouring blocks share K^ and V^ in L2), as forward.cu orders its blocks. */
+/* This block's 128 query rows (item qi of (batch, query head) bh; bhk its KV head): causal
+ * calls longest first across all heads, otherwise head-major (neighbouring blocks share K^ and
+ * V^ in L2), as forward.cu orders its blocks. */
 struct Int8Item {
-  int64_t bh, qi;
+  int64_t b, h, bh, bhk, qi;
 };
 __device__ __forceinline__ Int8Item int8_item(const fp4attn_attention_params &p, int64_t nqi) {
   const int64_t bhq = p.batch * p.heads_q;
-  if (p.causal) return {(int64_t)blockIdx.x % bhq, nqi - 1 - (int64_t)blockIdx.x / bhq};
-  return {(int64_t)blockIdx.x / nqi, (int64_t)blockIdx.x % nqi};
+  Int8Item it;
+  it.bh = p.causal ? (int64_t)blockIdx.x % bhq : (int64_t)blockIdx.x / nqi;
+  it.qi = p.causal ? nqi - 1 - (int64_t)blockIdx.x / bhq : (int64_t)blockIdx.x % nqi;
+  it.b = it.bh / p.heads_q;
+  it.h = it.bh % p.heads_q;
+  it.bhk = it.b * p.heads_kv + it.h / (p.heads_q / p.heads_kv);
+  return it;
 }
+
+/* The block's mbarriers (8 bytes each, from Sm90Config::kOffBar): "full" per stage (the
+ * producer's arrival and the stage's bytes), "empty" per stage (the 8 consumer warps), Q^ full. */
+template <int kStages>
+struct Int8Bars {
+  uint32_t base;
+  __device__ uint32_t full(int s) const { return base + 8 * s; }
+  __device__ uint32_t empty(int s) const { return base + 8 * (kStages + s); }
+  __device__ uint32_t qfull() const { return base + 16 * kStages; }
+};
 
 #if defined(FP4ATTN_SM90_WGMMA)
 
@@ -100,28 +116,24 @@ struct Int8Sm90 {
     const fp4attn_attention_params &p = a.p;
     const Int8Workspace &w = a.ws;
     const Int8Item it = int8_item(p, nqi);
-    const int64_t b = it.bh / p.heads_q, h = it.bh % p.heads_q;
-    const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
     const int ntiles = tile_count(p, w, it.qi);
-    const uint32_t bars = smem_u32(tiles + C::kOffBar);
-    const auto full = [&](int s) { return bars + 8 * s; };
-    const auto empty = [&](int s) { return bars + 8 * (C::kStages + s); };
-    const uint32_t qfull = bars + 16 * C::kStages;
+    const Int8Bars<C::kStages> bar{smem_u32(tiles + C::kOffBar)};
 
-    mbar_expect_tx(qfull, C::kQBytes);
-    tma_load_3d(smem_u32(tiles + C::kOffQ), &prm.qmap, 0, (int)(it.qi * kRows), (int)it.bh, qfull);
-    mbar_arrive(qfull);
+    mbar_expect_tx(bar.qfull(), C::kQBytes);
+    tma_load_3d(smem_u32(tiles + C::kOffQ), &prm.qmap, 0, (int)(it.qi * kRows), (int)it.bh,
+                bar.qfull());
+    mbar_arrive(bar.qfull());
     for (int j = 0; j < ntiles; ++j) {
       const int s = j % C::kStages;
-      if (j >= C::kStages) mbar_wait(empty(s), ((j / C::kStages) - 1) & 1);
-      mbar_expect_tx(full(s), C::kKBytes + C::kVBytes + C::kSvBytes);
-      tma_load_3d(smem_u32(tiles + C::kOffK + s * C::kKBytes), &prm.kmap, 0, j * kBK8, (int)bhk,
-                  full(s));
-      tma_load_3d(smem_u32(tiles + C::kOffV + s * C::kVBytes), &prm.vmap, 0, j * DP, (int)bhk,
-                  full(s));
-      bulk_load(smem_u32(tiles + C::kOffSv + s * C::kSvBytes), w.sv + (bhk * w.nkb + j) * DP,
-                C::kSvBytes, full(s));
-      mbar_arrive(full(s));
+      if (j >= C::kStages) mbar_wait(bar.empty(s), ((j / C::kStages) - 1) & 1);
+      mbar_expect_tx(bar.full(s), C::kKBytes + C::kVBytes + C::kSvBytes);
+      tma_load_3d(smem_u32(tiles + C::kOffK + s * C::kKBytes), &prm.kmap, 0, j * kBK8, (int)it.bhk,
+                  bar.full(s));
+      tma_load_3d(smem_u32(tiles + C::kOffV + s * C::kVBytes), &prm.vmap, 0, j * DP, (int)it.bhk,
+                  bar.full(s));
+      bulk_load(smem_u32(tiles + C::kOffSv + s * C::kSvBytes), w.sv + (it.bhk * w.nkb + j) * DP,
+                C::kSvBytes, bar.full(s));
+      mbar_arrive(bar.full(s));
     }
   }
 
@@ -140,15 +152,10 @@ struct Int8Sm90 {
     const int ctid = threadIdx.x - 128, cwg = ctid >> 7, wwarp = (ctid >> 5) & 3, lane = ctid & 31;
     const int t = lane & 3;
     const Int8Item it = int8_item(p, nqi);
-    const int64_t b = it.bh / p.heads_q, h = it.bh % p.heads_q;
-    const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
     const int64_t qb = 2 * it.qi + cwg; /* this warpgroup's Q^ block (past nqb: padding rows) */
     const int ntiles = tile_count(p, w, it.qi);
-    const WarpRows rows{b, h, qb * kBQ8 + wwarp * 16};
-    const uint32_t bars = smem_u32(tiles + C::kOffBar);
-    const auto full = [&](int s) { return bars + 8 * s; };
-    const auto empty = [&](int s) { return bars + 8 * (C::kStages + s); };
-    const uint32_t qfull = bars + 16 * C::kStages;
+    const WarpRows rows{it.b, it.h, qb * kBQ8 + wwarp * 16};
+    const Int8Bars<C::kStages> bar{smem_u32(tiles + C::kOffBar)};
     const uint64_t q_desc = kmajor_desc<kQkRow>(smem_u32(tiles + C::kOffQ) + cwg * kBQ8 * DP);
     const auto k_desc = [&](int s) {
       return kmajor_desc<kQkRow>(smem_u32(tiles + C::kOffK + s * C::kKBytes));
@@ -186,7 +193,7 @@ struct Int8Sm90 {
         }
       }
       __syncwarp();
-      if (lane == 0) mbar_arrive(empty(s));
+      if (lane == 0) mbar_arrive(bar.empty(s));
     };
     const auto issue_pv = [&](int s) {
       const uint64_t vd = v_desc(s);
@@ -215,7 +222,7 @@ struct Int8Sm90 {
      * its row maxima on the integers (f x is increasing in x, and FP32 rounding keeps that
      * order) and leaves acc as it is; a masked tile gets its scores scaled and masked in acc. */
     const auto tile_stats = [&](int j) {
-      f = ((sq * w.sk[bhk * w.nkb + j]) * p.scale) * kLog2e;
+      f = ((sq * w.sk[it.bhk * w.nkb + j]) * p.scale) * kLog2e;
       const int64_t j0 = (int64_t)j * kBK8;
       scores_in_acc = tile_has_masks(p, j0, rows.row0) || !(f >= 0.0f);
       float tr2[2];
@@ -292,10 +299,10 @@ struct Int8Sm90 {
       }
     };
 
-    mbar_wait(qfull, 0);
+    mbar_wait(bar.qfull(), 0);
     if (ntiles > 0) {
       /* tile 0: S only */
-      mbar_wait(full(0), 0);
+      mbar_wait(bar.full(0), 0);
       turn_begin();
       wgmma_fence();
       issue_scores(0);
@@ -307,7 +314,7 @@ struct Int8Sm90 {
       make_p();
       for (int j = 1; j < ntiles; ++j) {
         const int s = j % C::kStages;
-        mbar_wait(full(s), (j / C::kStages) & 1);
+        mbar_wait(bar.full(s), (j / C::kStages) & 1);
         turn_begin();
         wgmma_fence();
         issue_scores(s);
@@ -350,12 +357,12 @@ struct Int8Sm90 {
     const int64_t nqi = (prm.a.p.len_q + kRows - 1) / kRows;
     char *tiles = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
     if (threadIdx.x == 0) {
-      const uint32_t bars = smem_u32(tiles + C::kOffBar);
+      const Int8Bars<C::kStages> bar{smem_u32(tiles + C::kOffBar)};
       for (int s = 0; s < C::kStages; ++s) {
-        mbar_init(bars + 8 * s, 1);                /* full: the producer's arrival + bytes */
-        mbar_init(bars + 8 * (C::kStages + s), 8); /* empty: the 8 consumer warps */
+        mbar_init(bar.full(s), 1);
+        mbar_init(bar.empty(s), 8);
       }
-      mbar_init(bars + 16 * C::kStages, 1); /* Q^ full */
+      mbar_init(bar.qfull(), 1);
       mbar_init_fence();
     }
     __syncthreads();
