@@ -7,6 +7,16 @@ committed result lives; it was made on an H200).
 
     python examples/train_gpt_int8.py [--steps 1500] [--corpus austen.txt] [--out DIR]
 
+The parity protocol (one run says nothing about training): several seeds per arm (--seeds 0,1,2;
+each seed gives both arms the same initial weights and batches), long enough sequences
+(--seq 1024) and steps for the validation curve to flatten. It reports per arm the mean +- std
+(and range) of the final validation loss and the step at which the validation loss first reaches
+--target-loss (default: 1.02 x the torch arm's mean final loss), and whether the int8 arm is at
+parity: mean within 0.5 % of torch's, inside torch's seed range, and no later to the target. The
+plot shows each arm's mean validation curve with its seed range.
+
+    python examples/train_gpt_int8.py --seq 1024 --batch 8 --steps 6000 --seeds 0,1,2
+
 The corpus: --corpus FILE, else Jane Austen's six novels from the janeaustenr package
 (`bash scripts/install_models.sh`); `--write-corpus FILE` saves them as text for a machine
 without the package. The last 5% of the bytes are the validation set.
@@ -83,8 +93,8 @@ def batches(data: torch.Tensor, steps: int, batch: int, seq: int, seed: int):
         yield torch.stack([data[s:s + seq + 1] for s in starts.tolist()])
 
 
-def train(kind, data, val, args, device):
-    torch.manual_seed(args.seed)  # same initial weights for both runs
+def train(kind, data, val, args, device, seed):
+    torch.manual_seed(seed)  # same initial weights for both arms of a seed
     model = GPT(args.layers, args.dim, args.heads, args.seq, attention_fn(kind)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=args.steps, pct_start=0.05)
@@ -100,7 +110,7 @@ def train(kind, data, val, args, device):
         model.train()
         return torch.stack(losses).mean().item()
 
-    for step, b in enumerate(batches(data, args.steps, args.batch, args.seq, seed=args.seed), 1):
+    for step, b in enumerate(batches(data, args.steps, args.batch, args.seq, seed=seed), 1):
         b = b.to(device)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -120,11 +130,41 @@ def train(kind, data, val, args, device):
         if not math.isfinite(loss.item()):
             raise RuntimeError(f"{kind}: loss {loss.item()} at step {step}")
         if step % args.eval_every == 0 or step == args.steps:
-            rows.append({"run": kind, "step": step, "train_loss": round(loss.item(), 5),
-                         "val_loss": round(evaluate(), 5)})
-            print(f"  {kind:5s} step {step:5d}  train {rows[-1]['train_loss']:.4f}  val {rows[-1]['val_loss']:.4f}",
-                  flush=True)
+            rows.append({"run": kind, "seed": seed, "step": step,
+                         "train_loss": round(loss.item(), 5), "val_loss": round(evaluate(), 5)})
+            print(f"  {kind:5s} seed {seed} step {step:5d}  train {rows[-1]['train_loss']:.4f}  "
+                  f"val {rows[-1]['val_loss']:.4f}", flush=True)
     return rows, tokens / max(t_train, 1e-9)
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+
+
+def summarise(rows: list[dict], seeds: list[int], target: float | None) -> dict:
+    """Per arm: final validation loss (mean, std, min, max over seeds) and the first step whose
+    validation loss is <= target (mean, std over the seeds that reach it; None if one does not);
+    and the parity verdict of the protocol (module docstring)."""
+    def curve(kind, seed):
+        return [r for r in rows if r["run"] == kind and r["seed"] == seed]
+
+    finals = {k: [curve(k, s)[-1]["val_loss"] for s in seeds] for k in ("torch", "int8")}
+    if target is None:
+        target = 1.02 * sum(finals["torch"]) / len(seeds)
+    out = {"target": target}
+    for k in ("torch", "int8"):
+        reach = [next((r["step"] for r in curve(k, s) if r["val_loss"] <= target), None) for s in seeds]
+        out[k] = {"final": (*_mean_std(finals[k]), min(finals[k]), max(finals[k])),
+                  "reach": None if None in reach else _mean_std([float(x) for x in reach])}
+    t, i = out["torch"], out["int8"]
+    within = abs(i["final"][0] / t["final"][0] - 1) <= 0.005
+    inside = t["final"][2] <= i["final"][0] <= t["final"][3]
+    faster = i["reach"] is not None and (t["reach"] is None or i["reach"][0] <= t["reach"][0])
+    out["parity"] = within and inside and faster
+    out["why"] = (f"mean within 0.5 %: {'yes' if within else 'no'}, inside torch's seed range: "
+                  f"{'yes' if inside else 'no'}, no later to the target: {'yes' if faster else 'no'}")
+    return out
 
 
 def main() -> int:
@@ -138,7 +178,10 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds, each run for both arms")
+    ap.add_argument("--target-loss", type=float, default=None,
+                    help="validation loss whose first crossing measures learning speed "
+                         "(default: 1.02 x the torch arm's mean final validation loss)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--val-batches", type=int, default=16)
     ap.add_argument("--out", default=RESULTS)
@@ -154,26 +197,36 @@ def main() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"corpus {len(raw) / 1e6:.2f} MB, {args.layers} layers x {args.dim} dims x {args.heads} heads, "
           f"seq {args.seq}, batch {args.batch}, {args.steps} steps on {device}")
-    results, speed = [], {}
-    for kind in ("torch", "int8"):
-        rows, speed[kind] = train(kind, train_data, val, args, device)
-        results += rows
-    final = {k: [r for r in results if r["run"] == k][-1]["val_loss"] for k in speed}
-    rel = final["int8"] / final["torch"] - 1
-    print("\n| attention | final val loss | tokens/s |\n|---|---|---|")
-    for k in speed:
-        print(f"| {'fp4attn int8' if k == 'int8' else 'torch SDPA (bf16)' if device.type == 'cuda' else 'torch SDPA'} "
-              f"| {final[k]:.4f} | {speed[k]:,.0f} |")
-    print(f"\nint8 vs torch: final validation loss {100 * rel:+.2f}%")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    results, speed = [], {"torch": [], "int8": []}
+    for seed in seeds:
+        for kind in ("torch", "int8"):
+            rows, tps = train(kind, train_data, val, args, device, seed)
+            results += rows
+            speed[kind].append(tps)
+    summary = summarise(results, seeds, args.target_loss)
+    label = {"torch": "torch SDPA (bf16)" if device.type == "cuda" else "torch SDPA",
+             "int8": "fp4attn int8"}
+    print(f"\n{len(seeds)} seed(s); steps to val loss {summary['target']:.4f}\n")
+    print("| attention | final val loss, mean +- std (range) | steps to target, mean +- std | tokens/s |")
+    print("|---|---|---|---|")
+    for k in ("torch", "int8"):
+        f, t = summary[k]["final"], summary[k]["reach"]
+        reach = f"{t[0]:.0f} +- {t[1]:.0f}" if t else "not reached"
+        print(f"| {label[k]} | {f[0]:.4f} +- {f[1]:.4f} ({f[2]:.4f}..{f[3]:.4f}) | {reach} | "
+              f"{sum(speed[k]) / len(speed[k]):,.0f} |")
+    rel = summary["int8"]["final"][0] / summary["torch"]["final"][0] - 1
+    print(f"\nint8 vs torch: mean final validation loss {100 * rel:+.2f}%; parity: "
+          f"{'yes' if summary['parity'] else 'no'} ({summary['why']})")
     os.makedirs(args.out, exist_ok=True)
     hw = gpu_description() if device.type == "cuda" else cpu_description()
     for r in results:
-        r["tokens_per_s"] = round(speed[r["run"]])
+        r["tokens_per_s"] = round(speed[r["run"]][seeds.index(r["seed"])])
     write_csv(os.path.join(args.out, "train_gpt_int8.csv"), header(hw), results)
     png = os.path.join(args.out, "train_gpt_int8.png")
     if not plot_loss_curves(results, {"torch": "torch SDPA", "int8": "fp4attn int8"}, png,
-                            f"GPT on Austen: int8 attention vs torch SDPA (val {100 * rel:+.2f}%)",
-                            "cross-entropy (nats / byte)"):
+                            f"GPT on Austen, {len(seeds)} seed(s): int8 attention vs torch SDPA "
+                            f"(val {100 * rel:+.2f}%)", "cross-entropy (nats / byte)"):
         print("matplotlib missing: no plot")
     print(f"wrote {args.out}/train_gpt_int8.csv and .png")
     return 0
