@@ -5,8 +5,7 @@
     out = fp4attn.decode(q, cache)     # q [B, Hq, nq, D]: the last nq positions
 
 Keys and values are stored as NVFP4 rows (one FP32 scale per token row, E4M3 per 16 values), K
-minus its mean over the first append (re-centred once over the first KMEAN_TOKENS tokens where the
-first append was shorter), in fixed-size pages with a block table (the vLLM /
+minus its mean over the first append, in fixed-size pages with a block table (the vLLM /
 FlashInfer convention): `fp4attn.decode_paged` takes the pages, a table and per-sequence lengths
 directly, for serving engines and ragged batches. The math of the decode is not quantized
 (FP16/BF16 tensor cores or FP32 with FP32 accumulation); only the cache is.
@@ -26,9 +25,6 @@ __all__ = ["FP4KVCache", "decode", "decode_paged"]
 
 #: Tokens per page when the constructor is not told.
 DEFAULT_PAGE_SIZE = 128
-#: Tokens the K mean is taken over at least (SPEC 6): a shorter first append's mean is provisional,
-#: and the append that brings the cache to this many stored tokens re-centres it.
-KMEAN_TOKENS = 128
 #: Most query positions one decode call serves (speculative decoding); a windowed cache keeps
 #: the last window + MAX_DECODE_QUERIES - 1 tokens, all that such calls can read.
 MAX_DECODE_QUERIES = 16
@@ -75,7 +71,6 @@ class FP4KVCache:
         self._ring = None if window is None else -(-self._keep // page_size) + 1
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", comparable
         self._len = 0
-        self._kmean_tokens = 0  # stored tokens the current K mean was taken over
         self.kmean = torch.zeros(batch, kv_heads, head_dim, dtype=torch.float32, device=self.device)
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=self.device)
         pages = -(-max_tokens // page_size) if max_tokens is not None else 1
@@ -142,10 +137,9 @@ class FP4KVCache:
 
     def append(self, k: Tensor, v: Tensor) -> None:
         """Appends ``n >= 1`` tokens to every sequence: ``k, v [batch, kv_heads, n, head_dim]`` in
-        the cache's dtype and device. The first append also sets K's mean (over the tokens it
-        stores: a windowed cache stores only the last ``window + 15``); where it stores fewer than
-        ``KMEAN_TOKENS`` (or a windowed cache's ``window + 15``), the append that brings the cache
-        to that many re-centres K once (SPEC 6). On bad input nothing is changed."""
+        the cache's dtype and device. The first append also fixes K's mean (over the tokens it
+        stores: a windowed cache stores only the last ``window + 15``). On bad input nothing is
+        changed."""
         shape = (self.batch, self.kv_heads, None, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, Tensor) or t.dim() != 4 or any(
@@ -167,27 +161,10 @@ class FP4KVCache:
         skip = 0  # a windowed cache stores only the tokens a decode can still read
         if self.window is not None:
             skip = max(0, n - self._keep)
-        first = self._len == 0
         torch.ops.fp4attn.kv_append(k[:, :, skip:], v[:, :, skip:], *self.storage(), self._len + skip,
-                                    first)
+                                    self._len == 0)
         self._len = need
         self.seq_lens.fill_(need)
-        stored = self._len - self.start
-        if first:
-            self._kmean_tokens = stored
-        elif self._kmean_tokens < self._kmean_target() <= stored:
-            self._recenter()
-
-    def _kmean_target(self) -> int:
-        return KMEAN_TOKENS if self._keep is None else min(KMEAN_TOKENS, self._keep)
-
-    def _recenter(self) -> None:
-        """K's mean over every stored token, and every stored row quantized again from its
-        dequantized values (SPEC 6): the stored tokens appended anew as a first append at their
-        positions, by the same kernels, so CPU and CUDA stay bit-identical."""
-        k, v = self.dequantize()
-        torch.ops.fp4attn.kv_append(k, v, *self.storage(), self.start, True)
-        self._kmean_tokens = k.shape[2]
 
     def dequantize(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """``(k, v)`` ``[batch, kv_heads, len - start, head_dim]``: the values the decode computes
