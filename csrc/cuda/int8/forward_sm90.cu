@@ -31,10 +31,6 @@ using namespace sm90;
 
 constexpr int kThreads = 384;   /* producer + 2 consumer warpgroups */
 constexpr int kRows = 2 * kBQ8; /* query rows per block: one Q^ block per consumer */
-/* Named barriers (0 is __syncthreads): the consumers' turns at issuing wgmma, one per consumer;
- * one consumer arrives, the other syncs. */
-constexpr int kBarTurn = 1;
-constexpr int kTurnCount = 256;
 
 template <int DP>
 struct Sm90Config {
@@ -64,6 +60,13 @@ struct Int8Sm90Params {
   CUtensorMap qmap, kmap, vmap;
 };
 
+#if defined(FP4ATTN_SM90_WGMMA)
+
+/* Named barriers (0 is __syncthreads): the consumers' turns at issuing wgmma, one per consumer;
+ * one consumer arrives, the other syncs. */
+constexpr int kBarTurn = 1;
+constexpr int kTurnCount = 256;
+
 /* This block's 128 query rows (item qi of (batch, query head) bh; bhk its KV head): causal
  * calls longest first across all heads, otherwise head-major (neighbouring blocks share K^ and
  * V^ in L2), as forward.cu orders its blocks. */
@@ -90,8 +93,6 @@ struct Int8Bars {
   __device__ uint32_t empty(int s) const { return base + 8 * (kStages + s); }
   __device__ uint32_t qfull() const { return base + 16 * kStages; }
 };
-
-#if defined(FP4ATTN_SM90_WGMMA)
 
 /* P^ codes of four scores as bytes of one word, from the FP32 words v + 1.5 * 2^23 whose low
  * bytes hold rne(v) (see p_word): bytes a, b, c, d from low to high. */
