@@ -67,27 +67,35 @@ class _Quantized:
     """The forward's operands (SPEC_INT8 2.1-2.2), shared with the backward, which recomputes them
     bit-exactly from the same inputs."""
 
-    def __init__(self, q32: Tensor, k32: Tensor, v32: Tensor, G: int):
+    def __init__(self, q32: Tensor, k32: Tensor, v32: Tensor, G: int, q_block: int = BQ,
+                 k_block: int = BK):
         B, Hq, Nq, D = q32.shape
         Nk = k32.shape[2]
         self.kbar = k32.mean(dim=2, keepdim=True)  # [B, Hkv, 1, D]
-        qc, sq = psi(_blocks(q32, BQ), (3, 4))  # per 64 rows
-        kc, sk = psi(_blocks(k32 - self.kbar, BK), (3, 4))  # per 128 keys
+        qc, sq = psi(_blocks(q32, q_block), (3, 4))  # per q_block rows (SPEC: 64)
+        kc, sk = psi(_blocks(k32 - self.kbar, k_block), (3, 4))  # per k_block keys (SPEC: 128)
         vc, sv = psi(_blocks(v32, BK), (3,))  # per 128 keys and channel
-        nqb, nkb = qc.shape[2], kc.shape[2]
+        nqb, nkb, nvb = qc.shape[2], kc.shape[2], vc.shape[2]
         # per row / per key, repeated over the GQA group after quantizing (scales per KV head)
-        self.qc = qc.reshape(B, Hq, nqb * BQ, D)[:, :, :Nq]
-        self.sq = sq.reshape(B, Hq, nqb, 1).repeat_interleave(BQ, dim=2)[:, :, :Nq]  # [B,Hq,Nq,1]
-        self.kc = _per_q_head(kc.reshape(B, -1, nkb * BK, D)[:, :, :Nk], G)
-        self.sk = _per_q_head(sk.reshape(B, -1, nkb), G)  # [B, Hq, nkb]
-        self.vc = _per_q_head(vc.reshape(B, -1, nkb * BK, D)[:, :, :Nk], G)
-        self.sv = _per_q_head(sv.reshape(B, -1, nkb, D), G)  # [B, Hq, nkb, D]
+        self.qc = qc.reshape(B, Hq, nqb * q_block, D)[:, :, :Nq]
+        # [B, Hq, Nq, 1]
+        self.sq = sq.reshape(B, Hq, nqb, 1).repeat_interleave(q_block, dim=2)[:, :, :Nq]
+        self.kc = _per_q_head(kc.reshape(B, -1, nkb * k_block, D)[:, :, :Nk], G)
+        # sK of every key [B, Hq, Nk] (the scores' column scales), and per 128-key block
+        # [B, Hq, nvb] for the backward, which keeps SPEC_INT8's blocks (None otherwise)
+        self.sk_key = _per_q_head(
+            sk.reshape(B, -1, nkb, 1).repeat_interleave(k_block, dim=2)[:, :, :Nk, 0], G)
+        self.sk = _per_q_head(sk.reshape(B, -1, nkb), G) if k_block == BK else None
+        self.vc = _per_q_head(vc.reshape(B, -1, nvb * BK, D)[:, :, :Nk], G)
+        self.sv = _per_q_head(sv.reshape(B, -1, nvb, D), G)  # [B, Hq, nvb, D]
 
     def scores(self, j: int, scale: float, allowed: Tensor | None, additive: Tensor | None) -> Tensor:
-        """S_ij of key block j for every query row (SPEC_INT8 2.3), masked."""
+        """S_ij of the 128-key block j (one online-softmax step) for every query row (SPEC_INT8
+        2.3), masked. sQ and sK are per row and per key, whatever their block sizes: each
+        multiplies a row or a column of the integer product."""
         j0, j1 = j * BK, min((j + 1) * BK, self.kc.shape[2])
         acc = _mm64(self.qc, self.kc[:, :, j0:j1].transpose(-1, -2))
-        return _mask_scores(acc * ((self.sq * self.sk[:, :, j, None, None]) * scale), allowed,
+        return _mask_scores(acc * ((self.sq * self.sk_key[:, :, None, j0:j1]) * scale), allowed,
                             additive, j0, j1)
 
 
@@ -122,10 +130,21 @@ def attention_forward(
     attn_mask: Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    *,
+    q_block: int = BQ,
+    k_block: int = BK,
 ) -> tuple[Tensor, Tensor]:
     """SPEC_INT8 2: ``(out, lse)``, out float32 ``[B, Hq, Nq, D]``, lse float32 ``[B, Hq, Nq]``
     (natural log of the scaled scores, the smoothing shift ``scale * q . kbar`` added back).
-    Rows that see no key give 0 and -inf."""
+    Rows that see no key give 0 and -inf.
+
+    ``q_block`` / ``k_block`` (accuracy studies, docs/accuracy.md "INT8 scale granularity"):
+    query rows per scale of Q^ and (smoothed) keys per scale of K^, aligned at 0 like SPEC_INT8's
+    blocks; the defaults, 64 and 128, are the spec and give bit-identical results. Everything
+    else (V per 128 keys and channel, 128-key softmax steps, per-row P) is unchanged. The
+    backward keeps the spec's blocks."""
+    if q_block < 1 or k_block < 1:
+        raise ValueError(f"q_block and k_block must be >= 1, got {q_block}, {k_block}")
     G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
@@ -134,7 +153,7 @@ def attention_forward(
     lse = q32.new_full((B, Hq, Nq), -math.inf)
     if 0 in (B, Hq, Nq, Nk):
         return out, lse
-    ops = _Quantized(q32, k32, v32, G)
+    ops = _Quantized(q32, k32, v32, G, q_block, k_block)
     m = q32.new_full((B, Hq, Nq), -math.inf)
     l = q32.new_zeros(B, Hq, Nq)
     for j in range(-(-Nk // BK)):

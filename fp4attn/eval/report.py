@@ -178,12 +178,14 @@ def _fp4_fn(backend: str):
     return run
 
 
-def _int8_fn(backend: str):
+def _int8_fn(backend: str, **granularity):
+    """INT8 attention (SPEC_INT8) for swap_sdpa; ``granularity`` (``q_block``, ``k_block``) goes
+    to the reference, the only backend that has it."""
     def run(i, q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         if backend == "reference":
             o, _ = R8.attention_forward(q.cpu(), k.cpu(), v.cpu(),
                                         None if attn_mask is None else attn_mask.cpu(), is_causal,
-                                        scale)
+                                        scale, **granularity)
             return o.to(q.device, q.dtype)
         import fp4attn
 
@@ -301,7 +303,21 @@ GEN_LABELS = {
 }
 
 
+def int8_granularity_mode(q_block: int, k_block: int) -> str:
+    """Mode name for the INT8 reference with Q scales per ``q_block`` rows and K scales per
+    ``k_block`` keys (SPEC_INT8: 64 and 128; see fp4attn.eval.int8_granularity)."""
+    return f"int8ref:q{q_block}k{k_block}"
+
+
+def _parse_int8_granularity(mode: str) -> dict[str, int]:
+    q, k = mode.split(":", 1)[1][1:].split("k")
+    return {"q_block": int(q), "k_block": int(k)}
+
+
 def mode_label(mode: str) -> str:
+    if mode.startswith("int8ref:"):
+        g = _parse_int8_granularity(mode)
+        return f"INT8 reference, Q per {g['q_block']} rows, K per {g['k_block']} keys"
     if mode.startswith("variant:"):
         return f"{METHODS[mode.split(':', 1)[1]][0]}, every layer (reference)"
     if mode.startswith("fallback:"):
@@ -321,6 +337,9 @@ def attention_mode(model, mode: str, backend: str):
         yield
     elif mode == "int8":
         with swap_sdpa(_int8_fn(backend), model):
+            yield
+    elif mode.startswith("int8ref:"):  # the INT8 reference at another scale granularity
+        with swap_sdpa(_int8_fn("reference", **_parse_int8_granularity(mode)), model):
             yield
     elif mode == "fp4" and backend == "fp4attn":
         import fp4attn
@@ -479,21 +498,25 @@ def dominant_quantity(layer_rows: dict[str, dict]) -> str:
 
 
 def perplexity(model, ids: torch.Tensor, *, window: int, modes: list[str],
-               backend: str) -> dict[str, dict]:
+               backend: str, bos_id: int | None = None) -> dict[str, dict]:
     """Perplexity over non-overlapping windows of ``ids`` for each attention mode, plus top-1
-    agreement and mean KL(exact || mode) of the next-token distributions."""
+    agreement and mean KL(exact || mode) of the next-token distributions. ``bos_id``: a token
+    put before every window (models such as Gemma expect ``<bos>``), never a target."""
     dev = next(model.parameters()).device
     stats = {m: {"nll": 0.0, "n": 0, "agree": 0, "kl": 0.0} for m in modes}
     t0 = time.perf_counter()
+    lead = 0 if bos_id is None else 1
     for s in range(0, ids.numel() - 1, window):
         chunk = ids[s : s + window].unsqueeze(0).to(dev)
         if chunk.shape[1] < 2:
             break
         tgt = chunk[:, 1:]
+        if bos_id is not None:
+            chunk = torch.cat([chunk.new_full((1, 1), bos_id), chunk], dim=1)
         ref_lp = None
         for mode in modes:
             with torch.no_grad(), attention_mode(model, mode, backend):
-                logits = model(chunk, use_cache=False).logits[:, :-1].float()
+                logits = model(chunk, use_cache=False).logits[:, lead:-1].float()
             lp = torch.log_softmax(logits, dim=-1)
             st = stats[mode]
             st["nll"] += -lp.gather(-1, tgt.unsqueeze(-1)).sum().item()
