@@ -426,6 +426,8 @@ def attention(
     quantize_k: bool = True,
     quantize_v: bool = True,
     quantize_p: bool = True,
+    smooth_v: bool | str = False,
+    quantized_rowsum: bool = False,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """FP4 attention forward of SPEC 4; float32 output ``[B, Hq, Nq, Dv]`` (and optionally LSE).
@@ -440,6 +442,23 @@ def attention(
     in [0, 1] is quantized directly with phi_local and ``O = alpha * O + FP4MM(P^, V^) * dV``.
     With every quantization off this is exact attention in float32.
 
+    Two options that are *not* SPEC (both off by default; measured by
+    ``python -m fp4attn.eval.fp4_variants``, docs/accuracy.md "V smoothing for FP4"):
+
+    * ``smooth_v``: V smoothing as in SageAttention2. ``vbar`` = V's mean over the ``Nk`` keys per
+      (batch, KV head) and channel (float32; ``True`` or ``"mean"``), V's first key row
+      (``"first"``: the attention sink of causal LMs, whose V then quantizes exactly to 0), or
+      ``"weighted"``: ``softmax(scale * qm . K^T) V`` over all keys (no mask), ``qm`` = Q's mean
+      over the rows and the KV head's query heads -- an estimate of where the rows' attention
+      goes, sinks included. ``V - vbar`` is quantized instead of V and ``vbar`` is added to
+      every visible row after the normalisation (``O / l + vbar``). Exact in real arithmetic
+      because each row of softmax(S) sums to one; rows with no visible key stay 0 and the LSE is
+      unchanged.
+    * ``quantized_rowsum``: ``l`` sums the quantized P^ (dequantized, first level undone) instead
+      of the unquantized exponentials, so ``O / l`` is a convex combination of V^'s rows with the
+      weights the FP4MM actually used. Same as the default (up to rounding) when P is not
+      quantized.
+
     Rows that see no key (masks, causal with Nq > Nk, Nk == 0) give 0 and LSE -inf.
 
     ``lse`` (float32 ``[B, Hq, Nq]``) is the natural-log log-sum-exp of the scaled scores
@@ -453,6 +472,9 @@ def attention(
         raise ValueError(f"block_q must be positive, got {block_q}")
     if block_kv < BLOCK or block_kv % BLOCK:
         raise ValueError(f"block_kv must be a positive multiple of {BLOCK}, got {block_kv}")
+    if smooth_v not in (False, True, "mean", "first", "weighted"):
+        raise ValueError(
+            f"smooth_v must be False, True, 'mean', 'first' or 'weighted', got {smooth_v!r}")
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     if scale is None:
@@ -492,7 +514,17 @@ def attention(
 
     qv, dq = operand(qs, quantize_q)  # [B, Hq, Nq, D], [B, Hq]
     kv, dk = operand(ks, quantize_k)  # [B, Hkv, Nk, D], [B, Hkv]
-    vt, dv = operand(v32.transpose(-1, -2), quantize_v)  # V^T [B, Hkv, Dv, Nk]: along tokens
+    # Optional V smoothing (not SPEC): quantize V - vbar, add vbar back after normalising.
+    if smooth_v == "first":
+        vbar = v32[:, :, :1].clone()  # [B, Hkv, 1, Dv]
+    elif smooth_v == "weighted":  # V averaged with the mean query's softmax weights, no mask
+        qm = q32.mean(dim=2).reshape(B, Hkv, G, D).mean(dim=2)  # [B, Hkv, D]
+        w = torch.softmax(scale * torch.einsum("bhd,bhkd->bhk", qm, k32), dim=-1)
+        vbar = torch.einsum("bhk,bhkd->bhd", w, v32)[:, :, None]
+    else:
+        vbar = v32.mean(dim=2, keepdim=True) if smooth_v else None  # [B, Hkv, 1, Dv]
+    vs = v32 - vbar if smooth_v else v32
+    vt, dv = operand(vs.transpose(-1, -2), quantize_v)  # V^T [B, Hkv, Dv, Nk]: along tokens
 
     # GQA: every query head reads its KV head; repeat after quantizing, so the global scales
     # are per (batch, KV head) as the kernels compute them.
@@ -523,7 +555,8 @@ def attention(
 
         # SPEC 4.5: online softmax; a row fully masked in this tile (t = -inf) adds nothing.
         _, m_new, alpha, beta, e = _online_softmax_step(m, s)
-        l = alpha * l + beta * e.sum(dim=-1)  # l from the unquantized exponentials
+        if not quantized_rowsum:
+            l = alpha * l + beta * e.sum(dim=-1)  # l from the unquantized exponentials
         if two_level_p:
             p = NVFP4_RANGE * e  # first level: each row's tile maximum sits exactly at 2688
         else:
@@ -531,6 +564,9 @@ def attention(
         if quantize_p:
             codes, scales, _ = _phi(p, global_scale=False)  # phi_local: blocks of 16 keys
             p = _block_values(codes, scales)[..., : j1 - j0]
+        if quantized_rowsum:  # l from the P^ the FP4MM uses (first level undone)
+            ps = p.sum(dim=-1)
+            l = alpha * l + (_div_rn(beta, NVFP4_RANGE) * ps if two_level_p else ps)
         pv = _mm64(p, vt[..., j0:j1])  # FP4MM(P^, V^_j) without its global scale, [B,Hq,Nq,Dv]
         if two_level_p:
             pv = _div_rn(beta, NVFP4_RANGE)[..., None] * pv  # undo the first level: sP
@@ -538,6 +574,8 @@ def attention(
         m = m_new
 
     out, visible = _normalise(acc, l)
+    if smooth_v:  # softmax rows sum to one: O = softmax(S) (V - vbar) + vbar; hidden rows stay 0
+        out = torch.where(visible[..., None], out + per_q_head(vbar), 0.0)
     if not return_lse:
         return out
     shift = scale * (qs * kbar.repeat_interleave(G, dim=1)).sum(dim=-1) if smooth_k else 0.0

@@ -67,6 +67,25 @@ METHODS: dict[str, tuple[str, object]] = {
     "only_p": ("P quantized only", {**_QUANT_ONLY, "quantize_p": True}),
     "fp4_qk": ("FP4 QK^T only (P.V exact)", {"quantize_p": False, "quantize_v": False}),
     "fp4_pv": ("FP4 P.V only (QK^T exact)", {"quantize_q": False, "quantize_k": False}),
+    # Changes to the FP4 numerics that are not SPEC (fp4attn.eval.fp4_variants): V smoothing by
+    # V's key mean, its first key or its mean-query-weighted mean, l summed from the quantized
+    # P^; and their effect on V or P quantized alone.
+    "smooth_v": ("V smoothing (key mean)", {"smooth_v": "mean"}),
+    "smooth_v_first": ("V smoothing (first key)", {"smooth_v": "first"}),
+    "smooth_v_weighted": ("V smoothing (mean-query weighted)", {"smooth_v": "weighted"}),
+    "quantized_rowsum": ("l from quantized P", {"quantized_rowsum": True}),
+    "smooth_v_weighted_rowsum": ("V smoothing (mean-query weighted) + l from quantized P",
+                                 {"smooth_v": "weighted", "quantized_rowsum": True}),
+    "only_v_smooth_v": ("V quantized only, smoothed (key mean)",
+                        {**_QUANT_ONLY, "quantize_v": True, "smooth_v": "mean"}),
+    "only_v_smooth_v_first": ("V quantized only, smoothed (first key)",
+                              {**_QUANT_ONLY, "quantize_v": True, "smooth_v": "first"}),
+    "only_v_smooth_v_weighted": ("V quantized only, smoothed (mean-query weighted)",
+                                 {**_QUANT_ONLY, "quantize_v": True, "smooth_v": "weighted"}),
+    "only_p_smooth_v": ("P quantized only, V smoothed (key mean)",
+                        {**_QUANT_ONLY, "quantize_p": True, "smooth_v": "mean"}),
+    "only_p_rowsum": ("P quantized only, l from quantized P",
+                      {**_QUANT_ONLY, "quantize_p": True, "quantized_rowsum": True}),
 }
 MAIN_METHODS = ("fp4attn", "int8", "fp16", "bf16")
 INT8_COS_TARGET = 0.999  # SPEC_INT8's accuracy targets: every layer, and end to end
