@@ -56,7 +56,7 @@ import torch
 from .. import reference as R
 from . import models as M
 from . import report as RP
-from .int8_granularity import _write_csv, load_model, text_ids
+from .int8_granularity import _fmt, _write_csv, capture_layers
 
 #: Variants (report.METHODS names); ``ref`` = the SPEC, the baseline of "vs SPEC", always run.
 VARIANTS = ("ref", "smooth_v", "smooth_v_first", "smooth_v_weighted", "quantized_rowsum",
@@ -149,20 +149,9 @@ def _backend_works() -> bool:
 def study_model(name: str, args) -> tuple[list[dict], list[dict]]:
     """Summary rows (exact, then one per variant, then the backend) and per-layer rows."""
     t0 = time.perf_counter()
-    model, tok, title, bos_id = load_model(name)
-    ids = text_ids(tok, args.book, bos_id)
-    ppl_tokens = args.ppl_tokens if name == "smollm2" else (args.gemma3_ppl_tokens or
-                                                             args.ppl_tokens)
+    model, tok, title, bos_id, ids, ppl_tokens, calls = capture_layers(name, args)
     window = args.window if name == "smollm2" else (args.gemma3_window or args.window)
-    need = max(args.tokens, ppl_tokens)
-    if ids.numel() < need:
-        raise ValueError(f"{args.book} has only {ids.numel()} tokens for {name}, {need} requested")
-    cap = ids[: args.tokens] if bos_id is None else torch.cat(
-        [ids.new_tensor([bos_id]), ids[: args.tokens - 1]])
-    with torch.no_grad(), RP.capture(model) as calls:
-        model(cap.unsqueeze(0), use_cache=False)
     head_dim = calls[0].q.shape[-1]
-    _log(f"{name}: captured {len(calls)} layers on {cap.numel()} tokens; {calls[0].describe()}")
     methods = list(args.variants) + (["fp4attn"] if args.backend_check else []) + (
         list(DIAGNOSTICS) + list(P_DIAGNOSTICS) if args.diagnostics else [])
     t1 = time.perf_counter()
@@ -184,7 +173,7 @@ def study_model(name: str, args) -> tuple[list[dict], list[dict]]:
                             backend="reference", bos_id=bos_id)
         ppl_s = time.perf_counter() - t1
     base = {"model": name, "title": title, "head_dim": head_dim,
-            "layer_tokens": int(cap.numel()), "ppl_tokens": ppl_tokens, "window": window}
+            "layer_tokens": args.tokens, "ppl_tokens": ppl_tokens, "window": window}
     rows = []
 
     def row(method: str, mode: str | None) -> dict:
@@ -211,14 +200,6 @@ def study_model(name: str, args) -> tuple[list[dict], list[dict]]:
     _log(f"{name}: per layer {layer_s:.0f}s, perplexity {ppl_s:.0f}s, all "
          f"{time.perf_counter() - t0:.0f}s")
     return rows, layer_rows
-
-
-def _fmt(x, spec: str) -> str:
-    """format(x, spec) with "-" for a missing value; a trailing "%" in spec is a literal."""
-    if x == "" or x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    pct = spec.endswith("%")
-    return format(x, spec[:-1] if pct else spec) + ("%" if pct else "")
 
 
 def format_table(rows: list[dict]) -> str:

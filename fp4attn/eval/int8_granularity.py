@@ -174,6 +174,26 @@ def _summarise_layers(rows: list[dict], key: str) -> dict:
             "mean_rel_l1": sum(r["rel_l1"] for r in sel) / len(sel)}
 
 
+def capture_layers(name: str, args):
+    """The study's common start: model ``name`` loaded, its token ids of ``args.book``, the
+    perplexity token count for it (``args.gemma3_ppl_tokens`` for Gemma where given), and the
+    SDPA calls of one forward over the first ``args.tokens`` tokens (``<bos>`` first where the
+    model expects it). Returns (model, tok, title, bos_id, ids, ppl_tokens, calls)."""
+    model, tok, title, bos_id = load_model(name)
+    ids = text_ids(tok, args.book, bos_id)
+    ppl_tokens = args.ppl_tokens if name == "smollm2" else (args.gemma3_ppl_tokens or
+                                                             args.ppl_tokens)
+    need = max(args.tokens, ppl_tokens)
+    if ids.numel() < need:
+        raise ValueError(f"{args.book} has only {ids.numel()} tokens for {name}, {need} requested")
+    cap = ids[: args.tokens] if bos_id is None else torch.cat(
+        [ids.new_tensor([bos_id]), ids[: args.tokens - 1]])
+    with torch.no_grad(), RP.capture(model) as calls:
+        model(cap.unsqueeze(0), use_cache=False)
+    _log(f"{name}: captured {len(calls)} layers on {cap.numel()} tokens; {calls[0].describe()}")
+    return model, tok, title, bos_id, ids, ppl_tokens, calls
+
+
 def _backend_works() -> bool:
     try:
         import fp4attn
@@ -189,19 +209,8 @@ def _backend_works() -> bool:
 def study_model(name: str, args, grans: list[tuple[int, int]]) -> tuple[list[dict], list[dict]]:
     """Summary rows (one per granularity, plus exact / BF16 / backend) and per-layer rows."""
     t0 = time.perf_counter()
-    model, tok, title, bos_id = load_model(name)
-    ids = text_ids(tok, args.book, bos_id)
-    ppl_tokens = args.ppl_tokens if name == "smollm2" else (args.gemma3_ppl_tokens or
-                                                             args.ppl_tokens)
-    need = max(args.tokens, ppl_tokens)
-    if ids.numel() < need:
-        raise ValueError(f"{args.book} has only {ids.numel()} tokens for {name}, {need} requested")
-    cap = ids[: args.tokens] if bos_id is None else torch.cat(
-        [ids.new_tensor([bos_id]), ids[: args.tokens - 1]])
-    with torch.no_grad(), RP.capture(model) as calls:
-        model(cap.unsqueeze(0), use_cache=False)
+    model, tok, title, bos_id, ids, ppl_tokens, calls = capture_layers(name, args)
     head_dim = calls[0].q.shape[-1]
-    _log(f"{name}: captured {len(calls)} layers on {cap.numel()} tokens; {calls[0].describe()}")
     layer_rows = layer_study(calls, grans, backend_check=args.backend_check,
                              outlier_fixes=args.outlier_fixes)
     del calls
@@ -215,7 +224,7 @@ def study_model(name: str, args, grans: list[tuple[int, int]]) -> tuple[list[dic
         e2e = RP.perplexity(model, ids[:ppl_tokens], window=args.window, modes=modes,
                             backend="fp4attn", bos_id=bos_id)
     base = {"model": name, "title": title, "head_dim": head_dim,
-            "layer_tokens": int(cap.numel()), "ppl_tokens": ppl_tokens, "window": args.window}
+            "layer_tokens": args.tokens, "ppl_tokens": ppl_tokens, "window": args.window}
     out = []
 
     def row(key: str, q, k, lab: str, mode: str | None) -> dict:
@@ -246,9 +255,11 @@ def study_model(name: str, args, grans: list[tuple[int, int]]) -> tuple[list[dic
 
 
 def _fmt(x, spec: str) -> str:
+    """format(x, spec) with "-" for a missing value; a trailing "%" in spec is a literal."""
     if x == "" or x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
-    return format(x, spec)
+    pct = spec.endswith("%")
+    return format(x, spec[:-1] if pct else spec) + ("%" if pct else "")
 
 
 def format_table(rows: list[dict]) -> str:
