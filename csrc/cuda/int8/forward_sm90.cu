@@ -6,7 +6,7 @@
  *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the item's Q^ rows, then
  *     per 128-key tile j the K^ tile, the V^T tile (perm order, as the preparation writes it) and
  *     V's channel scales sV_j into a ring of kStages stages ("full" mbarriers), refilling a stage
- *     once all 8 consumer warps have released it ("empty" mbarriers).
+ *     once all 256 consumer threads have released it ("empty" mbarriers).
  *   warpgroups 1 and 2, consumers (setmaxnreg up): one Q^ block of 64 rows each (wgmma's M).
  *     S_j = Q^ K^_j^T by wgmma m64n128k32 s8.s8 (both in shared memory, exact int32), the scores
  *     and the online softmax with per-row 8-bit P in registers (SPEC_INT8 2.4), then
@@ -31,6 +31,7 @@ using namespace sm90;
 
 constexpr int kThreads = 384;   /* producer + 2 consumer warpgroups */
 constexpr int kRows = 2 * kBQ8; /* query rows per block: one Q^ block per consumer */
+constexpr int kConsumerThreads = 256;
 
 template <int DP>
 struct Sm90Config {
@@ -65,7 +66,7 @@ struct Int8Sm90Params {
 /* Named barriers (0 is __syncthreads): the consumers' turns at issuing wgmma, one per consumer;
  * one consumer arrives, the other syncs. */
 constexpr int kBarTurn = 1;
-constexpr int kTurnCount = 256;
+constexpr int kTurnCount = kConsumerThreads;
 
 /* This block's 128 query rows (item qi of (batch, query head) bh; bhk its KV head): causal
  * calls longest first across all heads, otherwise head-major (neighbouring blocks share K^ and
@@ -85,7 +86,8 @@ __device__ __forceinline__ Int8Item int8_item(const fp4attn_attention_params &p,
 }
 
 /* The block's mbarriers (8 bytes each, from Sm90Config::kOffBar): "full" per stage (the
- * producer's arrival and the stage's bytes), "empty" per stage (the 8 consumer warps), Q^ full. */
+ * producer's arrival and the stage's bytes), "empty" per stage (all 256 consumer threads), Q^ full.
+ */
 template <int kStages>
 struct Int8Bars {
   uint32_t base;
@@ -193,8 +195,7 @@ struct Int8Sm90 {
           o[n][e] = fmaf(fold_pf[e >> 1], x, kept);
         }
       }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar.empty(s));
+      mbar_arrive(bar.empty(s)); /* every consumer thread: its own reads are ordered */
     };
     const auto issue_pv = [&](int s) {
       const uint64_t vd = v_desc(s);
@@ -361,7 +362,7 @@ struct Int8Sm90 {
       const Int8Bars<C::kStages> bar{smem_u32(tiles + C::kOffBar)};
       for (int s = 0; s < C::kStages; ++s) {
         mbar_init(bar.full(s), 1);
-        mbar_init(bar.empty(s), 8);
+        mbar_init(bar.empty(s), kConsumerThreads);
       }
       mbar_init(bar.qfull(), 1);
       mbar_init_fence();
