@@ -2,6 +2,10 @@
 
 HuggingFace `attn_implementation="sdpa"` models and diffusers attention processors look the
 function up on torch.nn.functional at call time, so they pick the swap up without changes.
+
+With a per-layer fp4attn.Policy, a call's site is its position among the attention calls of one
+forward of `model`: a forward pre-hook on `model` restarts the count, so every forward (each
+step of generation included) numbers its calls 0, 1, ... as transformers numbers its layers.
 """
 
 from __future__ import annotations
@@ -11,53 +15,104 @@ import functools
 
 import torch.nn.functional as F
 
+from .policy import Policy, attention
 from .sdpa import PRECISIONS, sdpa
 
 _saved = None  # the function that was in place when patch() swapped it out
-_precision = "fp4"  # what patched_sdpa computes
+_precision = "fp4"  # what patched_sdpa computes without a policy
+_policy: Policy | None = None  # with one: the precision per call site
+_model = None  # the module whose forward numbers the calls for the policy
+_hook = None  # the forward pre-hook on _model that restarts the call count
+_calls = 0  # attention calls so far in the current forward of that model
 
 
 @functools.wraps(sdpa)
 def patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False):
     """What torch.nn.functional.scaled_dot_product_attention is while patched."""
-    return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                scale=scale, enable_gqa=enable_gqa, precision=_precision)
+    global _calls
+    kw = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+              enable_gqa=enable_gqa)
+    if _policy is None:
+        return sdpa(query, key, value, precision=_precision, **kw)
+    site = None
+    if _hook is not None:
+        site, _calls = _calls, _calls + 1
+    return attention(_policy.precision(site), query, key, value, **kw)
+
+
+def _restart_count(*_):
+    global _calls
+    _calls = 0
 
 
 def is_patched() -> bool:
     return F.scaled_dot_product_attention is patched_sdpa
 
 
-def patch(precision: str = "fp4") -> None:
-    """Route torch.nn.functional.scaled_dot_product_attention through fp4attn in `precision`
-    ("fp4" or "int8"; idempotent, a second call changes the precision)."""
-    global _saved, _precision
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
-    _precision = precision
+def current() -> tuple[str | None, Policy | None]:
+    """(precision, policy) in force while patched: one of them is None."""
+    return (None, _policy) if _policy is not None else (_precision, None)
+
+
+def patch(precision: str | None = None, *, policy: Policy | None = None, model=None) -> None:
+    """Route torch.nn.functional.scaled_dot_product_attention through fp4attn: every call in
+    `precision` ("fp4", the default, or "int8"), or each call in the precision `policy` gives
+    its site (a per-layer policy needs `model`, the module whose forward numbers the calls).
+    Idempotent; a second call replaces the first one's settings."""
+    global _saved
+    if policy is not None:
+        if precision is not None:
+            raise ValueError("patch: pass precision or policy, not both")
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be an fp4attn.Policy, got {type(policy).__name__}")
+        if model is None and not policy.is_uniform:
+            raise ValueError("patch: a per-layer policy needs model= (the module whose forward "
+                             "numbers the attention calls: call i of a forward is site i)")
+        if model is not None and not callable(getattr(model, "register_forward_pre_hook", None)):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    elif model is not None:
+        raise ValueError("patch: model= only goes with policy= (it numbers the call sites)")
+    else:
+        precision = "fp4" if precision is None else precision
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    _set(precision or "fp4", policy, model)
     if not is_patched():
         _saved = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = patched_sdpa
 
 
+def _set(precision: str, policy: Policy | None, model) -> None:
+    global _precision, _policy, _model, _hook, _calls
+    if _hook is not None:
+        _hook.remove()
+        _hook = None
+    _precision, _policy, _model, _calls = precision, policy, model, 0
+    if model is not None:
+        _hook = model.register_forward_pre_hook(_restart_count)
+
+
 def unpatch() -> None:
     """Restore the exact function that patch() replaced (no-op when not patched)."""
     global _saved
+    _set("fp4", None, None)
     if is_patched():
         F.scaled_dot_product_attention = _saved
         _saved = None
 
 
 @contextlib.contextmanager
-def patched(precision: str = "fp4"):
-    """`with fp4attn.patched():` low-bit attention inside, the previous state restored on exit."""
-    was_patched, previous = is_patched(), _precision
-    patch(precision)
+def patched(precision: str | None = None, *, policy: Policy | None = None, model=None):
+    """`with fp4attn.patched():` low-bit attention inside, the previous state restored on exit
+    (same arguments as patch)."""
+    was_patched, previous = is_patched(), (_precision, _policy, _model)
+    patch(precision, policy=policy, model=model)
     try:
         yield
     finally:
         if was_patched:
-            patch(previous)
+            _set(*previous)
         else:
             unpatch()
+

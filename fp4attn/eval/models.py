@@ -458,6 +458,23 @@ def austen_sentences(book: str = "emma", n: int = 64, min_words: int = 6,
 # ---------------------------------------------------------------------------------------------
 
 
+#: Python source for text of another kind than the novels: modules of the running interpreter's
+#: standard library (present wherever Python is; the text depends on the Python version).
+PYTHON_SOURCES = ("argparse.py", "textwrap.py", "json/decoder.py", "json/encoder.py")
+
+
+def python_source_text() -> str:
+    """Python source code: ``PYTHON_SOURCES`` from the standard library, concatenated."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    missing = [f for f in PYTHON_SOURCES if not (root / f).is_file()]
+    if missing:
+        raise MissingResourceError(f"the Python standard library sources {missing} are not in "
+                                   f"{root} (a Python install without its .py files?)")
+    return "\n\n".join((root / f).read_text(encoding="utf-8") for f in PYTHON_SOURCES)
+
+
 def _require(module: str, install: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise MissingResourceError(f"the Python package {module!r} is needed: `{install}`")

@@ -339,6 +339,8 @@ def mode_label(mode: str) -> str:
         return f"INT8 reference, Q per {g['q_block']} rows, K per {g['k_block']} keys"
     if mode.startswith("variant:"):
         return f"{METHODS[mode.split(':', 1)[1]][0]}, every layer (reference)"
+    if mode.startswith("policy:"):
+        return policy_label(mode.split(":", 1)[1])
     if mode.startswith("fallback:"):
         layers = mode.split(":", 1)[1]
         n = len(layers.split(",")) if layers else 0
@@ -348,10 +350,21 @@ def mode_label(mode: str) -> str:
             "fp4cache": f"exact attention, FP4 KV cache (prefill {CACHE_PREFILL}, then decode)"}.get(mode, mode)
 
 
+def policy_mode(policy) -> str:
+    """Mode name for an fp4attn.Policy (applied with fp4attn.patched(policy=..., model=...))."""
+    return "policy:" + policy.code()
+
+
+def policy_label(code: str) -> str:
+    n = {c: code.count(c) for c in "48b"}
+    return (f"policy {n['4']} FP4 / {n['8']} INT8 / {n['b']} BF16 layers ({code}; "
+            "4 fp4, 8 int8, b bf16)")
+
+
 @contextlib.contextmanager
 def attention_mode(model, mode: str, backend: str):
     """exact | fp4 | int8 | bf16 | fp16 | fallback:<layers> (FP4 except those layers, BF16
-    there)."""
+    there) | policy:<code> (fp4attn.Policy.from_code)."""
     if mode == "exact":
         yield
     elif mode == "int8":
@@ -385,6 +398,11 @@ def attention_mode(model, mode: str, backend: str):
             yield
     elif mode == "fp4cache":
         with swap_sdpa(_fp4cache_fn(), model):
+            yield
+    elif mode.startswith("policy:"):  # a per-layer fp4attn.Policy, by its code, the user's path
+        import fp4attn
+
+        with fp4attn.patched(policy=fp4attn.Policy.from_code(mode.split(":", 1)[1]), model=model):
             yield
     elif mode.startswith("fallback:"):
         spec = mode.split(":", 1)[1]

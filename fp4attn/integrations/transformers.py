@@ -27,7 +27,8 @@ import warnings
 import torch
 
 from ..kv_cache import MAX_DECODE_QUERIES, FP4KVCache, decode
-from ..sdpa import ORIGINAL_SDPA, sdpa
+from ..policy import Policy, attention
+from ..sdpa import ORIGINAL_SDPA
 
 #: Largest number of new tokens per step that decodes through the kernel (speculative decoding);
 #: longer chunks attend to the dequantized cache instead.
@@ -123,8 +124,10 @@ def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
 
 
 def fp4attn_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
-                              scaling=None, is_causal=None, precision="fp4", **kwargs):
-    """transformers attention function: q [B, Hq, N, D], k/v [B, Hkv, S, D] -> ([B, N, Hq, D], None)."""
+                              scaling=None, is_causal=None, precision=None, **kwargs):
+    """transformers attention function: q [B, Hq, N, D], k/v [B, Hkv, S, D] -> ([B, N, Hq, D], None).
+    ``precision``: "fp4", "int8" or "bf16" (torch SDPA); None: the registered policy's precision
+    for ``module.layer_idx`` (FP4 when register() got no policy)."""
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("fp4attn: position_bias (T5-style relative bias) is not supported")
     if isinstance(key, FP4CacheKeys):
@@ -135,9 +138,11 @@ def fp4attn_attention_forward(module, query, key, value, attention_mask, dropout
     is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
-    out = sdpa(query, key, value, attn_mask=attention_mask,
-               dropout_p=dropout if module.training else 0.0, is_causal=is_causal, scale=scaling,
-               enable_gqa=key.shape[1] != query.shape[1], precision=precision)
+    if precision is None:
+        precision = _policy_precision(module)
+    out = attention(precision, query, key, value, attn_mask=attention_mask,
+                    dropout_p=dropout if module.training else 0.0, is_causal=is_causal,
+                    scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -149,11 +154,37 @@ def fp4attn_int8_attention_forward(module, query, key, value, attention_mask, **
                                      **kwargs)
 
 
-def register() -> None:
-    """Register attn_implementation="fp4attn" and "fp4attn-int8" (idempotent)."""
+#: What attn_implementation="fp4attn" computes per layer (register(policy=...)); None: FP4.
+_policy: Policy | None = None
+
+
+def _policy_precision(module) -> str:
+    if _policy is None:
+        return "fp4"
+    if _policy.is_uniform:
+        return _policy.default
+    site = getattr(module, "layer_idx", None)
+    if not isinstance(site, int):
+        raise ValueError(
+            f'attn_implementation="{NAME}" with a per-layer policy: the attention module '
+            f"{type(module).__name__} has no integer layer_idx to look its precision up by; use "
+            "fp4attn.patch(policy=..., model=...) (attention calls numbered per forward) instead")
+    return _policy.precision(site)
+
+
+def register(policy: Policy | None = None) -> None:
+    """Register attn_implementation="fp4attn" and "fp4attn-int8" (idempotent). With `policy`,
+    "fp4attn" computes each layer (the attention module's ``layer_idx``) in the precision the
+    policy gives it; a later register() replaces it (without one: FP4 everywhere). The policy
+    applies to every model that uses "fp4attn" in this process. FP4Cache decode steps read
+    the FP4 cache whatever the policy says (SPEC 6)."""
+    global _policy
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(f"policy must be an fp4attn.Policy or None, got {type(policy).__name__}")
+    _policy = policy
     AttentionInterface.register(NAME, fp4attn_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     AttentionInterface.register(NAME_INT8, fp4attn_int8_attention_forward)
