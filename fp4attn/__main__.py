@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m fp4attn {info,demo,report} [options]\n"
               "  info    backends compiled, architectures, versions\n"
               "  demo    FP4 attention vs exact attention and FP16 SDPA, with timings\n"
-              "  report  per-layer accuracy on real models (see --help)")
+              "  report  accuracy on real models: FP4, INT8 and a calibrated per-layer policy\n"
+              "          side by side (see --help)")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "demo":
         from .demo import main as demo_main

@@ -177,7 +177,8 @@ def test_report_on_real_models(tmp_path):
     argv = ["--model", "all", "--tokens", "160", "--layers", "0,1", "--ablation-tokens", "0",
             "--ppl-tokens", "320", "--window", "160", "--policy-ladder", "1",
             "--minilm-layers", "0", "--paragraphs", "2", "--sentences", "8",
-            "--gen-prompts", "2", "--gen-tokens", "4", "--out", str(out)]
+            "--gen-prompts", "2", "--gen-tokens", "4", "--cal-seqs", "2", "--cal-len", "64",
+            "--curve-points", "2", "--curve-tokens", "160", "--out", str(out)]
     assert RP.main(argv) == 0
     text = (out / "report.md").read_text()
     assert "## SmolLM2-135M-Instruct" in text and "## all-MiniLM-L6-v2" in text
@@ -207,13 +208,25 @@ def test_report_on_real_models(tmp_path):
     assert abs(e2e["int8"]["rel_change"]) < 0.05
     assert abs(e2e["fp4cache"]["rel_change"]) < 0.05  # the FP4 KV cache, decode math unquantized
     gen = summary["models"]["smollm2"]["generation"]
-    assert set(gen) == {"fp4cache", "fp4", "fp4+fp4cache"} and gen["fp4cache"]["prompts"] == 2
+    assert {"fp4cache", "fp4", "fp4+fp4cache"} < set(gen) and gen["fp4cache"]["prompts"] == 2
     emb = summary["models"]["minilm"]["e2e"]
     assert emb["fp4"]["mean_cos"] > 0.95 and emb["bf16"]["mean_cos"] > 0.9999
     assert emb["int8"]["mean_cos"] > 0.999
     assert "8-bit attention" in text
+    # the calibrated policy beside FP4 and INT8: measured within its budget where calibrated,
+    # in every table, with its curve from all FP4 to all BF16
+    for name in ("smollm2", "minilm"):
+        pol = summary["models"][name]["calibrated_policy"]
+        cal = pol["meta"]["calibration"]
+        assert cal["loss"] <= cal["budget"] and len(pol["layers"]) == pol["num_layers"]
+    curve = summary["models"]["smollm2"]["policy_curve"]
+    assert curve[0]["fp4_share"] == 1.0 and curve[-1]["fp4_share"] == 0.0
+    assert any(c["calibrated"] for c in curve)
+    assert text.count("Calibrated policy") == 2 and "FP4 FLOPs" in text
+    assert any(k.startswith("policy:") for k in summary["models"]["smollm2"]["generation"])
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "smollm2_layers.png").stat().st_size > 1000
+        assert (out / "smollm2_policy_curve.png").stat().st_size > 1000
 
 
 def test_report_on_captured_activations(tmp_path):

@@ -15,6 +15,10 @@ care about. For each model (SmolLM2-135M-Instruct, all-MiniLM-L6-v2; see fp4attn
 3. End to end: perplexity of the LLM over a few thousand tokens (windows, exact vs FP4 through
    fp4attn.patch(), plus BF16 attention for scale), with top-1 agreement and KL against exact;
    cosine similarity of MiniLM sentence embeddings, exact vs FP4.
+   With a per-layer policy calibrated on another novel (fp4attn.calibrate, --cal-book; skip with
+   --no-calibrate), side by side with FP4 and INT8 everywhere: perplexity, greedy agreement,
+   each layer's precision and cos, the share of attention FLOPs in FP4, and the perplexity
+   along the calibration's order (the curve against the FP4 share, <model>_policy_curve.png).
 4. Writes report.md, <model>_layers.csv, <model>_layers.png (matplotlib, optional), e2e.csv and
    summary.json into --out, and checks the targets (per-layer cos >= 0.99 on the LLM,
    perplexity increase < 2%). If a target fails, the closing note names the layers, the
@@ -243,11 +247,13 @@ def _fp4cache_fn():
     return run
 
 
-def generation_agreement(model, tok, prompts: list[str], *, new_tokens: int) -> dict[str, dict]:
+def generation_agreement(model, tok, prompts: list[str], *, new_tokens: int,
+                         policy_modes: tuple[str, ...] = ()) -> dict[str, dict]:
     """Greedy generation from each prompt with exact attention and a default cache, then with
     the FP4 KV cache (exact prefill, decode through it: the cache's own effect), with FP4
     attention and a default cache, and with both (the default HF use of FP4Cache): tokens until
-    the first divergence from the exact continuation (``new_tokens`` when none)."""
+    the first divergence from the exact continuation (``new_tokens`` when none). Each of
+    ``policy_modes`` (``policy_mode``) runs too, with transformers' default cache."""
     from transformers import AttentionInterface
 
     from ..integrations import transformers as hf
@@ -269,7 +275,8 @@ def generation_agreement(model, tok, prompts: list[str], *, new_tokens: int) -> 
 
     AttentionMaskInterface.register("fp4attn-report-exact-prefill", sdpa_mask)
     setups = {"exact": ("sdpa", False), "fp4cache": ("fp4attn-report-exact-prefill", True),
-              "fp4": ("fp4attn", False), "fp4+fp4cache": ("fp4attn", True)}
+              "fp4": ("fp4attn", False), "fp4+fp4cache": ("fp4attn", True),
+              **{m: ("sdpa", False) for m in policy_modes}}
     before = model.config._attn_implementation
     runs: dict[str, list[list[int]]] = {m: [] for m in setups}
     try:
@@ -278,7 +285,9 @@ def generation_agreement(model, tok, prompts: list[str], *, new_tokens: int) -> 
             for mode, (impl, fp4_cache) in setups.items():
                 model.config._attn_implementation = impl
                 kw = {"past_key_values": hf.FP4Cache(config=model.config)} if fp4_cache else {}
-                with torch.no_grad():
+                scope = attention_mode(model, mode, "fp4attn") if mode in policy_modes else \
+                    contextlib.nullcontext()
+                with torch.no_grad(), scope:
                     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                          do_sample=False, **kw)
                 runs[mode].append(out[0, ids.shape[1]:].tolist())
@@ -628,6 +637,8 @@ class ModelResult:
     e2e_kind: str = ""
     policies: list[dict] = field(default_factory=list)
     generation: dict = field(default_factory=dict)
+    policy: object = None  # the calibrated fp4attn.Policy (report --calibrate)
+    curve: list[dict] = field(default_factory=list)  # perplexity along its calibration order
     n_layers: int = 0
     seconds: float = 0.0
 
@@ -665,10 +676,14 @@ def report_smollm2(args) -> ModelResult:
     res.rows = evaluate_layers(calls, _methods(args), device=args.device, backend=args.backend,
                                model_name="smollm2", ablation_tokens=args.ablation_tokens)
     del calls
+    pmodes = []
+    if args.calibrate and not args.no_e2e:
+        res.policy = calibrate_llm(model, tok, args)
+        pmodes = [policy_mode(res.policy)]
     if args.ppl_tokens > 1 and not args.no_e2e:
         ppl_ids = ids[: args.ppl_tokens]
         res.e2e = perplexity(model, ppl_ids, window=args.window,
-                             modes=["exact", "fp4", "int8", "bf16", "fp4cache"],
+                             modes=["exact", "fp4", "int8", "bf16", "fp4cache", *pmodes],
                              backend=args.backend)
         res.e2e_kind = (f"perplexity on the first {args.ppl_tokens} tokens of {args.book}, "
                         f"non-overlapping windows of {args.window} (FP4 KV cache: the first "
@@ -677,10 +692,59 @@ def report_smollm2(args) -> ModelResult:
         if args.gen_prompts > 0:
             paras = [p for p in M.austen_paragraphs(args.book) if len(p) > 400][: args.gen_prompts]
             prompts = [tok.decode(tok(p).input_ids[:64]) for p in paras]
-            res.generation = generation_agreement(model, tok, prompts, new_tokens=args.gen_tokens)
+            res.generation = generation_agreement(model, tok, prompts, new_tokens=args.gen_tokens,
+                                                  policy_modes=tuple(pmodes))
         res.policies = fallback_policies(model, ppl_ids, res, args)
+        if res.policy is not None and args.curve_points > 0:
+            res.curve = policy_curve(model, ids[: args.curve_tokens], res.policy, args)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def calibrate_llm(model, tok, args):
+    """fp4attn.calibrate on --cal-seqs x --cal-len tokens of --cal-book (two sequences per
+    batch), the report's book being the held-out text."""
+    from .. import calibration as CAL
+    from .policy_study import calibration_batches
+
+    cal_ids = tok(M.austen_text(args.cal_book), return_tensors="pt").input_ids[0]
+    batches = calibration_batches(cal_ids, args.cal_seqs, args.cal_len, None)
+    policy = CAL.calibrate(model, batches, budget=args.budget, device_kind=args.device_kind)
+    policy.meta["calibration_text"] = f"{args.cal_seqs} x {args.cal_len} tokens of {args.cal_book}"
+    return policy
+
+
+def policy_curve(model, ids, policy, args) -> list[dict]:
+    """Perplexity on ``ids`` at --curve-points assignments of the policy's calibration order
+    (all FP4 ... all BF16; calibration.ladder) and at the calibrated one."""
+    from .. import calibration as CAL
+
+    cal = policy.meta["calibration"]
+    steps = CAL.ladder(policy)
+    n = args.curve_points
+    picks = sorted({round(i * (len(steps) - 1) / max(n - 1, 1)) for i in range(n)} | {cal["m"]})
+    modes = list(dict.fromkeys(["exact"] + [policy_mode(steps[m]) for m in picks]))
+    res = perplexity(model, ids, window=args.window, modes=modes, backend=args.backend)
+    return [{"m": m, "code": steps[m].code(), "fp4_share": steps[m].fp4_share(cal["flops"]),
+             "calibrated": m == cal["m"], **res[policy_mode(steps[m])]} for m in picks]
+
+
+def fp4_share(mode: str, policy) -> float | None:
+    """Share of the attention FLOPs a mode computes in FP4 (FLOPs per layer from the policy's
+    calibration), None where it does not apply (the FP4 KV cache)."""
+    if mode == "fp4" or mode.startswith("variant:"):
+        return 1.0
+    if mode.startswith("policy:") and policy is not None:
+        from ..policy import Policy
+
+        return Policy.from_code(mode.split(":", 1)[1]).fp4_share(policy.meta["calibration"]["flops"])
+    if mode.startswith("fallback:") and policy is not None:
+        flops = policy.meta["calibration"]["flops"]
+        keep = {int(x) for x in mode.split(":", 1)[1].split(",") if x}
+        return sum(f for i, f in enumerate(flops) if i not in keep) / sum(flops)
+    if mode in ("exact", "int8", "bf16", "fp16") or mode.startswith("int8ref:"):
+        return 0.0
+    return None
 
 
 def report_captured(args) -> ModelResult:
@@ -761,9 +825,17 @@ def report_minilm(args) -> ModelResult:
         f"(<= 256 tokens, {int(real.sum())} real tokens, padding rows excluded from metrics)")
     res.rows = evaluate_layers(calls, _methods(args), device=args.device, backend=args.backend,
                                model_name="minilm", ablation_tokens=2 * args.ablation_tokens)
+    pmodes = []
+    if args.calibrate and not args.no_e2e:
+        from .. import calibration as CAL
+
+        res.policy = CAL.calibrate(model, [enc], budget=args.minilm_budget,
+                                   device_kind=args.device_kind)
+        res.policy.meta["calibration_text"] = f"{len(paras)} paragraphs of persuasion"
+        pmodes = [policy_mode(res.policy)]
     if not args.no_e2e and args.sentences > 1:
         res.e2e = embedding_similarity(model, tok, sentences,
-                                       modes=["exact", "fp4", "int8", "bf16"],
+                                       modes=["exact", "fp4", "int8", "bf16", *pmodes],
                                        backend=args.backend, batch_size=32)
         res.e2e_kind = f"sentence embeddings of {len(sentences)} sentences of emma (mean pooling)"
     res.seconds = time.perf_counter() - t0
@@ -846,6 +918,9 @@ def _summary(res: ModelResult) -> dict:
         s["policies"] = res.policies
     if res.generation:
         s["generation"] = res.generation
+    if res.policy is not None:
+        s["calibrated_policy"] = res.policy.to_dict()
+        s["policy_curve"] = res.curve
     return s
 
 
@@ -1020,25 +1095,28 @@ def write_outputs(results: list[ModelResult], args, out: Path) -> str:
         if res.e2e:
             md += ["", f"End to end: {res.e2e_kind}.", ""]
             if res.name == "smollm2":
-                body = [[mode_label(m), f"{d['ppl']:.4f}", f"{100 * d['rel_change']:+.3f}%",
-                         f"{100 * d['top1_agree']:.2f}%", _f(d["kl"])]
-                        for m, d in res.e2e.items()]
-                md.append(_md_table(["attention", "perplexity", "change", "top-1 = exact",
-                                     "KL(exact||x) per token"], body))
+                body = [[mode_label(m), _share(m, res.policy), f"{d['ppl']:.4f}",
+                         f"{100 * d['rel_change']:+.3f}%", f"{100 * d['top1_agree']:.2f}%",
+                         _f(d["kl"])] for m, d in res.e2e.items()]
+                md.append(_md_table(["attention", "FP4 FLOPs", "perplexity", "change",
+                                     "top-1 = exact", "KL(exact||x) per token"], body))
             if res.generation:
                 g = next(iter(res.generation.values()))
                 md += ["", f"Greedy generation, {g['prompts']} prompts of {args.book} (their "
                        f"first 64 tokens), {args.gen_tokens} new tokens: tokens until the first "
                        "divergence from exact attention with transformers' default cache.", ""]
-                body = [[GEN_LABELS[m], f"{d['mean_tokens']:.1f}", str(d["min_tokens"]),
+                body = [[GEN_LABELS.get(m) or mode_label(m), f"{d['mean_tokens']:.1f}", str(d["min_tokens"]),
                          f"{d['all_tokens']} / {d['prompts']}"] for m, d in res.generation.items()]
                 md.append(_md_table(["attention and cache", "mean tokens", "min",
                                      "prompts with no divergence"], body))
             else:
-                body = [[mode_label(m), f"{d['mean_cos']:.6f}", f"{d['min_cos']:.6f}",
-                         f"{100 * d['nn_agree']:.1f}%"] for m, d in res.e2e.items()]
-                md.append(_md_table(["attention", "mean cos vs exact", "min cos",
+                body = [[mode_label(m), _share(m, res.policy), f"{d['mean_cos']:.6f}",
+                         f"{d['min_cos']:.6f}", f"{100 * d['nn_agree']:.1f}%"]
+                        for m, d in res.e2e.items()]
+                md.append(_md_table(["attention", "FP4 FLOPs", "mean cos vs exact", "min cos",
                                      "nearest neighbour = exact"], body))
+        if res.policy is not None:
+            md += ["", _policy_section(res, args, out)]
     note = _closing_note(results, args)
     if note:
         md += ["", "## Targets and closing note", "", note]
@@ -1049,6 +1127,73 @@ def write_outputs(results: list[ModelResult], args, out: Path) -> str:
                 "models": {r.name: _summary(r) for r in results}}
     (out / "summary.json").write_text(json.dumps(summ, indent=1, default=float) + "\n")
     return text
+
+
+def _share(mode: str, policy) -> str:
+    x = fp4_share(mode, policy)
+    return "" if x is None else f"{100 * x:.0f}%"
+
+
+def _policy_section(res: ModelResult, args, out: Path) -> str:
+    """The calibrated policy: what it is, per layer, and the curve along its order."""
+    pol = res.policy
+    cal = pol.meta["calibration"]
+    lines = [f"Calibrated policy (`fp4attn.calibrate`, {cal['device_kind']} cost order, on "
+             f"{pol.meta['calibration_text']}, {cal['seconds']:.0f} s): `{pol.code()}` (layer 0 "
+             f"first; 4 fp4, 8 int8, b torch SDPA in the input dtype), "
+             f"{100 * cal['fp4_share']:.1f}% of attention FLOPs in FP4; measured there: "
+             + (f"perplexity {100 * cal['loss']:+.3f}% (budget +{100 * cal['budget']:.2f}%)"
+                if cal["metric"] == "perplexity" else
+                f"mean embedding cos {cal['measured']:.6f} (budget >= {1 - cal['budget']:.4f})")
+             + ". Per layer, its precision and that precision's cos against exact "
+             "(the report's captured calls):", ""]
+    by = _by_layer(res.rows)
+    method = {"fp4": "fp4attn", "int8": "int8"}
+    body = []
+    for layer, p in enumerate(pol.as_list()):
+        r = by.get(layer, {}).get(method.get(p, ""), {})
+        body.append([str(layer), p, _f(r.get("cos"), ".5f") if p in method else "exact"])
+    lines.append(_md_table(["layer", "calibrated", "cos"], body))
+    if res.curve:
+        png = plot_curve(res, out / f"{res.name}_policy_curve.png")
+        lines += ["", f"Perplexity along the calibration order ({res.curve[0]['tokens']} tokens "
+                  f"of {args.book}; m moves from all FP4 towards all BF16):", ""]
+        lines.append(_md_table(["m", "policy", "FP4 FLOPs", "change", "KL"], [
+            [f"{c['m']}{' (calibrated)' if c['calibrated'] else ''}", f"`{c['code']}`",
+             f"{100 * c['fp4_share']:.1f}%", f"{100 * c['rel_change']:+.2f}%", _f(c["kl"])]
+            for c in res.curve]))
+        if png:
+            lines += ["", f"![perplexity vs FP4 share]({png.name})"]
+    return "\n".join(lines)
+
+
+def plot_curve(res: ModelResult, path: Path) -> Path | None:
+    """Perplexity change against the share of attention FLOPs in FP4, along the order."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    ax.plot([100 * c["fp4_share"] for c in res.curve], [100 * c["rel_change"] for c in res.curve],
+            marker="o", ms=3, label="calibration order")
+    for c in res.curve:
+        if c["calibrated"]:
+            ax.plot(100 * c["fp4_share"], 100 * c["rel_change"], "*", ms=14, mec="k",
+                    label="calibrated policy")
+    ax.axhline(100 * res.policy.meta["calibration"]["budget"], color="k", ls="--", lw=0.8,
+               label="budget")
+    ax.set_xlabel("share of attention FLOPs in FP4 (%)")
+    ax.set_ylabel("perplexity change (%)")
+    ax.set_title(f"{res.title.split(' (')[0]}: perplexity vs FP4 share")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def _backend_desc(args) -> str:
@@ -1152,6 +1297,23 @@ def build_parser() -> argparse.ArgumentParser:
                     default=[16],
                     help="top-k sizes tried for the fallback policy, smallest first, stopping "
                          "at the first that meets the perplexity target (default 16)")
+    ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                    help="skip the calibrated per-layer policy (fp4attn.calibrate) and its curve")
+    ap.add_argument("--budget", type=float, default=0.01,
+                    help="calibration budget: relative perplexity increase (default 0.01)")
+    ap.add_argument("--minilm-budget", type=float, default=0.001,
+                    help="MiniLM calibration budget: 1 - mean embedding cos (default 0.001)")
+    ap.add_argument("--device-kind", default="blackwell", choices=["blackwell", "hopper"],
+                    help="cost order of the calibration (default blackwell: fp4 < int8 < bf16)")
+    ap.add_argument("--cal-book", default="emma", choices=list(M.BOOKS),
+                    help="novel the LLM is calibrated on (default emma; --book is held out)")
+    ap.add_argument("--cal-seqs", type=int, default=4, help="calibration sequences (default 4)")
+    ap.add_argument("--cal-len", type=int, default=512, help="their tokens (default 512)")
+    ap.add_argument("--curve-points", type=int, default=6,
+                    help="assignments of the calibration order measured for the perplexity vs "
+                         "FP4-share curve, 0 to skip (default 6)")
+    ap.add_argument("--curve-tokens", type=int, default=1024,
+                    help="tokens of --book for the curve (default 1024)")
     ap.add_argument("--backend", choices=["fp4attn", "reference"], default="fp4attn",
                     help="FP4 attention under test: the compiled fp4attn.sdpa (default) or the "
                          "pure-PyTorch reference")
