@@ -428,11 +428,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward(
     const at::Tensor &grad_out_in, const c10::optional<at::Tensor> &grad_lse_in,
     const at::Tensor &q_in, const at::Tensor &k_in, const at::Tensor &v_in,
     const at::Tensor &out_in, const at::Tensor &lse_in, const c10::optional<at::Tensor> &attn_mask,
-    bool is_causal, double scale) {
+    bool is_causal, double scale, c10::string_view cuda_kernel) {
   AttentionCall c = prepare_attention(q_in, k_in, v_in, attn_mask, is_causal, scale);
   fp4attn_int8_backward_params bp{};
   bp.fwd = c.p;
   fp4attn_attention_params &p = bp.fwd;
+  p.kernel = kernel_from_name(cuda_kernel);
   const std::vector<int64_t> qshape{p.batch, p.heads_q, p.len_q, p.head_dim};
   CHECK_ARG(out_in.sizes() == qshape && out_in.scalar_type() == c.q.scalar_type(),
             "out must be the forward's output %s, got %s", shape_str(qshape).c_str(),
@@ -477,6 +478,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward(
 #endif
   CHECK_ARG(c.q.device().is_cpu(), "query must be a CPU or CUDA tensor, got %s",
             c.q.device().str().c_str());
+  CHECK_ARG(p.kernel == FP4ATTN_KERNEL_AUTO, "cuda_kernel '%s' needs CUDA tensors",
+            fp4attn_kernel_name(p.kernel));
   check_status(fp4attn_cpu_int8_attention_backward(&bp));
   return {dq, dk, dv};
 }

@@ -4,13 +4,14 @@ with fake kernels, tied together for autograd.
     torch.ops.fp4attn.int8_attention(q, k, v, attn_mask, is_causal, scale, cuda_kernel="auto")
         -> (out, lse)
     torch.ops.fp4attn.int8_attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask,
-                                              is_causal, scale) -> (dq, dk, dv)
+                                              is_causal, scale, cuda_kernel="auto") -> (dq, dk, dv)
 
 q [B, Hq, Nq, D], k / v [B, Hkv, Nk, D] (Hq a multiple of Hkv), one dtype; out in that dtype,
 lse float32 [B, Hq, Nq]. The autograd saves q, k, v, out and lse; the backward recomputes the
 quantized operands bit-exactly. CPU tensors run the C backend (csrc/cpu/attention_int8.c), CUDA
-tensors the INT8 kernels (csrc/cuda/int8: the wgmma forward on Hopper, mma.sync otherwise and for
-the backward; `cuda_kernel` requests the forward's kernel by name, as for the FP4 attention);
+tensors the INT8 kernels (csrc/cuda/int8: wgmma on Hopper, mma.sync otherwise; `cuda_kernel`
+requests a kernel by name, as for the FP4 attention, and the autograd's backward takes the
+forward's request);
 other devices run the PyTorch implementation of the spec (fp4attn.reference_int8): correct, not
 fast.
 """
@@ -59,10 +60,13 @@ def int8_attention_backward(
     attn_mask: Tensor | None,
     is_causal: bool,
     scale: float,
+    cuda_kernel: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor]:
     if _native(q):
         return _C.int8_attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask,
-                                          is_causal, scale)
+                                          is_causal, scale, cuda_kernel)
+    if cuda_kernel != "auto":
+        raise ValueError(f"cuda_kernel={cuda_kernel!r} needs CUDA tensors")
     dq, dk, dv = reference_int8.attention_backward(
         grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, grad_lse=grad_lse
     )
@@ -71,7 +75,7 @@ def int8_attention_backward(
 
 @int8_attention_backward.register_fake
 def _int8_attention_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_mask, is_causal,
-                                  scale):
+                                  scale, cuda_kernel="auto"):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -80,6 +84,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.is_causal, ctx.scale = is_causal, scale
+    ctx.cuda_kernel = inputs[6] if len(inputs) > 6 else "auto"
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -87,7 +92,8 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = int8_attention_backward(
-        grad_out, grad_lse, q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale
+        grad_out, grad_lse, q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale,
+        ctx.cuda_kernel,
     )
     return dq, dk, dv, None, None, None, None
 

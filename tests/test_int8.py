@@ -276,11 +276,12 @@ def forward_against_reference(q, k, v, mask, causal, kernel="auto"):
     return out, lse
 
 
-def check_against_reference(q, k, v, mask, causal, seed=21):
-    """The ops on q's device against the reference (computed on the CPU): SPEC_INT8 4."""
+def check_against_reference(q, k, v, mask, causal, seed=21, kernel="auto"):
+    """The ops on q's device (CUDA kernels `kernel`) against the reference (computed on the CPU):
+    SPEC_INT8 4."""
     dtype = q.dtype
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = forward_against_reference(q, k, v, mask, causal)
+    out, lse = forward_against_reference(q, k, v, mask, causal, kernel)
     cpu = [t.cpu() for t in (q, k, v)]
     cmask = None if mask is None else mask.cpu()
     g = torch.Generator().manual_seed(seed)
@@ -288,7 +289,7 @@ def check_against_reference(q, k, v, mask, causal, seed=21):
     grad_lse = torch.randn(lse.shape, generator=g)
     dev = q.device
     got = torch.ops.fp4attn.int8_attention_backward(grad_out.to(dev), grad_lse.to(dev), q, k, v,
-                                                    out, lse.to(dev), mask, causal, scale)
+                                                    out, lse.to(dev), mask, causal, scale, kernel)
     want = R8.attention_backward(grad_out, *cpu, out.cpu(), lse, cmask, causal, scale,
                                  grad_lse=grad_lse)
     for name, a, b in zip("qkv", got, want):
@@ -301,14 +302,18 @@ def check_against_reference(q, k, v, mask, causal, seed=21):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_cuda_kernels_against_reference(case, dtype):
+def test_cuda_kernels_against_reference(case, dtype, kernel):
+    """Forward and backward of each kernel family, requested by name, against the reference."""
     B, Hq, Hkv, Nq, Nk, D, causal, kind = case
+    if kernel == "sm90" and (not SM90 or D > 128):
+        pytest.skip("the sm90 kernels run on compute capability 9.0, head dims <= 128")
     q, k, v = make(B, Hq, Hkv, Nq, Nk, D, dtype=dtype, device="cuda")
     mask = make_mask(kind, Nq, Nk)
     out, (dq, dk, dv) = check_against_reference(q, k, v, None if mask is None else mask.cuda(),
-                                                causal)
+                                                causal, kernel=kernel)
     if kind == "bool":  # the row with no visible key: zero output and gradient
         assert out[..., 0, :].abs().max() == 0 and dq[..., 0, :].abs().max() == 0
 
@@ -348,8 +353,8 @@ def test_cuda_forward_kernels_against_reference(case, dtype, kernel):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_int8_kernel_requests():
-    """auto takes the wgmma forward on Hopper for head dims <= 128; a kernel that cannot run is
-    refused with the reason, the backward has the mma.sync kernel only."""
+    """auto takes the wgmma kernels on Hopper for head dims <= 128; a kernel that cannot run is
+    refused with the reason, in the forward and in the backward."""
     from fp4attn._ops import attention_kernel
 
     dev = torch.cuda.current_device()
@@ -360,12 +365,20 @@ def test_cuda_int8_kernel_requests():
         torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125, "sm90")
     with pytest.raises(RuntimeError, match="no 'sm120' kernel"):
         torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125, "sm120")
+    out, lse = torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125, "sm80")
+    with pytest.raises(RuntimeError, match="kernel sm90 needs"):
+        torch.ops.fp4attn.int8_attention_backward(out, None, q, k, v, out, lse, None, False, 0.125,
+                                                  "sm90")
 
 
 def test_int8_kernel_request_needs_cuda():
     q, k, v = make(1, 2, 2, 16, 16, 32)
     with pytest.raises(RuntimeError, match="cuda_kernel 'sm90' needs CUDA tensors"):
         torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125, "sm90")
+    out, lse = torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125)
+    with pytest.raises(RuntimeError, match="cuda_kernel 'sm90' needs CUDA tensors"):
+        torch.ops.fp4attn.int8_attention_backward(out, None, q, k, v, out, lse, None, False, 0.125,
+                                                  "sm90")
 
 
 @pytest.mark.gpu

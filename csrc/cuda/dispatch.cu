@@ -77,13 +77,12 @@ fp4attn_status for_head_dim(int64_t dp, Launch launch) {
 }
 
 /* The INT8 kernels' checks beyond the C API contract, and their kernel. */
-fp4attn_status check_int8(const fp4attn_attention_params *p, bool backward,
-                          fp4attn_kernel *kernel) {
+fp4attn_status check_int8(const fp4attn_attention_params *p, fp4attn_kernel *kernel) {
   const fp4attn_status st = check_cuda_attention(p, "int8 attention");
   if (st.code != FP4ATTN_OK) return st;
   if (!p->lse)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 attention: lse must not be null");
-  return plan_int8_attention(p, backward, kernel);
+  return plan_int8_attention(p, kernel);
 }
 
 fp4attn_status check_workspace(const void *workspace, const char *what) {
@@ -159,19 +158,19 @@ extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params 
 
 extern "C" int64_t fp4attn_cuda_int8_attention_workspace_bytes(const fp4attn_attention_params *p) {
   fp4attn_kernel k;
-  if (check_int8(p, false, &k).code != FP4ATTN_OK) return 0;
+  if (check_int8(p, &k).code != FP4ATTN_OK) return 0;
   return int8_workspace_layout(p, false, nullptr).bytes;
 }
 
 extern "C" fp4attn_kernel fp4attn_cuda_int8_attention_kernel(const fp4attn_attention_params *p) {
   fp4attn_kernel k;
-  return check_int8(p, false, &k).code == FP4ATTN_OK ? k : FP4ATTN_KERNEL_AUTO;
+  return check_int8(p, &k).code == FP4ATTN_OK ? k : FP4ATTN_KERNEL_AUTO;
 }
 
 extern "C" fp4attn_status fp4attn_cuda_int8_attention(const fp4attn_attention_params *p,
                                                       void *workspace, void *stream) {
   fp4attn_kernel k;
-  fp4attn_status st = check_int8(p, false, &k);
+  fp4attn_status st = check_int8(p, &k);
   if (st.code != FP4ATTN_OK) return st;
   st = check_workspace(workspace, "int8 attention");
   if (st.code != FP4ATTN_OK) return st;
@@ -186,10 +185,9 @@ extern "C" fp4attn_status fp4attn_cuda_int8_attention(const fp4attn_attention_pa
 
 namespace {
 
-fp4attn_status check_int8_backward(const fp4attn_int8_backward_params *bp) {
+fp4attn_status check_int8_backward(const fp4attn_int8_backward_params *bp, fp4attn_kernel *k) {
   if (!bp) return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 backward: null params");
-  fp4attn_kernel k;
-  const fp4attn_status st = check_int8(&bp->fwd, true, &k);
+  const fp4attn_status st = check_int8(&bp->fwd, k);
   if (st.code != FP4ATTN_OK) return st;
   if (!bp->grad_out || !bp->dq || !bp->dk || !bp->dv)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
@@ -203,13 +201,15 @@ fp4attn_status check_int8_backward(const fp4attn_int8_backward_params *bp) {
 
 extern "C" int64_t fp4attn_cuda_int8_attention_backward_workspace_bytes(
     const fp4attn_int8_backward_params *bp) {
-  if (check_int8_backward(bp).code != FP4ATTN_OK) return 0;
+  fp4attn_kernel k;
+  if (check_int8_backward(bp, &k).code != FP4ATTN_OK) return 0;
   return int8_workspace_layout(&bp->fwd, true, nullptr).bytes;
 }
 
 extern "C" fp4attn_status fp4attn_cuda_int8_attention_backward(
     const fp4attn_int8_backward_params *bp, void *workspace, void *stream) {
-  fp4attn_status st = check_int8_backward(bp);
+  fp4attn_kernel k;
+  fp4attn_status st = check_int8_backward(bp, &k);
   if (st.code != FP4ATTN_OK) return st;
   st = check_workspace(workspace, "int8 backward");
   if (st.code != FP4ATTN_OK) return st;
@@ -224,7 +224,10 @@ extern "C" fp4attn_status fp4attn_cuda_int8_attention_backward(
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   st = launch_int8_prepare(a, true, s);
   if (st.code != FP4ATTN_OK) return st;
-  st = for_head_dim(a.ws.dp, [&](auto dp) { return launch_int8_backward<dp()>(a, s); });
+  if (k == FP4ATTN_KERNEL_SM90)
+    st = a.ws.dp == 64 ? launch_int8_backward_sm90<64>(a, s) : launch_int8_backward_sm90<128>(a, s);
+  else
+    st = for_head_dim(a.ws.dp, [&](auto dp) { return launch_int8_backward<dp()>(a, s); });
   if (st.code != FP4ATTN_OK) return st;
   return launch_int8_finish_dq(a, s);
 }

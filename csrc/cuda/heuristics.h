@@ -175,34 +175,31 @@ static inline KvDecodePlan plan_kv_decode(const fp4attn_decode_params *p) {
   return d;
 }
 
-/* The kernel of an 8-bit call (SPEC_INT8). AUTO: the wgmma forward (int8/forward_sm90.cu) on
- * compute capability 9.0 with an sm_90a build and head dim <= 128, else the mma.sync kernels
- * (int8/, sm_80 and newer). The backward has the mma.sync kernel only: a request for another is
- * refused. */
-static inline fp4attn_status plan_int8_attention(const fp4attn_attention_params *p, bool backward,
+/* The kernel of an 8-bit call (SPEC_INT8), forward or backward. AUTO: the wgmma kernels
+ * (int8/forward_sm90.cu, int8/backward_sm90.cu) on compute capability 9.0 with an sm_90a build and
+ * head dim <= 128, else the mma.sync kernels (int8/, sm_80 and newer). */
+static inline fp4attn_status plan_int8_attention(const fp4attn_attention_params *p,
                                                  fp4attn_kernel *kernel) {
   if (p->kernel != FP4ATTN_KERNEL_AUTO && p->kernel != FP4ATTN_KERNEL_SM80 &&
       p->kernel != FP4ATTN_KERNEL_SM90)
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
-                         "int8 attention: no '%s' kernel; the 8-bit kernels are 'sm80' (mma.sync, "
-                         "any GPU of compute capability 8.0 or newer) and 'sm90' (wgmma forward, "
-                         "compute capability 9.0)",
-                         fp4attn_kernel_name(p->kernel));
+    return fp4attn_error(
+        FP4ATTN_ERR_UNSUPPORTED,
+        "int8 attention: no '%s' kernel; the 8-bit kernels are 'sm80' (mma.sync, "
+        "any GPU of compute capability 8.0 or newer) and 'sm90' (wgmma forward and "
+        "backward, compute capability 9.0)",
+        fp4attn_kernel_name(p->kernel));
   const int cc = device_capability();
   if (cc < 80)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
                          "int8 attention needs a GPU of compute capability 8.0 or newer");
-  if (backward && p->kernel == FP4ATTN_KERNEL_SM90)
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
-                         "int8 attention backward: no 'sm90' kernel; the backward runs on 'sm80'");
   const bool sm90_ok = built_for_sm90a() && cc == 90 && p->head_dim <= 128;
   if (p->kernel == FP4ATTN_KERNEL_SM90 && !sm90_ok)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
                          "int8 attention: kernel sm90 needs a GPU of compute capability 9.0, a "
                          "build with sm_90a in FP4ATTN_CUDA_ARCHS and head dim <= 128 (got %lld)",
                          (long long)p->head_dim);
-  const bool sm90 = !backward && (p->kernel == FP4ATTN_KERNEL_SM90 ||
-                                  (p->kernel == FP4ATTN_KERNEL_AUTO && sm90_ok));
+  const bool sm90 =
+      p->kernel == FP4ATTN_KERNEL_SM90 || (p->kernel == FP4ATTN_KERNEL_AUTO && sm90_ok);
   *kernel = sm90 ? FP4ATTN_KERNEL_SM90 : FP4ATTN_KERNEL_SM80;
   return fp4attn_ok();
 }

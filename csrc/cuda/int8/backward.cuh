@@ -22,16 +22,6 @@
 
 namespace fp4attn_cuda {
 
-/* dst[0..1] += (x, y) atomically (8-byte aligned): one vector atomic on sm_90 and newer. */
-__device__ __forceinline__ void add_pair(float *dst, float x, float y) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2 *>(dst), make_float2(x, y));
-#else
-  atomicAdd(dst, x);
-  atomicAdd(dst + 1, y);
-#endif
-}
-
 template <int DP, int DO, int NBUF>
 struct BwdSmem {
   static constexpr int kKc = 0;                    /* K^ [128][DP] */

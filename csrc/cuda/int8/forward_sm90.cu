@@ -96,11 +96,6 @@ struct Int8Bars {
   __device__ uint32_t qfull() const { return base + 16 * kStages; }
 };
 
-/* P^ codes of four scores as bytes of one word, from the FP32 words v + 1.5 * 2^23 whose low
- * bytes hold rne(v) (see p_word): bytes a, b, c, d from low to high. */
-__device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
-}
 /* rne(255 E) for E in [0, 1] in the low byte of the result: 255 E + 1.5 * 2^23 in one rounding,
  * to an integer ties to even (no F2I). It differs from rounding 255 E to FP32 first only where
  * 255 E lies within an FP32 ulp of a tie: a code off by one there (SPEC_INT8 4). */
@@ -202,9 +197,9 @@ struct Int8Sm90 {
 #pragma unroll
       for (int kb = 0; kb < 4; ++kb) {
         if constexpr (DP == 128)
-          wgmma_rs_m64n128k32_u8s8(pv, pa[kb], vd + 2 * kb, kb > 0);
+          wgmma_rs_m64n128k32_i8<true>(pv, pa[kb], vd + 2 * kb, kb > 0);
         else
-          wgmma_rs_m64n64k32_u8s8(pv, pa[kb], vd + 2 * kb, kb > 0);
+          wgmma_rs_m64n64k32_i8<true>(pv, pa[kb], vd + 2 * kb, kb > 0);
       }
     };
 

@@ -126,6 +126,13 @@ __device__ __forceinline__ void psi_factors(float amax, float &r, float &scale) 
   if (r == INFINITY) r = scale = 0.0f;
 }
 
+/* float(x) for an int32 |x| < 2^22 (every 8-bit product sum here: at most 128 x 255 x 127) without
+ * the conversion unit (a quarter of the FP32 rate): 1.5 x 2^23 + x is exact in FP32 and its bits
+ * are those of 1.5 x 2^23 plus x. */
+__device__ __forceinline__ float exact_float(int x) {
+  return __int_as_float(x + 0x4B400000) - 12582912.0f;
+}
+
 __device__ __forceinline__ uint32_t pack_s8x4(int a, int b, int c, int d) {
   return (uint32_t)(a & 0xFF) | ((uint32_t)(b & 0xFF) << 8) | ((uint32_t)(c & 0xFF) << 16) |
          ((uint32_t)d << 24);
@@ -173,6 +180,38 @@ __device__ __forceinline__ void pack_a_from_acc(uint32_t (&a)[4], const int (&x)
   a[1] = pack_s8x4(x[n][2], x[n][3], x[n + 1][2], x[n + 1][3]);
   a[2] = pack_s8x4(x[n + 2][0], x[n + 2][1], x[n + 3][0], x[n + 3][1]);
   a[3] = pack_s8x4(x[n + 2][2], x[n + 2][3], x[n + 3][2], x[n + 3][3]);
+}
+
+/* dst[0..1] += (x, y) atomically (8-byte aligned): one vector atomic on sm_90 and newer. */
+__device__ __forceinline__ void add_pair(float *dst, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2 *>(dst), make_float2(x, y));
+#else
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
+#endif
+}
+
+/* Bytes a, b, c, d (low to high) of one word from the low bytes of four FP32 words v + 1.5 x 2^23,
+ * which hold rne(v) for |v| < 2^22 (code_word, p_word). */
+__device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+}
+/* SPEC_INT8 1's code of x in the low byte of the result, for |x| <= its group's amax: then
+ * |fl(x r)| < 127.5, so no clamp is needed, and adding 1.5 x 2^23 rounds fl(x r) to an integer,
+ * ties to even, exactly as rne_int (no conversion unit; the two roundings stay separate). */
+__device__ __forceinline__ uint32_t code_word(float x, float r) {
+  return __float_as_uint(__fadd_rn(__fmul_rn(x, r), 12582912.0f));
+}
+/* pack_a_from_acc for codes held as code_word / p_word words. */
+template <int N>
+__device__ __forceinline__ void pack_a_from_words(uint32_t (&a)[4], const uint32_t (&x)[N][4],
+                                                  int c) {
+  const int n = 4 * c;
+  a[0] = pack_low_bytes(x[n][0], x[n][1], x[n + 1][0], x[n + 1][1]);
+  a[1] = pack_low_bytes(x[n][2], x[n][3], x[n + 1][2], x[n + 1][3]);
+  a[2] = pack_low_bytes(x[n + 2][0], x[n + 2][1], x[n + 3][0], x[n + 3][1]);
+  a[3] = pack_low_bytes(x[n + 2][2], x[n + 2][3], x[n + 3][2], x[n + 3][3]);
 }
 
 __device__ __forceinline__ float quad_max(float v) {

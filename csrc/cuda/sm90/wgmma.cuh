@@ -164,34 +164,99 @@ __device__ __forceinline__ void wgmma_ss_m64n128k32_s8(int (&d)[16][4], uint64_t
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-/* D[64 x 128] (+)= A[64 x 32] * B[128 x 32]^T, unsigned A in registers (each warp's m16n8k32 A
- * fragment of its 16 rows), signed B in shared memory. */
-__device__ __forceinline__ void wgmma_rs_m64n128k32_u8s8(int (&d)[16][4], const uint32_t (&a)[4],
-                                                         uint64_t desc_b, int accumulate) {
+/* D[64 x 64] (+)= A[64 x 32] * B[64 x 32]^T, signed A and B in shared memory. */
+__device__ __forceinline__ void wgmma_ss_m64n64k32_s8(int (&d)[8][4], uint64_t desc_a,
+                                                      uint64_t desc_b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.s32.u8.s8 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-      "{%64,%65,%66,%67}, %68, p;\n}\n"
-      : FP4ATTN_WGMMA_IACC(d, 0), FP4ATTN_WGMMA_IACC(d, 8)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
-
-/* D[64 x 64] (+)= A[64 x 32] * B[64 x 32]^T, as above. */
-__device__ __forceinline__ void wgmma_rs_m64n64k32_u8s8(int (&d)[8][4], const uint32_t (&a)[4],
-                                                        uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8 {"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {"
       "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
       "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-      "{%32,%33,%34,%35}, %36, p;\n}\n"
+      "%32, %33, p;\n}\n"
       : FP4ATTN_WGMMA_IACC(d, 0)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
+
+/* D[64 x 32] (+)= A[64 x 32] * B[32 x 32]^T, signed A and B in shared memory. */
+__device__ __forceinline__ void wgmma_ss_m64n32k32_s8(int (&d)[4][4], uint64_t desc_a,
+                                                      uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+      "%16, %17, p;\n}\n"
+      : FP4ATTN_WGMMA_IACC4(d, 0), FP4ATTN_WGMMA_IACC4(d, 1), FP4ATTN_WGMMA_IACC4(d, 2),
+        FP4ATTN_WGMMA_IACC4(d, 3)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+/* D[64 x 128] (+)= A[64 x 32] * B[128 x 32]^T, A in registers (each warp's m16n8k32 A fragment
+ * of its 16 rows): unsigned bytes with kU8A (P^ codes 0..255), else signed; signed B in shared
+ * memory. */
+#define FP4ATTN_WGMMA_RS_N128_I8(atype)                                    \
+  asm volatile(                                                            \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                         \
+      "wgmma.mma_async.sync.aligned.m64n128k32.s32." atype                 \
+      ".s8 {"                                                              \
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"             \
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"   \
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"   \
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, " \
+      "{%64,%65,%66,%67}, %68, p;\n}\n"                                    \
+      : FP4ATTN_WGMMA_IACC(d, 0), FP4ATTN_WGMMA_IACC(d, 8)                 \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+template <bool kU8A>
+__device__ __forceinline__ void wgmma_rs_m64n128k32_i8(int (&d)[16][4], const uint32_t (&a)[4],
+                                                       uint64_t desc_b, int accumulate) {
+  if constexpr (kU8A)
+    FP4ATTN_WGMMA_RS_N128_I8("u8");
+  else
+    FP4ATTN_WGMMA_RS_N128_I8("s8");
+}
+#undef FP4ATTN_WGMMA_RS_N128_I8
+
+/* D[64 x 64] (+)= A[64 x 32] * B[64 x 32]^T, as above. */
+#define FP4ATTN_WGMMA_RS_N64_I8(atype)                                     \
+  asm volatile(                                                            \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                         \
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32." atype                  \
+      ".s8 {"                                                              \
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"             \
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+      "{%32,%33,%34,%35}, %36, p;\n}\n"                                    \
+      : FP4ATTN_WGMMA_IACC(d, 0)                                           \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+template <bool kU8A>
+__device__ __forceinline__ void wgmma_rs_m64n64k32_i8(int (&d)[8][4], const uint32_t (&a)[4],
+                                                      uint64_t desc_b, int accumulate) {
+  if constexpr (kU8A)
+    FP4ATTN_WGMMA_RS_N64_I8("u8");
+  else
+    FP4ATTN_WGMMA_RS_N64_I8("s8");
+}
+#undef FP4ATTN_WGMMA_RS_N64_I8
+
+/* D[64 x 64] (+)= A[64 x 16] * B[64 x 16]^T, FP16 or (kBf16) BF16 A and B in shared memory
+ * (K-major descriptors), FP32 accumulation. */
+#define FP4ATTN_WGMMA_SS_N64_K16(type)                                     \
+  asm volatile(                                                            \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                         \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." type "." type          \
+      " {"                                                                 \
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"             \
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+      "%32, %33, p, 1, 1, 0, 0;\n}\n"                                      \
+      : FP4ATTN_WGMMA_ACC(d, 0)                                            \
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[8][4], uint64_t desc_a,
+                                                   uint64_t desc_b, int accumulate) {
+  if constexpr (kBf16)
+    FP4ATTN_WGMMA_SS_N64_K16("bf16");
+  else
+    FP4ATTN_WGMMA_SS_N64_K16("f16");
+}
+#undef FP4ATTN_WGMMA_SS_N64_K16
 
 template <int N>
 struct Wgmma;
@@ -288,6 +353,29 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_
           "r"(dst),
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
+}
+
+/* Bulk reduction: global `dst`[i] += shared `src`[i] (FP32) over `bytes` (a multiple of 16; both
+ * 16-byte aligned), done by the copy engine in the background as one bulk group per commit. The
+ * shared source may be rewritten once bulk_wait_read<N> has returned for its group. */
+__device__ __forceinline__ void bulk_reduce_add_f32(float *dst, uint32_t src, uint32_t bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+      "r"(src), "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+/* Wait until at most N bulk groups of this thread still read their shared source. */
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+/* Wait until at most N bulk groups of this thread are incomplete (their global writes done). */
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 /* Make this thread's ordinary global-memory writes visible to later reads by the asynchronous

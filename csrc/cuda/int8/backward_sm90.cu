@@ -1,0 +1,554 @@
+/*
+ * 8-bit attention backward (docs/SPEC_INT8.md 3) for Hopper (sm_90a) on wgmma: the numbers of the
+ * mma.sync kernel (backward.cuh), with the matrix work on warpgroup MMA and the loads on TMA.
+ *
+ * One block = one 128-key block j of one (batch, KV head), 3 warpgroups:
+ *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the key block's K^, V (16
+ *     bits) and K^T once, then per 64-row query block i of the KV head's query heads (causal: the
+ *     blocks that see key block j) Q^, Q^T, dO (16 bits), dO^T, lse2, Drow and sdO into a ring of
+ *     kStages stages ("full" / "empty" mbarriers).
+ *   warpgroups 1 and 2, consumers (setmaxnreg up): 64 keys each (wgmma's M), per query block:
+ *     S^T  = K^ Q^T            wgmma m64n64k32 s8 (shared x shared), exact int32
+ *     dP^T = V dO^T            wgmma m64n64k16 f16 / bf16, FP32
+ *     P^T  = exp2(S^T f - lse2), dS^T = P^T (dP^T - Drow) in registers (accumulator layout)
+ *     dV  += P^ per key column x dO^ per channel    wgmma m64n{DP}k32 s8, P^ from registers
+ *     dK  += dS^T Q^                                 wgmma m64n{DP}k32 s8, dS^ from registers
+ *     dQ_i += dS^ K^                                 wgmma m64n{DP/2}k32 s8 from the dS^ tile the
+ *       two consumers write to shared memory (one per half of dQ's columns); the scaled FP32
+ *       products go through a shared tile into one bulk reduction (add) into the workspace
+ *   The scale of dS^ is one amax over the whole 64 x 128 block: the consumers exchange their
+ *   maxima through shared memory (named barrier A), then complete the dS^ tile (barrier B).
+ * dK and dV stay in FP32 registers for the whole walk (the per-step scales keep the int32 products
+ * from accumulating across query blocks) and are stored once, in the input dtype.
+ * Operand layouts (wgmma.cuh): 8-bit tiles K-major, swizzled over their row width (Q^, K^: DP
+ * bytes; the perm tiles Q^T, dO^T: 64; K^T and dS^: 128); 16-bit V and dO as DP/64 column blocks
+ * of 128-byte rows with the 128-byte swizzle.
+ */
+#include "../sm90/tensor_maps.h"
+#include "../sm90/wgmma.cuh"
+#include "attention_int8.h"
+#include "int8_tiles.cuh"
+
+namespace fp4attn_cuda {
+namespace {
+
+using namespace sm90;
+
+constexpr int kThreads = 384;         /* producer + 2 consumer warpgroups */
+constexpr int kConsumerThreads = 256; /* the named barriers' and the empty barriers' count */
+constexpr int kWgKeys = kBK8 / 2;     /* keys per consumer warpgroup */
+
+template <int DP>
+struct BwdSm90Config {
+  static constexpr int kStages = 2;
+  /* the key block's tiles, loaded once */
+  static constexpr int kKBytes = kBK8 * DP;      /* K^ [128][DP] */
+  static constexpr int kVBytes = kBK8 * DP * 2;  /* V [DP/64][128][64] 16-bit */
+  static constexpr int kKtBytes = DP * kBK8;     /* K^T [DP][128] */
+  static constexpr int kDsBytes = kBQ8 * kBK8;   /* dS^ [64][128] */
+  static constexpr int kDqBytes = kBQ8 * DP * 4; /* FP32 dQ [64][DP] of a step (bulk reduction) */
+  /* one query block's tiles (a stage) */
+  static constexpr int kQBytes = kBQ8 * DP;      /* Q^ [64][DP] */
+  static constexpr int kQtBytes = DP * kBQ8;     /* Q^T [DP][64] perm */
+  static constexpr int kDoBytes = kBQ8 * DP * 2; /* dO [DP/64][64][64] 16-bit */
+  static constexpr int kDotBytes = DP * kBQ8;    /* dO^T [DP][64] perm */
+  static constexpr int kTileBytes = kQBytes + kQtBytes + kDoBytes + kDotBytes;
+  static constexpr int kVecBytes = 2 * kBQ8 * 4 + DP * 4; /* lse2 [64], Drow [64], sdO [DP] */
+  /* shared memory from a 1024-byte boundary (every tile a multiple of 1024 bytes) */
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + kKBytes;
+  static constexpr int kOffKt = kOffV + kVBytes;
+  static constexpr int kOffDs = kOffKt + kKtBytes;
+  static constexpr int kOffDq = kOffDs + kDsBytes;
+  static constexpr int kOffStage = kOffDq + kDqBytes;
+  static constexpr int sQ = 0, sQt = sQ + kQBytes, sDo = sQt + kQtBytes, sDot = sDo + kDoBytes;
+  static constexpr int kOffVec = kOffStage + kStages * kTileBytes;
+  static constexpr int vLse = 0, vDrow = kBQ8 * 4, vSdo = 2 * kBQ8 * 4;
+  static constexpr int kOffRed = kOffVec + kStages * kVecBytes;    /* [2][8] maxima, [2][64] sums */
+  static constexpr int kOffBar = kOffRed + (2 * 8 + 2 * kBQ8) * 4; /* full[S], empty[S], kfull */
+  static constexpr int kBytes = kOffBar + (2 * kStages + 1) * 8;
+  static constexpr int kSmem = kBytes + 1023;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(kProducerRegs + 2 * kConsumerRegs == 3 * 168, "setmaxnreg split of 168 x 384");
+  static_assert(kTileBytes % 1024 == 0, "stage tiles stay 1024-byte aligned");
+};
+
+/* Kernel parameters: the 8-bit arguments and this call's TMA maps (bytes, innermost first) of
+ * K^ {DP, nkp, BHk}, V {2 DP, nkp, BHk}, K^T {128, nkb DP, BHk}, Q^ {DP, nqp, BHq},
+ * Q^T {64, nqb DP, BHq}, dO {2 DP, nqp, BHq}, dO^T {64, nqb DP, BHq}. */
+struct Int8BwdSm90Params {
+  Int8Args a;
+  CUtensorMap kmap, vmap, ktmap, qmap, qtmap, domap, dotmap;
+};
+
+#if defined(FP4ATTN_SM90_WGMMA)
+
+constexpr int kBarMax = 1; /* named barrier A: the dS block's maxima are in shared memory */
+constexpr int kBarDs = 2;  /* named barrier B: the dS^ tile is complete */
+constexpr int kBarDq = 3;  /* named barrier C: the dQ tile of the step is complete */
+
+template <int kStages>
+struct BwdBars {
+  uint32_t base;
+  __device__ uint32_t full(int s) const { return base + 8 * s; }
+  __device__ uint32_t empty(int s) const { return base + 8 * (kStages + s); }
+  __device__ uint32_t kfull() const { return base + 16 * kStages; }
+};
+
+/* Byte offset of (row, col) in a tile of 128-byte rows with the 128-byte swizzle. */
+__device__ __forceinline__ int sw128_byte(int row, int col) {
+  return row * 128 + ((((col >> 4) ^ row) & 7) << 4) + (col & 15);
+}
+
+/* The walk of one key block: its (batch, KV head), the first query block that sees it, and the
+ * query blocks per query head of the group (the producer and the consumers agree on it). */
+struct BwdWalk {
+  int64_t b, hk, bhk, j, i_start, per_head, G;
+  int iters;
+  __device__ BwdWalk(const fp4attn_attention_params &p, const Int8Workspace &w) {
+    j = blockIdx.x % w.nkb;
+    bhk = blockIdx.x / w.nkb;
+    b = bhk / p.heads_kv;
+    hk = bhk % p.heads_kv;
+    G = p.heads_q / p.heads_kv;
+    i_start = p.causal ? min(w.nqb, j * kBK8 / kBQ8) : 0;
+    per_head = w.nqb - i_start;
+    iters = (int)(G * per_head);
+  }
+  __device__ void block(const fp4attn_attention_params &p, int it, int64_t &bh, int64_t &i) const {
+    bh = b * p.heads_q + hk * G + it / per_head;
+    i = i_start + (it % per_head + j) % per_head; /* key blocks start apart: dQ's rows differ */
+  }
+};
+
+template <int DP, bool kBf16>
+struct Int8BwdSm90 {
+  using C = BwdSm90Config<DP>;
+  static constexpr int kQkRow = DP;      /* bytes per Q^ / K^ row: their swizzle width */
+  static constexpr int kDqCols = DP / 2; /* dQ columns per consumer */
+
+  static __device__ void producer(const Int8BwdSm90Params &prm, char *sm) {
+    const Int8Args &a = prm.a;
+    const fp4attn_attention_params &p = a.p;
+    const Int8Workspace &w = a.ws;
+    const BwdWalk walk(p, w);
+    const BwdBars<C::kStages> bar{smem_u32(sm + C::kOffBar)};
+    const int jr = (int)(walk.j * kBK8), bhk = (int)walk.bhk;
+
+    mbar_expect_tx(bar.kfull(), C::kKBytes + C::kVBytes + C::kKtBytes);
+    tma_load_3d(smem_u32(sm + C::kOffK), &prm.kmap, 0, jr, bhk, bar.kfull());
+#pragma unroll
+    for (int cb = 0; cb < DP / 64; ++cb)
+      tma_load_3d(smem_u32(sm + C::kOffV + cb * kBK8 * 128), &prm.vmap, cb * 128, jr, bhk,
+                  bar.kfull());
+    tma_load_3d(smem_u32(sm + C::kOffKt), &prm.ktmap, 0, (int)(walk.j * DP), bhk, bar.kfull());
+    mbar_arrive(bar.kfull());
+
+    for (int it = 0; it < walk.iters; ++it) {
+      const int s = it % C::kStages;
+      if (it >= C::kStages) mbar_wait(bar.empty(s), ((it / C::kStages) - 1) & 1);
+      int64_t bh, i;
+      walk.block(p, it, bh, i);
+      char *st = sm + C::kOffStage + s * C::kTileBytes;
+      char *vec = sm + C::kOffVec + s * C::kVecBytes;
+      const int ir = (int)(i * kBQ8), id = (int)(i * DP), bhq = (int)bh;
+      const int64_t r0 = bh * w.nqp + i * kBQ8;
+      mbar_expect_tx(bar.full(s), C::kTileBytes + C::kVecBytes);
+      tma_load_3d(smem_u32(st + C::sQ), &prm.qmap, 0, ir, bhq, bar.full(s));
+      tma_load_3d(smem_u32(st + C::sQt), &prm.qtmap, 0, id, bhq, bar.full(s));
+#pragma unroll
+      for (int cb = 0; cb < DP / 64; ++cb)
+        tma_load_3d(smem_u32(st + C::sDo + cb * kBQ8 * 128), &prm.domap, cb * 128, ir, bhq,
+                    bar.full(s));
+      tma_load_3d(smem_u32(st + C::sDot), &prm.dotmap, 0, id, bhq, bar.full(s));
+      bulk_load(smem_u32(vec + C::vLse), w.lse2 + r0, kBQ8 * 4, bar.full(s));
+      bulk_load(smem_u32(vec + C::vDrow), w.drow + r0, kBQ8 * 4, bar.full(s));
+      bulk_load(smem_u32(vec + C::vSdo), w.sdo + (bh * w.nqb + i) * DP, DP * 4, bar.full(s));
+      mbar_arrive(bar.full(s));
+    }
+  }
+
+  static __device__ void consumer(const Int8BwdSm90Params &prm, char *sm) {
+    const Int8Args &a = prm.a;
+    const fp4attn_attention_params &p = a.p;
+    const Int8Workspace &w = a.ws;
+    const BwdWalk walk(p, w);
+    const BwdBars<C::kStages> bar{smem_u32(sm + C::kOffBar)};
+    const int ctid = threadIdx.x - 128, cwg = ctid >> 7, cwarp = ctid >> 5, lane = ctid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int krow0 = cwg * kWgKeys + (cwarp & 3) * 16; /* this warp's 16 keys in the block */
+    const int64_t j0 = walk.j * kBK8;
+    float *red = reinterpret_cast<float *>(sm + C::kOffRed); /* [2][8] warp maxima */
+    float *rowsum = red + 16;                                /* [2][64] rowsum(dS) */
+
+    /* descriptors of the resident tiles: this warpgroup's 64 keys of K^ and V, its half of K^T */
+    const uint64_t k_desc = kmajor_desc<kQkRow>(smem_u32(sm + C::kOffK) + cwg * kWgKeys * DP);
+    const uint32_t v_lo = sw128_desc_lo(smem_u32(sm + C::kOffV) + cwg * kWgKeys * 128);
+    const uint64_t kt_desc = kmajor_desc<kBK8>(smem_u32(sm + C::kOffKt) + cwg * kDqCols * kBK8);
+    const uint64_t ds_desc = kmajor_desc<kBK8>(smem_u32(sm + C::kOffDs));
+    char *ds_tile = sm + C::kOffDs;
+
+    if (ctid < 2 * kBQ8) rowsum[ctid] = 0.0f;
+    named_sync(kBarMax, kConsumerThreads);
+
+    const float sk = w.sk[walk.bhk * w.nkb + walk.j];
+    float dv[DP / 8][4], dk[DP / 8][4];
+#pragma unroll
+    for (int n = 0; n < DP / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dv[n][e] = dk[n][e] = 0.0f;
+
+    mbar_wait(bar.kfull(), 0);
+    for (int it = 0; it < walk.iters; ++it) {
+      const int s = it % C::kStages, par = it & 1;
+      int64_t bh, i;
+      walk.block(p, it, bh, i);
+      const int64_t h = bh % p.heads_q, i0 = i * kBQ8;
+      const char *st = sm + C::kOffStage + s * C::kTileBytes;
+      const char *vec = sm + C::kOffVec + s * C::kVecBytes;
+      const float *lse2 = reinterpret_cast<const float *>(vec + C::vLse);
+      const float *drow = reinterpret_cast<const float *>(vec + C::vDrow);
+      const float *sdo = reinterpret_cast<const float *>(vec + C::vSdo);
+      const uint64_t q_desc = kmajor_desc<kQkRow>(smem_u32(st + C::sQ));
+      const uint64_t qt_desc = kmajor_desc<kBQ8>(smem_u32(st + C::sQt));
+      const uint32_t do_lo = sw128_desc_lo(smem_u32(st + C::sDo));
+      const uint64_t dot_desc = kmajor_desc<kBQ8>(smem_u32(st + C::sDot));
+      const float sq = w.sq[bh * w.nqb + i];
+      mbar_wait(bar.full(s), (it / C::kStages) & 1);
+
+      /* S^T = K^ Q^T and dP^T = V dO^T (this warpgroup's 64 keys x the block's 64 rows) */
+      int sacc[8][4];
+      float dp[8][4];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < DP / 32; ++kk)
+        wgmma_ss_m64n64k32_s8(sacc, k_desc + 2 * kk, q_desc + 2 * kk, kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < DP / 16; ++kk) {
+        /* k16 step kk: column block kk / 4 (R rows x 128 bytes), +32 bytes per step inside it */
+        const uint32_t voff = (kk >> 2) * (kBK8 * 128 >> 4) + 2 * (kk & 3);
+        const uint32_t dooff = (kk >> 2) * (kBQ8 * 128 >> 4) + 2 * (kk & 3);
+        wgmma_ss_m64n64k16<kBf16>(dp, sw128_desc(v_lo + voff), sw128_desc(do_lo + dooff), kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(sacc);
+      fence_regs(dp);
+
+      /* P^T = exp2(S^T f - lse2) with the masks; accumulator rows are keys, columns query rows */
+      const float f = ((sq * sk) * p.scale) * kLog2e;
+      const bool masked = p.mask_kind != FP4ATTN_MASK_NONE || j0 + kBK8 > p.len_k ||
+                          i0 + kBQ8 > p.len_q || (p.causal && j0 + kBK8 - 1 > i0);
+      float pm[8][4];
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = n * 8 + 2 * t + (e & 1);
+          float s_ = exact_float(sacc[n][e]) * f;
+          bool visible = true;
+          if (masked) {
+            const int64_t key = j0 + krow0 + g + 8 * (e >> 1), row = i0 + col;
+            visible = key < p.len_k && row < p.len_q && (!p.causal || key <= row);
+            if (visible && p.mask_kind != FP4ATTN_MASK_NONE) {
+              const int64_t off = walk.b * p.mask_stride[0] + h * p.mask_stride[1] +
+                                  row * p.mask_stride[2] + key * p.mask_stride[3];
+              if (p.mask_kind == FP4ATTN_MASK_BOOL)
+                visible = static_cast<const uint8_t *>(p.mask)[off] != 0;
+              else
+                s_ += load_as_float(p.mask, p.mask_dtype, off) * kLog2e;
+            }
+          }
+          pm[n][e] = visible ? fast_exp2(s_ - lse2[col]) : 0.0f;
+        }
+
+      /* P^: psi per key over the 64 rows, packed as the A fragments of dV's two k32 steps */
+      uint32_t pa[2][4];
+      float sp[2];
+      {
+        uint32_t pc[8][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = 0.0f;
+#pragma unroll
+          for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(pm[n][2 * r], pm[n][2 * r + 1]));
+          float rr;
+          psi_factors(quad_max(mx), rr, sp[r]);
+#pragma unroll
+          for (int n = 0; n < 8; ++n) {
+            pc[n][2 * r] = code_word(pm[n][2 * r], rr);
+            pc[n][2 * r + 1] = code_word(pm[n][2 * r + 1], rr);
+          }
+        }
+        pack_a_from_words(pa[0], pc, 0);
+        pack_a_from_words(pa[1], pc, 1);
+      }
+
+      /* dS^T = P^T (dP^T - Drow) in place of dP, its column sums (rowsum(dS) per query row) and
+       * this warp's amax */
+      float amax = 0.0f;
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          dp[n][e] = pm[n][e] * (dp[n][e] - drow[n * 8 + 2 * t + (e & 1)]);
+          amax = fmaxf(amax, fabsf(dp[n][e]));
+        }
+      float *rs = rowsum + par * kBQ8;
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          float v = dp[n][x] + dp[n][2 + x];
+          v += __shfl_xor_sync(0xffffffffu, v, 4);
+          v += __shfl_xor_sync(0xffffffffu, v, 8);
+          v += __shfl_xor_sync(0xffffffffu, v, 16);
+          if (g == 0) atomicAdd(&rs[n * 8 + 2 * t + x], v);
+        }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+
+      if (lane == 0) red[par * 8 + cwarp] = amax;
+      named_sync(kBarMax, kConsumerThreads);
+      amax = 0.0f;
+#pragma unroll
+      for (int x = 0; x < 8; ++x) amax = fmaxf(amax, red[par * 8 + x]);
+      if (ctid < kBQ8) { /* the block's rowsum(dS) is complete: one atomic per row */
+        const float v = rs[ctid];
+        if (i0 + ctid < p.len_q && v != 0.0f) atomicAdd(&w.ds_rowsum[bh * p.len_q + i0 + ctid], v);
+        rs[ctid] = 0.0f; /* reused two steps on, after barrier A of the next step */
+      }
+      float rds, sds;
+      psi_factors(amax, rds, sds);
+      uint32_t da[2][4];
+      {
+        uint32_t dc[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            dc[n][e] = code_word(dp[n][e], rds);
+            ds_tile[sw128_byte(n * 8 + 2 * t + (e & 1), krow0 + g + 8 * (e >> 1))] = (char)dc[n][e];
+          }
+        pack_a_from_words(da[0], dc, 0);
+        pack_a_from_words(da[1], dc, 1);
+      }
+      fence_proxy_async(); /* the dS^ bytes, for the dQ wgmma of both consumers */
+
+      /* dV += (sP sdO) P^T dO^ */
+      int big[DP / 8][4];
+      wgmma_fence();
+#pragma unroll
+      for (int kb = 0; kb < 2; ++kb) {
+        if constexpr (DP == 128)
+          wgmma_rs_m64n128k32_i8<false>(big, pa[kb], dot_desc + 2 * kb, kb > 0);
+        else
+          wgmma_rs_m64n64k32_i8<false>(big, pa[kb], dot_desc + 2 * kb, kb > 0);
+      }
+      wgmma_commit();
+
+      wgmma_wait<0>();
+      fence_regs(big);
+#pragma unroll
+      for (int n = 0; n < DP / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = n * 8 + 2 * t + (e & 1);
+          dv[n][e] += (sp[e >> 1] * sdo[col]) * exact_float(big[n][e]);
+        }
+      if (ctid == 0) bulk_wait_read<0>(); /* the last step's dQ tile has been read */
+      named_sync(kBarDs, kConsumerThreads);
+
+      /* dK += (scale sdS sQ) dS^T Q^ in wgmmas of N = 64 columns (registers), and
+       * dQ_i += (scale sdS sK) dS^ K^ on this consumer's half of dQ's columns, FP32 atomics */
+      const float fk = (p.scale * sds) * sq;
+      int kacc[8][4];
+      int dq[kDqCols / 8][4];
+      const auto issue_dk = [&](int half) {
+#pragma unroll
+        for (int kb = 0; kb < 2; ++kb)
+          wgmma_rs_m64n64k32_i8<false>(kacc, da[kb], qt_desc + half * (64 * kBQ8 >> 4) + 2 * kb,
+                                       kb > 0);
+        wgmma_commit();
+      };
+      const auto fold_dk = [&](int half) {
+        fence_regs(kacc);
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dk[8 * half + n][e] += fk * exact_float(kacc[n][e]);
+      };
+      wgmma_fence();
+      issue_dk(0);
+#pragma unroll
+      for (int kk = 0; kk < kBK8 / 32; ++kk) {
+        if constexpr (kDqCols == 64)
+          wgmma_ss_m64n64k32_s8(dq, ds_desc + 2 * kk, kt_desc + 2 * kk, kk > 0);
+        else
+          wgmma_ss_m64n32k32_s8(dq, ds_desc + 2 * kk, kt_desc + 2 * kk, kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+      fold_dk(0);
+      if constexpr (DP == 128) {
+        wgmma_fence();
+        issue_dk(1);
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      fence_regs(dq);
+      {
+        /* the tile's previous reduction has read it: ctid 0 waited before barrier B */
+        const float fq = (p.scale * sds) * sk;
+        const int r0 = (cwarp & 3) * 16, c0 = cwg * kDqCols;
+        float *dq_tile = reinterpret_cast<float *>(sm + C::kOffDq);
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int n = 0; n < kDqCols / 8; ++n)
+            *reinterpret_cast<float2 *>(dq_tile + (r0 + g + 8 * r) * DP + c0 + n * 8 + 2 * t) =
+                make_float2(fq * exact_float(dq[n][2 * r]), fq * exact_float(dq[n][2 * r + 1]));
+        fence_proxy_async();
+        named_sync(kBarDq, kConsumerThreads);
+        if (ctid == 0) {
+          const int64_t rows = min((int64_t)kBQ8, p.len_q - i0);
+          bulk_reduce_add_f32(w.dq_acc + (bh * p.len_q + i0) * DP, smem_u32(dq_tile),
+                              (uint32_t)(rows * DP * 4));
+          bulk_commit();
+        }
+      }
+      if constexpr (DP == 128) {
+        wgmma_wait<0>();
+        fold_dk(1);
+      }
+      mbar_arrive(bar.empty(s)); /* every consumer thread: the stage's last reads are done */
+    }
+
+    if (ctid == 0) bulk_wait<0>(); /* the last dQ reduction, before the block's memory goes */
+
+    /* dK and dV of this warp's 16 keys (contiguous outputs), in the input dtype */
+    const bool pair_ok = p.head_dim % 2 == 0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t key = j0 + krow0 + g + 8 * r;
+      if (key >= p.len_k) continue;
+      const int64_t base = (walk.bhk * p.len_k + key) * p.head_dim;
+#pragma unroll
+      for (int n = 0; n < DP / 8; ++n) {
+        const int col = n * 8 + 2 * t;
+        if (col >= p.head_dim) continue;
+        if (col + 1 < p.head_dim) {
+          store2_from_float(a.dk, p.dtype, base + col, dk[n][2 * r], dk[n][2 * r + 1], pair_ok);
+          store2_from_float(a.dv, p.dtype, base + col, dv[n][2 * r], dv[n][2 * r + 1], pair_ok);
+        } else {
+          store_from_float(a.dk, p.dtype, base + col, dk[n][2 * r]);
+          store_from_float(a.dv, p.dtype, base + col, dv[n][2 * r]);
+        }
+      }
+    }
+  }
+
+  static __device__ void run(const Int8BwdSm90Params &prm, char *smem) {
+    char *sm = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
+    if (threadIdx.x == 0) {
+      const BwdBars<C::kStages> bar{smem_u32(sm + C::kOffBar)};
+      for (int s = 0; s < C::kStages; ++s) {
+        mbar_init(bar.full(s), 1);
+        mbar_init(bar.empty(s), kConsumerThreads);
+      }
+      mbar_init(bar.kfull(), 1);
+      mbar_init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) {
+      regs_dealloc<C::kProducerRegs>();
+      if (threadIdx.x == 0) producer(prm, sm);
+    } else {
+      regs_alloc<C::kConsumerRegs>();
+      consumer(prm, sm);
+    }
+  }
+};
+
+#endif /* FP4ATTN_SM90_WGMMA */
+
+template <int DP, bool kBf16>
+__global__ void __launch_bounds__(kThreads, 1)
+    int8_backward_sm90_kernel(const __grid_constant__ Int8BwdSm90Params prm) {
+#if defined(FP4ATTN_SM90_WGMMA)
+  extern __shared__ __align__(16) char smem[];
+  Int8BwdSm90<DP, kBf16>::run(prm, smem);
+#else
+  __trap(); /* never launched: the dispatch picks this kernel only for sm_90a builds on CC 9.0 */
+#endif
+}
+
+}  // namespace
+
+template <int DP>
+fp4attn_status launch_int8_backward_sm90(const Int8Args &a, cudaStream_t s) {
+  static_assert(DP == 64 || DP == 128, "the sm90 INT8 backward serves padded head dims 64 and 128");
+  using C = BwdSm90Config<DP>;
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  if (w.nkb * DP > 0x7FFFFFFFLL || w.nqb * DP > 0x7FFFFFFFLL || w.nqp > 0x7FFFFFFFLL ||
+      w.nkp > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                         "int8 attention backward (sm90 kernel): sequences too long for TMA "
+                         "coordinates");
+  Int8BwdSm90Params prm;
+  prm.a = a;
+  const cuuint64_t bhq = (cuuint64_t)(p.batch * p.heads_q),
+                   bhk = (cuuint64_t)(p.batch * p.heads_kv), dp = (cuuint64_t)DP;
+  struct Map {
+    CUtensorMap &map;
+    const void *base;
+    cuuint64_t dims[3], strides[2];
+    cuuint32_t inner, rows;
+    const char *what;
+  } maps[] = {
+      {prm.kmap, w.kc, {dp, (cuuint64_t)w.nkp, bhk}, {dp, w.nkp * dp}, DP, kBK8, "K^"},
+      {prm.vmap, w.v16, {2 * dp, (cuuint64_t)w.nkp, bhk}, {2 * dp, w.nkp * 2 * dp}, 128, kBK8, "V"},
+      {prm.ktmap, w.kct, {kBK8, w.nkb * dp, bhk}, {kBK8, w.nkb * dp * kBK8}, kBK8, DP, "K^T"},
+      {prm.qmap, w.qc, {dp, (cuuint64_t)w.nqp, bhq}, {dp, w.nqp * dp}, DP, kBQ8, "Q^"},
+      {prm.qtmap, w.qct, {kBQ8, w.nqb * dp, bhq}, {kBQ8, w.nqb * dp * kBQ8}, kBQ8, DP, "Q^T"},
+      {prm.domap,
+       w.do16,
+       {2 * dp, (cuuint64_t)w.nqp, bhq},
+       {2 * dp, w.nqp * 2 * dp},
+       128,
+       kBQ8,
+       "dO"},
+      {prm.dotmap, w.doct, {kBQ8, w.nqb * dp, bhq}, {kBQ8, w.nqb * dp * kBQ8}, kBQ8, DP, "dO^T"},
+  };
+  for (Map &m : maps) {
+    const fp4attn_status st =
+        encode_byte_map(m.map, m.base, m.dims, m.strides, m.inner, m.rows, m.what);
+    if (st.code != FP4ATTN_OK) return st;
+  }
+
+  auto kernel =
+      a.bf16_ops ? int8_backward_sm90_kernel<DP, true> : int8_backward_sm90_kernel<DP, false>;
+  static int configured[64] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const int bit = a.bf16_ops ? 2 : 1;
+  if (dev < 0 || dev >= 64 || !(configured[dev] & bit)) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem) !=
+        cudaSuccess)
+      return launch_status("int8 attention backward (sm90 kernel)");
+    if (dev >= 0 && dev < 64) configured[dev] |= bit;
+  }
+  const int64_t blocks = p.batch * p.heads_kv * w.nkb;
+  if (blocks > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention backward: too many key blocks");
+  kernel<<<(unsigned)blocks, kThreads, C::kSmem, s>>>(prm);
+  return launch_status("int8 attention backward (sm90 kernel)");
+}
+
+template fp4attn_status launch_int8_backward_sm90<64>(const Int8Args &, cudaStream_t);
+template fp4attn_status launch_int8_backward_sm90<128>(const Int8Args &, cudaStream_t);
+
+}  // namespace fp4attn_cuda
