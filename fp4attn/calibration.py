@@ -8,16 +8,20 @@
 2. Per site and candidate precision, the attention error on the captured q/k/v against exact
    float64 attention (cos, rel_l1): the per-layer table.
 3. Sensitivity, what orders the sites: the attention error of step 2 (1 - cos, the default), or
-   (sensitivity="model") the model metric with one site in a candidate precision and every other
-   site exact (KL(exact || policy) per token for causal LMs, 1 - mean embedding cos for encoders).
+   (sensitivity="model") the model metric with one site in the cheapest candidate precision and
+   every other site exact (KL(exact || policy) per token for causal LMs, 1 - mean embedding cos
+   for encoders), scaled for the dearer candidates by their attention error relative to it.
 4. Order: each site's precisions on the lower convex hull of (cost, sensitivity) give its
    upgrade moves (cheaper to dearer); all moves sorted by sensitivity removed per unit of cost
    added, largest first. Assignment m = every site at its cheapest candidate, then the first m
    moves applied: m = 0 is the cheapest policy, the last m the most accurate.
 5. Search: the smallest m whose metric, measured by running the model with the policy applied
    through fp4attn.patch(policy=..., model=...), is within budget (bisection over m: the
-   sensitivities only order the moves, the measured metric decides). The result is a measured
-   point, never an estimate.
+   sensitivities only order the moves, the measured metric decides). For causal LMs both the
+   perplexity increase and exp(KL) - 1 must be: a perplexity change on a few thousand tokens
+   swings by tenths of a percent with the text's luck, which the KL does not see, and a
+   policy picked where that luck is good does not hold on other text. The result is a
+   measured point, never an estimate.
 
 "bf16" is the reference (torch SDPA in the input dtype), so its sensitivity is 0 and any
 precision that costs more than it is never a candidate (FP4 on Hopper). Deterministic for fixed
@@ -122,6 +126,21 @@ def _embedding(out, batch: dict) -> torch.Tensor:
     return torch.nn.functional.normalize(e, dim=-1)
 
 
+#: Tokens of the exact next-token distribution kept per position for the KL (the rest is one
+#: bucket: a lower bound of the full KL, tight when the kept tokens hold almost all the mass).
+KL_TOP = 256
+
+
+def _kl_sum(lp: torch.Tensor, top_idx: torch.Tensor, top_lp: torch.Tensor) -> float:
+    """sum over positions of KL(exact || lp) on the exact top-KL_TOP tokens and the tail bucket."""
+    q = lp.gather(-1, top_idx)
+    p = top_lp.exp()
+    tail_p = (1.0 - p.sum(-1)).clamp(min=1e-12)
+    tail_q = (1.0 - q.exp().sum(-1)).clamp(min=1e-12)
+    kl = (p * (top_lp - q)).sum(-1) + tail_p * (tail_p.log() - tail_q.log())
+    return max(float(kl.double().sum()), 0.0)  # float32 rounding can take a KL near 0 below it
+
+
 class _Metric:
     """The model metric over the calibration batches, against the exact model's."""
 
@@ -129,45 +148,46 @@ class _Metric:
         self.model, self.batches, self.kind = model, batches, kind
 
     def reference(self, out, batch: dict):
-        """What a batch's exact forward leaves for later comparisons."""
+        """What a batch's exact forward leaves for later comparisons: its embeddings, or its
+        NLL, token count and top-KL_TOP next-token log-probs."""
         if self.kind == "embedding_cos":
             return _embedding(out, batch)
         lp, tgt, valid = _log_probs(out, batch)
-        return (-lp[valid].gather(-1, tgt[valid, None]).sum().item(), int(valid.sum()))
+        lp = lp[valid]
+        top_lp, top_idx = lp.topk(min(KL_TOP, lp.shape[-1]), dim=-1)
+        return {"nll": -lp.gather(-1, tgt[valid, None]).sum().item(), "n": int(valid.sum()),
+                "top_idx": top_idx, "top_lp": top_lp}
 
-    def compare(self, out, batch: dict, ref, exact_lp=None) -> tuple[float, float]:
-        """(nll sum, KL sum) for causal LMs (KL only given ``exact_lp``), (cos sum, count) for
-        encoders."""
+    def compare(self, out, batch: dict, ref) -> tuple[float, float]:
+        """(nll sum, KL sum) for causal LMs, (sum of cos, count) for encoders."""
         if self.kind == "embedding_cos":
             e = _embedding(out, batch)
             return float((e * ref).sum(-1).sum()), float(e.shape[0])
         lp, tgt, valid = _log_probs(out, batch)
-        nll = -lp[valid].gather(-1, tgt[valid, None]).sum().item()
-        kl = 0.0
-        if exact_lp is not None:
-            p, q = exact_lp[valid], lp[valid]
-            for s in range(0, p.shape[0], 256):  # rows in chunks: no [T, V] temporaries
-                a, b = p[s:s + 256], q[s:s + 256]
-                kl += float((a.exp() * (a - b)).sum())
-        return nll, max(kl, 0.0)  # float32 rounding takes a KL near 0 slightly below it
+        lp = lp[valid]
+        nll = -lp.gather(-1, tgt[valid, None]).sum().item()
+        return nll, _kl_sum(lp, ref["top_idx"], ref["top_lp"])
 
-    def loss(self, model_metric: float, exact: float) -> float:
-        """The quantity the budget bounds: relative perplexity increase, or 1 - mean cos."""
-        return model_metric / exact - 1.0 if self.kind == "perplexity" else 1.0 - model_metric
-
-    def measure(self, policy: Policy, refs: list) -> float:
-        """The model metric with ``policy`` applied through fp4attn.patch: perplexity, or the
-        mean embedding cos against exact."""
+    def measure(self, policy: Policy, refs: list) -> dict:
+        """The model metric with ``policy`` applied through fp4attn.patch: {"value": perplexity,
+        "kl": KL per token} or {"value": mean embedding cos against exact}."""
         a = b = 0.0
         with patched(policy=policy, model=self.model):
             for batch, ref in zip(self.batches, refs):
-                out = _forward(self.model, batch)
-                x, y = self.compare(out, batch, ref)
-                if self.kind == "perplexity":
-                    a, b = a + x, b + ref[1]
-                else:
-                    a, b = a + x, b + y
-        return math.exp(a / b) if self.kind == "perplexity" else a / b
+                x, y = self.compare(_forward(self.model, batch), batch, ref)
+                a, b = a + x, b + y
+        if self.kind == "embedding_cos":
+            return {"value": a / b}
+        n = sum(r["n"] for r in refs)
+        return {"value": math.exp(a / n), "kl": b / n}
+
+    def losses(self, m: dict, exact: float) -> dict:
+        """What the budget bounds: the measured relative perplexity increase and the one the KL
+        implies (exp(KL) - 1: its expectation over text the model predicts well, free of the
+        luck of which tokens the text holds); or 1 - mean cos."""
+        if self.kind == "embedding_cos":
+            return {"loss": 1.0 - m["value"]}
+        return {"loss": m["value"] / exact - 1.0, "kl_loss": math.expm1(m["kl"])}
 
 
 def _site_flops(call) -> float:
@@ -275,9 +295,9 @@ def calibrate(model, batches, budget: float = 0.01, device_kind="blackwell", *,
     metric: "auto" (from the model's output), "perplexity" or "embedding_cos".
     sensitivity: what orders the layers: "attention", each site's attention error on the
         captured inputs (1 - cos; no extra forwards), or "model", the model metric with that
-        site alone in each candidate precision (KL per token, or 1 - mean cos; a forward per
-        site, candidate and batch: slower, and it sees how much each layer's error matters
-        downstream).
+        site alone in the cheapest candidate precision (KL per token, or 1 - mean cos; one
+        forward per site and batch: slower, and it sees how much each layer's error matters
+        downstream), the dearer candidates' in proportion to their attention error.
 
     Prints the per-layer table (stdout) and progress (stderr, ``verbose``). The policy's
     ``meta["calibration"]`` holds the measurements, the order and the probed points.
@@ -339,8 +359,8 @@ def calibrate(model, batches, budget: float = 0.01, device_kind="blackwell", *,
         raise ValueError("the model must call torch SDPA the same number of times (> 0) in "
                          f"every batch's forward, got {[len(c) for c in calls_by_batch]}")
     if metric_kind == "perplexity":
-        exact = math.exp(sum(r[0] for r in refs) / sum(r[1] for r in refs))
-        tokens = sum(r[1] for r in refs)
+        tokens = sum(r["n"] for r in refs)
+        exact = math.exp(sum(r["nll"] for r in refs) / tokens)
     else:
         exact, tokens = 1.0, sum(r.shape[0] for r in refs)
     _log(verbose, f"{n_sites} attention sites, {len(batches)} batches, {tokens} "
@@ -364,49 +384,53 @@ def calibrate(model, batches, budget: float = 0.01, device_kind="blackwell", *,
     if sensitivity == "attention":  # the captured attention error, 1 - cos (free)
         sens = {s: {p: (1.0 - min(m["cos"] for m in err[s][p]) if p in probe else 0.0)
                     for p in cands} for s in range(n_sites)}
-    else:  # the model metric with one site in a candidate precision, exact elsewhere
-        acc = {(s, p): 0.0 for s in range(n_sites) for p in probe}
+    else:  # the model metric with one site in the cheapest candidate, exact elsewhere
+        first = probe[0]
+        acc = [0.0] * n_sites
         for batch, ref in zip(batches, refs):
-            exact_lp = None
-            if metric_kind == "perplexity":
-                exact_lp = _log_probs(_forward(model, batch), batch)[0]
             for s in range(n_sites):
-                for p in probe:
-                    with patched(policy=Policy({s: p}, "bf16", num_layers=n_sites), model=model):
-                        out = _forward(model, batch)
-                    x, y = meter.compare(out, batch, ref, exact_lp)
-                    acc[s, p] += y if metric_kind == "perplexity" else y - x  # KL, sum(1 - cos)
-            del exact_lp
+                with patched(policy=Policy({s: first}, "bf16", num_layers=n_sites), model=model):
+                    out = _forward(model, batch)
+                x, y = meter.compare(out, batch, ref)
+                acc[s] += y if metric_kind == "perplexity" else y - x  # KL, or sum(1 - cos)
             _log(verbose, f"sensitivities: batch done ({time.perf_counter() - t0:.0f}s)")
-        sens = {s: {p: (acc[s, p] / tokens if p in probe else 0.0) for p in cands}
-                for s in range(n_sites)}
+        # dearer candidates: the same downstream effect per unit of attention error (1 - cos)
+        sens = {}
+        for s in range(n_sites):
+            e0 = max(1.0 - min(m["cos"] for m in err[s][first]), 1e-12)
+            sens[s] = {p: (0.0 if p not in probe else acc[s] / tokens * (
+                1.0 - min(m["cos"] for m in err[s][p])) / e0) for p in cands}
 
     # 4. the order, 5. the measured search along it
     moves = upgrade_moves(sens, flops, costs, cands)
     probes: dict[int, dict] = {}
 
-    def measure(m: int) -> float:
+    def passes(m: int) -> bool:
         pol = Policy(assignment(n_sites, cands[0], moves, m))
-        value = meter.measure(pol, refs)
-        loss = meter.loss(value, exact)
-        probes[m] = {"m": m, "value": value, "loss": loss, "fp4_share": pol.fp4_share(flops),
+        got = meter.measure(pol, refs)
+        los = meter.losses(got, exact)
+        probes[m] = {"m": m, "code": pol.code(), **got, **los,
+                     "fp4_share": pol.fp4_share(flops),
                      "cost": sum(costs[p] * f for p, f in zip(pol.as_list(), flops))}
-        _log(verbose, f"probe m={m}/{len(moves)}: {pol.code()}, {metric_kind} {value:.5f}, loss "
-             f"{loss:+.5f} (budget {budget}) ({time.perf_counter() - t0:.0f}s)")
-        return loss
+        ok = max(los.values()) <= budget
+        _log(verbose, f"probe m={m}/{len(moves)}: {pol.code()}, {metric_kind} "
+             f"{got['value']:.5f}, " + ", ".join(f"{k} {v:+.5f}" for k, v in los.items())
+             + f" (budget {budget}: {'pass' if ok else 'fail'}) ({time.perf_counter() - t0:.0f}s)")
+        return ok
 
-    lo, hi = -1, len(moves)  # lo: fails (or none), hi: the smallest passing m found so far
-    if measure(0) <= budget:
+    # bisection: lo fails (or is -1), hi passes; the most accurate end must pass at all
+    lo, hi = -1, len(moves)
+    if passes(0):
         hi = 0
     else:
         lo = 0
-        if measure(hi) > budget:
+        if not passes(hi):
             raise ValueError(
                 f"budget {budget} cannot be met with the precisions of device_kind ({costs}): the "
-                f"most accurate assignment measures {probes[hi]['loss']:+.5f}")
+                f"most accurate assignment measures {probes[hi]}")
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if measure(mid) <= budget:
+        if passes(mid):
             hi = mid
         else:
             lo = mid
@@ -423,6 +447,7 @@ def calibrate(model, batches, budget: float = 0.01, device_kind="blackwell", *,
         layers.append(row)
     cal = {"metric": metric_kind, "budget": budget, "sensitivity": sensitivity, "exact": exact, "tokens": tokens,
            "batches": len(batches), "measured": probes[hi]["value"], "loss": probes[hi]["loss"],
+           "kl": probes[hi].get("kl"), "kl_loss": probes[hi].get("kl_loss"),
            "fp4_share": probes[hi]["fp4_share"],
            "device_kind": device_kind if isinstance(device_kind, str) else "custom",
            "costs": costs, "cheapest": cands[0], "order": [list(m) for m in moves], "m": hi,
@@ -453,7 +478,8 @@ def format_table(policy: Policy) -> str:
         lines.append("  ".join(f"{c:>12}" for c in cells))
     counts = {p: policy.as_list().count(p) for p in PRECISIONS}
     what = (f"perplexity {cal['measured']:.4f} vs exact {cal['exact']:.4f} "
-            f"({100 * cal['loss']:+.3f} %, budget +{100 * cal['budget']:.3f} %)"
+            f"({100 * cal['loss']:+.3f} %; KL {cal['kl']:.5f} per token, exp(KL) - 1 = "
+            f"{100 * cal['kl_loss']:+.3f} %; budget +{100 * cal['budget']:.3f} %)"
             if cal["metric"] == "perplexity" else
             f"mean embedding cos {cal['measured']:.6f} (budget >= {1 - cal['budget']:.6f})")
     lines.append(

@@ -252,7 +252,10 @@ def test_calibrate_causal_lm_meets_budget_measured():
     assert ppl / exact - 1 <= budget
     assert math.isclose(ppl, cal["measured"], rel_tol=1e-9)
     assert math.isclose(exact, cal["exact"], rel_tol=1e-9)
-    assert all(pr["loss"] <= budget or pr["m"] < cal["m"] for pr in cal["probes"])
+    assert cal["kl_loss"] <= budget and 0 <= cal["kl"]
+    for pr in cal["probes"]:  # bisection: every probe below the chosen m failed, at or above passed
+        ok = max(pr["loss"], pr["kl_loss"]) <= budget
+        assert ok == (pr["m"] >= cal["m"]), pr
     # deterministic
     again = fp4attn.calibrate(model, batches, budget=budget, verbose=False)
     assert again.code() == p.code()
@@ -285,6 +288,8 @@ def test_calibrate_sensitivity_model():
     p = fp4attn.calibrate(model, batches, budget=1e-4, sensitivity="model", verbose=False)
     rows = p.meta["calibration"]["layers"]
     assert all(r["sens_fp4"] > r["sens_int8"] >= 0 for r in rows)  # KL per token
+    for r in rows:  # int8: the FP4 KL scaled by the attention errors
+        assert math.isclose(r["sens_int8"] / r["sens_fp4"], (1 - r["cos_int8"]) / (1 - r["cos_fp4"]))
 
 
 def test_calibrate_encoder_embedding_cos():
@@ -329,3 +334,15 @@ def test_calibrate_argument_errors():
     model.config._attn_implementation = "sdpa"
     with fp4attn.patched(), pytest.raises(RuntimeError, match="unpatch"):
         fp4attn.calibrate(model, b)
+
+
+def test_kl_top_tokens_and_tail_bucket():
+    torch.manual_seed(3)
+    p = torch.log_softmax(3 * torch.randn(5, 50, dtype=torch.float64), -1)
+    q = torch.log_softmax(p + 0.3 * torch.randn(5, 50, dtype=torch.float64), -1)
+    full = float((p.exp() * (p - q)).sum())
+    top, idx = p.topk(50, -1)
+    assert math.isclose(C._kl_sum(q, idx, top), full, rel_tol=1e-9)
+    top, idx = p.topk(10, -1)
+    part = C._kl_sum(q, idx, top)
+    assert 0.5 * full < part <= full  # the tail as one bucket: a lower bound, close here
