@@ -21,12 +21,14 @@ from torch import Tensor
 from .reference import (_as_float32, _check_qkv, _div_rn, _mask_bias, _mask_scores, _normalise,
                         _online_softmax_step)
 
-__all__ = ["BK", "BQ", "PMAX", "QMAX", "attention_backward", "attention_forward", "psi"]
+__all__ = ["BK", "BKS", "BQ", "PMAX", "QMAX", "attention_backward", "attention_forward", "psi"]
 
 #: Query rows per INT8 block (one scale for Q^ per block; the backward's row blocks).
 BQ = 64
 #: Keys per INT8 block and per online-softmax step.
 BK = 128
+#: SPEC_INT8 3: keys per dS^ scale (half a key block).
+BKS = 64
 #: Largest INT8 code magnitude.
 QMAX = 127.0
 #: Largest code of the forward's P (unsigned bytes: P is never negative).
@@ -44,6 +46,60 @@ def psi(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     scale = torch.where(flush, 0.0, _div_rn(amax, QMAX))
     codes = torch.clamp(torch.round(x * torch.where(flush, 0.0, recip)), -QMAX, QMAX)
     return codes, scale
+
+
+def _migrate_kw(migrate: float | None, migrate_pow2: bool) -> dict:
+    """The migration keywords for _Quantized, checked: {} for SPEC_INT8 (no migration)."""
+    if migrate is None:
+        if migrate_pow2:
+            raise ValueError("migrate_pow2=True needs migrate= (the exponent alpha, e.g. 0.5)")
+        return {}
+    if not 0.0 <= float(migrate) <= 1.0:
+        raise ValueError(f"migrate (alpha) must be in [0, 1], got {migrate}")
+    return {"migrate": float(migrate), "migrate_pow2": bool(migrate_pow2)}
+
+
+def channel_migration(q32: Tensor, k32: Tensor, kbar: Tensor, G: int, alpha: float = 0.5,
+                      pow2: bool = False) -> Tensor:
+    """Per-channel Q<->K migration factors ``s`` [B, Hkv, 1, D], float32 (accuracy studies,
+    docs/accuracy.md "INT8 channel migration"; not SPEC_INT8). Per (batch, KV head) and channel c:
+
+    ``ka_c = max over the Nk keys of |K_c - kbar_c|`` (the smoothed K; computed as
+    ``max(max_k K_c - kbar_c, kbar_c - min_k K_c)``, which is the same FP32 number since rounding
+    is monotonic: the kernel's prepare pass gets it from the channel's max and min in the pass
+    that sums kbar); ``qa_c = max |Q_c|`` over the Nq rows of the KV head's G query heads;
+    ``s_c = ka_c^alpha / qa_c^(1 - alpha)``: ``sqrt(ka_c / qa_c)`` for alpha = 0.5 (two correctly
+    rounded FP32 operations), else float64 pow rounded to FP32. ``Q'_c = Q_c * s_c`` and
+    ``Ks'_c = Ks_c / s_c`` then have the channel maxima ``qa^(1-alpha) ka^alpha`` and
+    ``qa^alpha ka^(1-alpha)`` (alpha = 0.5: both ``sqrt(qa ka)``), and ``Q' Ks'^T = Q Ks^T``.
+
+    ``pow2``: the power of two nearest to s_c in log scale, so that ``Q_c * s_c`` and
+    ``Ks_c / s_c`` are exact in floating point: for alpha = 0.5, ``s_c = 2^ceil(E / 2)`` with
+    ``E = floor(log2(ka_c / qa_c))`` the FP32 exponent of the quotient (ties, ``ka / qa`` an odd
+    power of two, go up); else ``2^floor(log2(s_c) + 1/2)`` in float64.
+
+    ``s_c = 1`` where qa_c or ka_c is 0 or not finite, or s_c is not a finite positive number."""
+    B, Hq, _, D = q32.shape
+    Hkv = k32.shape[1]
+    kmax = k32.amax(dim=2, keepdim=True)
+    kmin = k32.amin(dim=2, keepdim=True)
+    ka = torch.maximum(kmax - kbar, kbar - kmin)  # = max |K - kbar| per channel, [B, Hkv, 1, D]
+    qa = q32.abs().amax(dim=2).reshape(B, Hkv, G, D).amax(dim=2)[:, :, None]  # [B, Hkv, 1, D]
+    ok = (qa > 0) & (ka > 0) & torch.isfinite(qa) & torch.isfinite(ka)
+    one = torch.ones_like(qa)
+    qa, ka = torch.where(ok, qa, one), torch.where(ok, ka, one)
+    if alpha == 0.5:
+        r = _div_rn(ka, qa)
+        if pow2:
+            e = torch.frexp(r).exponent - 1  # r = m 2^e, m in [1, 2)
+            s = torch.ldexp(one, torch.div(e + 1, 2, rounding_mode="floor"))  # 2^ceil(e / 2)
+        else:
+            s = torch.sqrt(r)
+    else:
+        ls = alpha * torch.log2(ka.double()) - (1.0 - alpha) * torch.log2(qa.double())
+        s = torch.exp2(torch.floor(ls + 0.5) if pow2 else ls).to(torch.float32)
+    ok = ok & torch.isfinite(s) & (s > 0)
+    return torch.where(ok, s, one)
 
 
 def _blocks(x: Tensor, block: int) -> Tensor:
@@ -68,12 +124,18 @@ class _Quantized:
     bit-exactly from the same inputs."""
 
     def __init__(self, q32: Tensor, k32: Tensor, v32: Tensor, G: int, q_block: int = BQ,
-                 k_block: int = BK):
+                 k_block: int = BK, migrate: float | None = None, migrate_pow2: bool = False):
         B, Hq, Nq, D = q32.shape
         Nk = k32.shape[2]
         self.kbar = k32.mean(dim=2, keepdim=True)  # [B, Hkv, 1, D]
+        ks = k32 - self.kbar
+        self.mig = None  # channel migration factors s [B, Hkv, 1, D] (None: SPEC_INT8)
+        if migrate is not None:
+            self.mig = channel_migration(q32, k32, self.kbar, G, migrate, migrate_pow2)
+            q32 = q32 * _per_q_head(self.mig, G)  # Q' = Q s, Ks' = Ks / s: Q' Ks'^T = Q Ks^T
+            ks = _div_rn(ks, self.mig)
         qc, sq = psi(_blocks(q32, q_block), (3, 4))  # per q_block rows (SPEC: 64)
-        kc, sk = psi(_blocks(k32 - self.kbar, k_block), (3, 4))  # per k_block keys (SPEC: 128)
+        kc, sk = psi(_blocks(ks, k_block), (3, 4))  # per k_block keys (SPEC: 128)
         vc, sv = psi(_blocks(v32, BK), (3,))  # per 128 keys and channel
         nqb, nkb, nvb = qc.shape[2], kc.shape[2], vc.shape[2]
         # per row / per key, repeated over the GQA group after quantizing (scales per KV head)
@@ -133,6 +195,8 @@ def attention_forward(
     *,
     q_block: int = BQ,
     k_block: int = BK,
+    migrate: float | None = None,
+    migrate_pow2: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """SPEC_INT8 2: ``(out, lse)``, out float32 ``[B, Hq, Nq, D]``, lse float32 ``[B, Hq, Nq]``
     (natural log of the scaled scores, the smoothing shift ``scale * q . kbar`` added back).
@@ -142,9 +206,17 @@ def attention_forward(
     query rows per scale of Q^ and (smoothed) keys per scale of K^, aligned at 0 like SPEC_INT8's
     blocks; the defaults, 64 and 128, are the spec and give bit-identical results. Everything
     else (V per 128 keys and channel, 128-key softmax steps, per-row P) is unchanged. The
-    backward keeps the spec's blocks."""
+    backward keeps the spec's blocks.
+
+    ``migrate`` (accuracy studies, docs/accuracy.md "INT8 channel migration"): None (default,
+    the spec) or the exponent alpha of a Q<->K channel migration before quantizing, ``Q' = Q s``
+    and ``Ks' = (K - kbar) / s`` per channel with ``s`` from ``channel_migration`` (alpha = 0.5:
+    ``sqrt(max|Ks_c| / max|Q_c|)`` per (batch, KV head) over the sequence); ``migrate_pow2``
+    rounds s to a power of two. Exact in real arithmetic (``Q' Ks'^T = Q Ks^T``); only the INT8
+    codes and scales change. The lse shift uses the unmigrated Q and kbar."""
     if q_block < 1 or k_block < 1:
         raise ValueError(f"q_block and k_block must be >= 1, got {q_block}, {k_block}")
+    mig = _migrate_kw(migrate, migrate_pow2)
     G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
@@ -153,7 +225,7 @@ def attention_forward(
     lse = q32.new_full((B, Hq, Nq), -math.inf)
     if 0 in (B, Hq, Nq, Nk):
         return out, lse
-    ops = _Quantized(q32, k32, v32, G, q_block, k_block)
+    ops = _Quantized(q32, k32, v32, G, q_block, k_block, **mig)
     m = q32.new_full((B, Hq, Nq), -math.inf)
     l = q32.new_zeros(B, Hq, Nq)
     for j in range(-(-Nk // BK)):
@@ -181,11 +253,19 @@ def attention_backward(
     scale: float | None = None,
     *,
     grad_lse: Tensor | None = None,
+    migrate: float | None = None,
+    migrate_pow2: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """SPEC_INT8 3: ``(dq, dk, dv)`` in float32 from the forward's ``out`` (as returned, in the
     input dtype) and ``lse`` (as ``attention_forward`` returns it). dK and dV of a KV head sum
     over its query heads. ``grad_lse`` (optional, [B, Hq, Nq]) is the gradient of a loss that also
-    uses lse: since d lse_i / d S_ij = P_ij, it enters as Drow_i - grad_lse_i."""
+    uses lse: since d lse_i / d S_ij = P_ij, it enters as Drow_i - grad_lse_i.
+
+    ``migrate`` / ``migrate_pow2`` as in ``attention_forward`` (pass the forward's): S is
+    recomputed from the migrated codes, the INT8 products give the gradients of Q' and Ks', and
+    after all key blocks (FP32) ``dQ = dQ' * s`` and ``dK = dKs' / s`` per channel; the smoothing
+    correction of dQ uses the unmigrated kbar and is added after."""
+    mig = _migrate_kw(migrate, migrate_pow2)
     G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -195,7 +275,7 @@ def attention_backward(
     dv = q32.new_zeros(B, Hq, Nk, D)
     if 0 in (B, Hq, Nq, Nk):
         return dq, dk[:, :Hkv], dv[:, :Hkv]
-    ops = _Quantized(q32, k32, v32, G)
+    ops = _Quantized(q32, k32, v32, G, **mig)
     do32 = _as_float32(grad_out)
     # Drow and dP on the same 16-bit operands (FP32 inputs rounded to BF16), so that they cancel
     # where they should (one visible key: dS = 0)
@@ -220,12 +300,18 @@ def attention_backward(
         dp = torch.matmul(do16, v16[:, :, j0:j1].transpose(-1, -2))
         ds = p * (dp - drow)
         row_sum_ds += ds.sum(dim=-1)
-        dsc, sds = psi(_blocks(ds, BQ), (3, 4))  # one scale per 64 x 128 block: [B,Hq,nqb,1,1]
-        sdsk = (scale * sds) * ops.sk[:, :, j, None, None, None]
-        dq += (sdsk * _mm64(dsc, ops.kc[:, :, None, j0:j1])).reshape(B, Hq, nqb * BQ, D)[:, :, :Nq]
         sq = ops.sq[..., 0]  # [B, Hq, Nq]: the 64-row block scale of each row
-        sdsq = (scale * sds) * _blocks(sq[..., None], BQ)[..., :1, :]  # [B,Hq,nqb,1,1]
-        dk[:, :, j0:j1] += (sdsq * _mm64(dsc.transpose(-1, -2), _blocks(ops.qc, BQ))).sum(dim=2)
+        for h0 in range(j0, j1, BKS):  # one dS^ scale per 64 rows x 64 keys: [B,Hq,nqb,1,1]
+            h1 = min(h0 + BKS, j1)
+            dsc, sds = psi(_blocks(ds[..., h0 - j0:h1 - j0], BQ), (3, 4))
+            sdsk = (scale * sds) * ops.sk[:, :, j, None, None, None]
+            dqb = sdsk * _mm64(dsc, ops.kc[:, :, None, h0:h1])
+            dq += dqb.reshape(B, Hq, nqb * BQ, D)[:, :, :Nq]
+            sdsq = (scale * sds) * _blocks(sq[..., None], BQ)[..., :1, :]
+            dk[:, :, h0:h1] += (sdsq * _mm64(dsc.transpose(-1, -2), _blocks(ops.qc, BQ))).sum(dim=2)
+    if mig:  # gradients of Q' = Q s and Ks' = Ks / s back to Q and K
+        dq = dq * _per_q_head(ops.mig, G)
+        dk = _div_rn(dk, _per_q_head(ops.mig, G))
     dq += scale * row_sum_ds[..., None] * _per_q_head(ops.kbar, G)  # the smoothing correction
     if G > 1:
         dk = dk.reshape(B, Hkv, G, Nk, D).sum(dim=2)
