@@ -488,7 +488,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward(
 
 // The cache's storage tensors checked against each other and described for the C API.
 fp4attn_kv_cache kv_cache_view(const at::Tensor &k_codes, const at::Tensor &k_scales,
-                               const at::Tensor &k_dec, const at::Tensor &v_codes,
+                               const at::Tensor &k_exp, const at::Tensor &v_codes,
                                const at::Tensor &v_scales, const at::Tensor &v_dec,
                                const at::Tensor &kmean, const at::Tensor &block_table) {
   CHECK_ARG(kmean.dim() == 3 && kmean.scalar_type() == at::kFloat && kmean.is_contiguous(),
@@ -499,35 +499,37 @@ fp4attn_kv_cache kv_cache_view(const at::Tensor &k_codes, const at::Tensor &k_sc
             FP4ATTN_MAX_HEAD_DIM, static_cast<long long>(D));
   CHECK_ARG(k_codes.dim() == 4 && k_codes.size(1) == H,
             "k_codes must be uint8 [pages, heads_kv=%lld, page_size, %lld], got %s",
-            static_cast<long long>(H), static_cast<long long>(fp4attn_code_bytes(D)),
+            static_cast<long long>(H), static_cast<long long>(fp4attn_k5_code_bytes(D)),
             shape_str(k_codes.sizes()).c_str());
   const int64_t P = k_codes.size(0), page = k_codes.size(2);
-  const std::vector<int64_t> cshape{P, H, page, fp4attn_code_bytes(D)};
-  const std::vector<int64_t> sshape{P, H, page, fp4attn_scale_count(D)};
   const std::vector<int64_t> dshape{P, H, page};
-  for (const at::Tensor *t : {&k_codes, &v_codes})
-    CHECK_ARG(t->sizes() == cshape && t->scalar_type() == at::kByte && t->is_contiguous(),
-              "codes must be contiguous uint8 %s, got %s %s", shape_str(cshape).c_str(),
-              dtype_str(t->scalar_type()), shape_str(t->sizes()).c_str());
-  for (const at::Tensor *t : {&k_scales, &v_scales})
-    CHECK_ARG(t->sizes() == sshape && t->scalar_type() == at::kByte && t->is_contiguous(),
-              "scales must be contiguous uint8 %s, got %s %s", shape_str(sshape).c_str(),
-              dtype_str(t->scalar_type()), shape_str(t->sizes()).c_str());
-  for (const at::Tensor *t : {&k_dec, &v_dec})
-    CHECK_ARG(t->sizes() == dshape && t->scalar_type() == at::kFloat && t->is_contiguous(),
-              "dec must be contiguous float32 %s, got %s %s", shape_str(dshape).c_str(),
-              dtype_str(t->scalar_type()), shape_str(t->sizes()).c_str());
+  const struct {
+    const at::Tensor *t;
+    const char *name;
+    std::vector<int64_t> shape;
+    at::ScalarType type;
+  } arrays[] = {{&k_codes, "k_codes", {P, H, page, fp4attn_k5_code_bytes(D)}, at::kByte},
+                {&k_scales, "k_scales", {P, H, page, fp4attn_k5_scale_count(D)}, at::kByte},
+                {&k_exp, "k_exp", dshape, at::kByte},
+                {&v_codes, "v_codes", {P, H, page, fp4attn_code_bytes(D)}, at::kByte},
+                {&v_scales, "v_scales", {P, H, page, fp4attn_scale_count(D)}, at::kByte},
+                {&v_dec, "v_dec", dshape, at::kFloat}};
+  for (const auto &a : arrays)
+    CHECK_ARG(a.t->sizes() == a.shape && a.t->scalar_type() == a.type && a.t->is_contiguous(),
+              "%s must be contiguous %s %s, got %s %s", a.name, dtype_str(a.type),
+              shape_str(a.shape).c_str(), dtype_str(a.t->scalar_type()),
+              shape_str(a.t->sizes()).c_str());
   CHECK_ARG(block_table.dim() == 2 && block_table.size(0) == B &&
                 block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
             "block_table must be a contiguous int32 [batch=%lld, max_pages] tensor, got %s %s",
             static_cast<long long>(B), dtype_str(block_table.scalar_type()),
             shape_str(block_table.sizes()).c_str());
-  for (const at::Tensor *t : {&k_scales, &k_dec, &v_codes, &v_scales, &v_dec, &kmean, &block_table})
+  for (const at::Tensor *t : {&k_scales, &k_exp, &v_codes, &v_scales, &v_dec, &kmean, &block_table})
     CHECK_ARG(t->device() == k_codes.device(), "the cache's tensors must be on one device");
   fp4attn_kv_cache c{};
   c.k_codes = k_codes.data_ptr<uint8_t>();
   c.k_scales = k_scales.data_ptr<uint8_t>();
-  c.k_dec = k_dec.data_ptr<float>();
+  c.k_exp = k_exp.data_ptr<uint8_t>();
   c.v_codes = v_codes.data_ptr<uint8_t>();
   c.v_scales = v_scales.data_ptr<uint8_t>();
   c.v_dec = v_dec.data_ptr<float>();
@@ -543,11 +545,11 @@ fp4attn_kv_cache kv_cache_view(const at::Tensor &k_codes, const at::Tensor &k_sc
 }
 
 void kv_append(const at::Tensor &k_in, const at::Tensor &v_in, const at::Tensor &k_codes,
-               const at::Tensor &k_scales, const at::Tensor &k_dec, const at::Tensor &v_codes,
+               const at::Tensor &k_scales, const at::Tensor &k_exp, const at::Tensor &v_codes,
                const at::Tensor &v_scales, const at::Tensor &v_dec, const at::Tensor &kmean,
                const at::Tensor &block_table, int64_t start, bool set_mean) {
   fp4attn_kv_append_params p{};
-  p.cache = kv_cache_view(k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, kmean, block_table);
+  p.cache = kv_cache_view(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, block_table);
   CHECK_ARG(k_in.dim() == 4 && k_in.size(0) == p.cache.batch && k_in.size(1) == p.cache.heads_kv &&
                 k_in.size(3) == p.cache.head_dim,
             "k must be [batch, heads_kv, n, head_dim] = [%lld, %lld, n, %lld], got %s",
@@ -582,7 +584,7 @@ void kv_append(const at::Tensor &k_in, const at::Tensor &v_in, const at::Tensor 
 }
 
 std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor &q_in, const at::Tensor &k_codes,
-                                          const at::Tensor &k_scales, const at::Tensor &k_dec,
+                                          const at::Tensor &k_scales, const at::Tensor &k_exp,
                                           const at::Tensor &v_codes, const at::Tensor &v_scales,
                                           const at::Tensor &v_dec, const at::Tensor &kmean,
                                           const at::Tensor &block_table, const at::Tensor &seq_lens,
@@ -590,7 +592,7 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor &q_in, const at::Tens
   fp4attn_decode_params p{};
   CHECK_ARG(window >= 0, "window must be >= 0 (0: no sliding window), got %lld",
             static_cast<long long>(window));
-  p.cache = kv_cache_view(k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, kmean, block_table);
+  p.cache = kv_cache_view(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, block_table);
   CHECK_ARG(q_in.dim() == 4 && q_in.size(0) == p.cache.batch && q_in.size(3) == p.cache.head_dim &&
                 q_in.size(1) % p.cache.heads_kv == 0,
             "q must be [batch=%lld, heads_q (a multiple of %lld), len_q, head_dim=%lld], got %s",
@@ -676,11 +678,11 @@ TORCH_LIBRARY(fp4attn, m) {
       "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float scale, "
       "bool return_lse, str cuda_kernel=\"auto\") -> (Tensor out, Tensor lse)");
   m.def(
-      "kv_append(Tensor k, Tensor v, Tensor(a!) k_codes, Tensor(b!) k_scales, Tensor(c!) k_dec, "
+      "kv_append(Tensor k, Tensor v, Tensor(a!) k_codes, Tensor(b!) k_scales, Tensor(c!) k_exp, "
       "Tensor(d!) v_codes, Tensor(e!) v_scales, Tensor(f!) v_dec, Tensor(g!) kmean, "
       "Tensor block_table, int start, bool set_mean) -> ()");
   m.def(
-      "decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor k_dec, Tensor v_codes, "
+      "decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor k_exp, Tensor v_codes, "
       "Tensor v_scales, Tensor v_dec, Tensor kmean, Tensor block_table, Tensor seq_lens, "
       "float scale, int window=0) -> (Tensor out, Tensor lse)");
 }

@@ -28,6 +28,10 @@ DEFAULT_PAGE_SIZE = 128
 #: Most query positions one decode call serves (speculative decoding); a windowed cache keeps
 #: the last window + MAX_DECODE_QUERIES - 1 tokens, all that such calls can read.
 MAX_DECODE_QUERIES = 16
+#: Tokens whose K mean smooths the keys (SPEC 6): the first KMEAN_TOKENS stored, whatever the
+#: appends' lengths; until that many are stored, every append stores them all again, exactly, with
+#: the mean of those stored so far.
+KMEAN_TOKENS = 128
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -69,8 +73,11 @@ class FP4KVCache:
         # that holds them wherever they start in a page, plus the page being filled
         self._keep = None if window is None else window + MAX_DECODE_QUERIES - 1
         self._ring = None if window is None else -(-self._keep // page_size) + 1
+        # a windowed cache's mean: of at most the tokens it keeps (the ring holds them all)
+        self._kmean_tokens = KMEAN_TOKENS if window is None else min(KMEAN_TOKENS, self._keep)
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", comparable
         self._len = 0
+        self._early = None  # (k, v) of the stored tokens while fewer than KMEAN_TOKENS: exact copies
         self.kmean = torch.zeros(batch, kv_heads, head_dim, dtype=torch.float32, device=self.device)
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=self.device)
         pages = -(-max_tokens // page_size) if max_tokens is not None else 1
@@ -87,14 +94,15 @@ class FP4KVCache:
         old = getattr(self, "_pages_per_seq", 0)
         if not old or self._ring is None:
             n = B * pool_pages
+            u8 = {"dtype": torch.uint8, "device": self.device}
             new = {
-                "k_codes": torch.zeros(n, H, P, code_bytes(D), dtype=torch.uint8, device=self.device),
-                "k_scales": torch.zeros(n, H, P, scale_count(D), dtype=torch.uint8, device=self.device),
-                "k_dec": torch.zeros(n, H, P, dtype=torch.float32, device=self.device),
+                "k_codes": torch.zeros(n, H, P, reference.k5_code_bytes(D), **u8),
+                "k_scales": torch.zeros(n, H, P, reference.k5_scale_count(D), **u8),
+                "k_exp": torch.zeros(n, H, P, **u8),
+                "v_codes": torch.zeros(n, H, P, code_bytes(D), **u8),
+                "v_scales": torch.zeros(n, H, P, scale_count(D), **u8),
+                "v_dec": torch.zeros(n, H, P, dtype=torch.float32, device=self.device),
             }
-            new["v_codes"] = torch.zeros_like(new["k_codes"])
-            new["v_scales"] = torch.zeros_like(new["k_scales"])
-            new["v_dec"] = torch.zeros_like(new["k_dec"])
             if old:
                 for name, t in new.items():  # page i of sequence b is b * pages_per_seq + i
                     t.view(B, pages_per_seq, *t.shape[1:])[:, :old] = \
@@ -107,9 +115,9 @@ class FP4KVCache:
         self.block_table = seq + (page if self._ring is None else page % self._ring)
 
     def storage(self) -> tuple[Tensor, ...]:
-        """(k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, kmean, block_table): the paged
+        """(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, block_table): the paged
         form `decode_paged` takes (SPEC 6)."""
-        return (self.k_codes, self.k_scales, self.k_dec, self.v_codes, self.v_scales, self.v_dec,
+        return (self.k_codes, self.k_scales, self.k_exp, self.v_codes, self.v_scales, self.v_dec,
                 self.kmean, self.block_table)
 
     @property
@@ -137,8 +145,11 @@ class FP4KVCache:
 
     def append(self, k: Tensor, v: Tensor) -> None:
         """Appends ``n >= 1`` tokens to every sequence: ``k, v [batch, kv_heads, n, head_dim]`` in
-        the cache's dtype and device. The first append also fixes K's mean (over the tokens it
-        stores: a windowed cache stores only the last ``window + 15``). On bad input nothing is
+        the cache's dtype and device. K's mean is that of the first ``KMEAN_TOKENS`` tokens stored
+        (a windowed cache: at most ``window + 15``, and it stores only the last ``window + 15``
+        of an append); until that many
+        are stored, each append stores them all again with the mean of those so far, so the cache
+        does not depend on how its first tokens were split into appends. On bad input nothing is
         changed."""
         shape = (self.batch, self.kv_heads, None, self.head_dim)
         for name, t in (("k", k), ("v", v)):
@@ -161,8 +172,18 @@ class FP4KVCache:
         skip = 0  # a windowed cache stores only the tokens a decode can still read
         if self.window is not None:
             skip = max(0, n - self._keep)
-        torch.ops.fp4attn.kv_append(k[:, :, skip:], v[:, :, skip:], *self.storage(), self._len + skip,
-                                    self._len == 0)
+        start = self._len + skip
+        k, v = k[:, :, skip:], v[:, :, skip:]
+        if self._early is not None and not skip:  # the stored tokens, exactly, before the new ones
+            start = self._len - self._early[0].shape[2]
+            k, v = torch.cat((self._early[0], k), dim=2), torch.cat((self._early[1], v), dim=2)
+        if self._len == 0 or self._early is not None:  # kmean over the first tokens stored
+            m = min(self._kmean_tokens, k.shape[2])
+            torch.ops.fp4attn.kv_append(k[:, :, :m], v[:, :, :m], *self.storage(), start, True)
+            self._early = (k.clone(), v.clone()) if m < self._kmean_tokens else None
+            k, v, start = k[:, :, m:], v[:, :, m:], start + m
+        if k.shape[2]:
+            torch.ops.fp4attn.kv_append(k, v, *self.storage(), start, False)
         self._len = need
         self.seq_lens.fill_(need)
 
@@ -175,25 +196,28 @@ class FP4KVCache:
         pages = max(-(-self._len // self.page_size), first + 1)
         table = self.block_table[:, first:pages]
         lo, hi = self.start - first * self.page_size, self._len - first * self.page_size
-        k = _dequantize_rows(self.k_codes, self.k_scales, self.k_dec, table, hi, self.head_dim)
+        k = _dequantize_rows(self.k_codes, self.k_scales, self.k_exp, table, hi, self.head_dim, key=True)
         v = _dequantize_rows(self.v_codes, self.v_scales, self.v_dec, table, hi, self.head_dim)
         k = k[:, :, lo:] + self.kmean[:, :, None, :]
         dtype = self.dtype if dtype is None else dtype
         return k.to(dtype), v[:, :, lo:].to(dtype)
 
 
-def _dequantize_rows(codes, scales, dec, block_table, length: int, D: int) -> Tensor:
-    """Float32 [B, H, length, D] of the stored rows of every sequence (equal lengths)."""
+def _dequantize_rows(codes, scales, dec, block_table, length: int, D: int, key: bool = False) -> Tensor:
+    """Float32 [B, H, length, D] of the stored rows of every sequence (equal lengths): key rows
+    (K5, ``dec`` the row-scale bytes) or value rows (NVFP4)."""
     B, pages = block_table.shape
     P = codes.shape[2]
     idx = block_table.long()  # [B, pages] -> the pool's rows in token order
     c = codes[idx].permute(0, 2, 1, 3, 4).reshape(B, codes.shape[1], pages * P, -1)[:, :, :length]
     s = scales[idx].permute(0, 2, 1, 3, 4).reshape(B, scales.shape[1], pages * P, -1)[:, :, :length]
     d = dec[idx].permute(0, 2, 1, 3).reshape(B, dec.shape[1], pages * P)[:, :, :length]
+    if key:
+        return reference.k5_dequantize(c, s, d, D)
     return reference.dequantize(c[..., None, :], s[..., None, :], d, D)[..., 0, :]
 
 
-def decode_paged(q: Tensor, k_codes: Tensor, k_scales: Tensor, k_dec: Tensor, v_codes: Tensor,
+def decode_paged(q: Tensor, k_codes: Tensor, k_scales: Tensor, k_exp: Tensor, v_codes: Tensor,
                  v_scales: Tensor, v_dec: Tensor, kmean: Tensor, block_table: Tensor,
                  seq_lens: Tensor, scale: float | None = None, return_lse: bool = False,
                  window: int | None = None):
@@ -207,7 +231,7 @@ def decode_paged(q: Tensor, k_codes: Tensor, k_scales: Tensor, k_dec: Tensor, v_
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"window must be None or a positive int, got {window!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = torch.ops.fp4attn.decode(q, k_codes, k_scales, k_dec, v_codes, v_scales, v_dec, kmean,
+    out, lse = torch.ops.fp4attn.decode(q, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean,
                                         block_table, seq_lens, scale, window or 0)
     return (out, lse) if return_lse else out
 

@@ -42,6 +42,9 @@ __all__ = [
     "fake_quantize",
     "fp4mm",
     "global_scales",
+    "k5_dequantize",
+    "k5_quantize",
+    "k5_rotate",
     "metrics",
     "quantize",
 ]
@@ -289,6 +292,158 @@ def fake_quantize(x: Tensor, *, global_scale: bool = True) -> Tensor:
     """``dequantize(quantize(x))``: float32, same shape as ``x``."""
     codes, scales, dec = quantize(x, global_scale=global_scale)
     return dequantize(codes, scales, dec, x.shape[-1])
+
+
+
+# ---------------------------------------------------------------------------------------------
+# SPEC 6: the KV cache's key rows (rotated 5-bit integers)
+# ---------------------------------------------------------------------------------------------
+
+#: Values per E4M3 scale of a key row (K5).
+K5_BLOCK = 64
+#: Largest key code magnitude; codes are stored as u = code + K5_MAX in 0..30.
+K5_MAX = 15
+#: Largest |code x scale|: 15 x 448; the row scale 2^e puts the row's maximum at most there.
+K5_RANGE = 6720.0
+#: Candidates on each side of the nearest scale code that the scale search tries.
+K5_SEARCH = 3
+
+
+def k5_padded(head_dim: int) -> int:
+    """Dp: the head dim rounded up to a multiple of 16 (the stored row's length)."""
+    return -(-head_dim // 16) * 16
+
+
+def k5_rotation_size(dp: int) -> int:
+    """n: the largest power of two dividing Dp (16 .. 256); the rotation acts on blocks of n."""
+    return dp & -dp
+
+
+def k5_code_bytes(head_dim: int) -> int:
+    """Bytes of a key row's codes: Dp/2 of low nibbles, then Dp/8 of high bits."""
+    return 5 * k5_padded(head_dim) // 8
+
+
+def k5_scale_count(head_dim: int) -> int:
+    """E4M3 scales per key row: one per K5_BLOCK values (the last block may be shorter)."""
+    return -(-k5_padded(head_dim) // K5_BLOCK)
+
+
+def k5_rotate(x: Tensor) -> Tensor:
+    """``x [..., Dp]`` (float32) times the block-diagonal Sylvester-Hadamard matrix (entries +-1,
+    blocks of n = k5_rotation_size(Dp)), by SPEC 6's butterfly: for h = 1, 2, .., n/2, every pair
+    (i, i + h) with bit h of i clear becomes (x_i + x_{i+h}, x_i - x_{i+h}), float32 each. The
+    matrix is symmetric and squares to n I, so applying it twice and dividing by n undoes it."""
+    x = _as_float32(x)
+    dp = x.shape[-1]
+    n = k5_rotation_size(dp)
+    h = 1
+    while h < n:
+        y = x.reshape(*x.shape[:-1], dp // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(x.shape)
+        h *= 2
+    return x
+
+
+def _k5_exponent(amax: Tensor) -> Tensor:
+    """The row scale's exponent e (int32): the smallest e >= -126 with 2^e >= amax / 6720 (a
+    correctly rounded division), read off the quotient's bits."""
+    t = _div_rn(amax, K5_RANGE).contiguous()
+    bits = t.view(torch.int32)
+    ef, mant = bits >> 23, bits & 0x7FFFFF
+    e = ef - 127 + (mant != 0).to(torch.int32)
+    return torch.clamp(torch.where(ef == 0, torch.full_like(e, -126), e), min=-126)
+
+
+def _k5_block_error(d: Tensor) -> Tensor:
+    """Squared error of blocks ``d [..., 64]`` in SPEC 6's order: 8 sequential sums of 8
+    consecutive squares (float32: a product, then a sum), combined as
+    ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))."""
+    d2 = (d * d).reshape(*d.shape[:-1], 8, 8)
+    p = d2[..., 0]
+    for i in range(1, 8):
+        p = p + d2[..., i]
+    p = p[..., 0::2] + p[..., 1::2]
+    p = p[..., 0::2] + p[..., 1::2]
+    return p[..., 0] + p[..., 1]
+
+
+def k5_quantize(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """SPEC 6's key row format of every row of ``x [..., D]``: ``(codes [..., 5 Dp/8] uint8,
+    scales [..., ceil(Dp/64)] E4M3 bytes, exp [...] uint8)``.
+
+    The row, zero-padded to Dp, is rotated (``k5_rotate``); its row scale is 2^e
+    (``_k5_exponent`` of its largest magnitude; stored as the byte e + 127, 255 for a row with a
+    NaN or infinite value); y = rotated row x 2^-e. Per block of 64 values of y (zero-padded):
+    c0 = rne_e4m3_sat(max|y| / 15); each scale code c from max(c0 - 3, 1) to min(c0 + 3, 126) in
+    turn gives codes q = clamp(rne(y / s_c), -15, 15) and the error of ``_k5_block_error`` over
+    y - q s_c; the first c with the smallest error is stored. A block of zeros stores scale 0; a
+    non-finite row stores scales 0 and codes 0. Codes are stored as u = q + 15: u & 15 packed two
+    per byte (element 2i in the low nibble), then u >> 4 packed eight per byte (element 8j + b at
+    bit b)."""
+    x = _as_float32(x)
+    D = x.shape[-1]
+    dp = k5_padded(D)
+    xr = k5_rotate(torch.nn.functional.pad(x, (0, dp - D)))
+    amax = xr.abs().amax(dim=-1) if dp else xr.new_zeros(xr.shape[:-1])
+    finite = torch.isfinite(amax)
+    e = _k5_exponent(torch.where(finite, amax, torch.zeros_like(amax)))
+    y = xr * torch.ldexp(torch.ones_like(amax), -e)[..., None]
+    nb = -(-dp // K5_BLOCK)
+    yb = torch.nn.functional.pad(y, (0, nb * K5_BLOCK - dp)).reshape(*y.shape[:-1], nb, K5_BLOCK)
+    yb = torch.where(finite[..., None, None], yb, torch.zeros_like(yb))
+    bmax = yb.abs().amax(dim=-1)
+    c0 = e4m3_encode_sat(_div_rn(bmax, float(K5_MAX))).to(torch.int32)
+    best_err = torch.full_like(bmax, math.inf)
+    best_c = torch.zeros_like(c0)
+    best_q = torch.zeros_like(yb)
+    for off in range(-K5_SEARCH, K5_SEARCH + 1):
+        c = c0 + off
+        valid = (c >= 1) & (c <= _E4M3_MAX_CODE) & (bmax > 0)
+        c = torch.clamp(c, 1, _E4M3_MAX_CODE)
+        s = e4m3_decode(c.to(torch.uint8))[..., None]
+        q = torch.clamp(torch.round(_div_rn(yb, s)), -K5_MAX, K5_MAX)
+        err = _k5_block_error(yb - q * s)
+        better = valid & (err < best_err)
+        best_err = torch.where(better, err, best_err)
+        best_c = torch.where(better, c, best_c)
+        best_q = torch.where(better[..., None], q, best_q)
+    u = (best_q.reshape(*y.shape[:-1], nb * K5_BLOCK)[..., :dp] + K5_MAX).to(torch.uint8)
+    low = u & 0xF
+    high = (u >> 4).reshape(*u.shape[:-1], dp // 8, 8)
+    weights = torch.tensor([1 << b for b in range(8)], dtype=torch.int32, device=x.device)
+    plane = (high.to(torch.int32) * weights).sum(-1).to(torch.uint8)
+    codes = torch.cat((_pack(low), plane), dim=-1)
+    exp = torch.where(finite, e + 127, torch.full_like(e, 255)).to(torch.uint8)
+    return codes, best_c.to(torch.uint8), exp
+
+
+def k5_rotated_values(codes: Tensor, scales: Tensor, exp: Tensor, head_dim: int) -> Tensor:
+    """The stored rotated rows ``[..., Dp]`` float32: ``(q x s) x 2^(exp - 127)`` (exact; the
+    byte 255 gives NaN)."""
+    dp = k5_padded(head_dim)
+    if codes.shape[-1] != 5 * dp // 8 or scales.shape[-1] != -(-dp // K5_BLOCK):
+        raise ValueError(f"codes / scales must have {5 * dp // 8} / {-(-dp // K5_BLOCK)} bytes per "
+                         f"row for head_dim {head_dim}, got {codes.shape[-1]} / {scales.shape[-1]}")
+    low = _unpack(codes[..., : dp // 2])
+    plane = codes[..., dp // 2:].to(torch.int32)
+    high = torch.stack([(plane >> b) & 1 for b in range(8)], dim=-1).reshape(*plane.shape[:-1], dp)
+    q = (low.to(torch.int32) + 16 * high - K5_MAX).to(torch.float32)
+    s = e4m3_decode(scales).repeat_interleave(K5_BLOCK, dim=-1)[..., :dp]
+    e = exp.to(torch.int32)
+    r = torch.where(e == 255, torch.full(e.shape, math.nan, device=e.device),
+                    torch.ldexp(torch.ones(e.shape, device=e.device), e - 127))
+    return (q * s) * r[..., None]
+
+
+def k5_dequantize(codes: Tensor, scales: Tensor, exp: Tensor, head_dim: int) -> Tensor:
+    """The key rows ``[..., head_dim]`` float32 a decode computes with: the stored rotated rows
+    divided by n (exactly, a power of two: first, so that no sum overflows) and rotated back
+    (``k5_rotate``)."""
+    dp = k5_padded(head_dim)
+    v = k5_rotated_values(codes, scales, exp, head_dim) * (1.0 / k5_rotation_size(dp))
+    return k5_rotate(v)[..., :head_dim]
 
 
 # ---------------------------------------------------------------------------------------------

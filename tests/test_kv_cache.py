@@ -60,20 +60,127 @@ def filled_cache(B, H, D, dtype, appends, page_size=None, device="cpu", seed=0):
     return cache, torch.cat(ks, 2), torch.cat(vs, 2)
 
 
-@pytest.mark.parametrize("D", [64, 80, 128])
-def test_rows_are_bit_exact_with_the_reference_quantizer(D):
-    cache, k, v = filled_cache(2, 3, D, torch.bfloat16, [37, 1, 5], page_size=16)
-    first = k[:, :, :37].float()
-    kmean = torch.cumsum(first, dim=2)[:, :, -1] / 37  # token order, as SPEC 6 sums
+def token_order_mean(k):
+    """The mean over dim 2 as SPEC 6 sums it: in token order, float32, one division."""
+    s = torch.zeros_like(k[:, :, 0], dtype=torch.float32)
+    for i in range(k.shape[2]):
+        s = s + k[:, :, i].float()
+    return s / k.shape[2]
+
+
+def stored_rows(cache, length):
+    """The cache's stored rows in token order: (K codes, K scales, K row-scale bytes, V codes,
+    V scales, V dec) [B, H, length, ...], through the block table."""
+    idx = cache.block_table.long()
+    out = []
+    for t in cache.storage()[:6]:
+        x = t[idx].transpose(1, 2)  # [B, H, pages, page_size, ...]
+        out.append(x.reshape(x.shape[0], x.shape[1], -1, *x.shape[4:])[:, :, :length])
+    return out
+
+
+@pytest.mark.parametrize("D", [1, 16, 33, 64, 80, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_rows_are_bit_exact_with_the_reference_quantizer(D, dtype):
+    """The C backend's bytes are the reference's: K5 rows of K - kmean (kmean over the first 128
+    tokens, summed in token order), NVFP4 rows of V."""
+    cache, k, v = filled_cache(2, 3, D, dtype, [37, 100, 5], page_size=16)
+    kmean = token_order_mean(k[:, :, :128])
     assert torch.equal(cache.kmean, kmean)
-    for stored, rows in (
-        (_dequantize_rows(cache.k_codes, cache.k_scales, cache.k_dec, cache.block_table, 43, D),
-         k.float() - kmean[:, :, None]),
-        (_dequantize_rows(cache.v_codes, cache.v_scales, cache.v_dec, cache.block_table, 43, D),
-         v.float()),
-    ):
-        want = reference.dequantize(*reference.quantize(rows[..., None, :]), D)[..., 0, :]
-        assert torch.equal(stored, want)
+    kc, ks, ke, vc, vs, vd = stored_rows(cache, 142)
+    want = reference.k5_quantize(k.float() - kmean[:, :, None])
+    assert torch.equal(kc, want[0]) and torch.equal(ks, want[1]) and torch.equal(ke, want[2])
+    wc, ws, wd = reference.quantize(v.float()[..., None, :])
+    assert torch.equal(vc, wc[..., 0, :]) and torch.equal(vs, ws[..., 0, :]) and torch.equal(vd, wd)
+
+
+def edge_rows(D: int, dtype) -> torch.Tensor:
+    """[1, 1, n, D] key rows that probe the K5 quantizer's edges: zeros, one value, huge and tiny
+    magnitudes, subnormals, a NaN, infinities, constant rows, near-ties of the scale search."""
+    big = torch.finfo(dtype).max
+    rows = [torch.zeros(D), torch.full((D,), 3.0), torch.full((D,), -1e-3)]
+    one = torch.zeros(D)
+    one[D // 2] = 7.0
+    rows.append(one)
+    g = torch.Generator().manual_seed(D)
+    for scale in (1e-30, 1e-7, 1.0, 1e4, big / 300):
+        rows.append(torch.randn(D, generator=g) * scale)
+    nan = torch.randn(D, generator=g)
+    nan[0] = math.nan
+    inf = torch.randn(D, generator=g)
+    inf[-1] = -math.inf
+    rows += [nan, inf, torch.full((D,), big)]
+    ints = torch.randint(-15, 16, (D,), generator=g).float() * 0.375  # exact codes x a scale
+    rows.append(ints)
+    return torch.stack(rows).to(dtype)[None, None]
+
+
+@pytest.mark.parametrize("D", [16, 48, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_k5_edge_rows_are_bit_exact(D, dtype):
+    """Rows at the quantizer's edges, appended after a mean-fixing first append of zeros (so each
+    row is stored as it is): the C bytes equal the reference's; a row with a NaN or an infinity
+    (after the rotation) stores the row-scale byte 255 and dequantizes to NaN; a zero row to
+    zeros."""
+    rows = edge_rows(D, dtype)
+    n = rows.shape[2]
+    cache = fp4attn.FP4KVCache(1, 1, D, dtype=dtype, page_size=8)
+    zeros = torch.zeros(1, 1, 128, D, dtype=dtype)
+    cache.append(zeros, zeros)
+    cache.append(rows, torch.zeros_like(rows))
+    kc, ks, ke = stored_rows(cache, 128 + n)[:3]
+    want = reference.k5_quantize(rows.float())
+    assert torch.equal(kc[:, :, 128:], want[0]) and torch.equal(ks[:, :, 128:], want[1])
+    assert torch.equal(ke[:, :, 128:], want[2])
+    dp = -(-D // 16) * 16  # finite after the rotation (BF16 / FP32 maxima overflow in its sums)
+    rotated = reference.k5_rotate(torch.nn.functional.pad(rows.float(), (0, dp - D)))
+    finite = torch.isfinite(rotated).all(-1)[0, 0]
+    assert (ke[0, 0, 128:][~finite] == 255).all() and (ke[0, 0, 128:][finite] < 255).all()
+    kd = cache.dequantize(torch.float32)[0][0, 0, 128:]
+    assert torch.isnan(kd[~finite]).all() and not torch.isnan(kd[finite]).any()
+    assert torch.equal(kd[0], torch.zeros(D))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_k5_rows_are_close_and_codes_exact(D):
+    """Dequantized K5 rows are within a few percent of the rows; a row of exact codes x one scale
+    per 64 values x a power of two comes back exactly after the rotation is undone."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 50, D, generator=g) * 3
+    back = reference.k5_dequantize(*reference.k5_quantize(x), D)
+    assert ((back - x).norm() / x.norm()).item() < 0.06
+    q = torch.randint(-15, 16, (D,), generator=g).float()
+    rot = q * 0.5  # a rotated row of codes x 0.5: stored exactly, the rotation undone exactly
+    row = reference.k5_rotate(rot[None])[0] / D  # D a power of two: H H = D I
+    codes, scales, exp = reference.k5_quantize(row[None])
+    assert torch.equal(reference.k5_dequantize(codes, scales, exp, D)[0], row)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_cache_does_not_depend_on_how_the_first_tokens_were_appended(window):
+    """K's mean is that of the first 128 tokens stored (SPEC 6; a windowed cache of window 40:
+    the first 55), rows stored before then are stored again exactly: first appends of 1, 16 or
+    128 tokens give the same cache."""
+    B, H, D, N = 2, 2, 64, 300
+    k, v = kv(B, H, N, D, torch.float16, 11)
+    caches = []
+    chunkings = ([N], [1] * 20 + [N - 20], [16] * 8 + [N - 128], [128, N - 128], [1] * 140 + [N - 140])
+    if window is not None:  # appends it stores whole (one longer than window + 15 keeps its end)
+        chunkings = ([55] * 5 + [25], [1] * 100 + [50] * 4, [16] * 18 + [12], [5] * 60)
+    for chunks in chunkings:
+        c = fp4attn.FP4KVCache(B, H, D, dtype=torch.float16, page_size=32, window=window)
+        i = 0
+        for n in chunks:
+            c.append(k[:, :, i:i + n], v[:, :, i:i + n])
+            i += n
+        caches.append(c)
+    want = caches[0].dequantize()
+    for c in caches[1:]:
+        assert torch.equal(c.kmean, caches[0].kmean)
+        got = c.dequantize()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if window is None:
+        assert torch.equal(caches[0].kmean, token_order_mean(k[:, :, :128]))
 
 
 CASES = [  # B, Hq, Hkv, D, appends, nq, page_size
@@ -186,19 +293,23 @@ def test_paged_ragged_batch_with_a_shuffled_block_table():
 
 def test_growth_keeps_the_stored_tokens():
     cache = fp4attn.FP4KVCache(2, 2, 32, dtype=torch.float16, page_size=4)
-    k, v = kv(2, 2, 3, 32, torch.float16, 0)
+    k, v = kv(2, 2, 130, 32, torch.float16, 0)  # past the 128 tokens that fix K's mean
     cache.append(k, v)
     before = cache.dequantize()
     for i in range(20):
         cache.append(*kv(2, 2, 1, 32, torch.float16, i + 1))
-    assert len(cache) == 23 and cache.capacity >= 23
+    assert len(cache) == 150 and cache.capacity >= 150
     after = cache.dequantize()
-    assert torch.equal(after[0][:, :, :3], before[0]) and torch.equal(after[1][:, :, :3], before[1])
+    assert torch.equal(after[0][:, :, :130], before[0]) and torch.equal(after[1][:, :, :130], before[1])
 
 
 def test_memory_is_at_least_3_2x_smaller_than_fp16():
-    cache = fp4attn.FP4KVCache(1, 8, 128, dtype=torch.float16, max_tokens=4096)
-    fp16_bytes = 2 * 8 * 4096 * 128 * 2
+    """Head dim 128: K 80 code bytes + 2 scales + 1 row scale, V 64 + 8 + 4: 159 bytes per token
+    and head against 512 (3.22x), everything counted."""
+    cache = fp4attn.FP4KVCache(1, 8, 128, dtype=torch.float16, max_tokens=32768)
+    per_token = sum(t[0, 0, 0].numel() * t.element_size() for t in cache.storage()[:6])
+    assert per_token == 159
+    fp16_bytes = 2 * 8 * 32768 * 128 * 2
     assert fp16_bytes / cache.nbytes >= 3.2
 
 
@@ -319,3 +430,46 @@ def test_cuda_graph_replay_with_changing_lengths():
         torch.cuda.synchronize()
         ref, _ = exact_decode(q.cpu(), kd.cpu(), vd.cpu(), new)
         assert rel_l1(out.cpu(), ref) < 3e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("D", [1, 16, 33, 48, 64, 80, 96, 112, 128, 160, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_cuda_k5_rows_are_the_cpu_bytes(D, dtype):
+    """The CUDA append's K5 rows (every padded head dim and rotation size) and V rows equal the
+    CPU's bytes, the edge rows of the quantizer included; the decode agrees with the CPU's."""
+    caches = [fp4attn.FP4KVCache(2, 3, D, dtype=dtype, device=dev, page_size=16) for dev in ("cpu", "cuda")]
+    k, v = kv(2, 3, 150, D, dtype, 21)
+    edge = edge_rows(D, dtype).expand(2, 3, -1, -1)
+    k2, v2 = kv(2, 3, 100, D, dtype, 22)
+    for kk, vv in ((k, v), (edge, torch.zeros_like(edge)), (k2, v2)):
+        for cache in caches:
+            cache.append(kk.to(cache.device), vv.to(cache.device))
+    for a, b in zip(caches[0].storage(), caches[1].storage()):
+        assert torch.equal(a, b.cpu())
+    q = torch.randn(2, 6, 3, D, generator=torch.Generator().manual_seed(2)).to(dtype)
+    # the last 80 keys: normal rows (a query that sees a NaN row gets an unspecified output)
+    want, want_lse = fp4attn.decode(q, caches[0], return_lse=True, window=80)
+    out, lse = fp4attn.decode(q.cuda(), caches[1], return_lse=True, window=80)
+    assert rel_l1(out.cpu(), want) < 3e-3 and (lse.cpu() - want_lse).abs().max() < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_cache_does_not_depend_on_how_the_first_tokens_were_appended():
+    """The re-stored first tokens (K's mean over the first 128) on CUDA: 1-token, 16-token and
+    one long first append give the CPU's bytes."""
+    B, H, D, N = 2, 2, 128, 300
+    k, v = kv(B, H, N, D, torch.bfloat16, 12)
+    want = None
+    for chunks in ([N], [1] * 20 + [N - 20], [16] * 8 + [N - 128]):
+        for dev in ("cpu", "cuda"):
+            c = fp4attn.FP4KVCache(B, H, D, dtype=torch.bfloat16, device=dev, page_size=32)
+            i = 0
+            for n in chunks:
+                c.append(k[:, :, i:i + n].to(dev), v[:, :, i:i + n].to(dev))
+                i += n
+            rows = [t.cpu() for t in stored_rows(c, N)]
+            want = rows if want is None else want
+            assert all(torch.equal(a, b) for a, b in zip(rows, want))

@@ -1,7 +1,8 @@
 /*
- * The FP4 KV cache on the CPU (docs/SPEC.md section 6): appending tokens (per-row NVFP4 with the
- * K mean of the first append removed) and decode attention on the stored rows in FP32.
- * Bit-exact with the CUDA append: the same numerics.h rounding, sums in token order.
+ * The KV cache on the CPU (docs/SPEC.md section 6): appending tokens (K minus the mean of the first
+ * append as rotated 5-bit rows, V as NVFP4 rows) and decode attention on the stored rows in FP32
+ * (queries rotated once). Bit-exact with the CUDA append: the same numerics.h rounding, sums in
+ * SPEC 6's order.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -24,6 +25,65 @@ static float quantize_row(const float *x, int64_t D, uint8_t *codes, uint8_t *sc
   return dec;
 }
 
+/* The K5 key row of SPEC 6 from x[0..D): w holds ceil(Dp/64)*64 floats of scratch. Writes
+ * 5 Dp/8 code bytes and ceil(Dp/64) E4M3 scales; returns the row scale's byte. */
+static uint8_t quantize_key_row(const float *x, int64_t D, float *w, uint8_t *codes,
+                                uint8_t *scales) {
+  const int64_t dp = (D + 15) / 16 * 16, n = dp & -dp, nb = (dp + 63) / 64;
+  for (int64_t i = 0; i < nb * 64; ++i) w[i] = i < D ? x[i] : 0.0f;
+  for (int64_t h = 1; h < n; h <<= 1) /* the butterfly, stage h: pairs (i, i + h), bit h clear */
+    for (int64_t blk = 0; blk < dp; blk += 2 * h)
+      for (int64_t i = blk; i < blk + h; ++i) {
+        const float a = w[i], b = w[i + h];
+        w[i] = a + b;
+        w[i + h] = a - b;
+      }
+  float amax = 0.0f;
+  for (int64_t i = 0; i < dp; ++i) amax = fp4attn_nanmax(amax, fabsf(w[i]));
+  const int finite = fp4attn_isfinite(amax);
+  const int e = finite ? fp4attn_k5_exponent(amax) : 0;
+  const float rinv = fp4attn_k5_inverse_scale(e);
+  for (int64_t i = 0; i < dp; ++i) w[i] = finite ? w[i] * rinv : 0.0f;
+  uint8_t u[256];
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const float *y = w + 64 * blk;
+    float bmax = 0.0f;
+    for (int i = 0; i < 64; ++i) bmax = fp4attn_nanmax(bmax, fabsf(y[i]));
+    uint8_t best = 0;
+    if (bmax > 0.0f) { /* the scale search: the first code of the smallest squared error */
+      const int c0 = fp4attn_e4m3_encode_sat(bmax / 15.0f);
+      const int lo = c0 - 3 < 1 ? 1 : c0 - 3, hi = c0 + 3 > 0x7E ? 0x7E : c0 + 3;
+      float best_err = INFINITY;
+      for (int c = lo; c <= hi; ++c) {
+        const float sv = fp4attn_e4m3_decode((uint8_t)c);
+        float p[8];
+        for (int k = 0; k < 8; ++k) {
+          p[k] = 0.0f;
+          for (int i = 8 * k; i < 8 * k + 8; ++i) {
+            const float d = y[i] - (float)((int)fp4attn_k5_code(y[i], sv) - 15) * sv;
+            const float d2 = d * d;
+            p[k] = i == 8 * k ? d2 : p[k] + d2;
+          }
+        }
+        const float err = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+        if (err < best_err) best_err = err, best = (uint8_t)c;
+      }
+    }
+    scales[blk] = best;
+    const float sv = fp4attn_e4m3_decode(best);
+    for (int i = 0; i < 64 && 64 * blk + i < dp; ++i)
+      u[64 * blk + i] = best ? (uint8_t)fp4attn_k5_code(y[i], sv) : 15;
+  }
+  for (int64_t i = 0; i < dp / 2; ++i)
+    codes[i] = (uint8_t)((u[2 * i] & 15) | (u[2 * i + 1] & 15) << 4);
+  for (int64_t j = 0; j < dp / 8; ++j) {
+    uint8_t plane = 0;
+    for (int b = 0; b < 8; ++b) plane |= (uint8_t)((u[8 * j + b] >> 4) << b);
+    codes[dp / 2 + j] = plane;
+  }
+  return finite ? (uint8_t)(e + 127) : 255;
+}
+
 /* The stored row of token `pos` of (b, h): its index in the page arrays, or -1 outside the table.
  */
 static int64_t row_index(const fp4attn_kv_cache *c, int64_t b, int64_t h, int64_t pos) {
@@ -38,6 +98,7 @@ fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
   const fp4attn_kv_cache *c = &p->cache;
   const int64_t D = c->head_dim, H = c->heads_kv, cb = fp4attn_code_bytes(D);
   const int64_t sc = fp4attn_scale_count(D), rows = c->batch * H * p->len;
+  const int64_t kcb = fp4attn_k5_code_bytes(D), ksc = fp4attn_k5_scale_count(D);
   const int nt = p->num_threads > 0 ? p->num_threads : omp_get_max_threads();
   if (p->set_mean) {
 #pragma omp parallel for num_threads(nt)
@@ -53,7 +114,7 @@ fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
   int bad = 0;
 #pragma omp parallel num_threads(nt) reduction(|| : bad)
   {
-    float *x = (float *)malloc(sizeof(float) * (size_t)D);
+    float *x = (float *)malloc(sizeof(float) * (size_t)(D + 256)), *w = x ? x + D : NULL;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t b = i / (H * p->len), h = (i / p->len) % H, n = i % p->len;
@@ -66,7 +127,7 @@ fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
       const int64_t kb = b * p->k_stride[0] + h * p->k_stride[1] + n * p->k_stride[2];
       const int64_t vb = b * p->v_stride[0] + h * p->v_stride[1] + n * p->v_stride[2];
       for (int64_t d = 0; d < D; ++d) x[d] = fp4attn_load(p->k, p->dtype, kb + d) - kmean[d];
-      c->k_dec[r] = quantize_row(x, D, c->k_codes + r * cb, c->k_scales + r * sc);
+      c->k_exp[r] = quantize_key_row(x, D, w, c->k_codes + r * kcb, c->k_scales + r * ksc);
       for (int64_t d = 0; d < D; ++d) x[d] = fp4attn_load(p->v, p->dtype, vb + d);
       c->v_dec[r] = quantize_row(x, D, c->v_codes + r * cb, c->v_scales + r * sc);
     }
@@ -92,21 +153,23 @@ typedef struct {
   int64_t *begin, *end; /* each row's visible keys */
 } DecodeScratch;
 
-static DecodeScratch decode_scratch(int64_t rows, int64_t D) {
+/* q: the rows' rotated queries [rows][Dp]; kt: the block's rotated keys transposed [Dp][kKeys] */
+static DecodeScratch decode_scratch(int64_t rows, int64_t D, int64_t dp) {
   DecodeScratch w;
-  w.q = (float *)malloc(sizeof(float) * (size_t)(rows * (2 * D + 3) + 2 * kKeys * D + kKeys));
+  w.q = (float *)malloc(sizeof(float) *
+                        (size_t)(rows * (dp + D + 3) + kKeys * dp + kKeys * D + kKeys));
   w.begin = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * rows));
   if (!w.q || !w.begin) {
     free(w.q), free(w.begin);
     w.q = NULL, w.begin = NULL;
     return w;
   }
-  w.o = w.q + rows * D;
+  w.o = w.q + rows * dp;
   w.m = w.o + rows * D;
   w.l = w.m + rows;
   w.shift = w.l + rows;
-  w.kt = w.shift + rows; /* [D][kKeys] */
-  w.vr = w.kt + kKeys * D;
+  w.kt = w.shift + rows;
+  w.vr = w.kt + kKeys * dp;
   w.sk = w.vr + kKeys * D;
   w.end = w.begin + rows;
   return w;
@@ -128,6 +191,33 @@ static void dequantize_row(const uint8_t *restrict codes, const uint8_t *restric
   }
 }
 
+/* A stored K5 key row's rotated values (SPEC 6: (q * s) * 2^e), Dp values `stride` floats
+ * apart, by the tables of the 31 code values and the 256 scale values. */
+static void dequantize_key_row(const uint8_t *restrict codes, const uint8_t *restrict scales,
+                               uint8_t exp, int64_t dp, const float *restrict scale_value,
+                               float *restrict out, int64_t stride) {
+  /* 2^(exp - 127); the byte 255 (a non-finite row) gives NaN */
+  const float r =
+      exp == 255 ? NAN : (exp == 0 ? 0x1p-127f : fp4attn_bits_float((uint32_t)exp << 23));
+  for (int64_t i = 0; i < dp; ++i) {
+    const int u = ((codes[i / 2] >> (4 * (i & 1))) & 15) | ((codes[dp / 2 + i / 8] >> (i & 7)) & 1)
+                                                               << 4;
+    out[i * stride] = ((float)(u - 15) * scale_value[scales[i / 64]]) * r;
+  }
+}
+
+/* x[0..dp) times the rotation (SPEC 6's butterfly in blocks of dp & -dp). */
+static void rotate(float *x, int64_t dp) {
+  const int64_t n = dp & -dp;
+  for (int64_t h = 1; h < n; h <<= 1)
+    for (int64_t blk = 0; blk < dp; blk += 2 * h)
+      for (int64_t i = blk; i < blk + h; ++i) {
+        const float a = x[i], b = x[i + h];
+        x[i] = a + b;
+        x[i + h] = a - b;
+      }
+}
+
 /* One key's update of one row's online softmax (m, l, o) with its score s (SPEC 6 decode math). */
 static inline void softmax_step(float s, const float *restrict v, int64_t D, float *m, float *l,
                                 float *restrict o) {
@@ -146,6 +236,10 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
   const fp4attn_kv_cache *c = &p->cache;
   const int64_t D = c->head_dim, H = c->heads_kv, G = p->heads_q / H, nq = p->len_q, R = G * nq;
   const int64_t cb = fp4attn_code_bytes(D), sc = fp4attn_scale_count(D);
+  const int64_t dp = (D + 15) / 16 * 16, kcb = fp4attn_k5_code_bytes(D);
+  const int64_t ksc = fp4attn_k5_scale_count(D);
+  /* scores of rotated rows: q . k = (H q) . (H k) / n, the 1/n with the scale (a power of two) */
+  const float kscale = p->scale / (float)(dp & -dp);
   const int nt = p->num_threads > 0 ? p->num_threads : omp_get_max_threads();
   float code_value[16], scale_value[256];
   for (int i = 0; i < 16; ++i) code_value[i] = fp4attn_e2m1_decode((uint8_t)i);
@@ -159,7 +253,7 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
   int bad = 0;
 #pragma omp parallel num_threads(nt) reduction(|| : bad)
   {
-    DecodeScratch w = decode_scratch(per, D);
+    DecodeScratch w = decode_scratch(per, D, dp);
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < c->batch * H * groups; ++task) {
       if (!w.q) {
@@ -176,12 +270,13 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
       for (int64_t i = 0; i < n; ++i) {
         const int64_t r = r0 + i, h = hk * G + r / nq, t = r % nq;
         const int64_t qb = b * p->q_stride[0] + h * p->q_stride[1] + t * p->q_stride[2];
-        float s = 0.0f;
+        float s = 0.0f, *q = w.q + i * dp;
+        for (int64_t d = 0; d < dp; ++d) q[d] = d < D ? fp4attn_load(p->q, p->dtype, qb + d) : 0.0f;
         for (int64_t d = 0; d < D; ++d) {
-          w.q[i * D + d] = fp4attn_load(p->q, p->dtype, qb + d);
-          s += w.q[i * D + d] * kmean[d];
+          s += q[d] * kmean[d];
           w.o[i * D + d] = 0.0f;
         }
+        rotate(q, dp);
         w.shift[i] = p->scale * s;
         w.m[i] = -INFINITY;
         w.l[i] = 0.0f;
@@ -198,9 +293,9 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
             bad = 1;
             break;
           }
-          const uint8_t *kc = c->k_codes + r * cb, *vc = c->v_codes + r * cb;
-          const uint8_t *ks = c->k_scales + r * sc, *vs = c->v_scales + r * sc;
-          dequantize_row(kc, ks, c->k_dec[r], D, code_value, scale_value, w.kt + j, kKeys);
+          const uint8_t *kc = c->k_codes + r * kcb, *vc = c->v_codes + r * cb;
+          const uint8_t *ks = c->k_scales + r * ksc, *vs = c->v_scales + r * sc;
+          dequantize_key_row(kc, ks, c->k_exp[r], dp, scale_value, w.kt + j, kKeys);
           dequantize_row(vc, vs, c->v_dec[r], D, code_value, scale_value, w.vr + j * D, 1);
         }
         if (bad) break;
@@ -210,13 +305,13 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
           const int64_t jb = w.end[i] < j0 + nk ? w.end[i] - j0 : nk;
           if (ja >= jb) continue;
           for (int64_t j = ja; j < jb; ++j) sk[j] = 0.0f;
-          for (int64_t d = 0; d < D; ++d) {
-            const float qd = w.q[i * D + d];
+          for (int64_t d = 0; d < dp; ++d) {
+            const float qd = w.q[i * dp + d];
             const float *restrict kt = w.kt + d * kKeys;
             for (int64_t j = ja; j < jb; ++j) sk[j] += qd * kt[j];
           }
           for (int64_t j = ja; j < jb; ++j)
-            softmax_step(sk[j] * p->scale, w.vr + j * D, D, &w.m[i], &w.l[i], w.o + i * D);
+            softmax_step(sk[j] * kscale, w.vr + j * D, D, &w.m[i], &w.l[i], w.o + i * D);
         }
       }
       for (int64_t i = 0; i < n; ++i) {

@@ -44,6 +44,7 @@
 #include "../common/smem_tiles.cuh"
 #include "../tile/split_merge.cuh"
 #include "e2m1_pairs.cuh"
+#include "k5_pairs.cuh"
 #include "kv_cache.h"
 
 namespace fp4attn_cuda {
@@ -64,17 +65,18 @@ struct DecodeArgs {
 };
 
 /* One staged chunk (the kFast path) in shared memory: the chunk's rows of the cache arrays, copied
- * whole. V's code rows are padded by 16 bytes so that the lanes' reads of four even (or odd) keys
- * at once fall into distinct banks. */
+ * whole (every region a multiple of 16 bytes). V's code rows are padded by 16 bytes so that the
+ * lanes' reads of four even (or odd) keys at once fall into distinct banks. */
 template <int DP>
 struct ChunkSlot {
-  static constexpr int kKc = 0;                       /* K codes [32][DP/2] */
+  static constexpr int kKRow = 5 * DP / 8;            /* K code bytes per row (K5) */
+  static constexpr int kKc = 0;                       /* K codes [32][kKRow] */
   static constexpr int kVStride = DP / 2 + 16;        /* bytes per V code row */
-  static constexpr int kVc = kKc + kChunk * DP / 2;   /* V codes [32][kVStride] */
-  static constexpr int kKs = kVc + kChunk * kVStride; /* K scales [32][DP/16] */
-  static constexpr int kVs = kKs + kChunk * DP / 16;  /* V scales [32][DP/16] */
-  static constexpr int kKd = kVs + kChunk * DP / 16;  /* K dec [32] */
-  static constexpr int kVd = kKd + 4 * kChunk;        /* V dec [32] */
+  static constexpr int kVc = kKc + kChunk * kKRow;    /* V codes [32][kVStride] */
+  static constexpr int kKs = kVc + kChunk * kVStride; /* K scales [32][DP/64] */
+  static constexpr int kVs = kKs + kChunk * DP / 64;  /* V scales [32][DP/16] */
+  static constexpr int kKe = kVs + kChunk * DP / 16;  /* K row-scale bytes [32] */
+  static constexpr int kVd = kKe + kChunk;            /* V dec [32] */
   static constexpr int kBytes = kVd + 4 * kChunk;
 };
 constexpr int kStages = 2; /* a warp's slots: the chunk it works on and the next one, in flight */
@@ -109,13 +111,13 @@ __device__ __forceinline__ int o_dim(int mt, int r) {
  * (code x 2^-14), by h2_mul, that is code x s x 2^-8, exact (a multiple of 2^-18, at most 10.5);
  * the 2^8 is restored in FP32 (kScaleUnit). */
 constexpr float kScaleUnit = 256.0f;
-/* K: byte k of `w` in both halves. Selector 8 | k repeats byte k's sign bit, which SPEC 6 keeps
- * clear, into the bytes between. A garbage row (a free slot past the sequence's end) may decode
- * to anything, NaN included, but reaches only its own row of S^T, whose scores are masked. */
-__device__ __forceinline__ uint32_t k_scale_pair(uint32_t w, int k) {
-  const uint32_t sel =
-      (uint32_t)k | (uint32_t)(8 | k) << 4 | (uint32_t)k << 8 | (uint32_t)(8 | k) << 12;
-  return h2_mul(prmt_b32(w, w, sel) << 7, kE2m1Unit);
+/* K: k5_scale_pair (k5_pairs.cuh) times a code q (|q| <= 15) is q s 2^-8, exact (at most 8
+ * significant bits, a multiple of 2^-17, at most 26.25). A garbage row (a free slot past the
+ * sequence's end) may decode to anything, NaN included, but reaches only its own row of S^T,
+ * whose scores are masked. Its row scale: 2^(e - 127) (e >= 1 as SPEC 6 stores it; 255 gives
+ * +Inf, and the row's zero products make its scores NaN, as a non-finite row's must be). */
+__device__ __forceinline__ float k_row_scale(uint32_t e) {
+  return __uint_as_float(e << 23);
 }
 /* V: byte k of `lo` and of `hi` (the pair's two keys), masked after the shift (the sign bit and
  * the bytes between cleared): a garbage row stays finite, so its zero weight in P^T zeroes it. */
@@ -165,8 +167,9 @@ __device__ __forceinline__ uint32_t load_scales(const uint8_t *row, int blk, int
 
 template <int DP>
 struct Frag {
-  static constexpr int kKWords = DP / 32; /* K words per key and lane */
-  static constexpr int kKBlocks = DP / 64 > 0 ? DP / 64 : 1;
+  static constexpr int kKWords = DP / 32; /* K nibble words per key and lane */
+  static constexpr int kKPlane = DP / 32; /* K high-bit bytes per key and lane (one per word) */
+  static constexpr int kKPlaneWords = (kKPlane + 3) / 4;
   static constexpr int kVWords = DP / 64 > 0 ? DP / 64 : 1; /* V words per key and lane */
   static constexpr int kVBlocks = DP / 128 > 0 ? DP / 128 : 1;
 };
@@ -176,9 +179,9 @@ struct Frag {
 template <int DP>
 struct Raw {
   using F = Frag<DP>;
-  uint32_t k[4][F::kKWords], ks[4];
+  uint32_t k[4][F::kKWords], kh[4][F::kKPlaneWords], ks[4]; /* ks: the lane's one K scale byte */
   uint32_t v[4][2][F::kVWords], vs[4][2];
-  float kd[4], vd[4];
+  float kd[4], vd[4]; /* kd: K's row scale 2^(e - 127) */
 };
 
 /* The cache row of key `key` of sequence b, KV head hk (a block table lookup); rows fit in 31 bits
@@ -191,6 +194,20 @@ __device__ __forceinline__ int64_t cache_row(const fp4attn_kv_cache &c, const Di
                    ((uint32_t)key - pi * ps));
 }
 
+/* N words of a K5 row's bytes [off, len) from 16-bit loads (rows are 5 Dp/8 bytes: even, not
+ * always a multiple of 4), zero bytes past len (len and off even). */
+template <int N>
+__device__ __forceinline__ void load_words16(uint32_t (&w)[N], const uint8_t *row, int off,
+                                             int len) {
+  const uint16_t *h = reinterpret_cast<const uint16_t *>(row + off);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const uint32_t lo = off + 4 * i + 2 <= len ? h[2 * i] : 0u;
+    const uint32_t hi = off + 4 * i + 4 <= len ? h[2 * i + 1] : 0u;
+    w[i] = lo | hi << 16;
+  }
+}
+
 /* The general path: a page lookup per key (a key past the sequence's end reads its last key; such
  * keys' scores are masked, their V dec zeroed) and bounded loads, straight into registers. */
 template <int DP>
@@ -200,13 +217,25 @@ __device__ __forceinline__ void load_chunk(Raw<DP> &raw, const fp4attn_kv_cache 
   using F = Frag<DP>;
   const int g = lane >> 2, t4 = lane & 3;
   const int cb = (int)fp4_code_bytes(c.head_dim), sc = (int)fp4_scale_count(c.head_dim);
+  const int dp = 2 * cb, kcb = 5 * dp / 8, ksc = (dp + 63) / 64; /* the K5 row of Dp values */
   auto row_of = [&](int key) { return cache_row(c, page, b, hk, min(key0 + key, len - 1)); };
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int64_t r = row_of(8 * j + g);
-    load_words(raw.k[j], c.k_codes + r * cb, t4 * (DP / 8), cb);
-    raw.ks[j] = load_scales<F::kKBlocks>(c.k_scales + r * sc, t4 * (DP / 64), sc);
-    raw.kd[j] = c.k_dec[r];
+    const uint8_t *krow = c.k_codes + r * kcb;
+    load_words16(raw.k[j], krow, t4 * (DP / 8), dp / 2);
+    /* the plane bytes of the lane's d range, zeros past the row's dp / 8 */
+    uint32_t plane[F::kKPlaneWords] = {};
+#pragma unroll
+    for (int i = 0; i < F::kKPlane; ++i) {
+      const int at = t4 * F::kKPlane + i;
+      plane[i / 4] |= at < dp / 8 ? (uint32_t)krow[dp / 2 + at] << (8 * (i % 4)) : 0u;
+    }
+#pragma unroll
+    for (int i = 0; i < F::kKPlaneWords; ++i) raw.kh[j][i] = plane[i];
+    const int blk = t4 * DP / 256; /* the 64-value block of the lane's d range */
+    raw.ks[j] = blk < ksc ? c.k_scales[r * ksc + blk] : 0u;
+    raw.kd[j] = k_row_scale(c.k_exp[r]);
     raw.vd[j] = key0 + 8 * j + g < len ? c.v_dec[r] : 0.0f; /* no NaN from free slots */
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
@@ -226,30 +255,29 @@ __device__ __forceinline__ void stage_chunk(char *slot, const fp4attn_kv_cache &
                                             int lane) {
   using S = ChunkSlot<DP>;
   constexpr int kCodeCopies = kChunk * DP / 32, kRowCopies = DP / 32; /* 16-byte copies */
-  constexpr int kScaleCopies = kChunk * DP / 256, kDecCopies = kChunk * 4 / 16;
+  constexpr int kKCodeCopies = kChunk * S::kKRow / 16;
+  constexpr int kKScaleCopies = kChunk * DP / 64 / 16, kVScaleCopies = kChunk * DP / 16 / 16;
   static_assert(kCodeCopies % 32 == 0 && 32 % kRowCopies == 0, "whole copies per lane");
-  const uint8_t *kc = c.k_codes + row * (DP / 2) + 16 * lane;
   const uint8_t *vc = c.v_codes + row * (DP / 2) + 16 * lane;
-  char *kd = slot + S::kKc + 16 * lane;
   char *vd = slot + S::kVc + (lane / kRowCopies) * S::kVStride + 16 * (lane % kRowCopies);
 #pragma unroll
-  for (int i = 0; i < kCodeCopies / 32; ++i) {
-    cp_async_16(kd + 512 * i, kc + 512 * i);
+  for (int i = 0; i < kCodeCopies / 32; ++i)
     cp_async_16(vd + (32 / kRowCopies) * S::kVStride * i, vc + 512 * i);
-  }
-  /* the small arrays: the K and V scales, then the K and V decs, a copy per lane */
-  const uint8_t *ks = c.k_scales + row * (DP / 16), *vs = c.v_scales + row * (DP / 16);
+  const uint8_t *kc = c.k_codes + row * S::kKRow; /* 32 rows: 20 DP bytes, contiguous */
 #pragma unroll
-  for (int i = lane; i < 2 * kScaleCopies; i += 32) {
-    const bool v = i >= kScaleCopies;
-    const int x = v ? i - kScaleCopies : i;
+  for (int i = lane; i < kKCodeCopies; i += 32) cp_async_16(slot + S::kKc + 16 * i, kc + 16 * i);
+  /* the small arrays: the K and V scales, then K's row-scale bytes and V's decs */
+  const uint8_t *ks = c.k_scales + row * (DP / 64), *vs = c.v_scales + row * (DP / 16);
+#pragma unroll
+  for (int i = lane; i < kKScaleCopies + kVScaleCopies; i += 32) {
+    const bool v = i >= kKScaleCopies;
+    const int x = v ? i - kKScaleCopies : i;
     cp_async_16(slot + (v ? S::kVs : S::kKs) + 16 * x, (v ? vs : ks) + 16 * x);
   }
-  if (lane < 2 * kDecCopies) {
-    const bool v = lane >= kDecCopies;
-    const int x = v ? lane - kDecCopies : lane;
-    cp_async_16(slot + (v ? S::kVd : S::kKd) + 16 * x, (v ? c.v_dec : c.k_dec) + row + 4 * x);
-  }
+  if (lane < 2) /* K: 32 bytes */
+    cp_async_16(slot + S::kKe + 16 * lane, c.k_exp + row + 16 * lane);
+  else if (lane < 10) /* V: 128 bytes */
+    cp_async_16(slot + S::kVd + 16 * (lane - 2), c.v_dec + row + 4 * (lane - 2));
 }
 
 /* A staged chunk's registers for this lane, as load_chunk gives them, in two parts: K's rows and
@@ -263,9 +291,14 @@ __device__ __forceinline__ void read_chunk_k(Raw<DP> &raw, const char *slot, int
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int kr = 8 * j + g;
-    vector_words(raw.k[j], slot + S::kKc + kr * (DP / 2) + t4 * (DP / 8));
-    raw.ks[j] = vector_bytes<F::kKBlocks>(slot + S::kKs + kr * (DP / 16) + t4 * F::kKBlocks);
-    raw.kd[j] = *reinterpret_cast<const float *>(slot + S::kKd + 4 * kr);
+    const char *krow = slot + S::kKc + kr * S::kKRow;
+    vector_words(raw.k[j], krow + t4 * (DP / 8));
+    if constexpr (F::kKPlane == 2)
+      raw.kh[j][0] = vector_bytes<2>(krow + DP / 2 + 2 * t4);
+    else
+      vector_words(raw.kh[j], krow + DP / 2 + t4 * F::kKPlane);
+    raw.ks[j] = *reinterpret_cast<const uint8_t *>(slot + S::kKs + kr * (DP / 64) + t4 * DP / 256);
+    raw.kd[j] = k_row_scale(*reinterpret_cast<const uint8_t *>(slot + S::kKe + kr));
     raw.vd[j] = key0 + kr < len ? *reinterpret_cast<const float *>(slot + S::kVd + 4 * kr) : 0.0f;
   }
 }
@@ -302,8 +335,8 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   static_assert(NQ * DP % kThreads == 0, "whole Q elements per thread");
   extern __shared__ __align__(128) char smem[];
   __shared__ float warp_qmax[kWarps];
-  __shared__ float q_dot[NQ][DP / 32]; /* q . kmean over 32 columns of a row */
-  __shared__ int64_t q_row[NQ]; /* element offset of each tile row's q, -1 past the G x nq rows */
+  __shared__ float q_rot[NQ][DP]; /* the tile's queries rotated (SPEC 6), FP32 */
+  __shared__ int64_t q_row[NQ];   /* element offset of each tile row's q, -1 past the G x nq rows */
   const fp4attn_decode_params &p = a.p;
   const fp4attn_kv_cache &c = p.cache;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -337,18 +370,60 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   }
   __syncthreads();
 
-  /* The tile's Q as FP16 times 2^-qexp, a power of two that puts its largest |q| in [2^14, 2^15):
-   * exact for FP16 and BF16 inputs (bar values below 2^-38 of that largest, which S cannot
-   * notice), 22 bits as hi + lo parts for FP32. Thread tid holds slot columns (tid + kThreads k)
-   * % DP of row (tid + kThreads k) / DP, all loaded at once (a warp: 32 slot columns of one row).
-   */
+  /* The keys are stored rotated (SPEC 6): q . k = (H q) . (H k) / n. A warp per row: lane l holds
+   * d = kPer l .. kPer l + kPer - 1 (zeros past D); split 0 writes the row's lse term
+   * scale (q . kmean) first, then the butterfly rotates the row in blocks of n (pairs within a
+   * lane for h < kPer, across lanes l, l ^ (h / kPer) above) into q_rot. */
+  constexpr int kPer = DP / 32;
+  const int dp16 = (D + 15) / 16 * 16, n_rot = dp16 & -dp16;
+  for (int r = warp; r < NQ; r += kWarps) {
+    const int64_t at = q_row[r];
+    float x[kPer];
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int d = kPer * lane + i;
+      x[i] = at < 0 || d >= D ? 0.0f : load_as_float(p.q, p.dtype, at + d);
+      dot += d < D ? x[i] * c.kmean[(b * H + hk) * D + d] : 0.0f;
+    }
+    if (split == 0) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if (lane == 0) a.qshift[tile * NQ + r] = p.scale * dot;
+    }
+#pragma unroll
+    for (int h = 1; h < kPer; h <<= 1)
+      if (h < n_rot)
+#pragma unroll
+        for (int i = 0; i < kPer; ++i)
+          if (!(i & h)) {
+            const float u = x[i], v = x[i + h];
+            x[i] = u + v;
+            x[i + h] = u - v;
+          }
+    for (int h = kPer; h < n_rot; h <<= 1) {
+      const int m = h / kPer;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const float o = __shfl_xor_sync(0xffffffffu, x[i], m);
+        x[i] = (lane & m) ? o - x[i] : x[i] + o;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) q_rot[r][kPer * lane + i] = x[i];
+  }
+  __syncthreads();
+
+  /* The tile's rotated Q as FP16 times 2^-qexp, a power of two that puts its largest |q| in
+   * [2^14, 2^15): one rounding to FP16 for FP16 and BF16 inputs (the rotation's sums are not
+   * 16-bit values), 22 bits as hi + lo parts for FP32. Thread tid holds slot columns (tid +
+   * kThreads k) % DP of row (tid + kThreads k) / DP (a warp: 32 slot columns of one row). */
   float qv[kQPer];
   float qmax = 0.0f;
 #pragma unroll
   for (int k = 0; k < kQPer; ++k) {
     const int i = tid + kThreads * k, r = i / DP, d = q_dim<DP>(i % DP);
-    const int64_t at = q_row[r];
-    qv[k] = at < 0 || d >= D ? 0.0f : load_as_float(p.q, p.dtype, at + d);
+    qv[k] = q_rot[r][d];
     qmax = fmaxf(qmax, fabsf(qv[k]));
   }
   qmax = block_max<kWarps>(qmax, warp_qmax);
@@ -364,26 +439,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
       *reinterpret_cast<__half *>(smem + L::kQlo + swz_byte<L::kW>(r, 2 * col)) =
           __float2half_rn(v - __half2float(hi));
   }
-  /* split 0: the rows' lse term scale (q . kmean), summed over each row's 32-column groups in
-   * order */
-  if (split == 0) {
-    const float *kmean = c.kmean + (b * H + hk) * D;
-#pragma unroll
-    for (int k = 0; k < kQPer; ++k) {
-      const int i = tid + kThreads * k, d = q_dim<DP>(i % DP);
-      float x = d < D ? qv[k] * kmean[d] : 0.0f;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-      if (lane == 0) q_dot[i / DP][(i % DP) / 32] = x;
-    }
-  }
   __syncthreads();
-  if (split == 0 && tid < NQ) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int x = 0; x < DP / 32; ++x) acc += q_dot[tid][x];
-    a.qshift[tile * NQ + tid] = p.scale * acc;
-  }
 
   /* the lane's query 8n + 2 t4 + e sees keys [begin, end) */
   int end[NT][2], begin[NT][2];
@@ -406,8 +462,8 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
     seen_lo = max(seen_lo, __shfl_xor_sync(0xffffffffu, seen_lo, o));
     seen_hi = min(seen_hi, __shfl_xor_sync(0xffffffffu, seen_hi, o));
   }
-  /* S in log2 units = (Q 2^-qexp . K 2^-8) x dec x s_log2 */
-  const float s_log2 = ldexpf(p.scale * kLog2e * kScaleUnit, qexp);
+  /* S in log2 units = (Q 2^-qexp . K 2^-8) x 2^(e - 127) x s_log2, the rotation's 1 / n in it */
+  const float s_log2 = ldexpf(p.scale * kLog2e * kScaleUnit, qexp - (__ffs(n_rot) - 1));
 
   /* O = (sum P V 2^-8) x vref: the MMAs accumulate P dec / vref, vref the warp's running
    * max |dec| of V, in [0, 1] like P itself; O is rescaled when vref grows, as when m does */
@@ -448,8 +504,11 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
         uint32_t pr[2][4], s2[2]; /* keys 8 (2 km + x) + g */
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
-          e2m1_pairs(cur.k[2 * km + x][i], pr[x]);
-          s2[x] = k_scale_pair(cur.ks[2 * km + x], i / 2);
+          const uint32_t hb = (cur.kh[2 * km + x][i / 4] >> (8 * (i % 4))) & 0xFFu;
+          k5_pairs(cur.k[2 * km + x][i], hb, pr[x]);
+#pragma unroll
+          for (int y = 0; y < 4; ++y) pr[x][y] = h2_sub(pr[x][y], kK5Offset);
+          s2[x] = k5_scale_pair(cur.ks[2 * km + x]);
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -625,7 +684,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
 bool fast_layout(const fp4attn_kv_cache &c, int64_t dp) {
   auto aligned = [](const void *x) { return reinterpret_cast<uintptr_t>(x) % 16 == 0; };
   return c.page_size % kChunk == 0 && c.head_dim == dp && aligned(c.k_codes) &&
-         aligned(c.v_codes) && aligned(c.k_scales) && aligned(c.v_scales) && aligned(c.k_dec) &&
+         aligned(c.v_codes) && aligned(c.k_scales) && aligned(c.v_scales) && aligned(c.k_exp) &&
          aligned(c.v_dec);
 }
 

@@ -160,12 +160,22 @@ typedef struct {
   void *dq, *dk, *dv;
 } fp4attn_int8_backward_params;
 
+/* The KV cache's key rows (SPEC 6, K5): Dp = head_dim rounded up to 16; 5 Dp/8 code bytes (Dp/2
+ * of low nibbles, then Dp/8 of high bits) and ceil(Dp/64) E4M3 scales per row. */
+static inline int64_t fp4attn_k5_code_bytes(int64_t head_dim) {
+  return (head_dim + 15) / 16 * 10;
+}
+static inline int64_t fp4attn_k5_scale_count(int64_t head_dim) {
+  return ((head_dim + 15) / 16 * 16 + 63) / 64;
+}
+
 /* ---- FP4 KV cache (SPEC 6). Paged storage: token t of sequence b is slot t % page_size of page
- * block_table[b * max_pages + t / page_size]; a page holds [heads_kv][page_size] rows of
- * code_bytes(head_dim) codes, scale_count(head_dim) E4M3 scales and one FP32 dec, for K and V. */
+ * block_table[b * max_pages + t / page_size]; a page holds [heads_kv][page_size] rows: for K,
+ * k5_code_bytes(head_dim) codes, k5_scale_count(head_dim) E4M3 scales and one row-scale byte
+ * (E8M0); for V, code_bytes(head_dim) codes, scale_count(head_dim) E4M3 scales and one FP32 dec. */
 typedef struct {
-  uint8_t *k_codes, *k_scales, *v_codes, *v_scales;
-  float *k_dec, *v_dec;
+  uint8_t *k_codes, *k_scales, *k_exp, *v_codes, *v_scales;
+  float *v_dec;
   float *kmean;               /* [batch][heads_kv][head_dim] */
   const int32_t *block_table; /* [batch][max_pages] */
   int64_t batch, heads_kv, head_dim, page_size, max_pages, num_pages;

@@ -8,6 +8,7 @@
 #ifndef FP4ATTN_NUMERICS_H
 #define FP4ATTN_NUMERICS_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -149,6 +150,35 @@ FP4ATTN_HD uint8_t fp4attn_quantize_block(const float *xs, int n, uint8_t *codes
     for (int i = 0; i < n; ++i) codes[i] = fp4attn_e2m1_encode(xs[i] * r);
   }
   return s;
+}
+
+/* ---- The KV cache's key rows (SPEC 6, K5): rotated 5-bit integers, an E4M3 scale per 64
+ * values, a power-of-two row scale. The rotation's butterfly, the scale search's error sums and
+ * the packing are structural and written out by each backend in SPEC 6's order. */
+
+/* 6720 = 15 * 448: the largest |code x scale|. */
+#define FP4ATTN_K5_RANGE 6720.0f
+
+/* The row scale's exponent: the smallest e >= -126 with 2^e >= amax / 6720 (correctly rounded
+ * division), for a finite amax >= 0. */
+FP4ATTN_HD int fp4attn_k5_exponent(float amax) {
+  const uint32_t t = fp4attn_float_bits(amax / FP4ATTN_K5_RANGE);
+  const int ef = (int)(t >> 23);
+  if (ef == 0) return -126; /* zero or subnormal */
+  const int e = ef - 127 + ((t & 0x7FFFFFu) != 0u);
+  return e < -126 ? -126 : e;
+}
+
+/* 2^-e for e in [-126, 127]: exact. */
+FP4ATTN_HD float fp4attn_k5_inverse_scale(int e) {
+  return fp4attn_bits_float((uint32_t)(127 - e) << 23);
+}
+
+/* The code q = clamp(rne(y / s), -15, 15) of y under scale s > 0, as u = q + 15 in 0..30. */
+FP4ATTN_HD uint32_t fp4attn_k5_code(float y, float s) {
+  float q = rintf(y / s);
+  q = q > 15.0f ? 15.0f : (q < -15.0f ? -15.0f : q);
+  return (uint32_t)(int)q + 15u;
 }
 
 #endif /* FP4ATTN_NUMERICS_H */
