@@ -159,6 +159,35 @@ def test_cpu_backend_against_reference(case, dtype):
         assert rel_l1(a, b.to(dtype)) < 5e-3 or b.abs().max() < 1e-6
 
 
+def dk_of_quiet_keys(device, kernel="auto"):
+    """Keys 64..127 of a key block with attention weights e^-8 below keys 0..63 (an additive
+    mask): their dS is ~3000x smaller. With one dS^ scale per 64 x 128 block their codes round to
+    0 and their dK vanishes; SPEC_INT8 3 scales each 64 keys on their own. Returns the cos of those
+    keys' dK against float64 autograd."""
+    q, k, v = make(1, 2, 2, 64, 128, 64, seed=9)
+    mask = torch.zeros(1, 1, 64, 128)
+    mask[..., 64:] = -8.0
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    _, _, rk, _ = exact_with_grads(q, k, v, mask, False, grad_out)
+    q, k, v, mask, grad_out = (t.to(device) for t in (q, k, v, mask, grad_out))
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, _ = torch.ops.fp4attn.int8_attention(qq, kk, vv, mask, False, 0.125, kernel)
+    out.backward(grad_out)
+    return cos(kk.grad[..., 64:, :].cpu(), rk[..., 64:, :])
+
+
+def test_ds_scale_per_64_keys():
+    q, k, v = make(1, 2, 2, 64, 128, 64, seed=9)
+    mask = torch.zeros(1, 1, 64, 128)
+    mask[..., 64:] = -8.0
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    out, lse = R8.attention_forward(q, k, v, mask, False)
+    _, dk, _ = R8.attention_backward(grad_out, q, k, v, out, lse, mask, False)
+    _, _, rk, _ = exact_with_grads(q, k, v, mask, False, grad_out)
+    assert cos(dk[..., 64:, :], rk[..., 64:, :]) >= 0.99  # the reference
+    assert dk_of_quiet_keys("cpu") >= 0.99  # the C backend
+
+
 def test_lse_is_the_log_sum_exp_of_the_scores():
     q, k, v = make(1, 2, 2, 150, 300, 64, seed=4)
     _, lse = R8.attention_forward(q, k, v, None, True)
@@ -348,6 +377,15 @@ def test_cuda_forward_kernels_against_reference(case, dtype, kernel):
                                        kernel)
     if kind == "bool":  # the row with no visible key: zero output
         assert out[..., 0, :].abs().max() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+def test_cuda_ds_scale_per_64_keys(kernel):
+    if kernel == "sm90" and not SM90:
+        pytest.skip("the sm90 kernels run on compute capability 9.0")
+    assert dk_of_quiet_keys("cuda", kernel) >= 0.99
 
 
 @pytest.mark.gpu

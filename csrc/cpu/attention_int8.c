@@ -14,6 +14,7 @@
 
 #define BQ 64  /* query rows per INT8 block */
 #define BK 128 /* keys per INT8 block and online-softmax step */
+#define BKS 64 /* keys per dS^ scale in the backward (SPEC_INT8 3) */
 
 /* rne_int (ties to even, the default rounding mode) clamped to [-127, 127]; NaN -> 0 (the group's
  * scale is NaN then, so the dequantized values still are). */
@@ -333,19 +334,27 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
             dS[r * BK + n] = ds;
             rowsum[r0 + r] += ds;
           }
-        const float sds = psi_group(dS, rows, w, BK, dsc); /* one scale per 64 x 128 block */
-        const float fq = (p->scale * sds) * kv->sk[j], fk = (p->scale * sds) * q.sq[ib];
-        for (int64_t r = 0; r < rows; ++r) { /* dQ_i += dS^ K^_j */
-          int32_t acc[FP4ATTN_MAX_HEAD_DIM] = {0};
-          for (int64_t n = 0; n < w; ++n)
-            if (dsc[r * BK + n]) axpy8(acc, dsc[r * BK + n], kv->kc + (n0 + n) * D, D);
-          for (int64_t d = 0; d < D; ++d) dqacc[(r0 + r) * D + d] += fq * (float)acc[d];
+        /* dS^: one scale per 64 rows x 64 keys (half h of the key block) */
+        float fq[BK / BKS], fk[BK / BKS];
+        for (int64_t h = 0; h * BKS < w; ++h) {
+          const int64_t c0 = h * BKS, cw = w - c0 < BKS ? w - c0 : BKS;
+          const float sds = psi_group(dS + c0, rows, cw, BK, dsc + c0);
+          fq[h] = (p->scale * sds) * kv->sk[j];
+          fk[h] = (p->scale * sds) * q.sq[ib];
         }
-        for (int64_t n = 0; n < w; ++n) { /* dK_j += dS^T Q^_i */
+        for (int64_t r = 0; r < rows; ++r) { /* dQ_i += dS^_h K^_jh, summed over the halves */
+          for (int64_t c0 = 0; c0 < w; c0 += BKS) {
+            int32_t acc[FP4ATTN_MAX_HEAD_DIM] = {0};
+            for (int64_t n = c0; n < w && n < c0 + BKS; ++n)
+              if (dsc[r * BK + n]) axpy8(acc, dsc[r * BK + n], kv->kc + (n0 + n) * D, D);
+            for (int64_t d = 0; d < D; ++d) dqacc[(r0 + r) * D + d] += fq[c0 / BKS] * (float)acc[d];
+          }
+        }
+        for (int64_t n = 0; n < w; ++n) { /* dK_jh += dS^_h^T Q^_i */
           int32_t acc[FP4ATTN_MAX_HEAD_DIM] = {0};
           for (int64_t r = 0; r < rows; ++r)
             if (dsc[r * BK + n]) axpy8(acc, dsc[r * BK + n], q.qc + (r0 + r) * D, D);
-          for (int64_t d = 0; d < D; ++d) dkacc[(n0 + n) * D + d] += fk * (float)acc[d];
+          for (int64_t d = 0; d < D; ++d) dkacc[(n0 + n) * D + d] += fk[n / BKS] * (float)acc[d];
         }
       }
     }

@@ -9,9 +9,10 @@
  *   S^T  = K^ Q^_i^T * (sQ sK scale), masks, P^T = exp2(S^T - lse2)         (keys x 64 rows)
  *   dV  += P^ per key column (psi over the 64 rows) x dO^ per channel       (A from registers)
  *   dP^T = V dO^T in 16 bits; dS^T = P (dP - Drow); rowsum(dS) -> the smoothing correction
- *   dS^  = psi over the 64 x 128 block (block-wide amax)
+ *   dS^  = psi per 64 rows x 64 keys (warps 0-3 and 4-7: two maxima through shared memory)
  *   dK  += (scale sdS sQ_i) dS^T Q^_i                                       (A from registers)
- *   dQ_i += (scale sdS sK_j) dS^ K^_j through shared memory, FP32 atomics into the workspace
+ *   dQ_i += sum_h (scale sdS_h sK_j) dS^_h K^_jh through shared memory, FP32 atomics into the
+ *   workspace
  * dK and dV sum over the group's query heads in registers and are stored once, no atomics.
  */
 #ifndef FP4ATTN_CUDA_INT8_BACKWARD_CUH
@@ -191,7 +192,7 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
       }
     }
 
-    /* dS^T = P (dP - Drow); its row sums; the block's amax */
+    /* dS^T = P (dP - Drow); its row sums; the amax of this warp's half of the keys */
     float amax = 0.0f;
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -214,11 +215,15 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     if (lane == 0) red[warp] = amax;
     __syncthreads();
-    amax = 0.0f;
+    /* dS^'s scales, one per 64 keys (warps 0-3 and 4-7; SPEC_INT8 3) */
+    float hmax[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int x = 0; x < 8; ++x) amax = fmaxf(amax, red[x]);
-    float rds, sds;
-    psi_factors(amax, rds, sds);
+    for (int x = 0; x < 8; ++x) hmax[x >> 2] = fmaxf(hmax[x >> 2], red[x]);
+    float rds, sds, rdh[2], sdh[2];
+    psi_factors(hmax[0], rdh[0], sdh[0]);
+    psi_factors(hmax[1], rdh[1], sdh[1]);
+    rds = rdh[warp >> 2];
+    sds = sdh[warp >> 2];
     int dc[8][4];
     char *ds_tile = smem + L::kDs;
 #pragma unroll
@@ -247,32 +252,41 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
     }
     __syncthreads();
 
-    /* dQ_i += (scale sdS sK) dS^ K^: warp -> 16 rows x DO/2 columns, FP32 atomics */
+    /* dQ_i += sum over the halves h of (scale sdS_h sK) dS^_h K^_h: warp -> 16 rows x DO/2
+     * columns, FP32 atomics */
     {
       constexpr int NT = DO / 16;
       const int r0 = (warp & 3) * 16, c0 = (warp >> 2) * (DO / 2);
-      int c3[NT][4] = {};
+      float f3[NT][4];
 #pragma unroll
-      for (int kc = 0; kc < kBK8 / 32; ++kc) {
-        uint32_t sa[4];
-        ldsm_a<kBK8>(sa, ds_tile, r0, kc * 32);
+      for (int hh = 0; hh < 2; ++hh) {
+        int c3[NT][4] = {};
 #pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-          uint32_t kb[2][2];
-          ldsm_b<kBK8>(kb, smem + L::kKt, c0 + np * 16, kc * 32);
-          mma_s8(c3[2 * np], sa, kb[0]);
-          mma_s8(c3[2 * np + 1], sa, kb[1]);
+        for (int kc = 2 * hh; kc < 2 * hh + 2; ++kc) {
+          uint32_t sa[4];
+          ldsm_a<kBK8>(sa, ds_tile, r0, kc * 32);
+#pragma unroll
+          for (int np = 0; np < NT / 2; ++np) {
+            uint32_t kb[2][2];
+            ldsm_b<kBK8>(kb, smem + L::kKt, c0 + np * 16, kc * 32);
+            mma_s8(c3[2 * np], sa, kb[0]);
+            mma_s8(c3[2 * np + 1], sa, kb[1]);
+          }
         }
+        const float fq = (p.scale * sdh[hh]) * sk;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            f3[n][e] = hh == 0 ? fq * (float)c3[n][e] : f3[n][e] + fq * (float)c3[n][e];
       }
-      const float fq = (p.scale * sds) * sk;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int64_t row = i0 + r0 + g + 8 * r;
         if (row >= p.len_q) continue;
         float *dst = w.dq_acc + (bh * p.len_q + row) * DP + d0 + c0 + 2 * t;
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
-          add_pair(dst + n * 8, fq * (float)c3[n][2 * r], fq * (float)c3[n][2 * r + 1]);
+        for (int n = 0; n < NT; ++n) add_pair(dst + n * 8, f3[n][2 * r], f3[n][2 * r + 1]);
       }
     }
     if (tid < kBQ8) {

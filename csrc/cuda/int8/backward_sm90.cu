@@ -12,12 +12,13 @@
  *     dP^T = V dO^T            wgmma m64n64k16 f16 / bf16, FP32
  *     P^T  = exp2(S^T f - lse2), dS^T = P^T (dP^T - Drow) in registers (accumulator layout)
  *     dV  += P^ per key column x dO^ per channel    wgmma m64n{DP}k32 s8, P^ from registers
- *     dK  += dS^T Q^                                 wgmma m64n{DP}k32 s8, dS^ from registers
- *     dQ_i += dS^ K^                                 wgmma m64n{DP/2}k32 s8 from the dS^ tile the
- *       two consumers write to shared memory (one per half of dQ's columns); the scaled FP32
- *       products go through a shared tile into one bulk reduction (add) into the workspace
- *   The scale of dS^ is one amax over the whole 64 x 128 block: the consumers exchange their
- *   maxima through shared memory (named barrier A), then complete the dS^ tile (barrier B).
+ *     dK  += dS^T Q^                                 wgmma m64n64k32 s8 per 64 columns
+ *     dQ_i += dS^ K^ over this consumer's 64 keys    wgmma m64n64k32 s8 per 64 columns, from
+ *       its half of the dS^ tile in shared memory; the scaled FP32 products go through the
+ *       consumer's own dQ tile into one bulk reduction (add) into the workspace
+ *   dS^ has one scale per 64 rows x 64 keys (SPEC_INT8 3), so the consumers never wait for each
+ *   other: only their own 4 warps meet (named barrier 1 + warpgroup), and the one consumer's
+ *   matrix work overlaps the other's softmax and folds. They share only the stage ring.
  * dK and dV stay in FP32 registers for the whole walk (the per-step scales keep the int32 products
  * from accumulating across query blocks) and are stored once, in the input dtype.
  * Operand layouts (wgmma.cuh): 8-bit tiles K-major, swizzled over their row width (Q^, K^: DP
@@ -35,7 +36,8 @@ namespace {
 using namespace sm90;
 
 constexpr int kThreads = 384;         /* producer + 2 consumer warpgroups */
-constexpr int kConsumerThreads = 256; /* the named barriers' and the empty barriers' count */
+constexpr int kConsumerThreads = 256; /* the empty barriers' count */
+constexpr int kWgThreads = 128;       /* a consumer's named barrier count */
 constexpr int kWgKeys = kBK8 / 2;     /* keys per consumer warpgroup */
 
 template <int DP>
@@ -45,8 +47,8 @@ struct BwdSm90Config {
   static constexpr int kKBytes = kBK8 * DP;      /* K^ [128][DP] */
   static constexpr int kVBytes = kBK8 * DP * 2;  /* V [DP/64][128][64] 16-bit */
   static constexpr int kKtBytes = DP * kBK8;     /* K^T [DP][128] */
-  static constexpr int kDsBytes = kBQ8 * kBK8;   /* dS^ [64][128] */
-  static constexpr int kDqBytes = kBQ8 * DP * 4; /* FP32 dQ [64][DP] of a step (bulk reduction) */
+  static constexpr int kDsBytes = kBQ8 * kBK8;   /* dS^ [64][128]: keys 64c.. of consumer c */
+  static constexpr int kDqBytes = kBQ8 * DP * 4; /* FP32 dQ [64][DP] per consumer and step */
   /* one query block's tiles (a stage) */
   static constexpr int kQBytes = kBQ8 * DP;      /* Q^ [64][DP] */
   static constexpr int kQtBytes = DP * kBQ8;     /* Q^T [DP][64] perm */
@@ -60,12 +62,14 @@ struct BwdSm90Config {
   static constexpr int kOffKt = kOffV + kVBytes;
   static constexpr int kOffDs = kOffKt + kKtBytes;
   static constexpr int kOffDq = kOffDs + kDsBytes;
-  static constexpr int kOffStage = kOffDq + kDqBytes;
+  static constexpr int kOffStage = kOffDq + 2 * kDqBytes;
   static constexpr int sQ = 0, sQt = sQ + kQBytes, sDo = sQt + kQtBytes, sDot = sDo + kDoBytes;
   static constexpr int kOffVec = kOffStage + kStages * kTileBytes;
   static constexpr int vLse = 0, vDrow = kBQ8 * 4, vSdo = 2 * kBQ8 * 4;
-  static constexpr int kOffRed = kOffVec + kStages * kVecBytes;    /* [2][8] maxima, [2][64] sums */
-  static constexpr int kOffBar = kOffRed + (2 * 8 + 2 * kBQ8) * 4; /* full[S], empty[S], kfull */
+  /* per consumer and step parity: 4 warp maxima, then 64 row sums of dS (floats) */
+  static constexpr int kRedFloats = 2 * (4 + kBQ8);
+  static constexpr int kOffRed = kOffVec + kStages * kVecBytes;
+  static constexpr int kOffBar = kOffRed + 2 * kRedFloats * 4; /* full[S], empty[S], kfull */
   static constexpr int kBytes = kOffBar + (2 * kStages + 1) * 8;
   static constexpr int kSmem = kBytes + 1023;
   static constexpr int kProducerRegs = 24;
@@ -84,9 +88,7 @@ struct Int8BwdSm90Params {
 
 #if defined(FP4ATTN_SM90_WGMMA)
 
-constexpr int kBarMax = 1; /* named barrier A: the dS block's maxima are in shared memory */
-constexpr int kBarDs = 2;  /* named barrier B: the dS^ tile is complete */
-constexpr int kBarDq = 3;  /* named barrier C: the dQ tile of the step is complete */
+constexpr int kBarWg = 1; /* named barriers 1 and 2: the 4 warps of consumer 0 and 1 */
 
 template <int kStages>
 struct BwdBars {
@@ -125,8 +127,7 @@ struct BwdWalk {
 template <int DP, bool kBf16>
 struct Int8BwdSm90 {
   using C = BwdSm90Config<DP>;
-  static constexpr int kQkRow = DP;      /* bytes per Q^ / K^ row: their swizzle width */
-  static constexpr int kDqCols = DP / 2; /* dQ columns per consumer */
+  static constexpr int kQkRow = DP; /* bytes per Q^ / K^ row: their swizzle width */
 
   static __device__ void producer(const Int8BwdSm90Params &prm, char *sm) {
     const Int8Args &a = prm.a;
@@ -175,22 +176,25 @@ struct Int8BwdSm90 {
     const Int8Workspace &w = a.ws;
     const BwdWalk walk(p, w);
     const BwdBars<C::kStages> bar{smem_u32(sm + C::kOffBar)};
-    const int ctid = threadIdx.x - 128, cwg = ctid >> 7, cwarp = ctid >> 5, lane = ctid & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int krow0 = cwg * kWgKeys + (cwarp & 3) * 16; /* this warp's 16 keys in the block */
+    const int ctid = threadIdx.x - 128, cwg = ctid >> 7, wtid = ctid & 127, wwarp = wtid >> 5;
+    const int lane = ctid & 31, g = lane >> 2, t = lane & 3;
+    const int krow0 = cwg * kWgKeys + wwarp * 16; /* this warp's 16 keys in the block */
     const int64_t j0 = walk.j * kBK8;
-    float *red = reinterpret_cast<float *>(sm + C::kOffRed); /* [2][8] warp maxima */
-    float *rowsum = red + 16;                                /* [2][64] rowsum(dS) */
-
-    /* descriptors of the resident tiles: this warpgroup's 64 keys of K^ and V, its half of K^T */
-    const uint64_t k_desc = kmajor_desc<kQkRow>(smem_u32(sm + C::kOffK) + cwg * kWgKeys * DP);
-    const uint32_t v_lo = sw128_desc_lo(smem_u32(sm + C::kOffV) + cwg * kWgKeys * 128);
-    const uint64_t kt_desc = kmajor_desc<kBK8>(smem_u32(sm + C::kOffKt) + cwg * kDqCols * kBK8);
-    const uint64_t ds_desc = kmajor_desc<kBK8>(smem_u32(sm + C::kOffDs));
+    const auto wg_sync = [&]() { named_sync(kBarWg + cwg, kWgThreads); };
+    float *red = reinterpret_cast<float *>(sm + C::kOffRed) + cwg * C::kRedFloats;
+    float *rowsum = red + 2 * 4; /* [2][64] */
+    float *dq_tile = reinterpret_cast<float *>(sm + C::kOffDq + cwg * C::kDqBytes);
     char *ds_tile = sm + C::kOffDs;
 
-    if (ctid < 2 * kBQ8) rowsum[ctid] = 0.0f;
-    named_sync(kBarMax, kConsumerThreads);
+    /* descriptors of the resident tiles: this consumer's 64 keys of K^ and V; K^T and its half
+     * of the dS^ tile start 64 bytes (this consumer's keys) into their rows */
+    const uint64_t k_desc = kmajor_desc<kQkRow>(smem_u32(sm + C::kOffK) + cwg * kWgKeys * DP);
+    const uint32_t v_lo = sw128_desc_lo(smem_u32(sm + C::kOffV) + cwg * kWgKeys * 128);
+    const uint64_t kt_desc = kmajor_desc<kBK8>(smem_u32(sm + C::kOffKt) + cwg * kWgKeys);
+    const uint64_t ds_desc = kmajor_desc<kBK8>(smem_u32(sm + C::kOffDs) + cwg * kWgKeys);
+
+    if (wtid < 2 * kBQ8) rowsum[wtid] = 0.0f;
+    wg_sync();
 
     const float sk = w.sk[walk.bhk * w.nkb + walk.j];
     float dv[DP / 8][4], dk[DP / 8][4];
@@ -217,7 +221,7 @@ struct Int8BwdSm90 {
       const float sq = w.sq[bh * w.nqb + i];
       mbar_wait(bar.full(s), (it / C::kStages) & 1);
 
-      /* S^T = K^ Q^T and dP^T = V dO^T (this warpgroup's 64 keys x the block's 64 rows) */
+      /* S^T = K^ Q^T and dP^T = V dO^T (this consumer's 64 keys x the block's 64 rows) */
       int sacc[8][4];
       float dp[8][4];
       wgmma_fence();
@@ -308,16 +312,15 @@ struct Int8BwdSm90 {
         }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-
-      if (lane == 0) red[par * 8 + cwarp] = amax;
-      named_sync(kBarMax, kConsumerThreads);
-      amax = 0.0f;
-#pragma unroll
-      for (int x = 0; x < 8; ++x) amax = fmaxf(amax, red[par * 8 + x]);
-      if (ctid < kBQ8) { /* the block's rowsum(dS) is complete: one atomic per row */
-        const float v = rs[ctid];
-        if (i0 + ctid < p.len_q && v != 0.0f) atomicAdd(&w.ds_rowsum[bh * p.len_q + i0 + ctid], v);
-        rs[ctid] = 0.0f; /* reused two steps on, after barrier A of the next step */
+      if (lane == 0) red[par * 4 + wwarp] = amax;
+      if (wtid == 0) bulk_wait_read<0>(); /* the last step's dQ tile has been read */
+      wg_sync(); /* A: the maxima and row sums of this consumer's 64 keys */
+      amax =
+          fmaxf(fmaxf(red[par * 4], red[par * 4 + 1]), fmaxf(red[par * 4 + 2], red[par * 4 + 3]));
+      if (wtid < kBQ8) { /* one atomic per row and consumer */
+        const float v = rs[wtid];
+        if (i0 + wtid < p.len_q && v != 0.0f) atomicAdd(&w.ds_rowsum[bh * p.len_q + i0 + wtid], v);
+        rs[wtid] = 0.0f; /* reused two steps on, after barrier A of the next step */
       }
       float rds, sds;
       psi_factors(amax, rds, sds);
@@ -334,7 +337,7 @@ struct Int8BwdSm90 {
         pack_a_from_words(da[0], dc, 0);
         pack_a_from_words(da[1], dc, 1);
       }
-      fence_proxy_async(); /* the dS^ bytes, for the dQ wgmma of both consumers */
+      fence_proxy_async(); /* the dS^ bytes, for this consumer's dQ wgmma */
 
       /* dV += (sP sdO) P^T dO^ */
       int big[DP / 8][4];
@@ -347,7 +350,6 @@ struct Int8BwdSm90 {
           wgmma_rs_m64n64k32_i8<false>(big, pa[kb], dot_desc + 2 * kb, kb > 0);
       }
       wgmma_commit();
-
       wgmma_wait<0>();
       fence_regs(big);
 #pragma unroll
@@ -357,76 +359,53 @@ struct Int8BwdSm90 {
           const int col = n * 8 + 2 * t + (e & 1);
           dv[n][e] += (sp[e >> 1] * sdo[col]) * exact_float(big[n][e]);
         }
-      if (ctid == 0) bulk_wait_read<0>(); /* the last step's dQ tile has been read */
-      named_sync(kBarDs, kConsumerThreads);
+      wg_sync(); /* B: this consumer's dS^ keys are in the tile */
 
-      /* dK += (scale sdS sQ) dS^T Q^ in wgmmas of N = 64 columns (registers), and
-       * dQ_i += (scale sdS sK) dS^ K^ on this consumer's half of dQ's columns, FP32 atomics */
-      const float fk = (p.scale * sds) * sq;
-      int kacc[8][4];
-      int dq[kDqCols / 8][4];
-      const auto issue_dk = [&](int half) {
+      /* per 64 columns c: dK += (scale sdS sQ) dS^T Q^ and dQ_i += (scale sdS sK) dS^ K^ over this
+       * consumer's keys, the latter into its dQ tile */
+      const float fk = (p.scale * sds) * sq, fq = (p.scale * sds) * sk;
+      int acc[8][4]; /* dK's, then dQ's products of the 64 columns */
+#pragma unroll
+      for (int c = 0; c < DP / 64; ++c) {
+        wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < 2; ++kb)
-          wgmma_rs_m64n64k32_i8<false>(kacc, da[kb], qt_desc + half * (64 * kBQ8 >> 4) + 2 * kb,
+          wgmma_rs_m64n64k32_i8<false>(acc, da[kb], qt_desc + c * (64 * kBQ8 >> 4) + 2 * kb,
                                        kb > 0);
         wgmma_commit();
-      };
-      const auto fold_dk = [&](int half) {
-        fence_regs(kacc);
+        wgmma_wait<0>();
+        fence_regs(acc);
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) dk[8 * half + n][e] += fk * exact_float(kacc[n][e]);
-      };
-      wgmma_fence();
-      issue_dk(0);
-#pragma unroll
-      for (int kk = 0; kk < kBK8 / 32; ++kk) {
-        if constexpr (kDqCols == 64)
-          wgmma_ss_m64n64k32_s8(dq, ds_desc + 2 * kk, kt_desc + 2 * kk, kk > 0);
-        else
-          wgmma_ss_m64n32k32_s8(dq, ds_desc + 2 * kk, kt_desc + 2 * kk, kk > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<1>();
-      fold_dk(0);
-      if constexpr (DP == 128) {
+          for (int e = 0; e < 4; ++e) dk[8 * c + n][e] += fk * exact_float(acc[n][e]);
         wgmma_fence();
-        issue_dk(1);
-        wgmma_wait<1>();
-      } else {
-        wgmma_wait<0>();
-      }
-      fence_regs(dq);
-      {
-        /* the tile's previous reduction has read it: ctid 0 waited before barrier B */
-        const float fq = (p.scale * sds) * sk;
-        const int r0 = (cwarp & 3) * 16, c0 = cwg * kDqCols;
-        float *dq_tile = reinterpret_cast<float *>(sm + C::kOffDq);
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int n = 0; n < kDqCols / 8; ++n)
-            *reinterpret_cast<float2 *>(dq_tile + (r0 + g + 8 * r) * DP + c0 + n * 8 + 2 * t) =
-                make_float2(fq * exact_float(dq[n][2 * r]), fq * exact_float(dq[n][2 * r + 1]));
-        fence_proxy_async();
-        named_sync(kBarDq, kConsumerThreads);
-        if (ctid == 0) {
-          const int64_t rows = min((int64_t)kBQ8, p.len_q - i0);
-          bulk_reduce_add_f32(w.dq_acc + (bh * p.len_q + i0) * DP, smem_u32(dq_tile),
-                              (uint32_t)(rows * DP * 4));
-          bulk_commit();
-        }
-      }
-      if constexpr (DP == 128) {
+        for (int kk = 0; kk < 2; ++kk)
+          wgmma_ss_m64n64k32_s8(acc, ds_desc + 2 * kk, kt_desc + c * (64 * kBK8 >> 4) + 2 * kk,
+                                kk > 0);
+        wgmma_commit();
         wgmma_wait<0>();
-        fold_dk(1);
+        fence_regs(acc);
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            *reinterpret_cast<float2 *>(dq_tile + (wwarp * 16 + g + 8 * r) * DP + 64 * c + n * 8 +
+                                        2 * t) =
+                make_float2(fq * exact_float(acc[n][2 * r]), fq * exact_float(acc[n][2 * r + 1]));
       }
       mbar_arrive(bar.empty(s)); /* every consumer thread: the stage's last reads are done */
+      fence_proxy_async();       /* the dQ tile, for the bulk reduction */
+      wg_sync();                 /* C: this consumer's dQ tile is complete */
+      if (wtid == 0) {
+        const int64_t rows = min((int64_t)kBQ8, p.len_q - i0);
+        bulk_reduce_add_f32(w.dq_acc + (bh * p.len_q + i0) * DP, smem_u32(dq_tile),
+                            (uint32_t)(rows * DP * 4));
+        bulk_commit();
+      }
     }
-
-    if (ctid == 0) bulk_wait<0>(); /* the last dQ reduction, before the block's memory goes */
+    if (wtid == 0) bulk_wait<0>(); /* the last dQ reduction, before the block's memory goes */
 
     /* dK and dV of this warp's 16 keys (contiguous outputs), in the input dtype */
     const bool pair_ok = p.head_dim % 2 == 0;
