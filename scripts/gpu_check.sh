@@ -31,6 +31,8 @@ echo "== E2M1 rounding of P on the device (every float)"
 bash scripts/check_fast_rounding.sh --device || status=1
 echo "== the KV-cache decode's E2M1 decoder on the device"
 bash scripts/check_e2m1_pairs.sh --device || status=1
+echo "== the KV-cache decode's K5 key decoder on the device"
+bash scripts/check_k5_pairs.sh --device || status=1
 run_tests() {  # $1: marker expression, $2: log name
   local t0=$(date +%s)
   "$PY" -m pytest tests/ -m "$1" -q -rfE -p no:cacheprovider > "$LOG/$2" 2>&1 || status=1

@@ -203,7 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-variants", default="", help="variants also run with every --first")
     ap.add_argument("--csv", default=str(DEFAULT_CSV), help='"" writes nothing')
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--implementation", action="store_true",
+                    help="instead of the emulation: the cache as implemented (FP4KVCache and "
+                         "fp4attn.decode, report.perplexity's fp4cache mode), perplexity and KL, "
+                         "and greedy agreement (report.generation_agreement, --gen-prompts)")
+    ap.add_argument("--gen-prompts", type=int, default=10)
+    ap.add_argument("--gen-tokens", type=int, default=64)
     args = ap.parse_args(argv)
+    if args.implementation:
+        return implementation(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     variants = [v for v in args.variants.split(",") if v]
@@ -235,6 +243,28 @@ def main(argv: list[str] | None = None) -> int:
             if new:
                 w.writeheader()
             w.writerows(rows)
+    return 0
+
+
+def implementation(args) -> int:
+    """The implemented cache (C backend on the CPU) through the report's own modes."""
+    from . import models as M
+
+    for name in args.models.split(","):
+        model, tok, title, bos = IG.load_model(name)
+        ids = IG.text_ids(tok, "prideprejudice", bos)[: args.tokens]
+        res = RP.perplexity(model, ids, window=args.window, modes=["exact", "fp4cache"],
+                            backend="fp4attn", bos_id=bos)
+        r = res["fp4cache"]
+        print(f"{title}: FP4KVCache as implemented, {r['tokens']} tokens: ppl {r['ppl']:.3f} "
+              f"({100 * r['rel_change']:+.2f}%), KL {r['kl']:.5f} (exact {res['exact']['ppl']:.3f})",
+              flush=True)
+        if args.gen_prompts > 0:
+            paras = [p for p in M.austen_paragraphs("prideprejudice") if len(p) > 400][: args.gen_prompts]
+            prompts = [tok.decode(tok(p).input_ids[:64]) for p in paras]
+            gen = RP.generation_agreement(model, tok, prompts, new_tokens=args.gen_tokens)
+            for mode, g in gen.items():
+                print(f"{title}: greedy, {mode}: {g}", flush=True)
     return 0
 
 
