@@ -1,4 +1,5 @@
-"""fp4attn.calibrate (this module: fp4attn.calibration): the cheapest per-layer precision policy that keeps a model within budget.
+"""fp4attn.calibrate (this module: fp4attn.calibration): the cheapest per-layer precision policy
+that keeps a model within an accuracy budget.
 
     policy = fp4attn.calibrate(model, batches, budget=0.01, device_kind="blackwell")
 
@@ -303,7 +304,8 @@ def calibrate(model, batches, budget: float = 0.01, device_kind="blackwell", *,
     ``meta["calibration"]`` holds the measurements, the order and the probed points.
     """
     t0 = time.perf_counter()
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget < math.inf:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or \
+            not 0 <= budget < math.inf:
         raise ValueError(f"budget must be a finite number >= 0, got {budget!r}")
     costs = cost_table(device_kind)
     cands = candidates(costs)
@@ -381,7 +383,9 @@ def calibrate(model, batches, budget: float = 0.01, device_kind="blackwell", *,
 
     # 3. sensitivity of the model to each site's precision
     probe = [p for p in cands if p != "bf16"]
-    if sensitivity == "attention":  # the captured attention error, 1 - cos (free)
+    if not probe:  # bf16 alone: nothing to order
+        sens = {s: {p: 0.0 for p in cands} for s in range(n_sites)}
+    elif sensitivity == "attention":  # the captured attention error, 1 - cos (free)
         sens = {s: {p: (1.0 - min(m["cos"] for m in err[s][p]) if p in probe else 0.0)
                     for p in cands} for s in range(n_sites)}
     else:  # the model metric with one site in the cheapest candidate, exact elsewhere
@@ -445,7 +449,8 @@ def calibrate(model, batches, budget: float = 0.01, device_kind="blackwell", *,
         for p in probe:
             row[f"sens_{p}"] = sens[s][p]
         layers.append(row)
-    cal = {"metric": metric_kind, "budget": budget, "sensitivity": sensitivity, "exact": exact, "tokens": tokens,
+    cal = {"metric": metric_kind, "budget": budget, "sensitivity": sensitivity, "exact": exact,
+           "tokens": tokens,
            "batches": len(batches), "measured": probes[hi]["value"], "loss": probes[hi]["loss"],
            "kl": probes[hi].get("kl"), "kl_loss": probes[hi].get("kl_loss"),
            "fp4_share": probes[hi]["fp4_share"],

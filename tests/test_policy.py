@@ -277,6 +277,9 @@ def test_calibrate_budget_and_device_kinds(capsys):
     custom = fp4attn.calibrate(model, batches, budget=0.0,
                                device_kind={"int8": 1.0, "bf16": 3.0}, verbose=False)
     assert "4" not in custom.code() and custom.meta["calibration"]["loss"] <= 0.0
+    exact_only = fp4attn.calibrate(model, batches, budget=0.0, device_kind={"bf16": 1.0},
+                                   sensitivity="model", verbose=False)
+    assert exact_only.code() == "bb"
     with pytest.raises(ValueError, match="cannot be met"):
         fp4attn.calibrate(model, [torch.randint(0, 128, (1, 40))], budget=0.0,
                           device_kind={"fp4": 1.0}, verbose=False)
@@ -289,7 +292,8 @@ def test_calibrate_sensitivity_model():
     rows = p.meta["calibration"]["layers"]
     assert all(r["sens_fp4"] > r["sens_int8"] >= 0 for r in rows)  # KL per token
     for r in rows:  # int8: the FP4 KL scaled by the attention errors
-        assert math.isclose(r["sens_int8"] / r["sens_fp4"], (1 - r["cos_int8"]) / (1 - r["cos_fp4"]))
+        ratio = (1 - r["cos_int8"]) / (1 - r["cos_fp4"])
+        assert math.isclose(r["sens_int8"] / r["sens_fp4"], ratio)
 
 
 def test_calibrate_encoder_embedding_cos():

@@ -12,8 +12,8 @@ Per causal LM (SmolLM2-135M, Gemma 3 270M; ``int8_granularity.load_model``):
    the attention FLOPs in FP4 (the FLOPs per layer are the calibration's);
 3. transfer: the same on Python source (``models.python_source_text``: standard library
    modules), a text of another kind than the one calibrated on;
-4. greedy generation from ``--gen-prompts`` paragraphs of ``--book`` (first 64 tokens), ``--gen-tokens``
-   new tokens: tokens until the first divergence from exact attention;
+4. greedy generation from ``--gen-prompts`` paragraphs of ``--book`` (first 64 tokens),
+   ``--gen-tokens`` new tokens: tokens until the first divergence from exact attention;
 5. the curve: perplexity on ``--book`` along the calibration's order (``calibration.ladder``: all
    FP4, then layer by layer to INT8, then to BF16), at ``--curve-points`` assignments and the
    calibrated one; plotted against the FP4 share.
@@ -292,7 +292,8 @@ def write_outputs(results: list[dict], args) -> str:
         w = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         for r in results:
-            w.writerows({"model": r["name"], **x} for x in r["policy"].meta["calibration"]["layers"])
+            layers = r["policy"].meta["calibration"]["layers"]
+            w.writerows({"model": r["name"], **x} for x in layers)
     text = markdown(results, args)
     png = plot_curves(results, out / f"policy_curve{args.tag}.png")
     if png:

@@ -737,7 +737,8 @@ def fp4_share(mode: str, policy) -> float | None:
     if mode.startswith("policy:") and policy is not None:
         from ..policy import Policy
 
-        return Policy.from_code(mode.split(":", 1)[1]).fp4_share(policy.meta["calibration"]["flops"])
+        flops = policy.meta["calibration"]["flops"]
+        return Policy.from_code(mode.split(":", 1)[1]).fp4_share(flops)
     if mode.startswith("fallback:") and policy is not None:
         flops = policy.meta["calibration"]["flops"]
         keep = {int(x) for x in mode.split(":", 1)[1].split(",") if x}
