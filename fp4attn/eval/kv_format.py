@@ -9,7 +9,8 @@ pass gives what token-by-token decoding gives). Attention itself is exact (float
 per row (SPEC 2 with the row as its slice) in every variant; the key formats:
 
 * ``nvfp4``: SPEC 6 before issue 34: NVFP4 rows of ``K - kmean``, kmean over the first append;
-* ``fp8``: E4M3 per row with an FP32 row scale (a bound, 2.46x);
+* ``fp8``: E4M3 per row with an FP32 row scale (a bound, 2.46x); ``exact K``: keys unquantized
+  (V's share of the error);
 * ``int5``: 5-bit integer codes -15..15 of the row (optionally Hadamard-rotated over the head
   dim: ``rot``), one E4M3 scale per 64 values chosen among the 7 codes nearest to amax / 15 by
   the smallest squared error (``search``; ``nosearch``: amax / 15 rounded), a power-of-two row
@@ -115,6 +116,7 @@ def fp8_rows(x: torch.Tensor) -> torch.Tensor:
 
 #: variant name -> (key format, keyword arguments, mean, sink)
 VARIANTS = {
+    "exact K": ("exact", {}, False, False),  # V's share of the error alone
     "nvfp4 mean": ("nvfp4", {}, True, False),
     "nvfp4 mean sink": ("nvfp4", {}, True, True),
     "fp8 mean": ("fp8", {}, True, False),
@@ -133,7 +135,8 @@ def quantized_kv(k: torch.Tensor, v: torch.Tensor, variant: str, first: int):
     k32 = k.float()
     kmean = k32[:, :, :first].mean(dim=2, keepdim=True) if mean else torch.zeros_like(k32[:, :, :1])
     x = k32 - kmean
-    kq = {"nvfp4": nvfp4_rows, "fp8": fp8_rows}.get(fmt, lambda t: int5_rows(t, **kw))(x) + kmean
+    kq = {"nvfp4": nvfp4_rows, "fp8": fp8_rows, "exact": lambda t: t}.get(
+        fmt, lambda t: int5_rows(t, **kw))(x) + kmean
     if sink:
         kq[:, :, 0] = k32[:, :, 0]
     return kq, nvfp4_rows(v)
