@@ -473,3 +473,14 @@ def test_cuda_cache_does_not_depend_on_how_the_first_tokens_were_appended():
             rows = [t.cpu() for t in stored_rows(c, N)]
             want = rows if want is None else want
             assert all(torch.equal(a, b) for a, b in zip(rows, want))
+
+
+def test_the_format_study_emulates_the_implemented_keys():
+    """fp4attn.eval.kv_format's K5 emulation (the study that chose the format: float matmul
+    rotation, its own scale search) gives the reference's dequantized keys."""
+    from fp4attn.eval import kv_format
+
+    x = torch.randn(2, 3, 40, 128, generator=torch.Generator().manual_seed(8)) * 2
+    want = reference.k5_dequantize(*reference.k5_quantize(x), 128)
+    got = kv_format.int5_rows(x, rot=True, search=reference.K5_SEARCH)
+    assert (got - want).abs().max() <= 1e-6 * x.abs().max()
