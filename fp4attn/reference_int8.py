@@ -75,8 +75,9 @@ def channel_migration(q32: Tensor, k32: Tensor, kbar: Tensor, G: int, alpha: flo
 
     ``pow2``: the power of two nearest to s_c in log scale, so that ``Q_c * s_c`` and
     ``Ks_c / s_c`` are exact in floating point: for alpha = 0.5, ``s_c = 2^ceil(E / 2)`` with
-    ``E = floor(log2(ka_c / qa_c))`` the FP32 exponent of the quotient (ties, ``ka / qa`` an odd
-    power of two, go up); else ``2^floor(log2(s_c) + 1/2)`` in float64.
+    ``E = floor(log2(ka_c / qa_c))`` the exponent of the FP32 quotient (ties, ``ka / qa`` an odd
+    power of two, go up; a quotient outside FP32's normal range gives s_c = 1); else
+    ``2^floor(log2(s_c) + 1/2)`` in float64.
 
     ``s_c = 1`` where qa_c or ka_c is 0 or not finite, or s_c is not a finite positive number."""
     B, Hq, _, D = q32.shape
@@ -93,6 +94,8 @@ def channel_migration(q32: Tensor, k32: Tensor, kbar: Tensor, G: int, alpha: flo
         if pow2:
             e = torch.frexp(r).exponent - 1  # r = m 2^e, m in [1, 2)
             s = torch.ldexp(one, torch.div(e + 1, 2, rounding_mode="floor"))  # 2^ceil(e / 2)
+            # a quotient that over- or underflowed FP32's normal range keeps s = 1
+            ok = ok & (r >= torch.finfo(torch.float32).tiny) & (r < math.inf)
         else:
             s = torch.sqrt(r)
     else:

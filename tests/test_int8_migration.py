@@ -91,6 +91,13 @@ def test_migration_factors_are_as_documented():
     s2 = _s(q2, k2)
     assert torch.all(s2[..., 5] == 1.0) and torch.all(s2[0, 1, :, 6] == 1.0)
     assert torch.isfinite(s2).all()
+    q2[:, :, :, 7] = 1e-40  # ka / qa overflows FP32: power-of-two s = 1, exact s = inf -> 1
+    q2[:, :, :, 8] = 1e38  # ka / qa is subnormal: power-of-two s = 1
+    k2[:, :, :, 8] *= 1e-3
+    for pow2 in (False, True):
+        s2 = _s(q2, k2, pow2=pow2)
+        assert torch.all(s2[..., 7] == 1.0) and torch.isfinite(s2).all() and (s2 > 0).all()
+    assert torch.all(_s(q2, k2, pow2=True)[..., 8] == 1.0)
 
 
 def test_migration_is_exact_without_quantization():
