@@ -125,6 +125,7 @@ VARIANTS = {
     "int5 rot mean sink": ("int5", {"rot": True, "search": 3}, True, True),
     "int5 rot mean sink l1": ("int5", {"rot": True, "search": 3, "crit": "l1"}, True, True),
     "int5 rot mean": ("int5", {"rot": True, "search": 3}, True, False),
+    "int5 rot mean b32": ("int5", {"rot": True, "search": 3, "block": 32}, True, False),
     "int5 rot nomean sink": ("int5", {"rot": True, "search": 3}, False, True),
     "int5 rot nomean": ("int5", {"rot": True, "search": 3}, False, False),
 }
