@@ -17,8 +17,8 @@
  *       its half of the dS^ tile in shared memory; the scaled FP32 products go through the
  *       consumer's own dQ tile into one bulk reduction (add) into the workspace
  *   dS^ has one scale per 64 rows x 64 keys (SPEC_INT8 3), so the consumers never wait for each
- *   other: only their own 4 warps meet (named barrier 1 + warpgroup), and the one consumer's
- *   matrix work overlaps the other's softmax and folds. They share only the stage ring.
+ *   other: only their own 4 warps meet (named barrier 1 + warpgroup), and they share only the
+ *   stage ring (measured: no faster than in lockstep; docs/performance.md says what bounds it).
  * dK and dV stay in FP32 registers for the whole walk (the per-step scales keep the int32 products
  * from accumulating across query blocks) and are stored once, in the input dtype.
  * Operand layouts (wgmma.cuh): 8-bit tiles K-major, swizzled over their row width (Q^, K^: DP
