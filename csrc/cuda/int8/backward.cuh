@@ -130,17 +130,7 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
       for (int e = 0; e < 4; ++e) {
         const int col = n * 8 + 2 * t + (e & 1);
         const int64_t key = j0 + krow0 + g + 8 * (e >> 1), row = i0 + col;
-        float s = (float)acc[n][e] * f;
-        bool visible = key < p.len_k && row < p.len_q && (!p.causal || key <= row);
-        if (visible && p.mask_kind != FP4ATTN_MASK_NONE) {
-          const int64_t off = b * p.mask_stride[0] + h * p.mask_stride[1] + row * p.mask_stride[2] +
-                              key * p.mask_stride[3];
-          if (p.mask_kind == FP4ATTN_MASK_BOOL)
-            visible = static_cast<const uint8_t *>(p.mask)[off] != 0;
-          else
-            s += load_as_float(p.mask, p.mask_dtype, off) * kLog2e;
-        }
-        pm[n][e] = visible ? exp2f(s - lse2[col]) : 0.0f;
+        pm[n][e] = exp2f(masked_score(p, b, h, row, key, (float)acc[n][e] * f) - lse2[col]);
       }
 
     /* dV += P^T dO: P^ per key over the 64 rows, dO^ per channel */
@@ -297,26 +287,8 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
     }
   }
 
-  /* dK and dV of this block's keys (contiguous outputs), in the input dtype */
-  const bool pair_ok = p.head_dim % 2 == 0;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t key = j0 + krow0 + g + 8 * r;
-    if (key >= p.len_k) continue;
-    const int64_t base = (bhk * p.len_k + key) * p.head_dim;
-#pragma unroll
-    for (int n = 0; n < DO / 8; ++n) {
-      const int col = d0 + n * 8 + 2 * t;
-      if (col >= p.head_dim) continue;
-      if (col + 1 < p.head_dim) {
-        store2_from_float(a.dk, p.dtype, base + col, dk[n][2 * r], dk[n][2 * r + 1], pair_ok);
-        store2_from_float(a.dv, p.dtype, base + col, dv[n][2 * r], dv[n][2 * r + 1], pair_ok);
-      } else {
-        store_from_float(a.dk, p.dtype, base + col, dk[n][2 * r]);
-        store_from_float(a.dv, p.dtype, base + col, dv[n][2 * r]);
-      }
-    }
-  }
+  /* dK and dV of this warp's keys, in the input dtype */
+  store_dk_dv_rows(a, bhk, j0 + krow0, d0, dk, dv);
 }
 
 /* Head dim DP: dK/dV/dQ columns per block (DO) and query-tile buffers; the kernel for the

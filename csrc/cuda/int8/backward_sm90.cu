@@ -250,21 +250,10 @@ struct Int8BwdSm90 {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = n * 8 + 2 * t + (e & 1);
-          float s_ = exact_float(sacc[n][e]) * f;
-          bool visible = true;
-          if (masked) {
-            const int64_t key = j0 + krow0 + g + 8 * (e >> 1), row = i0 + col;
-            visible = key < p.len_k && row < p.len_q && (!p.causal || key <= row);
-            if (visible && p.mask_kind != FP4ATTN_MASK_NONE) {
-              const int64_t off = walk.b * p.mask_stride[0] + h * p.mask_stride[1] +
-                                  row * p.mask_stride[2] + key * p.mask_stride[3];
-              if (p.mask_kind == FP4ATTN_MASK_BOOL)
-                visible = static_cast<const uint8_t *>(p.mask)[off] != 0;
-              else
-                s_ += load_as_float(p.mask, p.mask_dtype, off) * kLog2e;
-            }
-          }
-          pm[n][e] = visible ? fast_exp2(s_ - lse2[col]) : 0.0f;
+          const float s_ = exact_float(sacc[n][e]) * f;
+          const int64_t key = j0 + krow0 + g + 8 * (e >> 1), row = i0 + col;
+          pm[n][e] =
+              fast_exp2((masked ? masked_score(p, walk.b, h, row, key, s_) : s_) - lse2[col]);
         }
 
       /* P^: psi per key over the 64 rows, packed as the A fragments of dV's two k32 steps */
@@ -407,26 +396,8 @@ struct Int8BwdSm90 {
     }
     if (wtid == 0) bulk_wait<0>(); /* the last dQ reduction, before the block's memory goes */
 
-    /* dK and dV of this warp's 16 keys (contiguous outputs), in the input dtype */
-    const bool pair_ok = p.head_dim % 2 == 0;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t key = j0 + krow0 + g + 8 * r;
-      if (key >= p.len_k) continue;
-      const int64_t base = (walk.bhk * p.len_k + key) * p.head_dim;
-#pragma unroll
-      for (int n = 0; n < DP / 8; ++n) {
-        const int col = n * 8 + 2 * t;
-        if (col >= p.head_dim) continue;
-        if (col + 1 < p.head_dim) {
-          store2_from_float(a.dk, p.dtype, base + col, dk[n][2 * r], dk[n][2 * r + 1], pair_ok);
-          store2_from_float(a.dv, p.dtype, base + col, dv[n][2 * r], dv[n][2 * r + 1], pair_ok);
-        } else {
-          store_from_float(a.dk, p.dtype, base + col, dk[n][2 * r]);
-          store_from_float(a.dv, p.dtype, base + col, dv[n][2 * r]);
-        }
-      }
-    }
+    /* dK and dV of this warp's 16 keys, in the input dtype */
+    store_dk_dv_rows(a, walk.bhk, j0 + krow0, 0, dk, dv);
   }
 
   static __device__ void run(const Int8BwdSm90Params &prm, char *smem) {

@@ -223,6 +223,50 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+/* The backward's score s (log2 units) of (row, key) of head (b, h) with the masks applied: plus
+ * the additive mask, or -inf where the key is hidden (past len_k or len_q, causal, a false boolean
+ * mask), so that exp2(score - lse2) is P, 0 where hidden (SPEC_INT8 3). */
+__device__ __forceinline__ float masked_score(const fp4attn_attention_params &p, int64_t b,
+                                              int64_t h, int64_t row, int64_t key, float s) {
+  if (key >= p.len_k || row >= p.len_q || (p.causal && key > row)) return -INFINITY;
+  if (p.mask_kind == FP4ATTN_MASK_NONE) return s;
+  const int64_t off =
+      b * p.mask_stride[0] + h * p.mask_stride[1] + row * p.mask_stride[2] + key * p.mask_stride[3];
+  if (p.mask_kind == FP4ATTN_MASK_BOOL)
+    return static_cast<const uint8_t *>(p.mask)[off] != 0 ? s : -INFINITY;
+  return s + load_as_float(p.mask, p.mask_dtype, off) * kLog2e;
+}
+
+/* The backward's epilogue: dK and dV of one warp's 16 keys from key0 (accumulator layout, columns
+ * d0 + 8n + 2t) into the contiguous [B, Hkv, Nk, D] gradients of KV head bhk, in the input dtype;
+ * keys past len_k and columns past head_dim are not stored. */
+template <int N>
+__device__ __forceinline__ void store_dk_dv_rows(const Int8Args &a, int64_t bhk, int64_t key0,
+                                                 int d0, const float (&dk)[N][4],
+                                                 const float (&dv)[N][4]) {
+  const fp4attn_attention_params &p = a.p;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const bool pair_ok = p.head_dim % 2 == 0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = key0 + g + 8 * r;
+    if (key >= p.len_k) continue;
+    const int64_t base = (bhk * p.len_k + key) * p.head_dim;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const int col = d0 + n * 8 + 2 * t;
+      if (col >= p.head_dim) continue;
+      if (col + 1 < p.head_dim) {
+        store2_from_float(a.dk, p.dtype, base + col, dk[n][2 * r], dk[n][2 * r + 1], pair_ok);
+        store2_from_float(a.dv, p.dtype, base + col, dv[n][2 * r], dv[n][2 * r + 1], pair_ok);
+      } else {
+        store_from_float(a.dk, p.dtype, base + col, dk[n][2 * r]);
+        store_from_float(a.dv, p.dtype, base + col, dv[n][2 * r]);
+      }
+    }
+  }
+}
+
 /* The forward's epilogue for one warp's 16 query rows from rows.row0 (accumulator layout, see the
  * file comment): O / l in the input dtype and lse = m ln2 + log(l) + scale (q . kbar) (SPEC_INT8
  * 2.5); m in log2 units, l this thread's partial row sums (quad-reduced here). Rows past len_q
