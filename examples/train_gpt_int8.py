@@ -15,7 +15,11 @@ each seed gives both arms the same initial weights and batches), long enough seq
 parity: mean within 0.5 % of torch's, inside torch's seed range, and no later to the target. The
 plot shows each arm's mean validation curve with its seed range.
 
-    python examples/train_gpt_int8.py --seq 1024 --batch 8 --steps 6000 --seeds 0,1,2
+    python examples/train_gpt_int8.py --seq 1024 --batch 8 --steps 6000 --seeds 0,1,2 --jobs 6
+
+--jobs N trains N runs at once in separate processes on the same GPU (a small model leaves most of
+it idle); the losses do not depend on it, the tokens/s columns do (they are then shared-GPU rates:
+measure speed with --jobs 1).
 
 The corpus: --corpus FILE, else Jane Austen's six novels from the janeaustenr package
 (`bash scripts/install_models.sh`); `--write-corpus FILE` saves them as text for a machine
@@ -137,6 +141,21 @@ def train(kind, data, val, args, device, seed):
     return rows, tokens / max(t_train, 1e-9)
 
 
+def load_corpus(path: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The corpus as byte tokens, split 95 % train / 5 % validation."""
+    raw = open(path, "rb").read() if path else austen_bytes()
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+    split = int(0.95 * data.numel())
+    return data[:split], data[split:]
+
+
+def train_in_process(kind: str, seed: int, args: argparse.Namespace):
+    """One run in a worker process (--jobs): it loads the corpus itself."""
+    train_data, val = load_corpus(args.corpus)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return train(kind, train_data, val, args, device, seed)
+
+
 def _mean_std(xs: list[float]) -> tuple[float, float]:
     m = sum(xs) / len(xs)
     return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
@@ -184,31 +203,42 @@ def main() -> int:
                          "(default: 1.02 x the torch arm's mean final validation loss)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--val-batches", type=int, default=16)
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs trained at once, each in its own process on the same device")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
     if args.write_corpus:
         with open(args.write_corpus, "wb") as f:
             f.write(austen_bytes())
         return 0
-    raw = open(args.corpus, "rb").read() if args.corpus else austen_bytes()
-    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
-    split = int(0.95 * data.numel())
-    train_data, val = data[:split], data[split:]
+    train_data, val = load_corpus(args.corpus)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"corpus {len(raw) / 1e6:.2f} MB, {args.layers} layers x {args.dim} dims x {args.heads} heads, "
-          f"seq {args.seq}, batch {args.batch}, {args.steps} steps on {device}")
+    print(f"corpus {(train_data.numel() + val.numel()) / 1e6:.2f} MB, {args.layers} layers x "
+          f"{args.dim} dims x {args.heads} heads, seq {args.seq}, batch {args.batch}, {args.steps} "
+          f"steps on {device}, {args.jobs} run(s) at once")
     seeds = [int(x) for x in args.seeds.split(",")]
+    runs = [(kind, seed) for seed in seeds for kind in ("torch", "int8")]
+    if args.jobs == 1:
+        done = [train(kind, train_data, val, args, device, seed) for kind, seed in runs]
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(
+                args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = list(pool.map(train_in_process, *zip(*runs), [args] * len(runs)))
     results, speed = [], {"torch": [], "int8": []}
-    for seed in seeds:
-        for kind in ("torch", "int8"):
-            rows, tps = train(kind, train_data, val, args, device, seed)
-            results += rows
-            speed[kind].append(tps)
+    for (kind, _), (rows, tps) in zip(runs, done):
+        results += rows
+        speed[kind].append(tps)
     summary = summarise(results, seeds, args.target_loss)
     label = {"torch": "torch SDPA (bf16)" if device.type == "cuda" else "torch SDPA",
              "int8": "fp4attn int8"}
     print(f"\n{len(seeds)} seed(s); steps to val loss {summary['target']:.4f}\n")
-    print("| attention | final val loss, mean +- std (range) | steps to target, mean +- std | tokens/s |")
+    shared = f" ({args.jobs} runs at once)" if args.jobs > 1 else ""
+    print(f"| attention | final val loss, mean +- std (range) | steps to target, mean +- std | tokens/s{shared} |")
     print("|---|---|---|---|")
     for k in ("torch", "int8"):
         f, t = summary[k]["final"], summary[k]["reach"]
