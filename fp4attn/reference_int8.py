@@ -21,7 +21,8 @@ from torch import Tensor
 from .reference import (_as_float32, _check_qkv, _div_rn, _mask_bias, _mask_scores, _normalise,
                         _online_softmax_step)
 
-__all__ = ["BK", "BKS", "BQ", "PMAX", "QMAX", "attention_backward", "attention_forward", "psi"]
+__all__ = ["BK", "BKS", "BQ", "PMAX", "QMAX", "attention_backward", "attention_forward",
+           "channel_migration", "psi"]
 
 #: Query rows per INT8 block (one scale for Q^ per block; the backward's row blocks).
 BQ = 64
@@ -48,54 +49,60 @@ def psi(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     return codes, scale
 
 
-def _migrate_kw(migrate: float | None, migrate_pow2: bool) -> dict:
-    """The migration keywords for _Quantized, checked: {} for SPEC_INT8 (no migration)."""
+def _migrate_kw(migrate: float | None, migrate_pow2: bool | None) -> dict:
+    """The migration keywords for _Quantized, checked (``migrate=None``: no migration)."""
     if migrate is None:
-        if migrate_pow2:
-            raise ValueError("migrate_pow2=True needs migrate= (the exponent alpha, e.g. 0.5)")
-        return {}
+        if migrate_pow2 is not None:
+            raise ValueError("migrate_pow2 needs migrate= (the exponent alpha, e.g. 0.5); "
+                             "migrate=None turns the channel migration off")
+        return {"migrate": None}
     if not 0.0 <= float(migrate) <= 1.0:
         raise ValueError(f"migrate (alpha) must be in [0, 1], got {migrate}")
-    return {"migrate": float(migrate), "migrate_pow2": bool(migrate_pow2)}
+    return {"migrate": float(migrate), "migrate_pow2": True if migrate_pow2 is None
+            else bool(migrate_pow2)}
 
 
 def channel_migration(q32: Tensor, k32: Tensor, kbar: Tensor, G: int, alpha: float = 0.5,
-                      pow2: bool = False) -> Tensor:
-    """Per-channel Q<->K migration factors ``s`` [B, Hkv, 1, D], float32 (accuracy studies,
-    docs/accuracy.md "INT8 channel migration"; not SPEC_INT8). Per (batch, KV head) and channel c:
+                      pow2: bool = True) -> Tensor:
+    """Per-channel Q<->K migration factors ``s`` [B, Hkv, 1, D], float32: SPEC_INT8 2.1b with the
+    defaults (alpha 0.5, power of two); other alphas and the exact s are for accuracy studies
+    (docs/accuracy.md "INT8 channel migration"). Per (batch, KV head) and channel c:
 
-    ``ka_c = max over the Nk keys of |K_c - kbar_c|`` (the smoothed K; computed as
-    ``max(max_k K_c - kbar_c, kbar_c - min_k K_c)``, which is the same FP32 number since rounding
-    is monotonic: the kernel's prepare pass gets it from the channel's max and min in the pass
-    that sums kbar); ``qa_c = max |Q_c|`` over the Nq rows of the KV head's G query heads;
-    ``s_c = ka_c^alpha / qa_c^(1 - alpha)``: ``sqrt(ka_c / qa_c)`` for alpha = 0.5 (two correctly
-    rounded FP32 operations), else float64 pow rounded to FP32. ``Q'_c = Q_c * s_c`` and
-    ``Ks'_c = Ks_c / s_c`` then have the channel maxima ``qa^(1-alpha) ka^alpha`` and
-    ``qa^alpha ka^(1-alpha)`` (alpha = 0.5: both ``sqrt(qa ka)``), and ``Q' Ks'^T = Q Ks^T``.
+    ``ka_c = max(fl(kmax_c - kbar_c), fl(kbar_c - kmin_c))`` (NaN propagates), kmax / kmin the
+    column max / min of K over the Nk keys: the same FP32 number as ``max |K_c - kbar_c|`` over
+    the smoothed keys, since rounding is monotonic (the kernel's prepare pass gets it from the
+    channel's max and min in the pass that sums kbar); ``qa_c = max |Q_c|`` over the Nq rows of
+    the KV head's G query heads (NaN propagates). Both over the whole sequence, whatever the masks.
 
-    ``pow2``: the power of two nearest to s_c in log scale, so that ``Q_c * s_c`` and
-    ``Ks_c / s_c`` are exact in floating point: for alpha = 0.5, ``s_c = 2^ceil(E / 2)`` with
-    ``E = floor(log2(ka_c / qa_c))`` the exponent of the FP32 quotient (ties, ``ka / qa`` an odd
-    power of two, go up; a quotient outside FP32's normal range gives s_c = 1); else
-    ``2^floor(log2(s_c) + 1/2)`` in float64.
+    ``pow2`` (the spec), alpha 0.5: ``s_c = 2^ceil(E / 2)``, ``E`` the exponent of the FP32
+    quotient ``r = fl(ka_c / qa_c) = m 2^E``, m in [1, 2) (ties, r an odd power of two, go up),
+    so that ``Q_c * s_c`` and ``Ks_c / s_c`` are exact in floating point (unless a result is
+    subnormal, where both are correctly rounded); other alphas: ``2^floor(log2(s_c) + 1/2)``
+    of the exact s_c in float64. Not ``pow2``: ``s_c = ka_c^alpha / qa_c^(1 - alpha)``,
+    ``sqrt(ka_c / qa_c)`` for alpha = 0.5 (two correctly rounded FP32 operations), else float64
+    pow rounded to FP32. ``Q'_c = Q_c * s_c`` and ``Ks'_c = Ks_c / s_c`` then have the channel
+    maxima ``qa^(1-alpha) ka^alpha`` and ``qa^alpha ka^(1-alpha)`` (alpha = 0.5: both about
+    ``sqrt(qa ka)``), and ``Q' Ks'^T = Q Ks^T``.
 
-    ``s_c = 1`` where qa_c or ka_c is 0 or not finite, or s_c is not a finite positive number."""
+    ``s_c = 1`` unless qa_c and ka_c are normal finite FP32 numbers (>= 2^-126: zero, subnormal,
+    inf and NaN give 1) and, for alpha 0.5, so is r (a quotient that over- or underflows gives
+    1), and s_c is a finite positive number."""
     B, Hq, _, D = q32.shape
     Hkv = k32.shape[1]
     kmax = k32.amax(dim=2, keepdim=True)
     kmin = k32.amin(dim=2, keepdim=True)
     ka = torch.maximum(kmax - kbar, kbar - kmin)  # = max |K - kbar| per channel, [B, Hkv, 1, D]
     qa = q32.abs().amax(dim=2).reshape(B, Hkv, G, D).amax(dim=2)[:, :, None]  # [B, Hkv, 1, D]
-    ok = (qa > 0) & (ka > 0) & torch.isfinite(qa) & torch.isfinite(ka)
+    tiny = torch.finfo(torch.float32).tiny
+    ok = (qa >= tiny) & (ka >= tiny) & (qa < math.inf) & (ka < math.inf)  # NaN: False
     one = torch.ones_like(qa)
     qa, ka = torch.where(ok, qa, one), torch.where(ok, ka, one)
     if alpha == 0.5:
         r = _div_rn(ka, qa)
+        ok = ok & (r >= tiny) & (r < math.inf)
         if pow2:
             e = torch.frexp(r).exponent - 1  # r = m 2^e, m in [1, 2)
             s = torch.ldexp(one, torch.div(e + 1, 2, rounding_mode="floor"))  # 2^ceil(e / 2)
-            # a quotient that over- or underflowed FP32's normal range keeps s = 1
-            ok = ok & (r >= torch.finfo(torch.float32).tiny) & (r < math.inf)
         else:
             s = torch.sqrt(r)
     else:
@@ -123,16 +130,16 @@ def _mm64(a: Tensor, b: Tensor) -> Tensor:
 
 
 class _Quantized:
-    """The forward's operands (SPEC_INT8 2.1-2.2), shared with the backward, which recomputes them
-    bit-exactly from the same inputs."""
+    """The forward's operands (SPEC_INT8 2.1-2.2, the channel migration 2.1b by default), shared
+    with the backward, which recomputes them bit-exactly from the same inputs."""
 
     def __init__(self, q32: Tensor, k32: Tensor, v32: Tensor, G: int, q_block: int = BQ,
-                 k_block: int = BK, migrate: float | None = None, migrate_pow2: bool = False):
+                 k_block: int = BK, migrate: float | None = 0.5, migrate_pow2: bool = True):
         B, Hq, Nq, D = q32.shape
         Nk = k32.shape[2]
         self.kbar = k32.mean(dim=2, keepdim=True)  # [B, Hkv, 1, D]
         ks = k32 - self.kbar
-        self.mig = None  # channel migration factors s [B, Hkv, 1, D] (None: SPEC_INT8)
+        self.mig = None  # channel migration factors s [B, Hkv, 1, D] (None: migration off)
         if migrate is not None:
             self.mig = channel_migration(q32, k32, self.kbar, G, migrate, migrate_pow2)
             q32 = q32 * _per_q_head(self.mig, G)  # Q' = Q s, Ks' = Ks / s: Q' Ks'^T = Q Ks^T
@@ -198,8 +205,8 @@ def attention_forward(
     *,
     q_block: int = BQ,
     k_block: int = BK,
-    migrate: float | None = None,
-    migrate_pow2: bool = False,
+    migrate: float | None = 0.5,
+    migrate_pow2: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """SPEC_INT8 2: ``(out, lse)``, out float32 ``[B, Hq, Nq, D]``, lse float32 ``[B, Hq, Nq]``
     (natural log of the scaled scores, the smoothing shift ``scale * q . kbar`` added back).
@@ -211,12 +218,15 @@ def attention_forward(
     else (V per 128 keys and channel, 128-key softmax steps, per-row P) is unchanged. The
     backward keeps the spec's blocks.
 
-    ``migrate`` (accuracy studies, docs/accuracy.md "INT8 channel migration"): None (default,
-    the spec) or the exponent alpha of a Q<->K channel migration before quantizing, ``Q' = Q s``
-    and ``Ks' = (K - kbar) / s`` per channel with ``s`` from ``channel_migration`` (alpha = 0.5:
-    ``sqrt(max|Ks_c| / max|Q_c|)`` per (batch, KV head) over the sequence); ``migrate_pow2``
-    rounds s to a power of two. Exact in real arithmetic (``Q' Ks'^T = Q Ks^T``); only the INT8
-    codes and scales change. The lse shift uses the unmigrated Q and kbar."""
+    ``migrate``: the exponent alpha of SPEC_INT8 2.1b's Q<->K channel migration before
+    quantizing, ``Q' = Q s`` and ``Ks' = (K - kbar) / s`` per channel with ``s`` from
+    ``channel_migration`` (per (batch, KV head) over the sequence); ``migrate_pow2``: s a power
+    of two (None, the default: yes). The defaults, 0.5 and a power of two, are the spec. Other
+    values are for accuracy studies (docs/accuracy.md "INT8 channel migration"):
+    ``migrate_pow2=False`` takes the exact ``s`` (alpha 0.5: ``sqrt(ka_c / qa_c)``), and
+    ``migrate=None`` turns the migration off (SPEC_INT8 before the amendment; alpha 0 is not
+    off: it divides Q by its channel maxima). Exact in real arithmetic (``Q' Ks'^T = Q Ks^T``);
+    only the INT8 codes and scales change. The lse shift uses the unmigrated Q and kbar."""
     if q_block < 1 or k_block < 1:
         raise ValueError(f"q_block and k_block must be >= 1, got {q_block}, {k_block}")
     mig = _migrate_kw(migrate, migrate_pow2)
@@ -256,8 +266,8 @@ def attention_backward(
     scale: float | None = None,
     *,
     grad_lse: Tensor | None = None,
-    migrate: float | None = None,
-    migrate_pow2: bool = False,
+    migrate: float | None = 0.5,
+    migrate_pow2: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """SPEC_INT8 3: ``(dq, dk, dv)`` in float32 from the forward's ``out`` (as returned, in the
     input dtype) and ``lse`` (as ``attention_forward`` returns it). dK and dV of a KV head sum
@@ -266,8 +276,9 @@ def attention_backward(
 
     ``migrate`` / ``migrate_pow2`` as in ``attention_forward`` (pass the forward's): S is
     recomputed from the migrated codes, the INT8 products give the gradients of Q' and Ks', and
-    after all key blocks (FP32) ``dQ = dQ' * s`` and ``dK = dKs' / s`` per channel; the smoothing
-    correction of dQ uses the unmigrated kbar and is added after."""
+    after all key blocks (FP32, per channel) ``dQ = dQ' * s + scale * rowsum(dS) kbar`` (the
+    smoothing correction with the unmigrated kbar) and ``dK = (sum over the KV head's query
+    heads of dKs') / s``."""
     mig = _migrate_kw(migrate, migrate_pow2)
     G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
     B, Hq, Nq, D = q.shape
@@ -312,11 +323,12 @@ def attention_backward(
             dq += dqb.reshape(B, Hq, nqb * BQ, D)[:, :, :Nq]
             sdsq = (scale * sds) * _blocks(sq[..., None], BQ)[..., :1, :]
             dk[:, :, h0:h1] += (sdsq * _mm64(dsc.transpose(-1, -2), _blocks(ops.qc, BQ))).sum(dim=2)
-    if mig:  # gradients of Q' = Q s and Ks' = Ks / s back to Q and K
+    if mig["migrate"] is not None:  # the gradient of Q' = Q s back to Q
         dq = dq * _per_q_head(ops.mig, G)
-        dk = _div_rn(dk, _per_q_head(ops.mig, G))
     dq += scale * row_sum_ds[..., None] * _per_q_head(ops.kbar, G)  # the smoothing correction
     if G > 1:
         dk = dk.reshape(B, Hkv, G, Nk, D).sum(dim=2)
         dv = dv.reshape(B, Hkv, G, Nk, D).sum(dim=2)
+    if mig["migrate"] is not None:  # the gradient of Ks' = Ks / s back to K, after the group's sum
+        dk = _div_rn(dk, ops.mig)
     return dq, dk, dv

@@ -20,10 +20,11 @@ from fp4attn.reference import exact_attention, metrics
 
 class _SpecQuantized:
     """fp4attn.reference_int8._Quantized as it was before the granularity options (one scale per
-    64 query rows and per 128 keys, applied per block): the old results to reproduce."""
+    64 query rows and per 128 keys, applied per block) and the channel migration: the old results
+    to reproduce (with ``migrate=None``)."""
 
-    def __init__(self, q32, k32, v32, G, q_block=64, k_block=128):
-        assert (q_block, k_block) == (64, 128)
+    def __init__(self, q32, k32, v32, G, q_block=64, k_block=128, migrate=None, migrate_pow2=None):
+        assert (q_block, k_block, migrate) == (64, 128, None)
         B, Hq, Nq, D = q32.shape
         Nk = k32.shape[2]
         BQ, BK = 64, 128
@@ -63,7 +64,7 @@ def test_defaults_reproduce_the_spec_bit_for_bit(monkeypatch, case):
         g = torch.Generator().manual_seed(3)
         mask = torch.rand(2, 1, q.shape[2], k.shape[2], generator=g) > 0.3
         mask[:, :, 7] = False
-    kw = dict(attn_mask=mask, is_causal=case == "causal")
+    kw = dict(attn_mask=mask, is_causal=case == "causal", migrate=None)  # before the migration
     new = R8.attention_forward(q, k, v, **kw)
     explicit = R8.attention_forward(q, k, v, **kw, q_block=64, k_block=128)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
@@ -88,7 +89,7 @@ def test_finer_scales_run_and_are_per_group():
     q[0, 1, 5] *= 100.0  # one outlier query row: its 64-row block is coarse, its 16-row block too
     k[1, 0, 40] *= 100.0  # one outlier key
     exact = exact_attention(q, k, v, is_causal=True, enable_gqa=True)
-    ops = R8._Quantized(q, k, v, 2, 16, 32)
+    ops = R8._Quantized(q, k, v, 2, 16, 32, migrate=None)  # the scales of Q and Ks themselves
     # Q scale of every row = amax of its 16-row group / 127; K scale of every key likewise (32)
     for r in (0, 15, 16, 63, 149):
         grp = q[:, :, r // 16 * 16 : r // 16 * 16 + 16]

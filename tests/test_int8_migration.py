@@ -1,9 +1,12 @@
-"""The INT8 reference's Q<->K channel migration option (issue 33; docs/accuracy.md "INT8 channel
-migration"): off by default and then bit-identical to the spec, exact in real arithmetic (and in
-floating point with power-of-two factors), what its docstring says it computes, and it fixes K's
-channel outliers in the forward and the backward. CPU only, small sizes."""
+"""The INT8 reference's Q<->K channel migration (SPEC_INT8 2.1b; issue 33, docs/accuracy.md "INT8
+channel migration"): on by default (alpha 0.5, power-of-two s), ``migrate=None`` bit-identical to
+the spec before the amendment, exact in real arithmetic (and in floating point with power-of-two
+factors), what its docstring says it computes (edge cases included), and it fixes K's channel
+outliers in the forward and the backward. CPU only, small sizes."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -31,7 +34,7 @@ def _s(q, k, **kw):
 
 
 @pytest.mark.parametrize("case", ["causal", "mask_fp16"])
-def test_defaults_are_the_spec_bit_for_bit(monkeypatch, case):
+def test_migrate_none_is_the_spec_before_the_amendment(monkeypatch, case):
     q, k, v = _inputs(outliers=True)
     kw = dict(is_causal=case == "causal")
     if case == "mask_fp16":
@@ -39,10 +42,8 @@ def test_defaults_are_the_spec_bit_for_bit(monkeypatch, case):
         kw["attn_mask"] = torch.rand(2, 1, q.shape[2], k.shape[2],
                                      generator=torch.Generator().manual_seed(3)) > 0.3
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(q.dtype)
-    new = R8.attention_forward(q, k, v, **kw)
-    off = R8.attention_forward(q, k, v, **kw, migrate=None, migrate_pow2=False)
-    new_g = R8.attention_backward(do, q, k, v, new[0].to(q.dtype), new[1], **kw)
-    off_g = R8.attention_backward(do, q, k, v, new[0].to(q.dtype), new[1], **kw, migrate=None)
+    off = R8.attention_forward(q, k, v, **kw, migrate=None)
+    off_g = R8.attention_backward(do, q, k, v, off[0].to(q.dtype), off[1], **kw, migrate=None)
 
     def boom(*a, **k):
         raise AssertionError("channel_migration called with migrate=None")
@@ -50,10 +51,19 @@ def test_defaults_are_the_spec_bit_for_bit(monkeypatch, case):
     with monkeypatch.context() as mp:
         mp.setattr(R8, "channel_migration", boom)
         mp.setattr(R8, "_Quantized", _SpecQuantized)  # the code before the granularity options
-        old = R8.attention_forward(q, k, v, **kw)
-        old_g = R8.attention_backward(do, q, k, v, old[0].to(q.dtype), old[1], **kw)
-    for a, b, c in zip(new + new_g, old + old_g, off + off_g):
-        assert torch.equal(a, b) and torch.equal(c, b)
+        old = R8.attention_forward(q, k, v, **kw, migrate=None)
+        old_g = R8.attention_backward(do, q, k, v, old[0].to(q.dtype), old[1], **kw, migrate=None)
+    for a, b in zip(off + off_g, old + old_g):
+        assert torch.equal(a, b)
+    # the default is the spec's migration: alpha 0.5, power-of-two s, and it changes the result
+    new = R8.attention_forward(q, k, v, **kw)
+    explicit = R8.attention_forward(q, k, v, **kw, migrate=0.5, migrate_pow2=True)
+    assert all(torch.equal(a, b) for a, b in zip(new, explicit))
+    assert not torch.equal(new[0], off[0])
+    new_g = R8.attention_backward(do, q, k, v, new[0].to(q.dtype), new[1], **kw)
+    explicit_g = R8.attention_backward(do, q, k, v, new[0].to(q.dtype), new[1], **kw,
+                                       migrate=0.5, migrate_pow2=True)
+    assert all(torch.equal(a, b) for a, b in zip(new_g, explicit_g))
 
 
 def test_migration_factors_are_as_documented():
@@ -62,7 +72,7 @@ def test_migration_factors_are_as_documented():
     ks = k - kbar
     ka = ks.abs().amax(dim=2, keepdim=True)  # the one-pass max / min form is the same number
     qa = q.abs().amax(dim=2).reshape(2, 2, 2, -1).amax(dim=2)[:, :, None]
-    s = _s(q, k)
+    s = _s(q, k, pow2=False)
     assert s.shape == (2, 2, 1, 64) and s.dtype == torch.float32
     assert torch.equal(s, torch.sqrt(R8._div_rn(ka, qa)))
     # after migrating, Q's and K's channel maxima are both sqrt(qa ka) (up to FP32 rounding)
@@ -72,7 +82,7 @@ def test_migration_factors_are_as_documented():
     assert (ka2.amax(-1) / ka2.median(-1).values).max() < 0.5 * (ka.amax(-1) / ka.median(
         -1).values).max()
     # power of two: 2^ceil(E / 2), E = floor(log2(ka / qa)); within sqrt(2) of the exact s
-    p = _s(q, k, pow2=True)
+    p = _s(q, k)  # the default: SPEC_INT8 2.1b
     m, e = torch.frexp(p)
     assert torch.all(m == 0.5)
     want = torch.ceil(torch.floor(torch.log2(R8._div_rn(ka, qa).double())) / 2)
@@ -82,15 +92,16 @@ def test_migration_factors_are_as_documented():
     # general alpha: ka^alpha / qa^(1 - alpha); alpha = 0.5 through the general formula agrees
     for a in (0.3, 0.7):
         want = ka.double() ** a / qa.double() ** (1 - a)
-        assert torch.allclose(_s(q, k, alpha=a).double(), want, rtol=1e-6)
-    assert torch.allclose(_s(q, k, alpha=0.5000001).double(), s.double(), rtol=1e-5)
+        assert torch.allclose(_s(q, k, alpha=a, pow2=False).double(), want, rtol=1e-6)
+    assert torch.allclose(_s(q, k, alpha=0.5000001, pow2=False).double(), s.double(), rtol=1e-5)
     # degenerate channels keep s = 1
     q2, k2 = q.clone(), k.clone()
     q2[:, :, :, 5] = 0.0
     k2[0, 1, :, 6] = 2.5  # constant channel: zero after smoothing
-    s2 = _s(q2, k2)
-    assert torch.all(s2[..., 5] == 1.0) and torch.all(s2[0, 1, :, 6] == 1.0)
-    assert torch.isfinite(s2).all()
+    for pow2 in (False, True):
+        s2 = _s(q2, k2, pow2=pow2)
+        assert torch.all(s2[..., 5] == 1.0) and torch.all(s2[0, 1, :, 6] == 1.0)
+        assert torch.isfinite(s2).all()
     q2[:, :, :, 7] = 1e-40  # ka / qa overflows FP32: power-of-two s = 1, exact s = inf -> 1
     q2[:, :, :, 8] = 1e38  # ka / qa is subnormal: power-of-two s = 1
     k2[:, :, :, 8] *= 1e-3
@@ -98,6 +109,50 @@ def test_migration_factors_are_as_documented():
         s2 = _s(q2, k2, pow2=pow2)
         assert torch.all(s2[..., 7] == 1.0) and torch.isfinite(s2).all() and (s2 > 0).all()
     assert torch.all(_s(q2, k2, pow2=True)[..., 8] == 1.0)
+
+
+def _s_scalar(qa: float, ka: float) -> float:
+    """SPEC_INT8 2.1b's s for one channel, in Python floats."""
+    tiny, fmax = 2.0 ** -126, float(torch.finfo(torch.float32).max)
+    if not (tiny <= qa <= fmax and tiny <= ka <= fmax):
+        return 1.0
+    r = torch.tensor(ka / qa, dtype=torch.float32).item()  # FP32 division, correctly rounded
+    if not tiny <= r <= fmax:
+        return 1.0
+    return 2.0 ** math.ceil((math.frexp(r)[1] - 1) / 2)
+
+
+def test_power_of_two_factors_at_the_edges():
+    """s = 1 where qa, ka or ka / qa is zero, subnormal, inf or NaN; otherwise 2^ceil(E / 2), and
+    Q' = Q s and Ks' = Ks / s are finite and exact for every finite input, FP32's extremes
+    included (qa s < 2^128: no overflow)."""
+    fmax = float(torch.finfo(torch.float32).max)
+    mags = [0.0, 1e-45, 1e-39, 2.0 ** -126, 3e-30, 1e-3, 0.75, 1.0, 2.0, 3.0, 1e20, 2.0 ** 127,
+            fmax, math.inf, math.nan]
+    pairs = [(a, b) for a in mags for b in mags]
+    D = len(pairs)
+    q = torch.tensor([[a for a, _ in pairs], [-a for a, _ in pairs]], dtype=torch.float32)
+    k = torch.tensor([[b for _, b in pairs], [-b for _, b in pairs]], dtype=torch.float32)
+    q, k = q[None, None], k[None, None]  # one head, two rows: qa = |a|, kbar 0 (or NaN), ka = |b|
+    s = _s(q, k)[0, 0, 0]
+    for c, (a, b) in enumerate(pairs):
+        kbar = k[0, 0, :, c].mean().item()
+        want = _s_scalar(a, b) if kbar == 0.0 else 1.0  # kbar NaN where b is inf or NaN
+        assert s[c].item() == want, (a, b)
+    finite = torch.isfinite(q).all(dim=2) & torch.isfinite(k).all(dim=2)
+    qs, ks = q * s, k / s
+    assert torch.isfinite(qs[finite.expand_as(q)]).all()
+    assert torch.isfinite(ks[finite.expand_as(k)]).all()
+    normal = (q.abs() >= 2.0 ** -126) & (q.abs() <= fmax)
+    assert torch.equal((qs / s)[normal], q[normal])
+    nk = (k.abs() >= 2.0 ** -126) & (k.abs() <= fmax) & ((k / s).abs() >= 2.0 ** -126)
+    assert torch.equal((ks * s)[nk], k[nk])
+    # a NaN anywhere in a channel of one query head of the group: s = 1 for that channel only
+    q3, k3 = _inputs(outliers=True)[:2]
+    q3[1, 2, 7, 9] = math.nan  # batch 1, query head 2 -> KV head 1
+    s3 = _s(q3, k3)
+    assert s3[1, 1, 0, 9].item() == 1.0 and s3[0, 1, 0, 9].item() != 1.0
+    assert torch.equal(s3[1, 1, 0, :9], _s(*_inputs(outliers=True)[:2])[1, 1, 0, :9])
 
 
 def test_migration_is_exact_without_quantization():
@@ -123,23 +178,23 @@ def test_unit_factors_change_nothing():
     ka = (k - k.mean(dim=2, keepdim=True)).abs().amax(dim=2, keepdim=True)
     qa = q.abs().amax(dim=2, keepdim=True)
     q = q / qa * R8._per_q_head(ka, 2)
-    assert torch.all(_s(q, k, pow2=True) == 1.0)
+    assert torch.all(_s(q, k) == 1.0)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
     kw = dict(is_causal=True)
-    spec = R8.attention_forward(q, k, v, **kw)
-    mig = R8.attention_forward(q, k, v, **kw, migrate=0.5, migrate_pow2=True)
+    spec = R8.attention_forward(q, k, v, **kw, migrate=None)
+    mig = R8.attention_forward(q, k, v, **kw)
     assert all(torch.equal(a, b) for a, b in zip(spec, mig))
-    g_spec = R8.attention_backward(do, q, k, v, *spec, **kw)
-    g_mig = R8.attention_backward(do, q, k, v, *mig, **kw, migrate=0.5, migrate_pow2=True)
+    g_spec = R8.attention_backward(do, q, k, v, *spec, **kw, migrate=None)
+    g_mig = R8.attention_backward(do, q, k, v, *mig, **kw)
     assert all(torch.equal(a, b) for a, b in zip(g_spec, g_mig))
 
 
-@pytest.mark.parametrize("kw", [dict(migrate=0.5), dict(migrate=0.5, migrate_pow2=True),
-                                dict(migrate=0.5, q_block=16, k_block=32)])
+@pytest.mark.parametrize("kw", [dict(migrate=0.5, migrate_pow2=False), dict(),
+                                dict(migrate=0.5, migrate_pow2=False, q_block=16, k_block=32)])
 def test_migration_fixes_channel_outliers_forward(kw):
     q, k, v = _inputs(outliers=True)
     exact = exact_attention(q, k, v, is_causal=True, enable_gqa=True)
-    out_s, lse_s = R8.attention_forward(q, k, v, is_causal=True)
+    out_s, lse_s = R8.attention_forward(q, k, v, is_causal=True, migrate=None)
     out_m, lse_m = R8.attention_forward(q, k, v, is_causal=True, **kw)
     err_s = 1 - metrics(out_s, exact)["cos"]
     err_m = 1 - metrics(out_m, exact)["cos"]
@@ -162,8 +217,8 @@ def test_migration_backward_matches_autograd():
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     ref = torch.autograd.grad(o, (q64, k64, v64), do)
     res = {}
-    for name, kw in [("spec", {}), ("mig", dict(migrate=0.5)),
-                     ("pow2", dict(migrate=0.5, migrate_pow2=True))]:
+    for name, kw in [("spec", dict(migrate=None)), ("mig", dict(migrate=0.5, migrate_pow2=False)),
+                     ("pow2", {})]:
         out, lse = R8.attention_forward(q, k, v, mask, **kw)
         grads = R8.attention_backward(do.float(), q, k, v, out, lse, mask, **kw)
         assert all(torch.isfinite(g).all() for g in grads)
@@ -180,9 +235,9 @@ def test_migration_rejects_bad_options():
     with pytest.raises(ValueError, match="alpha"):
         R8.attention_forward(q, k, v, migrate=1.5)
     with pytest.raises(ValueError, match="migrate_pow2"):
-        R8.attention_forward(q, k, v, migrate_pow2=True)
+        R8.attention_forward(q, k, v, migrate=None, migrate_pow2=True)
     with pytest.raises(ValueError, match="migrate_pow2"):
-        R8.attention_backward(q, q, k, v, q, q[..., 0], migrate_pow2=True)
+        R8.attention_backward(q, q, k, v, q, q[..., 0], migrate=None, migrate_pow2=False)
 
 
 def test_driver_plumbing():
