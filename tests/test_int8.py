@@ -140,8 +140,57 @@ def test_cpu_backend_against_reference(case, dtype):
     """The C CPU backend (the ops' CPU kernel) against the reference: SPEC_INT8 4's tolerances."""
     B, Hq, Hkv, Nq, Nk, D, causal, kind = case
     q, k, v = make(B, Hq, Hkv, Nq, Nk, D, dtype=dtype)
+    cpu_against_reference(q, k, v, make_mask(kind, Nq, Nk), causal)
+
+
+def make_outliers(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float32, seed=0, device="cpu"):
+    """make() with Gemma 3-like channels (SPEC_INT8 2.1b's migration is what makes INT8 accurate on
+    them): two K outlier channels (x20, x12), a milder Q outlier (x6), a Q channel of zeros and a
+    constant K channel (both s = 1)."""
+    q, k, v = make(B, Hq, Hkv, Nq, Nk, D, seed=seed)
+    k[..., 3] *= 20.0
+    k[..., D // 2 + 1] *= 12.0
+    q[..., 1] *= 6.0
+    q[..., 2] = 0.0
+    k[..., 4] = 2.5
+    return [t.to(dtype).to(device) for t in (q, k, v)]
+
+
+MIGRATION_CASES = [
+    # B, Hq, Hkv, Nq, Nk, D, causal, mask
+    (1, 4, 2, 130, 150, 64, True, None),  # GQA
+    (2, 3, 1, 130, 70, 32, False, "bool"),  # MQA, a row with no visible key
+    (1, 1, 1, 100, 200, 256, False, None),  # Gemma 3's head dim
+]
+
+
+def check_migration_against_reference(case, dtype, device, kernel="auto"):
+    """The ops on `device` against the reference, on make_outliers' inputs: SPEC_INT8 4's
+    tolerances, and much nearer the migrated reference than the spec without migration (~10%
+    away on these inputs): the backend migrates."""
+    B, Hq, Hkv, Nq, Nk, D, causal, kind = case
+    q, k, v = make_outliers(B, Hq, Hkv, Nq, Nk, D, dtype=dtype, device=device)
     mask = make_mask(kind, Nq, Nk)
+    mask = None if mask is None else mask.to(device)
+    if device == "cpu":
+        out, (dq, dk, dv) = cpu_against_reference(q, k, v, mask, causal)
+    else:
+        out, (dq, dk, dv) = check_against_reference(q, k, v, mask, causal, kernel=kernel)
     scale = 1.0 / math.sqrt(D)
+    cpu = [t.cpu() for t in (q, k, v)]
+    cmask = None if mask is None else mask.cpu()
+    before, _ = R8.attention_forward(*cpu, cmask, causal, scale, migrate=None)
+    mig, _ = R8.attention_forward(*cpu, cmask, causal, scale)
+    out = out.cpu()
+    assert rel_l1(out, mig.to(dtype)) < 0.05 * rel_l1(out, before.to(dtype))
+    exact = exact_attention(*(t.double() for t in cpu), cmask, causal, enable_gqa=True)
+    assert cos(out, exact) >= 0.999
+
+
+def cpu_against_reference(q, k, v, mask, causal):
+    """test_cpu_backend_against_reference's checks; returns out and (dq, dk, dv)."""
+    dtype = q.dtype
+    scale = 1.0 / math.sqrt(q.shape[-1])
     out, lse = torch.ops.fp4attn.int8_attention(q, k, v, mask, causal, scale)
     ref, ref_lse = R8.attention_forward(q, k, v, mask, causal, scale)
     assert out.dtype == dtype and rel_l1(out, ref.to(dtype)) < 2e-3
@@ -157,6 +206,13 @@ def test_cpu_backend_against_reference(case, dtype):
     for a, b in zip(got, want):
         assert a.dtype == dtype and a.shape == b.shape
         assert rel_l1(a, b.to(dtype)) < 5e-3 or b.abs().max() < 1e-6
+    return out, got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", MIGRATION_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cpu_backend_migrates_channel_outliers(case, dtype):
+    check_migration_against_reference(case, dtype, "cpu")
 
 
 def dk_of_quiet_keys(device, kernel="auto"):
@@ -348,6 +404,7 @@ def test_cuda_kernels_against_reference(case, dtype, kernel):
 
 
 SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+
 # Shapes for the forward kernels: several tiles each way and a ring of K^/V^ stages that wraps
 # around (Nk > 512), lengths off the 64/128 blocks (a 128-row block whose second Q^ block is
 # padding: Nq = 130), GQA and MQA, causal with Nq < Nk and Nq > Nk, head dims padded to 64 / 128.

@@ -258,3 +258,8 @@ def test_driver_plumbing():
             enable_gqa=True)
     want, _ = R8.attention_forward(q, k, v, is_causal=True, migrate=0.5, migrate_pow2=True)
     assert torch.equal(got, want)
+    assert IM._variant_list("spec,backend") == ["spec", "backend"]
+    with torch.no_grad():  # the compiled CPU backend: the same spec, up to FP32 summation order
+        got = IM._int8_sdpa(None)(0, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True,
+                                  scale=None, enable_gqa=True)
+    assert torch.allclose(got, want, atol=1e-5)

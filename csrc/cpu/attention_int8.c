@@ -1,9 +1,10 @@
 /*
  * The 8-bit trainable attention on the CPU (docs/SPEC_INT8.md): forward and backward.
  *
- * Operands are quantized once per call (psi: Q per 64 rows, smoothed K per 128 keys, V per 128
- * keys and channel), then every (batch, head) runs the blocked algorithm of the spec with int32
- * dot products of the INT8 codes and FP32 scales. OpenMP over query heads in the forward and
+ * Operands are quantized once per call (psi: Q' = Q s per 64 rows, Ks' = (K - kbar) / s per 128
+ * keys, s the channel migration of SPEC_INT8 2.1b, V per 128 keys and channel), then every
+ * (batch, head) runs the blocked algorithm of the spec with int32 dot products of the INT8 codes
+ * and FP32 scales. OpenMP over query heads in the forward and
  * over KV heads in the backward (a KV head's dK and dV sum over its query heads without atomics).
  */
 #include <math.h>
@@ -11,6 +12,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "fp4attn/int8_migration.h"
 
 #define BQ 64  /* query rows per INT8 block */
 #define BK 128 /* keys per INT8 block and online-softmax step */
@@ -66,7 +68,8 @@ static float mask_term(const fp4attn_attention_params *p, int64_t b, int64_t h, 
 /* The quantized K and V of one (batch, KV head), and Q of one (batch, query head). */
 typedef struct {
   float *kbar; /* [D] */
-  int8_t *kc;  /* [Nk][D], K - kbar */
+  float *mig;  /* [D]: the channel migration factors s (powers of two) */
+  int8_t *kc;  /* [Nk][D], (K - kbar) / s */
   float *sk;   /* [nkb] */
   int8_t *vc;  /* [Nk][D] */
   float *sv;   /* [nkb][D] */
@@ -79,26 +82,41 @@ typedef struct {
 
 static int quantize_kv(const fp4attn_attention_params *p, int64_t b, int64_t h, kv_codes *o) {
   const int64_t D = p->head_dim, Nk = p->len_k, nkb = (Nk + BK - 1) / BK;
+  const int64_t Nq = p->len_q, G = p->heads_q / p->heads_kv;
   o->kbar = (float *)malloc(sizeof(float) * (size_t)D);
+  o->mig = (float *)malloc(sizeof(float) * (size_t)D);
   o->kc = (int8_t *)malloc((size_t)(Nk * D));
   o->sk = (float *)malloc(sizeof(float) * (size_t)nkb);
   o->vc = (int8_t *)malloc((size_t)(Nk * D));
   o->sv = (float *)malloc(sizeof(float) * (size_t)(nkb * D));
   float *x = (float *)malloc(sizeof(float) * (size_t)(BK * D)); /* one block: K - kbar, then V */
-  if (!o->kbar || !o->kc || !o->sk || !o->vc || !o->sv || !x) {
+  if (!o->kbar || !o->mig || !o->kc || !o->sk || !o->vc || !o->sv || !x) {
     free(x);
     return 0;
   }
   for (int64_t d = 0; d < D; ++d) {
-    float s = 0.0f;
-    for (int64_t n = 0; n < Nk; ++n) s += load_row(p->k, p->dtype, p->k_stride, b, h, n, d);
+    float s = 0.0f, kmax = -INFINITY, kmin = INFINITY;
+    for (int64_t n = 0; n < Nk; ++n) {
+      const float k = load_row(p->k, p->dtype, p->k_stride, b, h, n, d);
+      s += k;
+      kmax = k > kmax ? k : kmax; /* a NaN makes kbar, and so ka, NaN */
+      kmin = k < kmin ? k : kmin;
+    }
     o->kbar[d] = s / (float)Nk;
+    /* SPEC_INT8 2.1b: qa over every row of the KV head's query heads */
+    float qa = 0.0f;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t n = 0; n < Nq; ++n)
+        qa = absmax_nan(qa, load_row(p->q, p->dtype, p->q_stride, b, h * G + g, n, d));
+    o->mig[d] =
+        fp4attn_int8_migration_factor(qa, fp4attn_int8_migration_ka(kmax, kmin, o->kbar[d]));
   }
   for (int64_t j = 0; j < nkb; ++j) {
     const int64_t n0 = j * BK, rows = Nk - n0 < BK ? Nk - n0 : BK;
     for (int64_t n = 0; n < rows; ++n)
       for (int64_t d = 0; d < D; ++d)
-        x[n * D + d] = load_row(p->k, p->dtype, p->k_stride, b, h, n0 + n, d) - o->kbar[d];
+        x[n * D + d] =
+            (load_row(p->k, p->dtype, p->k_stride, b, h, n0 + n, d) - o->kbar[d]) / o->mig[d];
     o->sk[j] = psi_group(x, rows, D, D, o->kc + n0 * D);
     for (int64_t n = 0; n < rows; ++n)
       for (int64_t d = 0; d < D; ++d)
@@ -110,7 +128,9 @@ static int quantize_kv(const fp4attn_attention_params *p, int64_t b, int64_t h, 
   return 1;
 }
 
-static int quantize_q(const fp4attn_attention_params *p, int64_t b, int64_t h, q_codes *o) {
+/* Q' = Q s of one (batch, query head), s its KV head's migration factors, quantized. */
+static int quantize_q(const fp4attn_attention_params *p, const kv_codes *kv, int64_t b, int64_t h,
+                      q_codes *o) {
   const int64_t D = p->head_dim, Nq = p->len_q, nqb = (Nq + BQ - 1) / BQ;
   o->qc = (int8_t *)malloc((size_t)(Nq * D));
   o->sq = (float *)malloc(sizeof(float) * (size_t)nqb);
@@ -120,7 +140,7 @@ static int quantize_q(const fp4attn_attention_params *p, int64_t b, int64_t h, q
     const int64_t n0 = i * BQ, rows = Nq - n0 < BQ ? Nq - n0 : BQ;
     for (int64_t n = 0; n < rows; ++n)
       for (int64_t d = 0; d < D; ++d)
-        x[n * D + d] = load_row(p->q, p->dtype, p->q_stride, b, h, n0 + n, d);
+        x[n * D + d] = load_row(p->q, p->dtype, p->q_stride, b, h, n0 + n, d) * kv->mig[d];
     o->sq[i] = psi_group(x, rows, D, D, o->qc + n0 * D);
   }
   free(x);
@@ -129,6 +149,7 @@ static int quantize_q(const fp4attn_attention_params *p, int64_t b, int64_t h, q
 
 static void free_kv(kv_codes *c) {
   free(c->kbar);
+  free(c->mig);
   free(c->kc);
   free(c->sk);
   free(c->vc);
@@ -163,7 +184,7 @@ static void score_row(const fp4attn_attention_params *p, const q_codes *q, const
   }
 }
 
-/* q . kbar * scale: what K smoothing removed from every score of the row. */
+/* q . kbar * scale: what K smoothing removed from every score of the row (Q unmigrated). */
 static float lse_shift(const fp4attn_attention_params *p, const kv_codes *kv, int64_t b, int64_t h,
                        int64_t i) {
   float s = 0.0f;
@@ -179,7 +200,7 @@ static int forward_head(const fp4attn_attention_params *p, const kv_codes *kv, i
   q_codes q = {0, 0};
   float *s = (float *)malloc(sizeof(float) * BK), *o = (float *)malloc(sizeof(float) * (size_t)D);
   uint8_t *pc = (uint8_t *)malloc(BK);
-  int ok = s && o && pc && quantize_q(p, b, h, &q);
+  int ok = s && o && pc && quantize_q(p, kv, b, h, &q);
   for (int64_t i = 0; ok && i < Nq; ++i) {
     float m = -INFINITY, l = 0.0f;
     for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
@@ -278,7 +299,7 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
     free(q.sq);
     q.qc = NULL;
     q.sq = NULL;
-    if (!quantize_q(p, b, h, &q)) {
+    if (!quantize_q(p, kv, b, h, &q)) {
       ok = 0;
       break;
     }
@@ -358,16 +379,17 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
         }
       }
     }
-    /* the smoothing correction, then dQ out in the input dtype (contiguous [B, Hq, Nq, D]) */
+    /* dQ = dQ' s plus the smoothing correction, out in the input dtype (contiguous
+     * [B, Hq, Nq, D]) */
     for (int64_t i = 0; i < Nq; ++i)
       for (int64_t d = 0; d < D; ++d) {
-        const float v = dqacc[i * D + d] + (p->scale * rowsum[i]) * kv->kbar[d];
+        const float v = dqacc[i * D + d] * kv->mig[d] + (p->scale * rowsum[i]) * kv->kbar[d];
         fp4attn_store(bp->dq, p->dtype, ((b * p->heads_q + h) * Nq + i) * D + d, v);
       }
   }
-  for (int64_t n = 0; ok && n < Nk * D; ++n) {
+  for (int64_t n = 0; ok && n < Nk * D; ++n) { /* dK = (the group's sum of dKs') / s */
     const int64_t at = (b * p->heads_kv + hk) * Nk * D + n;
-    fp4attn_store(bp->dk, p->dtype, at, dkacc[n]);
+    fp4attn_store(bp->dk, p->dtype, at, dkacc[n] / kv->mig[n % D]);
     fp4attn_store(bp->dv, p->dtype, at, dvacc[n]);
   }
   free(q.qc);

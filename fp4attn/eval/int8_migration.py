@@ -27,7 +27,8 @@ model, text and variant), ``int8_migration_layers.csv`` (per layer) and
 ``int8_migration_backward.csv`` beside it, and prints the tables.
 
 The study led to SPEC_INT8 2.1b (alpha 0.5, power-of-two s: variant ``mig_pow2``, the reference's
-default now); variant ``spec`` is the spec before it (``migrate=None``).
+default now); variant ``spec`` is the spec before it (``migrate=None``), and ``backend`` (per layer
+and end to end) runs the compiled CPU backend, which implements 2.1b, instead of the reference.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ VARIANTS: dict[str, tuple[dict, str]] = {
     "mig0.3_pow2": ({"migrate": 0.3, "migrate_pow2": True}, "migration a=0.3, power-of-two s"),
     "mig0.7_pow2": ({"migrate": 0.7, "migrate_pow2": True}, "migration a=0.7, power-of-two s"),
 }
+#: Not a reference variant: the compiled CPU backend (torch.ops.fp4attn.int8_attention, the C
+#: code), which implements SPEC_INT8 with the migration; per layer and end to end only.
+BACKEND = "backend"
+BACKEND_LABEL = "compiled CPU backend (SPEC_INT8 2.1b)"
 DEFAULT_PPL_VARIANTS = ("spec", "mig", "mig_pow2", "mig_pow2_q16k32")
 #: Variants whose backward is checked (the backward keeps SPEC_INT8's 64 / 128 blocks).
 BACKWARD_VARIANTS = ("spec", "mig", "mig_pow2")
@@ -88,14 +93,26 @@ def text_ids(tok, text: str, book: str, bos_id: int | None) -> torch.Tensor:
     return tok(s, add_special_tokens=False, return_tensors="pt").input_ids[0]
 
 
-def _int8_sdpa(kw: dict):
-    """swap_sdpa function: the INT8 reference with ``kw`` in every layer."""
+def _int8_sdpa(kw: dict | None):
+    """swap_sdpa function: the INT8 reference with ``kw`` in every layer (None: the compiled CPU
+    backend)."""
     def run(i, q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        o, _ = R8.attention_forward(q.cpu(), k.cpu(), v.cpu(),
-                                    None if attn_mask is None else attn_mask.cpu(), is_causal,
-                                    scale, **kw)
+        o = _int8_out(kw, q.cpu(), k.cpu(), v.cpu(),
+                      None if attn_mask is None else attn_mask.cpu(), is_causal, scale)
         return o.to(q.device, q.dtype)
     return run
+
+
+def _int8_out(kw: dict | None, q, k, v, attn_mask, is_causal, scale) -> torch.Tensor:
+    """The INT8 output (float32) of the reference with ``kw``, or of the compiled CPU backend."""
+    if kw is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        return torch.ops.fp4attn.int8_attention(q, k, v, attn_mask, is_causal, scale)[0].float()
+    return R8.attention_forward(q, k, v, attn_mask, is_causal, scale, **kw)[0]
+
+
+def _kw(name: str) -> dict | None:
+    return None if name == BACKEND else VARIANTS[name][0]
 
 
 def perplexity(model, ids: torch.Tensor, *, window: int, variants: list[str],
@@ -119,7 +136,7 @@ def perplexity(model, ids: torch.Tensor, *, window: int, variants: list[str],
                 with torch.no_grad():
                     logits = model(chunk, use_cache=False).logits
             else:
-                with torch.no_grad(), RP.swap_sdpa(_int8_sdpa(VARIANTS[mode][0]), model):
+                with torch.no_grad(), RP.swap_sdpa(_int8_sdpa(_kw(mode)), model):
                     logits = model(chunk, use_cache=False).logits
             lp = torch.log_softmax(logits[:, lead:-1].float(), dim=-1)
             del logits
@@ -174,8 +191,8 @@ def layer_study(calls: list[RP.AttnCall], variants: list[str]) -> list[dict]:
                                   call.scale, enable_gqa=True)
         ratios = channel_ratios(call)
         for name in variants:
-            out, _ = R8.attention_forward(call.q, call.k, call.v, call.attn_mask, call.is_causal,
-                                          call.scale, **VARIANTS[name][0])
+            out = _int8_out(_kw(name), call.q, call.k, call.v, call.attn_mask, call.is_causal,
+                            call.scale)
             met = R.metrics(out, exact)
             rows.append({"layer": call.layer, "variant": name, "cos": met["cos"],
                          "rel_l1": met["rel_l1"], **ratios})
@@ -201,6 +218,8 @@ def backward_check(calls: list[RP.AttnCall], layers: list[int], variants: list[s
         do = torch.randn(o.shape, generator=g, dtype=torch.float64)
         ref = torch.autograd.grad(o, (q64, k64, v64), do)
         for name in variants:
+            if name == BACKEND:
+                raise ValueError(f"{BACKEND}: the backward check runs reference variants only")
             kw = VARIANTS[name][0]
             if "q_block" in kw:
                 raise ValueError(f"{name}: the backward keeps SPEC_INT8's blocks (no q_block)")
@@ -263,7 +282,8 @@ def study(name: str, text: str, args) -> tuple[list[dict], list[dict], list[dict
     for v in (["exact"] if e2e else []) + list(dict.fromkeys(args.variants + args.ppl_variants)):
         d = e2e.get(v, {})
         rows.append({**base, "variant": v, "label": "exact (FP32 SDPA)" if v == "exact"
-                     else VARIANTS[v][1], **{k: VARIANTS.get(v, ({},))[0].get(k, "")
+                     else VARIANTS[v][1] if v in VARIANTS else BACKEND_LABEL,
+                     **{k: VARIANTS.get(v, ({},))[0].get(k, "")
                                              for k in ("migrate", "migrate_pow2", "q_block",
                                                        "k_block")},
                      "ppl": d.get("ppl", math.nan), "delta_pct": 100 * d["rel_change"] if d
@@ -318,10 +338,10 @@ def _write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
 
 def _variant_list(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if v not in VARIANTS]
+    bad = [v for v in names if v not in VARIANTS and v != BACKEND]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown variant(s) {bad}; choose from "
-                                         f"{', '.join(VARIANTS)}")
+                                         f"{', '.join(VARIANTS)}, {BACKEND}")
     return names
 
 
@@ -347,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"comma-separated, from {', '.join(TEXTS)} (default both)")
     ap.add_argument("--variants", type=_variant_list, default=list(VARIANTS),
                     help="variants of the per-layer study (default all: "
-                         f"{', '.join(VARIANTS)}); empty for none")
+                         f"{', '.join(VARIANTS)}; also {BACKEND}); empty for none")
     ap.add_argument("--ppl-variants", type=_variant_list, default=list(DEFAULT_PPL_VARIANTS),
                     help="variants measured end to end (default "
                          f"{','.join(DEFAULT_PPL_VARIANTS)}); empty for none")
