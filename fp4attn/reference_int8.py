@@ -276,9 +276,9 @@ def attention_backward(
 
     ``migrate`` / ``migrate_pow2`` as in ``attention_forward`` (pass the forward's): S is
     recomputed from the migrated codes, the INT8 products give the gradients of Q' and Ks', and
-    after all key blocks (FP32, per channel) ``dQ = dQ' * s + scale * rowsum(dS) kbar`` (the
-    smoothing correction with the unmigrated kbar) and ``dK = (sum over the KV head's query
-    heads of dKs') / s``."""
+    after all key blocks (FP32, per channel) ``dQ = dQ' * s + scale * dlse kbar``
+    (the smoothing correction, with the unmigrated kbar; zero without ``grad_lse``) and
+    ``dK = (sum over the KV head's query heads of dKs') / s``."""
     mig = _migrate_kw(migrate, migrate_pow2)
     G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
     B, Hq, Nq, D = q.shape
@@ -302,7 +302,6 @@ def attention_backward(
     v16, do16 = (_dp_operand(t) for t in (_per_q_head(v, G), grad_out))
     nqb = -(-Nq // BQ)
     doc, sdo = psi(_blocks(do32, BQ), (3,))  # per 64 rows and channel: [B,Hq,nqb,1,D]
-    row_sum_ds = q32.new_zeros(B, Hq, Nq)
     for j in range(-(-Nk // BK)):
         j0, j1 = j * BK, min((j + 1) * BK, Nk)
         p = torch.exp(ops.scores(j, scale, allowed, additive) - lse_s)  # masked -> 0
@@ -313,7 +312,6 @@ def attention_backward(
         # dS = P * (dP - Drow), dP with FP32 accumulation
         dp = torch.matmul(do16, v16[:, :, j0:j1].transpose(-1, -2))
         ds = p * (dp - drow)
-        row_sum_ds += ds.sum(dim=-1)
         sq = ops.sq[..., 0]  # [B, Hq, Nq]: the 64-row block scale of each row
         for h0 in range(j0, j1, BKS):  # one dS^ scale per 64 rows x 64 keys: [B,Hq,nqb,1,1]
             h1 = min(h0 + BKS, j1)
@@ -325,7 +323,8 @@ def attention_backward(
             dk[:, :, h0:h1] += (sdsq * _mm64(dsc.transpose(-1, -2), _blocks(ops.qc, BQ))).sum(dim=2)
     if mig["migrate"] is not None:  # the gradient of Q' = Q s back to Q
         dq = dq * _per_q_head(ops.mig, G)
-    dq += scale * row_sum_ds[..., None] * _per_q_head(ops.kbar, G)  # the smoothing correction
+    if grad_lse is not None:  # the smoothing correction: d lse / d Q along kbar (SPEC_INT8 3)
+        dq += scale * _as_float32(grad_lse)[..., None] * _per_q_head(ops.kbar, G)
     if G > 1:
         dk = dk.reshape(B, Hkv, G, Nk, D).sum(dim=2)
         dv = dv.reshape(B, Hkv, G, Nk, D).sum(dim=2)

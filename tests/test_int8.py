@@ -244,6 +244,45 @@ def test_ds_scale_per_64_keys():
     assert dk_of_quiet_keys("cpu") >= 0.99  # the C backend
 
 
+def dq_with_a_large_key_mean(device, kernel="auto", grad_lse=False):
+    """Keys with a per-channel mean 30x their spread and scores of a few tens (attention nearly
+    one-hot, as in training runs whose logits grow). Softmax ignores Q . kbar, so dQ's smoothing
+    term is scale * dlse * kbar exactly; summing the quantized dS for it instead multiplies its
+    quantization error by |kbar| (dQ cos 0.91 here). Returns the cos of dQ against float64."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 2, 128, 64, generator=g) * 4
+    k = torch.randn(1, 2, 192, 64, generator=g) + 30 * torch.randn(1, 2, 1, 64, generator=g)
+    v = torch.randn(1, 2, 192, 64, generator=g)
+    grad_out = torch.randn(q.shape, generator=g)
+    dlse = torch.randn(1, 2, 128, generator=g) if grad_lse else None
+    qq, kk, vv = (t.double().requires_grad_() for t in (q, k, v))
+    s = (qq @ kk.transpose(-1, -2) / 8.0).masked_fill(~torch.ones(128, 192, dtype=torch.bool).tril(), -math.inf)
+    loss = (torch.softmax(s, -1) @ vv * grad_out.double()).sum()
+    if grad_lse:
+        loss = loss + (torch.logsumexp(s, -1) * dlse.double()).sum()
+    loss.backward()
+    q, k, v, grad_out = (t.to(device) for t in (q, k, v, grad_out))
+    out, lse = torch.ops.fp4attn.int8_attention(q, k, v, None, True, 0.125, kernel)
+    dq, _, _ = torch.ops.fp4attn.int8_attention_backward(
+        grad_out, None if dlse is None else dlse.to(device), q, k, v, out, lse, None, True, 0.125,
+        kernel)
+    return cos(dq.cpu(), qq.grad)
+
+
+@pytest.mark.parametrize("grad_lse", [False, True], ids=["dO", "dO+dlse"])
+def test_dq_smoothing_term_is_dlse_kbar(grad_lse):
+    assert dq_with_a_large_key_mean("cpu", grad_lse=grad_lse) >= 0.999  # the C backend
+    g = torch.Generator().manual_seed(11)  # the reference: same inputs as above
+    q = torch.randn(1, 2, 128, 64, generator=g) * 4
+    k = torch.randn(1, 2, 192, 64, generator=g) + 30 * torch.randn(1, 2, 1, 64, generator=g)
+    v = torch.randn(1, 2, 192, 64, generator=g)
+    grad_out = torch.randn(q.shape, generator=g)
+    out, lse = R8.attention_forward(q, k, v, None, True)
+    dq, _, _ = R8.attention_backward(grad_out, q, k, v, out, lse, None, True)
+    _, rq, _, _ = exact_with_grads(q, k, v, None, True, grad_out)
+    assert cos(dq, rq) >= 0.999
+
+
 def test_lse_is_the_log_sum_exp_of_the_scores():
     q, k, v = make(1, 2, 2, 150, 300, 64, seed=4)
     _, lse = R8.attention_forward(q, k, v, None, True)
@@ -403,8 +442,21 @@ def test_cuda_kernels_against_reference(case, dtype, kernel):
         assert out[..., 0, :].abs().max() == 0 and dq[..., 0, :].abs().max() == 0
 
 
-SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", MIGRATION_CASES + [(2, 8, 2, 700, 900, 128, True, None)],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_cuda_kernels_migrate_channel_outliers(case, dtype, kernel):
+    """SPEC_INT8 2.1b in prepare, finish_dq and the dK epilogue: each kernel family on channel
+    outliers (GQA, MQA, a zero Q channel, a constant K channel) against the reference."""
+    if kernel == "sm90" and (not SM90 or case[5] > 128):
+        pytest.skip("the sm90 kernels run on compute capability 9.0, head dims <= 128")
+    check_migration_against_reference(case, dtype, "cuda", kernel)
 
+
+SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 # Shapes for the forward kernels: several tiles each way and a ring of K^/V^ stages that wraps
 # around (Nk > 512), lengths off the 64/128 blocks (a 128-row block whose second Q^ block is
 # padding: Nq = 130), GQA and MQA, causal with Nq < Nk and Nq > Nk, head dims padded to 64 / 128.
@@ -443,6 +495,16 @@ def test_cuda_ds_scale_per_64_keys(kernel):
     if kernel == "sm90" and not SM90:
         pytest.skip("the sm90 kernels run on compute capability 9.0")
     assert dk_of_quiet_keys("cuda", kernel) >= 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("grad_lse", [False, True], ids=["dO", "dO+dlse"])
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+def test_cuda_dq_smoothing_term_is_dlse_kbar(kernel, grad_lse):
+    if kernel == "sm90" and not SM90:
+        pytest.skip("the sm90 kernels run on compute capability 9.0")
+    assert dq_with_a_large_key_mean("cuda", kernel, grad_lse) >= 0.999
 
 
 @pytest.mark.gpu

@@ -288,11 +288,10 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
   float *sdo = (float *)malloc(sizeof(float) * (size_t)D),
         *sp = (float *)malloc(sizeof(float) * BK);
   float *drow = (float *)malloc(sizeof(float) * BQ), *lses = (float *)malloc(sizeof(float) * BQ);
-  float *rowsum = (float *)malloc(sizeof(float) * (size_t)Nq);
   float *vrow = (float *)malloc(sizeof(float) * (size_t)(BK * D));
   q_codes q = {0, 0};
   int ok = P && dS && dkacc && dvacc && dqacc && dor && dor16 && doc && pcode && dsc && sdo && sp &&
-           drow && lses && rowsum && vrow;
+           drow && lses && vrow;
   for (int64_t g = 0; ok && g < G; ++g) {
     const int64_t h = hk * G + g;
     free(q.qc);
@@ -304,7 +303,6 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
       break;
     }
     for (int64_t n = 0; n < Nq * D; ++n) dqacc[n] = 0.0f;
-    for (int64_t n = 0; n < Nq; ++n) rowsum[n] = 0.0f;
     for (int64_t ib = 0; ib < nqb; ++ib) {
       const int64_t r0 = ib * BQ, rows = Nq - r0 < BQ ? Nq - r0 : BQ;
       /* dO of the block (float), its per-channel INT8 codes, Drow and the smoothed lse */
@@ -353,7 +351,6 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
             for (int64_t d = 0; d < D; ++d) dp += dor16[r * D + d] * vrow[n * D + d];
             const float ds = P[r * BK + n] * (dp - drow[r]);
             dS[r * BK + n] = ds;
-            rowsum[r0 + r] += ds;
           }
         /* dS^: one scale per 64 rows x 64 keys (half h of the key block) */
         float fq[BK / BKS], fk[BK / BKS];
@@ -379,11 +376,13 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
         }
       }
     }
-    /* dQ = dQ' s plus the smoothing correction, out in the input dtype (contiguous
-     * [B, Hq, Nq, D]) */
+    /* dQ = dQ' s plus the smoothing correction scale * dlse kbar (d lse / d Q along kbar; none
+     * without grad_lse), out in the input dtype (contiguous [B, Hq, Nq, D]) */
+    const float *dlse = bp->grad_lse ? bp->grad_lse + (b * p->heads_q + h) * Nq : NULL;
     for (int64_t i = 0; i < Nq; ++i)
       for (int64_t d = 0; d < D; ++d) {
-        const float v = dqacc[i * D + d] * kv->mig[d] + (p->scale * rowsum[i]) * kv->kbar[d];
+        float v = dqacc[i * D + d] * kv->mig[d];
+        if (dlse) v += (p->scale * dlse[i]) * kv->kbar[d];
         fp4attn_store(bp->dq, p->dtype, ((b * p->heads_q + h) * Nq + i) * D + d, v);
       }
   }
@@ -408,7 +407,6 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
   free(sp);
   free(drow);
   free(lses);
-  free(rowsum);
   free(vrow);
   return ok;
 }

@@ -8,7 +8,7 @@
  * KV head's query heads (causal: only blocks that see key block j), double-buffering their tiles:
  *   S^T  = K^ Q^_i^T * (sQ sK scale), masks, P^T = exp2(S^T - lse2)         (keys x 64 rows)
  *   dV  += P^ per key column (psi over the 64 rows) x dO^ per channel       (A from registers)
- *   dP^T = V dO^T in 16 bits; dS^T = P (dP - Drow); rowsum(dS) -> the smoothing correction
+ *   dP^T = V dO^T in 16 bits; dS^T = P (dP - Drow)
  *   dS^  = psi per 64 rows x 64 keys (warps 0-3 and 4-7: two maxima through shared memory)
  *   dK  += (scale sdS sQ_i) dS^T Q^_i                                       (A from registers)
  *   dQ_i += sum_h (scale sdS_h sK_j) dS^_h K^_jh through shared memory, FP32 atomics into the
@@ -29,7 +29,7 @@ struct BwdSmem {
   static constexpr int kV16 = kKc + kBK8 * DP;     /* V [128][DP] 16-bit */
   static constexpr int kKt = kV16 + kBK8 * DP * 2; /* K^T [DO][128] */
   static constexpr int kDs = kKt + DO * kBK8;      /* dS^ [64][128] */
-  static constexpr int kRed = kDs + kBQ8 * kBK8;   /* 8 warp maxima, 64 row sums (floats) */
+  static constexpr int kRed = kDs + kBQ8 * kBK8;   /* 8 warp maxima (floats) */
   static constexpr int kBuf = kRed + 512;
   /* one buffer of a query block's tiles */
   static constexpr int bQc = 0;                    /* Q^ [64][DP] */
@@ -80,8 +80,7 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
   load_tile<kBK8>(smem + L::kKt, w.kct + ((bhk * w.nkb + j) * DP + d0) * kBK8, DO, kBK8, tid, 256);
   if (iters > 0) load_block(0, 0);
   cp_async_commit();
-  float *red = reinterpret_cast<float *>(smem + L::kRed), *rowsum = red + 8;
-  if (tid < kBQ8) rowsum[tid] = 0.0f;
+  float *red = reinterpret_cast<float *>(smem + L::kRed);
 
   const float sk = w.sk[bhk * w.nkb + j];
   float dv[DO / 8][4] = {}, dk[DO / 8][4] = {};
@@ -182,7 +181,7 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
       }
     }
 
-    /* dS^T = P (dP - Drow); its row sums; the amax of this warp's half of the keys */
+    /* dS^T = P (dP - Drow); the amax of this warp's half of the keys */
     float amax = 0.0f;
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -190,16 +189,6 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
       for (int e = 0; e < 4; ++e) {
         pm[n][e] = pm[n][e] * (dp[n][e] - drow[n * 8 + 2 * t + (e & 1)]);
         amax = fmaxf(amax, fabsf(pm[n][e]));
-      }
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        float v = pm[n][x] + pm[n][2 + x];
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (g == 0) atomicAdd(&rowsum[n * 8 + 2 * t + x], v);
       }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -278,12 +267,6 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
 #pragma unroll
         for (int n = 0; n < NT; ++n) add_pair(dst + n * 8, f3[n][2 * r], f3[n][2 * r + 1]);
       }
-    }
-    if (tid < kBQ8) {
-      const float v = rowsum[tid];
-      if (blockIdx.y == 0 && i0 + tid < p.len_q && v != 0.0f)
-        atomicAdd(&w.ds_rowsum[bh * p.len_q + i0 + tid], v);
-      rowsum[tid] = 0.0f;
     }
   }
 

@@ -66,8 +66,8 @@ struct BwdSm90Config {
   static constexpr int sQ = 0, sQt = sQ + kQBytes, sDo = sQt + kQtBytes, sDot = sDo + kDoBytes;
   static constexpr int kOffVec = kOffStage + kStages * kTileBytes;
   static constexpr int vLse = 0, vDrow = kBQ8 * 4, vSdo = 2 * kBQ8 * 4;
-  /* per consumer and step parity: 4 warp maxima, then 64 row sums of dS (floats) */
-  static constexpr int kRedFloats = 2 * (4 + kBQ8);
+  /* per consumer and step parity: 4 warp maxima of dS (floats) */
+  static constexpr int kRedFloats = 2 * 4;
   static constexpr int kOffRed = kOffVec + kStages * kVecBytes;
   static constexpr int kOffBar = kOffRed + 2 * kRedFloats * 4; /* full[S], empty[S], kfull */
   static constexpr int kBytes = kOffBar + (2 * kStages + 1) * 8;
@@ -182,7 +182,6 @@ struct Int8BwdSm90 {
     const int64_t j0 = walk.j * kBK8;
     const auto wg_sync = [&]() { named_sync(kBarWg + cwg, kWgThreads); };
     float *red = reinterpret_cast<float *>(sm + C::kOffRed) + cwg * C::kRedFloats;
-    float *rowsum = red + 2 * 4; /* [2][64] */
     float *dq_tile = reinterpret_cast<float *>(sm + C::kOffDq + cwg * C::kDqBytes);
     char *ds_tile = sm + C::kOffDs;
 
@@ -192,9 +191,6 @@ struct Int8BwdSm90 {
     const uint32_t v_lo = sw128_desc_lo(smem_u32(sm + C::kOffV) + cwg * kWgKeys * 128);
     const uint64_t kt_desc = kmajor_desc<kBK8>(smem_u32(sm + C::kOffKt) + cwg * kWgKeys);
     const uint64_t ds_desc = kmajor_desc<kBK8>(smem_u32(sm + C::kOffDs) + cwg * kWgKeys);
-
-    if (wtid < 2 * kBQ8) rowsum[wtid] = 0.0f;
-    wg_sync();
 
     const float sk = w.sk[walk.bhk * w.nkb + walk.j];
     float dv[DP / 8][4], dk[DP / 8][4];
@@ -278,8 +274,7 @@ struct Int8BwdSm90 {
         pack_a_from_words(pa[1], pc, 1);
       }
 
-      /* dS^T = P^T (dP^T - Drow) in place of dP, its column sums (rowsum(dS) per query row) and
-       * this warp's amax */
+      /* dS^T = P^T (dP^T - Drow) in place of dP, and this warp's amax */
       float amax = 0.0f;
 #pragma unroll
       for (int n = 0; n < 8; ++n)
@@ -288,29 +283,13 @@ struct Int8BwdSm90 {
           dp[n][e] = pm[n][e] * (dp[n][e] - drow[n * 8 + 2 * t + (e & 1)]);
           amax = fmaxf(amax, fabsf(dp[n][e]));
         }
-      float *rs = rowsum + par * kBQ8;
-#pragma unroll
-      for (int n = 0; n < 8; ++n)
-#pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          float v = dp[n][x] + dp[n][2 + x];
-          v += __shfl_xor_sync(0xffffffffu, v, 4);
-          v += __shfl_xor_sync(0xffffffffu, v, 8);
-          v += __shfl_xor_sync(0xffffffffu, v, 16);
-          if (g == 0) atomicAdd(&rs[n * 8 + 2 * t + x], v);
-        }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       if (lane == 0) red[par * 4 + wwarp] = amax;
       if (wtid == 0) bulk_wait_read<0>(); /* the last step's dQ tile has been read */
-      wg_sync(); /* A: the maxima and row sums of this consumer's 64 keys */
+      wg_sync(); /* A: the maxima of this consumer's 64 keys */
       amax =
           fmaxf(fmaxf(red[par * 4], red[par * 4 + 1]), fmaxf(red[par * 4 + 2], red[par * 4 + 3]));
-      if (wtid < kBQ8) { /* one atomic per row and consumer */
-        const float v = rs[wtid];
-        if (i0 + wtid < p.len_q && v != 0.0f) atomicAdd(&w.ds_rowsum[bh * p.len_q + i0 + wtid], v);
-        rs[wtid] = 0.0f; /* reused two steps on, after barrier A of the next step */
-      }
       float rds, sds;
       psi_factors(amax, rds, sds);
       uint32_t da[2][4];
