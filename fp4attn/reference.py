@@ -47,6 +47,7 @@ __all__ = [
     "k5_rotate",
     "metrics",
     "quantize",
+    "v_mean",
 ]
 
 #: Elements sharing one E4M3 block scale (NVFP4).
@@ -563,6 +564,59 @@ def _normalise(acc: Tensor, l: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(visible[..., None], acc / torch.where(visible, l, 1.0)[..., None], 0.0), visible
 
 
+def v_mean(
+    qbar: Tensor,
+    counts: Tensor,
+    k32: Tensor,
+    v32: Tensor,
+    nq: int,
+    scale: float,
+    chunk: int = 128,
+) -> Tensor:
+    """``vbar`` of SPEC 4.3 (V smoothing): V averaged with the mean query's softmax weights.
+
+    ``qbar [B, Hq, nqb, D]`` are the query-block means of SPEC 4.2 and ``counts [nqb]`` their real
+    rows; ``k32 [B, Hkv, Nk, D]`` and ``v32 [B, Hkv, Nk, Dv]`` the keys and values in float32.
+    Returns float32 ``[B, Hkv, 1, Dv]``. All float32, in the order SPEC 4.3 writes:
+
+    * ``qm = (sum over the KV head's G query heads h, then blocks i, in order, of n_i * qbar_hi)
+      / (G * Nq)``;
+    * per key ``s_j = scale * (qm . K_j)``, no mask;
+    * per chunk c of ``chunk`` keys (SPEC: 128, whatever the kernels' key tile):
+      ``M_c = max s_j``, ``l_c = sum exp(s_j - M_c)``, ``a_c = sum exp(s_j - M_c) V_j``; then
+      ``M = max_c M_c``, ``L = sum_c exp(M_c - M) l_c``, ``A = sum_c exp(M_c - M) a_c``
+      (c ascending) and ``vbar = A / L`` (correctly rounded);
+    * a channel whose ``vbar`` is not finite, and every channel where ``M`` is not finite (NaN or
+      overflowing scores), uses 0: no smoothing, as before the amendment.
+    """
+    B, Hkv, Nk, D = k32.shape
+    Hq, nqb = qbar.shape[1], qbar.shape[2]
+    G = Hq // Hkv
+    weighted = (qbar * counts.to(torch.float32)[:, None]).reshape(B, Hkv, G * nqb, D)
+    acc = weighted[:, :, 0]
+    for i in range(1, G * nqb):  # (h, i) ascending, one float32 addition each
+        acc = acc + weighted[:, :, i]
+    qm = _div_rn(acc, float(G * nq))  # [B, Hkv, D]
+    s = scale * torch.einsum("bhd,bhkd->bhk", qm, k32)
+    l_all = a_all = None
+    ms, ls, as_ = [], [], []
+    for j0 in range(0, Nk, chunk):
+        sc = s[..., j0:j0 + chunk]
+        mc = sc.amax(dim=-1)  # NaN-propagating
+        e = torch.exp(sc - mc[..., None])
+        ms.append(mc)
+        ls.append(e.sum(dim=-1))
+        as_.append((e[..., None] * v32[:, :, j0:j0 + chunk]).sum(dim=-2))
+    m_all = torch.stack(ms, dim=-1).amax(dim=-1)
+    for c in range(len(ms)):
+        w = torch.exp(ms[c] - m_all)
+        l_all = w * ls[c] if l_all is None else l_all + w * ls[c]
+        a_all = w[..., None] * as_[c] if a_all is None else a_all + w[..., None] * as_[c]
+    vbar = _div_rn(a_all, l_all[..., None])
+    ok = torch.isfinite(vbar) & torch.isfinite(m_all)[..., None]
+    return torch.where(ok, vbar, 0.0)[:, :, None]
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -581,7 +635,7 @@ def attention(
     quantize_k: bool = True,
     quantize_v: bool = True,
     quantize_p: bool = True,
-    smooth_v: bool | str = False,
+    smooth_v: bool | str = "weighted",
     quantized_rowsum: bool = False,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -597,22 +651,18 @@ def attention(
     in [0, 1] is quantized directly with phi_local and ``O = alpha * O + FP4MM(P^, V^) * dV``.
     With every quantization off this is exact attention in float32.
 
-    Two options that are *not* SPEC (both off by default; measured by
-    ``python -m fp4attn.eval.fp4_variants``, docs/accuracy.md "V smoothing for FP4"):
+    ``smooth_v`` is SPEC 4.3's V smoothing: ``"weighted"`` (the SPEC, default) quantizes
+    ``V - vbar`` with ``vbar = v_mean(...)`` (V averaged with the mean query's softmax weights
+    over all keys, per (batch, KV head)) and adds ``vbar`` to every visible row after the
+    normalisation (``O / l + vbar``); exact in real arithmetic because each row of softmax(S) sums
+    to one. Rows with no visible key stay 0 and the LSE is unchanged. Variants measured in
+    docs/accuracy.md "V smoothing for FP4" (``python -m fp4attn.eval.fp4_variants``):
+    ``False`` (no smoothing: SPEC 4 before the amendment), ``True`` or ``"mean"`` (V's mean over
+    the ``Nk`` keys, SageAttention2's form), ``"first"`` (V's first key row).
 
-    * ``smooth_v``: V smoothing as in SageAttention2. ``vbar`` = V's mean over the ``Nk`` keys per
-      (batch, KV head) and channel (float32; ``True`` or ``"mean"``), V's first key row
-      (``"first"``: the attention sink of causal LMs, whose V then quantizes exactly to 0), or
-      ``"weighted"``: ``softmax(scale * qm . K^T) V`` over all keys (no mask), ``qm`` = Q's mean
-      over the rows and the KV head's query heads -- an estimate of where the rows' attention
-      goes, sinks included. ``V - vbar`` is quantized instead of V and ``vbar`` is added to
-      every visible row after the normalisation (``O / l + vbar``). Exact in real arithmetic
-      because each row of softmax(S) sums to one; rows with no visible key stay 0 and the LSE is
-      unchanged.
-    * ``quantized_rowsum``: ``l`` sums the quantized P^ (dequantized, first level undone) instead
-      of the unquantized exponentials, so ``O / l`` is a convex combination of V^'s rows with the
-      weights the FP4MM actually used. Same as the default (up to rounding) when P is not
-      quantized.
+    ``quantized_rowsum`` (not SPEC, off by default): ``l`` sums the quantized P^ (dequantized,
+    first level undone) instead of the unquantized exponentials, so ``O / l`` is a convex
+    combination of V^'s rows with the weights the FP4MM actually used.
 
     Rows that see no key (masks, causal with Nq > Nk, Nk == 0) give 0 and LSE -inf.
 
@@ -648,14 +698,12 @@ def attention(
 
     # SPEC 4.2: smooth Q per block of block_q rows (the last one possibly short).
     nqb = -(-Nq // block_q)
-    if smooth_q:
-        qpad = torch.nn.functional.pad(q32, (0, 0, 0, nqb * block_q - Nq))
-        sums = qpad.reshape(B, Hq, nqb, block_q, D).sum(dim=3)
-        starts = torch.arange(nqb, device=q32.device) * block_q
-        counts = torch.clamp(Nq - starts, max=block_q).to(torch.float32)  # real rows per block
-        qbar = sums / counts[:, None]  # [B, Hq, nqb, D]
-    else:
-        qbar = q32.new_zeros(B, Hq, nqb, D)
+    qpad = torch.nn.functional.pad(q32, (0, 0, 0, nqb * block_q - Nq))
+    sums = qpad.reshape(B, Hq, nqb, block_q, D).sum(dim=3)
+    starts = torch.arange(nqb, device=q32.device) * block_q
+    counts = torch.clamp(Nq - starts, max=block_q).to(torch.float32)  # real rows per block
+    qmeans = sums / counts[:, None]  # [B, Hq, nqb, D]
+    qbar = qmeans if smooth_q else q32.new_zeros(B, Hq, nqb, D)
     qbar_rows = qbar.repeat_interleave(block_q, dim=2)[:, :, :Nq]  # [B, Hq, Nq, D]
     qs = q32 - qbar_rows
 
@@ -669,13 +717,11 @@ def attention(
 
     qv, dq = operand(qs, quantize_q)  # [B, Hq, Nq, D], [B, Hq]
     kv, dk = operand(ks, quantize_k)  # [B, Hkv, Nk, D], [B, Hkv]
-    # Optional V smoothing (not SPEC): quantize V - vbar, add vbar back after normalising.
+    # SPEC 4.3: V smoothing; quantize V - vbar, add vbar back after normalising.
     if smooth_v == "first":
         vbar = v32[:, :, :1].clone()  # [B, Hkv, 1, Dv]
     elif smooth_v == "weighted":  # V averaged with the mean query's softmax weights, no mask
-        qm = q32.mean(dim=2).reshape(B, Hkv, G, D).mean(dim=2)  # [B, Hkv, D]
-        w = torch.softmax(scale * torch.einsum("bhd,bhkd->bhk", qm, k32), dim=-1)
-        vbar = torch.einsum("bhk,bhkd->bhd", w, v32)[:, :, None]
+        vbar = v_mean(qmeans, counts, k32, v32, Nq, scale)
     else:
         vbar = v32.mean(dim=2, keepdim=True) if smooth_v else None  # [B, Hkv, 1, Dv]
     vs = v32 - vbar if smooth_v else v32

@@ -166,3 +166,65 @@ def test_accuracy_vs_exact(causal, masked):
     mask = (torch.rand(300, 300) > 0.2) if masked and not causal else None
     m = accuracy(q, k, v, attn_mask=mask, is_causal=causal)
     assert m["cos"] > 0.97, m
+
+
+# ---- V smoothing (SPEC 4.3): V - vbar is quantized, vbar added back to every visible row ----
+
+
+def _v_with_offset(B, Hkv, Nk, D, offset, seed):
+    g = torch.Generator().manual_seed(seed)
+    common = offset * torch.randn(B, Hkv, 1, D, generator=g)  # one offset per channel, all keys
+    return torch.randn(B, Hkv, Nk, D, generator=g) + common
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2)])
+def test_v_smoothing_removes_a_common_offset(hq, hkv):
+    """A V whose channels share a large offset (10 std): the C backend's error against float64
+    attention is a fraction of the unsmoothed SPEC's (the reference with smooth_v=False), and it
+    agrees with the reference (which computes vbar over the KV head's G query heads)."""
+    torch.manual_seed(40)
+    q, k, _ = make_qkv(2, hq, hkv, 200, 300, 64, k_bias=0.5)
+    v = _v_with_offset(2, hkv, 300, 64, 10.0, seed=41)
+    exact = R.exact_attention(q, k, v, is_causal=True)
+    out = fp4attn.sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    unsmoothed = R.attention(q, k, v, is_causal=True, smooth_v=False)
+    err = R.metrics(out, exact)["rel_l1"]
+    assert err < 0.25 * R.metrics(unsmoothed, exact)["rel_l1"], err
+    assert R.metrics(out, R.attention(q, k, v, is_causal=True))["rel_l1"] < 1e-4
+
+
+def test_v_smoothing_masked_rows_zero_lse_unchanged():
+    """Rows that see no key stay exactly 0 (vbar is not added), the others get vbar; the LSE is
+    the unsmoothed one (V smoothing does not touch the scores)."""
+    torch.manual_seed(42)
+    q, k, _ = make_qkv(1, 4, 2, 60, 90, 64)
+    v = _v_with_offset(1, 2, 90, 64, 8.0, seed=43)
+    mask = torch.rand(1, 4, 60, 90) > 0.4
+    mask[:, :, 5] = False
+    out, lse = fp4attn.sdpa(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True)
+    assert torch.equal(out[:, :, 5], torch.zeros_like(out[:, :, 5]))
+    assert torch.all(lse[:, :, 5] == -math.inf)
+    _, lse0 = R.attention(q, k, v, attn_mask=mask, return_lse=True, smooth_v=False)
+    finite = torch.isfinite(lse0)
+    torch.testing.assert_close(lse[finite], lse0[finite], rtol=1e-4, atol=1e-3)
+    assert R.metrics(out, R.attention(q, k, v, attn_mask=mask))["rel_l1"] < 1e-4
+    # causal, more queries than keys: rows past the keys see none (top-left aligned)
+    q2, k2 = torch.randn(1, 2, 40, 64), torch.randn(1, 1, 24, 64)
+    v2 = _v_with_offset(1, 1, 24, 64, 5.0, seed=44)
+    o2 = fp4attn.sdpa(q2, k2, v2, attn_mask=torch.ones(40, 24, dtype=torch.bool).tril(-20),
+                      enable_gqa=True)
+    assert torch.equal(o2[:, :, :20], torch.zeros_like(o2[:, :, :20]))
+    assert torch.isfinite(o2).all() and o2[:, :, 20:].abs().min() > 0
+
+
+def test_v_smoothing_nonfinite_scores_fall_back():
+    """Scores that overflow float32 (qm . K = inf) make vbar 0 in every channel (no smoothing):
+    the output is what the unsmoothed SPEC gives, not NaN from inf - inf."""
+    q = torch.full((1, 1, 16, 16), 1e30)
+    k = torch.full((1, 1, 32, 16), 1e30)
+    v = torch.randn(1, 1, 32, 16) + 3.0
+    vbar = R.v_mean(q.mean(2, keepdim=True), torch.tensor([16.0]), k, v, 16, 0.25)
+    assert torch.equal(vbar, torch.zeros_like(vbar))
+    out = fp4attn.sdpa(q, k, v)
+    ref = R.attention(q, k, v, smooth_v=False)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))

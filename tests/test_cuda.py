@@ -291,6 +291,34 @@ def test_attention_every_input_form(dtype, D, offset, kernel):
     assert (lse.cpu() - ref_lse).abs().max().item() < 1e-3
 
 
+@pytest.mark.parametrize("kernel", KERNELS + [pytest.param("sm120", id="sm120")])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_attention_v_smoothing(dtype, kernel):
+    """SPEC 4.3's V smoothing in the pre-pass and each kernel's epilogue: V whose channels share a
+    large offset (10 std), GQA 6 / 2, a boolean mask with a row that sees no key. The output
+    agrees with the reference, its error against float64 attention is a fraction of the
+    unsmoothed SPEC's (the reference with smooth_v=False), the hidden row stays 0 and the LSE is
+    the unsmoothed one."""
+    B, Hq, Hkv, N, D = 2, 6, 2, 300, 128
+    q, k = rand((B, Hq, N, D), dtype, 71), rand((B, Hkv, N, D), dtype, 72)
+    v = (rand((B, Hkv, N, D), seed=73) + 10 * rand((B, Hkv, 1, D), seed=74)).to(dtype)
+    mask = torch.rand(B, 1, N, N, generator=gen(75)) > 0.3
+    mask[:, :, 7] = False
+    out, lse = attn_cuda(q, k, v, mask.cuda(), lse=True, kernel=kernel)
+    ref, ref_lse = attn_ref(q, k, v, mask, lse=True)
+    assert rel_l1(out, ref.to(dtype)) < 2e-3
+    qc, kc, vc = q.cpu(), k.cpu(), v.cpu()
+    exact = R.exact_attention(qc, kc, vc, mask)
+    unsmoothed, lse0 = R.attention(qc, kc, vc, mask, return_lse=True, smooth_v=False)
+    assert rel_l1(out, exact) < 0.5 * rel_l1(unsmoothed, exact)
+    assert torch.equal(out[:, :, 7].cpu(), torch.zeros_like(out[:, :, 7].cpu()))
+    lse = lse.cpu()
+    assert torch.all(lse[:, :, 7] == -math.inf)
+    finite = torch.isfinite(lse0)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert (lse[finite] - lse0[finite]).abs().max().item() < 1e-3
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_float32_input_and_scale(kernel):
     q, k, v = (rand((1, 2, 190, 64), torch.float32, s) for s in (1, 2, 3))

@@ -633,11 +633,15 @@ def test_lse_matches_logsumexp(smooth):
 
 def test_gqa_is_repeat_interleave_of_kv():
     q, k, v = qkv(2, 6, 3, 40, 50, 16, seed=5)
-    out = R.attention(q, k, v, is_causal=True)
+    # per-head quantization: repeating heads changes nothing but V smoothing's mean query, which
+    # averages the KV head's G query heads (SPEC 4.3)
+    out = R.attention(q, k, v, is_causal=True, smooth_v=False)
     rep = R.attention(
-        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), is_causal=True
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), is_causal=True,
+        smooth_v=False,
     )
-    assert torch.equal(out, rep)  # per-head quantization: repeating heads changes nothing
+    assert torch.equal(out, rep)
+    out = R.attention(q, k, v, is_causal=True)
     tiled = R.attention(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), is_causal=True)
     assert not torch.allclose(out, tiled)  # and the head mapping is h // G, not h % Hkv
     with pytest.raises(ValueError):
@@ -697,7 +701,8 @@ def test_two_level_p_keeps_small_probabilities():
     scores = -6.0 + 0.1 * torch.randn(N, 256, generator=gen(90))
     scores[:, 0] = 0.0  # one dominant key; the other 255 hold ~40% of the mass
     ref = R.exact_attention(q, k, v, attn_mask=scores)
-    p_only = {"quantize_q": False, "quantize_k": False, "quantize_v": False}
+    # without V smoothing, which would subtract the offset that makes the lost mass show
+    p_only = {"quantize_q": False, "quantize_k": False, "quantize_v": False, "smooth_v": False}
     two = R.metrics(R.attention(q, k, v, attn_mask=scores, **p_only), ref)["rel_l1"]
     one = R.metrics(R.attention(q, k, v, attn_mask=scores, two_level_p=False, **p_only), ref)[
         "rel_l1"
@@ -751,6 +756,10 @@ def slow_spec_attention(q, k, v, is_causal, scale, block_q, block_kv):
             kbar = K.mean(0)
             ck, sk, dk = R.quantize(K - kbar)
             Kq = R.dequantize(ck, sk, torch.tensor(1.0), D)
+            # SPEC 4.3 V smoothing: softmax of the group's mean query against all keys
+            qm = q[b, h // G * G : (h // G + 1) * G].float().mean(dim=(0, 1))
+            vbar = torch.softmax(scale * (K @ qm), 0) @ V
+            V = V - vbar
             cv, sv, dv = R.quantize(V.T)
             Vq = R.dequantize(cv, sv, torch.tensor(1.0), Nk)  # [Dv, Nk]
             qbars = [Q[i : i + block_q].mean(0) for i in range(0, Nq, block_q)]
@@ -782,7 +791,9 @@ def slow_spec_attention(q, k, v, is_causal, scale, block_q, block_kv):
                     l = alpha * l + beta * e.sum(1)
                     o = alpha[:, None] * o + (beta / 2688.0)[:, None] * pv
                     m = m_new
-                out[b, h, rows] = torch.where(l[:, None] > 0, o / l.clamp_min(1e-38)[:, None], 0.0)
+                out[b, h, rows] = torch.where(
+                    l[:, None] > 0, o / l.clamp_min(1e-38)[:, None] + vbar, 0.0
+                )
     return out
 
 

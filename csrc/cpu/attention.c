@@ -1,14 +1,17 @@
 /*
  * CPU FP4 attention forward (SPEC.md section 4).
  *
- * Three parallel phases:
- *   1. per (batch, kv head): K smoothing (4.1) and quantization of Ks along D and of V along
- *      tokens (4.3); both are kept as exactly dequantized FP32 values (code * block scale, no
- *      global scale), K transposed to [D][Nk] so the score loop runs along keys;
+ * Four parallel phases:
+ *   1. per (batch, kv head): K smoothing (4.1) and quantization of Ks along D (4.3), kept as
+ *      exactly dequantized FP32 values (code * block scale, no global scale), K transposed to
+ *      [D][Nk] so the score loop runs along keys; V copied to FP32;
  *   2. per (batch, query head): per-128-row Q smoothing (4.2) and quantization of Qs;
- *   3. per (batch, query head, 128-row query block): 128-key tiles with the scores of 4.4
+ *   3. per (batch, kv head): V smoothing (4.3: vbar from the query means of phase 2 and the keys)
+ *      and quantization of V - vbar along tokens;
+ *   4. per (batch, query head, 128-row query block): 128-key tiles with the scores of 4.4
  *      (FP4 product with the global scales in FP32, plus the q-mean correction against K in input
- *      precision), masks, and the online softmax with two-level P quantization of 4.5.
+ *      precision), masks, the online softmax with two-level P quantization of 4.5, and
+ *      O / l + vbar (4.6).
  * Inner loops are axpy-shaped (no reductions) so the compiler vectorises them without
  * reassociating; target_clones adds an AVX2 version chosen at load time.
  */
@@ -42,6 +45,7 @@ typedef struct {
   float *qbar;      /* [B*Hq][n_qblock][D] */
   float *dq;        /* [B*Hq] */
   float *kbar;      /* [B*Hkv][D] key means */
+  float *vbar;      /* [B*Hkv][D] V smoothing means (SPEC 4.3) */
   float *lse_shift; /* [B*Hq][Nq] scale * (q_r - qbar_i) . kbar, only when the LSE is wanted */
 } attention_state;
 
@@ -119,16 +123,15 @@ static inline v8f exp_nonpos8(v8f x) {
   return (v8f)((v8i)(p * (v8f)two_n) & ~underflow);
 }
 
-/* Phase 1: smooth and quantize K (along D) and V (along tokens) of one (batch, kv head). */
+/* Phase 1: smooth and quantize K (along D) of one (batch, kv head); V into vd as FP32. */
 static int prepare_kv(attention_state *st, int64_t b, int64_t h) {
   const fp4attn_attention_params *p = st->p;
   const int64_t nk = p->len_k, D = p->head_dim, np = st->nk_pad, bh = b * p->heads_kv + h;
   float *kd_t = st->kd_t + bh * D * np, *kf_t = st->kf_t + bh * D * np,
         *vd = st->vd + bh * np * st->d_pad;
   float *ks = (float *)calloc((size_t)(nk * st->d_pad), sizeof(float));
-  float *col = (float *)calloc((size_t)np, sizeof(float));
   float *kbar = st->kbar + bh * D;
-  int ok = ks && col;
+  int ok = ks != NULL;
   if (ok) {
     /* 4.1: kbar = mean over the real tokens, in FP32 */
     for (int64_t d = 0; d < D; ++d) kbar[d] = 0.0f;
@@ -151,23 +154,11 @@ static int prepare_kv(attention_state *st, int64_t b, int64_t h) {
     st->dk[bh] = dec;
     for (int64_t j = 0; j < nk; ++j)
       quantize_row_values(ks + j * st->d_pad, D, enc, kd_t + kt_offset(j, 0, D), BKV);
-    /* 4.3: V quantized per channel along tokens (blocks of 16 tokens) */
-    amax = 0.0f;
     for (int64_t j = 0; j < nk; ++j)
-      for (int64_t d = 0; d < D; ++d) {
-        float v = load_qkv(p->v, p->dtype, p->v_stride, b, h, j, d);
-        vd[j * st->d_pad + d] = v;
-        amax = fp4attn_nanmax(amax, fabsf(v));
-      }
-    fp4attn_global_scales(amax, &enc, &dec);
-    st->dv[bh] = dec;
-    for (int64_t d = 0; d < D; ++d) {
-      for (int64_t j = 0; j < nk; ++j) col[j] = vd[j * st->d_pad + d];
-      quantize_row_values(col, nk, enc, vd + d, st->d_pad);
-    }
+      for (int64_t d = 0; d < D; ++d)
+        vd[j * st->d_pad + d] = load_qkv(p->v, p->dtype, p->v_stride, b, h, j, d);
   }
   free(ks);
-  free(col);
   return ok;
 }
 
@@ -214,6 +205,97 @@ static int prepare_q(attention_state *st, int64_t b, int64_t h) {
     }
   }
   free(qs);
+  return ok;
+}
+
+/* vbar of SPEC 4.3 for one (batch, kv head), in its order: qm from the query-block means of the
+ * head's G query heads (h, then block, ascending), the scores scale * qm . K_j (d ascending), per
+ * 128-key chunk its maximum, sum of exponentials and exponential-weighted sum of V (keys
+ * ascending), the chunks merged in chunk order; 0 where it is not finite. */
+static int v_mean(const attention_state *st, int64_t b, int64_t h, float *vbar) {
+  const fp4attn_attention_params *p = st->p;
+  const int64_t nk = p->len_k, nq = p->len_q, D = p->head_dim, np = st->nk_pad;
+  const int64_t G = p->heads_q / p->heads_kv, bh = b * p->heads_kv + h;
+  const int64_t nchunks = np / BKV;
+  float *qm = (float *)calloc((size_t)D, sizeof(float));
+  float *a = (float *)calloc((size_t)D, sizeof(float));
+  float *ac = (float *)malloc(sizeof(float) * (size_t)(nchunks * D));
+  float *mc = (float *)malloc(sizeof(float) * (size_t)nchunks);
+  float *lc = (float *)malloc(sizeof(float) * (size_t)nchunks);
+  int ok = qm && a && ac && mc && lc;
+  if (ok) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t qb = 0; qb < st->n_qblock; ++qb) {
+        const int64_t n = nq - qb * BQ < BQ ? nq - qb * BQ : BQ;
+        const float *mean = st->qbar + ((b * p->heads_q + h * G + g) * st->n_qblock + qb) * D;
+        for (int64_t d = 0; d < D; ++d) qm[d] += (float)n * mean[d];
+      }
+    for (int64_t d = 0; d < D; ++d) qm[d] /= (float)(G * nq);
+    const float *kf_t = st->kf_t + bh * D * np, *v = st->vd + bh * np * st->d_pad;
+    float m = -INFINITY;
+    for (int64_t c = 0; c < nchunks; ++c) {
+      const int64_t j0 = c * BKV, j1 = j0 + BKV < nk ? j0 + BKV : nk;
+      float s[BKV], cm = -INFINITY, l = 0.0f;
+      float *acc = ac + c * D;
+      for (int64_t j = j0; j < j1; ++j) {
+        float dot = 0.0f;
+        for (int64_t d = 0; d < D; ++d) dot += qm[d] * kf_t[kt_offset(j, d, D)];
+        s[j - j0] = p->scale * dot;
+        cm = fp4attn_nanmax(cm, s[j - j0]);
+      }
+      for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+      for (int64_t j = j0; j < j1; ++j) {
+        const float e = expf(s[j - j0] - cm);
+        l += e;
+        for (int64_t d = 0; d < D; ++d) acc[d] += e * v[j * st->d_pad + d];
+      }
+      mc[c] = cm;
+      lc[c] = l;
+      m = fp4attn_nanmax(m, cm);
+    }
+    float l = 0.0f;
+    for (int64_t c = 0; c < nchunks; ++c) {
+      const float w = expf(mc[c] - m);
+      l += w * lc[c];
+      for (int64_t d = 0; d < D; ++d) a[d] += w * ac[c * D + d];
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      const float r = a[d] / l;
+      vbar[d] = isfinite(m) && isfinite(r) ? r : 0.0f;
+    }
+  }
+  free(qm);
+  free(a);
+  free(ac);
+  free(mc);
+  free(lc);
+  return ok;
+}
+
+/* Phase 3: vbar, then V - vbar quantized per channel along tokens (blocks of 16 tokens, 4.3). */
+static int prepare_v(attention_state *st, int64_t b, int64_t h) {
+  const fp4attn_attention_params *p = st->p;
+  const int64_t nk = p->len_k, D = p->head_dim, np = st->nk_pad, bh = b * p->heads_kv + h;
+  float *vd = st->vd + bh * np * st->d_pad, *vbar = st->vbar + bh * D;
+  float *col = (float *)calloc((size_t)np, sizeof(float));
+  int ok = col != NULL && v_mean(st, b, h, vbar);
+  if (ok) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < nk; ++j)
+      for (int64_t d = 0; d < D; ++d) {
+        const float v = vd[j * st->d_pad + d] - vbar[d];
+        vd[j * st->d_pad + d] = v;
+        amax = fp4attn_nanmax(amax, fabsf(v));
+      }
+    float enc, dec;
+    fp4attn_global_scales(amax, &enc, &dec);
+    st->dv[bh] = dec;
+    for (int64_t d = 0; d < D; ++d) {
+      for (int64_t j = 0; j < nk; ++j) col[j] = vd[j * st->d_pad + d];
+      quantize_row_values(col, nk, enc, vd + d, st->d_pad);
+    }
+  }
+  free(col);
   return ok;
 }
 
@@ -326,7 +408,7 @@ static float mask_value(const fp4attn_attention_params *p, int64_t b, int64_t h,
   return fp4attn_load(p->mask, p->mask_dtype, off);
 }
 
-/* Phase 3: one 128-row query block of one (batch, query head). */
+/* Phase 4: one 128-row query block of one (batch, query head). */
 static int attend_block(attention_state *st, int64_t b, int64_t h, int64_t qb) {
   const fp4attn_attention_params *p = st->p;
   const int64_t nq = p->len_q, nk = p->len_k, D = p->head_dim, np = st->nk_pad;
@@ -336,7 +418,7 @@ static int attend_block(attention_state *st, int64_t b, int64_t h, int64_t qb) {
   const float *qd = st->qd + (bhq * st->n_qblock + qb) * BQ * D,
               *qbar = st->qbar + (bhq * st->n_qblock + qb) * D;
   const float *kd_t = st->kd_t + bhk * D * np, *kf_t = st->kf_t + bhk * D * np;
-  const float *vd = st->vd + bhk * np * st->d_pad;
+  const float *vd = st->vd + bhk * np * st->d_pad, *vbar = st->vbar + bhk * D;
   const float qk_dec = st->dq[bhq] * st->dk[bhk], dv = st->dv[bhk];
 
   float *s = (float *)malloc(sizeof(float) * BQ * BKV);
@@ -397,12 +479,17 @@ static int attend_block(attention_state *st, int64_t b, int64_t h, int64_t qb) {
         m[r] = m_new;
       }
     }
-    /* 4.6: normalise; rows that saw no key give 0 and lse = -inf */
+    /* 4.6: normalise and add vbar back; rows that saw no key give 0 and lse = -inf */
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
       const int64_t ob = b * p->out_stride[0] + h * p->out_stride[1] + i * p->out_stride[2];
-      for (int64_t d = 0; d < D; ++d) fp4attn_store(p->out, p->dtype, ob + d, o[r * D + d] * inv);
+      if (l[r] > 0.0f) {
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; ++d)
+          fp4attn_store(p->out, p->dtype, ob + d, o[r * D + d] * inv + vbar[d]);
+      } else {
+        for (int64_t d = 0; d < D; ++d) fp4attn_store(p->out, p->dtype, ob + d, 0.0f);
+      }
       if (p->lse)
         p->lse[bhq * nq + i] =
             l[r] > 0.0f ? m[r] + logf(l[r]) + st->lse_shift[bhq * nq + i] : -INFINITY;
@@ -435,9 +522,10 @@ fp4attn_status fp4attn_cpu_attention(const fp4attn_attention_params *p) {
   st.qbar = (float *)malloc(sizeof(float) * (size_t)(nqh * st.n_qblock * D));
   st.dq = (float *)malloc(sizeof(float) * (size_t)nqh);
   st.kbar = (float *)malloc(sizeof(float) * (size_t)(nkv * D));
+  st.vbar = (float *)malloc(sizeof(float) * (size_t)(nkv * D));
   st.lse_shift = p->lse ? (float *)malloc(sizeof(float) * (size_t)(nqh * p->len_q)) : NULL;
   int ok = st.kd_t && st.kf_t && st.vd && st.dk && st.dv && st.qd && st.qbar && st.dq && st.kbar &&
-           (st.lse_shift || !p->lse);
+           st.vbar && (st.lse_shift || !p->lse);
   if (ok) {
     int failed = 0;
 #pragma omp parallel num_threads(p->num_threads > 0 ? p->num_threads : omp_get_max_threads()) \
@@ -449,6 +537,9 @@ fp4attn_status fp4attn_cpu_attention(const fp4attn_attention_params *p) {
 #pragma omp for schedule(dynamic)
       for (int64_t i = 0; i < nqh; ++i)
         if (!prepare_q(&st, i / p->heads_q, i % p->heads_q)) failed = 1;
+#pragma omp for schedule(dynamic)
+      for (int64_t i = 0; i < nkv; ++i)
+        if (!prepare_v(&st, i / p->heads_kv, i % p->heads_kv)) failed = 1;
 #pragma omp for schedule(dynamic)
       for (int64_t i = 0; i < nqh * st.n_qblock; ++i) {
         const int64_t bh = i / st.n_qblock;
@@ -466,6 +557,7 @@ fp4attn_status fp4attn_cpu_attention(const fp4attn_attention_params *p) {
   free(st.qbar);
   free(st.dq);
   free(st.kbar);
+  free(st.vbar);
   free(st.lse_shift);
   if (!ok) return fp4attn_error(FP4ATTN_ERR_OUT_OF_MEMORY, "attention: out of memory");
   return fp4attn_ok();

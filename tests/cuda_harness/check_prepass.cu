@@ -8,10 +8,11 @@
  *      kernels' Q^) == fp4attn_quantize_block + block_f16_words on random blocks of every
  *      magnitude, with zeros, -0, NaN and Inf;
  *   3. the pre-pass against a host reference (host_prepass: the summation order of prepass.cu's
- *      header, numerics.h's quantization): qbar, qamax, kbar, qscale, kvscale, kdq and vdq
- *      byte-identical (workspace pre-filled), over dtypes, head dims, lengths, GQA, strided /
- *      packed / unaligned layouts (staged) and special values; determinism; CUDA graph capture
- *      and replay;
+ *      header, numerics.h's quantization): qbar, qamax, kbar, qmean, qscale, kvscale, kdq and vdq
+ *      byte-identical (workspace pre-filled; V's scales and vdq from the device's vbar, which
+ *      agrees with the host's to exp's rounding: 1e-5 of the channel's range), over dtypes, head
+ * dims, lengths, GQA, strided / packed / unaligned layouts (staged) and special values;
+ * determinism; CUDA graph capture and replay;
  *   4. timing at the shapes of benchmarks/bench_attention.py (fp16, B*N = 16K, H*D = 2048, N up to
  *      32K): CUDA events around the pre-pass (counter memset included), L2 flushed before each
  *      call.
@@ -24,6 +25,7 @@
  *   /tmp/chk --profile D N (two pre-passes at a benchmark shape, e.g. under ncu)
  */
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -312,6 +314,7 @@ static std::vector<Section> sections(const fp4attn_attention_params &p) {
   return {{"qbar", off(w.qbar), 4 * bhq * w.nqb * w.dp, 4},
           {"qamax", off(w.qamax), 4 * bhq * w.nqb, 4},
           {"kbar", off(w.kbar), 4 * bhk * w.dp, 4},
+          {"qmean", off(w.qmean), 4 * bhk * w.dp, 4},
           {"qscale", off(w.qscale), 4 * bhq * 2, 4},
           {"kvscale", off(w.kvscale), 4 * bhk * 4, 4},
           {"kdq", off(w.kdq), 2 * bhk * w.nkp * w.dp, 2},
@@ -419,8 +422,50 @@ static void host_block_f16(const float *xs, uint16_t *out) {
   }
 }
 
-/* The sections of `sections()` as the pre-pass must write them, in a workspace image. */
-static std::vector<uint8_t> host_prepass(const Inputs &in) {
+/* vbar of SPEC 4.3 on the host, in the pre-pass's order (vbar_chunk_kernel, vbar_finalize_kernel)
+ * but with the host's expf and a sequential dot product. */
+template <typename Get>
+static void host_vbar(Get getk, Get getv, const float *qm, const fp4attn_attention_params &p, int D,
+                      int64_t nkt, std::vector<float> &vbar) {
+  std::vector<float> mc(nkt), lc(nkt), ac(nkt * D, 0.0f);
+  float m = -INFINITY;
+  for (int64_t kt = 0; kt < nkt; ++kt) {
+    const int rows = (int)std::min<int64_t>(kTile, p.len_k - kt * kTile);
+    std::vector<float> s(rows);
+    float cm = -INFINITY;
+    for (int j = 0; j < rows; ++j) {
+      float dot = 0.0f;
+      for (int c = 0; c < D; ++c) dot = fmaf(qm[c], getk(kt * kTile + j, c), dot);
+      s[j] = p.scale * dot;
+      cm = fp4attn_nanmax(cm, s[j]);
+    }
+    float l = 0.0f;
+    for (int j = 0; j < rows; ++j) {
+      const float e = expf(s[j] - cm);
+      l = l + e;
+      for (int c = 0; c < D; ++c) ac[kt * D + c] = ac[kt * D + c] + e * getv(kt * kTile + j, c);
+    }
+    mc[kt] = cm, lc[kt] = l;
+    m = fp4attn_nanmax(m, cm);
+  }
+  float l = 0.0f;
+  std::vector<float> a(D, 0.0f);
+  for (int64_t kt = 0; kt < nkt; ++kt) {
+    const float wc = expf(mc[kt] - m);
+    l = l + wc * lc[kt];
+    for (int c = 0; c < D; ++c) a[c] = a[c] + wc * ac[kt * D + c];
+  }
+  vbar.assign(D, 0.0f);
+  for (int c = 0; c < D; ++c) {
+    const float v = a[c] / l;
+    vbar[c] = std::isfinite(m) && std::isfinite(v) ? v : 0.0f;
+  }
+}
+
+/* The sections of `sections()` as the pre-pass must write them, in a workspace image; V's scales
+ * and vdq from `dev`'s vbar (the device's workspace image), after checking it against the host's
+ * (within 1e-5 of its magnitude plus the channel's largest |V|; a mismatch fails the run). */
+static std::vector<uint8_t> host_prepass(const Inputs &in, const std::vector<uint8_t> &dev) {
   const fp4attn_attention_params &p = in.p;
   const AttnWorkspace w = attn_workspace_layout(&p, fp16_plan(p), (void *)0x100000);
   auto off = [&](const void *ptr) { return (int64_t)((const char *)ptr - (const char *)0x100000); };
@@ -429,6 +474,8 @@ static std::vector<uint8_t> host_prepass(const Inputs &in) {
   float *kbar = (float *)(img.data() + off(w.kbar)),
         *qscale = (float *)(img.data() + off(w.qscale));
   float *kvscale = (float *)(img.data() + off(w.kvscale));
+  float *qmean = (float *)(img.data() + off(w.qmean));
+  const float *dev_vbar = (const float *)(dev.data() + off(w.vbar));
   uint16_t *kdq = (uint16_t *)(img.data() + off(w.kdq)),
            *vdq = (uint16_t *)(img.data() + off(w.vdq));
   const HostInputs h = host_inputs(in);
@@ -459,7 +506,8 @@ static std::vector<uint8_t> host_prepass(const Inputs &in) {
       auto getk = [&](int64_t t, int c) { return h.at(h.k, h.kd, p.k, p.k_stride, b, hk, t, c); };
       auto getv = [&](int64_t t, int c) { return h.at(h.v, h.vd, p.v, p.v_stride, b, hk, t, c); };
       std::vector<float> ks(D8, 0.0f), kmn(D8, INFINITY), kmx(D8, -INFINITY);
-      float vam = 0.0f;
+      std::vector<float> vmn(D8, INFINITY), vmx(D8, -INFINITY);
+      bool vnan = false;
       for (int64_t kt = 0; kt < w.nkt; ++kt) {
         const int rows = (int)std::min<int64_t>(kTile, p.len_k - kt * kTile);
         host_column_stats(getk, kt * kTile, rows, D, D8, sum, mn, mx);
@@ -469,13 +517,41 @@ static std::vector<uint8_t> host_prepass(const Inputs &in) {
           kmx[c] = fmaxf(kmx[c], mx[c]);
         }
         for (int64_t t = kt * kTile; t < kt * kTile + rows; ++t)
-          for (int c = 0; c < D; ++c) vam = fp4attn_nanmax(vam, fabsf(getv(t, c)));
+          for (int c = 0; c < D8; ++c) {
+            const float v = c < D ? getv(t, c) : 0.0f;
+            vmn[c] = fminf(vmn[c], v), vmx[c] = fmaxf(vmx[c], v), vnan = vnan || v != v;
+          }
       }
       float kam = 0.0f;
       for (int c = 0; c < D8; ++c) {
         kbar[bh * DP + c] = ks[c] / (float)p.len_k;
         kam = fp4attn_nanmax(kam, host_amax_around(kbar[bh * DP + c], kmn[c], kmx[c]));
       }
+      /* qm: n_i x qbar_i over the G query heads, then their blocks, / (G x Nq) */
+      const int64_t G = p.heads_q / p.heads_kv;
+      for (int c = 0; c < DP; ++c) {
+        float qs = 0.0f;
+        for (int64_t i = 0; c < D8 && i < G * w.nqb; ++i) {
+          const int64_t qb = i % w.nqb, row = (b * p.heads_q + hk * G + i / w.nqb) * w.nqb + qb;
+          qs = qs + (float)std::min<int64_t>(kTile, p.len_q - qb * kTile) * qbar[row * DP + c];
+        }
+        qmean[bh * DP + c] = c < D8 ? qs / (float)(G * p.len_q) : 0.0f;
+      }
+      std::vector<float> hv;
+      host_vbar(getk, getv, qmean + bh * DP, p, D, w.nkt, hv);
+      const float *vb = dev_vbar + bh * DP;
+      float vam = 0.0f;
+      for (int c = 0; c < D8; ++c) {
+        const float h = c < D ? hv[c] : 0.0f;
+        const float tol = 1e-5f * (fabsf(h) + fmaxf(fabsf(vmn[c]), fabsf(vmx[c])));
+        if (!(fabsf(vb[c] - h) <= tol) && !(vb[c] == 0.0f && h == 0.0f)) {
+          printf("vbar differs: head %lld channel %d device %.9g host %.9g\n", (long long)bh, c,
+                 vb[c], h);
+          g_fail = 1;
+        }
+        vam = fp4attn_nanmax(vam, host_amax_around(vb[c], vmn[c], vmx[c]));
+      }
+      if (vnan) vam = NAN;
       float *sc = kvscale + bh * 4;
       fp4attn_global_scales(kam, &sc[0], &sc[1]);
       fp4attn_global_scales(vam, &sc[2], &sc[3]);
@@ -493,7 +569,7 @@ static std::vector<uint8_t> host_prepass(const Inputs &in) {
           for (int t0 = 0; t0 < kTile; t0 += 16) {
             for (int e = 0; e < 16; ++e) {
               const int64_t t = kt * kTile + t0 + e;
-              xs[e] = t < p.len_k && c < D ? getv(t, c) * sc[2] : 0.0f;
+              xs[e] = t < p.len_k && c < D ? (getv(t, c) - vb[c]) * sc[2] : 0.0f;
             }
             host_block_f16(xs, vdq + ((bh * w.nkt + kt) * DP + c) * kTile + t0);
           }
@@ -536,8 +612,8 @@ static std::string compare(const fp4attn_attention_params &p, const std::vector<
 static void check_case(const Case &c, uint32_t seed) {
   Inputs in = make_inputs(c, seed);
   CK(cudaDeviceSynchronize());
-  const std::vector<uint8_t> ref = host_prepass(in);
   const std::vector<uint8_t> got = run_prepass(in.p, 0x5C);
+  const std::vector<uint8_t> ref = host_prepass(in, got);
   std::string diff = compare(in.p, ref, got);
   if (diff.empty()) {
     const std::vector<uint8_t> again = run_prepass(in.p, 0x33);
@@ -629,7 +705,7 @@ static void graph_check() {
     CK(cudaStreamSynchronize(s));
     std::vector<uint8_t> got(w0.bytes);
     CK(cudaMemcpy(got.data(), ws, w0.bytes, cudaMemcpyDeviceToHost));
-    const std::vector<uint8_t> ref = host_prepass(in);
+    const std::vector<uint8_t> ref = host_prepass(in, got);
     const std::string d = compare(in.p, ref, got);
     if (!d.empty()) {
       ok = false;

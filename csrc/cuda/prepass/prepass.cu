@@ -1,24 +1,32 @@
 /*
  * The quantization pre-pass of the CUDA attention (SPEC 4.1-4.3): qbar and max |Q - qbar| per
- * 128-row query block, kbar, the global scales of Qs, Ks and V, and, for the kernels with FP16
- * operands, Ks^ quantized along D into kdq and V^ along tokens into the tile-major vdq (layouts in
- * tile/workspace.cuh). Three kernels, none of which waits for another block:
+ * 128-row query block, kbar, vbar (V smoothing), the global scales of Qs, Ks and V - vbar, and, for
+ * the kernels with FP16 operands, Ks^ quantized along D into kdq and (V - vbar)^ along tokens into
+ * the tile-major vdq (layouts in tile/workspace.cuh). Five kernels, none of which waits for another
+ * block:
  *   1. stream_stats_kernel, one short block per 128-row block of Q, K or V (1,024 threads per SM
  *      for 16-bit inputs, 8 rows of 16-byte loads per thread), all of a thread's loads in flight
  *      before the first use: a query block stores qbar and max |Q - qbar| (by monotonicity of
  *      rounding, max_j |fl(x_j - c)| = max(|fl(max x - c)|, |fl(c - min x)|), so Q is read once,
  *      evict-first); a K chunk stores its column sums and folds its column minima and maxima into
- *      per-head atomicMax keys (float_key: a min or max is exact in any order); a V chunk folds
- *      max |V| into a per-head key. K and V stay in L2 where they fit.
+ *      per-head atomicMax keys (float_key: a min or max is exact in any order); a V chunk does the
+ *      same with its column minima and maxima and flags a NaN (a NaN column sum) in a per-head key.
+ *      K and V stay in L2 where they fit.
  *   2. stream_finalize_kernel, one block per K/V head (reduce_head: the chunk sums added in chunk
- *      order with batched loads, kbar, the global scales of Ks and V) and per query head (the Q
- *      scales).
- *   3. stream_quantize_kernel, persistent blocks over items of item_rows tokens (one or two
+ *      order with batched loads, kbar, the global scales of Ks; qm, the mean query of the head's
+ *      query blocks) and per query head (the Q scales).
+ *   3. vbar_chunk_kernel, one block per 128-key chunk (SPEC 4.3): the scores scale * qm . K_j (DP/8
+ *      lanes per key, 8 columns each, then a butterfly over those lanes), their chunk maximum M_c,
+ *      l_c = sum exp(s_j - M_c) and per column sum exp(s_j - M_c) V_j (keys ascending), K and V
+ *      read again from L2 where the statistics kernel left them.
+ *   4. vbar_finalize_kernel, one block per K/V head: the chunks merged in chunk order into vbar,
+ *      the amax of V - vbar from the column minima and maxima, the global scales of V - vbar.
+ *   5. stream_quantize_kernel, persistent blocks over items of item_rows tokens (one or two
  *      128-token chunks, half a chunk for fp32 at head dim 256), last item first, so that the
  *      chunks the statistics kernel read last are re-read from L2: K and V copied into shared
  *      memory (cp.async, 16 bytes per copy), the next item's K (V) copied while this item's V (K)
- *      is quantized. Ks^ along D and V^ along tokens (quantize_half_block: two lanes per 16-value
- *      block, hardware E4M3 of bmax/6 (FMA-corrected quotient), a 1/s table, the signed
+ *      is quantized. Ks^ along D and (V - vbar)^ along tokens (quantize_half_block: two lanes per
+ * 16-value block, hardware E4M3 of bmax/6 (FMA-corrected quotient), a 1/s table, the signed
  *      add/subtract E2M1 rounding, one FP16 multiply per pair; NaN/Inf blocks through numerics.h).
  * The kernels read 16-byte vectors of 8 elements: inputs without them (unaligned rows, head dims
  * that are no multiple of 8) are first copied into the workspace's staging area with the head dim
@@ -29,7 +37,8 @@
  * Summation order (it defines the bits of qbar and kbar): a 128-row block of D columns is read as
  * CG = D/8 groups of 8 columns x RG = min(16, 256/CG) row groups (stat_row_groups). Row group g
  * sums rows g, g+RG, ... in order from 0; the block sum adds the RG group sums in order from 0;
- * kbar adds the chunk sums in chunk order from 0 and divides by Nk.
+ * kbar adds the chunk sums in chunk order from 0 and divides by Nk. qm adds n_i x qbar_i over the
+ * KV head's query heads, then their blocks, in order, and divides by G x Nq.
  */
 #include <mutex>
 
@@ -202,16 +211,18 @@ struct __align__(16) PrepassShared {
   float
       red[kThreads * 8]; /* [RG][D] partials of the column statistics; reduce_head's running sums */
   float kbar[256];
+  float vbar[256];
   float small[32];
   ScaleTables tab;
   float enck, encv;
 };
 
-/* What the three kernels share: work counts and the sync section of the workspace
+/* What the five kernels share: work counts and the sync section of the workspace
  * (tile/workspace.cuh, zeroed before every pre-pass). */
 struct StreamParams {
-  unsigned int *vmax;        /* [BHk]: max |V| bits (NaN above Inf), atomicMax */
+  unsigned int *vnan;        /* [BHk]: nonzero where V holds a NaN, atomicMax */
   unsigned int *kmin, *kmax; /* [BHk][Dp]: order keys of the column minima (inverted) / maxima */
+  unsigned int *vmin, *vmax; /* [BHk][Dp]: the same for V */
   int64_t n_q;               /* query blocks */
   int64_t n_kv;              /* quantize items (items_per_head per head) */
   int64_t items_per_head;    /* ceil(nkt / chunks_per_item) */
@@ -242,7 +253,7 @@ struct BlockRows {
   Raw8<T> raw[kMaxRows];
 };
 
-/* A thread's part of a 128-row block for column_stats_of and rows_absmax_of: 8 columns (group
+/* A thread's part of a 128-row block for column_stats_of: 8 columns (group
  * cg) of rows rg, rg + RG, ... (zeros past `rows`), read once (evict-first) or, kReadAgain, kept
  * in L2 for a later kernel. */
 template <typename T, int DP, bool kReadAgain>
@@ -381,24 +392,8 @@ __device__ void q_block_stats_of(const AttnArgs &a, int64_t item, const BlockRow
   if (tid == 0) w.qamax[item] = am;
 }
 
-/* This thread's part of max |x| over a block of rows loaded by load_block_rows (zeros past the
- * end). A max, so any order; NaN if any NaN. */
-template <typename T, int DP>
-__device__ float rows_absmax_of(const BlockRows<T, DP> &b) {
-  float m = 0.0f;
-#pragma unroll
-  for (int i = 0; i < BlockRows<T, DP>::kMaxRows; ++i) {
-    float v[8];
-    raw8_to_float<T>(b.raw[i], v);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) m = max_nan(m, fabsf(v[e]));
-  }
-  return m;
-}
-
 /* One K/V head: kbar = (sum of the chunk sums in chunk order) / Nk, the amax of Ks from the column
- * minima and maxima, max |V|, and the global scales, into
- * the workspace.
+ * minima and maxima and its global scales, and qm, into the workspace.
  * The chunk sums of 4 columns are float4 loads; P threads per 4 columns each load a run of 8
  * chunks at once, then add them in turn, passing the running sums on through shared memory, so
  * that the serial chain waits for one round of loads instead of one per chunk. */
@@ -415,7 +410,6 @@ __device__ void reduce_head(const AttnArgs &a, const StreamParams &f, int64_t bh
     mn = key_float(~__ldcg(&f.kmin[bh * DP + tid]));
     mx = key_float(__ldcg(&f.kmax[bh * DP + tid]));
   }
-  const float vam = __uint_as_float(__ldcg(&f.vmax[bh]));
   constexpr int kRun = 8;
   const int QC = D / 4;                         /* column quads */
   const int64_t runs = (nkt + kRun - 1) / kRun; /* runs of 8 chunks */
@@ -462,14 +456,21 @@ __device__ void reduce_head(const AttnArgs &a, const StreamParams &f, int64_t bh
     w.kbar[bh * DP + tid] = kbar;
   }
   const float kam = block_nanmax(am, sh.small);
-  if (tid == 0) {
-    float enc, dec;
-    fp4attn_global_scales(kam, &enc, &dec);
-    kv_scales(w, bh)[kKEnc] = enc;
-    kv_scales(w, bh)[kKDec] = dec;
-    fp4attn_global_scales(vam, &enc, &dec);
-    kv_scales(w, bh)[kVEnc] = enc;
-    kv_scales(w, bh)[kVDec] = dec;
+  if (tid == 0) fp4attn_global_scales(kam, &kv_scales(w, bh)[kKEnc], &kv_scales(w, bh)[kKDec]);
+  /* qm (SPEC 4.3): n_i x qbar_i over the G query heads of this KV head, then their blocks (the
+   * heads are consecutive, so their blocks are G x nqb consecutive rows of qbar), / (G x Nq) */
+  if (tid < DP) {
+    float qs = 0.0f;
+    if (tid < D) {
+      const int64_t G = p.heads_q / p.heads_kv, n = G * w.nqb;
+      const float *qb = w.qbar + (bh / p.heads_kv * p.heads_q + bh % p.heads_kv * G) * w.nqb * DP;
+      for (int64_t i = 0; i < n; ++i) {
+        const float rows = (float)min((int64_t)kTile, p.len_q - i % w.nqb * kTile);
+        qs = __fadd_rn(qs, __fmul_rn(rows, __ldcg(qb + i * DP + tid)));
+      }
+      qs = __fdiv_rn(qs, (float)(G * p.len_q));
+    }
+    w.qmean[bh * DP + tid] = qs;
   }
 }
 
@@ -499,21 +500,21 @@ __device__ void stream_stats_block(const AttnArgs &a, const StreamParams &f, int
                  bh % p.heads_kv * st[1] + kt * kTile * st[2];
   rows = (int)min((int64_t)kTile, p.len_k - kt * kTile);
   load_block_rows<T, DP, true>(src, st[2], rows, D, rb);
-  if (!is_v) {
-    float s = 0.0f, mn = 0.0f, mx = 0.0f;
-    column_stats_of<T, DP>(rb, rows, D, sh, s, mn, mx);
-    if (tid < D) {
+  /* one column_stats_of call for K and V chunks alike: a third inlined copy spilled on sm_90a */
+  float s = 0.0f, mn = 0.0f, mx = 0.0f;
+  column_stats_of<T, DP>(rb, rows, D, sh, s, mn, mx);
+  if (tid < D) {
+    unsigned int *kmin = is_v ? f.vmin : f.kmin, *kmax = is_v ? f.vmax : f.kmax;
+    atomicMax(&kmin[bh * DP + tid], ~float_key(mn));
+    atomicMax(&kmax[bh * DP + tid], float_key(mx));
+    if (!is_v)
       w.ksum[c * DP + tid] = s;
-      atomicMax(&f.kmin[bh * DP + tid], ~float_key(mn));
-      atomicMax(&f.kmax[bh * DP + tid], float_key(mx));
-    }
-  } else {
-    const float vam = block_nanmax(rows_absmax_of<T, DP>(rb), sh.small);
-    if (tid == 0) atomicMax(&f.vmax[bh], __float_as_uint(vam) & 0x7FFFFFFFu);
+    else if (s != s) /* the minima and maxima skip NaNs; the sum keeps them */
+      atomicMax(&f.vnan[bh], 1u);
   }
 }
 
-/* Kernel 1 of 3: the statistics, one block of stats_threads<DP>() per 128-row block
+/* Kernel 1 of 5: the statistics, one block of stats_threads<DP>() per 128-row block
  * (stream_stats_block): n_q query blocks, then 2 x B x Hkv x nkt K and V chunks. Many short
  * blocks, 1,024 threads per SM for 16-bit inputs at head dims 64 and 128 (registers capped at 64),
  * each with 8 rows of 16-byte loads in flight. */
@@ -528,7 +529,7 @@ __global__ void __launch_bounds__(stats_threads<DP>(), stats_min_blocks<T, DP>()
   stream_stats_block<T, DP>(a, f, blockIdx.x, sh);
 }
 
-/* Kernel 2 of 3: one block per K/V head (kbar and the K and V scales: reduce_head)
+/* Kernel 2 of 5: one block per K/V head (kbar, the K scales and qm: reduce_head)
  * and per query head (the Q scales). */
 template <int DP>
 __global__ void __launch_bounds__(kThreads) stream_finalize_kernel(AttnArgs a, StreamParams f) {
@@ -538,6 +539,120 @@ __global__ void __launch_bounds__(kThreads) stream_finalize_kernel(AttnArgs a, S
     reduce_head<DP>(a, f, blockIdx.x, sh);
   else
     q_head_scales(a.ws, (int64_t)blockIdx.x - bhk, sh.small);
+}
+
+__device__ __forceinline__ float elem_float(__half x) {
+  return __half2float(x);
+}
+__device__ __forceinline__ float elem_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+__device__ __forceinline__ float elem_float(float x) {
+  return x;
+}
+
+/* Kernel 3 of 5 (SPEC 4.3, V smoothing): one block per 128-key chunk c = bh x nkt + kt. The scores
+ * s_j = scale * (qm . K_j): DP/8 lanes per key, 8 columns each (FMA), summed by a butterfly over
+ * those lanes; M_c = max s_j (NaN-propagating), e_j = exp(s_j - M_c), and thread d < D sums
+ * e_j x V_j[d] over the keys in increasing order (thread 0 also l_c = sum e_j), one rounding per
+ * product and per sum. K and V are read again through L2, like the quantize kernel. */
+template <typename T, int DP>
+__global__ void __launch_bounds__(kThreads) vbar_chunk_kernel(AttnArgs a, StreamParams f) {
+  __shared__ float qm[DP];
+  __shared__ float e[kTile];
+  __shared__ float red[kThreads / 32];
+  const fp4attn_attention_params &p = a.p;
+  const AttnWorkspace &w = a.ws;
+  const int64_t c = blockIdx.x, bh = c / w.nkt, kt = c % w.nkt;
+  const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
+  const int D = (int)p.head_dim, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rows = (int)min((int64_t)kTile, p.len_k - kt * kTile);
+  for (int i = tid; i < DP; i += kThreads) qm[i] = __ldcg(&w.qmean[bh * DP + i]);
+  __syncthreads();
+  constexpr int LK = DP / 8, KPW = 32 / LK; /* lanes per key, keys per warp and step */
+  const int cg = lane % LK;
+  const T *k = static_cast<const T *>(p.k) + b * p.k_stride[0] + h * p.k_stride[1] +
+               kt * kTile * p.k_stride[2];
+#pragma unroll 4
+  for (int j0 = warp * KPW; j0 < kTile; j0 += kThreads / 32 * KPW) {
+    const int j = j0 + lane / LK;
+    float dot = 0.0f;
+    if (j < rows && cg * 8 < D) {
+      float v[8];
+      raw8_to_float<T>(raw8_global<T, true>(k + (int64_t)j * p.k_stride[2] + cg * 8), v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot = fmaf(qm[cg * 8 + i], v[i], dot);
+    }
+#pragma unroll
+    for (int o = LK / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    if (cg == 0) e[j] = j < rows ? __fmul_rn(p.scale, dot) : -INFINITY;
+  }
+  __syncthreads();
+  float m = tid < kTile ? e[tid] : -INFINITY;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fp4attn_nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = red[0];
+  for (int i = 1; i < kThreads / 32; ++i) m = fp4attn_nanmax(m, red[i]);
+  if (tid < rows) e[tid] = expf(e[tid] - m);
+  __syncthreads();
+  if (tid < DP) {
+    float acc = 0.0f, l = 0.0f;
+    if (tid < D) {
+      const T *v = static_cast<const T *>(p.v) + b * p.v_stride[0] + h * p.v_stride[1] +
+                   kt * kTile * p.v_stride[2] + tid;
+#pragma unroll 8
+      for (int j = 0; j < rows; ++j) {
+        acc = __fadd_rn(acc, __fmul_rn(e[j], elem_float(__ldcg(v + (int64_t)j * p.v_stride[2]))));
+        l = __fadd_rn(l, e[j]);
+      }
+    }
+    w.vpart[c * DP + tid] = acc;
+    if (tid == 0) {
+      w.vml[2 * c] = m;
+      w.vml[2 * c + 1] = l;
+    }
+  }
+}
+
+/* Kernel 4 of 5 (SPEC 4.3): one block per K/V head. M = max_c M_c, then in chunk order
+ * L = sum exp(M_c - M) l_c and A = sum exp(M_c - M) a_c (every thread the same L), vbar = A / L,
+ * 0 where M or vbar is not finite; the amax of V - vbar from the column minima and maxima
+ * (monotone rounding: max |fl(x - c)| = max(|fl(max x - c)|, |fl(c - min x)|)), NaN where V holds
+ * a NaN, and the global scales of V - vbar. */
+template <int DP>
+__global__ void __launch_bounds__(kThreads) vbar_finalize_kernel(AttnArgs a, StreamParams f) {
+  __shared__ float small[32];
+  const AttnWorkspace &w = a.ws;
+  const int64_t bh = blockIdx.x, nkt = w.nkt;
+  const int D = (int)a.p.head_dim, tid = threadIdx.x;
+  const float *ml = w.vml + bh * nkt * 2, *part = w.vpart + bh * nkt * DP + tid;
+  float m = -INFINITY;
+  for (int64_t c = 0; c < nkt; ++c) m = fp4attn_nanmax(m, __ldcg(&ml[2 * c]));
+  float l = 0.0f, acc = 0.0f;
+  for (int64_t c = 0; c < nkt; ++c) {
+    const float wc = expf(__ldcg(&ml[2 * c]) - m);
+    l = __fadd_rn(l, __fmul_rn(wc, __ldcg(&ml[2 * c + 1])));
+    if (tid < D) acc = __fadd_rn(acc, __fmul_rn(wc, __ldcg(&part[c * DP])));
+  }
+  float am = 0.0f;
+  if (tid < DP) {
+    float vb = 0.0f;
+    if (tid < D) {
+      vb = __fdiv_rn(acc, l);
+      if (!(isfinite(m) && isfinite(vb))) vb = 0.0f;
+      const float mn = key_float(~__ldcg(&f.vmin[bh * DP + tid]));
+      const float mx = key_float(__ldcg(&f.vmax[bh * DP + tid]));
+      am = fp4attn_nanmax(fabsf(__fsub_rn(mx, vb)), fabsf(__fsub_rn(vb, mn)));
+    }
+    w.vbar[bh * DP + tid] = vb;
+  }
+  am = block_nanmax(am, small);
+  if (tid == 0) {
+    if (__ldcg(&f.vnan[bh])) am = NAN;
+    fp4attn_global_scales(am, &kv_scales(w, bh)[kVEnc], &kv_scales(w, bh)[kVDec]);
+  }
 }
 
 /* Copies rows [0, rows) of a chunk (row stride `stride` elements in global memory, D elements
@@ -615,10 +730,11 @@ __device__ void quantize_v_chunk(const T *vbuf, int rows, int D, const PrepassSh
     }
 #pragma unroll
     for (int ch = 0; ch < 8; ++ch) {
+      const float vb = live_g ? sh.vbar[g * 8 + ch] : 0.0f;
       float xs[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        xs[i] = hh * 8 + i < rows ? __fmul_rn(raw8_elem<T>(raw[i], ch), encv) : 0.0f;
+        xs[i] = hh * 8 + i < rows ? __fmul_rn(__fsub_rn(raw8_elem<T>(raw[i], ch), vb), encv) : 0.0f;
       const uint4 o = quantize_half_block(xs, GW, &sh.tab);
       __stcs(reinterpret_cast<uint4 *>(dst + (int64_t)(g * 8 + ch) * kTile + hh * 8), o);
     }
@@ -693,7 +809,7 @@ constexpr int quantize_min_blocks() {
   return kItemBytes <= 32768 ? 4 : (kItemBytes <= 65536 ? 3 : 1);
 }
 
-/* Kernel 3 of 3: Ks^ and V^ of every quantize item (item_rows rows), K and V read again
+/* Kernel 5 of 5: Ks^ and (V - vbar)^ of every quantize item (item_rows rows), K and V read again
  * (from L2 where the statistics kernel left them). Persistent blocks take items n_kv - 1 -
  * blockIdx.x, n_kv - 1 - blockIdx.x - grid, ...: the last chunks that the statistics kernel read
  * come first, while they are still in L2. K and V go through shared memory by cp.async; the next
@@ -722,8 +838,11 @@ __global__ void __launch_bounds__(kThreads, quantize_min_blocks<T, DP>())
     const int chunks = (int)min((int64_t)C, w.nkt - r0 / kTile);
     /* <= 0 for a half-chunk item wholly past len_k: it writes its padding rows as zeros */
     const int rows = (int)min((int64_t)R, p.len_k - r0);
-    __syncthreads(); /* the previous item is done with sh.kbar */
-    for (int c = threadIdx.x; c < DP; c += kThreads) sh.kbar[c] = w.kbar[bh * DP + c];
+    __syncthreads(); /* the previous item is done with sh.kbar and sh.vbar */
+    for (int c = threadIdx.x; c < DP; c += kThreads) {
+      sh.kbar[c] = w.kbar[bh * DP + c];
+      sh.vbar[c] = w.vbar[bh * DP + c];
+    }
     if (threadIdx.x == 0) sh.enck = kv_scales(w, bh)[kKEnc], sh.encv = kv_scales(w, bh)[kVEnc];
     cp_async_wait_group<1>(); /* K has landed; V may still be in flight */
     __syncthreads();
@@ -746,15 +865,16 @@ __global__ void __launch_bounds__(kThreads, quantize_min_blocks<T, DP>())
 typedef void (*PrepassKernel)(AttnArgs, StreamParams);
 
 struct StreamKernels {
-  PrepassKernel stats, finalize, quantize;
+  PrepassKernel stats, finalize, vbar_chunk, vbar_finalize, quantize;
   int stats_threads; /* block size of `stats` */
   int item_rows;     /* token rows per quantize item */
 };
 
 template <typename T, int DP>
 StreamKernels stream_kernels() {
-  return {stream_stats_kernel<T, DP>, stream_finalize_kernel<DP>, stream_quantize_kernel<T, DP>,
-          stats_threads<DP>(), item_rows<T, DP>()};
+  return {stream_stats_kernel<T, DP>, stream_finalize_kernel<DP>,    vbar_chunk_kernel<T, DP>,
+          vbar_finalize_kernel<DP>,   stream_quantize_kernel<T, DP>, stats_threads<DP>(),
+          item_rows<T, DP>()};
 }
 
 template <typename T>
@@ -867,28 +987,36 @@ fp4attn_status stage_operand(const fp4attn_attention_params &p, int64_t heads, i
   return launch_status("attention: pre-pass staging kernel");
 }
 
-/* The three kernels on a's inputs, which have vector rows. */
+/* The five kernels on a's inputs, which have vector rows. */
 fp4attn_status launch_kernels(const AttnArgs &a, bool fp16_operands, cudaStream_t s) {
   const fp4attn_attention_params &p = a.p;
   const AttnWorkspace &w = a.ws;
   const StreamKernels k = stream_kernels_for(a);
   const int64_t bhk = p.batch * p.heads_kv, bhq = p.batch * p.heads_q;
   StreamParams f;
-  f.vmax =
+  f.vnan =
       reinterpret_cast<unsigned int *>(static_cast<unsigned long long *>(w.sync) + kSyncTickets);
-  f.kmin = f.vmax + bhk;
+  f.kmin = f.vnan + bhk;
   f.kmax = f.kmin + bhk * w.dp;
+  f.vmin = f.kmax + bhk * w.dp;
+  f.vmax = f.vmin + bhk * w.dp;
   f.n_q = query_block_count(p, kTile);
   f.items_per_head = ceil_div(w.nkp, (int64_t)k.item_rows);
   f.n_kv = bhk * f.items_per_head;
   const int64_t stats_blocks = f.n_q + 2 * bhk * w.nkt;
-  if (stats_blocks > 0x7FFFFFFFLL || bhk + bhq > 0x7FFFFFFFLL)
+  if (stats_blocks > 0x7FFFFFFFLL || bhk + bhq > 0x7FFFFFFFLL || bhk * w.nkt > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: problem too large for one grid");
   k.stats<<<(unsigned)stats_blocks, (unsigned)k.stats_threads, 0, s>>>(a, f);
   fp4attn_status st = launch_status("attention: pre-pass statistics kernel");
   if (st.code != FP4ATTN_OK) return st;
   k.finalize<<<(unsigned)(bhk + bhq), kThreads, 0, s>>>(a, f);
   st = launch_status("attention: pre-pass finalize kernel");
+  if (st.code != FP4ATTN_OK) return st;
+  k.vbar_chunk<<<(unsigned)(bhk * w.nkt), kThreads, 0, s>>>(a, f);
+  st = launch_status("attention: pre-pass V smoothing kernel");
+  if (st.code != FP4ATTN_OK) return st;
+  k.vbar_finalize<<<(unsigned)bhk, kThreads, 0, s>>>(a, f);
+  st = launch_status("attention: pre-pass V smoothing finalize kernel");
   if (st.code != FP4ATTN_OK || !fp16_operands) return st;
   /* the item buffers hold rows of head_dim elements; the attribute and the occupancy are those of
    * the padded head dim, the kernel's largest */

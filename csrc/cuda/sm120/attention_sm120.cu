@@ -30,6 +30,7 @@ fp4attn_status launch_attention_sm120(const AttnArgs &a, void *own, cudaStream_t
   in.dtype = (int)p->dtype;
   in.qbar = a.ws.qbar;
   in.kbar = a.ws.kbar;
+  in.vbar = a.ws.vbar;
   in.qscale = a.ws.qscale;
   in.kvscale = a.ws.kvscale;
   cudaError_t e = write_operands_sm120(in, L, ws, s);
@@ -41,6 +42,7 @@ fp4attn_status launch_attention_sm120(const AttnArgs &a, void *own, cudaStream_t
   kp.qc = ws + L.qc;
   kp.qs = ws + L.qs;
   kp.qbar = a.ws.qbar;
+  kp.vbar = a.ws.vbar;
   kp.lse_shift = reinterpret_cast<const float *>(ws + L.lse_shift);
   const int64_t bq = L.B * L.Hq, bkv = L.B * L.Hkv;
   kp.dec_q = reinterpret_cast<const float *>(ws + L.dec);

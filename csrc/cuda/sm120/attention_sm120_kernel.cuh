@@ -18,7 +18,8 @@
  *     A scale words are assembled with one more shuffle (thread-id-a selects the k-step)
  *   - O = alpha O + (exp(t - m_new) / 2688) (P^ V^_j dV): 2 MMAs per 8 output channels into a
  *     fresh accumulator, then one FMA pair per element
- * Finally O / l (0 for rows that see no key), LSE = m + log l + scale (q - qbar) . kbar.
+ * Finally O / l + vbar (V smoothing, SPEC 4.3; 0 for rows that see no key),
+ * LSE = m + log l + scale (q - qbar) . kbar.
  */
 #ifndef FP4ATTN_SM120_ATTENTION_KERNEL_CUH
 #define FP4ATTN_SM120_ATTENTION_KERNEL_CUH
@@ -382,7 +383,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
         for (int e = 0; e < 2; ++e) {
           const int c = 8 * n + 2 * t + e;
           if (c >= p.attn.head_dim) continue;
-          const float val = l > 0.0f ? o[n][2 * r + e] * inv : 0.0f;
+          const float val =
+              l > 0.0f ? __fadd_rn(__fmul_rn(o[n][2 * r + e], inv), p.vbar[bkv * DP + c]) : 0.0f;
           if (p.attn.dtype == FP4ATTN_FLOAT16)
             static_cast<__half *>(p.attn.out)[obase + c] = __float2half_rn(val);
           else if (p.attn.dtype == FP4ATTN_BFLOAT16)

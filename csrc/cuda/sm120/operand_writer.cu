@@ -1,11 +1,11 @@
 /*
  * Operand writer of the sm_120a FP4 attention: Q^, K^ and V^ in the kernel's fragment layouts
- * (sm120_common.cuh) from the shared pre-pass's means and global scales (prepass/), so that kbar
- * and the scales are bit-identical to every other CUDA kernel's.
+ * (sm120_common.cuh) from the shared pre-pass's means and global scales (prepass/), so that kbar,
+ * vbar and the scales are bit-identical to every other CUDA kernel's.
  *
  *   quant_q  Q^ = phi(Q - qbar), and the per-row LSE shift (q - qbar) . kbar
  *   quant_k  K^ = phi(K - kbar), token-permuted, fragment order
- *   quant_v  V^ = phi(V^T) along tokens, fragment order
+ *   quant_v  V^ = phi((V - vbar)^T) along tokens, fragment order
  *
  * Block quantization is numerics.h's fp4attn_quantize_block: bit-exact with every other backend
  * given the same FP32 inputs.
@@ -120,14 +120,19 @@ __global__ void __launch_bounds__(256) quant_v(WriterArgs a) {
   if (tb >= a.L.nk_pad / 16) return;
   const float enc = a.in.kvscale[bh * kKvScales + kVEnc];
   if (blockIdx.x == 0 && threadIdx.x == 0) a.dec_v[bh] = a.in.kvscale[bh * kKvScales + kVDec];
+  const float vb = a.in.vbar[bh * Dp + ch];
   float xs[16];
   const int64_t vbase = b * a.in.v_stride[0] + h * a.in.v_stride[1] + ch;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int64_t tok = tb * 16 + i;
-    xs[i] = (tok < a.L.Nk && ch < a.L.D)
-                ? load_as_float(a.in.v, (fp4attn_dtype)DT, vbase + tok * a.in.v_stride[2]) * enc
-                : 0.0f;
+    xs[i] =
+        (tok < a.L.Nk && ch < a.L.D)
+            ? __fmul_rn(
+                  __fsub_rn(
+                      load_as_float(a.in.v, (fp4attn_dtype)DT, vbase + tok * a.in.v_stride[2]), vb),
+                  enc)
+            : 0.0f;
   }
   uint8_t codes[16];
   const uint8_t s = fp4attn_quantize_block(xs, 16, codes);

@@ -97,6 +97,7 @@ struct KernelParams {
   fp4attn_attention_params attn;
   const uint8_t *qc, *qs;
   const float *qbar, *lse_shift, *dec_q, *dec_k, *dec_v;
+  const float *vbar; /* [B*Hkv][Dp] V smoothing means (SPEC 4.3), zero beyond D */
   const uint8_t *kc, *ks, *vc, *vs;
   int k_vec; /* K rows and both channel halves are 16-byte aligned: vector loads for qbar . K */
   int64_t G, nqb, nq_pad, nkt;
@@ -110,6 +111,7 @@ struct WriterInputs {
   int dtype;
   const float *qbar;    /* [B*Hq][nqb][Dp] */
   const float *kbar;    /* [B*Hkv][Dp] */
+  const float *vbar;    /* [B*Hkv][Dp]: V's smoothing mean, subtracted before quantizing */
   const float *qscale;  /* [B*Hq][2]: enc, dec */
   const float *kvscale; /* [B*Hkv][4]: enc, dec of K; enc, dec of V */
 };

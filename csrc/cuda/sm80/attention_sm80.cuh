@@ -248,7 +248,8 @@ struct FwdKernel {
     const float unit[2] = {1.0f, 1.0f}; /* o is O: the scales were applied per tile */
     store_rows<DP>(a, wrows, c.bh, rs.o, unit, rs.sm,
                    reinterpret_cast<const float *>(smem + C::kOffQbar),
-                   w.kbar + c.bhk * DP); /* kbar from global: keeps smem within sm_80's 163 KB */
+                   w.kbar + c.bhk * DP,  /* kbar, vbar from global: keeps smem within sm_80's */
+                   w.vbar + c.bhk * DP); /* 163 KB */
   }
 };
 

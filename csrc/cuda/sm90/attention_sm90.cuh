@@ -652,9 +652,10 @@ struct Kernel {
                       : fast_exp2(st.ref[r] - st.m[r]) * (decv / FP4ATTN_NVFP4_RANGE);
       if (a.vec_out)
         store_rows_staged<DP>(a, erows, e.bh, o, omul, st, e.qbar, w.kbar + e.bhk * DP,
-                              sh.out_stage(cwg, wwarp));
+                              w.vbar + e.bhk * DP, sh.out_stage(cwg, wwarp));
       else
-        store_rows<DP>(a, erows, e.bh, o, omul, st, e.qbar, w.kbar + e.bhk * DP);
+        store_rows<DP>(a, erows, e.bh, o, omul, st, e.qbar, w.kbar + e.bhk * DP,
+                       w.vbar + e.bhk * DP);
       FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrEnd);
       FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrSm);
       FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrEndNs);

@@ -1,6 +1,7 @@
 /*
- * Output epilogue of one warp's rows (SPEC 4.6): O / l cast to the output dtype, and the LSE
- * with the key-smoothing shift added back.
+ * Output epilogue of one warp's rows (SPEC 4.6): O / l + vbar (V smoothing, SPEC 4.3; rows without
+ * visible keys stay 0) cast to the output dtype, and the LSE with the key-smoothing shift added
+ * back.
  */
 #ifndef FP4ATTN_CUDA_TILE_EPILOGUE_CUH
 #define FP4ATTN_CUDA_TILE_EPILOGUE_CUH
@@ -50,13 +51,22 @@ __device__ __forceinline__ void store_lse(const AttnArgs &a, const WarpRows &w, 
   }
 }
 
-/* SPEC 4.6 for one warp's rows: O / l with O = omul * o per row (rows without visible keys -> 0)
- * cast to the output dtype, and the LSE (store_lse). Any output layout and dtype: stores straight
- * from the accumulator layout (4 or 8 bytes per store, 8 rows per warp instruction). */
+/* Output element pair (d, d + 1) of row r: fl(fl(o x inv) + vbar) for rows with visible keys, 0
+ * for the others (inv = 0 there). vbar: the KV head's V smoothing mean, zero beyond D (d even). */
+__device__ __forceinline__ float2 out_pair(float o0, float o1, float inv, bool visible,
+                                           const float *vbar, int d) {
+  const float2 vb = visible ? *reinterpret_cast<const float2 *>(vbar + d) : make_float2(0.0f, 0.0f);
+  return make_float2(__fadd_rn(__fmul_rn(o0, inv), vb.x), __fadd_rn(__fmul_rn(o1, inv), vb.y));
+}
+
+/* SPEC 4.6 for one warp's rows: O / l + vbar with O = omul * o per row (rows without visible keys
+ * -> 0) cast to the output dtype, and the LSE (store_lse). Any output layout and dtype: stores
+ * straight from the accumulator layout (4 or 8 bytes per store, 8 rows per warp instruction). */
 template <int DP>
 __device__ __forceinline__ void store_rows(const AttnArgs &a, const WarpRows &w, int64_t bh,
                                            const float (&o)[DP / 8][4], const float (&omul)[2],
-                                           SoftmaxState &st, const float *qbar, const float *kbar) {
+                                           SoftmaxState &st, const float *qbar, const float *kbar,
+                                           const float *vbar) {
   const fp4attn_attention_params &p = a.p;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -68,14 +78,15 @@ __device__ __forceinline__ void store_rows(const AttnArgs &a, const WarpRows &w,
     const int64_t qi = w.row0 + g + r * 8;
     if (qi < p.len_q) {
       const int64_t ob = w.b * p.out_stride[0] + w.h * p.out_stride[1] + qi * p.out_stride[2];
+      const bool visible = st.l[r] > 0.0f;
 #pragma unroll
       for (int n = 0; n < DP / 8; ++n) {
         const int d = n * 8 + 2 * t;
-        const float v0 = o[n][2 * r] * inv[r], v1 = o[n][2 * r + 1] * inv[r];
+        const float2 v = out_pair(o[n][2 * r], o[n][2 * r + 1], inv[r], visible, vbar, d);
         if (d + 1 < D)
-          store2_from_float(p.out, p.dtype, ob + d, v0, v1, a.out_pair);
+          store2_from_float(p.out, p.dtype, ob + d, v.x, v.y, a.out_pair);
         else if (d < D)
-          store_from_float(p.out, p.dtype, ob + d, v0);
+          store_from_float(p.out, p.dtype, ob + d, v.x);
       }
     }
   }
@@ -92,7 +103,7 @@ __device__ __forceinline__ void store_rows_staged(const AttnArgs &a, const WarpR
                                                   const float (&o)[DP / 8][4],
                                                   const float (&omul)[2], SoftmaxState &st,
                                                   const float *qbar, const float *kbar,
-                                                  uint32_t *stage) {
+                                                  const float *vbar, uint32_t *stage) {
   const fp4attn_attention_params &p = a.p;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -104,9 +115,11 @@ __device__ __forceinline__ void store_rows_staged(const AttnArgs &a, const WarpR
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = g + 8 * r;
+    const bool visible = st.l[r] > 0.0f;
 #pragma unroll
     for (int n = 0; n < kChunks; ++n) {
-      const float v0 = o[n][2 * r] * inv[r], v1 = o[n][2 * r + 1] * inv[r];
+      const float2 v = out_pair(o[n][2 * r], o[n][2 * r + 1], inv[r], visible, vbar, n * 8 + 2 * t);
+      const float v0 = v.x, v1 = v.y;
       uint32_t word;
       if (bf) {
         const __nv_bfloat162 h = __floats2bfloat162_rn(v0, v1);

@@ -8,6 +8,10 @@
  *   qamax   f32 [BHq][nqb]         max |Q - qbar| of each query block
  *   ksum    f32 [BHk][nkt][Dp]     per-128-token column sums of K
  *   kbar    f32 [BHk][Dp]          key mean (SPEC 4.1)
+ *   qmean   f32 [BHk][Dp]          mean query of the KV head's query heads (SPEC 4.3, qm)
+ *   vpart   f32 [BHk][nkt][Dp]     per-128-key chunk sums exp(s_j - M_c) V_j of V smoothing
+ *   vml     f32 [BHk][nkt][2]      the chunk's M_c and l_c = sum exp(s_j - M_c)
+ *   vbar    f32 [BHk][Dp]          V smoothing mean (SPEC 4.3), zero beyond D
  *   qscale  f32 [BHq][2]           enc, dec of Qs
  *   kvscale f32 [BHk][4]           enc, dec of Ks; enc, dec of V
  *   kdq     f16 [BHk][nkp][Dp]     Ks^ quantized along D (SPEC 4.3), stored as the exact FP16
@@ -18,9 +22,9 @@
  *   qstage  f16 [S][128][Dp]       Q^ of the next query block of each block of the persistent
  *                                  sm90 kernel (sm90/attention_sm90.cuh, Dp = 64), as its
  *                                  shared-memory image; S = AttnPlan::qstage_blocks
- *   sync    u64, u32 [BHk], u32 [BHk][Dp] x 2: the Hopper kernel's work ticket, then the max |V|
- *                                  and column min/max keys of the pre-pass (prepass/),
- *                                  zeroed on the stream by every pre-pass
+ *   sync    u64, u32 [BHk], u32 [BHk][Dp] x 4: the Hopper kernel's work ticket, then the max |V|
+ *                                  key and the K and V column min/max keys of the pre-pass
+ *                                  (prepass/), zeroed on the stream by every pre-pass
  * Storing the dequantized values (exact: at most 6 significant bits) rather than packed FP4 moves
  * the dequantization out of the attention kernels' inner loops; the bits are the same as
  * dequantizing the FP4 codes in the kernel. Q is not stored quantized: the sm80/sm90 kernels
@@ -68,7 +72,7 @@ struct AttnPlan {
 
 struct AttnWorkspace {
   int64_t dp, nqb, nkt, nkp;
-  float *qbar, *qamax, *ksum, *kbar, *qscale, *kvscale;
+  float *qbar, *qamax, *ksum, *kbar, *qmean, *vpart, *vml, *vbar, *qscale, *kvscale;
   __half *kdq, *vdq, *qstage;
   int64_t qstage_blocks;
   void *sync;
@@ -104,7 +108,7 @@ struct AttnArgs {
 
 /* Bytes of the sync section (see the layout above). */
 static inline int64_t attn_sync_bytes(int64_t bhk, int64_t dp) {
-  return 8 * kSyncTickets + 4 * bhk + 8 * bhk * dp;
+  return 8 * kSyncTickets + 4 * bhk + 16 * bhk * dp;
 }
 
 /* Fills the section pointers for `base` (may be null to only compute the size). */
@@ -129,6 +133,10 @@ static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params
   w.qamax = (float *)take(4 * bhq * w.nqb);
   w.ksum = (float *)take(4 * bhk * w.nkt * w.dp);
   w.kbar = (float *)take(4 * bhk * w.dp);
+  w.qmean = (float *)take(4 * bhk * w.dp);
+  w.vpart = (float *)take(4 * bhk * w.nkt * w.dp);
+  w.vml = (float *)take(4 * bhk * w.nkt * 2);
+  w.vbar = (float *)take(4 * bhk * w.dp);
   w.qscale = (float *)take(4 * bhq * 2);
   w.kvscale = (float *)take(4 * bhk * 4);
   const int64_t operand_bytes = plan.fp16_operands ? 2 * bhk * w.nkp * w.dp : 0;
