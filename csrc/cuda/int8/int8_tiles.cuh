@@ -18,7 +18,8 @@
 namespace fp4attn_cuda {
 
 constexpr int kBQ8 = 64; /* SPEC_INT8 BQ: query rows per block (one Q^ scale, backward row block) */
-constexpr int kBK8 = 128; /* SPEC_INT8 BK: keys per block and per online-softmax step */
+constexpr int kBK8 = 128;    /* SPEC_INT8 BK: keys per block and per online-softmax step */
+constexpr int kQaRows = 512; /* query rows per partial column amax of Q (the migration's qa) */
 
 /* Head dims the INT8 kernels are instantiated for (inputs are zero-padded up to them). */
 static inline int64_t int8_padded_head_dim(int64_t d) {
@@ -35,26 +36,29 @@ __host__ __device__ __forceinline__ int perm16(int pos) {
  * are int8, "perm" tiles are transposed per block with perm16 along their rows. */
 struct Int8Workspace {
   int64_t dp, nqb, nkb, nqp, nkp; /* padded head dim, block counts, padded lengths */
+  int64_t nqa;                    /* partial amaxes of Q per query head: ceil(len_q / kQaRows) */
   float *kbar_part;               /* [bhk][nkb][dp]: per-block column sums of K */
+  float *kmax_part, *kmin_part;   /* [bhk][nkb][dp]: per-block column max / min of K */
+  float *qa_part;                 /* [bhq][nqa][dp]: column amax of |Q| per kQaRows rows */
   float *kbar;                    /* [bhk][dp] */
-  int8_t *kc;                     /* [bhk][nkp][dp]: K^ = psi(K - kbar) per 128 keys */
+  float *mig, *mig_inv;           /* [bhk][dp]: SPEC_INT8 2.1b's s (1 past D), 1 / s */
+  int8_t *kc;                     /* [bhk][nkp][dp]: K^ = psi((K - kbar) / s) per 128 keys */
   float *sk;                      /* [bhk][nkb] */
   int8_t *vct;                    /* forward: [bhk][nkb][dp][128] perm: V^ per key and channel */
   float *sv;                      /* [bhk][nkb][dp] */
-  int8_t *qc;                     /* [bhq][nqp][dp]: Q^ per 64 rows */
+  int8_t *qc;                     /* [bhq][nqp][dp]: Q^ = psi(Q s) per 64 rows */
   float *sq;                      /* [bhq][nqb] */
   float *qshift;                  /* [bhq][nqp]: scale * (q . kbar), the lse's smoothing term */
   /* backward only */
-  int8_t *kct;      /* [bhk][nkb][dp][128]: K^ transposed per block (natural key order) */
-  int8_t *qct;      /* [bhq][nqb][dp][64] perm: Q^ transposed per block */
-  uint16_t *v16;    /* [bhk][nkp][dp]: V in 16 bits (the dP operand) */
-  uint16_t *do16;   /* [bhq][nqp][dp]: dO in 16 bits */
-  int8_t *doct;     /* [bhq][nqb][dp][64] perm: dO^ per channel over each 64-row block */
-  float *sdo;       /* [bhq][nqb][dp] */
-  float *drow;      /* [bhq][nqp]: rowsum(dO * O) - dlse (0 on padding rows) */
-  float *lse2;      /* [bhq][nqp]: (lse - qshift) * log2(e), +inf where no key is visible */
-  float *dq_acc;    /* [bhq][len_q][dp]: FP32 dQ accumulated by the key blocks */
-  float *ds_rowsum; /* [bhq][len_q]: rowsum of dS (the smoothing correction of dQ) */
+  int8_t *kct;    /* [bhk][nkb][dp][128]: K^ transposed per block (natural key order) */
+  int8_t *qct;    /* [bhq][nqb][dp][64] perm: Q^ transposed per block */
+  uint16_t *v16;  /* [bhk][nkp][dp]: V in 16 bits (the dP operand) */
+  uint16_t *do16; /* [bhq][nqp][dp]: dO in 16 bits */
+  int8_t *doct;   /* [bhq][nqb][dp][64] perm: dO^ per channel over each 64-row block */
+  float *sdo;     /* [bhq][nqb][dp] */
+  float *drow;    /* [bhq][nqp]: rowsum(dO * O) - dlse (0 on padding rows) */
+  float *lse2;    /* [bhq][nqp]: (lse - qshift) * log2(e), +inf where no key is visible */
+  float *dq_acc;  /* [bhq][len_q][dp]: FP32 dQ accumulated by the key blocks */
   int64_t bytes;
 };
 
@@ -80,6 +84,7 @@ static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params
   w.nkb = ceil_div(p->len_k, kBK8);
   w.nqp = w.nqb * kBQ8;
   w.nkp = w.nkb * kBK8;
+  w.nqa = ceil_div(p->len_q, kQaRows);
   const int64_t bhq = p->batch * p->heads_q, bhk = p->batch * p->heads_kv, dp = w.dp;
   int64_t off = 0;
   char *b = static_cast<char *>(base);
@@ -89,7 +94,12 @@ static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params
     return r;
   };
   w.kbar_part = (float *)take(4 * bhk * w.nkb * dp);
+  w.kmax_part = (float *)take(4 * bhk * w.nkb * dp);
+  w.kmin_part = (float *)take(4 * bhk * w.nkb * dp);
+  w.qa_part = (float *)take(4 * bhq * w.nqa * dp);
   w.kbar = (float *)take(4 * bhk * dp);
+  w.mig = (float *)take(4 * bhk * dp);
+  w.mig_inv = (float *)take(4 * bhk * dp);
   w.kc = (int8_t *)take(bhk * w.nkp * dp);
   w.sk = (float *)take(4 * bhk * w.nkb);
   w.vct = (int8_t *)take(backward ? 0 : bhk * w.nkp * dp);
@@ -107,7 +117,6 @@ static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params
   w.drow = (float *)take(bw * 4 * bhq * w.nqp);
   w.lse2 = (float *)take(bw * 4 * bhq * w.nqp);
   w.dq_acc = (float *)take(bw * 4 * bhq * p->len_q * dp);
-  w.ds_rowsum = (float *)take(bw * 4 * bhq * p->len_q);
   w.bytes = off;
   return w;
 }
@@ -239,7 +248,8 @@ __device__ __forceinline__ float masked_score(const fp4attn_attention_params &p,
 
 /* The backward's epilogue: dK and dV of one warp's 16 keys from key0 (accumulator layout, columns
  * d0 + 8n + 2t) into the contiguous [B, Hkv, Nk, D] gradients of KV head bhk, in the input dtype;
- * keys past len_k and columns past head_dim are not stored. */
+ * keys past len_k and columns past head_dim are not stored. dk holds the gradient of Ks' summed
+ * over the KV head's query heads; dK = that / s (SPEC_INT8 3), a product with the exact 1 / s. */
 template <int N>
 __device__ __forceinline__ void store_dk_dv_rows(const Int8Args &a, int64_t bhk, int64_t key0,
                                                  int d0, const float (&dk)[N][4],
@@ -247,21 +257,25 @@ __device__ __forceinline__ void store_dk_dv_rows(const Int8Args &a, int64_t bhk,
   const fp4attn_attention_params &p = a.p;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const bool pair_ok = p.head_dim % 2 == 0;
+  const float *inv = a.ws.mig_inv + bhk * a.ws.dp;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t key = key0 + g + 8 * r;
-    if (key >= p.len_k) continue;
-    const int64_t base = (bhk * p.len_k + key) * p.head_dim;
+  for (int n = 0; n < N; ++n) {
+    const int col = d0 + n * 8 + 2 * t;
+    if (col >= p.head_dim) continue;
+    /* 1 / s of columns col, col + 1 (< dp: in the workspace even past head_dim) */
+    const float inv0 = __ldg(inv + col), inv1 = __ldg(inv + col + 1);
 #pragma unroll
-    for (int n = 0; n < N; ++n) {
-      const int col = d0 + n * 8 + 2 * t;
-      if (col >= p.head_dim) continue;
+    for (int r = 0; r < 2; ++r) {
+      const int64_t key = key0 + g + 8 * r;
+      if (key >= p.len_k) continue;
+      const int64_t at = (bhk * p.len_k + key) * p.head_dim + col;
+      const float dk0 = __fmul_rn(dk[n][2 * r], inv0);
       if (col + 1 < p.head_dim) {
-        store2_from_float(a.dk, p.dtype, base + col, dk[n][2 * r], dk[n][2 * r + 1], pair_ok);
-        store2_from_float(a.dv, p.dtype, base + col, dv[n][2 * r], dv[n][2 * r + 1], pair_ok);
+        store2_from_float(a.dk, p.dtype, at, dk0, __fmul_rn(dk[n][2 * r + 1], inv1), pair_ok);
+        store2_from_float(a.dv, p.dtype, at, dv[n][2 * r], dv[n][2 * r + 1], pair_ok);
       } else {
-        store_from_float(a.dk, p.dtype, base + col, dk[n][2 * r]);
-        store_from_float(a.dv, p.dtype, base + col, dv[n][2 * r]);
+        store_from_float(a.dk, p.dtype, at, dk0);
+        store_from_float(a.dv, p.dtype, at, dv[n][2 * r]);
       }
     }
   }

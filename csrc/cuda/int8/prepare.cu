@@ -5,16 +5,21 @@
  * rows allow) and reads them from there in every order its outputs need.
  *
  * - kbar: per 128-key block column sums of K, then their ordered sum / Nk (deterministic, so that
- *   the backward recomputes the forward's K^ bit for bit).
- * - K, V: K^ = psi(K - kbar) per 128 keys (row-major; transposed too for the backward); V^ =
- *   psi(V) per 128 keys and channel (perm tiles; forward), V in 16 bits (backward).
- * - Q: Q^ = psi(Q) per 64 rows (row-major; perm tiles for the backward), and the lse's smoothing
- *   term scale * (q . kbar) per row.
+ *   the backward recomputes the forward's K^ bit for bit), with the column max and min of K.
+ * - the channel migration (SPEC_INT8 2.1b): the column amax of |Q| per kQaRows rows, then per
+ *   (batch, KV head) and channel qa (over the group's query heads), ka from K's max, min and kbar,
+ *   and s = fp4attn_int8_migration_factor(qa, ka) with 1 / s (max and min are exact in any order).
+ * - K, V: K^ = psi((K - kbar) / s) per 128 keys (row-major; transposed too for the backward);
+ *   V^ = psi(V) per 128 keys and channel (perm tiles; forward), V in 16 bits (backward).
+ * - Q: Q^ = psi(Q s) per 64 rows (row-major; perm tiles for the backward), and the lse's
+ *   smoothing term scale * (q . kbar) per row, of the unmigrated q.
  * - dO (backward): Drow = rowsum(dO * O) - dlse (16-bit operands, like dP), the smoothed lse in
  *   log2 units, dO^ per channel over each 64-row block (perm tiles), dO in 16 bits.
- * - finish_dq (backward): dQ = the kernel's FP32 sum + scale * rowsum(dS) kbar, in the input dtype.
+ * - finish_dq (backward): dQ = the kernel's FP32 sum * s + scale * dlse kbar, in the input
+ *   dtype (the kernels' dK epilogue divides by s).
  */
 #include "attention_int8.h"
+#include "fp4attn/int8_migration.h"
 #include "int8_tiles.cuh"
 
 namespace fp4attn_cuda {
@@ -137,7 +142,7 @@ __host__ __device__ constexpr int tile_bytes(int rows, int dp) {
 }
 
 __global__ void __launch_bounds__(kThreads) kbar_partial_kernel(const Int8Args a) {
-  __shared__ float part[kThreads * 8];
+  __shared__ float part[kThreads * 8], pmax[kThreads * 8], pmin[kThreads * 8];
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
   const int64_t bhk = blockIdx.x / w.nkb, j = blockIdx.x % w.nkb;
@@ -145,31 +150,92 @@ __global__ void __launch_bounds__(kThreads) kbar_partial_kernel(const Int8Args a
   const int rows = (int)min((int64_t)kBK8, p.len_k - n0), dp = (int)w.dp;
   const int groups = dp / 8, lanes = kThreads / groups; /* row lanes per 8-column group */
   const int c = (threadIdx.x % groups) * 8, lane = threadIdx.x / groups;
-  float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  float s[8], mx[8], mn[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) s[e] = 0.0f, mx[e] = -INFINITY, mn[e] = INFINITY;
   for (int r = lane; r < rows; r += lanes) {
     float v[8];
     load8_padded(p.k, p.dtype, b * p.k_stride[0] + hk * p.k_stride[1] + (n0 + r) * p.k_stride[2], c,
                  (int)p.head_dim, a.vec_k, v);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) s[e] += v[e];
+    for (int e = 0; e < 8; ++e) {
+      s[e] += v[e];
+      mx[e] = fmaxf(mx[e], v[e]); /* a NaN makes kbar, and so ka, NaN */
+      mn[e] = fminf(mn[e], v[e]);
+    }
   }
 #pragma unroll
-  for (int e = 0; e < 8; ++e) part[lane * dp + c + e] = s[e];
+  for (int e = 0; e < 8; ++e) {
+    part[lane * dp + c + e] = s[e];
+    pmax[lane * dp + c + e] = mx[e];
+    pmin[lane * dp + c + e] = mn[e];
+  }
   __syncthreads();
   for (int d = threadIdx.x; d < dp; d += kThreads) { /* the lanes in a fixed order */
-    float t = 0.0f;
-    for (int l = 0; l < lanes; ++l) t += part[l * dp + d];
+    float t = 0.0f, hi = -INFINITY, lo = INFINITY;
+    for (int l = 0; l < lanes; ++l) {
+      t += part[l * dp + d];
+      hi = fmaxf(hi, pmax[l * dp + d]);
+      lo = fminf(lo, pmin[l * dp + d]);
+    }
     w.kbar_part[(bhk * w.nkb + j) * dp + d] = t;
+    w.kmax_part[(bhk * w.nkb + j) * dp + d] = hi;
+    w.kmin_part[(bhk * w.nkb + j) * dp + d] = lo;
   }
 }
 
-__global__ void __launch_bounds__(kThreads) kbar_final_kernel(const Int8Args a) {
+/* The column amax of |Q| over kQaRows rows of one (batch, query head) (NaN propagates). */
+__global__ void __launch_bounds__(kThreads) q_amax_partial_kernel(const Int8Args a) {
+  __shared__ float part[kThreads * 8];
+  const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
-  const int64_t bhk = blockIdx.x;
+  const int64_t bh = blockIdx.x / w.nqa, i = blockIdx.x % w.nqa;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q, r0 = i * kQaRows;
+  const int rows = (int)min((int64_t)kQaRows, p.len_q - r0), dp = (int)w.dp;
+  const int groups = dp / 8, lanes = kThreads / groups; /* row lanes per 8-column group */
+  const int c = (threadIdx.x % groups) * 8, lane = threadIdx.x / groups;
+  float m[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (int r = lane; r < rows; r += lanes) {
+    float v[8];
+    load8_padded(p.q, p.dtype, b * p.q_stride[0] + h * p.q_stride[1] + (r0 + r) * p.q_stride[2], c,
+                 (int)p.head_dim, a.vec_q, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) m[e] = amax_u(m[e], fabsf(v[e]));
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) part[lane * dp + c + e] = m[e];
+  __syncthreads();
+  for (int d = threadIdx.x; d < dp; d += kThreads) {
+    float t = 0.0f;
+    for (int l = 0; l < lanes; ++l) t = amax_u(t, part[l * dp + d]);
+    w.qa_part[(bh * w.nqa + i) * dp + d] = t;
+  }
+}
+
+/* kbar, and SPEC_INT8 2.1b's s and 1 / s, of one (batch, KV head). */
+__global__ void __launch_bounds__(kThreads) kbar_final_kernel(const Int8Args a) {
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  const int64_t bhk = blockIdx.x, G = p.heads_q / p.heads_kv;
+  const int64_t bh0 = (bhk / p.heads_kv) * p.heads_q + (bhk % p.heads_kv) * G; /* 1st query head */
   for (int d = threadIdx.x; d < w.dp; d += kThreads) {
-    float s = 0.0f;
-    for (int64_t j = 0; j < w.nkb; ++j) s += w.kbar_part[(bhk * w.nkb + j) * w.dp + d];
-    w.kbar[bhk * w.dp + d] = d < a.p.head_dim ? s / (float)a.p.len_k : 0.0f;
+    float s = 0.0f, hi = -INFINITY, lo = INFINITY;
+    for (int64_t j = 0; j < w.nkb; ++j) {
+      const int64_t at = (bhk * w.nkb + j) * w.dp + d;
+      s += w.kbar_part[at];
+      hi = fmaxf(hi, w.kmax_part[at]);
+      lo = fminf(lo, w.kmin_part[at]);
+    }
+    float qa = 0.0f;
+    for (int64_t e = 0; e < G * w.nqa; ++e)
+      qa = amax_u(qa, w.qa_part[(bh0 * w.nqa + e) * w.dp + d]);
+    const float kbar = d < p.head_dim ? s / (float)p.len_k : 0.0f;
+    const float mig =
+        d < p.head_dim ? fp4attn_int8_migration_factor(qa, fp4attn_int8_migration_ka(hi, lo, kbar))
+                       : 1.0f;
+    w.kbar[bhk * w.dp + d] = kbar;
+    w.mig[bhk * w.dp + d] = mig;
+    w.mig_inv[bhk * w.dp + d] = __frcp_rn(mig); /* exact: a power of two in [2^-63, 2^64] */
   }
 }
 
@@ -186,13 +252,13 @@ __global__ void __launch_bounds__(kThreads) quantize_kv_kernel(const Int8Args a,
   const int rows = (int)min((int64_t)kBK8, p.len_k - n0), D = (int)p.head_dim;
   constexpr int dp = DP; /* compile-time: the index arithmetic below is shifts and masks */
   const int pitch = dp + 4;
-  const float *kbar = w.kbar + bhk * dp;
+  const float *kbar = w.kbar + bhk * dp, *inv = w.mig_inv + bhk * dp;
   stage_rows(tile, p.k, p.dtype, p.k_stride, b, hk, n0, rows, kBK8, D, dp, a.vec_k);
   __syncthreads();
-  float m = 0.0f; /* smooth in place (real rows only: padding stays 0) and take the amax */
+  float m = 0.0f; /* smooth and migrate in place (real rows only: padding stays 0), take the amax */
   for (int i = threadIdx.x; i < rows * dp; i += kThreads) {
     float &x = tile[(i / dp) * pitch + i % dp];
-    x -= kbar[i % dp];
+    x = __fmul_rn(x - kbar[i % dp], inv[i % dp]); /* = (K - kbar) / s: 1 / s is exact */
     m = amax_u(m, fabsf(x));
   }
   const float r = code_rows<kBK8>(tile, pitch, dp, block_amax(m, red), w.sk + bhk * w.nkb + j,
@@ -231,19 +297,24 @@ __global__ void __launch_bounds__(kThreads) quantize_q_kernel(const Int8Args a, 
   const int pitch = dp + 4;
   stage_rows(tile, p.q, p.dtype, p.q_stride, b, h, r0, rows, kBQ8, D, dp, a.vec_q);
   __syncthreads();
-  float m = 0.0f;
-  for (int e = threadIdx.x; e < kBQ8 * dp; e += kThreads)
-    m = amax_u(m, fabsf(tile[(e / dp) * pitch + e % dp]));
-  const float r = code_rows<kBQ8>(tile, pitch, dp, block_amax(m, red), w.sq + bh * w.nqb + i,
-                                  w.qc + (bh * w.nqp + r0) * dp);
-  const float *kbar = w.kbar + (b * p.heads_kv + hk) * dp;
+  const float *kbar = w.kbar + (b * p.heads_kv + hk) * dp,
+              *mig = w.mig + (b * p.heads_kv + hk) * dp;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int n = warp; n < kBQ8; n += kThreads / 32) {
+  for (int n = warp; n < kBQ8; n += kThreads / 32) { /* the lse's shift, of the unmigrated q */
     float acc = 0.0f;
     for (int d = lane; d < dp; d += 32) acc += tile[n * pitch + d] * kbar[d];
     acc = warp_sum(acc);
     if (lane == 0) w.qshift[bh * w.nqp + r0 + n] = n < rows ? p.scale * acc : 0.0f;
   }
+  __syncthreads();
+  float m = 0.0f; /* Q' = Q s in place (exact: s is a power of two) and its amax */
+  for (int e = threadIdx.x; e < kBQ8 * dp; e += kThreads) {
+    float &x = tile[(e / dp) * pitch + e % dp];
+    x = __fmul_rn(x, mig[e % dp]);
+    m = amax_u(m, fabsf(x));
+  }
+  const float r = code_rows<kBQ8>(tile, pitch, dp, block_amax(m, red), w.sq + bh * w.nqb + i,
+                                  w.qc + (bh * w.nqp + r0) * dp);
   if (backward) {
     int8_t *qct = w.qct + (bh * w.nqb + i) * dp * kBQ8;
     for (int e = threadIdx.x; e < dp * (kBQ8 / 16); e += kThreads) {
@@ -302,8 +373,11 @@ __global__ void __launch_bounds__(kThreads) finish_dq_kernel(const Int8Args a) {
        e += (int64_t)gridDim.x * kThreads) {
     const int64_t row = e / D, d = e % D, bh = row / p.len_q;
     const int64_t bhk = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / G;
-    const float v =
-        w.dq_acc[row * w.dp + d] + (p.scale * w.ds_rowsum[row]) * w.kbar[bhk * w.dp + d];
+    /* dQ = dQ' s + scale * dlse kbar (SPEC_INT8 3; no correction without dlse), each operation
+     * rounded */
+    float v = __fmul_rn(w.dq_acc[row * w.dp + d], w.mig[bhk * w.dp + d]);
+    if (a.grad_lse)
+      v = __fadd_rn(v, __fmul_rn(__fmul_rn(p.scale, a.grad_lse[row]), w.kbar[bhk * w.dp + d]));
     store_from_float(a.dq, p.dtype, e, v);
   }
 }
@@ -340,13 +414,13 @@ fp4attn_status launch_prepare(const Int8Args &a, bool backward, cudaStream_t s) 
       (backward && !allow_smem(prepare_do_kernel<DP>, 2 * q_bytes, do_smem)))
     return launch_status("int8 attention: prepare (shared memory)");
   kbar_partial_kernel<<<(unsigned)(bhk * w.nkb), kThreads, 0, s>>>(a);
+  q_amax_partial_kernel<<<(unsigned)(bhq * w.nqa), kThreads, 0, s>>>(a);
   kbar_final_kernel<<<(unsigned)bhk, kThreads, 0, s>>>(a);
   quantize_kv_kernel<DP><<<(unsigned)(bhk * w.nkb), kThreads, kv_bytes, s>>>(a, backward);
   quantize_q_kernel<DP><<<(unsigned)(bhq * w.nqb), kThreads, q_bytes, s>>>(a, backward);
   if (backward) {
     prepare_do_kernel<DP><<<(unsigned)(bhq * w.nqb), kThreads, 2 * q_bytes, s>>>(a);
     cudaMemsetAsync(w.dq_acc, 0, sizeof(float) * bhq * a.p.len_q * w.dp, s);
-    cudaMemsetAsync(w.ds_rowsum, 0, sizeof(float) * bhq * a.p.len_q, s);
   }
   return launch_status("int8 attention: prepare");
 }
