@@ -545,3 +545,25 @@ def test_the_format_study_emulates_the_implemented_keys():
     want = reference.k5_dequantize(*reference.k5_quantize(x), 128)
     got = kv_format.int5_rows(x, rot=True, search=reference.K5_SEARCH)
     assert (got - want).abs().max() <= 1e-6 * x.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("D", [16, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_cuda_uneven_channels_are_the_cpu_bytes(D, dtype):
+    """Channel scales on CUDA (kv_mean_kernel: a channel at the 2^-6 floor, a huge one; first
+    appends of 50 then 150 tokens, re-stored) equal the CPU's, so do the rows; the decode (queries
+    times kscale) agrees with the CPU's."""
+    k = uneven_keys(2, 2, 200, D, dtype, D)
+    v = torch.randn(2, 2, 200, D, generator=torch.Generator().manual_seed(3)).to(dtype)
+    caches = [fp4attn.FP4KVCache(2, 2, D, dtype=dtype, device=dev, page_size=32) for dev in ("cpu", "cuda")]
+    for cache in caches:
+        cache.append(k[:, :, :50].to(cache.device), v[:, :, :50].to(cache.device))
+        cache.append(k[:, :, 50:].to(cache.device), v[:, :, 50:].to(cache.device))
+    for a, b in zip(caches[0].storage(), caches[1].storage()):
+        assert torch.equal(a, b.cpu())
+    q = torch.randn(2, 4, 2, D, generator=torch.Generator().manual_seed(4)).to(dtype) * 0.1
+    want, want_lse = fp4attn.decode(q, caches[0], return_lse=True)
+    out, lse = fp4attn.decode(q.cuda(), caches[1], return_lse=True)
+    assert rel_l1(out.cpu(), want) < 3e-3 and (lse.cpu() - want_lse).abs().max() < 2e-3
