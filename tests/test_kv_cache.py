@@ -186,8 +186,8 @@ def test_channel_scales():
     assert torch.equal(reference.k5_channel_scales(y), torch.maximum(r, r.amax() / 64))
 
 
-@pytest.mark.parametrize("D", [16, 64, 128, 256])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("D, dtype", [(16, torch.float32), (64, torch.float16), (128, torch.float32),
+                                      (256, torch.float16)], ids=str)
 def test_uneven_channels_are_stored_and_decoded(D, dtype):
     """Keys of very uneven channels: the C backend's kscale and rows are the reference's, the
     typical channel's error relative to its size is less than half what K5 of K - kmean alone
