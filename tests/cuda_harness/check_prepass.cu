@@ -424,9 +424,9 @@ static void host_block_f16(const float *xs, uint16_t *out) {
 
 /* vbar of SPEC 4.3 on the host, in the pre-pass's order (vbar_chunk_kernel, vbar_finalize_kernel)
  * but with the host's expf and a sequential dot product. */
-template <typename Get>
-static void host_vbar(Get getk, Get getv, const float *qm, const fp4attn_attention_params &p, int D,
-                      int64_t nkt, std::vector<float> &vbar) {
+template <typename GetK, typename GetV>
+static void host_vbar(GetK getk, GetV getv, const float *qm, const fp4attn_attention_params &p,
+                      int D, int64_t nkt, std::vector<float> &vbar) {
   std::vector<float> mc(nkt), lc(nkt), ac(nkt * D, 0.0f);
   float m = -INFINITY;
   for (int64_t kt = 0; kt < nkt; ++kt) {
