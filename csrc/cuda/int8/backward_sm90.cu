@@ -287,7 +287,7 @@ struct Int8BwdSm90 {
       for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       if (lane == 0) red[par * 4 + wwarp] = amax;
       if (wtid == 0) bulk_wait_read<0>(); /* the last step's dQ tile has been read */
-      wg_sync(); /* A: the maxima of this consumer's 64 keys */
+      wg_sync();                          /* A: the maxima of this consumer's 64 keys */
       amax =
           fmaxf(fmaxf(red[par * 4], red[par * 4 + 1]), fmaxf(red[par * 4 + 2], red[par * 4 + 3]));
       float rds, sds;
