@@ -141,6 +141,14 @@ __host__ __device__ constexpr int tile_bytes(int rows, int dp) {
   return rows * (dp + 4) * 4;
 }
 
+/* A block's threads over a row-major [rows][dp] input: thread t reads columns c .. c + 7 of rows
+ * lane, lane + lanes, ... (8-column groups across the threads, row lanes per group). */
+struct ColumnLanes {
+  int lanes, c, lane;
+  __device__ explicit ColumnLanes(int dp)
+      : lanes(kThreads / (dp / 8)), c((threadIdx.x % (dp / 8)) * 8), lane(threadIdx.x / (dp / 8)) {}
+};
+
 __global__ void __launch_bounds__(kThreads) kbar_partial_kernel(const Int8Args a) {
   __shared__ float part[kThreads * 8], pmax[kThreads * 8], pmin[kThreads * 8];
   const fp4attn_attention_params &p = a.p;
@@ -148,8 +156,8 @@ __global__ void __launch_bounds__(kThreads) kbar_partial_kernel(const Int8Args a
   const int64_t bhk = blockIdx.x / w.nkb, j = blockIdx.x % w.nkb;
   const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv, n0 = j * kBK8;
   const int rows = (int)min((int64_t)kBK8, p.len_k - n0), dp = (int)w.dp;
-  const int groups = dp / 8, lanes = kThreads / groups; /* row lanes per 8-column group */
-  const int c = (threadIdx.x % groups) * 8, lane = threadIdx.x / groups;
+  const ColumnLanes cl(dp);
+  const int lanes = cl.lanes, c = cl.c, lane = cl.lane;
   float s[8], mx[8], mn[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) s[e] = 0.0f, mx[e] = -INFINITY, mn[e] = INFINITY;
@@ -192,8 +200,8 @@ __global__ void __launch_bounds__(kThreads) q_amax_partial_kernel(const Int8Args
   const int64_t bh = blockIdx.x / w.nqa, i = blockIdx.x % w.nqa;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q, r0 = i * kQaRows;
   const int rows = (int)min((int64_t)kQaRows, p.len_q - r0), dp = (int)w.dp;
-  const int groups = dp / 8, lanes = kThreads / groups; /* row lanes per 8-column group */
-  const int c = (threadIdx.x % groups) * 8, lane = threadIdx.x / groups;
+  const ColumnLanes cl(dp);
+  const int lanes = cl.lanes, c = cl.c, lane = cl.lane;
   float m[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   for (int r = lane; r < rows; r += lanes) {
     float v[8];
