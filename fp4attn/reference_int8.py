@@ -323,8 +323,10 @@ def attention_backward(
             dk[:, :, h0:h1] += (sdsq * _mm64(dsc.transpose(-1, -2), _blocks(ops.qc, BQ))).sum(dim=2)
     if mig["migrate"] is not None:  # the gradient of Q' = Q s back to Q
         dq = dq * _per_q_head(ops.mig, G)
-    if grad_lse is not None:  # the smoothing correction: d lse / d Q along kbar (SPEC_INT8 3)
-        dq += scale * _as_float32(grad_lse)[..., None] * _per_q_head(ops.kbar, G)
+    if grad_lse is not None:  # the smoothing correction: d lse / d Q along kbar (SPEC_INT8 3);
+        # none where the row sees no key (lse = -inf does not depend on Q)
+        dlse = torch.where(lse == -math.inf, 0.0, _as_float32(grad_lse))
+        dq += scale * dlse[..., None] * _per_q_head(ops.kbar, G)
     if G > 1:
         dk = dk.reshape(B, Hkv, G, Nk, D).sum(dim=2)
         dv = dv.reshape(B, Hkv, G, Nk, D).sum(dim=2)

@@ -140,7 +140,9 @@ def test_cpu_backend_against_reference(case, dtype):
     """The C CPU backend (the ops' CPU kernel) against the reference: SPEC_INT8 4's tolerances."""
     B, Hq, Hkv, Nq, Nk, D, causal, kind = case
     q, k, v = make(B, Hq, Hkv, Nq, Nk, D, dtype=dtype)
-    cpu_against_reference(q, k, v, make_mask(kind, Nq, Nk), causal)
+    out, (dq, _, _) = cpu_against_reference(q, k, v, make_mask(kind, Nq, Nk), causal)
+    if kind == "bool":  # the row with no visible key: zero output and gradient, also with a dlse
+        assert out[..., 0, :].abs().max() == 0 and dq[..., 0, :].abs().max() == 0
 
 
 def make_outliers(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float32, seed=0, device="cpu"):
@@ -206,6 +208,7 @@ def cpu_against_reference(q, k, v, mask, causal):
     for a, b in zip(got, want):
         assert a.dtype == dtype and a.shape == b.shape
         assert rel_l1(a, b.to(dtype)) < 5e-3 or b.abs().max() < 1e-6
+    assert torch.equal(got[0][torch.isinf(lse)] == 0, want[0][torch.isinf(lse)] == 0)
     return out, got
 
 

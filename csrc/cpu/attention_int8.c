@@ -377,12 +377,14 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
       }
     }
     /* dQ = dQ' s plus the smoothing correction scale * dlse kbar (d lse / d Q along kbar; none
-     * without grad_lse), out in the input dtype (contiguous [B, Hq, Nq, D]) */
-    const float *dlse = bp->grad_lse ? bp->grad_lse + (b * p->heads_q + h) * Nq : NULL;
+     * without grad_lse or where the row sees no key), out in the input dtype (contiguous
+     * [B, Hq, Nq, D]) */
+    const int64_t row0 = (b * p->heads_q + h) * Nq;
     for (int64_t i = 0; i < Nq; ++i)
       for (int64_t d = 0; d < D; ++d) {
         float v = dqacc[i * D + d] * kv->mig[d];
-        if (dlse) v += (p->scale * dlse[i]) * kv->kbar[d];
+        if (bp->grad_lse && p->lse[row0 + i] != -INFINITY)
+          v += (p->scale * bp->grad_lse[row0 + i]) * kv->kbar[d];
         fp4attn_store(bp->dq, p->dtype, ((b * p->heads_q + h) * Nq + i) * D + d, v);
       }
   }

@@ -381,10 +381,10 @@ __global__ void __launch_bounds__(kThreads) finish_dq_kernel(const Int8Args a) {
        e += (int64_t)gridDim.x * kThreads) {
     const int64_t row = e / D, d = e % D, bh = row / p.len_q;
     const int64_t bhk = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / G;
-    /* dQ = dQ' s + scale * dlse kbar (SPEC_INT8 3; no correction without dlse), each operation
-     * rounded */
+    /* dQ = dQ' s + scale * dlse kbar (SPEC_INT8 3; no correction without dlse or where the row
+     * sees no key), each operation rounded */
     float v = __fmul_rn(w.dq_acc[row * w.dp + d], w.mig[bhk * w.dp + d]);
-    if (a.grad_lse)
+    if (a.grad_lse && p.lse[row] != -INFINITY)
       v = __fadd_rn(v, __fmul_rn(__fmul_rn(p.scale, a.grad_lse[row]), w.kbar[bhk * w.dp + d]));
     store_from_float(a.dq, p.dtype, e, v);
   }
