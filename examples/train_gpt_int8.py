@@ -21,6 +21,11 @@ plot shows each arm's mean validation curve with its seed range.
 it idle); the losses do not depend on it, the tokens/s columns do (they are then shared-GPU rates:
 measure speed with --jobs 1).
 
+--probe-every N checks the int8 arm's gradients while it trains: every N steps each layer's live
+q, k, v and upstream gradient dO go through the int8 op and through exact FP32 attention with
+autograd, and the cos of out, dQ, dK and dV between the two are written to
+train_gpt_int8_probe.csv (the worst layer printed). Training itself is unchanged.
+
 The corpus: --corpus FILE, else Jane Austen's six novels from the janeaustenr package
 (`bash scripts/install_models.sh`); `--write-corpus FILE` saves them as text for a machine
 without the package. The last 5% of the bytes are the validation set.
@@ -84,10 +89,52 @@ class GPT(torch.nn.Module):
         return self.head(self.ln(x))
 
 
-def attention_fn(kind: str):
+def attention_fn(kind: str, probe: "GradientProbe | None" = None):
     if kind == "int8":
-        return lambda q, k, v: fp4attn.sdpa(q, k, v, is_causal=True, precision="int8")
+        def int8(q, k, v):
+            out = fp4attn.sdpa(q, k, v, is_causal=True, precision="int8")
+            return probe.watch(q, k, v, out) if probe is not None else out
+        return int8
     return lambda q, k, v: ORIGINAL_SDPA(q, k, v, is_causal=True)
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return (a @ b / (a.norm() * b.norm()).clamp_min(1e-300)).item()
+
+
+class GradientProbe:
+    """While armed (one training step), keeps each attention call's q, k, v and, through a hook on
+    its output, the dO that reaches it; measure() then runs them through the int8 op and through
+    exact FP32 attention with autograd and returns one row per layer: cos of out, dQ, dK, dV."""
+
+    def __init__(self):
+        self.armed, self.calls = False, []
+
+    def watch(self, q, k, v, out):
+        if self.armed and out.requires_grad:
+            call = {"qkv": [t.detach() for t in (q, k, v)]}
+            self.calls.append(call)
+            out.register_hook(lambda g: call.__setitem__("dout", g.detach()))
+        return out
+
+    def measure(self, step: int) -> list[dict]:
+        rows = []
+        for layer, c in enumerate(self.calls):
+            q, k, v = c["qkv"]
+            dout = c["dout"].contiguous()
+            scale = 1.0 / math.sqrt(q.shape[-1])
+            out8, lse8 = torch.ops.fp4attn.int8_attention(q, k, v, None, True, scale)
+            grads8 = torch.ops.fp4attn.int8_attention_backward(dout, None, q, k, v, out8, lse8, None,
+                                                               True, scale)
+            x = [t.float().requires_grad_() for t in (q, k, v)]
+            with torch.autocast(q.device.type, enabled=False):
+                ref = ORIGINAL_SDPA(*x, is_causal=True)
+                grads = torch.autograd.grad(ref, x, dout.float())
+            rows.append({"step": step, "layer": layer, "cos_out": round(_cos(out8, ref.detach()), 6),
+                         **{f"cos_d{n}": round(_cos(a, b), 6) for n, a, b in zip("qkv", grads8, grads)}})
+        self.armed, self.calls = False, []
+        return rows
 
 
 def batches(data: torch.Tensor, steps: int, batch: int, seq: int, seed: int):
@@ -98,13 +145,15 @@ def batches(data: torch.Tensor, steps: int, batch: int, seq: int, seed: int):
 
 
 def train(kind, data, val, args, device, seed):
+    """One run: its validation rows, tokens/s and (int8 with --probe-every) the probe's rows."""
     torch.manual_seed(seed)  # same initial weights for both arms of a seed
-    model = GPT(args.layers, args.dim, args.heads, args.seq, attention_fn(kind)).to(device)
+    probe = GradientProbe() if kind == "int8" and args.probe_every > 0 else None
+    model = GPT(args.layers, args.dim, args.heads, args.seq, attention_fn(kind, probe)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=args.steps, pct_start=0.05)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     val_batches = list(batches(val, args.val_batches, args.batch, args.seq, seed=1))
-    rows, tokens, t_train = [], 0, 0.0
+    rows, probed, tokens, t_train = [], [], 0, 0.0
 
     def evaluate():
         model.eval()
@@ -119,6 +168,8 @@ def train(kind, data, val, args, device, seed):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        if probe is not None:
+            probe.armed = step % args.probe_every == 0
         with amp:
             loss = F.cross_entropy(model(b[:, :-1]).float().flatten(0, 1), b[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
@@ -128,9 +179,14 @@ def train(kind, data, val, args, device, seed):
         sched.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if step > 10:  # after warm-up
+        if step > 10 and not (probe and probe.armed):  # after warm-up, probes not timed
             t_train += time.perf_counter() - t0
             tokens += b.shape[0] * args.seq
+        if probe is not None and probe.armed:
+            probed += [{"seed": seed, **r} for r in probe.measure(step)]
+            worst = {n: min(probed[-args.layers:], key=lambda r: r[n]) for n in ("cos_dq", "cos_dk", "cos_dv")}
+            print(f"  probe seed {seed} step {step:5d}  worst layer: " + "  ".join(
+                f"{n[4:]} {r[n]:.4f} (layer {r['layer']})" for n, r in worst.items()), flush=True)
         if not math.isfinite(loss.item()):
             raise RuntimeError(f"{kind}: loss {loss.item()} at step {step}")
         if step % args.eval_every == 0 or step == args.steps:
@@ -138,7 +194,7 @@ def train(kind, data, val, args, device, seed):
                          "train_loss": round(loss.item(), 5), "val_loss": round(evaluate(), 5)})
             print(f"  {kind:5s} seed {seed} step {step:5d}  train {rows[-1]['train_loss']:.4f}  "
                   f"val {rows[-1]['val_loss']:.4f}", flush=True)
-    return rows, tokens / max(t_train, 1e-9)
+    return rows, tokens / max(t_train, 1e-9), probed
 
 
 def load_corpus(path: str | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,10 +261,14 @@ def main() -> int:
     ap.add_argument("--val-batches", type=int, default=16)
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs trained at once, each in its own process on the same device")
+    ap.add_argument("--probe-every", type=int, default=0, metavar="N",
+                    help="check the int8 arm's gradients against exact attention every N steps")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
+    if args.probe_every < 0:
+        raise SystemExit(f"--probe-every must be >= 0, got {args.probe_every}")
     if args.write_corpus:
         with open(args.write_corpus, "wb") as f:
             f.write(austen_bytes())
@@ -229,10 +289,11 @@ def main() -> int:
         with concurrent.futures.ProcessPoolExecutor(
                 args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             done = list(pool.map(train_in_process, *zip(*runs), [args] * len(runs)))
-    results, speed = [], {"torch": [], "int8": []}
-    for (kind, _), (rows, tps) in zip(runs, done):
+    results, speed, probed = [], {"torch": [], "int8": []}, []
+    for (kind, _), (rows, tps, probe_rows) in zip(runs, done):
         results += rows
         speed[kind].append(tps)
+        probed += probe_rows
     summary = summarise(results, seeds, args.target_loss)
     label = {"torch": "torch SDPA (bf16)" if device.type == "cuda" else "torch SDPA",
              "int8": "fp4attn int8"}
@@ -253,6 +314,8 @@ def main() -> int:
     for r in results:
         r["tokens_per_s"] = round(speed[r["run"]][seeds.index(r["seed"])])
     write_csv(os.path.join(args.out, "train_gpt_int8.csv"), header(hw), results)
+    if probed:
+        write_csv(os.path.join(args.out, "train_gpt_int8_probe.csv"), header(hw), probed)
     png = os.path.join(args.out, "train_gpt_int8.png")
     if not plot_loss_curves(results, {"torch": "torch SDPA", "int8": "fp4attn int8"}, png,
                             f"GPT on Austen, {len(seeds)} seed(s): int8 attention vs torch SDPA "

@@ -81,13 +81,18 @@ def test_train_gpt_int8_runs_both_attentions(tmp_path):
     corpus.write_bytes(b"It is a truth universally acknowledged. " * 400)
     run_example("train_gpt_int8.py", "--corpus", str(corpus), "--steps", "4", "--eval-every", "2",
                 "--val-batches", "1", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "32",
-                "--batch", "2", "--out", str(tmp_path))
+                "--batch", "2", "--probe-every", "2", "--out", str(tmp_path))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from provenance import read_csv
 
     _, rows = read_csv(str(tmp_path / "train_gpt_int8.csv"))
     assert [(r["run"], r["step"]) for r in rows] == [("torch", "2"), ("torch", "4"), ("int8", "2"),
                                                      ("int8", "4")]
+    # the gradient probe: one row per probed step and layer, the int8 op close to exact attention
+    _, probe = read_csv(str(tmp_path / "train_gpt_int8_probe.csv"))
+    assert [(r["step"], r["layer"]) for r in probe] == [("2", "0"), ("4", "0")]
+    assert all(0.99 < float(r[c]) <= 1.0 + 1e-9 for r in probe
+               for c in ("cos_out", "cos_dq", "cos_dk", "cos_dv"))
     head, rows = read_csv(str(ROOT / "docs" / "results" / "train_gpt_int8.csv"))  # committed
     assert head["command"].startswith("python examples/train_gpt_int8.py")
     assert {r["run"] for r in rows} == {"torch", "int8"}
