@@ -28,7 +28,7 @@ __all__ = ["BK", "BKS", "BQ", "PMAX", "QMAX", "attention_backward", "attention_f
 BQ = 64
 #: Keys per INT8 block and per online-softmax step.
 BK = 128
-#: SPEC_INT8 3: keys per dS^ scale (half a key block).
+#: SPEC_INT8 3: keys per dQ-side dS^ scale of a row (half a key block).
 BKS = 64
 #: Largest INT8 code magnitude.
 QMAX = 127.0
@@ -313,14 +313,15 @@ def attention_backward(
         dp = torch.matmul(do16, v16[:, :, j0:j1].transpose(-1, -2))
         ds = p * (dp - drow)
         sq = ops.sq[..., 0]  # [B, Hq, Nq]: the 64-row block scale of each row
-        for h0 in range(j0, j1, BKS):  # one dS^ scale per 64 rows x 64 keys: [B,Hq,nqb,1,1]
+        # dS^ for dQ: one scale per query row and 64 keys (a row of dQ's product): [B,Hq,Nq,1]
+        for h0 in range(j0, j1, BKS):
             h1 = min(h0 + BKS, j1)
-            dsc, sds = psi(_blocks(ds[..., h0 - j0:h1 - j0], BQ), (3, 4))
-            sdsk = (scale * sds) * ops.sk[:, :, j, None, None, None]
-            dqb = sdsk * _mm64(dsc, ops.kc[:, :, None, h0:h1])
-            dq += dqb.reshape(B, Hq, nqb * BQ, D)[:, :, :Nq]
-            sdsq = (scale * sds) * _blocks(sq[..., None], BQ)[..., :1, :]
-            dk[:, :, h0:h1] += (sdsq * _mm64(dsc.transpose(-1, -2), _blocks(ops.qc, BQ))).sum(dim=2)
+            dsc, sds = psi(ds[..., h0 - j0:h1 - j0], (3,))
+            dq += ((scale * sds) * ops.sk[:, :, j, None, None]) * _mm64(dsc, ops.kc[:, :, h0:h1])
+        # dS^ for dK: one scale per key over the 64 rows of a query block (a row of dK's product)
+        dsc, sds = psi(_blocks(ds, BQ), (3,))  # [B,Hq,nqb,64,keys], sds [B,Hq,nqb,1,keys]
+        fk = ((scale * sds) * _blocks(sq[..., None], BQ)[..., :1, :]).transpose(-1, -2)
+        dk[:, :, j0:j1] += (fk * _mm64(dsc.transpose(-1, -2), _blocks(ops.qc, BQ))).sum(dim=2)
     if mig["migrate"] is not None:  # the gradient of Q' = Q s back to Q
         dq = dq * _per_q_head(ops.mig, G)
     if grad_lse is not None:  # the smoothing correction: d lse / d Q along kbar (SPEC_INT8 3);

@@ -16,7 +16,7 @@
 
 #define BQ 64  /* query rows per INT8 block */
 #define BK 128 /* keys per INT8 block and online-softmax step */
-#define BKS 64 /* keys per dS^ scale in the backward (SPEC_INT8 3) */
+#define BKS 64 /* keys per dQ-side dS^ scale of a row in the backward (SPEC_INT8 3) */
 
 /* rne_int (ties to even, the default rounding mode) clamped to [-127, 127]; NaN -> 0 (the group's
  * scale is NaN then, so the dequantized values still are). */
@@ -284,14 +284,16 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
   float *dor = (float *)malloc(sizeof(float) * (size_t)(BQ * D));   /* dO of the block, float */
   float *dor16 = (float *)malloc(sizeof(float) * (size_t)(BQ * D)); /* ... as dP's operand */
   int8_t *doc = (int8_t *)malloc((size_t)(BQ * D)), *pcode = (int8_t *)malloc(BQ * BK);
-  int8_t *dsc = (int8_t *)malloc(BQ * BK);
+  int8_t *dsq = (int8_t *)malloc(BQ * BK), *dsk = (int8_t *)malloc(BQ * BK); /* dS^ of dQ, dK */
   float *sdo = (float *)malloc(sizeof(float) * (size_t)D),
-        *sp = (float *)malloc(sizeof(float) * BK);
+        *sp = (float *)malloc(sizeof(float) * BK),
+        *fq = (float *)malloc(sizeof(float) * BQ * (BK / BKS)),
+        *fk = (float *)malloc(sizeof(float) * BK);
   float *drow = (float *)malloc(sizeof(float) * BQ), *lses = (float *)malloc(sizeof(float) * BQ);
   float *vrow = (float *)malloc(sizeof(float) * (size_t)(BK * D));
   q_codes q = {0, 0};
-  int ok = P && dS && dkacc && dvacc && dqacc && dor && dor16 && doc && pcode && dsc && sdo && sp &&
-           drow && lses && vrow;
+  int ok = P && dS && dkacc && dvacc && dqacc && dor && dor16 && doc && pcode && dsq && dsk &&
+           sdo && sp && fq && fk && drow && lses && vrow;
   for (int64_t g = 0; ok && g < G; ++g) {
     const int64_t h = hk * G + g;
     free(q.qc);
@@ -352,27 +354,30 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
             const float ds = P[r * BK + n] * (dp - drow[r]);
             dS[r * BK + n] = ds;
           }
-        /* dS^: one scale per 64 rows x 64 keys (half h of the key block) */
-        float fq[BK / BKS], fk[BK / BKS];
-        for (int64_t h = 0; h * BKS < w; ++h) {
-          const int64_t c0 = h * BKS, cw = w - c0 < BKS ? w - c0 : BKS;
-          const float sds = psi_group(dS + c0, rows, cw, BK, dsc + c0);
-          fq[h] = (p->scale * sds) * kv->sk[j];
-          fk[h] = (p->scale * sds) * q.sq[ib];
-        }
-        for (int64_t r = 0; r < rows; ++r) { /* dQ_i += dS^_h K^_jh, summed over the halves */
+        /* dS^ twice: for dQ one scale per query row and half h of the key block (64 keys), for dK
+         * one per key over the block's rows; each scale multiplies a row of its product */
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t h = 0; h * BKS < w; ++h) {
+            const int64_t c0 = h * BKS, cw = w - c0 < BKS ? w - c0 : BKS;
+            const float sds = psi_group(dS + r * BK + c0, 1, cw, BK, dsq + r * BK + c0);
+            fq[r * (BK / BKS) + h] = (p->scale * sds) * kv->sk[j];
+          }
+        for (int64_t n = 0; n < w; ++n)
+          fk[n] = (p->scale * psi_group(dS + n, rows, 1, BK, dsk + n)) * q.sq[ib];
+        for (int64_t r = 0; r < rows; ++r) { /* dQ_i += dSq^_h K^_jh, summed over the halves */
           for (int64_t c0 = 0; c0 < w; c0 += BKS) {
             int32_t acc[FP4ATTN_MAX_HEAD_DIM] = {0};
             for (int64_t n = c0; n < w && n < c0 + BKS; ++n)
-              if (dsc[r * BK + n]) axpy8(acc, dsc[r * BK + n], kv->kc + (n0 + n) * D, D);
-            for (int64_t d = 0; d < D; ++d) dqacc[(r0 + r) * D + d] += fq[c0 / BKS] * (float)acc[d];
+              if (dsq[r * BK + n]) axpy8(acc, dsq[r * BK + n], kv->kc + (n0 + n) * D, D);
+            const float f = fq[r * (BK / BKS) + c0 / BKS];
+            for (int64_t d = 0; d < D; ++d) dqacc[(r0 + r) * D + d] += f * (float)acc[d];
           }
         }
-        for (int64_t n = 0; n < w; ++n) { /* dK_jh += dS^_h^T Q^_i */
+        for (int64_t n = 0; n < w; ++n) { /* dK_j += dSk^T Q^_i */
           int32_t acc[FP4ATTN_MAX_HEAD_DIM] = {0};
           for (int64_t r = 0; r < rows; ++r)
-            if (dsc[r * BK + n]) axpy8(acc, dsc[r * BK + n], q.qc + (r0 + r) * D, D);
-          for (int64_t d = 0; d < D; ++d) dkacc[(n0 + n) * D + d] += fk[n / BKS] * (float)acc[d];
+            if (dsk[r * BK + n]) axpy8(acc, dsk[r * BK + n], q.qc + (r0 + r) * D, D);
+          for (int64_t d = 0; d < D; ++d) dkacc[(n0 + n) * D + d] += fk[n] * (float)acc[d];
         }
       }
     }
@@ -404,9 +409,12 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
   free(dor16);
   free(doc);
   free(pcode);
-  free(dsc);
+  free(dsq);
+  free(dsk);
   free(sdo);
   free(sp);
+  free(fq);
+  free(fk);
   free(drow);
   free(lses);
   free(vrow);

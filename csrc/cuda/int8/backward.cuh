@@ -9,9 +9,11 @@
  *   S^T  = K^ Q^_i^T * (sQ sK scale), masks, P^T = exp2(S^T - lse2)         (keys x 64 rows)
  *   dV  += P^ per key column (psi over the 64 rows) x dO^ per channel       (A from registers)
  *   dP^T = V dO^T in 16 bits; dS^T = P (dP - Drow)
- *   dS^  = psi per 64 rows x 64 keys (warps 0-3 and 4-7: two maxima through shared memory)
- *   dK  += (scale sdS sQ_i) dS^T Q^_i                                       (A from registers)
- *   dQ_i += sum_h (scale sdS_h sK_j) dS^_h K^_jh through shared memory, FP32 atomics into the
+ *   dSk^ = psi per key over the 64 rows (a quad's maximum)
+ *   dK  += (scale sdSk sQ_i) dSk^T Q^_i                                     (A from registers)
+ *   dSq^ = psi per query row over the 64 keys of half h (warps 0-3 and 4-7: each warp's row
+ *          maxima through shared memory)
+ *   dQ_i += sum_h (scale sdSq_h sK_j) dSq^_h K^_jh through shared memory, FP32 atomics into the
  *   workspace
  * dK and dV sum over the group's query heads in registers and are stored once, no atomics.
  */
@@ -29,8 +31,8 @@ struct BwdSmem {
   static constexpr int kV16 = kKc + kBK8 * DP;     /* V [128][DP] 16-bit */
   static constexpr int kKt = kV16 + kBK8 * DP * 2; /* K^T [DO][128] */
   static constexpr int kDs = kKt + DO * kBK8;      /* dS^ [64][128] */
-  static constexpr int kRed = kDs + kBQ8 * kBK8;   /* 8 warp maxima (floats) */
-  static constexpr int kBuf = kRed + 512;
+  static constexpr int kRed = kDs + kBQ8 * kBK8;   /* |dS| row maxima [8 warps][64] (floats) */
+  static constexpr int kBuf = kRed + 8 * kBQ8 * 4;
   /* one buffer of a query block's tiles */
   static constexpr int bQc = 0;                    /* Q^ [64][DP] */
   static constexpr int bQt = bQc + kBQ8 * DP;      /* Q^T [DO][64] perm */
@@ -181,58 +183,79 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
       }
     }
 
-    /* dS^T = P (dP - Drow); the amax of this warp's half of the keys */
-    float amax = 0.0f;
+    /* dS^T = P (dP - Drow) in place of P */
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        pm[n][e] = pm[n][e] * (dp[n][e] - drow[n * 8 + 2 * t + (e & 1)]);
-        amax = fmaxf(amax, fabsf(pm[n][e]));
+      for (int e = 0; e < 4; ++e) pm[n][e] = pm[n][e] * (dp[n][e] - drow[n * 8 + 2 * t + (e & 1)]);
+    /* dS is quantized twice (SPEC_INT8 3). For dQ per query row (accumulator column) over the 64
+     * keys of half warp / 4: this warp's row maxima over its 16 keys (the lanes of equal t), then
+     * its half's 4 warps' through shared memory */
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float mx = fmaxf(fabsf(pm[n][c]), fabsf(pm[n][2 + c]));
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        if (g == 0) red[warp * kBQ8 + n * 8 + 2 * t + c] = mx;
       }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if (lane == 0) red[warp] = amax;
     __syncthreads();
-    /* dS^'s scales, one per 64 keys (warps 0-3 and 4-7; SPEC_INT8 3) */
-    float hmax[2] = {0.0f, 0.0f};
+    /* for dK per key (accumulator row, a quad's maximum), packed as the A fragments of dK's two
+     * k32 steps */
+    uint32_t da[2][4];
+    float fk[2];
+    {
+      int dc[8][4];
 #pragma unroll
-    for (int x = 0; x < 8; ++x) hmax[x >> 2] = fmaxf(hmax[x >> 2], red[x]);
-    float rds, sds, rdh[2], sdh[2];
-    psi_factors(hmax[0], rdh[0], sdh[0]);
-    psi_factors(hmax[1], rdh[1], sdh[1]);
-    rds = rdh[warp >> 2];
-    sds = sdh[warp >> 2];
-    int dc[8][4];
+      for (int r = 0; r < 2; ++r) {
+        float mx = 0.0f;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+          mx = fmaxf(mx, fmaxf(fabsf(pm[n][2 * r]), fabsf(pm[n][2 * r + 1])));
+        float rk, sdk;
+        psi_factors(quad_max(mx), rk, sdk);
+        fk[r] = (p.scale * sdk) * sq;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          dc[n][2 * r] = code_s8(pm[n][2 * r], rk);
+          dc[n][2 * r + 1] = code_s8(pm[n][2 * r + 1], rk);
+        }
+      }
+      pack_a_from_acc(da[0], dc, 0);
+      pack_a_from_acc(da[1], dc, 1);
+    }
+    const auto row_amax = [&](int half, int row) {
+      const float *m = red + 4 * half * kBQ8 + row;
+      return fmaxf(fmaxf(m[0], m[kBQ8]), fmaxf(m[2 * kBQ8], m[3 * kBQ8]));
+    };
     char *ds_tile = smem + L::kDs;
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        dc[n][e] = code_s8(pm[n][e], rds);
-        ds_tile[swz_byte<kBK8>(n * 8 + 2 * t + (e & 1), krow0 + g + 8 * (e >> 1))] = (char)dc[n][e];
+      for (int c = 0; c < 2; ++c) {
+        float rq, sdq;
+        psi_factors(row_amax(warp >> 2, n * 8 + 2 * t + c), rq, sdq);
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          ds_tile[swz_byte<kBK8>(n * 8 + 2 * t + c, krow0 + g + 8 * r)] =
+              (char)code_s8(pm[n][2 * r + c], rq);
       }
 
-    /* dK += (scale sdS sQ) dS^T Q^ */
-    {
-      uint32_t da[2][4];
-      pack_a_from_acc(da[0], dc, 0);
-      pack_a_from_acc(da[1], dc, 1);
-      const float fk = (p.scale * sds) * sq;
+    /* dK += (scale sdSk sQ) dSk^T Q^, per key */
 #pragma unroll
-      for (int np = 0; np < DO / 16; ++np) {
-        int c2[2][4] = {};
-        mma_s8_k64<kBQ8>(c2, da, B + L::bQt, np);
+    for (int np = 0; np < DO / 16; ++np) {
+      int c2[2][4] = {};
+      mma_s8_k64<kBQ8>(c2, da, B + L::bQt, np);
 #pragma unroll
-        for (int x = 0; x < 2; ++x)
+      for (int x = 0; x < 2; ++x)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) dk[2 * np + x][e] += fk * (float)c2[x][e];
-      }
+        for (int e = 0; e < 4; ++e) dk[2 * np + x][e] += fk[e >> 1] * (float)c2[x][e];
     }
     __syncthreads();
 
-    /* dQ_i += sum over the halves h of (scale sdS_h sK) dS^_h K^_h: warp -> 16 rows x DO/2
-     * columns, FP32 atomics */
+    /* dQ_i += sum over the halves h of (scale sdSq_h sK) dSq^_h K^_h, per row: warp -> 16 rows x
+     * DO/2 columns, FP32 atomics */
     {
       constexpr int NT = DO / 16;
       const int r0 = (warp & 3) * 16, c0 = (warp >> 2) * (DO / 2);
@@ -252,12 +275,20 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
             mma_s8(c3[2 * np + 1], sa, kb[1]);
           }
         }
-        const float fq = (p.scale * sdh[hh]) * sk;
+        float fq[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float rq, sdq;
+          psi_factors(row_amax(hh, r0 + g + 8 * r), rq, sdq);
+          fq[r] = (p.scale * sdq) * sk;
+        }
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            f3[n][e] = hh == 0 ? fq * (float)c3[n][e] : f3[n][e] + fq * (float)c3[n][e];
+          for (int e = 0; e < 4; ++e) {
+            const float x = fq[e >> 1] * (float)c3[n][e];
+            f3[n][e] = hh == 0 ? x : f3[n][e] + x;
+          }
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {

@@ -12,13 +12,16 @@
  *     dP^T = V dO^T            wgmma m64n64k16 f16 / bf16, FP32
  *     P^T  = exp2(S^T f - lse2), dS^T = P^T (dP^T - Drow) in registers (accumulator layout)
  *     dV  += P^ per key column x dO^ per channel    wgmma m64n{DP}k32 s8, P^ from registers
- *     dK  += dS^T Q^                                 wgmma m64n64k32 s8 per 64 columns
- *     dQ_i += dS^ K^ over this consumer's 64 keys    wgmma m64n64k32 s8 per 64 columns, from
- *       its half of the dS^ tile in shared memory; the scaled FP32 products go through the
- *       consumer's own dQ tile into one bulk reduction (add) into the workspace
- *   dS^ has one scale per 64 rows x 64 keys (SPEC_INT8 3), so the consumers never wait for each
- *   other: only their own 4 warps meet (named barrier 1 + warpgroup), and they share only the
- *   stage ring (measured: no faster than in lockstep; docs/performance.md says what bounds it).
+ *     dK  += dSk^T Q^                                wgmma m64n64k32 s8 per 64 columns, dSk^
+ *       scaled per key (an accumulator row: a quad's maximum) and packed from registers
+ *     dQ_i += dSq^ K^ over this consumer's 64 keys   wgmma m64n64k32 s8 per 64 columns, dSq^
+ *       scaled per query row over the consumer's keys (an accumulator column: its 4 warps'
+ *       maxima meet in shared memory) from its half of the dS^ tile; the scaled FP32 products go
+ *       through the consumer's own dQ tile into one bulk reduction (add) into the workspace
+ *   Both dS^ scales stay within a consumer's 64 keys (SPEC_INT8 3), so the consumers never wait
+ *   for each other: only their own 4 warps meet (named barrier 1 + warpgroup), and they share
+ *   only the stage ring (measured: no faster than in lockstep; docs/performance.md says what
+ *   bounds it).
  * dK and dV stay in FP32 registers for the whole walk (the per-step scales keep the int32 products
  * from accumulating across query blocks) and are stored once, in the input dtype.
  * Operand layouts (wgmma.cuh): 8-bit tiles K-major, swizzled over their row width (Q^, K^: DP
@@ -66,8 +69,8 @@ struct BwdSm90Config {
   static constexpr int sQ = 0, sQt = sQ + kQBytes, sDo = sQt + kQtBytes, sDot = sDo + kDoBytes;
   static constexpr int kOffVec = kOffStage + kStages * kTileBytes;
   static constexpr int vLse = 0, vDrow = kBQ8 * 4, vSdo = 2 * kBQ8 * 4;
-  /* per consumer and step parity: 4 warp maxima of dS (floats) */
-  static constexpr int kRedFloats = 2 * 4;
+  /* per consumer and step parity: each warp's maxima of |dS| per query row (floats) */
+  static constexpr int kRedFloats = 2 * 4 * kBQ8;
   static constexpr int kOffRed = kOffVec + kStages * kVecBytes;
   static constexpr int kOffBar = kOffRed + 2 * kRedFloats * 4; /* full[S], empty[S], kfull */
   static constexpr int kBytes = kOffBar + (2 * kStages + 1) * 8;
@@ -274,37 +277,62 @@ struct Int8BwdSm90 {
         pack_a_from_words(pa[1], pc, 1);
       }
 
-      /* dS^T = P^T (dP^T - Drow) in place of dP, and this warp's amax */
-      float amax = 0.0f;
-#pragma unroll
-      for (int n = 0; n < 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          dp[n][e] = pm[n][e] * (dp[n][e] - drow[n * 8 + 2 * t + (e & 1)]);
-          amax = fmaxf(amax, fabsf(dp[n][e]));
-        }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      if (lane == 0) red[par * 4 + wwarp] = amax;
-      if (wtid == 0) bulk_wait_read<0>(); /* the last step's dQ tile has been read */
-      wg_sync();                          /* A: the maxima of this consumer's 64 keys */
-      amax =
-          fmaxf(fmaxf(red[par * 4], red[par * 4 + 1]), fmaxf(red[par * 4 + 2], red[par * 4 + 3]));
-      float rds, sds;
-      psi_factors(amax, rds, sds);
+      /* dS^T = P^T (dP^T - Drow) in place of dP; dSk^, dK's codes, per key (accumulator row) */
       uint32_t da[2][4];
+      float sdk[2];
       {
         uint32_t dc[8][4];
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
+        for (int r = 0; r < 2; ++r) {
+          float mx = 0.0f;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            dc[n][e] = code_word(dp[n][e], rds);
-            ds_tile[sw128_byte(n * 8 + 2 * t + (e & 1), krow0 + g + 8 * (e >> 1))] = (char)dc[n][e];
+          for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int e = 2 * r + c;
+              dp[n][e] = pm[n][e] * (dp[n][e] - drow[n * 8 + 2 * t + c]);
+              mx = fmaxf(mx, fabsf(dp[n][e]));
+            }
+          float rk;
+          psi_factors(quad_max(mx), rk, sdk[r]);
+#pragma unroll
+          for (int n = 0; n < 8; ++n) {
+            dc[n][2 * r] = code_word(dp[n][2 * r], rk);
+            dc[n][2 * r + 1] = code_word(dp[n][2 * r + 1], rk);
           }
+        }
         pack_a_from_words(da[0], dc, 0);
         pack_a_from_words(da[1], dc, 1);
       }
+      /* dSq^, dQ's codes, per query row (accumulator column) over this consumer's 64 keys: this
+       * warp's column maxima over its 16 keys (the lanes of equal t), then the 4 warps' */
+      float *red_par = red + par * 4 * kBQ8;
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float mx = fmaxf(fabsf(dp[n][c]), fabsf(dp[n][2 + c]));
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+          if (g == 0) red_par[wwarp * kBQ8 + n * 8 + 2 * t + c] = mx;
+        }
+      if (wtid == 0) bulk_wait_read<0>(); /* the last step's dQ tile has been read */
+      wg_sync();                          /* A: the row maxima of this consumer's 64 keys */
+      const auto row_amax = [&](int row) {
+        return fmaxf(fmaxf(red_par[row], red_par[kBQ8 + row]),
+                     fmaxf(red_par[2 * kBQ8 + row], red_par[3 * kBQ8 + row]));
+      };
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float rq, sdq;
+          psi_factors(row_amax(n * 8 + 2 * t + c), rq, sdq);
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            ds_tile[sw128_byte(n * 8 + 2 * t + c, krow0 + g + 8 * r)] =
+                (char)code_word(dp[n][2 * r + c], rq);
+        }
       fence_proxy_async(); /* the dS^ bytes, for this consumer's dQ wgmma */
 
       /* dV += (sP sdO) P^T dO^ */
@@ -329,9 +357,16 @@ struct Int8BwdSm90 {
         }
       wg_sync(); /* B: this consumer's dS^ keys are in the tile */
 
-      /* per 64 columns c: dK += (scale sdS sQ) dS^T Q^ and dQ_i += (scale sdS sK) dS^ K^ over this
-       * consumer's keys, the latter into its dQ tile */
-      const float fk = (p.scale * sds) * sq, fq = (p.scale * sds) * sk;
+      /* per 64 columns c: dK += (scale sdSk sQ) dSk^T Q^ (per key) and dQ_i += (scale sdSq sK)
+       * dSq^ K^ over this consumer's keys (per query row), the latter into its dQ tile */
+      float fk[2], fq[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float rq, sdq;
+        psi_factors(row_amax(wwarp * 16 + g + 8 * r), rq, sdq);
+        fk[r] = (p.scale * sdk[r]) * sq;
+        fq[r] = (p.scale * sdq) * sk;
+      }
       int acc[8][4]; /* dK's, then dQ's products of the 64 columns */
 #pragma unroll
       for (int c = 0; c < DP / 64; ++c) {
@@ -346,7 +381,7 @@ struct Int8BwdSm90 {
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) dk[8 * c + n][e] += fk * exact_float(acc[n][e]);
+          for (int e = 0; e < 4; ++e) dk[8 * c + n][e] += fk[e >> 1] * exact_float(acc[n][e]);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk)
@@ -361,7 +396,8 @@ struct Int8BwdSm90 {
           for (int r = 0; r < 2; ++r)
             *reinterpret_cast<float2 *>(dq_tile + (wwarp * 16 + g + 8 * r) * DP + 64 * c + n * 8 +
                                         2 * t) =
-                make_float2(fq * exact_float(acc[n][2 * r]), fq * exact_float(acc[n][2 * r + 1]));
+                make_float2(fq[r] * exact_float(acc[n][2 * r]),
+                            fq[r] * exact_float(acc[n][2 * r + 1]));
       }
       mbar_arrive(bar.empty(s)); /* every consumer thread: the stage's last reads are done */
       fence_proxy_async();       /* the dQ tile, for the bulk reduction */
