@@ -286,15 +286,22 @@ def test_dq_smoothing_term_is_dlse_kbar(grad_lse):
     assert cos(dq, rq) >= 0.999
 
 
-def gradients_with_drifting_keys(device, kernel="auto"):
-    """Keys with a large position-dependent mean (a linear drift 10x their spread, as learned
-    position embeddings give early in training) and rows of different |dS|: dQ only sees K - mean K
-    (rowsum dS = 0), a quantization error of dS multiplies the drift. With one dS^ scale per 64 x 64
-    block dQ's cos was 0.984 here (dK 0.998); SPEC_INT8 3's per-row (dQ) and per-key (dK) scales.
-    Returns the cos of dQ, dK, dV against float64 autograd."""
+def drifting_keys():
+    """q, k, v, dO with keys of a large position-dependent mean (a linear drift 10x their
+    spread, as learned position embeddings give early in training) and rows of different |dS|:
+    dQ only sees K - mean K (rowsum dS = 0), a quantization error of dS multiplies the drift. With
+    one dS^ scale per 64 x 64 block dQ's cos was 0.984 here (dK 0.998); SPEC_INT8 3's per-row (dQ)
+    and per-key (dK) scales."""
     g = torch.Generator().manual_seed(0)
     q, k, v, grad_out = (torch.randn(1, 2, 256, 64, generator=g) for _ in range(4))
     k = k + torch.linspace(-1, 1, 256)[:, None] * torch.randn(1, 64, generator=g) * 10
+    return q, k, v, grad_out
+
+
+def gradients_with_drifting_keys(device, kernel="auto"):
+    """The ops on `device` (CUDA kernel `kernel`) on drifting_keys(): cos of dQ, dK, dV against
+    float64 autograd."""
+    q, k, v, grad_out = drifting_keys()
     _, rq, rk, rv = exact_with_grads(q, k, v, None, True, grad_out)
     q, k, v, grad_out = (t.to(device) for t in (q, k, v, grad_out))
     out, lse = torch.ops.fp4attn.int8_attention(q, k, v, None, True, 0.125, kernel)
@@ -304,9 +311,7 @@ def gradients_with_drifting_keys(device, kernel="auto"):
 
 
 def test_ds_scales_per_row_for_dq_and_per_key_for_dk():
-    g = torch.Generator().manual_seed(0)  # the reference, same inputs as the C backend's below
-    q, k, v, grad_out = (torch.randn(1, 2, 256, 64, generator=g) for _ in range(4))
-    k = k + torch.linspace(-1, 1, 256)[:, None] * torch.randn(1, 64, generator=g) * 10
+    q, k, v, grad_out = drifting_keys()  # the reference, then the C backend
     out, lse = R8.attention_forward(q, k, v, None, True)
     grads = R8.attention_backward(grad_out, q, k, v, out, lse, None, True)
     want = exact_with_grads(q, k, v, None, True, grad_out)[1:]
