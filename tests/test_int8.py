@@ -468,8 +468,7 @@ def check_against_reference(q, k, v, mask, causal, seed=21, kernel="auto"):
 def test_cuda_kernels_against_reference(case, dtype, kernel):
     """Forward and backward of each kernel family, requested by name, against the reference."""
     B, Hq, Hkv, Nq, Nk, D, causal, kind = case
-    if kernel == "sm90" and (not SM90 or D > 128):
-        pytest.skip("the sm90 kernels run on compute capability 9.0, head dims <= 128")
+    skip_unless_kernel_runs(kernel, D)
     q, k, v = make(B, Hq, Hkv, Nq, Nk, D, dtype=dtype, device="cuda")
     mask = make_mask(kind, Nq, Nk)
     out, (dq, dk, dv) = check_against_reference(q, k, v, None if mask is None else mask.cuda(),
@@ -487,12 +486,20 @@ def test_cuda_kernels_against_reference(case, dtype, kernel):
 def test_cuda_kernels_migrate_channel_outliers(case, dtype, kernel):
     """SPEC_INT8 2.1b in prepare, finish_dq and the dK epilogue: each kernel family on channel
     outliers (GQA, MQA, a zero Q channel, a constant K channel) against the reference."""
-    if kernel == "sm90" and (not SM90 or case[5] > 128):
-        pytest.skip("the sm90 kernels run on compute capability 9.0, head dims <= 128")
+    skip_unless_kernel_runs(kernel, case[5])
     check_migration_against_reference(case, dtype, "cuda", kernel)
 
 
 SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+
+
+def skip_unless_kernel_runs(kernel: str, head_dim: int = 64) -> None:
+    """Skips a test of the sm90 kernels where they do not run (compute capability 9.0, head dims
+    <= 128)."""
+    if kernel == "sm90" and (not SM90 or head_dim > 128):
+        pytest.skip("the sm90 kernels run on compute capability 9.0, head dims <= 128")
+
+
 # Shapes for the forward kernels: several tiles each way and a ring of K^/V^ stages that wraps
 # around (Nk > 512), lengths off the 64/128 blocks (a 128-row block whose second Q^ block is
 # padding: Nq = 130), GQA and MQA, causal with Nq < Nk and Nq > Nk, head dims padded to 64 / 128.
@@ -514,8 +521,7 @@ FORWARD_CASES = GPU_CASES[:-2] + [
 def test_cuda_forward_kernels_against_reference(case, dtype, kernel):
     """Each 8-bit forward kernel, requested by name, against the reference."""
     B, Hq, Hkv, Nq, Nk, D, causal, kind = case
-    if kernel == "sm90" and (not SM90 or D > 128):
-        pytest.skip("the sm90 kernel runs on compute capability 9.0, head dims <= 128")
+    skip_unless_kernel_runs(kernel, D)
     q, k, v = make(B, Hq, Hkv, Nq, Nk, D, dtype=dtype, device="cuda")
     mask = make_mask(kind, Nq, Nk)
     out, _ = forward_against_reference(q, k, v, None if mask is None else mask.cuda(), causal,
@@ -528,8 +534,7 @@ def test_cuda_forward_kernels_against_reference(case, dtype, kernel):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kernel", ["sm80", "sm90"])
 def test_cuda_ds_scale_per_64_keys(kernel):
-    if kernel == "sm90" and not SM90:
-        pytest.skip("the sm90 kernels run on compute capability 9.0")
+    skip_unless_kernel_runs(kernel)
     assert dk_of_quiet_keys("cuda", kernel) >= 0.99
 
 
@@ -538,8 +543,7 @@ def test_cuda_ds_scale_per_64_keys(kernel):
 @pytest.mark.parametrize("grad_lse", [False, True], ids=["dO", "dO+dlse"])
 @pytest.mark.parametrize("kernel", ["sm80", "sm90"])
 def test_cuda_dq_smoothing_term_is_dlse_kbar(kernel, grad_lse):
-    if kernel == "sm90" and not SM90:
-        pytest.skip("the sm90 kernels run on compute capability 9.0")
+    skip_unless_kernel_runs(kernel)
     assert dq_with_a_large_key_mean("cuda", kernel, grad_lse) >= 0.999
 
 
@@ -547,8 +551,7 @@ def test_cuda_dq_smoothing_term_is_dlse_kbar(kernel, grad_lse):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kernel", ["sm80", "sm90"])
 def test_cuda_ds_scales_per_row_for_dq_and_per_key_for_dk(kernel):
-    if kernel == "sm90" and not SM90:
-        pytest.skip("the sm90 kernels run on compute capability 9.0")
+    skip_unless_kernel_runs(kernel)
     assert min(gradients_with_drifting_keys("cuda", kernel)) >= 0.993
 
 

@@ -137,19 +137,7 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
     /* dV += P^T dO: P^ per key over the 64 rows, dO^ per channel */
     int pc[8][4];
     float sp[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = 0.0f;
-#pragma unroll
-      for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(pm[n][2 * r], pm[n][2 * r + 1]));
-      float rr;
-      psi_factors(quad_max(mx), rr, sp[r]);
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        pc[n][2 * r] = code_s8(pm[n][2 * r], rr);
-        pc[n][2 * r + 1] = code_s8(pm[n][2 * r + 1], rr);
-      }
-    }
+    psi_rows(pm, pc, sp);
     {
       uint32_t pa[2][4];
       pack_a_from_acc(pa[0], pc, 0);
@@ -207,21 +195,10 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
     float fk[2];
     {
       int dc[8][4];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = 0.0f;
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-          mx = fmaxf(mx, fmaxf(fabsf(pm[n][2 * r]), fabsf(pm[n][2 * r + 1])));
-        float rk, sdk;
-        psi_factors(quad_max(mx), rk, sdk);
-        fk[r] = (p.scale * sdk) * sq;
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-          dc[n][2 * r] = code_s8(pm[n][2 * r], rk);
-          dc[n][2 * r + 1] = code_s8(pm[n][2 * r + 1], rk);
-        }
-      }
+      float sdk[2];
+      psi_rows(pm, dc, sdk);
+      fk[0] = (p.scale * sdk[0]) * sq;
+      fk[1] = (p.scale * sdk[1]) * sq;
       pack_a_from_acc(da[0], dc, 0);
       pack_a_from_acc(da[1], dc, 1);
     }

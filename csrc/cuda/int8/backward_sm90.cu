@@ -260,19 +260,7 @@ struct Int8BwdSm90 {
       float sp[2];
       {
         uint32_t pc[8][4];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = 0.0f;
-#pragma unroll
-          for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(pm[n][2 * r], pm[n][2 * r + 1]));
-          float rr;
-          psi_factors(quad_max(mx), rr, sp[r]);
-#pragma unroll
-          for (int n = 0; n < 8; ++n) {
-            pc[n][2 * r] = code_word(pm[n][2 * r], rr);
-            pc[n][2 * r + 1] = code_word(pm[n][2 * r + 1], rr);
-          }
-        }
+        psi_rows(pm, pc, sp);
         pack_a_from_words(pa[0], pc, 0);
         pack_a_from_words(pa[1], pc, 1);
       }
@@ -280,27 +268,14 @@ struct Int8BwdSm90 {
       /* dS^T = P^T (dP^T - Drow) in place of dP; dSk^, dK's codes, per key (accumulator row) */
       uint32_t da[2][4];
       float sdk[2];
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          dp[n][e] = pm[n][e] * (dp[n][e] - drow[n * 8 + 2 * t + (e & 1)]);
       {
         uint32_t dc[8][4];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = 0.0f;
-#pragma unroll
-          for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int e = 2 * r + c;
-              dp[n][e] = pm[n][e] * (dp[n][e] - drow[n * 8 + 2 * t + c]);
-              mx = fmaxf(mx, fabsf(dp[n][e]));
-            }
-          float rk;
-          psi_factors(quad_max(mx), rk, sdk[r]);
-#pragma unroll
-          for (int n = 0; n < 8; ++n) {
-            dc[n][2 * r] = code_word(dp[n][2 * r], rk);
-            dc[n][2 * r + 1] = code_word(dp[n][2 * r + 1], rk);
-          }
-        }
+        psi_rows(dp, dc, sdk);
         pack_a_from_words(da[0], dc, 0);
         pack_a_from_words(da[1], dc, 1);
       }

@@ -227,6 +227,31 @@ __device__ __forceinline__ float quad_max(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
+/* A code as an int (code_s8) or as a code_word word. */
+__device__ __forceinline__ void put_code(int &c, float x, float r) {
+  c = code_s8(x, r);
+}
+__device__ __forceinline__ void put_code(uint32_t &c, float x, float r) {
+  c = code_word(x, r);
+}
+/* psi (SPEC_INT8 1) per accumulator row of a 16-row tile x[8][4] (rows g and g + 8 of this
+ * thread's quad): each row's scale in scale[r], the codes of x in codes (put_code). */
+template <typename Code>
+__device__ __forceinline__ void psi_rows(const float (&x)[8][4], Code (&codes)[8][4],
+                                         float (&scale)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(fabsf(x[n][2 * r]), fabsf(x[n][2 * r + 1])));
+    float rr;
+    psi_factors(quad_max(mx), rr, scale[r]);
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) put_code(codes[n][2 * r + c], x[n][2 * r + c], rr);
+  }
+}
 __device__ __forceinline__ float quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
