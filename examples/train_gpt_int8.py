@@ -155,12 +155,18 @@ def train(kind, data, val, args, device, seed):
     val_batches = list(batches(val, args.val_batches, args.batch, args.seq, seed=1))
     rows, probed, tokens, t_train = [], [], 0, 0.0
 
-    def evaluate():
+    def evaluate(attention=None):
+        """Validation loss; with `attention`, of the same weights with that attention in every layer."""
+        trained_with = model.blocks[0].attention
+        for blk in model.blocks:
+            blk.attention = attention or trained_with
         model.eval()
         with torch.no_grad(), amp:
             losses = [F.cross_entropy(model(b[:, :-1].to(device)).float().flatten(0, 1), b[:, 1:].to(device).flatten())
                       for b in val_batches]
         model.train()
+        for blk in model.blocks:
+            blk.attention = trained_with
         return torch.stack(losses).mean().item()
 
     for step, b in enumerate(batches(data, args.steps, args.batch, args.seq, seed=seed), 1):
@@ -190,10 +196,15 @@ def train(kind, data, val, args, device, seed):
         if not math.isfinite(loss.item()):
             raise RuntimeError(f"{kind}: loss {loss.item()} at step {step}")
         if step % args.eval_every == 0 or step == args.steps:
-            rows.append({"run": kind, "seed": seed, "step": step,
-                         "train_loss": round(loss.item(), 5), "val_loss": round(evaluate(), 5)})
-            print(f"  {kind:5s} seed {seed} step {step:5d}  train {rows[-1]['train_loss']:.4f}  "
-                  f"val {rows[-1]['val_loss']:.4f}", flush=True)
+            row = {"run": kind, "seed": seed, "step": step,
+                   "train_loss": round(loss.item(), 5), "val_loss": round(evaluate(), 5)}
+            # the int8 arm's weights also with exact attention: learned worse, or inferred worse?
+            row["val_loss_exact_attention"] = (round(evaluate(attention_fn("torch")), 5)
+                                               if kind == "int8" else row["val_loss"])
+            rows.append(row)
+            print(f"  {kind:5s} seed {seed} step {step:5d}  train {row['train_loss']:.4f}  "
+                  f"val {row['val_loss']:.4f}  (exact attention {row['val_loss_exact_attention']:.4f})",
+                  flush=True)
     return rows, tokens / max(t_train, 1e-9), probed
 
 
@@ -309,6 +320,10 @@ def main() -> int:
     rel = summary["int8"]["final"][0] / summary["torch"]["final"][0] - 1
     print(f"\nint8 vs torch: mean final validation loss {100 * rel:+.2f}%; parity: "
           f"{'yes' if summary['parity'] else 'no'} ({summary['why']})")
+    exact = _mean_std([[r for r in results if r["run"] == "int8" and r["seed"] == s][-1]
+                       ["val_loss_exact_attention"] for s in seeds])
+    print(f"the int8 arm's final weights with exact attention: {exact[0]:.4f} +- {exact[1]:.4f} "
+          f"({100 * (exact[0] / summary['torch']['final'][0] - 1):+.2f}% vs torch)")
     os.makedirs(args.out, exist_ok=True)
     hw = gpu_description() if device.type == "cuda" else cpu_description()
     for r in results:

@@ -293,16 +293,20 @@ struct Int8BwdSm90 {
         }
       if (wtid == 0) bulk_wait_read<0>(); /* the last step's dQ tile has been read */
       wg_sync();                          /* A: the row maxima of this consumer's 64 keys */
-      const auto row_amax = [&](int row) {
-        return fmaxf(fmaxf(red_par[row], red_par[kBQ8 + row]),
-                     fmaxf(red_par[2 * kBQ8 + row], red_par[3 * kBQ8 + row]));
-      };
+      /* lane l owns rows 2l and 2l + 1: their factors once per warp, handed out by shuffles */
+      float rq_own[2], sdq_own[2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int row = 2 * lane + c;
+        psi_factors(fmaxf(fmaxf(red_par[row], red_par[kBQ8 + row]),
+                          fmaxf(red_par[2 * kBQ8 + row], red_par[3 * kBQ8 + row])),
+                    rq_own[c], sdq_own[c]);
+      }
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          float rq, sdq;
-          psi_factors(row_amax(n * 8 + 2 * t + c), rq, sdq);
+          const float rq = __shfl_sync(0xffffffffu, rq_own[c], 4 * n + t); /* row n*8 + 2t + c */
 #pragma unroll
           for (int r = 0; r < 2; ++r)
             ds_tile[sw128_byte(n * 8 + 2 * t + c, krow0 + g + 8 * r)] =
@@ -337,10 +341,11 @@ struct Int8BwdSm90 {
       float fk[2], fq[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float rq, sdq;
-        psi_factors(row_amax(wwarp * 16 + g + 8 * r), rq, sdq);
+        const int row = wwarp * 16 + g + 8 * r; /* owned by lane row / 2 as its element row % 2 */
+        const float s0 = __shfl_sync(0xffffffffu, sdq_own[0], row >> 1);
+        const float s1 = __shfl_sync(0xffffffffu, sdq_own[1], row >> 1);
         fk[r] = (p.scale * sdk[r]) * sq;
-        fq[r] = (p.scale * sdq) * sk;
+        fq[r] = (p.scale * ((row & 1) ? s1 : s0)) * sk;
       }
       int acc[8][4]; /* dK's, then dQ's products of the 64 columns */
 #pragma unroll
