@@ -25,6 +25,7 @@ measure speed with --jobs 1).
 q, k, v and upstream gradient dO go through the int8 op and through exact FP32 attention with
 autograd, and the cos of out, dQ, dK and dV between the two are written to
 train_gpt_int8_probe.csv (the worst layer printed). Training itself is unchanged.
+--probe-save-layer L also saves layer L's live tensors at each probed step (for offline study).
 
 The corpus: --corpus FILE, else Jane Austen's six novels from the janeaustenr package
 (`bash scripts/install_models.sh`); `--write-corpus FILE` saves them as text for a machine
@@ -108,8 +109,9 @@ class GradientProbe:
     its output, the dO that reaches it; measure() then runs them through the int8 op and through
     exact FP32 attention with autograd and returns one row per layer: cos of out, dQ, dK, dV."""
 
-    def __init__(self):
+    def __init__(self, save_layer: int = -1, save_dir: str = ""):
         self.armed, self.calls = False, []
+        self.save_layer, self.save_dir = save_layer, save_dir
 
     def watch(self, q, k, v, out):
         if self.armed and out.requires_grad:
@@ -123,6 +125,10 @@ class GradientProbe:
         for layer, c in enumerate(self.calls):
             q, k, v = c["qkv"]
             dout = c["dout"].contiguous()
+            if layer == self.save_layer:  # the first sequence's tensors, for offline study
+                os.makedirs(self.save_dir, exist_ok=True)
+                torch.save({n: t[:1].cpu() for n, t in zip(("q", "k", "v", "dout"), (q, k, v, dout))},
+                           os.path.join(self.save_dir, f"step{step}_layer{layer}.pt"))
             scale = 1.0 / math.sqrt(q.shape[-1])
             out8, lse8 = torch.ops.fp4attn.int8_attention(q, k, v, None, True, scale)
             grads8 = torch.ops.fp4attn.int8_attention_backward(dout, None, q, k, v, out8, lse8, None,
@@ -147,7 +153,8 @@ def batches(data: torch.Tensor, steps: int, batch: int, seq: int, seed: int):
 def train(kind, data, val, args, device, seed):
     """One run: its validation rows, tokens/s and (int8 with --probe-every) the probe's rows."""
     torch.manual_seed(seed)  # same initial weights for both arms of a seed
-    probe = GradientProbe() if kind == "int8" and args.probe_every > 0 else None
+    probe = (GradientProbe(args.probe_save_layer, os.path.join(args.out, f"probe_tensors_seed{seed}"))
+             if kind == "int8" and args.probe_every > 0 else None)
     model = GPT(args.layers, args.dim, args.heads, args.seq, attention_fn(kind, probe)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=args.steps, pct_start=0.05)
@@ -274,12 +281,18 @@ def main() -> int:
                     help="runs trained at once, each in its own process on the same device")
     ap.add_argument("--probe-every", type=int, default=0, metavar="N",
                     help="check the int8 arm's gradients against exact attention every N steps")
+    ap.add_argument("--probe-save-layer", type=int, default=-1, metavar="L",
+                    help="with --probe-every: also save layer L's q, k, v and dO (first sequence of "
+                         "the batch) at each probed step into --out/probe_tensors_seed<S>/")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
     if args.probe_every < 0:
         raise SystemExit(f"--probe-every must be >= 0, got {args.probe_every}")
+    if args.probe_save_layer >= args.layers or (args.probe_save_layer >= 0 and not args.probe_every):
+        raise SystemExit(f"--probe-save-layer {args.probe_save_layer} needs --probe-every and a "
+                         f"layer below --layers {args.layers}")
     if args.write_corpus:
         with open(args.write_corpus, "wb") as f:
             f.write(austen_bytes())

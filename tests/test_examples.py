@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp4attn.eval import models as M
 
@@ -81,7 +82,7 @@ def test_train_gpt_int8_runs_both_attentions(tmp_path):
     corpus.write_bytes(b"It is a truth universally acknowledged. " * 400)
     run_example("train_gpt_int8.py", "--corpus", str(corpus), "--steps", "4", "--eval-every", "2",
                 "--val-batches", "1", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "32",
-                "--batch", "2", "--probe-every", "2", "--out", str(tmp_path))
+                "--batch", "2", "--probe-every", "2", "--probe-save-layer", "0", "--out", str(tmp_path))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from provenance import read_csv
 
@@ -97,6 +98,8 @@ def test_train_gpt_int8_runs_both_attentions(tmp_path):
     assert [(r["step"], r["layer"]) for r in probe] == [("2", "0"), ("4", "0")]
     assert all(0.99 < float(r[c]) <= 1.0 + 1e-9 for r in probe
                for c in ("cos_out", "cos_dq", "cos_dk", "cos_dv"))
+    saved = torch.load(tmp_path / "probe_tensors_seed0" / "step4_layer0.pt")
+    assert saved["q"].shape == saved["dout"].shape == (1, 2, 32, 16)
     head, rows = read_csv(str(ROOT / "docs" / "results" / "train_gpt_int8.csv"))  # committed
     assert head["command"].startswith("python examples/train_gpt_int8.py")
     assert {r["run"] for r in rows} == {"torch", "int8"}
