@@ -572,6 +572,8 @@ def v_mean(
     nq: int,
     scale: float,
     chunk: int = 128,
+    *,
+    key_bias: Tensor | None = None,
 ) -> Tensor:
     """``vbar`` of SPEC 4.3 (V smoothing): V averaged with the mean query's softmax weights.
 
@@ -588,33 +590,156 @@ def v_mean(
       (c ascending) and ``vbar = A / L`` (correctly rounded);
     * a channel whose ``vbar`` is not finite, and every channel where ``M`` is not finite (NaN or
       overflowing scores), uses 0: no smoothing, as before the amendment.
+
+    Masked form (``attention(..., vbar_mask=True)``, not SPEC yet; see ``_vbar_visibility``):
+    ``counts`` is then ``[B, Hq, nqb]``, the rows of each block that count (``qbar`` their mean,
+    0 where none), ``qm`` divides by the sum of those counts instead of ``G * Nq`` (0 rows: qm = 0),
+    and ``key_bias [B, Hkv, Nk]`` (0 for a key some row sees, -inf for one no row sees, the
+    largest additive mask value over the rows that see it) is added to ``s_j``; a chunk whose
+    keys are all -inf adds nothing (M_c = -inf: l_c = a_c = 0, no -inf - -inf), and with every
+    key -inf, M = -inf gives vbar = 0 by the rule above. With ``counts`` 1-D and no ``key_bias``
+    this is the SPEC computation, bit for bit.
     """
     B, Hkv, Nk, D = k32.shape
     Hq, nqb = qbar.shape[1], qbar.shape[2]
     G = Hq // Hkv
-    weighted = (qbar * counts.to(torch.float32)[:, None]).reshape(B, Hkv, G * nqb, D)
+    if counts.dim() == 1:  # SPEC 4.3: every row of every block counts
+        weighted = (qbar * counts.to(torch.float32)[:, None]).reshape(B, Hkv, G * nqb, D)
+        total = None
+    else:  # masked form: [B, Hq, nqb] rows that count per block
+        c32 = counts.to(torch.float32)
+        weighted = (qbar * c32[..., None]).reshape(B, Hkv, G * nqb, D)
+        total = c32.reshape(B, Hkv, G * nqb).sum(dim=-1)  # integers, exact in float32
     acc = weighted[:, :, 0]
     for i in range(1, G * nqb):  # (h, i) ascending, one float32 addition each
         acc = acc + weighted[:, :, i]
-    qm = _div_rn(acc, float(G * nq))  # [B, Hkv, D]
+    if total is None:
+        qm = _div_rn(acc, float(G * nq))  # [B, Hkv, D]
+    else:
+        some = total > 0
+        qm = torch.where(some[..., None],
+                         _div_rn(acc, torch.where(some, total, 1.0)[..., None]), 0.0)
     s = scale * torch.einsum("bhd,bhkd->bhk", qm, k32)
+    if key_bias is not None:
+        s = s + key_bias
     l_all = a_all = None
     ms, ls, as_ = [], [], []
     for j0 in range(0, Nk, chunk):
         sc = s[..., j0:j0 + chunk]
         mc = sc.amax(dim=-1)  # NaN-propagating
-        e = torch.exp(sc - mc[..., None])
+        if key_bias is not None:  # a chunk of hidden keys only: exp(-inf - 0) = 0, adds nothing
+            e = torch.exp(sc - torch.where(mc == -math.inf, 0.0, mc)[..., None])
+        else:
+            e = torch.exp(sc - mc[..., None])
         ms.append(mc)
         ls.append(e.sum(dim=-1))
         as_.append((e[..., None] * v32[:, :, j0:j0 + chunk]).sum(dim=-2))
     m_all = torch.stack(ms, dim=-1).amax(dim=-1)
     for c in range(len(ms)):
         w = torch.exp(ms[c] - m_all)
+        if key_bias is not None:  # M_c = M = -inf (no visible key at all): 0, not NaN
+            w = torch.where(ms[c] == -math.inf, 0.0, w)
         l_all = w * ls[c] if l_all is None else l_all + w * ls[c]
         a_all = w[..., None] * as_[c] if a_all is None else a_all + w[..., None] * as_[c]
     vbar = _div_rn(a_all, l_all[..., None])
     ok = torch.isfinite(vbar) & torch.isfinite(m_all)[..., None]
     return torch.where(ok, vbar, 0.0)[:, :, None]
+
+
+def _vbar_visibility(
+    allowed: Tensor | None,
+    additive: Tensor | None,
+    G: int,
+    chunk: int = 128,
+    self_rows: bool = False,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Masked ``vbar`` (``attention(..., vbar_mask=...)``): which query rows count in ``qm`` and
+    the bias of each key in vbar's softmax, from the views of ``_mask_bias`` ([B, Hq, Nq, Nk]).
+
+    Entry (h, i, j) is *hidden* when ``allowed`` is False there (bool mask False, or causal
+    ``j > i``) or the additive mask is -inf. Returns ``(rows, key_bias)``:
+
+    * ``rows [B, Hq, Nq]`` bool: query row i of head h sees at least one key (some entry not
+      hidden). With ``self_rows`` and Nq == Nk, also key i must be seen by some row of the KV
+      head's query heads (in self-attention a key hidden from every row is padding, and so is the
+      query row at its position);
+    * ``key_bias [B, Hkv, Nk]`` float32: -inf for a key hidden from every row of the KV head's G
+      query heads, else the largest additive mask value over the (h, i) that see it (0 without an
+      additive mask). A finite mask value such as ``finfo.min`` is not hidden, but its bias gives
+      the key weight exp(finfo.min) = 0 beside any seen key.
+
+    ``(None, None)`` when there is no mask at all.
+    """
+    if allowed is None and additive is None:
+        return None, None
+    ref = allowed if allowed is not None else additive
+    B, Hq, Nq, Nk = ref.shape
+    Hkv = Hq // G
+    rows = torch.zeros(B, Hq, Nq, dtype=torch.bool, device=ref.device)
+    bias = []
+    for j0 in range(0, Nk, chunk):
+        j1 = min(j0 + chunk, Nk)
+        seen = torch.ones(B, Hq, Nq, j1 - j0, dtype=torch.bool, device=ref.device)
+        if allowed is not None:
+            seen = seen & allowed[..., j0:j1]
+        if additive is not None:
+            seen = seen & (additive[..., j0:j1] > -math.inf)
+        rows |= seen.any(dim=-1)
+        if additive is None:
+            b = torch.where(seen.reshape(B, Hkv, G * Nq, j1 - j0).any(dim=2), 0.0, -math.inf)
+        else:
+            a = torch.where(seen, additive[..., j0:j1], -math.inf)
+            b = a.reshape(B, Hkv, G * Nq, j1 - j0).amax(dim=2)
+        bias.append(b.to(torch.float32))
+    key_bias = torch.cat(bias, dim=-1)
+    if self_rows and Nq == Nk:
+        own = (key_bias > -math.inf).repeat_interleave(G, dim=1)  # [B, Hq, Nk], Nk == Nq
+        rows &= own
+    return rows, key_bias
+
+
+def v_mean_masked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    block_q: int = 128,
+    self_rows: bool = False,
+) -> Tensor:
+    """The masked ``vbar`` of ``attention(..., smooth_v="weighted", vbar_mask=True)`` (``"self"``:
+    ``self_rows=True``): float32 ``[B, Hkv, 1, Dv]``, what ``attention`` adds back.
+
+    SPEC 4.3's computation (``v_mean``) with the masks applied (``_vbar_visibility``): keys that
+    no query row of the KV head sees get weight 0 (an additive mask contributes its largest value
+    over the rows that see the key), and ``qm`` is the mean over the query rows that see some key,
+    per block as in SPEC 4.2 (``qbar`` of those rows times their count, (h, i) ascending, divided
+    by the number of rows that count). No mask: exactly ``v_mean``; no visible key: 0.
+    """
+    G = _check_qkv(q, k, v)
+    B, Hq, Nq, D = q.shape
+    Nk = k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    q32, k32, v32 = _as_float32(q), _as_float32(k), _as_float32(v)
+    allowed, additive = _mask_bias(attn_mask, is_causal, (B, Hq, Nq, Nk), q.device)
+    nqb = -(-Nq // block_q)
+    qpad = torch.nn.functional.pad(q32, (0, 0, 0, nqb * block_q - Nq))
+    rows, key_bias = _vbar_visibility(allowed, additive, G, self_rows=self_rows)
+    if rows is None:  # no mask: the SPEC's vbar, as attention computes it
+        starts = torch.arange(nqb, device=q32.device) * block_q
+        counts = torch.clamp(Nq - starts, max=block_q).to(torch.float32)
+        qmeans = qpad.reshape(B, Hq, nqb, block_q, D).sum(dim=3) / counts[:, None]
+        return v_mean(qmeans, counts, k32, v32, Nq, scale)
+    rpad = torch.nn.functional.pad(rows, (0, nqb * block_q - Nq))
+    rq = torch.where(rpad[..., None], qpad, 0.0)
+    rcounts = rpad.reshape(B, Hq, nqb, block_q).sum(dim=3).to(torch.float32)
+    rsums = rq.reshape(B, Hq, nqb, block_q, D).sum(dim=3)
+    rmeans = torch.where(rcounts[..., None] > 0,
+                         rsums / torch.where(rcounts > 0, rcounts, 1.0)[..., None], 0.0)
+    return v_mean(rmeans, rcounts, k32, v32, Nq, scale, key_bias=key_bias)
 
 
 def attention(
@@ -636,6 +761,7 @@ def attention(
     quantize_v: bool = True,
     quantize_p: bool = True,
     smooth_v: bool | str = "weighted",
+    vbar_mask: bool | str = False,
     quantized_rowsum: bool = False,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -660,6 +786,16 @@ def attention(
     ``False`` (no smoothing: SPEC 4 before the amendment), ``True`` or ``"mean"`` (V's mean over
     the ``Nk`` keys, SageAttention2's form), ``"first"`` (V's first key row).
 
+    ``vbar_mask`` (not SPEC yet, off by default; only with ``smooth_v="weighted"``) applies the
+    masks to ``vbar`` (``_vbar_visibility``, ``v_mean``): a key hidden from every query row of
+    the KV head (bool mask False or additive -inf for every row, e.g. padding) gets weight 0, an
+    additive mask adds its largest value over the rows that see the key, and ``qm`` is the mean
+    over the query rows that see at least one key. ``"self"``: in self-attention (Nq == Nk)
+    also leave out of ``qm`` the query rows at the positions of such keys (padding queries).
+    Without a mask, and with a mask that has no additive values, hides no key from every row and
+    leaves every row some key (causal with Nq >= Nk, for one), it is bit-identical to the SPEC's
+    vbar. No visible key at all gives vbar = 0.
+
     ``quantized_rowsum`` (not SPEC, off by default): ``l`` sums the quantized P^ (dequantized,
     first level undone) instead of the unquantized exponentials, so ``O / l`` is a convex
     combination of V^'s rows with the weights the FP4MM actually used.
@@ -680,6 +816,10 @@ def attention(
     if smooth_v not in (False, True, "mean", "first", "weighted"):
         raise ValueError(
             f"smooth_v must be False, True, 'mean', 'first' or 'weighted', got {smooth_v!r}")
+    if vbar_mask not in (False, True, "visible", "self"):
+        raise ValueError(f"vbar_mask must be False, True, 'visible' or 'self', got {vbar_mask!r}")
+    if vbar_mask and smooth_v != "weighted":
+        raise ValueError(f"vbar_mask needs smooth_v='weighted', got smooth_v={smooth_v!r}")
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     if scale is None:
@@ -720,6 +860,9 @@ def attention(
     # SPEC 4.3: V smoothing; quantize V - vbar, add vbar back after normalising.
     if smooth_v == "first":
         vbar = v32[:, :, :1].clone()  # [B, Hkv, 1, Dv]
+    elif smooth_v == "weighted" and vbar_mask:  # the masked form: seen keys, rows seeing one
+        vbar = v_mean_masked(q32, k32, v32, attn_mask, is_causal, scale, block_q=block_q,
+                             self_rows=vbar_mask == "self")
     elif smooth_v == "weighted":  # V averaged with the mean query's softmax weights, no mask
         vbar = v_mean(qmeans, counts, k32, v32, Nq, scale)
     else:
