@@ -134,7 +134,8 @@ class _Quantized:
     with the backward, which recomputes them bit-exactly from the same inputs."""
 
     def __init__(self, q32: Tensor, k32: Tensor, v32: Tensor, G: int, q_block: int = BQ,
-                 k_block: int = BK, migrate: float | None = 0.5, migrate_pow2: bool = True):
+                 k_block: int = BK, migrate: float | None = 0.5, migrate_pow2: bool = True,
+                 v_block: int = BK):
         B, Hq, Nq, D = q32.shape
         Nk = k32.shape[2]
         self.kbar = k32.mean(dim=2, keepdim=True)  # [B, Hkv, 1, D]
@@ -146,8 +147,13 @@ class _Quantized:
             ks = _div_rn(ks, self.mig)
         qc, sq = psi(_blocks(q32, q_block), (3, 4))  # per q_block rows (SPEC: 64)
         kc, sk = psi(_blocks(ks, k_block), (3, 4))  # per k_block keys (SPEC: 128)
-        vc, sv = psi(_blocks(v32, BK), (3,))  # per 128 keys and channel
-        nqb, nkb, nvb = qc.shape[2], kc.shape[2], vc.shape[2]
+        # per v_block keys (SPEC: 128; 0: the whole sequence) and channel
+        vb = v_block or -(-Nk // BK) * BK
+        vc, sv = psi(_blocks(v32, vb), (3,))
+        sv = sv.repeat_interleave(vb // BK, dim=2)  # one per 128-key softmax step
+        vc = vc.reshape(*vc.shape[:2], -1, BK, D)
+        nqb, nkb, nvb = qc.shape[2], kc.shape[2], -(-Nk // BK)
+        vc, sv = vc[:, :, :nvb], sv[:, :, :nvb]
         # per row / per key, repeated over the GQA group after quantizing (scales per KV head)
         self.qc = qc.reshape(B, Hq, nqb * q_block, D)[:, :, :Nq]
         # [B, Hq, Nq, 1]
@@ -207,6 +213,8 @@ def attention_forward(
     k_block: int = BK,
     migrate: float | None = 0.5,
     migrate_pow2: bool | None = None,
+    p_max: str = "tile",
+    v_block: int = BK,
 ) -> tuple[Tensor, Tensor]:
     """SPEC_INT8 2: ``(out, lse)``, out float32 ``[B, Hq, Nq, D]``, lse float32 ``[B, Hq, Nq]``
     (natural log of the scaled scores, the smoothing shift ``scale * q . kbar`` added back).
@@ -226,9 +234,19 @@ def attention_forward(
     ``migrate_pow2=False`` takes the exact ``s`` (alpha 0.5: ``sqrt(ka_c / qa_c)``), and
     ``migrate=None`` turns the migration off (SPEC_INT8 before the amendment; alpha 0 is not
     off: it divides Q by its channel maxima). Exact in real arithmetic (``Q' Ks'^T = Q Ks^T``);
-    only the INT8 codes and scales change. The lse shift uses the unmigrated Q and kbar."""
+    only the INT8 codes and scales change. The lse shift uses the unmigrated Q and kbar.
+
+    ``p_max`` / ``v_block`` (accuracy study of a kernel that accumulates P^ V^ in int32 across
+    key steps, docs/accuracy.md "INT8 P and V scales across key steps"): ``p_max="running"``
+    codes P against the running row maximum, ``P^ = rne(255 exp(S - m_new))``, instead of the
+    step's (``"tile"``, the spec); ``v_block`` keys per V scale and channel, a multiple of 128
+    (the spec) or 0 for one scale per channel over the whole sequence."""
     if q_block < 1 or k_block < 1:
         raise ValueError(f"q_block and k_block must be >= 1, got {q_block}, {k_block}")
+    if p_max not in ("tile", "running"):
+        raise ValueError(f'p_max must be "tile" or "running", got {p_max!r}')
+    if v_block < 0 or v_block % BK:
+        raise ValueError(f"v_block must be 0 or a multiple of {BK}, got {v_block}")
     mig = _migrate_kw(migrate, migrate_pow2)
     G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
     B, Hq, Nq, D = q.shape
@@ -238,14 +256,18 @@ def attention_forward(
     lse = q32.new_full((B, Hq, Nq), -math.inf)
     if 0 in (B, Hq, Nq, Nk):
         return out, lse
-    ops = _Quantized(q32, k32, v32, G, q_block, k_block, **mig)
+    ops = _Quantized(q32, k32, v32, G, q_block, k_block, **mig, v_block=v_block)
     m = q32.new_full((B, Hq, Nq), -math.inf)
     l = q32.new_zeros(B, Hq, Nq)
     for j in range(-(-Nk // BK)):
         j0, j1 = j * BK, min((j + 1) * BK, Nk)
-        _, m_new, alpha, beta, e = _online_softmax_step(m, ops.scores(j, scale, allowed, additive))
-        p = torch.round(PMAX * e)  # per-row unsigned 8-bit P, amax = 1
+        s_j = ops.scores(j, scale, allowed, additive)
+        _, m_new, alpha, beta, e = _online_softmax_step(m, s_j)
         l = alpha * l + beta * e.sum(dim=-1)
+        if p_max == "running":  # codes against the running maximum: no per-step factor
+            e = torch.exp(s_j - torch.where(m_new == -math.inf, 0.0, m_new)[..., None])
+            beta = torch.where(m_new == -math.inf, 0.0, 1.0)
+        p = torch.round(PMAX * e)  # per-row unsigned 8-bit P, amax = 1
         pv = _mm64(p, ops.vc[:, :, j0:j1]) * ops.sv[:, :, j, None, :]
         out = alpha[..., None] * out + _div_rn(beta, PMAX)[..., None] * pv
         m = m_new

@@ -23,8 +23,9 @@ class _SpecQuantized:
     64 query rows and per 128 keys, applied per block) and the channel migration: the old results
     to reproduce (with ``migrate=None``)."""
 
-    def __init__(self, q32, k32, v32, G, q_block=64, k_block=128, migrate=None, migrate_pow2=None):
-        assert (q_block, k_block, migrate) == (64, 128, None)
+    def __init__(self, q32, k32, v32, G, q_block=64, k_block=128, migrate=None, migrate_pow2=None,
+                 v_block=128):
+        assert (q_block, k_block, migrate, v_block) == (64, 128, None, 128)
         B, Hq, Nq, D = q32.shape
         Nk = k32.shape[2]
         BQ, BK = 64, 128
@@ -118,6 +119,37 @@ def test_report_mode_runs_the_granularity():
     want, _ = R8.attention_forward(q, k, v, is_causal=True, q_block=16, k_block=32)
     assert torch.equal(got, want)
     assert G.parse_granularities("64x128, 16X32") == [(64, 128), (16, 32)]
+
+
+def test_fold_options_p_against_the_running_max_and_coarser_v_scales():
+    """reference_int8's p_max / v_block (fp4attn.eval.int8_fold): the defaults are the spec,
+    V's scale per block is the amax of its keys, P's codes against the running maximum stay
+    close to exact, and the report mode reaches them."""
+    q, k, v = _inputs()
+    exact = exact_attention(q, k, v, is_causal=True, enable_gqa=True)
+    spec = R8.attention_forward(q, k, v, is_causal=True)
+    assert all(torch.equal(a, b) for a, b in zip(
+        spec, R8.attention_forward(q, k, v, is_causal=True, p_max="tile", v_block=128)))
+    for kw in [{"p_max": "running"}, {"v_block": 256}, {"v_block": 0}, {"p_max": "running", "v_block": 0}]:
+        out, lse = R8.attention_forward(q, k, v, is_causal=True, **kw)
+        assert torch.isfinite(out).all() and metrics(out, exact)["cos"] > 0.999, kw
+        assert torch.allclose(lse, spec[1], atol=1e-5)  # l is unquantized in every variant
+    v[0, 1, 200] *= 50.0  # a V outlier row in the first 256-key block (softmax steps 0 and 1)
+    for vb, amax_keys in [(256, slice(0, 256)), (0, slice(None))]:
+        ops = R8._Quantized(q, k, v, 2, v_block=vb, migrate=None)  # q heads 2, 3 read KV head 1
+        want = R8._div_rn(v[0, 1, amax_keys].abs().amax(dim=0), 127.0)
+        assert torch.equal(ops.sv[0, 2, 0], want) and torch.equal(ops.sv[0, 3, 1], want)
+        assert torch.equal(ops.sv[0, 2, 2], want) == (vb == 0)  # keys 256.. : own block at 256
+    with pytest.raises(ValueError, match="p_max"):
+        R8.attention_forward(q, k, v, p_max="row")
+    with pytest.raises(ValueError, match="v_block"):
+        R8.attention_forward(q, k, v, v_block=100)
+    mode = RP.int8_granularity_mode(64, 128, "running", 0)
+    assert "running max" in RP.mode_label(mode)
+    with RP.attention_mode(None, mode, "fp4attn"):
+        got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(got, R8.attention_forward(q, k, v, is_causal=True, p_max="running",
+                                                 v_block=0)[0])
 
 
 @pytest.mark.parametrize("fix", G.OUTLIER_FIXES)

@@ -331,21 +331,37 @@ GEN_LABELS = {
 }
 
 
-def int8_granularity_mode(q_block: int, k_block: int) -> str:
+def int8_granularity_mode(q_block: int, k_block: int, p_max: str = "tile", v_block: int = 128) -> str:
     """Mode name for the INT8 reference with Q scales per ``q_block`` rows and K scales per
-    ``k_block`` keys (SPEC_INT8: 64 and 128; see fp4attn.eval.int8_granularity)."""
-    return f"int8ref:q{q_block}k{k_block}"
+    ``k_block`` keys (SPEC_INT8: 64 and 128; see fp4attn.eval.int8_granularity), and optionally
+    P coded against the running maximum (``p_max="running"``) or V scales per ``v_block`` keys
+    (0: the whole sequence); see reference_int8.attention_forward."""
+    return (f"int8ref:q{q_block}k{k_block}" + (f":p={p_max}" if p_max != "tile" else "")
+            + (f":v={v_block}" if v_block != 128 else ""))
 
 
-def _parse_int8_granularity(mode: str) -> dict[str, int]:
-    q, k = mode.split(":", 1)[1][1:].split("k")
-    return {"q_block": int(q), "k_block": int(k)}
+def _parse_int8_granularity(mode: str) -> dict:
+    head, *opts = mode.split(":")[1:]
+    q, k = head[1:].split("k")
+    kw = {"q_block": int(q), "k_block": int(k)}
+    for opt in opts:
+        name, value = opt.split("=", 1)
+        if name == "p":
+            kw["p_max"] = value
+        elif name == "v":
+            kw["v_block"] = int(value)
+        else:
+            raise ValueError(f"unknown INT8 reference option {opt!r} in mode {mode!r}")
+    return kw
 
 
 def mode_label(mode: str) -> str:
     if mode.startswith("int8ref:"):
         g = _parse_int8_granularity(mode)
-        return f"INT8 reference, Q per {g['q_block']} rows, K per {g['k_block']} keys"
+        extra = ("" if g.get("p_max", "tile") == "tile" else ", P against the running max") + (
+            "" if g.get("v_block", 128) == 128 else
+            f", V per {g['v_block'] or 'all'} keys")
+        return f"INT8 reference, Q per {g['q_block']} rows, K per {g['k_block']} keys{extra}"
     if mode.startswith("variant:"):
         return f"{METHODS[mode.split(':', 1)[1]][0]}, every layer (reference)"
     if mode.startswith("policy:"):
