@@ -490,11 +490,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward(
 fp4attn_kv_cache kv_cache_view(const at::Tensor &k_codes, const at::Tensor &k_scales,
                                const at::Tensor &k_exp, const at::Tensor &v_codes,
                                const at::Tensor &v_scales, const at::Tensor &v_dec,
-                               const at::Tensor &kmean, const at::Tensor &block_table) {
+                               const at::Tensor &kmean, const at::Tensor &kscale,
+                               const at::Tensor &block_table) {
   CHECK_ARG(kmean.dim() == 3 && kmean.scalar_type() == at::kFloat && kmean.is_contiguous(),
             "kmean must be a contiguous float32 [batch, heads_kv, head_dim] tensor, got %s %s",
             dtype_str(kmean.scalar_type()), shape_str(kmean.sizes()).c_str());
   const int64_t B = kmean.size(0), H = kmean.size(1), D = kmean.size(2);
+  CHECK_ARG(kscale.sizes() == kmean.sizes() && kscale.scalar_type() == at::kFloat &&
+                kscale.is_contiguous(),
+            "kscale must be a contiguous float32 tensor of kmean's shape %s, got %s %s",
+            shape_str(kmean.sizes()).c_str(), dtype_str(kscale.scalar_type()),
+            shape_str(kscale.sizes()).c_str());
   CHECK_ARG(D >= 1 && D <= FP4ATTN_MAX_HEAD_DIM, "head_dim must be in [1, %d], got %lld",
             FP4ATTN_MAX_HEAD_DIM, static_cast<long long>(D));
   CHECK_ARG(k_codes.dim() == 4 && k_codes.size(1) == H,
@@ -524,7 +530,8 @@ fp4attn_kv_cache kv_cache_view(const at::Tensor &k_codes, const at::Tensor &k_sc
             "block_table must be a contiguous int32 [batch=%lld, max_pages] tensor, got %s %s",
             static_cast<long long>(B), dtype_str(block_table.scalar_type()),
             shape_str(block_table.sizes()).c_str());
-  for (const at::Tensor *t : {&k_scales, &k_exp, &v_codes, &v_scales, &v_dec, &kmean, &block_table})
+  for (const at::Tensor *t :
+       {&k_scales, &k_exp, &v_codes, &v_scales, &v_dec, &kmean, &kscale, &block_table})
     CHECK_ARG(t->device() == k_codes.device(), "the cache's tensors must be on one device");
   fp4attn_kv_cache c{};
   c.k_codes = k_codes.data_ptr<uint8_t>();
@@ -534,6 +541,7 @@ fp4attn_kv_cache kv_cache_view(const at::Tensor &k_codes, const at::Tensor &k_sc
   c.v_scales = v_scales.data_ptr<uint8_t>();
   c.v_dec = v_dec.data_ptr<float>();
   c.kmean = kmean.data_ptr<float>();
+  c.kscale = kscale.data_ptr<float>();
   c.block_table = block_table.data_ptr<int32_t>();
   c.batch = B;
   c.heads_kv = H;
@@ -547,9 +555,11 @@ fp4attn_kv_cache kv_cache_view(const at::Tensor &k_codes, const at::Tensor &k_sc
 void kv_append(const at::Tensor &k_in, const at::Tensor &v_in, const at::Tensor &k_codes,
                const at::Tensor &k_scales, const at::Tensor &k_exp, const at::Tensor &v_codes,
                const at::Tensor &v_scales, const at::Tensor &v_dec, const at::Tensor &kmean,
-               const at::Tensor &block_table, int64_t start, bool set_mean) {
+               const at::Tensor &kscale, const at::Tensor &block_table, int64_t start,
+               bool set_mean) {
   fp4attn_kv_append_params p{};
-  p.cache = kv_cache_view(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, block_table);
+  p.cache =
+      kv_cache_view(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale, block_table);
   CHECK_ARG(k_in.dim() == 4 && k_in.size(0) == p.cache.batch && k_in.size(1) == p.cache.heads_kv &&
                 k_in.size(3) == p.cache.head_dim,
             "k must be [batch, heads_kv, n, head_dim] = [%lld, %lld, n, %lld], got %s",
@@ -587,12 +597,14 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor &q_in, const at::Tens
                                           const at::Tensor &k_scales, const at::Tensor &k_exp,
                                           const at::Tensor &v_codes, const at::Tensor &v_scales,
                                           const at::Tensor &v_dec, const at::Tensor &kmean,
-                                          const at::Tensor &block_table, const at::Tensor &seq_lens,
-                                          double scale, int64_t window) {
+                                          const at::Tensor &kscale, const at::Tensor &block_table,
+                                          const at::Tensor &seq_lens, double scale,
+                                          int64_t window) {
   fp4attn_decode_params p{};
   CHECK_ARG(window >= 0, "window must be >= 0 (0: no sliding window), got %lld",
             static_cast<long long>(window));
-  p.cache = kv_cache_view(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, block_table);
+  p.cache =
+      kv_cache_view(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale, block_table);
   CHECK_ARG(q_in.dim() == 4 && q_in.size(0) == p.cache.batch && q_in.size(3) == p.cache.head_dim &&
                 q_in.size(1) % p.cache.heads_kv == 0,
             "q must be [batch=%lld, heads_q (a multiple of %lld), len_q, head_dim=%lld], got %s",
@@ -680,11 +692,11 @@ TORCH_LIBRARY(fp4attn, m) {
   m.def(
       "kv_append(Tensor k, Tensor v, Tensor(a!) k_codes, Tensor(b!) k_scales, Tensor(c!) k_exp, "
       "Tensor(d!) v_codes, Tensor(e!) v_scales, Tensor(f!) v_dec, Tensor(g!) kmean, "
-      "Tensor block_table, int start, bool set_mean) -> ()");
+      "Tensor(h!) kscale, Tensor block_table, int start, bool set_mean) -> ()");
   m.def(
       "decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor k_exp, Tensor v_codes, "
-      "Tensor v_scales, Tensor v_dec, Tensor kmean, Tensor block_table, Tensor seq_lens, "
-      "float scale, int window=0) -> (Tensor out, Tensor lse)");
+      "Tensor v_scales, Tensor v_dec, Tensor kmean, Tensor kscale, Tensor block_table, "
+      "Tensor seq_lens, float scale, int window=0) -> (Tensor out, Tensor lse)");
 }
 
 // Private test hooks (csrc/testing/testing.h), undocumented; not part of the product's ops.

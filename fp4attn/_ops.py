@@ -75,12 +75,12 @@ def _attention_fake(q, k, v, attn_mask, is_causal, scale, return_lse, cuda_kerne
 
 
 @torch.library.register_fake("fp4attn::kv_append")
-def _kv_append_fake(k, v, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, block_table,
-                    start, set_mean):
+def _kv_append_fake(k, v, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale,
+                    block_table, start, set_mean):
     return None
 
 
 @torch.library.register_fake("fp4attn::decode")
-def _decode_fake(q, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, block_table,
-                 seq_lens, scale, window=0):
+def _decode_fake(q, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale,
+                 block_table, seq_lens, scale, window=0):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)

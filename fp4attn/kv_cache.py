@@ -4,8 +4,10 @@
     cache.append(k, v)                 # [B, Hkv, n, D]: quantized once, here
     out = fp4attn.decode(q, cache)     # q [B, Hq, nq, D]: the last nq positions
 
-Keys are stored as rotated 5-bit rows (K minus its mean over the first 128 tokens, Hadamard-rotated,
-integer codes -15..15 with an E4M3 scale per 64 values and a power-of-two row scale), values as
+Keys are stored as rotated 5-bit rows (K minus its mean over the first 128 tokens, each channel
+divided by a scale fixed on the same tokens (the square root of its largest magnitude; queries are
+multiplied by it), Hadamard-rotated, integer codes -15..15 with an E4M3 scale per 64 values and a
+power-of-two row scale), values as
 NVFP4 rows (an E4M3 scale per 16 values, one FP32 scale per row): 159 bytes per token and head at
 head dim 128, 3.22x less than FP16. Pages of fixed size with a block table (the vLLM /
 FlashInfer convention): `fp4attn.decode_paged` takes the pages, a table and per-sequence lengths
@@ -30,9 +32,9 @@ DEFAULT_PAGE_SIZE = 128
 #: Most query positions one decode call serves (speculative decoding); a windowed cache keeps
 #: the last window + MAX_DECODE_QUERIES - 1 tokens, all that such calls can read.
 MAX_DECODE_QUERIES = 16
-#: Tokens whose K mean smooths the keys (SPEC 6): the first KMEAN_TOKENS stored, whatever the
-#: appends' lengths; until that many are stored, every append stores them all again, exactly, with
-#: the mean of those stored so far.
+#: Tokens whose K mean and channel scales smooth the keys (SPEC 6): the first KMEAN_TOKENS stored,
+#: whatever the appends' lengths; until that many are stored, every append stores them all again,
+#: exactly, with the mean and scales of those stored so far.
 KMEAN_TOKENS = 128
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -81,6 +83,7 @@ class FP4KVCache:
         self._len = 0
         self._early = None  # (k, v) of the stored tokens while fewer than KMEAN_TOKENS: exact copies
         self.kmean = torch.zeros(batch, kv_heads, head_dim, dtype=torch.float32, device=self.device)
+        self.kscale = torch.ones(batch, kv_heads, head_dim, dtype=torch.float32, device=self.device)
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=self.device)
         pages = -(-max_tokens // page_size) if max_tokens is not None else 1
         self._allocate(pages)
@@ -117,10 +120,10 @@ class FP4KVCache:
         self.block_table = seq + (page if self._ring is None else page % self._ring)
 
     def storage(self) -> tuple[Tensor, ...]:
-        """(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, block_table): the paged
-        form `decode_paged` takes (SPEC 6)."""
+        """(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale, block_table): the
+        paged form `decode_paged` takes (SPEC 6)."""
         return (self.k_codes, self.k_scales, self.k_exp, self.v_codes, self.v_scales, self.v_dec,
-                self.kmean, self.block_table)
+                self.kmean, self.kscale, self.block_table)
 
     @property
     def capacity(self) -> int:
@@ -137,7 +140,7 @@ class FP4KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all storage: pages, scales, decs, kmean, block table, lengths."""
+        """Bytes of all storage: pages, scales, decs, kmean, kscale, block table, lengths."""
         return sum(t.numel() * t.element_size() for t in (*self.storage(), self.seq_lens))
 
     def __len__(self) -> int:
@@ -147,11 +150,11 @@ class FP4KVCache:
 
     def append(self, k: Tensor, v: Tensor) -> None:
         """Appends ``n >= 1`` tokens to every sequence: ``k, v [batch, kv_heads, n, head_dim]`` in
-        the cache's dtype and device. K's mean is that of the first ``KMEAN_TOKENS`` tokens stored
-        (a windowed cache: at most ``window + 15``, and it stores only the last ``window + 15``
-        of an append); until that many
-        are stored, each append stores them all again with the mean of those so far, so the cache
-        does not depend on how its first tokens were split into appends. On bad input nothing is
+        the cache's dtype and device. K's mean and channel scales are those of the first
+        ``KMEAN_TOKENS`` tokens stored (a windowed cache: at most ``window + 15``, and it stores
+        only the last ``window + 15`` of an append); until that many are stored, each append
+        stores them all again with the mean and scales of those so far, so the cache does not
+        depend on how its first tokens were split into appends. On bad input nothing is
         changed."""
         shape = (self.batch, self.kv_heads, None, self.head_dim)
         for name, t in (("k", k), ("v", v)):
@@ -179,7 +182,7 @@ class FP4KVCache:
         if self._early is not None and not skip:  # the stored tokens, exactly, before the new ones
             start = self._len - self._early[0].shape[2]
             k, v = torch.cat((self._early[0], k), dim=2), torch.cat((self._early[1], v), dim=2)
-        if self._len == 0 or self._early is not None:  # kmean over the first tokens stored
+        if self._len == 0 or self._early is not None:  # kmean, kscale of the first tokens stored
             m = min(self._kmean_tokens, k.shape[2])
             torch.ops.fp4attn.kv_append(k[:, :, :m], v[:, :, :m], *self.storage(), start, True)
             self._early = (k.clone(), v.clone()) if m < self._kmean_tokens else None
@@ -191,7 +194,8 @@ class FP4KVCache:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """``(k, v)`` ``[batch, kv_heads, len - start, head_dim]``: the values the decode computes
-        with (K with its mean added back in one float32 addition) of the tokens from ``start`` on
+        with (K times its channel scales, then plus its mean: one float32 multiplication and one
+        addition) of the tokens from ``start`` on
         (all of them unless a window dropped older ones), in ``dtype`` (default: the cache's); a
         16-bit dtype rounds them once more."""
         first = self.start // self.page_size  # logical pages from the one holding `start`
@@ -200,7 +204,7 @@ class FP4KVCache:
         lo, hi = self.start - first * self.page_size, self._len - first * self.page_size
         k = _dequantize_rows(self.k_codes, self.k_scales, self.k_exp, table, hi, self.head_dim, key=True)
         v = _dequantize_rows(self.v_codes, self.v_scales, self.v_dec, table, hi, self.head_dim)
-        k = k[:, :, lo:] + self.kmean[:, :, None, :]
+        k = k[:, :, lo:] * self.kscale[:, :, None, :] + self.kmean[:, :, None, :]
         dtype = self.dtype if dtype is None else dtype
         return k.to(dtype), v[:, :, lo:].to(dtype)
 
@@ -220,9 +224,9 @@ def _dequantize_rows(codes, scales, dec, block_table, length: int, D: int, key: 
 
 
 def decode_paged(q: Tensor, k_codes: Tensor, k_scales: Tensor, k_exp: Tensor, v_codes: Tensor,
-                 v_scales: Tensor, v_dec: Tensor, kmean: Tensor, block_table: Tensor,
-                 seq_lens: Tensor, scale: float | None = None, return_lse: bool = False,
-                 window: int | None = None):
+                 v_scales: Tensor, v_dec: Tensor, kmean: Tensor, kscale: Tensor,
+                 block_table: Tensor, seq_lens: Tensor, scale: float | None = None,
+                 return_lse: bool = False, window: int | None = None):
     """Decode attention on a paged FP4 cache (SPEC 6). ``q [B, Hq, nq, D]``: the last ``nq``
     positions of each sequence; ``seq_lens [B]`` int32 (may differ per sequence and change between
     CUDA-graph replays); ``block_table [B, max_pages]`` int32. ``window``: sliding-window attention,
@@ -234,7 +238,7 @@ def decode_paged(q: Tensor, k_codes: Tensor, k_scales: Tensor, k_exp: Tensor, v_
         raise ValueError(f"window must be None or a positive int, got {window!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = torch.ops.fp4attn.decode(q, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean,
-                                        block_table, seq_lens, scale, window or 0)
+                                        kscale, block_table, seq_lens, scale, window or 0)
     return (out, lse) if return_lse else out
 
 

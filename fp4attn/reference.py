@@ -42,6 +42,7 @@ __all__ = [
     "fake_quantize",
     "fp4mm",
     "global_scales",
+    "k5_channel_scales",
     "k5_dequantize",
     "k5_quantize",
     "k5_rotate",
@@ -345,6 +346,22 @@ def k5_rotate(x: Tensor) -> Tensor:
         x = torch.stack((a + b, a - b), dim=-2).reshape(x.shape)
         h *= 2
     return x
+
+
+def k5_channel_scales(x: Tensor) -> Tensor:
+    """SPEC 6's channel scales ``kscale [..., D]`` (float32) from ``x [..., M, D]``, the rows
+    ``K - kmean`` of the tokens that fix kmean: ``r_c = sqrt(max_t |x_tc|)`` (correctly rounded,
+    NaN-propagating), ``g = max_c r_c``; ``kscale_c = max(r_c, g x 2^-6)``, or 1 in every channel
+    when g is 0, infinite or NaN. Key rows are stored as ``(K - kmean) / kscale`` and queries
+    multiplied by kscale: ``q . (K - kmean)`` is unchanged, the keys' channels are evened out."""
+    x = _as_float32(x)
+    a = x.abs().amax(dim=-2)  # NaN-propagating
+    # torch's float32 sqrt is not always correctly rounded; float64's, rounded once, is (53 >= 2*24
+    # + 2 bits: no double rounding)
+    r = torch.sqrt(a.double()).float()
+    g = r.amax(dim=-1, keepdim=True)
+    ok = torch.isfinite(g) & (g > 0)
+    return torch.where(ok, torch.maximum(r, g * 2.0 ** -6), torch.ones_like(r))
 
 
 def _k5_exponent(amax: Tensor) -> Tensor:

@@ -82,13 +82,16 @@ def stored_rows(cache, length):
 @pytest.mark.parametrize("D", [1, 16, 33, 64, 80, 96, 128, 192, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_rows_are_bit_exact_with_the_reference_quantizer(D, dtype):
-    """The C backend's bytes are the reference's: K5 rows of K - kmean (kmean over the first 128
-    tokens, summed in token order), NVFP4 rows of V."""
+    """The C backend's bytes are the reference's: K5 rows of (K - kmean) / kscale (kmean over the
+    first 128 tokens, summed in token order; kscale from the same tokens), NVFP4 rows of V."""
     cache, k, v = filled_cache(2, 3, D, dtype, [37, 100, 5], page_size=16)
     kmean = token_order_mean(k[:, :, :128])
     assert torch.equal(cache.kmean, kmean)
+    x = k.float() - kmean[:, :, None]
+    kscale = reference.k5_channel_scales(x[:, :, :128])
+    assert torch.equal(cache.kscale, kscale)
     kc, ks, ke, vc, vs, vd = stored_rows(cache, 142)
-    want = reference.k5_quantize(k.float() - kmean[:, :, None])
+    want = reference.k5_quantize(reference._div_rn(x, kscale[:, :, None]))
     assert torch.equal(kc, want[0]) and torch.equal(ks, want[1]) and torch.equal(ke, want[2])
     wc, ws, wd = reference.quantize(v.float()[..., None, :])
     assert torch.equal(vc, wc[..., 0, :]) and torch.equal(vs, ws[..., 0, :]) and torch.equal(vd, wd)
@@ -156,6 +159,63 @@ def test_k5_rows_are_close_and_codes_exact(D):
     assert torch.equal(reference.k5_dequantize(codes, scales, exp, D)[0], row)
 
 
+def uneven_keys(B, H, n, D, dtype, seed):
+    """Keys whose channels differ in size by up to 2^14 (a few near zero, one zero in the first
+    tokens only, one huge), around a mean: what the channel scales even out."""
+    g = torch.Generator().manual_seed(seed)
+    size = torch.exp2(torch.linspace(-10, 4, D))[torch.randperm(D, generator=g)]
+    k = torch.randn(B, H, n, D, generator=g) * size + 3.0
+    if D > 2:
+        k[:, :, :128, 1] = 3.0  # constant while the scales are fixed: r = 0, the floor
+        k[:, :, :, 2] *= 100.0
+    return k.to(dtype)
+
+
+def test_channel_scales():
+    """SPEC 6's channel scales: sqrt of each channel's largest |K - kmean| over the first tokens,
+    at least 2^-6 of the largest; 1 everywhere for all-zero or non-finite first tokens."""
+    x = torch.tensor([[[1.0, 4.0, 0.0, -1e-6], [-9.0, 2.0, 0.0, 0.0]]])
+    assert reference.k5_channel_scales(x).tolist() == [[3.0, 2.0, 3.0 / 64, 3.0 / 64]]
+    assert torch.equal(reference.k5_channel_scales(torch.zeros(2, 5, 8)), torch.ones(2, 8))
+    for bad in (math.nan, math.inf):
+        x = torch.randn(3, 8)
+        x[1, 4] = bad
+        assert torch.equal(reference.k5_channel_scales(x), torch.ones(8))
+    y = torch.randn(50, 64) * 7
+    r = y.abs().amax(0).double().sqrt().float()  # correctly rounded
+    assert torch.equal(reference.k5_channel_scales(y), torch.maximum(r, r.amax() / 64))
+
+
+@pytest.mark.parametrize("D, dtype", [(16, torch.float32), (64, torch.float16), (128, torch.float32),
+                                      (256, torch.float16)], ids=str)
+def test_uneven_channels_are_stored_and_decoded(D, dtype):
+    """Keys of very uneven channels: the C backend's kscale and rows are the reference's, the
+    typical channel's error relative to its size is less than half what K5 of K - kmean alone
+    gives (whose error, spread evenly by the rotation, swamps the small channels), and the decode
+    (queries times kscale, rotated) matches exact attention on the dequantized keys."""
+    B, H, n = 1, 2, 200
+    k = uneven_keys(B, H, n, D, dtype, D)
+    v = torch.randn(B, H, n, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    cache = fp4attn.FP4KVCache(B, H, D, dtype=dtype, page_size=32)
+    cache.append(k[:, :, :50], v[:, :, :50])
+    cache.append(k[:, :, 50:], v[:, :, 50:])
+    kmean = token_order_mean(k[:, :, :128])
+    x = k.float() - kmean[:, :, None]
+    kscale = reference.k5_channel_scales(x[:, :, :128])
+    assert torch.equal(cache.kscale, kscale) and kscale.amax() / kscale.amin() > 32
+    want = reference.k5_quantize(reference._div_rn(x, kscale[:, :, None]))
+    got = stored_rows(cache, n)[:3]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    kd, vd = cache.dequantize(torch.float32)
+    plain = reference.k5_dequantize(*reference.k5_quantize(x), D) + kmean[:, :, None]
+    rel = lambda y: ((y - k.float()).norm(dim=2) / x.norm(dim=2)).median()  # the typical channel
+    assert rel(kd) < 0.8 and rel(kd) < 0.5 * rel(plain)
+    q = torch.randn(B, 4, 2, D, generator=torch.Generator().manual_seed(2)).to(dtype) * 0.1
+    out, lse = fp4attn.decode(q, cache, return_lse=True)
+    ref, ref_lse = exact_decode(q, kd, vd, [n] * B)
+    assert rel_l1(out, ref) < 3e-3 and (lse.double() - ref_lse).abs().max() < 2e-3
+
+
 @pytest.mark.parametrize("window", [None, 40])
 def test_cache_does_not_depend_on_how_the_first_tokens_were_appended(window):
     """K's mean is that of the first 128 tokens stored (SPEC 6; a windowed cache of window 40:
@@ -176,7 +236,7 @@ def test_cache_does_not_depend_on_how_the_first_tokens_were_appended(window):
         caches.append(c)
     want = caches[0].dequantize()
     for c in caches[1:]:
-        assert torch.equal(c.kmean, caches[0].kmean)
+        assert torch.equal(c.kmean, caches[0].kmean) and torch.equal(c.kscale, caches[0].kscale)
         got = c.dequantize()
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     if window is None:
@@ -282,9 +342,10 @@ def test_paged_ragged_batch_with_a_shuffled_block_table():
             for dst, src in zip(pool, c.storage()[:6]):
                 dst[table[b, i]] = src[i]
     kmean = torch.cat([c.kmean for c, _, _ in caches])
+    kscale = torch.cat([c.kscale for c, _, _ in caches])
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(B, 4, 1, D, dtype=torch.float16)
-    out = fp4attn.decode_paged(q, *pool, kmean, table, seq_lens)
+    out = fp4attn.decode_paged(q, *pool, kmean, kscale, table, seq_lens)
     for b, (c, _, _) in enumerate(caches):
         kd, vd = c.dequantize(torch.float32)
         ref, _ = exact_decode(q[b:b + 1], kd, vd, [lens[b]])
@@ -484,3 +545,45 @@ def test_the_format_study_emulates_the_implemented_keys():
     want = reference.k5_dequantize(*reference.k5_quantize(x), 128)
     got = kv_format.int5_rows(x, rot=True, search=reference.K5_SEARCH)
     assert (got - want).abs().max() <= 1e-6 * x.abs().max()
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_format_study_emulates_the_channel_scales(D):
+    """kv_format's "int5 rot mean chan" variant (the emulation behind the channel scales' numbers
+    in docs/accuracy.md) gives FP4KVCache's dequantized keys on uneven channels, up to the float
+    rounding of its kmean and kscale; without "chan" the keys are much worse."""
+    from fp4attn.eval import kv_format
+
+    k = uneven_keys(1, 2, 200, D, torch.float32, 5)
+    v = torch.randn(1, 2, 200, D, generator=torch.Generator().manual_seed(6))
+    cache = fp4attn.FP4KVCache(1, 2, D, dtype=torch.float32)
+    cache.append(k, v)
+    kd, _ = cache.dequantize(torch.float32)
+    emu, _ = kv_format.quantized_kv(k, v, "int5 rot mean chan", 128)
+    plain, _ = kv_format.quantized_kv(k, v, "int5 rot mean", 128)
+    x = k - token_order_mean(k[:, :, :128])[:, :, None]
+    assert (emu - kd).abs().max() <= 1e-5 * x.abs().max()
+    rel = lambda y: ((y - k).norm(dim=2) / x.norm(dim=2)).median()  # the typical channel
+    assert rel(plain) > 2 * rel(kd)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("D", [16, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_cuda_uneven_channels_are_the_cpu_bytes(D, dtype):
+    """Channel scales on CUDA (kv_mean_kernel: a channel at the 2^-6 floor, a huge one; first
+    appends of 50 then 150 tokens, re-stored) equal the CPU's, so do the rows; the decode (queries
+    times kscale) agrees with the CPU's."""
+    k = uneven_keys(2, 2, 200, D, dtype, D)
+    v = torch.randn(2, 2, 200, D, generator=torch.Generator().manual_seed(3)).to(dtype)
+    caches = [fp4attn.FP4KVCache(2, 2, D, dtype=dtype, device=dev, page_size=32) for dev in ("cpu", "cuda")]
+    for cache in caches:
+        cache.append(k[:, :, :50].to(cache.device), v[:, :, :50].to(cache.device))
+        cache.append(k[:, :, 50:].to(cache.device), v[:, :, 50:].to(cache.device))
+    for a, b in zip(caches[0].storage(), caches[1].storage()):
+        assert torch.equal(a, b.cpu())
+    q = torch.randn(2, 4, 2, D, generator=torch.Generator().manual_seed(4)).to(dtype) * 0.1
+    want, want_lse = fp4attn.decode(q, caches[0], return_lse=True)
+    out, lse = fp4attn.decode(q.cuda(), caches[1], return_lse=True)
+    assert rel_l1(out.cpu(), want) < 3e-3 and (lse.cpu() - want_lse).abs().max() < 2e-3

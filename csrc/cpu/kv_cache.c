@@ -1,8 +1,8 @@
 /*
  * The KV cache on the CPU (docs/SPEC.md section 6): appending tokens (K minus the mean of the first
- * append as rotated 5-bit rows, V as NVFP4 rows) and decode attention on the stored rows in FP32
- * (queries rotated once). Bit-exact with the CUDA append: the same numerics.h rounding, sums in
- * SPEC 6's order.
+ * tokens, divided by the channel scales, as rotated 5-bit rows, V as NVFP4 rows) and decode
+ * attention on the stored rows in FP32 (queries scaled and rotated once). Bit-exact with the CUDA
+ * append: the same numerics.h rounding, sums in SPEC 6's order.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -102,14 +102,25 @@ fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
   const int nt = p->num_threads > 0 ? p->num_threads : omp_get_max_threads();
   if (p->set_mean) {
 #pragma omp parallel for num_threads(nt)
-    for (int64_t bh = 0; bh < c->batch * H; ++bh)
+    for (int64_t bh = 0; bh < c->batch * H; ++bh) {
+      float *kmean = c->kmean + bh * D, *kscale = c->kscale + bh * D, g = 0.0f;
       for (int64_t d = 0; d < D; ++d) {
-        float s = 0.0f;
+        float s = 0.0f, a = 0.0f;
         const int64_t base = (bh / H) * p->k_stride[0] + (bh % H) * p->k_stride[1] + d;
         for (int64_t n = 0; n < p->len; ++n)
           s += fp4attn_load(p->k, p->dtype, base + n * p->k_stride[2]);
-        c->kmean[bh * D + d] = s / (float)p->len;
+        kmean[d] = s / (float)p->len;
+        for (int64_t n = 0; n < p->len; ++n)
+          a = fp4attn_nanmax(
+              a, fabsf(fp4attn_load(p->k, p->dtype, base + n * p->k_stride[2]) - kmean[d]));
+        kscale[d] = sqrtf(a);
+        g = fp4attn_nanmax(g, kscale[d]);
       }
+      /* SPEC 6's channel scales: max(r_c, g 2^-6), or 1 everywhere unless g is finite and > 0 */
+      const int ok = fp4attn_isfinite(g) && g > 0.0f;
+      for (int64_t d = 0; d < D; ++d)
+        kscale[d] = !ok ? 1.0f : (kscale[d] > g * 0x1p-6f ? kscale[d] : g * 0x1p-6f);
+    }
   }
   int bad = 0;
 #pragma omp parallel num_threads(nt) reduction(|| : bad)
@@ -123,10 +134,11 @@ fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
         bad = 1;
         continue;
       }
-      const float *kmean = c->kmean + (b * H + h) * D;
+      const float *kmean = c->kmean + (b * H + h) * D, *kscale = c->kscale + (b * H + h) * D;
       const int64_t kb = b * p->k_stride[0] + h * p->k_stride[1] + n * p->k_stride[2];
       const int64_t vb = b * p->v_stride[0] + h * p->v_stride[1] + n * p->v_stride[2];
-      for (int64_t d = 0; d < D; ++d) x[d] = fp4attn_load(p->k, p->dtype, kb + d) - kmean[d];
+      for (int64_t d = 0; d < D; ++d)
+        x[d] = (fp4attn_load(p->k, p->dtype, kb + d) - kmean[d]) / kscale[d];
       c->k_exp[r] = quantize_key_row(x, D, w, c->k_codes + r * kcb, c->k_scales + r * ksc);
       for (int64_t d = 0; d < D; ++d) x[d] = fp4attn_load(p->v, p->dtype, vb + d);
       c->v_dec[r] = quantize_row(x, D, c->v_codes + r * cb, c->v_scales + r * sc);
@@ -264,8 +276,9 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
       const int64_t r0 = (task % groups) * per, r1 = r0 + per < R ? r0 + per : R, n = r1 - r0;
       if (n <= 0) continue;
       const int64_t L = p->seq_lens[b];
-      const float *kmean = c->kmean + (b * H + hk) * D;
-      /* the rows' queries, constant lse terms and visible keys; the keys any row sees, [lo, hi) */
+      const float *kmean = c->kmean + (b * H + hk) * D, *chs = c->kscale + (b * H + hk) * D;
+      /* the rows' queries (times the channel scales, then rotated), constant lse terms and
+       * visible keys; the keys any row sees, [lo, hi) */
       int64_t lo = L, hi = 0;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t r = r0 + i, h = hk * G + r / nq, t = r % nq;
@@ -274,6 +287,7 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
         for (int64_t d = 0; d < dp; ++d) q[d] = d < D ? fp4attn_load(p->q, p->dtype, qb + d) : 0.0f;
         for (int64_t d = 0; d < D; ++d) {
           s += q[d] * kmean[d];
+          q[d] *= chs[d];
           w.o[i * D + d] = 0.0f;
         }
         rotate(q, dp);

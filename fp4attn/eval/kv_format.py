@@ -15,7 +15,10 @@ per row (SPEC 2 with the row as its slice) in every variant; the key formats:
   dim: ``rot``), one E4M3 scale per 64 values chosen among the 7 codes nearest to amax / 15 by
   the smallest squared error (``search``; ``nosearch``: amax / 15 rounded), a power-of-two row
   scale; ``mean``: K minus its mean over the first append (of ``first`` tokens), ``nomean``: K as
-  it is; ``sink``: token 0's key row kept exact (16 bits).
+  it is; ``sink``: token 0's key row kept exact (16 bits); ``chan``: before the rotation, channel
+  c of K - kmean divided by d_c = sqrt(max |K - kmean| of channel c over the first append) (at
+  least 1/64 of the largest d), decode multiplying the query by d (exact in real arithmetic: the
+  keys stand for d (H K5 / n) + kmean).
 
 Measures perplexity and KL(exact || variant) of the next-token distributions over the first
 ``--tokens`` tokens of *Pride and Prejudice* in windows of 1024, on SmolLM2-135M (head dim 64)
@@ -101,6 +104,12 @@ def int5_rows(x: torch.Tensor, *, rot: bool, search: int, crit: str = "l2", bloc
     return out[..., :D]
 
 
+def channel_scales(x: torch.Tensor) -> torch.Tensor:
+    """d [..., 1, D] of the ``chan`` variants from x = K - kmean [..., first, D] (module doc)."""
+    d = torch.sqrt(x.float().abs().amax(dim=-2, keepdim=True))
+    return torch.maximum(d, d.amax(dim=-1, keepdim=True) / 64).clamp(min=2.0 ** -64)
+
+
 def nvfp4_rows(x: torch.Tensor) -> torch.Tensor:
     """SPEC 2 phi with every row its own slice, dequantized (float32)."""
     codes, scales, dec = R.quantize(x.float()[..., None, :])
@@ -126,6 +135,8 @@ VARIANTS = {
     "int5 rot mean sink l1": ("int5", {"rot": True, "search": 3, "crit": "l1"}, True, True),
     "int5 rot mean": ("int5", {"rot": True, "search": 3}, True, False),
     "int5 rot mean b32": ("int5", {"rot": True, "search": 3, "block": 32}, True, False),
+    "int5 rot mean chan": ("int5", {"rot": True, "search": 3, "chan": True}, True, False),
+    "int5 rot mean chan sink": ("int5", {"rot": True, "search": 3, "chan": True}, True, True),
     "int5 rot nomean sink": ("int5", {"rot": True, "search": 3}, False, True),
     "int5 rot nomean": ("int5", {"rot": True, "search": 3}, False, False),
 }
@@ -136,8 +147,10 @@ def quantized_kv(k: torch.Tensor, v: torch.Tensor, variant: str, first: int):
     k32 = k.float()
     kmean = k32[:, :, :first].mean(dim=2, keepdim=True) if mean else torch.zeros_like(k32[:, :, :1])
     x = k32 - kmean
+    kw = dict(kw)
+    d = channel_scales(x[:, :, :first]) if kw.pop("chan", False) else torch.ones_like(kmean)
     kq = {"nvfp4": nvfp4_rows, "fp8": fp8_rows, "exact": lambda t: t}.get(
-        fmt, lambda t: int5_rows(t, **kw))(x) + kmean
+        fmt, lambda t: int5_rows(t, **kw))(x / d) * d + kmean
     if sink:
         kq[:, :, 0] = k32[:, :, 0]
     return kq, nvfp4_rows(v)
@@ -213,7 +226,14 @@ def main(argv: list[str] | None = None) -> int:
                          "and greedy agreement (report.generation_agreement, --gen-prompts)")
     ap.add_argument("--gen-prompts", type=int, default=10)
     ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--gen-modes", default="fp4cache",
+                    help='--implementation: generation_agreement modes besides exact ("fp4cache", '
+                         '"fp4", "fp4+fp4cache"), comma-separated')
+    ap.add_argument("--no-perplexity", action="store_true",
+                    help="--implementation: greedy agreement only")
     args = ap.parse_args(argv)
+    if not args.implementation and (args.no_perplexity or args.gen_modes != "fp4cache"):
+        raise SystemExit("--no-perplexity and --gen-modes apply to --implementation only")
     if args.implementation:
         return implementation(args)
     if args.threads:
@@ -257,16 +277,18 @@ def implementation(args) -> int:
     for name in args.models.split(","):
         model, tok, title, bos = IG.load_model(name)
         ids = IG.text_ids(tok, "prideprejudice", bos)[: args.tokens]
-        res = RP.perplexity(model, ids, window=args.window, modes=["exact", "fp4cache"],
-                            backend="fp4attn", bos_id=bos)
-        r = res["fp4cache"]
-        print(f"{title}: FP4KVCache as implemented, {r['tokens']} tokens: ppl {r['ppl']:.3f} "
-              f"({100 * r['rel_change']:+.2f}%), KL {r['kl']:.5f} (exact {res['exact']['ppl']:.3f})",
-              flush=True)
+        if not args.no_perplexity:
+            res = RP.perplexity(model, ids, window=args.window, modes=["exact", "fp4cache"],
+                                backend="fp4attn", bos_id=bos)
+            r = res["fp4cache"]
+            print(f"{title}: FP4KVCache as implemented, {r['tokens']} tokens: ppl {r['ppl']:.3f} "
+                  f"({100 * r['rel_change']:+.2f}%), KL {r['kl']:.5f} (exact {res['exact']['ppl']:.3f})",
+                  flush=True)
         if args.gen_prompts > 0:
             paras = [p for p in M.austen_paragraphs("prideprejudice") if len(p) > 400][: args.gen_prompts]
             prompts = [tok.decode(tok(p).input_ids[:64]) for p in paras]
-            gen = RP.generation_agreement(model, tok, prompts, new_tokens=args.gen_tokens)
+            gen = RP.generation_agreement(model, tok, prompts, new_tokens=args.gen_tokens,
+                                          modes=tuple(m for m in args.gen_modes.split(",") if m))
             for mode, g in gen.items():
                 print(f"{title}: greedy, {mode}: {g}", flush=True)
     return 0

@@ -248,12 +248,14 @@ def _fp4cache_fn():
 
 
 def generation_agreement(model, tok, prompts: list[str], *, new_tokens: int,
-                         policy_modes: tuple[str, ...] = ()) -> dict[str, dict]:
+                         policy_modes: tuple[str, ...] = (),
+                         modes: tuple[str, ...] | None = None) -> dict[str, dict]:
     """Greedy generation from each prompt with exact attention and a default cache, then with
     the FP4 KV cache (exact prefill, decode through it: the cache's own effect), with FP4
     attention and a default cache, and with both (the default HF use of FP4Cache): tokens until
     the first divergence from the exact continuation (``new_tokens`` when none). Each of
-    ``policy_modes`` (``policy_mode``) runs too, with transformers' default cache."""
+    ``policy_modes`` (``policy_mode``) runs too, with transformers' default cache. ``modes``: only
+    these of "fp4cache", "fp4", "fp4+fp4cache" (None: all; "exact" always runs)."""
     from transformers import AttentionInterface
 
     from ..integrations import transformers as hf
@@ -277,6 +279,11 @@ def generation_agreement(model, tok, prompts: list[str], *, new_tokens: int,
     setups = {"exact": ("sdpa", False), "fp4cache": ("fp4attn-report-exact-prefill", True),
               "fp4": ("fp4attn", False), "fp4+fp4cache": ("fp4attn", True),
               **{m: ("sdpa", False) for m in policy_modes}}
+    if modes is not None:
+        unknown = set(modes) - set(setups)
+        if unknown:
+            raise ValueError(f"modes: unknown {sorted(unknown)}; choose from {list(setups)}")
+        setups = {m: s for m, s in setups.items() if m == "exact" or m in modes}
     before = model.config._attn_implementation
     runs: dict[str, list[list[int]]] = {m: [] for m in setups}
     try:

@@ -1,9 +1,9 @@
 /*
  * Appending to the KV cache (docs/SPEC.md section 6): one warp per token row quantizes its K row
- * (minus kmean) as a rotated 5-bit row (lane i owning values 8i .. 8i + 7) and its V row as its
- * own NVFP4 slice (lane i owning the 16-value block i), and writes them into the row's page slot.
- * On a first append a small kernel fixes kmean first (sums in token order: bit-exact with the CPU
- * backend).
+ * (minus kmean, divided by kscale) as a rotated 5-bit row (lane i owning values 8i .. 8i + 7) and
+ * its V row as its own NVFP4 slice (lane i owning the 16-value block i), and writes them into the
+ * row's page slot. On a first append a small kernel fixes kmean and kscale first (sums in token
+ * order, correctly rounded division and square root: bit-exact with the CPU backend).
  */
 #include "../common/device.cuh"
 #include "kv_cache.h"
@@ -13,14 +13,38 @@ namespace {
 
 constexpr int kThreads = 256;
 
+/* kmean and kscale of one (b, h) by one block, thread d owning channel d (head_dim <= kThreads). */
 __global__ void __launch_bounds__(kThreads) kv_mean_kernel(const fp4attn_kv_append_params p) {
+  static_assert(kThreads >= FP4ATTN_MAX_HEAD_DIM, "one thread per channel");
+  __shared__ float warp_max[kThreads / 32];
   const fp4attn_kv_cache &c = p.cache;
   const int64_t bh = blockIdx.x, b = bh / c.heads_kv, h = bh % c.heads_kv;
-  for (int d = threadIdx.x; d < c.head_dim; d += kThreads) {
-    float s = 0.0f;
+  const int d = threadIdx.x;
+  float r = 0.0f; /* sqrt of the channel's largest |K - kmean| */
+  if (d < c.head_dim) {
+    float s = 0.0f, a = 0.0f;
     const int64_t base = b * p.k_stride[0] + h * p.k_stride[1] + d;
-    for (int64_t n = 0; n < p.len; ++n) s += load_as_float(p.k, p.dtype, base + n * p.k_stride[2]);
-    c.kmean[bh * c.head_dim + d] = s / (float)p.len;
+    for (int64_t n = 0; n < p.len; ++n)
+      s = __fadd_rn(s, load_as_float(p.k, p.dtype, base + n * p.k_stride[2]));
+    const float m = __fdiv_rn(s, (float)p.len);
+    c.kmean[bh * c.head_dim + d] = m;
+    for (int64_t n = 0; n < p.len; ++n)
+      a = fp4attn_nanmax(
+          a, fabsf(__fsub_rn(load_as_float(p.k, p.dtype, base + n * p.k_stride[2]), m)));
+    r = __fsqrt_rn(a);
+  }
+  float g = r; /* the largest r, NaN-propagating */
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) g = fp4attn_nanmax(g, __shfl_xor_sync(0xffffffffu, g, o));
+  if ((d & 31) == 0) warp_max[d / 32] = g;
+  __syncthreads();
+  g = warp_max[0];
+#pragma unroll
+  for (int w = 1; w < kThreads / 32; ++w) g = fp4attn_nanmax(g, warp_max[w]);
+  if (d < c.head_dim) {
+    const bool ok = fp4attn_isfinite(g) && g > 0.0f;
+    const float lo = g * 0x1p-6f; /* exact: a power of two */
+    c.kscale[bh * c.head_dim + d] = !ok ? 1.0f : (r > lo ? r : lo);
   }
 }
 
@@ -149,12 +173,14 @@ __global__ void __launch_bounds__(kThreads) kv_append_kernel(const fp4attn_kv_ap
   const int64_t cb = fp4_code_bytes(D), sc = fp4_scale_count(D);
   const int64_t kcb = 10 * nb, ksc = (16 * nb + 63) / 64; /* fp4attn_k5_code_bytes / scale_count */
   const float *kmean = c.kmean + (b * c.heads_kv + h) * D;
+  const float *kscale = c.kscale + (b * c.heads_kv + h) * D;
   const int64_t kb = b * p.k_stride[0] + h * p.k_stride[1] + n * p.k_stride[2];
   float kx[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int d = 8 * lane + i;
-    kx[i] = d < D ? __fsub_rn(load_as_float(p.k, p.dtype, kb + d), kmean[d]) : 0.0f;
+    kx[i] = d < D ? __fdiv_rn(__fsub_rn(load_as_float(p.k, p.dtype, kb + d), kmean[d]), kscale[d])
+                  : 0.0f;
   }
   quantize_key_row_warp(kx, lane, 16 * nb, c.k_codes + r * kcb, c.k_scales + r * ksc, c.k_exp + r);
   float x[16];

@@ -370,10 +370,11 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   }
   __syncthreads();
 
-  /* The keys are stored rotated (SPEC 6): q . k = (H q) . (H k) / n. A warp per row: lane l holds
-   * d = kPer l .. kPer l + kPer - 1 (zeros past D); split 0 writes the row's lse term
-   * scale (q . kmean) first, then the butterfly rotates the row in blocks of n (pairs within a
-   * lane for h < kPer, across lanes l, l ^ (h / kPer) above) into q_rot. */
+  /* The keys are stored divided by kscale and rotated (SPEC 6): q . k = (H (q kscale)) . (H k) / n.
+   * A warp per row: lane l holds d = kPer l .. kPer l + kPer - 1 (zeros past D); split 0 writes
+   * the row's lse term scale (q . kmean) first, then the row times kscale is rotated by the
+   * butterfly in blocks of n (pairs within a lane for h < kPer, across lanes l, l ^ (h / kPer)
+   * above) into q_rot. */
   constexpr int kPer = DP / 32;
   const int dp16 = (D + 15) / 16 * 16, n_rot = dp16 & -dp16;
   for (int r = warp; r < NQ; r += kWarps) {
@@ -385,6 +386,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
       const int d = kPer * lane + i;
       x[i] = at < 0 || d >= D ? 0.0f : load_as_float(p.q, p.dtype, at + d);
       dot += d < D ? x[i] * c.kmean[(b * H + hk) * D + d] : 0.0f;
+      x[i] *= d < D ? c.kscale[(b * H + hk) * D + d] : 0.0f;
     }
     if (split == 0) {
 #pragma unroll

@@ -74,7 +74,7 @@ static inline fp4attn_status fp4attn_check_attention_params(const fp4attn_attent
 /* The contract of fp4attn_kv_cache: non-null storage, sizes >= 1, head_dim in [1, 256]. */
 static inline fp4attn_status fp4attn_check_kv_cache(const fp4attn_kv_cache *c) {
   if (!c->k_codes || !c->k_scales || !c->k_exp || !c->v_codes || !c->v_scales || !c->v_dec ||
-      !c->kmean || !c->block_table)
+      !c->kmean || !c->kscale || !c->block_table)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "kv cache: null storage pointer");
   if (c->batch < 1 || c->heads_kv < 1 || c->page_size < 1 || c->max_pages < 1 || c->num_pages < 1)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,

@@ -177,13 +177,14 @@ typedef struct {
   uint8_t *k_codes, *k_scales, *k_exp, *v_codes, *v_scales;
   float *v_dec;
   float *kmean;               /* [batch][heads_kv][head_dim] */
+  float *kscale;              /* [batch][heads_kv][head_dim]: channel scales */
   const int32_t *block_table; /* [batch][max_pages] */
   int64_t batch, heads_kv, head_dim, page_size, max_pages, num_pages;
 } fp4attn_kv_cache;
 
 /* Append `len` tokens to every sequence at positions start .. start + len - 1 (the pages must be
  * in the block table). k, v [batch, heads_kv, len, head_dim] with (batch, head, token) strides.
- * set_mean: kmean = the mean of these tokens' K rows first (the first append, SPEC 6). */
+ * set_mean: kmean and kscale from these tokens' K rows first (the first tokens, SPEC 6). */
 typedef struct {
   fp4attn_kv_cache cache;
   const void *k, *v;
