@@ -17,6 +17,14 @@ from fp4attn.kv_cache import _dequantize_rows
 HAS_CUDA = torch.cuda.is_available()
 
 
+def lse_close(got, want) -> bool:
+    """CUDA vs CPU decode lse: SPEC 6 lets a 16-bit tensor-core decode round the rotated query once
+    to FP16, so the scores carry a relative error of about 2^-11 of their size (the uneven-channel
+    test's reach the hundreds): 2e-3 absolute plus 1e-3 of |lse|."""
+    got = got.cpu()
+    return bool(((got - want).abs() <= 2e-3 + 1e-3 * want.abs()).all())
+
+
 def rel_l1(a, b) -> float:
     return ((a.double() - b.double()).abs().sum() / b.double().abs().sum().clamp_min(1e-30)).item()
 
@@ -448,7 +456,7 @@ def test_cuda_decode_long_gqa_matches_the_cpu_backend(D, dtype):
     out, lse = fp4attn.decode(q.cuda(), gpu, return_lse=True)
     want, want_lse = fp4attn.decode(q, cpu, return_lse=True)
     assert rel_l1(out.cpu(), want) < 3e-3
-    assert (lse.cpu() - want_lse).abs().max() < 2e-3
+    assert lse_close(lse, want_lse)
 
 
 @pytest.mark.gpu
@@ -467,7 +475,7 @@ def test_cuda_windowed_cache_matches_the_cpu_backend(page):
     q = torch.randn(2, 8, 4, 128, generator=torch.Generator().manual_seed(6)).to(torch.float16)
     want, want_lse = fp4attn.decode(q, caches[0], return_lse=True)
     out, lse = fp4attn.decode(q.cuda(), caches[1], return_lse=True)
-    assert rel_l1(out.cpu(), want) < 3e-3 and (lse.cpu() - want_lse).abs().max() < 2e-3
+    assert rel_l1(out.cpu(), want) < 3e-3 and lse_close(lse, want_lse)
 
 
 @pytest.mark.gpu
@@ -513,7 +521,7 @@ def test_cuda_k5_rows_are_the_cpu_bytes(D, dtype):
     # the last 80 keys: normal rows (a query that sees a NaN row gets an unspecified output)
     want, want_lse = fp4attn.decode(q, caches[0], return_lse=True, window=80)
     out, lse = fp4attn.decode(q.cuda(), caches[1], return_lse=True, window=80)
-    assert rel_l1(out.cpu(), want) < 3e-3 and (lse.cpu() - want_lse).abs().max() < 2e-3
+    assert rel_l1(out.cpu(), want) < 3e-3 and lse_close(lse, want_lse)
 
 
 @pytest.mark.gpu
@@ -586,4 +594,4 @@ def test_cuda_uneven_channels_are_the_cpu_bytes(D, dtype):
     q = torch.randn(2, 4, 2, D, generator=torch.Generator().manual_seed(4)).to(dtype) * 0.1
     want, want_lse = fp4attn.decode(q, caches[0], return_lse=True)
     out, lse = fp4attn.decode(q.cuda(), caches[1], return_lse=True)
-    assert rel_l1(out.cpu(), want) < 3e-3 and (lse.cpu() - want_lse).abs().max() < 2e-3
+    assert rel_l1(out.cpu(), want) < 3e-3 and lse_close(lse, want_lse)
