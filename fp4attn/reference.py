@@ -608,7 +608,7 @@ def v_mean(
     * a channel whose ``vbar`` is not finite, and every channel where ``M`` is not finite (NaN or
       overflowing scores), uses 0: no smoothing, as before the amendment.
 
-    Masked form (``attention(..., vbar_mask=True)``, not SPEC yet; see ``_vbar_visibility``):
+    Masked form (SPEC 4.3 with a mask or causal, ``attention``'s default; ``_vbar_visibility``):
     ``counts`` is then ``[B, Hq, nqb]``, the rows of each block that count (``qbar`` their mean,
     0 where none), ``qm`` divides by the sum of those counts instead of ``G * Nq`` (0 rows: qm = 0),
     and ``key_bias [B, Hkv, Nk]`` (0 for a key some row sees, -inf for one no row sees, the
@@ -670,8 +670,9 @@ def _vbar_visibility(
     chunk: int = 128,
     self_rows: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Masked ``vbar`` (``attention(..., vbar_mask=...)``): which query rows count in ``qm`` and
-    the bias of each key in vbar's softmax, from the views of ``_mask_bias`` ([B, Hq, Nq, Nk]).
+    """Masked ``vbar`` (SPEC 4.3, ``attention(..., vbar_mask=...)``): which query rows count in
+    ``qm`` and the bias of each key in vbar's softmax, from the views of ``_mask_bias``
+    ([B, Hq, Nq, Nk]).
 
     Entry (h, i, j) is *hidden* when ``allowed`` is False there (bool mask False, or causal
     ``j > i``) or the additive mask is -inf. Returns ``(rows, key_bias)``:
@@ -778,7 +779,7 @@ def attention(
     quantize_v: bool = True,
     quantize_p: bool = True,
     smooth_v: bool | str = "weighted",
-    vbar_mask: bool | str = False,
+    vbar_mask: bool | str = True,
     quantized_rowsum: bool = False,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -796,22 +797,25 @@ def attention(
 
     ``smooth_v`` is SPEC 4.3's V smoothing: ``"weighted"`` (the SPEC, default) quantizes
     ``V - vbar`` with ``vbar = v_mean(...)`` (V averaged with the mean query's softmax weights
-    over all keys, per (batch, KV head)) and adds ``vbar`` to every visible row after the
-    normalisation (``O / l + vbar``); exact in real arithmetic because each row of softmax(S) sums
-    to one. Rows with no visible key stay 0 and the LSE is unchanged. Variants measured in
-    docs/accuracy.md "V smoothing for FP4" (``python -m fp4attn.eval.fp4_variants``):
-    ``False`` (no smoothing: SPEC 4 before the amendment), ``True`` or ``"mean"`` (V's mean over
-    the ``Nk`` keys, SageAttention2's form), ``"first"`` (V's first key row).
+    over the keys some row sees, per (batch, KV head); ``vbar_mask``) and adds ``vbar`` to every
+    visible row after the normalisation (``O / l + vbar``); exact in real arithmetic because each
+    row of softmax(S) sums to one. Rows with no visible key stay 0 and the LSE is unchanged.
+    Variants measured in docs/accuracy.md "V smoothing for FP4"
+    (``python -m fp4attn.eval.fp4_variants``): ``False`` (no smoothing: SPEC 4 before the
+    amendment), ``True`` or ``"mean"`` (V's mean over the ``Nk`` keys, SageAttention2's form),
+    ``"first"`` (V's first key row).
 
-    ``vbar_mask`` (not SPEC yet, off by default; only with ``smooth_v="weighted"``) applies the
-    masks to ``vbar`` (``_vbar_visibility``, ``v_mean``): a key hidden from every query row of
-    the KV head (bool mask False or additive -inf for every row, e.g. padding) gets weight 0, an
-    additive mask adds its largest value over the rows that see the key, and ``qm`` is the mean
-    over the query rows that see at least one key. ``"self"``: in self-attention (Nq == Nk)
-    also leave out of ``qm`` the query rows at the positions of such keys (padding queries).
-    Without a mask, and with a mask that has no additive values, hides no key from every row and
-    leaves every row some key (causal with Nq >= Nk, for one), it is bit-identical to the SPEC's
-    vbar. No visible key at all gives vbar = 0.
+    ``vbar_mask`` (SPEC 4.3, default ``True``; only used with ``smooth_v="weighted"``) applies
+    the masks to ``vbar`` (``_vbar_visibility``, ``v_mean``): a key hidden from every query row of
+    the KV head (bool mask False, additive -inf or causal for every row, e.g. padding) gets
+    weight 0, an additive mask adds its largest value over the rows that see the key, and ``qm``
+    is the mean over the query rows that see at least one key. No visible key at all gives
+    vbar = 0. Without a mask and without causal it is the unmasked computation (the same code);
+    with a mask that has no additive values, hides no key from every row and leaves every row
+    some key (causal with Nq >= Nk, for one) it gives the same bits. ``False``: SPEC 4.3 before
+    the amendment (vbar over all keys whatever the masks), kept for comparisons. ``"self"`` (not
+    SPEC): in self-attention (Nq == Nk) also leave out of ``qm`` the query rows at the
+    positions of such keys (padding queries).
 
     ``quantized_rowsum`` (not SPEC, off by default): ``l`` sums the quantized P^ (dequantized,
     first level undone) instead of the unquantized exponentials, so ``O / l`` is a convex
@@ -835,8 +839,6 @@ def attention(
             f"smooth_v must be False, True, 'mean', 'first' or 'weighted', got {smooth_v!r}")
     if vbar_mask not in (False, True, "visible", "self"):
         raise ValueError(f"vbar_mask must be False, True, 'visible' or 'self', got {vbar_mask!r}")
-    if vbar_mask and smooth_v != "weighted":
-        raise ValueError(f"vbar_mask needs smooth_v='weighted', got smooth_v={smooth_v!r}")
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     if scale is None:
@@ -877,7 +879,8 @@ def attention(
     # SPEC 4.3: V smoothing; quantize V - vbar, add vbar back after normalising.
     if smooth_v == "first":
         vbar = v32[:, :, :1].clone()  # [B, Hkv, 1, Dv]
-    elif smooth_v == "weighted" and vbar_mask:  # the masked form: seen keys, rows seeing one
+    elif smooth_v == "weighted" and vbar_mask and (allowed is not None or additive is not None):
+        # SPEC 4.3 with masks: keys some row sees, rows that see one
         vbar = v_mean_masked(q32, k32, v32, attn_mask, is_causal, scale, block_q=block_q,
                              self_rows=vbar_mask == "self")
     elif smooth_v == "weighted":  # V averaged with the mean query's softmax weights, no mask

@@ -756,9 +756,11 @@ def slow_spec_attention(q, k, v, is_causal, scale, block_q, block_kv):
             kbar = K.mean(0)
             ck, sk, dk = R.quantize(K - kbar)
             Kq = R.dequantize(ck, sk, torch.tensor(1.0), D)
-            # SPEC 4.3 V smoothing: softmax of the group's mean query against all keys
+            # SPEC 4.3 V smoothing: softmax of the group's mean query against the keys some row
+            # sees (causal: keys j < Nq; every row sees key 0, so every row counts in qm)
             qm = q[b, h // G * G : (h // G + 1) * G].float().mean(dim=(0, 1))
-            vbar = torch.softmax(scale * (K @ qm), 0) @ V
+            seen = min(Nq, Nk) if is_causal else Nk
+            vbar = torch.softmax(scale * (K[:seen] @ qm), 0) @ V[:seen]
             V = V - vbar
             cv, sv, dv = R.quantize(V.T)
             Vq = R.dequantize(cv, sv, torch.tensor(1.0), Nk)  # [Dv, Nk]

@@ -208,29 +208,97 @@ static int prepare_q(attention_state *st, int64_t b, int64_t h) {
   return ok;
 }
 
+static float mask_value(const fp4attn_attention_params *p, int64_t b, int64_t h, int64_t i,
+                        int64_t j) {
+  const int64_t off =
+      b * p->mask_stride[0] + h * p->mask_stride[1] + i * p->mask_stride[2] + j * p->mask_stride[3];
+  if (p->mask_kind == FP4ATTN_MASK_BOOL) return ((const uint8_t *)p->mask)[off] ? 0.0f : -INFINITY;
+  return fp4attn_load(p->mask, p->mask_dtype, off);
+}
+
+/* The masks of vbar (SPEC 4.3) for one (batch, kv head): seen[g * nq + i] = 1 where row i of the
+ * head's query head g sees some key, bias[j] the key's bias in vbar's softmax: -inf for a key no
+ * row sees, else the largest mask value (0 for a bool mask and causal) over the entries that see
+ * it. An entry (i, j) is seen when causal allows it (j <= i) and the mask value is above -inf. A
+ * mask broadcast over rows (and without causal) or over heads is read once. */
+static void vbar_visibility(const fp4attn_attention_params *p, int64_t b, int64_t h, uint8_t *seen,
+                            float *bias) {
+  const int64_t nk = p->len_k, nq = p->len_q, G = p->heads_q / p->heads_kv;
+  for (int64_t j = 0; j < nk; ++j) bias[j] = -INFINITY;
+  if (p->mask_kind == FP4ATTN_MASK_NONE) { /* causal only: row i sees keys 0..i */
+    for (int64_t j = 0; j < nk && j < nq; ++j) bias[j] = 0.0f;
+    memset(seen, 1, (size_t)(G * nq));
+    return;
+  }
+  const int64_t gn = p->mask_stride[1] == 0 ? 1 : G;
+  const int64_t in = p->mask_stride[2] == 0 && !p->causal ? 1 : nq;
+  for (int64_t g = 0; g < gn; ++g)
+    for (int64_t i = 0; i < in; ++i) {
+      const int64_t jn = p->causal && i + 1 < nk ? i + 1 : nk;
+      uint8_t any = 0;
+      for (int64_t j = 0; j < jn; ++j) {
+        const float x = mask_value(p, b, h * G + g, i, j);
+        if (x > -INFINITY) {
+          any = 1;
+          bias[j] = fmaxf(bias[j], x);
+        }
+      }
+      seen[g * nq + i] = any;
+    }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nq; ++i)
+      seen[g * nq + i] = seen[(g < gn ? g : 0) * nq + (i < in ? i : 0)];
+}
+
 /* vbar of SPEC 4.3 for one (batch, kv head), in its order: qm from the query-block means of the
  * head's G query heads (h, then block, ascending), the scores scale * qm . K_j (d ascending), per
  * 128-key chunk its maximum, sum of exponentials and exponential-weighted sum of V (keys
- * ascending), the chunks merged in chunk order; 0 where it is not finite. */
+ * ascending), the chunks merged in chunk order; 0 where it is not finite. With a mask or causal
+ * (`masked`): a block's mean and count over its rows that see some key (the phase-2 mean where
+ * all do; a mean of its own, rows ascending, where some do not), qm divided by the number of such
+ * rows (qm = 0 if none), each score plus the key's bias of vbar_visibility, and a chunk whose
+ * scores are all -inf adds nothing. */
 static int v_mean(const attention_state *st, int64_t b, int64_t h, float *vbar) {
   const fp4attn_attention_params *p = st->p;
   const int64_t nk = p->len_k, nq = p->len_q, D = p->head_dim, np = st->nk_pad;
   const int64_t G = p->heads_q / p->heads_kv, bh = b * p->heads_kv + h;
   const int64_t nchunks = np / BKV;
+  const int masked = p->mask_kind != FP4ATTN_MASK_NONE || p->causal;
   float *qm = (float *)calloc((size_t)D, sizeof(float));
   float *a = (float *)calloc((size_t)D, sizeof(float));
   float *ac = (float *)malloc(sizeof(float) * (size_t)(nchunks * D));
   float *mc = (float *)malloc(sizeof(float) * (size_t)nchunks);
   float *lc = (float *)malloc(sizeof(float) * (size_t)nchunks);
-  int ok = qm && a && ac && mc && lc;
+  uint8_t *seen = masked ? (uint8_t *)malloc((size_t)(G * nq)) : NULL;
+  float *kbias = masked ? (float *)malloc(sizeof(float) * (size_t)nk) : NULL;
+  float *msum = masked ? (float *)malloc(sizeof(float) * (size_t)D) : NULL;
+  int ok = qm && a && ac && mc && lc && (!masked || (seen && kbias && msum));
   if (ok) {
+    if (masked) vbar_visibility(p, b, h, seen, kbias);
+    int64_t total = 0;
     for (int64_t g = 0; g < G; ++g)
       for (int64_t qb = 0; qb < st->n_qblock; ++qb) {
-        const int64_t n = nq - qb * BQ < BQ ? nq - qb * BQ : BQ;
+        const int64_t i0 = qb * BQ, n = nq - i0 < BQ ? nq - i0 : BQ;
         const float *mean = st->qbar + ((b * p->heads_q + h * G + g) * st->n_qblock + qb) * D;
-        for (int64_t d = 0; d < D; ++d) qm[d] += (float)n * mean[d];
+        int64_t cnt = n;
+        if (masked) {
+          cnt = 0;
+          for (int64_t i = i0; i < i0 + n; ++i) cnt += seen[g * nq + i];
+        }
+        if (cnt == 0) continue;
+        if (cnt < n) { /* the mean of the block's rows that see some key */
+          for (int64_t d = 0; d < D; ++d) msum[d] = 0.0f;
+          for (int64_t i = i0; i < i0 + n; ++i)
+            if (seen[g * nq + i])
+              for (int64_t d = 0; d < D; ++d)
+                msum[d] += load_qkv(p->q, p->dtype, p->q_stride, b, h * G + g, i, d);
+          for (int64_t d = 0; d < D; ++d) msum[d] /= (float)cnt;
+          mean = msum;
+        }
+        total += cnt;
+        for (int64_t d = 0; d < D; ++d) qm[d] += (float)cnt * mean[d];
       }
-    for (int64_t d = 0; d < D; ++d) qm[d] /= (float)(G * nq);
+    for (int64_t d = 0; d < D; ++d) qm[d] = total > 0 ? qm[d] / (float)total : 0.0f;
     const float *kf_t = st->kf_t + bh * D * np, *v = st->vd + bh * np * st->d_pad;
     float m = -INFINITY;
     for (int64_t c = 0; c < nchunks; ++c) {
@@ -241,11 +309,14 @@ static int v_mean(const attention_state *st, int64_t b, int64_t h, float *vbar) 
         float dot = 0.0f;
         for (int64_t d = 0; d < D; ++d) dot += qm[d] * kf_t[kt_offset(j, d, D)];
         s[j - j0] = p->scale * dot;
+        if (masked) s[j - j0] += kbias[j];
         cm = fp4attn_nanmax(cm, s[j - j0]);
       }
+      /* masked: a chunk of hidden keys only (cm = -inf) gets exp(-inf - 0) = 0, not NaN */
+      const float ref = masked && cm == -INFINITY ? 0.0f : cm;
       for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
       for (int64_t j = j0; j < j1; ++j) {
-        const float e = expf(s[j - j0] - cm);
+        const float e = expf(s[j - j0] - ref);
         l += e;
         for (int64_t d = 0; d < D; ++d) acc[d] += e * v[j * st->d_pad + d];
       }
@@ -255,7 +326,8 @@ static int v_mean(const attention_state *st, int64_t b, int64_t h, float *vbar) 
     }
     float l = 0.0f;
     for (int64_t c = 0; c < nchunks; ++c) {
-      const float w = expf(mc[c] - m);
+      /* masked: no visible key at all (M_c = M = -inf) weighs 0, not NaN */
+      const float w = masked && mc[c] == -INFINITY ? 0.0f : expf(mc[c] - m);
       l += w * lc[c];
       for (int64_t d = 0; d < D; ++d) a[d] += w * ac[c * D + d];
     }
@@ -269,6 +341,9 @@ static int v_mean(const attention_state *st, int64_t b, int64_t h, float *vbar) 
   free(ac);
   free(mc);
   free(lc);
+  free(seen);
+  free(kbias);
+  free(msum);
   return ok;
 }
 
@@ -398,14 +473,6 @@ static float quantize_p_row(float *srow, float tmax) {
     for (int e = 0; e < FP4ATTN_BLOCK; ++e) blk[e] = fp4attn_e2m1_round_nonneg(blk[e] * r) * sc;
   }
   return ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
-}
-
-static float mask_value(const fp4attn_attention_params *p, int64_t b, int64_t h, int64_t i,
-                        int64_t j) {
-  const int64_t off =
-      b * p->mask_stride[0] + h * p->mask_stride[1] + i * p->mask_stride[2] + j * p->mask_stride[3];
-  if (p->mask_kind == FP4ATTN_MASK_BOOL) return ((const uint8_t *)p->mask)[off] ? 0.0f : -INFINITY;
-  return fp4attn_load(p->mask, p->mask_dtype, off);
 }
 
 /* Phase 4: one 128-row query block of one (batch, query head). */

@@ -2,8 +2,8 @@
  * The quantization pre-pass of the CUDA attention (SPEC 4.1-4.3): qbar and max |Q - qbar| per
  * 128-row query block, kbar, vbar (V smoothing), the global scales of Qs, Ks and V - vbar, and, for
  * the kernels with FP16 operands, Ks^ quantized along D into kdq and (V - vbar)^ along tokens into
- * the tile-major vdq (layouts in tile/workspace.cuh). Five kernels, none of which waits for another
- * block:
+ * the tile-major vdq (layouts in tile/workspace.cuh). Five kernels (six with an attn_mask), none
+ * of which waits for another block:
  *   1. stream_stats_kernel, one short block per 128-row block of Q, K or V (1,024 threads per SM
  *      for 16-bit inputs, 8 rows of 16-byte loads per thread), all of a thread's loads in flight
  *      before the first use: a query block stores qbar and max |Q - qbar| (by monotonicity of
@@ -12,9 +12,14 @@
  *      per-head atomicMax keys (float_key: a min or max is exact in any order); a V chunk does the
  *      same with its column minima and maxima and flags a NaN (a NaN column sum) in a per-head key.
  *      K and V stay in L2 where they fit.
+ *   1b. with an attn_mask only, vbar_mask_kernel, one block per query block: the masks of vbar
+ *      (SPEC 4.3): each key's bias (the largest mask value of the entries that see it) folded into
+ *      the KV head's atomicMax keys, the block's rows that see some key, counted, and their mean
+ *      where some rows see none.
  *   2. stream_finalize_kernel, one block per K/V head (reduce_head: the chunk sums added in chunk
  *      order with batched loads, kbar, the global scales of Ks; qm, the mean query of the head's
- *      query blocks) and per query head (the Q scales).
+ *      query blocks, with a mask over the rows that see some key) and per query head (the Q
+ *      scales).
  *   3. vbar_chunk_kernel, one block per 128-key chunk (SPEC 4.3): the scores scale * qm . K_j (DP/8
  *      lanes per key, 8 columns each, then a butterfly over those lanes), their chunk maximum M_c,
  *      l_c = sum exp(s_j - M_c) and per column sum exp(s_j - M_c) V_j (keys ascending), K and V
@@ -38,7 +43,8 @@
  * CG = D/8 groups of 8 columns x RG = min(16, 256/CG) row groups (stat_row_groups). Row group g
  * sums rows g, g+RG, ... in order from 0; the block sum adds the RG group sums in order from 0;
  * kbar adds the chunk sums in chunk order from 0 and divides by Nk. qm adds n_i x qbar_i over the
- * KV head's query heads, then their blocks, in order, and divides by G x Nq.
+ * KV head's query heads, then their blocks, in order, and divides by G x Nq (with an attn_mask:
+ * n'_i x qbar'_i over the blocks with n'_i rows that see a key, divided by the sum of n'_i).
  */
 #include <mutex>
 
@@ -458,17 +464,34 @@ __device__ void reduce_head(const AttnArgs &a, const StreamParams &f, int64_t bh
   const float kam = block_nanmax(am, sh.small);
   if (tid == 0) fp4attn_global_scales(kam, &kv_scales(w, bh)[kKEnc], &kv_scales(w, bh)[kKDec]);
   /* qm (SPEC 4.3): n_i x qbar_i over the G query heads of this KV head, then their blocks (the
-   * heads are consecutive, so their blocks are G x nqb consecutive rows of qbar), / (G x Nq) */
+   * heads are consecutive, so their blocks are G x nqb consecutive rows of qbar), / (G x Nq).
+   * With an attn_mask, over the rows that see some key (vbar_mask_kernel): a block counts n'_i
+   * rows with their mean (qbar_i where n'_i = n_i, qmask where 0 < n'_i < n_i), / sum n'_i
+   * (qm = 0 where no row sees a key). */
   if (tid < DP) {
     float qs = 0.0f;
     if (tid < D) {
       const int64_t G = p.heads_q / p.heads_kv, n = G * w.nqb;
-      const float *qb = w.qbar + (bh / p.heads_kv * p.heads_q + bh % p.heads_kv * G) * w.nqb * DP;
-      for (int64_t i = 0; i < n; ++i) {
-        const float rows = (float)min((int64_t)kTile, p.len_q - i % w.nqb * kTile);
-        qs = __fadd_rn(qs, __fmul_rn(rows, __ldcg(qb + i * DP + tid)));
+      const int64_t q0 = (bh / p.heads_kv * p.heads_q + bh % p.heads_kv * G) * w.nqb;
+      const float *qb = w.qbar + q0 * DP;
+      if (p.mask_kind == FP4ATTN_MASK_NONE) {
+        for (int64_t i = 0; i < n; ++i) {
+          const float rows = (float)min((int64_t)kTile, p.len_q - i % w.nqb * kTile);
+          qs = __fadd_rn(qs, __fmul_rn(rows, __ldcg(qb + i * DP + tid)));
+        }
+        qs = __fdiv_rn(qs, (float)(G * p.len_q));
+      } else {
+        int64_t total = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t rows = min((int64_t)kTile, p.len_q - i % w.nqb * kTile);
+          const int64_t cnt = (int64_t)__ldcg(w.qcount + q0 + i);
+          if (cnt == 0) continue;
+          const float *mean = cnt < rows ? w.qmask + (q0 + i) * DP : qb + i * DP;
+          qs = __fadd_rn(qs, __fmul_rn((float)cnt, __ldcg(mean + tid)));
+          total += cnt;
+        }
+        qs = total > 0 ? __fdiv_rn(qs, (float)total) : 0.0f;
       }
-      qs = __fdiv_rn(qs, (float)(G * p.len_q));
     }
     w.qmean[bh * DP + tid] = qs;
   }
@@ -551,6 +574,71 @@ __device__ __forceinline__ float elem_float(float x) {
   return x;
 }
 
+/* Kernel 1b, attn_mask only (SPEC 4.3, the masks of vbar): one block per 128-row query block
+ * item = bhq x nqb + qb, launched between kernels 1 and 2. Entry (i, j) is seen when causal allows
+ * it (j <= i) and the mask value is above -inf (bool: True, value 0). Thread j % 256 takes key j
+ * over the block's rows and folds the largest value that sees it into the KV head's order key
+ * kbias[j] (atomicMax; the zeroed 0 = seen by no row); the rows that see some key are flagged in
+ * shared memory; qcount = their number, and where some but not all rows see a key, qmask = the
+ * mean of those rows (rows ascending, one rounding per sum). A mask broadcast over rows (stride 0,
+ * no causal) is read for the first row only. */
+template <typename T, int DP>
+__global__ void __launch_bounds__(kThreads) vbar_mask_kernel(AttnArgs a, StreamParams f) {
+  __shared__ int seen[kTile];
+  __shared__ int count;
+  const fp4attn_attention_params &p = a.p;
+  const AttnWorkspace &w = a.ws;
+  const int64_t item = blockIdx.x, bhq = item / w.nqb, i0 = item % w.nqb * kTile;
+  const int64_t b = bhq / p.heads_q, h = bhq % p.heads_q;
+  const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+  const int rows = (int)min((int64_t)kTile, p.len_q - i0);
+  const int D = (int)p.head_dim, tid = threadIdx.x;
+  const int eval_rows = p.mask_stride[2] == 0 && !p.causal ? 1 : rows;
+  for (int r = tid; r < kTile; r += kThreads) seen[r] = 0;
+  __syncthreads();
+  const int64_t jend = p.causal ? min(p.len_k, i0 + rows) : p.len_k;
+  const int64_t base = b * p.mask_stride[0] + h * p.mask_stride[1];
+  for (int64_t j = tid; j < jend; j += kThreads) {
+    float best = -INFINITY;
+    for (int r = 0; r < eval_rows; ++r) {
+      const int64_t i = i0 + r;
+      if (p.causal && j > i) continue;
+      const int64_t off = base + i * p.mask_stride[2] + j * p.mask_stride[3];
+      const float x = p.mask_kind == FP4ATTN_MASK_BOOL
+                          ? (static_cast<const uint8_t *>(p.mask)[off] ? 0.0f : -INFINITY)
+                          : load_as_float(p.mask, p.mask_dtype, off);
+      if (x > -INFINITY) { /* false for NaN: a NaN entry sees nothing */
+        seen[r] = 1;
+        best = fmaxf(best, x);
+      }
+    }
+    if (best > -INFINITY) atomicMax(&w.kbias[bhk * w.nkp + j], float_key(best));
+  }
+  __syncthreads();
+  if (tid < 32) {
+    int c = 0;
+    for (int r = tid; r < rows; r += 32) c += seen[eval_rows == 1 ? 0 : r];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+    if (tid == 0) {
+      count = c;
+      w.qcount[item] = (float)c;
+    }
+  }
+  __syncthreads();
+  const int cnt = count;
+  if (cnt == 0 || cnt == rows || tid >= DP) return;
+  float mean = 0.0f;
+  if (tid < D) {
+    const T *q = static_cast<const T *>(p.q) + b * p.q_stride[0] + h * p.q_stride[1] +
+                 i0 * p.q_stride[2] + tid;
+    for (int r = 0; r < rows; ++r)
+      if (seen[r]) mean = __fadd_rn(mean, elem_float(q[(int64_t)r * p.q_stride[2]]));
+    mean = __fdiv_rn(mean, (float)cnt);
+  }
+  w.qmask[item * DP + tid] = mean;
+}
+
 /* Kernel 3 of 5 (SPEC 4.3, V smoothing): one block per 128-key chunk c = bh x nkt + kt. The scores
  * s_j = scale * (qm . K_j): DP/8 lanes per key, 8 columns each (FMA), summed by a butterfly over
  * those lanes; M_c = max s_j (NaN-propagating), e_j = exp(s_j - M_c), and thread d < D sums
@@ -585,7 +673,20 @@ __global__ void __launch_bounds__(kThreads) vbar_chunk_kernel(AttnArgs a, Stream
     }
 #pragma unroll
     for (int o = LK / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    if (cg == 0) e[j] = j < rows ? __fmul_rn(p.scale, dot) : -INFINITY;
+    if (cg == 0) {
+      float sj = -INFINITY;
+      if (j < rows) {
+        sj = __fmul_rn(p.scale, dot);
+        const int64_t jk = kt * kTile + j;
+        if (p.mask_kind != FP4ATTN_MASK_NONE) { /* the key's bias (vbar_mask_kernel) */
+          const unsigned int kb = __ldcg(&w.kbias[bh * w.nkp + jk]);
+          sj = __fadd_rn(sj, kb == 0u ? -INFINITY : key_float(kb));
+        } else if (p.causal) { /* causal only: keys j < Nq are seen (by row j), the rest not */
+          sj = __fadd_rn(sj, jk < p.len_q ? 0.0f : -INFINITY);
+        }
+      }
+      e[j] = sj;
+    }
   }
   __syncthreads();
   float m = tid < kTile ? e[tid] : -INFINITY;
@@ -595,7 +696,10 @@ __global__ void __launch_bounds__(kThreads) vbar_chunk_kernel(AttnArgs a, Stream
   __syncthreads();
   m = red[0];
   for (int i = 1; i < kThreads / 32; ++i) m = fp4attn_nanmax(m, red[i]);
-  if (tid < rows) e[tid] = expf(e[tid] - m);
+  /* masks: a chunk of keys no row sees (M_c = -inf) gets exp(-inf - 0) = 0, not NaN */
+  const bool masked = p.mask_kind != FP4ATTN_MASK_NONE || p.causal;
+  const float ref = masked && m == -INFINITY ? 0.0f : m;
+  if (tid < rows) e[tid] = expf(e[tid] - ref);
   __syncthreads();
   if (tid < DP) {
     float acc = 0.0f, l = 0.0f;
@@ -631,8 +735,11 @@ __global__ void __launch_bounds__(kThreads) vbar_finalize_kernel(AttnArgs a, Str
   float m = -INFINITY;
   for (int64_t c = 0; c < nkt; ++c) m = fp4attn_nanmax(m, __ldcg(&ml[2 * c]));
   float l = 0.0f, acc = 0.0f;
+  const bool masked = a.p.mask_kind != FP4ATTN_MASK_NONE || a.p.causal;
   for (int64_t c = 0; c < nkt; ++c) {
-    const float wc = expf(__ldcg(&ml[2 * c]) - m);
+    /* masks: no visible key at all (M_c = M = -inf) weighs 0, not NaN */
+    const float mc = __ldcg(&ml[2 * c]);
+    const float wc = masked && mc == -INFINITY ? 0.0f : expf(mc - m);
     l = __fadd_rn(l, __fmul_rn(wc, __ldcg(&ml[2 * c + 1])));
     if (tid < D) acc = __fadd_rn(acc, __fmul_rn(wc, __ldcg(&part[c * DP])));
   }
@@ -865,16 +972,16 @@ __global__ void __launch_bounds__(kThreads, quantize_min_blocks<T, DP>())
 typedef void (*PrepassKernel)(AttnArgs, StreamParams);
 
 struct StreamKernels {
-  PrepassKernel stats, finalize, vbar_chunk, vbar_finalize, quantize;
+  PrepassKernel stats, vbar_mask, finalize, vbar_chunk, vbar_finalize, quantize;
   int stats_threads; /* block size of `stats` */
   int item_rows;     /* token rows per quantize item */
 };
 
 template <typename T, int DP>
 StreamKernels stream_kernels() {
-  return {stream_stats_kernel<T, DP>, stream_finalize_kernel<DP>,    vbar_chunk_kernel<T, DP>,
-          vbar_finalize_kernel<DP>,   stream_quantize_kernel<T, DP>, stats_threads<DP>(),
-          item_rows<T, DP>()};
+  return {stream_stats_kernel<T, DP>, vbar_mask_kernel<T, DP>,  stream_finalize_kernel<DP>,
+          vbar_chunk_kernel<T, DP>,   vbar_finalize_kernel<DP>, stream_quantize_kernel<T, DP>,
+          stats_threads<DP>(),        item_rows<T, DP>()};
 }
 
 template <typename T>
@@ -1009,6 +1116,13 @@ fp4attn_status launch_kernels(const AttnArgs &a, bool fp16_operands, cudaStream_
   k.stats<<<(unsigned)stats_blocks, (unsigned)k.stats_threads, 0, s>>>(a, f);
   fp4attn_status st = launch_status("attention: pre-pass statistics kernel");
   if (st.code != FP4ATTN_OK) return st;
+  if (p.mask_kind != FP4ATTN_MASK_NONE) { /* the masks of vbar, before qm (finalize) */
+    if (cudaMemsetAsync(w.kbias, 0, sizeof(unsigned int) * (size_t)(bhk * w.nkp), s) != cudaSuccess)
+      return launch_status("attention: vbar key bias reset");
+    k.vbar_mask<<<(unsigned)f.n_q, kThreads, 0, s>>>(a, f);
+    st = launch_status("attention: pre-pass vbar mask kernel");
+    if (st.code != FP4ATTN_OK) return st;
+  }
   k.finalize<<<(unsigned)(bhk + bhq), kThreads, 0, s>>>(a, f);
   st = launch_status("attention: pre-pass finalize kernel");
   if (st.code != FP4ATTN_OK) return st;

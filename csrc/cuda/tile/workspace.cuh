@@ -12,6 +12,11 @@
  *   vpart   f32 [BHk][nkt][Dp]     per-128-key chunk sums exp(s_j - M_c) V_j of V smoothing
  *   vml     f32 [BHk][nkt][2]      the chunk's M_c and l_c = sum exp(s_j - M_c)
  *   vbar    f32 [BHk][Dp]          V smoothing mean (SPEC 4.3), zero beyond D
+ *   qmask   f32 [BHq][nqb][Dp]     with an attn_mask only (else empty): the mean of each query
+ *                                  block's rows that see some key, where some do not (SPEC 4.3)
+ *   qcount  f32 [BHq][nqb]         with an attn_mask only: how many rows of the block see a key
+ *   kbias   u32 [BHk][nkp]         with an attn_mask only: each key's bias in vbar's softmax as
+ *                                  an order key (0: no row sees the key), zeroed by the pre-pass
  *   qscale  f32 [BHq][2]           enc, dec of Qs
  *   kvscale f32 [BHk][4]           enc, dec of Ks; enc, dec of V
  *   kdq     f16 [BHk][nkp][Dp]     Ks^ quantized along D (SPEC 4.3), stored as the exact FP16
@@ -73,6 +78,8 @@ struct AttnPlan {
 struct AttnWorkspace {
   int64_t dp, nqb, nkt, nkp;
   float *qbar, *qamax, *ksum, *kbar, *qmean, *vpart, *vml, *vbar, *qscale, *kvscale;
+  float *qmask, *qcount; /* masked vbar (attn_mask only) */
+  unsigned int *kbias;
   __half *kdq, *vdq, *qstage;
   int64_t qstage_blocks;
   void *sync;
@@ -137,6 +144,10 @@ static inline AttnWorkspace attn_workspace_layout(const fp4attn_attention_params
   w.vpart = (float *)take(4 * bhk * w.nkt * w.dp);
   w.vml = (float *)take(4 * bhk * w.nkt * 2);
   w.vbar = (float *)take(4 * bhk * w.dp);
+  const bool masked = p->mask_kind != FP4ATTN_MASK_NONE;
+  w.qmask = (float *)take(masked ? 4 * bhq * w.nqb * w.dp : 0);
+  w.qcount = (float *)take(masked ? 4 * bhq * w.nqb : 0);
+  w.kbias = (unsigned int *)take(masked ? 4 * bhk * w.nkp : 0);
   w.qscale = (float *)take(4 * bhq * 2);
   w.kvscale = (float *)take(4 * bhk * 4);
   const int64_t operand_bytes = plan.fp16_operands ? 2 * bhk * w.nkp * w.dp : 0;
