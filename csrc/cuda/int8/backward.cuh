@@ -124,15 +124,27 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
       }
     }
     const float f = ((sq * sk) * p.scale) * kLog2e;
+    /* two whole loops, not the mask tests per score: their branches cost the unmasked steps an
+     * instruction-fetch stall per score */
+    const bool masked = p.mask_kind != FP4ATTN_MASK_NONE || j0 + kBK8 > p.len_k ||
+                        i0 + kBQ8 > p.len_q || (p.causal && j0 + kBK8 - 1 > i0);
     float pm[8][4];
+    if (!masked) {
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+      for (int n = 0; n < 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = n * 8 + 2 * t + (e & 1);
-        const int64_t key = j0 + krow0 + g + 8 * (e >> 1), row = i0 + col;
-        pm[n][e] = exp2f(masked_score(p, b, h, row, key, (float)acc[n][e] * f) - lse2[col]);
-      }
+        for (int e = 0; e < 4; ++e)
+          pm[n][e] = exp2f((float)acc[n][e] * f - lse2[n * 8 + 2 * t + (e & 1)]);
+    } else {
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = n * 8 + 2 * t + (e & 1);
+          const int64_t key = j0 + krow0 + g + 8 * (e >> 1), row = i0 + col;
+          pm[n][e] = exp2f(masked_score(p, b, h, row, key, (float)acc[n][e] * f) - lse2[col]);
+        }
+    }
 
     /* dV += P^T dO: P^ per key over the 64 rows, dO^ per channel */
     int pc[8][4];
