@@ -101,6 +101,19 @@ struct BwdBars {
   __device__ uint32_t kfull() const { return base + 16 * kStages; }
 };
 
+/* One step of a halving max across lanes: values k and k + kHalf pair up with lane ^ (32 / kHalf);
+ * the lane whose bit 32 / kHalf is set keeps the upper one, its partner the lower, each takes the
+ * maximum with the one it receives. */
+template <int kHalf>
+__device__ __forceinline__ void halving_max(float (&v)[16], int lane) {
+  const bool upper = lane & (32 / kHalf);
+#pragma unroll
+  for (int k = 0; k < kHalf; ++k) {
+    const float send = upper ? v[k] : v[k + kHalf], keep = upper ? v[k + kHalf] : v[k];
+    v[k] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 32 / kHalf));
+  }
+}
+
 /* Byte offset of (row, col) in a tile of 128-byte rows with the 128-byte swizzle. */
 __device__ __forceinline__ int sw128_byte(int row, int col) {
   return row * 128 + ((((col >> 4) ^ row) & 7) << 4) + (col & 15);
@@ -289,17 +302,24 @@ struct Int8BwdSm90 {
         pack_a_from_words(da[1], dc, 1);
       }
       /* dSq^, dQ's codes, per query row (accumulator column) over this consumer's 64 keys: this
-       * warp's column maxima over its 16 keys (the lanes of equal t), then the 4 warps' */
+       * warp's column maxima over its 16 keys (the 8 lanes of equal t hold columns n*8 + 2t + c,
+       * value k = 2n + c), then the 4 warps'. Halving exchange: at lane bit 4, 8, 16 each lane
+       * keeps one half of its values and sends the other, so 14 shuffles reduce all 16 and lane
+       * (g, t) ends with column pair n = 4 (g & 1) + (g & 2) + (g >> 2) */
       float *red_par = red + par * 4 * kBQ8;
+      {
+        float v[16];
 #pragma unroll
-      for (int n = 0; n < 8; ++n)
+        for (int n = 0; n < 8; ++n)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float mx = fmaxf(fabsf(dp[n][c]), fabsf(dp[n][2 + c]));
-#pragma unroll
-          for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-          if (g == 0) red_par[wwarp * kBQ8 + n * 8 + 2 * t + c] = mx;
-        }
+          for (int c = 0; c < 2; ++c) v[2 * n + c] = fmaxf(fabsf(dp[n][c]), fabsf(dp[n][2 + c]));
+        halving_max<8>(v, lane);
+        halving_max<4>(v, lane);
+        halving_max<2>(v, lane);
+        const int n = 4 * (g & 1) + (g & 2) + (g >> 2);
+        *reinterpret_cast<float2 *>(red_par + wwarp * kBQ8 + n * 8 + 2 * t) =
+            make_float2(v[0], v[1]);
+      }
       if (wtid == 0) bulk_wait_read<0>(); /* the last step's dQ tile has been read */
       wg_sync();                          /* A: the row maxima of this consumer's 64 keys */
       /* lane l owns rows 2l and 2l + 1: their factors once per warp, handed out by shuffles */
@@ -311,6 +331,12 @@ struct Int8BwdSm90 {
                           fmaxf(red_par[2 * kBQ8 + row], red_par[3 * kBQ8 + row])),
                     rq_own[c], sdq_own[c]);
       }
+      /* byte (row n*8 + 2t + c, key krow0 + g + 8r) of the swizzled tile: krow0 is a multiple of 16
+       * and n*8 leaves the row's low 3 bits alone, so the swizzle depends on (t, c) only and n, r
+       * are immediate offsets (sw128_byte per byte cost ~5 address instructions) */
+      int ds_at[2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) ds_at[c] = sw128_byte(2 * t + c, krow0 + g);
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -318,8 +344,7 @@ struct Int8BwdSm90 {
           const float rq = __shfl_sync(0xffffffffu, rq_own[c], 4 * n + t); /* row n*8 + 2t + c */
 #pragma unroll
           for (int r = 0; r < 2; ++r)
-            ds_tile[sw128_byte(n * 8 + 2 * t + c, krow0 + g + 8 * r)] =
-                (char)code_word(dp[n][2 * r + c], rq);
+            ds_tile[ds_at[c] + n * 8 * 128 + 8 * r] = (char)code_word(dp[n][2 * r + c], rq);
         }
       fence_proxy_async(); /* the dS^ bytes, for this consumer's dQ wgmma */
 
