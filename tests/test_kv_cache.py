@@ -575,6 +575,33 @@ def test_the_format_study_emulates_the_channel_scales(D):
     assert rel(plain) > 2 * rel(kd)
 
 
+def test_the_format_study_keeps_the_recent_keys_exact():
+    """kv_format's recentW variants: each row's last W keys and values exact, older ones as
+    quantized; W past the row's first key is exact attention, W = 0 attention on the quantized
+    keys and values, and W = 1 differs from that only through each row's own key."""
+    from fp4attn.eval import kv_format
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, h, 40, 32, generator=g) for h in (4, 2, 2))
+    kq, vq = (t + 0.3 * torch.randn(t.shape, generator=g) for t in (k, v))
+    first = 8  # rows 8.. of a causal square
+    mask = torch.ones(40, 40, dtype=torch.bool).tril()[first:]
+    sdpa = lambda kk, vv: torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, first:], kk, vv, attn_mask=mask, enable_gqa=True)
+    run = lambda w: kv_format._recent_exact(q[:, :, first:], k, v, kq, vq, mask, None, first, w)
+    assert torch.allclose(run(40), sdpa(k, v), atol=1e-5)
+    assert torch.allclose(run(0), sdpa(kq, vq), atol=1e-5)
+    diag = torch.zeros(40, dtype=torch.bool)
+    for r in range(first, 40):  # row r with only its own key exact
+        diag[:] = False
+        diag[r] = True
+        kk = torch.where(diag[:, None], k, kq)
+        vv = torch.where(diag[:, None], v, vq)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, r:r + 1], kk, vv, attn_mask=mask[r - first:r - first + 1], enable_gqa=True)
+        assert torch.allclose(run(1)[:, :, r - first:r - first + 1], want, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("D", [16, 64, 128, 256])

@@ -18,7 +18,8 @@ per row (SPEC 2 with the row as its slice) in every variant; the key formats:
   it is; ``sink``: token 0's key row kept exact (16 bits); ``chan``: before the rotation, channel
   c of K - kmean divided by d_c = sqrt(max |K - kmean| of channel c over the first append) (at
   least 1/64 of the largest d), decode multiplying the query by d (exact in real arithmetic: the
-  keys stand for d (H K5 / n) + kmean).
+  keys stand for d (H K5 / n) + kmean); ``recentW``: as ``chan``, with each query row's last W
+  keys and values (itself included) kept exact, as a 16-bit window of the newest tokens would.
 
 Measures perplexity and KL(exact || variant) of the next-token distributions over the first
 ``--tokens`` tokens of *Pride and Prejudice* in windows of 1024, on SmolLM2-135M (head dim 64)
@@ -137,6 +138,8 @@ VARIANTS = {
     "int5 rot mean b32": ("int5", {"rot": True, "search": 3, "block": 32}, True, False),
     "int5 rot mean chan": ("int5", {"rot": True, "search": 3, "chan": True}, True, False),
     "int5 rot mean chan sink": ("int5", {"rot": True, "search": 3, "chan": True}, True, True),
+    "int5 rot mean chan recent16": ("int5", {"rot": True, "search": 3, "chan": True, "recent": 16}, True, False),
+    "int5 rot mean chan recent64": ("int5", {"rot": True, "search": 3, "chan": True, "recent": 64}, True, False),
     "int5 rot nomean sink": ("int5", {"rot": True, "search": 3}, False, True),
     "int5 rot nomean": ("int5", {"rot": True, "search": 3}, False, False),
 }
@@ -148,12 +151,30 @@ def quantized_kv(k: torch.Tensor, v: torch.Tensor, variant: str, first: int):
     kmean = k32[:, :, :first].mean(dim=2, keepdim=True) if mean else torch.zeros_like(k32[:, :, :1])
     x = k32 - kmean
     kw = dict(kw)
+    kw.pop("recent", None)  # cache_sdpa's business
     d = channel_scales(x[:, :, :first]) if kw.pop("chan", False) else torch.ones_like(kmean)
     kq = {"nvfp4": nvfp4_rows, "fp8": fp8_rows, "exact": lambda t: t}.get(
         fmt, lambda t: int5_rows(t, **kw))(x / d) * d + kmean
     if sink:
         kq[:, :, 0] = k32[:, :, 0]
     return kq, nvfp4_rows(v)
+
+
+def _recent_exact(q, k, v, kq, vq, mask, scale, first_row: int, recent: int) -> torch.Tensor:
+    """Attention of query rows first_row.. (float32) where each row's last ``recent`` visible keys
+    (key j with j > row - recent) use the exact k, v and older ones the dequantized kq, vq. mask:
+    the rows' boolean or additive mask (None: all keys visible)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v, kq, vq = (t.repeat_interleave(rep, dim=1) for t in (k, v, kq, vq))
+    rows = torch.arange(first_row, first_row + q.shape[2], device=q.device).view(-1, 1)
+    near = torch.arange(k.shape[2], device=q.device).view(1, -1) > rows - recent
+    sc = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.where(near, q @ k.transpose(-1, -2), q @ kq.transpose(-1, -2)) * sc
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.float()
+    p = torch.softmax(s, dim=-1)
+    return (p * near) @ v + (p * ~near) @ vq
 
 
 def cache_sdpa(variant: str, first: int):
@@ -170,8 +191,12 @@ def cache_sdpa(variant: str, first: int):
         mask = attn_mask[..., P:, :] if attn_mask is not None else None
         if mask is None and is_causal:  # rows P.. of a causal square: a bottom-right pattern
             mask = torch.ones(N - P, N, dtype=torch.bool, device=q.device).tril(P)
-        rest = RP.TORCH_SDPA(q[:, :, P:].float(), kq, vq, attn_mask=mask, scale=scale,
-                             enable_gqa=enable_gqa)
+        recent = VARIANTS[variant][1].get("recent", 0)
+        if recent:
+            rest = _recent_exact(q[:, :, P:].float(), k.float(), v.float(), kq, vq, mask, scale, P, recent)
+        else:
+            rest = RP.TORCH_SDPA(q[:, :, P:].float(), kq, vq, attn_mask=mask, scale=scale,
+                                 enable_gqa=enable_gqa)
         return torch.cat([exact[:, :, :P], rest.to(q.dtype)], dim=2)
 
     return run
