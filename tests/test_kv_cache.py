@@ -360,6 +360,19 @@ def test_paged_ragged_batch_with_a_shuffled_block_table():
         assert rel_l1(out[b:b + 1], ref) < 3e-3
 
 
+def test_decode_paged_in_the_order_before_kscale_is_refused():
+    """decode_paged gained kscale after kmean; a call in the old order (block_table where kscale
+    goes) must fail with an error that names kscale, not compute with the wrong tensors."""
+    cache = fp4attn.FP4KVCache(1, 2, 32, dtype=torch.float16)
+    cache.append(*kv(1, 2, 20, 32, torch.float16, 0))
+    *pages, kmean, kscale, table = cache.storage()
+    q = torch.randn(1, 2, 1, 32, dtype=torch.float16)
+    with pytest.raises(TypeError, match="seq_lens"):
+        fp4attn.decode_paged(q, *pages, kmean, table, cache.seq_lens)
+    with pytest.raises((ValueError, RuntimeError), match="kscale"):  # with the scale positional
+        fp4attn.decode_paged(q, *pages, kmean, table, cache.seq_lens, 0.125)
+
+
 def test_growth_keeps_the_stored_tokens():
     cache = fp4attn.FP4KVCache(2, 2, 32, dtype=torch.float16, page_size=4)
     k, v = kv(2, 2, 130, 32, torch.float16, 0)  # past the 128 tokens that fix K's mean
