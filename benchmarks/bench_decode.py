@@ -5,8 +5,9 @@ on the same keys and values in the same run.
 For every (B, L, Hq/Hkv, D, nq): q [B, Hq, nq, D] against L cached tokens. Timing as
 bench_attention.py (L2 flushed before every call, warm-up, CUDA events, median of --reps).
 Bandwidth counts the bytes each method must read: the FP16 cache for torch (2 x B x Hkv x L x D x 2),
-the FP4 cache for fp4attn (codes, E4M3 scales and the FP32 row scale of K and V), against the
-device-to-device copy bandwidth. nq > 1 (speculative decoding) runs torch without a mask (its
+the FP4 cache for fp4attn (codes, E4M3 scales and the row scales of K and V, and the residual
+ring of the newest tokens), against the device-to-device copy bandwidth; fp4attn_no_residual_ms
+times the same cache's stored rows alone (decode_paged without the ring): the residual's cost. nq > 1 (speculative decoding) runs torch without a mask (its
 is_causal is top-left, not "the last nq positions"); the bytes read are the same.
 A last column times the same call without a cache, fp4attn.sdpa on the FP16 keys and values (FP4
 attention quantizing them on the fly: the fused decode kernel where the dispatch picks it), against
@@ -83,11 +84,15 @@ def main() -> int:
         q = torch.randn(B, Hq, nq, D, device="cuda", dtype=torch.float16, generator=g)
         cache = fp4attn.FP4KVCache(B, Hkv, D, dtype=torch.float16, device="cuda", max_tokens=L)
         cache.append(k, v)
-        fp4_bytes = sum(t.numel() * t.element_size() for t in cache.storage()[:6])
+        # what the decode reads: the pages and the residual ring
+        fp4_bytes = sum(t.numel() * t.element_size() for t in (*cache.storage()[:6], cache.res_k, cache.res_v))
         row = {"D": D, "Hq": Hq, "Hkv": Hkv, "B": B, "L": L, "nq": nq,
                "fp16_cache_mb": fp16_bytes / 1e6, "fp4_cache_mb": fp4_bytes / 1e6}
         ms = timer.time(lambda: fp4attn.decode(q, cache), args.reps)
         row["fp4attn_ms"], row["fp4attn_tbps"] = ms, fp4_bytes / ms / 1e9
+        # the same cache's stored rows only (no residual split): what the residual costs
+        row["fp4attn_no_residual_ms"] = timer.time(
+            lambda: fp4attn.decode_paged(q, *cache.storage(), cache.seq_lens), args.reps)
         best = float("inf")  # the faster torch backend's ms
         for name in ("flash", "cudnn"):
             try:
@@ -106,7 +111,8 @@ def main() -> int:
         rows.append(row)
         write_csv(path, head, rows)  # after every row: a run cut short keeps what it measured
         print(f"D={D:<3} {Hq}/{Hkv:<2} B={B:<2} L={L:<6} nq={nq} | fp4attn {ms:7.3f} ms "
-              f"{row['fp4attn_tbps']:4.2f} TB/s ({100 * row['fp4attn_frac_copy_bw']:3.0f}% copy) | "
+              f"{row['fp4attn_tbps']:4.2f} TB/s ({100 * row['fp4attn_frac_copy_bw']:3.0f}% copy; "
+              f"{row['fp4attn_no_residual_ms']:7.3f} without the residual) | "
               f"flash {row['flash_ms']:7.3f} cudnn {row['cudnn_ms']:7.3f} ms "
               f"({best_torch_tbps(row):4.2f} TB/s) | "
               f"x{row['speedup_vs_best_torch']:.2f} | sdpa {row['sdpa_ms']:7.3f} ms "

@@ -598,8 +598,10 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor &q_in, const at::Tens
                                           const at::Tensor &v_codes, const at::Tensor &v_scales,
                                           const at::Tensor &v_dec, const at::Tensor &kmean,
                                           const at::Tensor &kscale, const at::Tensor &block_table,
-                                          const at::Tensor &seq_lens, double scale,
-                                          int64_t window) {
+                                          const at::Tensor &seq_lens, double scale, int64_t window,
+                                          const c10::optional<at::Tensor> &res_k,
+                                          const c10::optional<at::Tensor> &res_v,
+                                          int64_t residual_len) {
   fp4attn_decode_params p{};
   CHECK_ARG(window >= 0, "window must be >= 0 (0: no sliding window), got %lld",
             static_cast<long long>(window));
@@ -617,6 +619,30 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor &q_in, const at::Tens
             shape_str(seq_lens.sizes()).c_str());
   CHECK_ARG(q_in.device() == k_codes.device() && seq_lens.device() == k_codes.device(),
             "q and seq_lens must be on the cache's device %s", k_codes.device().str().c_str());
+  CHECK_ARG(res_k.has_value() == res_v.has_value() && res_k.has_value() == (residual_len > 0),
+            "res_k and res_v are given together, exactly when residual_len > 0 (got residual_len "
+            "%lld, res_k %s, res_v %s)",
+            static_cast<long long>(residual_len), res_k.has_value() ? "given" : "None",
+            res_v.has_value() ? "given" : "None");
+  if (residual_len > 0) {
+    const int64_t slots = res_k->dim() == 4 ? res_k->size(2) : -1;
+    for (const at::Tensor *t : {&*res_k, &*res_v})
+      CHECK_ARG(t->dim() == 4 && t->size(0) == p.cache.batch && t->size(1) == p.cache.heads_kv &&
+                    t->size(2) == slots && slots >= residual_len &&
+                    t->size(3) == p.cache.head_dim && t->scalar_type() == q_in.scalar_type() &&
+                    t->is_contiguous() && t->device() == k_codes.device(),
+                "res_k and res_v must be contiguous %s [batch=%lld, heads_kv=%lld, slots >= "
+                "residual_len=%lld, head_dim=%lld] tensors on %s (q's dtype), got %s %s on %s",
+                dtype_str(q_in.scalar_type()), static_cast<long long>(p.cache.batch),
+                static_cast<long long>(p.cache.heads_kv), static_cast<long long>(residual_len),
+                static_cast<long long>(p.cache.head_dim), k_codes.device().str().c_str(),
+                dtype_str(t->scalar_type()), shape_str(t->sizes()).c_str(),
+                t->device().str().c_str());
+    p.res_k = res_k->data_ptr();
+    p.res_v = res_v->data_ptr();
+    p.residual_len = residual_len;
+    p.residual_slots = slots;
+  }
   const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
   /* both backends write every element of out and lse (no fill kernels on the decode's path) */
   at::Tensor out = at::empty(q.sizes(), q.options());
@@ -696,7 +722,8 @@ TORCH_LIBRARY(fp4attn, m) {
   m.def(
       "decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor k_exp, Tensor v_codes, "
       "Tensor v_scales, Tensor v_dec, Tensor kmean, Tensor kscale, Tensor block_table, "
-      "Tensor seq_lens, float scale, int window=0) -> (Tensor out, Tensor lse)");
+      "Tensor seq_lens, float scale, int window=0, Tensor? res_k=None, Tensor? res_v=None, "
+      "int residual_len=0) -> (Tensor out, Tensor lse)");
 }
 
 // Private test hooks (csrc/testing/testing.h), undocumented; not part of the product's ops.

@@ -9,7 +9,9 @@ divided by a scale fixed on the same tokens (the square root of its largest magn
 multiplied by it), Hadamard-rotated, integer codes -15..15 with an E4M3 scale per 64 values and a
 power-of-two row scale), values as
 NVFP4 rows (an E4M3 scale per 16 values, one FP32 scale per row): 159 bytes per token and head at
-head dim 128, 3.22x less than FP16. Pages of fixed size with a block table (the vLLM /
+head dim 128. Each query reads its newest ``residual_length`` (16) keys and values exactly, from a
+small ring beside the pages (KIVI's residual): 3.21x less memory than FP16 at 32K tokens, all of
+it counted. Pages of fixed size with a block table (the vLLM /
 FlashInfer convention): `fp4attn.decode_paged` takes the pages, a table and per-sequence lengths
 directly, for serving engines and ragged batches. The math of the decode is not quantized
 (FP16/BF16 tensor cores or FP32 with FP32 accumulation); only the cache is.
@@ -32,6 +34,8 @@ DEFAULT_PAGE_SIZE = 128
 #: Most query positions one decode call serves (speculative decoding); a windowed cache keeps
 #: the last window + MAX_DECODE_QUERIES - 1 tokens, all that such calls can read.
 MAX_DECODE_QUERIES = 16
+#: Newest keys and values each query reads exactly (SPEC 6's residual), when not told.
+DEFAULT_RESIDUAL = 16
 #: Tokens whose K mean and channel scales smooth the keys (SPEC 6): the first KMEAN_TOKENS stored,
 #: whatever the appends' lengths; until that many are stored, every append stores them all again,
 #: exactly, with the mean and scales of those stored so far.
@@ -51,11 +55,18 @@ class FP4KVCache:
     fixed ring of pages per sequence, so its memory does not grow with the sequence: token ``t``
     lives in page ``t // page_size`` of the block table, whose entries cycle through the ring.
     Its decodes use the window; ``dequantize`` returns the kept tokens, from ``start`` on.
+
+    ``residual_length=R`` (default 16; 0 turns it off): each query reads its newest ``R`` keys and
+    values as they were appended, not quantized, from a ring of the last ``R + 15`` tokens
+    (``res_k``, ``res_v``, in the cache's dtype; token ``t`` in slot ``t % (R + 15)``) kept beside
+    the pages, which store every token quantized too. A query's result does not depend on how
+    many positions its decode call serves (up to 16 see all of their newest ``R``).
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.float16,
                  device: torch.device | str | None = None, page_size: int | None = None,
-                 max_tokens: int | None = None, window: int | None = None):
+                 max_tokens: int | None = None, window: int | None = None,
+                 residual_length: int = DEFAULT_RESIDUAL):
         for name, val in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
@@ -70,6 +81,8 @@ class FP4KVCache:
             raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ValueError(f"window must be a positive int or None, got {window!r}")
+        if not isinstance(residual_length, int) or isinstance(residual_length, bool) or residual_length < 0:
+            raise ValueError(f"residual_length must be an int >= 0, got {residual_length!r}")
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.dtype, self.page_size, self.max_tokens = dtype, page_size, max_tokens
         self.window = window
@@ -84,6 +97,10 @@ class FP4KVCache:
         self._early = None  # (k, v) of the stored tokens while fewer than KMEAN_TOKENS: exact copies
         self.kmean = torch.zeros(batch, kv_heads, head_dim, dtype=torch.float32, device=self.device)
         self.kscale = torch.ones(batch, kv_heads, head_dim, dtype=torch.float32, device=self.device)
+        self.residual_length = residual_length
+        slots = residual_length + MAX_DECODE_QUERIES - 1 if residual_length else 0
+        self.res_k = torch.zeros(batch, kv_heads, slots, head_dim, dtype=dtype, device=self.device)
+        self.res_v = torch.zeros_like(self.res_k)
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=self.device)
         pages = -(-max_tokens // page_size) if max_tokens is not None else 1
         self._allocate(pages)
@@ -138,10 +155,19 @@ class FP4KVCache:
             return 0
         return max(0, self._len - self._keep)
 
+    def residual(self) -> dict:
+        """The residual ring as `decode_paged` takes it: ``residual_k``, ``residual_v`` (None
+        when ``residual_length`` is 0) and ``residual_length``."""
+        on = self.residual_length > 0
+        return {"residual_k": self.res_k if on else None, "residual_v": self.res_v if on else None,
+                "residual_length": self.residual_length}
+
     @property
     def nbytes(self) -> int:
-        """Bytes of all storage: pages, scales, decs, kmean, kscale, block table, lengths."""
-        return sum(t.numel() * t.element_size() for t in (*self.storage(), self.seq_lens))
+        """Bytes of all storage: pages, scales, decs, kmean, kscale, block table, lengths and the
+        residual ring."""
+        return sum(t.numel() * t.element_size()
+                   for t in (*self.storage(), self.seq_lens, self.res_k, self.res_v))
 
     def __len__(self) -> int:
         return self._len
@@ -179,6 +205,8 @@ class FP4KVCache:
             skip = max(0, n - self._keep)
         start = self._len + skip
         k, v = k[:, :, skip:], v[:, :, skip:]
+        ring = min(k.shape[2], self.res_k.shape[2])  # the ring: the newest tokens as given
+        ring_kv = (k[:, :, k.shape[2] - ring:], v[:, :, k.shape[2] - ring:])
         if self._early is not None and not skip:  # the stored tokens, exactly, before the new ones
             start = self._len - self._early[0].shape[2]
             k, v = torch.cat((self._early[0], k), dim=2), torch.cat((self._early[1], v), dim=2)
@@ -189,15 +217,26 @@ class FP4KVCache:
             k, v, start = k[:, :, m:], v[:, :, m:], start + m
         if k.shape[2]:
             torch.ops.fp4attn.kv_append(k, v, *self.storage(), start, False)
+        if ring:
+            slots = torch.arange(need - ring, need, device=self.device) % self.res_k.shape[2]
+            self.res_k.index_copy_(2, slots, ring_kv[0])
+            self.res_v.index_copy_(2, slots, ring_kv[1])
         self._len = need
         self.seq_lens.fill_(need)
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-        """``(k, v)`` ``[batch, kv_heads, len - start, head_dim]``: the values the decode computes
-        with (K times its channel scales, then plus its mean: one float32 multiplication and one
-        addition) of the tokens from ``start`` on
-        (all of them unless a window dropped older ones), in ``dtype`` (default: the cache's); a
-        16-bit dtype rounds them once more."""
+    def dequantize(self, dtype: torch.dtype | None = None, residual: bool = True,
+                   position: int | None = None) -> tuple[Tensor, Tensor]:
+        """``(k, v)`` ``[batch, kv_heads, len - start, head_dim]`` of the tokens from ``start`` on
+        (all of them unless a window dropped older ones): the values the query at ``position``
+        (default: the newest, ``len - 1``, as in a one-token decode) computes with. K times its
+        channel scales, then plus its mean (one float32 multiplication and one addition); that
+        query's residual keys and values (its newest ``residual_length`` still in the ring) as
+        appended, unless ``residual=False`` (the stored rows of every token). In ``dtype``
+        (default: the cache's); a 16-bit dtype rounds them once more."""
+        if position is None:
+            position = self._len - 1
+        elif not isinstance(position, int) or isinstance(position, bool) or not 0 <= position < self._len:
+            raise ValueError(f"position must be an int in [0, {self._len}), got {position!r}")
         first = self.start // self.page_size  # logical pages from the one holding `start`
         pages = max(-(-self._len // self.page_size), first + 1)
         table = self.block_table[:, first:pages]
@@ -205,8 +244,16 @@ class FP4KVCache:
         k = _dequantize_rows(self.k_codes, self.k_scales, self.k_exp, table, hi, self.head_dim, key=True)
         v = _dequantize_rows(self.v_codes, self.v_scales, self.v_dec, table, hi, self.head_dim)
         k = k[:, :, lo:] * self.kscale[:, :, None, :] + self.kmean[:, :, None, :]
+        v = v[:, :, lo:]
+        if residual and self.residual_length:  # tokens > position - R still in the ring
+            slots = self.res_k.shape[2]
+            ring = max(position - self.residual_length + 1, self._len - slots, self.start)
+            if ring < self._len:
+                at = torch.arange(ring, self._len, device=self.device) % slots
+                k[:, :, ring - self.start:] = self.res_k.index_select(2, at).float()
+                v[:, :, ring - self.start:] = self.res_v.index_select(2, at).float()
         dtype = self.dtype if dtype is None else dtype
-        return k.to(dtype), v[:, :, lo:].to(dtype)
+        return k.to(dtype), v.to(dtype)
 
 
 def _dequantize_rows(codes, scales, dec, block_table, length: int, D: int, key: bool = False) -> Tensor:
@@ -226,19 +273,30 @@ def _dequantize_rows(codes, scales, dec, block_table, length: int, D: int, key: 
 def decode_paged(q: Tensor, k_codes: Tensor, k_scales: Tensor, k_exp: Tensor, v_codes: Tensor,
                  v_scales: Tensor, v_dec: Tensor, kmean: Tensor, kscale: Tensor,
                  block_table: Tensor, seq_lens: Tensor, scale: float | None = None,
-                 return_lse: bool = False, window: int | None = None):
+                 return_lse: bool = False, window: int | None = None, *,
+                 residual_k: Tensor | None = None, residual_v: Tensor | None = None,
+                 residual_length: int = 0):
     """Decode attention on a paged FP4 cache (SPEC 6). ``q [B, Hq, nq, D]``: the last ``nq``
     positions of each sequence; ``seq_lens [B]`` int32 (may differ per sequence and change between
     CUDA-graph replays); ``block_table [B, max_pages]`` int32. ``window``: sliding-window attention,
-    each query sees only its last ``window`` keys (itself included). Returns ``out`` (q's dtype),
-    and ``lse [B, Hq, nq]`` float32 with ``return_lse``."""
+    each query sees only its last ``window`` keys (itself included). ``residual_length=R > 0``:
+    each query reads its newest ``R`` keys still in the ring ``residual_k, residual_v [B, Hkv, S,
+    D]`` (q's dtype, ``S >= R`` slots, token ``t`` of a sequence in slot ``t % S``: the caller
+    keeps each sequence's last ``S`` tokens there) instead of the pages. Returns ``out`` (q's
+    dtype), and ``lse [B, Hq, nq]`` float32 with ``return_lse``."""
     if not isinstance(q, Tensor) or q.dtype not in _DTYPES:
         raise ValueError(f"q must be a float16, bfloat16 or float32 tensor, got {getattr(q, 'dtype', q)!r}")
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"window must be None or a positive int, got {window!r}")
+    if not isinstance(residual_length, int) or isinstance(residual_length, bool) or residual_length < 0:
+        raise ValueError(f"residual_length must be an int >= 0, got {residual_length!r}")
+    if (residual_k is None) != (residual_v is None) or (residual_k is None) != (residual_length == 0):
+        raise ValueError("residual_k and residual_v are given together, exactly when "
+                         f"residual_length > 0 (got residual_length={residual_length})")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = torch.ops.fp4attn.decode(q, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean,
-                                        kscale, block_table, seq_lens, scale, window or 0)
+                                        kscale, block_table, seq_lens, scale, window or 0,
+                                        residual_k, residual_v, residual_length)
     return (out, lse) if return_lse else out
 
 
@@ -265,4 +323,4 @@ def decode(q: Tensor, cache: FP4KVCache, scale: float | None = None, return_lse:
             raise ValueError(f"window={window} exceeds the cache's window={cache.window}")
         window = cache.window if window is None else window
     return decode_paged(q, *cache.storage(), cache.seq_lens, scale=scale, return_lse=return_lse,
-                        window=window)
+                        window=window, **cache.residual())

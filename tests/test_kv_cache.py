@@ -36,29 +36,55 @@ def kv(B, H, n, D, dtype, seed, device="cpu"):
     return k.to(dtype).to(device), v.to(dtype).to(device)
 
 
-def exact_decode(q, k, v, lens, window=None):
+def exact_decode(q, k, v, lens, window=None, exact=None):
     """float64 attention of the last nq positions of each sequence on k, v [B, Hkv, >=L, D] (each
-    query sees its last `window` keys with a window)."""
+    query sees its last `window` keys with a window). exact=(kx, vx, R, S): each query's newest R
+    keys still among the last S (SPEC 6's residual) from kx, vx instead."""
     B, Hq, nq, D = q.shape
     G = Hq // k.shape[1]
     outs, lses = [], []
     for b in range(B):
         L = int(lens[b])
-        kk = k[b, :, :L].double().repeat_interleave(G, 0)
-        vv = v[b, :, :L].double().repeat_interleave(G, 0)
-        s = q[b].double() @ kk.transpose(-1, -2) / math.sqrt(D)
-        last = (L - nq + torch.arange(nq))[:, None]
-        pos = torch.arange(L)[None, :] <= last
-        if window is not None:
-            pos &= torch.arange(L)[None, :] > last - window
-        s = s.masked_fill(~pos, -math.inf)
-        outs.append(torch.softmax(s, -1) @ vv)
-        lses.append(torch.logsumexp(s, -1))
+        pos = torch.arange(L)
+        o, lse = torch.empty(Hq, nq, D, dtype=torch.float64), torch.empty(Hq, nq, dtype=torch.float64)
+        for t in range(nq):
+            last = L - nq + t
+            kk, vv = k[b, :, :L].double(), v[b, :, :L].double()
+            if exact is not None:
+                kx, vx, R, S = exact
+                sel = ((pos > last - R) & (pos >= L - S))[None, :, None]
+                kk = torch.where(sel, kx[b, :, :L].double(), kk)
+                vv = torch.where(sel, vx[b, :, :L].double(), vv)
+            kk, vv = kk.repeat_interleave(G, 0), vv.repeat_interleave(G, 0)
+            s = (kk @ q[b, :, t].double()[:, :, None])[..., 0] / math.sqrt(D)  # [Hq, L]
+            seen = pos <= last
+            if window is not None:
+                seen &= pos > last - window
+            s = s.masked_fill(~seen, -math.inf)
+            o[:, t] = (torch.softmax(s, -1)[:, None, :] @ vv)[:, 0]
+            lse[:, t] = torch.logsumexp(s, -1)
+        outs.append(o)
+        lses.append(lse)
     return torch.stack(outs), torch.stack(lses)
 
 
-def filled_cache(B, H, D, dtype, appends, page_size=None, device="cpu", seed=0):
-    cache = fp4attn.FP4KVCache(B, H, D, dtype=dtype, device=device, page_size=page_size)
+def cache_decode_reference(q, cache, k, v, lens=None, window=None):
+    """exact_decode as SPEC 6's decode computes on `cache`, which holds k, v [B, Hkv, L, D] as
+    appended: the stored rows (zeros before a windowed cache's start: outside every window), each
+    query's residual keys from k, v."""
+    kd, vd = cache.dequantize(torch.float32, residual=False)
+    pad = torch.zeros(*kd.shape[:2], cache.start, kd.shape[3], device=kd.device)
+    kd, vd = torch.cat([pad, kd], 2).cpu(), torch.cat([pad, vd], 2).cpu()
+    S = cache.res_k.shape[2]
+    lens = [len(cache)] * cache.batch if lens is None else lens
+    return exact_decode(q.cpu(), kd, vd, lens, window=window,
+                        exact=(k.float().cpu(), v.float().cpu(), cache.residual_length, S))
+
+
+def filled_cache(B, H, D, dtype, appends, page_size=None, device="cpu", seed=0,
+                 residual_length=fp4attn.kv_cache.DEFAULT_RESIDUAL):
+    cache = fp4attn.FP4KVCache(B, H, D, dtype=dtype, device=device, page_size=page_size,
+                               residual_length=residual_length)
     ks, vs = [], []
     for i, n in enumerate(appends):
         k, v = kv(B, H, n, D, dtype, seed + i, device)
@@ -147,7 +173,7 @@ def test_k5_edge_rows_are_bit_exact(D, dtype):
     rotated = reference.k5_rotate(torch.nn.functional.pad(rows.float(), (0, dp - D)))
     finite = torch.isfinite(rotated).all(-1)[0, 0]
     assert (ke[0, 0, 128:][~finite] == 255).all() and (ke[0, 0, 128:][finite] < 255).all()
-    kd = cache.dequantize(torch.float32)[0][0, 0, 128:]
+    kd = cache.dequantize(torch.float32, residual=False)[0][0, 0, 128:]
     assert torch.isnan(kd[~finite]).all() and not torch.isnan(kd[finite]).any()
     assert torch.equal(kd[0], torch.zeros(D))
 
@@ -214,13 +240,13 @@ def test_uneven_channels_are_stored_and_decoded(D, dtype):
     want = reference.k5_quantize(reference._div_rn(x, kscale[:, :, None]))
     got = stored_rows(cache, n)[:3]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    kd, vd = cache.dequantize(torch.float32)
+    kd, vd = cache.dequantize(torch.float32, residual=False)
     plain = reference.k5_dequantize(*reference.k5_quantize(x), D) + kmean[:, :, None]
     rel = lambda y: ((y - k.float()).norm(dim=2) / x.norm(dim=2)).median()  # the typical channel
     assert rel(kd) < 0.8 and rel(kd) < 0.5 * rel(plain)
     q = torch.randn(B, 4, 2, D, generator=torch.Generator().manual_seed(2)).to(dtype) * 0.1
     out, lse = fp4attn.decode(q, cache, return_lse=True)
-    ref, ref_lse = exact_decode(q, kd, vd, [n] * B)
+    ref, ref_lse = cache_decode_reference(q, cache, k, v)
     assert rel_l1(out, ref) < 3e-3 and (lse.double() - ref_lse).abs().max() < 2e-3
 
 
@@ -267,11 +293,10 @@ CASES = [  # B, Hq, Hkv, D, appends, nq, page_size
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_decode_matches_exact_attention_on_the_dequantized_cache(case, dtype):
     B, Hq, Hkv, D, appends, nq, page = case
-    cache, _, _ = filled_cache(B, Hkv, D, dtype, appends, page_size=page)
+    cache, k, v = filled_cache(B, Hkv, D, dtype, appends, page_size=page)
     q = torch.randn(B, Hq, nq, D, generator=torch.Generator().manual_seed(9)).to(dtype)
     out, lse = fp4attn.decode(q, cache, return_lse=True)
-    kd, vd = cache.dequantize(torch.float32)
-    ref, ref_lse = exact_decode(q, kd, vd, [len(cache)] * B)
+    ref, ref_lse = cache_decode_reference(q, cache, k, v)
     assert out.dtype == dtype and rel_l1(out, ref) < 3e-3
     assert (lse.double() - ref_lse).abs().max() < 2e-3
 
@@ -286,11 +311,10 @@ WINDOW_CASES = [  # B, Hq, Hkv, D, tokens, nq, page_size, window
 
 def check_window_case(case, dtype, device):
     B, Hq, Hkv, D, n, nq, page, window = case
-    cache, _, _ = filled_cache(B, Hkv, D, dtype, [n], page_size=page, device=device)
+    cache, k, v = filled_cache(B, Hkv, D, dtype, [n], page_size=page, device=device)
     q = torch.randn(B, Hq, nq, D, generator=torch.Generator().manual_seed(5)).to(dtype)
     out, lse = fp4attn.decode(q.to(device), cache, return_lse=True, window=window)
-    kd, vd = cache.dequantize(torch.float32)
-    ref, ref_lse = exact_decode(q, kd.cpu(), vd.cpu(), [n] * B, window=window)
+    ref, ref_lse = cache_decode_reference(q, cache, k, v, window=window)
     assert rel_l1(out.cpu(), ref) < 3e-3
     assert (lse.cpu().double() - ref_lse).abs().max() < 2e-3
 
@@ -313,16 +337,15 @@ def test_windowed_cache_keeps_the_window_in_a_ring():
     pool = cache.k_codes.numel()
     assert cache.start == 300 - (W + 15) and cache.k_codes.shape[0] == B * (-(-(W + 15) // page) + 1)
     for i in range(120):
-        cache.append(*kv(B, H, 1, D, torch.float32, 100 + i))
+        kn, vn = kv(B, H, 1, D, torch.float32, 100 + i)
+        cache.append(kn, vn)
+        k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
     assert len(cache) == 420 and cache.start == 420 - (W + 15) and cache.k_codes.numel() == pool
-    kd, vd = cache.dequantize(torch.float32)
-    assert kd.shape == (B, H, W + 15, D)
+    assert cache.dequantize(torch.float32)[0].shape == (B, H, W + 15, D)
     for nq, window in ((1, None), (4, None), (16, 25)):
         q = torch.randn(B, 8, nq, D, generator=torch.Generator().manual_seed(nq))
         out, lse = fp4attn.decode(q, cache, return_lse=True, window=window)
-        pad = torch.zeros(B, H, cache.start, D)  # dropped tokens: outside every window
-        ref, ref_lse = exact_decode(q, torch.cat([pad, kd], 2), torch.cat([pad, vd], 2), [420] * B,
-                                    window=window or W)
+        ref, ref_lse = cache_decode_reference(q, cache, k, v, window=window or W)
         assert rel_l1(out, ref) < 3e-3 and (lse.double() - ref_lse).abs().max() < 2e-3
     with pytest.raises(ValueError, match="exceeds the cache's window=40"):
         fp4attn.decode(torch.zeros(B, 8, 1, D), cache, window=41)
@@ -351,13 +374,67 @@ def test_paged_ragged_batch_with_a_shuffled_block_table():
                 dst[table[b, i]] = src[i]
     kmean = torch.cat([c.kmean for c, _, _ in caches])
     kscale = torch.cat([c.kscale for c, _, _ in caches])
+    ring = {"residual_k": torch.cat([c.res_k for c, _, _ in caches]),  # each sequence's own ring
+            "residual_v": torch.cat([c.res_v for c, _, _ in caches]), "residual_length": 16}
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(B, 4, 1, D, dtype=torch.float16)
-    out = fp4attn.decode_paged(q, *pool, kmean, kscale, table, seq_lens)
-    for b, (c, _, _) in enumerate(caches):
-        kd, vd = c.dequantize(torch.float32)
-        ref, _ = exact_decode(q[b:b + 1], kd, vd, [lens[b]])
+    q = torch.randn(B, 4, 2, D, dtype=torch.float16)
+    out = fp4attn.decode_paged(q, *pool, kmean, kscale, table, seq_lens, **ring)
+    plain = fp4attn.decode_paged(q, *pool, kmean, kscale, table, seq_lens)  # the stored rows only
+    for b, (c, k, v) in enumerate(caches):
+        ref, _ = cache_decode_reference(q[b:b + 1], c, k, v)
         assert rel_l1(out[b:b + 1], ref) < 3e-3
+        kd, vd = c.dequantize(torch.float32, residual=False)
+        ref, _ = exact_decode(q[b:b + 1], kd, vd, [lens[b]])
+        assert rel_l1(plain[b:b + 1], ref) < 3e-3
+
+
+def test_residual_keys_are_each_querys_newest():
+    """SPEC 6's residual: a query reads its newest R keys exactly whatever the call's number of
+    query positions (a decode of 4 positions gives, per row, what one-position decodes of the
+    shorter caches give); a residual as long as the sequence is exact attention; residual 0 reads
+    the stored rows only."""
+    B, H, D, L = 1, 2, 64, 170
+    k, v = kv(B, H, L, D, torch.float32, 31)
+    q = torch.randn(B, 4, 4, D, generator=torch.Generator().manual_seed(32))
+    full = fp4attn.FP4KVCache(B, H, D, dtype=torch.float32)
+    full.append(k, v)
+    out = fp4attn.decode(q, full)
+    for t in range(4):
+        part = fp4attn.FP4KVCache(B, H, D, dtype=torch.float32)
+        part.append(k[:, :, :L - 3 + t], v[:, :, :L - 3 + t])
+        one = fp4attn.decode(q[:, :, t:t + 1], part)
+        assert torch.allclose(one[:, :, 0], out[:, :, t], rtol=1e-5, atol=1e-6)
+    everything = fp4attn.FP4KVCache(B, H, D, dtype=torch.float32, residual_length=L)
+    everything.append(k, v)
+    ref, ref_lse = exact_decode(q, k, v, [L])
+    got, lse = fp4attn.decode(q, everything, return_lse=True)
+    assert rel_l1(got, ref) < 1e-5 and (lse.double() - ref_lse).abs().max() < 1e-4
+    none = fp4attn.FP4KVCache(B, H, D, dtype=torch.float32, residual_length=0)
+    none.append(k, v)
+    assert none.res_k.numel() == 0 and torch.equal(none.dequantize()[0], none.dequantize(residual=False)[0])
+    kd, vd = none.dequantize(torch.float32)
+    ref0, _ = exact_decode(q, kd, vd, [L])
+    got0 = fp4attn.decode(q, none)
+    assert rel_l1(got0, ref0) < 3e-3 and rel_l1(out, ref) < rel_l1(got0, ref)
+
+
+def test_residual_arguments_are_checked():
+    for bad in (-1, 1.5, True, None):
+        with pytest.raises(ValueError, match="residual_length"):
+            fp4attn.FP4KVCache(1, 2, 32, residual_length=bad)
+    cache = fp4attn.FP4KVCache(1, 2, 32, dtype=torch.float16)
+    cache.append(*kv(1, 2, 20, 32, torch.float16, 0))
+    q = torch.randn(1, 2, 1, 32, dtype=torch.float16)
+    args = (q, *cache.storage(), cache.seq_lens)
+    with pytest.raises(ValueError, match="residual_k and residual_v are given together"):
+        fp4attn.decode_paged(*args, residual_k=cache.res_k, residual_v=cache.res_v)
+    with pytest.raises(ValueError, match="residual_k and residual_v are given together"):
+        fp4attn.decode_paged(*args, residual_k=cache.res_k, residual_length=16)
+    for ring, length in (((cache.res_k[:, :, :8], cache.res_v[:, :, :8]), 16),  # fewer slots than R
+                         ((cache.res_k.float(), cache.res_v.float()), 16),  # not q's dtype
+                         ((cache.res_k[:1, :1], cache.res_v[:1, :1]), 16)):  # not [B, Hkv, S, D]
+        with pytest.raises((ValueError, RuntimeError), match="res_k and res_v must be"):
+            fp4attn.decode_paged(*args, residual_k=ring[0], residual_v=ring[1], residual_length=length)
 
 
 def test_decode_paged_in_the_order_before_kscale_is_refused():
@@ -377,29 +454,32 @@ def test_growth_keeps_the_stored_tokens():
     cache = fp4attn.FP4KVCache(2, 2, 32, dtype=torch.float16, page_size=4)
     k, v = kv(2, 2, 130, 32, torch.float16, 0)  # past the 128 tokens that fix K's mean
     cache.append(k, v)
-    before = cache.dequantize()
+    before = cache.dequantize(residual=False)
     for i in range(20):
         cache.append(*kv(2, 2, 1, 32, torch.float16, i + 1))
     assert len(cache) == 150 and cache.capacity >= 150
-    after = cache.dequantize()
+    after = cache.dequantize(residual=False)
     assert torch.equal(after[0][:, :, :130], before[0]) and torch.equal(after[1][:, :, :130], before[1])
 
 
 def test_memory_is_at_least_3_2x_smaller_than_fp16():
     """Head dim 128: K 80 code bytes + 2 scales + 1 row scale, V 64 + 8 + 4: 159 bytes per token
-    and head against 512 (3.22x), everything counted."""
+    and head against 512, plus the residual ring of 31 FP16 tokens: 3.21x at 32K tokens,
+    everything counted."""
     cache = fp4attn.FP4KVCache(1, 8, 128, dtype=torch.float16, max_tokens=32768)
     per_token = sum(t[0, 0, 0].numel() * t.element_size() for t in cache.storage()[:6])
     assert per_token == 159
+    assert cache.res_k.shape == (1, 8, 31, 128) and cache.res_k.dtype == torch.float16
     fp16_bytes = 2 * 8 * 32768 * 128 * 2
-    assert fp16_bytes / cache.nbytes >= 3.2
+    ring = 2 * cache.res_k.numel() * 2
+    assert cache.nbytes >= 8 * 32768 * 159 + ring and fp16_bytes / cache.nbytes >= 3.2
 
 
 def test_errors_leave_the_cache_unchanged():
     cache = fp4attn.FP4KVCache(1, 2, 32, dtype=torch.float16, max_tokens=8)
     k, v = kv(1, 2, 6, 32, torch.float16, 0)
     cache.append(k, v)
-    state = [t.clone() for t in cache.storage()]
+    state = [t.clone() for t in (*cache.storage(), cache.res_k, cache.res_v)]
     bad = [
         (kv(1, 3, 1, 32, torch.float16, 1), "kv_heads=2"),
         (kv(1, 2, 1, 16, torch.float16, 1), "head_dim=32"),
@@ -409,7 +489,8 @@ def test_errors_leave_the_cache_unchanged():
     for (bk, bv), msg in bad:
         with pytest.raises(ValueError, match=msg):
             cache.append(bk, bv)
-    assert len(cache) == 6 and all(torch.equal(a, b) for a, b in zip(state, cache.storage()))
+    assert len(cache) == 6 and all(torch.equal(a, b) for a, b in
+                                   zip(state, (*cache.storage(), cache.res_k, cache.res_v)))
     with pytest.raises(ValueError, match="heads"):
         fp4attn.decode(torch.zeros(1, 3, 1, 32, dtype=torch.float16), cache)
     with pytest.raises(ValueError, match="the cache holds 6 tokens"):
@@ -424,14 +505,13 @@ def test_errors_leave_the_cache_unchanged():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_cuda_cache_is_bit_exact_and_decode_matches(case, dtype):
     B, Hq, Hkv, D, appends, nq, page = case
-    cpu, _, _ = filled_cache(B, Hkv, D, dtype, appends, page_size=page)
+    cpu, k, v = filled_cache(B, Hkv, D, dtype, appends, page_size=page)
     gpu, _, _ = filled_cache(B, Hkv, D, dtype, appends, page_size=page, device="cuda")
-    for a, b in zip(cpu.storage(), gpu.storage()):
+    for a, b in zip((*cpu.storage(), cpu.res_k, cpu.res_v), (*gpu.storage(), gpu.res_k, gpu.res_v)):
         assert torch.equal(a, b.cpu())
     q = torch.randn(B, Hq, nq, D, generator=torch.Generator().manual_seed(9)).to(dtype)
     out, lse = fp4attn.decode(q.cuda(), gpu, return_lse=True)
-    kd, vd = cpu.dequantize(torch.float32)
-    ref, ref_lse = exact_decode(q, kd, vd, [len(cpu)] * B)
+    ref, ref_lse = cache_decode_reference(q, cpu, k, v)
     assert out.dtype == dtype and rel_l1(out.cpu(), ref) < 3e-3
     assert (lse.cpu().double() - ref_lse).abs().max() < 2e-3
 
@@ -504,14 +584,48 @@ def test_cuda_graph_replay_with_changing_lengths():
     fp4attn.decode_paged(q, *storage, lens)  # warm-up
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fp4attn.decode_paged(q, *storage, lens)
-    kd, vd = cache.dequantize(torch.float32)
+        out = fp4attn.decode_paged(q, *storage, lens)  # the stored rows only: no ring to keep
+    kd, vd = cache.dequantize(torch.float32, residual=False)
     for new in ([1500, 700], [3, 1499]):
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
         ref, _ = exact_decode(q.cpu(), kd.cpu(), vd.cpu(), new)
         assert rel_l1(out.cpu(), ref) < 3e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("D, nq, window", [(128, 1, None), (64, 4, None), (256, 3, 40), (80, 16, None)])
+def test_cuda_graph_decode_while_appending_reads_the_residual(D, nq, window):
+    """Generation as a server runs it: one captured decode (residual ring included) replayed after
+    each append of nq tokens, the ring wrapping many times; every replay agrees with the CPU
+    backend's decode of the same cache and with the per-query reference."""
+    B, H = 2, 2
+    caches = [fp4attn.FP4KVCache(B, H, D, dtype=torch.float16, device=dev, max_tokens=1024)
+              for dev in ("cpu", "cuda")]
+    k, v = kv(B, H, 300, D, torch.float16, 50)
+    for cache in caches:
+        cache.append(k.to(cache.device), v.to(cache.device))
+    gpu = caches[1]
+    q = torch.zeros(B, 8, nq, D, dtype=torch.float16, device="cuda")
+    args = (q, *gpu.storage(), gpu.seq_lens)
+    fp4attn.decode_paged(*args, window=window, **gpu.residual())  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp4attn.decode_paged(*args, window=window, **gpu.residual())
+    for step in range(40):
+        kn, vn = kv(B, H, nq, D, torch.float16, 60 + step)
+        k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
+        for cache in caches:
+            cache.append(kn.to(cache.device), vn.to(cache.device))
+        q.copy_(torch.randn(B, 8, nq, D, generator=torch.Generator().manual_seed(step)).to(q))
+        graph.replay()
+        if step % 8 == 7:
+            torch.cuda.synchronize()
+            want = fp4attn.decode(q.cpu(), caches[0], window=window)
+            ref, _ = cache_decode_reference(q.cpu(), caches[0], k, v, window=window)
+            assert rel_l1(out.cpu(), want) < 3e-3 and rel_l1(out.cpu(), ref) < 3e-3
 
 
 @pytest.mark.gpu
@@ -579,7 +693,7 @@ def test_the_format_study_emulates_the_channel_scales(D):
     v = torch.randn(1, 2, 200, D, generator=torch.Generator().manual_seed(6))
     cache = fp4attn.FP4KVCache(1, 2, D, dtype=torch.float32)
     cache.append(k, v)
-    kd, _ = cache.dequantize(torch.float32)
+    kd, _ = cache.dequantize(torch.float32, residual=False)
     emu, _ = kv_format.quantized_kv(k, v, "int5 rot mean chan", 128)
     plain, _ = kv_format.quantized_kv(k, v, "int5 rot mean", 128)
     x = k - token_order_mean(k[:, :, :128])[:, :, None]

@@ -267,10 +267,13 @@ def test_fp4cache_kernel_path_matches_sdpa_on_the_dequantized_cache(nq, window, 
     got = integration._cached_attention(q, keys, None, 32 ** -0.5)
     got_masked = integration._cached_attention(q, keys, mask, 32 ** -0.5)
     assert windows == [window, window]  # both through the kernel
-    (kd, vd), start = layer.cache.dequantize(), layer.cache.start
-    want = integration.ORIGINAL_SDPA(q, kd, vd, attn_mask=mask[..., start:], scale=32 ** -0.5,
-                                     enable_gqa=True)
-    assert (got - want).abs().max() < 1e-5 and torch.equal(got, got_masked)
+    start = layer.cache.start
+    for t in range(nq):  # each query with the keys it computes with (its own residual)
+        kd, vd = layer.cache.dequantize(position=L - nq + t)
+        want = integration.ORIGINAL_SDPA(q[:, :, t:t + 1], kd, vd, attn_mask=mask[:, :, t:t + 1, start:],
+                                         scale=32 ** -0.5, enable_gqa=True)
+        assert (got[:, :, t:t + 1] - want).abs().max() < 1e-5
+    assert torch.equal(got, got_masked)
     padded = mask.clone()
     padded[..., L - 1 - (window or L) + 1] = False  # a hole inside the window: not the plain pattern
     integration._cached_attention(q, keys, padded, 32 ** -0.5)
@@ -375,7 +378,10 @@ def test_fp4cache_with_another_attention_implementation_attends_to_the_whole_cac
             got = chunked_logits(model, rest, other, chunk)
     assert len(other.layers[1].cache) == 48
     cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
-    assert cos > 0.9999, cos
+    # a 16-token chunk through the kernel reads each query's own residual keys exact; the other
+    # implementation gets one tensor, exact from the first query's residual on (a few more exact
+    # keys for the later queries): 0.9998 here, where the other steps agree to 0.9999
+    assert cos > (0.9995 if chunk == 16 else 0.9999), cos
 
 
 def test_fp4cache_without_config_refuses_another_attention_implementation():

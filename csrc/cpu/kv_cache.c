@@ -161,29 +161,33 @@ fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
 enum { kKeys = 32 };
 
 typedef struct {
-  float *q, *o, *m, *l, *shift, *kt, *vr, *sk;
-  int64_t *begin, *end; /* each row's visible keys */
+  float *q, *qx, *o, *m, *l, *shift, *kt, *vr, *sk;
+  /* each row's visible keys [begin, end): stored rows before `exact`, residual rows from it */
+  int64_t *begin, *exact, *end;
 } DecodeScratch;
 
-/* q: the rows' rotated queries [rows][Dp]; kt: the block's rotated keys transposed [Dp][kKeys] */
+/* q: the rows' rotated queries [rows][Dp], qx: as given [rows][D]; kt: the block's rotated keys
+ * transposed [Dp][kKeys] */
 static DecodeScratch decode_scratch(int64_t rows, int64_t D, int64_t dp) {
   DecodeScratch w;
   w.q = (float *)malloc(sizeof(float) *
-                        (size_t)(rows * (dp + D + 3) + kKeys * dp + kKeys * D + kKeys));
-  w.begin = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * rows));
+                        (size_t)(rows * (dp + 2 * D + 3) + kKeys * dp + kKeys * D + kKeys));
+  w.begin = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * rows));
   if (!w.q || !w.begin) {
     free(w.q), free(w.begin);
     w.q = NULL, w.begin = NULL;
     return w;
   }
-  w.o = w.q + rows * dp;
+  w.qx = w.q + rows * dp;
+  w.o = w.qx + rows * D;
   w.m = w.o + rows * D;
   w.l = w.m + rows;
   w.shift = w.l + rows;
   w.kt = w.shift + rows;
   w.vr = w.kt + kKeys * dp;
   w.sk = w.vr + kKeys * D;
-  w.end = w.begin + rows;
+  w.exact = w.begin + rows;
+  w.end = w.exact + rows;
   return w;
 }
 
@@ -249,6 +253,7 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
   const int64_t D = c->head_dim, H = c->heads_kv, G = p->heads_q / H, nq = p->len_q, R = G * nq;
   const int64_t cb = fp4attn_code_bytes(D), sc = fp4attn_scale_count(D);
   const int64_t dp = (D + 15) / 16 * 16, kcb = fp4attn_k5_code_bytes(D);
+  const int64_t nres = p->residual_len, slots = p->residual_slots;
   const int64_t ksc = fp4attn_k5_scale_count(D);
   /* scores of rotated rows: q . k = (H q) . (H k) / n, the 1/n with the scale (a power of two) */
   const float kscale = p->scale / (float)(dp & -dp);
@@ -278,8 +283,9 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
       const int64_t L = p->seq_lens[b];
       const float *kmean = c->kmean + (b * H + hk) * D, *chs = c->kscale + (b * H + hk) * D;
       /* the rows' queries (times the channel scales, then rotated), constant lse terms and
-       * visible keys; the keys any row sees, [lo, hi) */
-      int64_t lo = L, hi = 0;
+       * visible keys; the keys any row sees, [lo, hi), stored rows below hq, residual rows
+       * from xlo */
+      int64_t lo = L, hi = 0, hq = 0, xlo = L;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t r = r0 + i, h = hk * G + r / nq, t = r % nq;
         const int64_t qb = b * p->q_stride[0] + h * p->q_stride[1] + t * p->q_stride[2];
@@ -287,6 +293,7 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
         for (int64_t d = 0; d < dp; ++d) q[d] = d < D ? fp4attn_load(p->q, p->dtype, qb + d) : 0.0f;
         for (int64_t d = 0; d < D; ++d) {
           s += q[d] * kmean[d];
+          w.qx[i * D + d] = q[d];
           q[d] *= chs[d];
           w.o[i * D + d] = 0.0f;
         }
@@ -297,10 +304,18 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
         const int64_t end = L - nq + t + 1 < L ? L - nq + t + 1 : L;
         w.end[i] = end;
         w.begin[i] = p->window > 0 && end > p->window ? end - p->window : 0;
+        /* the row's newest nres keys still in the ring: [exact, end) */
+        int64_t ex = end;
+        if (nres > 0) {
+          ex = end - nres > L - slots ? end - nres : L - slots;
+          ex = ex < w.begin[i] ? w.begin[i] : (ex > end ? end : ex);
+        }
+        w.exact[i] = ex;
         lo = w.begin[i] < lo ? w.begin[i] : lo, hi = end > hi ? end : hi;
+        hq = ex > hq ? ex : hq, xlo = ex < xlo ? ex : xlo;
       }
-      for (int64_t j0 = lo; j0 < hi && !bad; j0 += kKeys) {
-        const int64_t nk = hi - j0 < kKeys ? hi - j0 : kKeys;
+      for (int64_t j0 = lo; j0 < hq && !bad; j0 += kKeys) {
+        const int64_t nk = hq - j0 < kKeys ? hq - j0 : kKeys;
         for (int64_t j = 0; j < nk; ++j) { /* the block's key and value rows, dequantized */
           const int64_t r = row_index(c, b, hk, j0 + j);
           if (r < 0) {
@@ -316,7 +331,7 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
         float *restrict sk = w.sk;
         for (int64_t i = 0; i < n; ++i) { /* the block's keys [ja, jb) that row i sees */
           const int64_t ja = w.begin[i] > j0 ? w.begin[i] - j0 : 0;
-          const int64_t jb = w.end[i] < j0 + nk ? w.end[i] - j0 : nk;
+          const int64_t jb = w.exact[i] < j0 + nk ? w.exact[i] - j0 : nk;
           if (ja >= jb) continue;
           for (int64_t j = ja; j < jb; ++j) sk[j] = 0.0f;
           for (int64_t d = 0; d < dp; ++d) {
@@ -326,6 +341,20 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
           }
           for (int64_t j = ja; j < jb; ++j)
             softmax_step(sk[j] * kscale, w.vr + j * D, D, &w.m[i], &w.l[i], w.o + i * D);
+        }
+      }
+      for (int64_t j = xlo; nres > 0 && j < hi; ++j) { /* the residual keys */
+        const int64_t at = ((b * H + hk) * slots + j % slots) * D;
+        float *restrict kr = w.kt, *restrict vr = w.vr;
+        for (int64_t d = 0; d < D; ++d) {
+          kr[d] = fp4attn_load(p->res_k, p->dtype, at + d) - kmean[d];
+          vr[d] = fp4attn_load(p->res_v, p->dtype, at + d);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          if (j < w.exact[i] || j >= w.end[i]) continue;
+          float s = 0.0f;
+          for (int64_t d = 0; d < D; ++d) s += w.qx[i * D + d] * kr[d];
+          softmax_step(s * p->scale, vr, D, &w.m[i], &w.l[i], w.o + i * D);
         }
       }
       for (int64_t i = 0; i < n; ++i) {

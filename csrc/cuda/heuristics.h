@@ -152,10 +152,10 @@ static inline fp4attn_status plan_attention(const fp4attn_attention_params *p, A
   return fp4attn_ok();
 }
 
-/* The plan of a decode on the FP4 KV cache (kv_cache/decode.cu). Splits fill whole waves: as many
- * blocks as are resident at once (a second, partial wave would leave most SMs idle at its end),
- * each with at least two chunks per warp over the keys a full cache (or the window) lets a tile
- * read. */
+/* The plan of a decode on the FP4 KV cache (kv_cache/decode.cu). Splits of the stored rows fill
+ * whole waves: as many blocks as are resident at once (a second, partial wave would leave most SMs
+ * idle at its end), each with at least two chunks per warp over the keys a full cache (or the
+ * window) lets a tile read. A residual adds one short split per tile (scheduled last). */
 static inline KvDecodePlan plan_kv_decode(const fp4attn_decode_params *p) {
   KvDecodePlan d;
   d.dp = padded_head_dim(p->cache.head_dim);
@@ -167,7 +167,9 @@ static inline KvDecodePlan plan_kv_decode(const fp4attn_decode_params *p) {
   if (p->window > 0) keys = std::min(keys, p->window + p->len_q + kKvDecodeChunk);
   const int64_t chunks = ceil_div(keys, kKvDecodeChunk);
   const int64_t wave = (int64_t)kv_decode_blocks_per_sm(*p, d.dp, d.rows) * sm_count();
-  d.splits = std::max<int64_t>(1, std::min<int64_t>(wave / d.tiles, chunks / (2 * kKvDecodeWarps)));
+  d.kv_splits =
+      std::max<int64_t>(1, std::min<int64_t>(wave / d.tiles, chunks / (2 * kKvDecodeWarps)));
+  d.splits = d.kv_splits + (p->residual_len > 0 ? 1 : 0);
   d.o_part_bytes = round_up(4 * d.tiles * d.splits * d.rows * d.dp, 256);
   d.ml_part_bytes = round_up(4 * d.tiles * d.splits * d.rows * 2, 256);
   d.qshift_bytes = round_up(4 * d.tiles * d.rows, 256);

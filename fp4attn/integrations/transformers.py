@@ -112,8 +112,8 @@ def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
     if layer.chunk_states is not None:  # a long chunk of a windowed layer (see FP4Layer.update)
         k, v, start = layer.chunk_states
         layer.chunk_states = None  # used once: no full-precision copy kept past the step
-    else:
-        (k, v), start = cache.dequantize(), cache.start
+    else:  # each query's own residual keys exact (and a few older ones for the later queries)
+        (k, v), start = cache.dequantize(position=len(cache) - nq), cache.start
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, start:start + k.shape[-2]]
     elif attention_mask is None:  # the last nq positions: bottom-right causal (and windowed); the
@@ -255,12 +255,13 @@ def _cache_classes():
             if first:  # prefill: the selected attention on the full-precision states
                 return key_states, value_states
             if other:
-                return self._dequantized(impl)
+                return self._dequantized(impl, key_states.shape[2])
             return FP4CacheKeys.wrap(key_states, self), value_states
 
-        def _dequantized(self, impl):
+        def _dequantized(self, impl, new_tokens: int):
             """For an attention implementation that is not fp4attn's: every key and value the
-            cache holds, dequantized (what the kernel would read), at their positions (a
+            cache holds, dequantized (what the kernel would read; the residual keys of this step's
+            first query exact, which holds every query's own), at their positions (a
             sliding-window layer's dropped tokens as zeros, outside every window of transformers'
             mask; a long chunk's as for fp4attn's attention, see __init__)."""
             _warn_once(impl)
@@ -268,7 +269,8 @@ def _cache_classes():
                 k, v, start = self.chunk_states
                 self.chunk_states = None
             else:
-                (k, v), start = self.cache.dequantize(), self.cache.start
+                k, v = self.cache.dequantize(position=len(self.cache) - new_tokens)
+                start = self.cache.start
             if start:
                 pad = k.new_zeros(*k.shape[:2], start, k.shape[3])
                 k, v = torch.cat([pad, k], 2), torch.cat([pad, v], 2)

@@ -60,8 +60,8 @@ struct DecodeArgs {
   float *o_part;  /* [tiles][splits][rows][dp]: unnormalised O of a split */
   float *ml_part; /* [tiles][splits][rows][2]: its row max (log2 units) and row sum */
   float *qshift;  /* [tiles][rows]: scale * (q . kmean) */
-  int64_t mtiles, splits;
-  DivU32 page; /* by the cache's page size */
+  int64_t mtiles, splits, kv_splits; /* splits: kv_splits of stored rows (+ the residual's) */
+  DivU32 page;                       /* by the cache's page size */
 };
 
 /* One staged chunk (the kFast path) in shared memory: the chunk's rows of the cache arrays, copied
@@ -81,6 +81,17 @@ struct ChunkSlot {
 };
 constexpr int kStages = 2; /* a warp's slots: the chunk it works on and the next one, in flight */
 
+/* The residual split's shared memory (residual_split): per step of kKeys = 128 / NQ keys, K - kmean
+ * and V of those keys and the tile's queries as FP32 rows (K and Q padded by a column: the score
+ * threads of a warp read distinct keys' rows), and the rows' weights. */
+template <int DP, int NQ>
+struct ResidualSmem {
+  static constexpr int kKeys = kThreads / NQ; /* a thread per (row, key) */
+  static constexpr int kK = 0, kV = kK + kKeys * (DP + 1), kQ = kV + kKeys * DP;
+  static constexpr int kP = kQ + NQ * (DP + 1);
+  static constexpr int kBytes = 4 * (kP + NQ * kKeys);
+};
+
 /* Shared memory: the Q tile of NQ rows (and, kSplitQ, its FP32 low part) in MMA slot order, then
  * (kFast) the warps' chunk slots; after the loop, the warps' merge over all of it. */
 template <int DP, int NQ, bool kSplitQ, bool kFast>
@@ -89,7 +100,9 @@ struct DecodeSmem {
   static constexpr int kQ = 0, kQlo = NQ * kW, kRing = (kSplitQ ? 2 : 1) * NQ * kW;
   static constexpr int kLoop = kRing + (kFast ? kWarps * kStages * ChunkSlot<DP>::kBytes : 0);
   static constexpr int kMerge = kWarps * NQ * (DP + 2) * 4;
-  static constexpr int kBytes = kLoop > kMerge ? kLoop : kMerge;
+  static constexpr int kMax = kLoop > kMerge ? kLoop : kMerge;
+  static constexpr int kRes = ResidualSmem<DP, NQ>::kBytes; /* residual_split */
+  static constexpr int kBytes = kMax > kRes ? kMax : kRes;
 };
 
 /* Storage d of Q slot column c (k-step c / 16, slot c % 16) in the K fragment layout above:
@@ -317,6 +330,134 @@ __device__ __forceinline__ void read_chunk_v(Raw<DP> &raw, const char *slot, int
     }
 }
 
+/* The keys [begin, end) that row `row` of a tile sees, and where its residual keys start, `exact`
+ * (SPEC 6: its newest residual_len keys still in the ring; end without a residual). */
+struct RowKeys {
+  int begin, exact, end;
+};
+__device__ __forceinline__ RowKeys row_keys(const fp4attn_decode_params &p, int Lb, int64_t row) {
+  RowKeys k;
+  k.end = (int)min((int64_t)Lb, Lb - p.len_q + row % p.len_q + 1);
+  k.begin = p.window > 0 ? (int)max((int64_t)0, k.end - p.window) : 0;
+  k.exact = k.end;
+  if (p.residual_len > 0) {
+    const int r = (int)p.residual_len, s = (int)p.residual_slots;
+    k.exact = max(k.begin, min(k.end, max(k.end - r, Lb - s)));
+  }
+  return k;
+}
+
+/* The residual split (SPEC 6): the tile's rows against their residual keys, the exact K and V rows
+ * of the ring, in FP32 (scores scale (q . (K - kmean)), in log2 units like the stored rows'). Per
+ * step of kKeys keys, thread (row r, key j) = (tid / kKeys, tid % kKeys) scores its pair, the kKeys
+ * threads of a row (lanes of one warp) update its online softmax, then the same thread owns
+ * columns j + kKeys i of the row's O. Writes the split's o_part and ml_part as the other splits do.
+ */
+template <int DP, int NQ>
+__device__ void residual_split(const DecodeArgs &a, int64_t tile, int64_t b, int64_t hk, int64_t mt,
+                               int Lb, char *smem) {
+  using S = ResidualSmem<DP, NQ>;
+  constexpr int kKeys = S::kKeys, kCols = DP / kKeys;
+  static_assert(kKeys * NQ == kThreads && kKeys <= 32 && DP % kKeys == 0, "the thread layout");
+  const fp4attn_decode_params &p = a.p;
+  const fp4attn_kv_cache &c = p.cache;
+  const int tid = threadIdx.x, r = tid / kKeys, jj = tid % kKeys;
+  const int64_t H = c.heads_kv;
+  const int G = (int)(p.heads_q / H), nq = (int)p.len_q, M = G * nq; /* 32-bit divisions */
+  const int D = (int)c.head_dim, slots = (int)p.residual_slots;
+  const float *kmean = c.kmean + (b * H + hk) * D;
+  const int64_t ring = (b * H + hk) * slots; /* the sequence's slot 0, in rows */
+  float *ks = reinterpret_cast<float *>(smem) + S::kK,
+        *vs = reinterpret_cast<float *>(smem) + S::kV;
+  float *qs = reinterpret_cast<float *>(smem) + S::kQ,
+        *ps = reinterpret_cast<float *>(smem) + S::kP;
+
+  /* the staging steps issue kBatch loads per array before their stores: few memory latencies,
+   * few registers (the kernel's other path sets the budget) */
+  constexpr int kQPer = NQ * DP / kThreads, kKVPer = kKeys * DP / kThreads;
+  constexpr int kQBatch = kQPer < 8 ? kQPer : 8, kBatch = kKVPer < 8 ? kKVPer : 8;
+#pragma unroll
+  for (int i0 = 0; i0 < kQPer; i0 += kQBatch) { /* the tile's queries, as given */
+    float x[kQBatch];
+#pragma unroll
+    for (int i = 0; i < kQBatch; ++i) {
+      const int e = tid + kThreads * (i0 + i), qr = (int)mt * NQ + e / DP, d = e % DP;
+      const int64_t at =
+          b * p.q_stride[0] + (hk * G + qr / nq) * p.q_stride[1] + (qr % nq) * p.q_stride[2] + d;
+      x[i] = qr < M && d < D ? load_as_float(p.q, p.dtype, at) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kQBatch; ++i) {
+      const int e = tid + kThreads * (i0 + i);
+      qs[(e / DP) * (DP + 1) + e % DP] = x[i];
+    }
+  }
+  const int64_t row = mt * NQ + r;
+  const RowKeys rk = row_keys(p, Lb, row);
+  const int lo = row < M ? rk.exact : 0, hi = row < M ? rk.end : 0; /* the row's residual keys */
+  const float s_log2 = p.scale * kLog2e;
+  float o[kCols] = {}, m = -INFINITY, l = 0.0f;
+  for (int j0 = max(0, Lb - slots); j0 < Lb; j0 += kKeys) {
+    __syncthreads(); /* the previous keys are read (and the queries written) */
+#pragma unroll
+    for (int i0 = 0; i0 < kKVPer; i0 += kBatch) {
+      float kx[kBatch], vx[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int e = tid + kThreads * (i0 + i), j = j0 + e / DP, d = e % DP;
+        const bool in = j < Lb && d < D;
+        const int64_t at = (ring + j % slots) * D + d;
+        kx[i] = in ? load_as_float(p.res_k, p.dtype, at) - kmean[d] : 0.0f;
+        vx[i] = in ? load_as_float(p.res_v, p.dtype, at) : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int e = tid + kThreads * (i0 + i);
+        ks[(e / DP) * (DP + 1) + e % DP] = kx[i];
+        vs[e] = vx[i];
+      }
+    }
+    __syncthreads();
+    float dot[4] = {};
+    const float *qr = qs + r * (DP + 1), *kr = ks + jj * (DP + 1);
+#pragma unroll 2
+    for (int d = 0; d < DP; d += 4)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) dot[x] = fmaf(qr[d + x], kr[d + x], dot[x]);
+    const int key = j0 + jj;
+    const float sc =
+        key >= lo && key < hi ? ((dot[0] + dot[1]) + (dot[2] + dot[3])) * s_log2 : -INFINITY;
+    float mx = sc; /* the row's kKeys lanes */
+#pragma unroll
+    for (int w = kKeys / 2; w > 0; w >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, w));
+    const float m_new = fmaxf(m, mx);
+    const float alpha = m == -INFINITY ? 0.0f : exp2f(m - m_new);
+    const float pw = exp2f(sc - (m_new == -INFINITY ? 0.0f : m_new));
+    float sum = pw;
+#pragma unroll
+    for (int w = kKeys / 2; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
+    l = fmaf(l, alpha, sum);
+    m = m_new;
+    ps[r * kKeys + jj] = pw;
+    __syncwarp(); /* the row's weights are written (its lanes are in this warp) */
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) {
+      float acc = o[i] * alpha;
+#pragma unroll 4
+      for (int k = 0; k < kKeys; ++k)
+        acc = fmaf(ps[r * kKeys + k], vs[k * DP + jj + kKeys * i], acc);
+      o[i] = acc;
+    }
+  }
+  const int64_t part = tile * a.splits + a.kv_splits;
+#pragma unroll
+  for (int i = 0; i < kCols; ++i) a.o_part[(part * NQ + r) * DP + jj + kKeys * i] = o[i];
+  if (jj == 0) {
+    a.ml_part[(part * NQ + r) * 2] = m;
+    a.ml_part[(part * NQ + r) * 2 + 1] = l;
+  }
+}
+
 /* Blocks per SM the register budget is set for: O^T takes DP / 4 registers per n-tile. (More warps
  * at DP x NT = 128 need 96 registers, which spill: 5 blocks measured slower, and 6 blocks of 3
  * warps put 5 warps on some sub-partitions just the same.) */
@@ -345,12 +486,18 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   const int64_t b = tile / (H * a.mtiles), hk = (tile / a.mtiles) % H, mt = tile % a.mtiles;
   const int D = (int)c.head_dim;
   const int Lb = p.seq_lens[b];
-  grid_dependents_launch(); /* the merge kernel may start */
+  grid_dependents_launch();   /* the merge kernel may start */
+  if (split == a.kv_splits) { /* the whole block */
+    residual_split<DP, NQ>(a, tile, b, hk, mt, Lb, smem);
+    return;
+  }
 
-  /* this split's chunks; the warp's first one is in flight while the block stages Q */
+  /* this split's chunks (stored rows below Lq: the last row's residual keys are above it); the
+   * warp's first one is in flight while the block stages Q */
+  const int Lq = p.residual_len > 0 ? (int)max((int64_t)0, Lb - p.residual_len) : Lb;
   const int first = p.window > 0 ? (int)(max((int64_t)0, Lb - nq + 1 - p.window) / kChunk) : 0;
-  const int nch = (Lb + kChunk - 1) / kChunk - first;
-  const int per = (nch + (int)a.splits - 1) / (int)a.splits;
+  const int nch = max(0, (Lq + kChunk - 1) / kChunk - first);
+  const int per = (nch + (int)a.kv_splits - 1) / (int)a.kv_splits;
   const int c0 = first + (int)split * per, c1 = min(c0 + per, first + nch);
   char *ring = smem + L::kRing + warp * kStages * ChunkSlot<DP>::kBytes;
   int64_t next_row = 0; /* kFast: the cache row of the chunk staged next, looked up early */
@@ -443,14 +590,15 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   }
   __syncthreads();
 
-  /* the lane's query 8n + 2 t4 + e sees keys [begin, end) */
+  /* the lane's query 8n + 2 t4 + e reads the stored rows of keys [begin, end) */
   int end[NT][2], begin[NT][2];
 #pragma unroll
   for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      end[n][e] = min((int64_t)Lb, Lb - nq + (mt * NQ + 8 * n + 2 * t4 + e) % nq + 1);
-      begin[n][e] = p.window > 0 ? (int)max((int64_t)0, end[n][e] - p.window) : 0;
+      const RowKeys k = row_keys(p, Lb, mt * NQ + 8 * n + 2 * t4 + e);
+      end[n][e] = k.exact;
+      begin[n][e] = k.begin;
     }
   /* keys that every row of the tile sees: the chunks inside need no mask */
   int seen_lo = 0, seen_hi = INT_MAX;
@@ -790,6 +938,7 @@ fp4attn_status launch_kv_decode(const fp4attn_decode_params &p, const KvDecodePl
   a.qshift = reinterpret_cast<float *>(w + plan.o_part_bytes + plan.ml_part_bytes);
   a.mtiles = plan.mtiles;
   a.splits = plan.splits;
+  a.kv_splits = plan.kv_splits;
   a.page = DivU32((uint32_t)p.cache.page_size);
   switch (plan.dp) {
     case 64:

@@ -114,6 +114,14 @@ static inline fp4attn_status fp4attn_check_decode_params(const fp4attn_decode_pa
   if (p->window < 0)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "decode: window (%lld) must be >= 0",
                          (long long)p->window);
+  if (p->residual_len < 0 ||
+      (p->residual_len > 0 && (p->residual_slots < p->residual_len ||
+                               p->residual_slots > 0x7FFFFFFF || !p->res_k || !p->res_v)))
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
+                         "decode: residual_len (%lld) must be >= 0, and with residual_len > 0 "
+                         "res_k and res_v must be given with residual_slots (%lld) in "
+                         "[residual_len, 2^31)",
+                         (long long)p->residual_len, (long long)p->residual_slots);
   return fp4attn_check_kv_cache(&p->cache);
 }
 

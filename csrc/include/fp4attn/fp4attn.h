@@ -198,7 +198,10 @@ typedef struct {
 /* Decode attention on the cache (SPEC 6): q [batch, heads_q, len_q, head_dim] are the last len_q
  * positions of each sequence (seq_lens[b] tokens, a device array on CUDA); out like q; lse
  * optional [batch, heads_q, len_q] float32 contiguous. window > 0: sliding-window attention, each
- * query sees only its last `window` keys (itself included); 0: all keys up to its position. */
+ * query sees only its last `window` keys (itself included); 0: all keys up to its position.
+ * residual_len R > 0: each query reads its newest R keys that are still in the ring of
+ * residual_slots S >= R exact rows (res_k, res_v [batch][heads_kv][S][head_dim], contiguous, in
+ * `dtype`; token t in slot t % S) instead of their quantized rows; 0: no ring. */
 typedef struct {
   fp4attn_kv_cache cache;
   const int32_t *seq_lens;
@@ -210,6 +213,8 @@ typedef struct {
   int64_t q_stride[3], out_stride[3];
   float scale;
   int64_t window;
+  const void *res_k, *res_v;
+  int64_t residual_len, residual_slots;
   int num_threads; /* CPU only */
 } fp4attn_decode_params;
 
