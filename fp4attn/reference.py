@@ -33,6 +33,7 @@ __all__ = [
     "E4M3_MAX",
     "NVFP4_RANGE",
     "attention",
+    "attention_fp4pv",
     "dequantize",
     "e2m1_decode",
     "e2m1_encode",
@@ -781,6 +782,7 @@ def attention(
     smooth_v: bool | str = "weighted",
     vbar_mask: bool | str = True,
     quantized_rowsum: bool = False,
+    qk: str = "fp4",
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """FP4 attention forward of SPEC 4; float32 output ``[B, Hq, Nq, Dv]`` (and optionally LSE).
@@ -821,6 +823,15 @@ def attention(
     first level undone) instead of the unquantized exponentials, so ``O / l`` is a convex
     combination of V^'s rows with the weights the FP4MM actually used.
 
+    ``qk`` (not SPEC; docs/accuracy.md "fp4pv"): where the scores come from. ``"fp4"`` (the
+    SPEC) is SPEC 4.1-4.4; ``"int8"`` takes them from SPEC_INT8 2.1-2.3 instead (K smoothed,
+    channels migrated, Q^ per 64 rows, K^ per 128 keys, int32-exact products times
+    ``sQ sK scale``: ``reference_int8``'s own operands and scores), everything after the scores
+    (V smoothing, two-level FP4 P, NVFP4 V, the 128-key online softmax) as SPEC 4.3 and 4.5-4.6.
+    ``attention_fp4pv`` is this with the SPEC's other defaults. Needs ``block_kv`` = 128 (both
+    specs' key step); ``smooth_q``, ``smooth_k``, ``global_scale``, ``quantize_q`` and
+    ``quantize_k`` then have no effect on the scores (``smooth_q`` still picks vbar's query means).
+
     Rows that see no key (masks, causal with Nq > Nk, Nk == 0) give 0 and LSE -inf.
 
     ``lse`` (float32 ``[B, Hq, Nq]``) is the natural-log log-sum-exp of the scaled scores
@@ -839,6 +850,13 @@ def attention(
             f"smooth_v must be False, True, 'mean', 'first' or 'weighted', got {smooth_v!r}")
     if vbar_mask not in (False, True, "visible", "self"):
         raise ValueError(f"vbar_mask must be False, True, 'visible' or 'self', got {vbar_mask!r}")
+    if qk not in ("fp4", "int8"):
+        raise ValueError(f"qk must be 'fp4' (SPEC 4.4) or 'int8' (SPEC_INT8 2.3), got {qk!r}")
+    if qk == "int8" and block_kv != 128:
+        raise ValueError(f"qk='int8' needs block_kv=128 (SPEC_INT8's key step), got {block_kv}")
+    if qk == "int8" and v.shape[3] != q.shape[3]:
+        raise ValueError(f"qk='int8' needs value head dim == query head dim, got {v.shape[3]}, "
+                         f"{q.shape[3]}")
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     if scale is None:
@@ -874,8 +892,9 @@ def attention(
         codes, scales, dec = _phi(x, global_scale)
         return _block_values(codes, scales)[..., : x.shape[-1]], dec
 
-    qv, dq = operand(qs, quantize_q)  # [B, Hq, Nq, D], [B, Hq]
-    kv, dk = operand(ks, quantize_k)  # [B, Hkv, Nk, D], [B, Hkv]
+    # (qk="int8": the scores come from SPEC_INT8's operands; these FP4 ones go unused)
+    qv, dq = operand(qs, quantize_q and qk == "fp4")  # [B, Hq, Nq, D], [B, Hq]
+    kv, dk = operand(ks, quantize_k and qk == "fp4")  # [B, Hkv, Nk, D], [B, Hkv]
     # SPEC 4.3: V smoothing; quantize V - vbar, add vbar back after normalising.
     if smooth_v == "first":
         vbar = v32[:, :, :1].clone()  # [B, Hkv, 1, Dv]
@@ -904,18 +923,26 @@ def attention(
     )
     dqk = (dq * dk)[..., None, None]
     dv = dv[..., None, None]
+    ops8 = None
+    if qk == "int8":  # SPEC_INT8 2.1-2.2's operands (V^ too, unused here), bit for bit
+        from .reference_int8 import BK, _Quantized
+
+        ops8 = _Quantized(q32, k32, v32, G)
 
     m = q32.new_full((B, Hq, Nq), -math.inf)
     l = q32.new_zeros(B, Hq, Nq)
     acc = q32.new_zeros(B, Hq, Nq, Dv)
     for j0 in range(0, Nk, block_kv):
         j1 = min(j0 + block_kv, Nk)
-        # SPEC 4.4: S = scale * (FP4MM(Q^, K^) + qbar . K^T); the correction is a GEMV per
-        # query block against the keys in input precision (float32), expanded to its rows.
-        qk = dqk * _mm64(qv, kv[:, :, j0:j1])
-        corr = torch.matmul(qbar, kin[:, :, j0:j1].transpose(-1, -2))  # [B, Hq, nqb, tile]
-        s = _mask_scores(scale * (qk + corr.repeat_interleave(block_q, dim=2)[:, :, :Nq]),
-                         allowed, additive, j0, j1)
+        if ops8 is not None:  # SPEC_INT8 2.3: S = float(Q^ K^T) * ((sQ sK) * scale), masked
+            s = ops8.scores(j0 // BK, scale, allowed, additive)
+        else:
+            # SPEC 4.4: S = scale * (FP4MM(Q^, K^) + qbar . K^T); the correction is a GEMV per
+            # query block against the keys in input precision (float32), expanded to its rows.
+            qkp = dqk * _mm64(qv, kv[:, :, j0:j1])
+            corr = torch.matmul(qbar, kin[:, :, j0:j1].transpose(-1, -2))  # [B, Hq, nqb, tile]
+            s = _mask_scores(scale * (qkp + corr.repeat_interleave(block_q, dim=2)[:, :, :Nq]),
+                             allowed, additive, j0, j1)
 
         # SPEC 4.5: online softmax; a row fully masked in this tile (t = -inf) adds nothing.
         _, m_new, alpha, beta, e = _online_softmax_step(m, s)
@@ -942,9 +969,31 @@ def attention(
         out = torch.where(visible[..., None], out + per_q_head(vbar), 0.0)
     if not return_lse:
         return out
-    shift = scale * (qs * kbar.repeat_interleave(G, dim=1)).sum(dim=-1) if smooth_k else 0.0
+    if ops8 is not None:  # SPEC_INT8 2.5: the scores omit scale * (q . kbar), Q unsmoothed
+        from .reference_int8 import _lse_shift
+
+        shift = _lse_shift(q32, ops8.kbar, G, scale)
+    else:
+        shift = scale * (qs * kbar.repeat_interleave(G, dim=1)).sum(dim=-1) if smooth_k else 0.0
     lse = torch.where(visible, m + torch.log(l) + shift, -math.inf)
     return out, lse
+
+
+def attention_fp4pv(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The "fp4pv" study precision (not SPEC; docs/accuracy.md "fp4pv"): QK^T in 8 bits as
+    SPEC_INT8 2.1-2.3 computes it, P.V in FP4 as SPEC 4.3 and 4.5-4.6 (V smoothing with the masked vbar, two-level
+    P, NVFP4 V^), one 128-key online softmax. Half of the attention FLOPs (the P.V product) run
+    in FP4. ``attention(..., qk="int8")``; float32 output (and the LSE of the scaled scores)."""
+    return attention(q, k, v, attn_mask, is_causal, scale, qk="int8", return_lse=return_lse)
 
 
 def exact_attention(
