@@ -1,6 +1,7 @@
 """Generation benchmark: HuggingFace `generate` on a Llama-shaped model (random weights) with the
-default cache and torch SDPA against fp4attn's FP4Cache (NVFP4 KV cache, decode through the fused
-kernel; prefill with attn_implementation="fp4attn").
+default cache and torch SDPA against fp4attn's FP4Cache (the low-bit KV cache of SPEC 6: K5 keys,
+NVFP4 values, the newest 16 tokens exact; decode through the fused kernel; prefill with
+attn_implementation="fp4attn").
 
 For every (batch B, prompt length P): greedy generation of --new tokens after a prompt of P random
 tokens, per setup

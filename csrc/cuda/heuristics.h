@@ -155,7 +155,8 @@ static inline fp4attn_status plan_attention(const fp4attn_attention_params *p, A
 /* The plan of a decode on the FP4 KV cache (kv_cache/decode.cu). Splits of the stored rows fill
  * whole waves: as many blocks as are resident at once (a second, partial wave would leave most SMs
  * idle at its end), each with at least two chunks per warp over the keys a full cache (or the
- * window) lets a tile read. A residual adds one short split per tile (scheduled last). */
+ * window) lets a tile read. A residual adds one short split per tile (split 0, dispatched first).
+ */
 static inline KvDecodePlan plan_kv_decode(const fp4attn_decode_params *p) {
   KvDecodePlan d;
   d.dp = padded_head_dim(p->cache.head_dim);

@@ -225,9 +225,11 @@ CACHE_PREFILL = 128
 def _fp4cache_fn():
     """SDPA on one causal window as generation with an FP4 KV cache computes it (SPEC 6): the
     first CACHE_PREFILL positions by exact attention (the prefill), every later position by
-    fp4attn.decode on the cache holding all positions' keys and values (appended as prefill, then
-    the rest), so each query sees the FP4 rows of every key up to itself."""
+    fp4attn.decode on the cache, in steps of MAX_DECODE_QUERIES positions (append them, decode
+    them): each query sees the stored rows of every older key and its own residual keys exact,
+    as in token-by-token generation (a query's result does not depend on the step's size)."""
     import fp4attn
+    from fp4attn.kv_cache import MAX_DECODE_QUERIES
 
     def run(i, q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         B, Hq, N, D = q.shape
@@ -240,9 +242,12 @@ def _fp4cache_fn():
             return out
         cache = fp4attn.FP4KVCache(B, k.shape[1], D, dtype=k.dtype, device=k.device, max_tokens=N)
         cache.append(k[:, :, :P].contiguous(), v[:, :, :P].contiguous())
-        cache.append(k[:, :, P:].contiguous(), v[:, :, P:].contiguous())
-        rest = fp4attn.decode(q[:, :, P:].contiguous(), cache, scale=scale)
-        return torch.cat([out, rest], dim=2)
+        outs = [out]
+        for t in range(P, N, MAX_DECODE_QUERIES):
+            u = min(t + MAX_DECODE_QUERIES, N)
+            cache.append(k[:, :, t:u].contiguous(), v[:, :, t:u].contiguous())
+            outs.append(fp4attn.decode(q[:, :, t:u].contiguous(), cache, scale=scale))
+        return torch.cat(outs, dim=2)
 
     return run
 

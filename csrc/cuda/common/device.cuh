@@ -301,6 +301,10 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t &r0, uint32_t &r1, uint32_t
                : "r"(addr));
 }
 
+/* A hint to bring the 128-byte line holding global address `gmem` into L2 (no register waits). */
+__device__ __forceinline__ void prefetch_l2(const void *gmem) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(gmem));
+}
 /* D = A(16x16, row) * B(16x8, col) + D, FP16 (or, kBf16, BF16) operands, FP32 accumulation. */
 #define FP4ATTN_MMA_16816(T)                                    \
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." T "." T \

@@ -371,6 +371,17 @@ __device__ void residual_split(const DecodeArgs &a, int64_t tile, int64_t b, int
         *vs = reinterpret_cast<float *>(smem) + S::kV;
   float *qs = reinterpret_cast<float *>(smem) + S::kQ,
         *ps = reinterpret_cast<float *>(smem) + S::kP;
+  { /* the sequence's ring into L2 at once (a line per thread): the steps below then wait for
+     * L2, not for memory, once each */
+    const int es = p.dtype == FP4ATTN_FLOAT32 ? 4 : 2; /* bytes per element */
+    const int64_t bytes = (int64_t)slots * D * es;
+    const char *rk = static_cast<const char *>(p.res_k) + ring * D * es;
+    const char *rv = static_cast<const char *>(p.res_v) + ring * D * es;
+    for (int64_t off = 128 * (int64_t)tid; off < bytes; off += 128 * kThreads) {
+      prefetch_l2(rk + off);
+      prefetch_l2(rv + off);
+    }
+  }
 
   /* the staging steps issue kBatch loads per array before their stores: few memory latencies,
    * few registers (the kernel's other path sets the budget) */
@@ -449,7 +460,7 @@ __device__ void residual_split(const DecodeArgs &a, int64_t tile, int64_t b, int
       o[i] = acc;
     }
   }
-  const int64_t part = tile * a.splits + a.kv_splits;
+  const int64_t part = tile * a.splits; /* split 0 */
 #pragma unroll
   for (int i = 0; i < kCols; ++i) a.o_part[(part * NQ + r) * DP + jj + kKeys * i] = o[i];
   if (jj == 0) {
@@ -486,11 +497,14 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   const int64_t b = tile / (H * a.mtiles), hk = (tile / a.mtiles) % H, mt = tile % a.mtiles;
   const int D = (int)c.head_dim;
   const int Lb = p.seq_lens[b];
-  grid_dependents_launch();   /* the merge kernel may start */
-  if (split == a.kv_splits) { /* the whole block */
+  grid_dependents_launch(); /* the merge kernel may start */
+  /* split 0 is the residual's, where there is one: dispatched first, it runs beside the others */
+  const bool residual = a.splits > a.kv_splits;
+  if (residual && split == 0) { /* the whole block */
     residual_split<DP, NQ>(a, tile, b, hk, mt, Lb, smem);
     return;
   }
+  const int64_t kv_split = split - (residual ? 1 : 0); /* among the stored rows' splits */
 
   /* this split's chunks (stored rows below Lq: the last row's residual keys are above it); the
    * warp's first one is in flight while the block stages Q */
@@ -498,7 +512,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   const int first = p.window > 0 ? (int)(max((int64_t)0, Lb - nq + 1 - p.window) / kChunk) : 0;
   const int nch = max(0, (Lq + kChunk - 1) / kChunk - first);
   const int per = (nch + (int)a.kv_splits - 1) / (int)a.kv_splits;
-  const int c0 = first + (int)split * per, c1 = min(c0 + per, first + nch);
+  const int c0 = first + (int)kv_split * per, c1 = min(c0 + per, first + nch);
   char *ring = smem + L::kRing + warp * kStages * ChunkSlot<DP>::kBytes;
   int64_t next_row = 0; /* kFast: the cache row of the chunk staged next, looked up early */
   if (kFast) {
@@ -535,7 +549,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
       dot += d < D ? x[i] * c.kmean[(b * H + hk) * D + d] : 0.0f;
       x[i] *= d < D ? c.kscale[(b * H + hk) * D + d] : 0.0f;
     }
-    if (split == 0) {
+    if (kv_split == 0) {
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
       if (lane == 0) a.qshift[tile * NQ + r] = p.scale * dot;

@@ -59,8 +59,8 @@ struct DecodeSchedule {
 
 /* How a decode call on the FP4 KV cache (kv_cache/decode.cu) is split (planned by heuristics.h,
  * plan_kv_decode): tiles of `rows` (8 or 16) query rows (G query heads x len_q positions of one
- * (batch, KV head), in m-tiles) times `splits` parts: kv_splits key ranges of the stored rows,
- * then, with a residual, one for the residual rows; its workspace layout. */
+ * (batch, KV head), in m-tiles) times `splits` parts: with a residual, split 0 for the residual
+ * rows, then kv_splits key ranges of the stored rows; its workspace layout. */
 struct KvDecodePlan {
   int64_t dp, rows, mtiles, tiles, splits, kv_splits;
   int64_t o_part_bytes, ml_part_bytes, qshift_bytes, bytes;
