@@ -265,6 +265,24 @@ def assignment(n_sites: int, cheapest: str, moves: list[tuple[int, str]], m: int
     return out
 
 
+def smallest_passing(passes, n: int) -> int | None:
+    """The smallest m in [0, n] with ``passes(m)`` along an upgrade order of n moves (passing from
+    some m on), by bisection: m = 0 probed first, then, if it fails, m = n (the most accurate end;
+    None if it fails too), then the middle of what is left."""
+    if passes(0):
+        return 0
+    lo, hi = 0, n
+    if not passes(hi):
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if passes(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def ladder(policy: Policy) -> list[Policy]:
     """Every assignment of a calibrated policy's order, m = 0 (cheapest) to the last (most
     accurate): the curve the calibration searched along."""
@@ -422,22 +440,11 @@ def calibrate(model, batches, budget: float = 0.01, device_kind="blackwell", *,
              + f" (budget {budget}: {'pass' if ok else 'fail'}) ({time.perf_counter() - t0:.0f}s)")
         return ok
 
-    # bisection: lo fails (or is -1), hi passes; the most accurate end must pass at all
-    lo, hi = -1, len(moves)
-    if passes(0):
-        hi = 0
-    else:
-        lo = 0
-        if not passes(hi):
-            raise ValueError(
-                f"budget {budget} cannot be met with the precisions of device_kind ({costs}): the "
-                f"most accurate assignment measures {probes[hi]}")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if passes(mid):
-            hi = mid
-        else:
-            lo = mid
+    hi = smallest_passing(passes, len(moves))
+    if hi is None:
+        raise ValueError(
+            f"budget {budget} cannot be met with the precisions of device_kind ({costs}): the "
+            f"most accurate assignment measures {probes[len(moves)]}")
     chosen = assignment(n_sites, cands[0], moves, hi)
     total = sum(flops)
     layers = []

@@ -350,3 +350,21 @@ def test_kl_top_tokens_and_tail_bucket():
     top, idx = p.topk(10, -1)
     part = C._kl_sum(q, idx, top)
     assert 0.5 * full < part <= full  # the tail as one bucket: a lower bound, close here
+
+
+def test_smallest_passing_probes_the_ends_then_bisects():
+    """calibrate's search (and the fp4pv study's): m = 0 first, then the most accurate end, then
+    bisection to the smallest passing m; None when even the most accurate end fails."""
+    from fp4attn.calibration import smallest_passing
+
+    for n, first_pass in ((10, 0), (10, 1), (10, 7), (10, 10), (1, 1), (0, 0)):
+        probed = []
+
+        def passes(m):
+            probed.append(m)
+            return m >= first_pass
+
+        assert smallest_passing(passes, n) == first_pass
+        assert probed[0] == 0 and (first_pass == 0 or probed[1] == n)
+        assert len(probed) <= 2 + max(1, n).bit_length()
+    assert smallest_passing(lambda m: False, 5) is None

@@ -189,19 +189,9 @@ def search(meter, refs, exact, flops, sens, cands, budget, label, t0) -> dict:
              f"({time.perf_counter() - t0:.0f}s)")
         return probes[m]["pass"]
 
-    lo, hi = -1, len(moves)
-    if passes(0):
-        hi = 0
-    else:
-        lo = 0
-        if not passes(hi):
-            raise ValueError(f"{label}: the most accurate assignment fails: {probes[hi]}")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if passes(mid):
-            hi = mid
-        else:
-            lo = mid
+    hi = C.smallest_passing(passes, len(moves))
+    if hi is None:
+        raise ValueError(f"{label}: the most accurate assignment fails: {probes[len(moves)]}")
     return {"moves": moves, "probes": probes, "m": hi, "cands": cands,
             "chosen": C.assignment(n, cands[0], moves, hi)}
 
