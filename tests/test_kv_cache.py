@@ -418,6 +418,21 @@ def test_residual_keys_are_each_querys_newest():
     assert rel_l1(got0, ref0) < 3e-3 and rel_l1(out, ref) < rel_l1(got0, ref)
 
 
+def test_residual_of_a_long_decode_call_is_what_the_ring_still_holds():
+    """A decode of more positions than the ring serves (40 > 16, a non-windowed cache): each
+    query reads from the ring only its newest residual keys that are still there (j >= L - 31),
+    the rest from the pages, as SPEC 6 says; the reference builds each query's keys itself."""
+    cache, k, v = filled_cache(1, 2, 64, torch.float32, [230], page_size=32)
+    q = torch.randn(1, 4, 40, 64, generator=torch.Generator().manual_seed(41))
+    out, lse = fp4attn.decode(q, cache, return_lse=True)
+    ref, ref_lse = cache_decode_reference(q, cache, k, v)
+    assert rel_l1(out, ref) < 3e-3 and (lse.double() - ref_lse).abs().max() < 2e-3
+    for t in (0, 20, 39):  # the first queries read no ring row; the last ones their newest 16
+        kd, vd = cache.dequantize(torch.float32, position=230 - 40 + t)
+        one, _ = exact_decode(q[:, :, t:t + 1], kd, vd, [230 - 40 + t + 1])
+        assert rel_l1(out[:, :, t:t + 1], one) < 3e-3
+
+
 def test_residual_arguments_are_checked():
     for bad in (-1, 1.5, True, None):
         with pytest.raises(ValueError, match="residual_length"):
