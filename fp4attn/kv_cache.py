@@ -230,8 +230,9 @@ class FP4KVCache:
         (all of them unless a window dropped older ones): the values the query at ``position``
         (default: the newest, ``len - 1``, as in a one-token decode) computes with. K times its
         channel scales, then plus its mean (one float32 multiplication and one addition); that
-        query's residual keys and values (its newest ``residual_length`` still in the ring) as
-        appended, unless ``residual=False`` (the stored rows of every token). In ``dtype``
+        query's residual keys and values (its newest ``residual_length`` still in the ring, and
+        the ring's tokens after it, which that query does not see) as appended, unless
+        ``residual=False`` (the stored rows of every token). In ``dtype``
         (default: the cache's); a 16-bit dtype rounds them once more."""
         if position is None:
             position = self._len - 1
