@@ -40,6 +40,7 @@
 #include <climits>
 #include <map>
 #include <mutex>
+#include <type_traits>
 
 #include "../common/smem_tiles.cuh"
 #include "../tile/split_merge.cuh"
@@ -353,7 +354,18 @@ __device__ __forceinline__ RowKeys row_keys(const fp4attn_decode_params &p, int 
  * threads of a row (lanes of one warp) update its online softmax, then the same thread owns
  * columns j + kKeys i of the row's O. Writes the split's o_part and ml_part as the other splits do.
  */
-template <int DP, int NQ>
+/* A raw element of a tensor of dtype `dt` (T: float for FP32, the bits of FP16 / BF16) as float. */
+template <typename T>
+__device__ __forceinline__ float raw_as_float(T x, fp4attn_dtype dt) {
+  if constexpr (sizeof(T) == 4)
+    return x;
+  else
+    return dt == FP4ATTN_BFLOAT16 ? __uint_as_float((uint32_t)x << 16)
+                                  : __half2float(__ushort_as_half(x));
+}
+
+/* (T: the element type of q and the ring, raw: loads batch only if nothing converts them first) */
+template <int DP, int NQ, typename T>
 __device__ void residual_split(const DecodeArgs &a, int64_t tile, int64_t b, int64_t hk, int64_t mt,
                                int Lb, char *smem) {
   using S = ResidualSmem<DP, NQ>;
@@ -389,18 +401,18 @@ __device__ void residual_split(const DecodeArgs &a, int64_t tile, int64_t b, int
   constexpr int kQBatch = kQPer < 8 ? kQPer : 8, kBatch = kKVPer < 8 ? kKVPer : 8;
 #pragma unroll
   for (int i0 = 0; i0 < kQPer; i0 += kQBatch) { /* the tile's queries, as given */
-    float x[kQBatch];
+    T x[kQBatch];
 #pragma unroll
     for (int i = 0; i < kQBatch; ++i) {
       const int e = tid + kThreads * (i0 + i), qr = (int)mt * NQ + e / DP, d = e % DP;
       const int64_t at =
           b * p.q_stride[0] + (hk * G + qr / nq) * p.q_stride[1] + (qr % nq) * p.q_stride[2] + d;
-      x[i] = qr < M && d < D ? load_as_float(p.q, p.dtype, at) : 0.0f;
+      x[i] = qr < M && d < D ? static_cast<const T *>(p.q)[at] : T(0);
     }
 #pragma unroll
     for (int i = 0; i < kQBatch; ++i) {
       const int e = tid + kThreads * (i0 + i);
-      qs[(e / DP) * (DP + 1) + e % DP] = x[i];
+      qs[(e / DP) * (DP + 1) + e % DP] = raw_as_float(x[i], p.dtype);
     }
   }
   const int64_t row = mt * NQ + r;
@@ -412,20 +424,22 @@ __device__ void residual_split(const DecodeArgs &a, int64_t tile, int64_t b, int
     __syncthreads(); /* the previous keys are read (and the queries written) */
 #pragma unroll
     for (int i0 = 0; i0 < kKVPer; i0 += kBatch) {
-      float kx[kBatch], vx[kBatch];
+      T kx[kBatch], vx[kBatch];
+      float km[kBatch];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int e = tid + kThreads * (i0 + i), j = j0 + e / DP, d = e % DP;
         const bool in = j < Lb && d < D;
         const int64_t at = (ring + j % slots) * D + d;
-        kx[i] = in ? load_as_float(p.res_k, p.dtype, at) - kmean[d] : 0.0f;
-        vx[i] = in ? load_as_float(p.res_v, p.dtype, at) : 0.0f;
+        kx[i] = in ? static_cast<const T *>(p.res_k)[at] : T(0);
+        vx[i] = in ? static_cast<const T *>(p.res_v)[at] : T(0);
+        km[i] = in ? kmean[d] : 0.0f;
       }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int e = tid + kThreads * (i0 + i);
-        ks[(e / DP) * (DP + 1) + e % DP] = kx[i];
-        vs[e] = vx[i];
+        ks[(e / DP) * (DP + 1) + e % DP] = raw_as_float(kx[i], p.dtype) - km[i];
+        vs[e] = raw_as_float(vx[i], p.dtype);
       }
     }
     __syncthreads();
@@ -501,7 +515,8 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   /* split 0 is the residual's, where there is one: dispatched first, it runs beside the others */
   const bool residual = a.splits > a.kv_splits;
   if (residual && split == 0) { /* the whole block */
-    residual_split<DP, NQ>(a, tile, b, hk, mt, Lb, smem);
+    residual_split<DP, NQ, std::conditional_t<kSplitQ, float, uint16_t>>(a, tile, b, hk, mt, Lb,
+                                                                         smem); /* FP32: kSplitQ */
     return;
   }
   const int64_t kv_split = split - (residual ? 1 : 0); /* among the stored rows' splits */
