@@ -349,6 +349,30 @@ def k5_rotate(x: Tensor) -> Tensor:
     return x
 
 
+def _block_hadamard(x: Tensor, n: int) -> Tensor:
+    """``x [..., L]`` (float32, L a multiple of the power of two ``n``) times the block-diagonal
+    Sylvester-Hadamard matrix with blocks of ``n`` (entries +-1, ``k5_rotate``'s butterfly on each
+    block of n consecutive values). Symmetric, squares to ``n I``: the FP4 rotation study's
+    rotation (``attention(..., rotate_qk=, rotate_v=)``; not SPEC)."""
+    lead, L = x.shape[:-1], x.shape[-1]
+    return k5_rotate(x.reshape(*lead, L // n, n)).reshape(*lead, L)
+
+
+def _rotation_block(rotate: bool | int, dp: int, what: str) -> int:
+    """The Hadamard block n of ``rotate_qk`` / ``rotate_v`` for a padded head dim ``dp``: 0 (off),
+    True (the largest power of two dividing dp, as ``k5_rotation_size``) or a power of two
+    2 <= n that divides dp."""
+    if rotate is False or rotate is None or (not isinstance(rotate, bool) and rotate == 0):
+        return 0
+    if rotate is True:
+        return k5_rotation_size(dp)
+    n = int(rotate)
+    if n != rotate or n < 2 or n & (n - 1) or dp % n:
+        raise ValueError(f"{what} must be False, True or a power of two >= 2 dividing the padded "
+                         f"head dim {dp}, got {rotate!r}")
+    return n
+
+
 def k5_channel_scales(x: Tensor) -> Tensor:
     """SPEC 6's channel scales ``kscale [..., D]`` (float32) from ``x [..., M, D]``, the rows
     ``K - kmean`` of the tokens that fix kmean: ``r_c = sqrt(max_t |x_tc|)`` (correctly rounded,
@@ -783,6 +807,9 @@ def attention(
     vbar_mask: bool | str = True,
     quantized_rowsum: bool = False,
     qk: str = "fp4",
+    migrate_qk: bool | str = False,
+    rotate_qk: bool | int = False,
+    rotate_v: bool | int = False,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """FP4 attention forward of SPEC 4; float32 output ``[B, Hq, Nq, Dv]`` (and optionally LSE).
@@ -832,6 +859,31 @@ def attention(
     specs' key step); ``smooth_q``, ``smooth_k``, ``global_scale``, ``quantize_q`` and
     ``quantize_k`` then have no effect on the scores (``smooth_q`` still picks vbar's query means).
 
+    Exact rewrites of Q.K^T and P.V (not SPEC, off by default; docs/accuracy.md "Channel
+    migration and Hadamard rotation for FP4", ``python -m fp4attn.eval.fp4_variants``):
+
+    * ``migrate_qk``: SPEC_INT8 2.1b's channel migration on the FP4 operands: per (batch, KV
+      head) and channel, ``s_c = reference_int8.channel_migration`` (the power of two nearest
+      ``sqrt(ka_c / qa_c)``, ka_c = max |Ks_c|), ``Qs_c * s_c`` and ``Ks_c / s_c`` are quantized
+      instead of Qs and Ks. ``True`` / ``"smoothed"``: ``qa_c`` = max |Qs_c| over the KV head's
+      query rows, the smoothed Q that is quantized; ``"raw"``: max |Q_c| of the unsmoothed Q (as
+      SPEC_INT8, which has no Q smoothing). s is a power of two, so migrating before or after the
+      per-block Q smoothing gives the same operands bit for bit (``(Q s) - qbar s = (Q - qbar) s``
+      exactly); only which maximum sets s differs. The correction ``qbar . K`` keeps the
+      unmigrated operands (``qbar s . K / s`` is the same number).
+    * ``rotate_qk``: Qs and Ks (migrated first, if both) zero-padded to Dp = D rounded up to 16
+      and multiplied by the same block-diagonal Sylvester-Hadamard matrix H (blocks of n:
+      ``True`` = the largest power of two dividing Dp, as SPEC 6's K5 rotation, or an int n),
+      Ks's by ``H / n`` (a power of two): ``(Qs H)(Ks H / n)^T = Qs Ks^T`` since ``H H = n I``.
+      The butterfly is ``k5_rotate``'s, float32.
+    * ``rotate_v``: ``V - vbar`` (or V) multiplied by H along the head dim (zero-padded to a
+      multiple of 16) before it is quantized (along tokens, as ever), and the accumulated output
+      by ``H / n`` after the last key step, before ``vbar`` is added back: exact since the output
+      is linear in V.
+
+    The LSE is computed as without them (``rotate_qk``'s scores differ by float32 rounding).
+    ``qk="int8"`` takes none of them.
+
     Rows that see no key (masks, causal with Nq > Nk, Nk == 0) give 0 and LSE -inf.
 
     ``lse`` (float32 ``[B, Hq, Nq]``) is the natural-log log-sum-exp of the scaled scores
@@ -857,8 +909,14 @@ def attention(
     if qk == "int8" and v.shape[3] != q.shape[3]:
         raise ValueError(f"qk='int8' needs value head dim == query head dim, got {v.shape[3]}, "
                          f"{q.shape[3]}")
+    if migrate_qk not in (False, True, "smoothed", "raw"):
+        raise ValueError(f"migrate_qk must be False, True, 'smoothed' or 'raw', got {migrate_qk!r}")
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    n_qk = _rotation_block(rotate_qk, k5_padded(D), "rotate_qk")
+    n_v = _rotation_block(rotate_v, k5_padded(Dv), "rotate_v")
+    if qk == "int8" and (migrate_qk or n_qk or n_v):
+        raise ValueError("qk='int8' takes no migrate_qk / rotate_qk / rotate_v")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     allowed, additive = _mask_bias(attn_mask, is_causal, (B, Hq, Nq, Nk), q.device)
@@ -892,9 +950,21 @@ def attention(
         codes, scales, dec = _phi(x, global_scale)
         return _block_values(codes, scales)[..., : x.shape[-1]], dec
 
+    # Exact rewrites of Qs Ks^T (not SPEC): channel migration, then the Hadamard rotation.
+    qop, kop = qs, ks
+    if migrate_qk:
+        from .reference_int8 import channel_migration
+
+        mig = channel_migration(qs if migrate_qk != "raw" else q32, k32, kbar, G)  # [B,Hkv,1,D]
+        qop, kop = qs * mig.repeat_interleave(G, dim=1), _div_rn(ks, mig)
+    if n_qk:
+        dpad = k5_padded(D) - D
+        qop = _block_hadamard(torch.nn.functional.pad(qop, (0, dpad)), n_qk)
+        kop = _block_hadamard(torch.nn.functional.pad(kop, (0, dpad)), n_qk) * (1.0 / n_qk)
+
     # (qk="int8": the scores come from SPEC_INT8's operands; these FP4 ones go unused)
-    qv, dq = operand(qs, quantize_q and qk == "fp4")  # [B, Hq, Nq, D], [B, Hq]
-    kv, dk = operand(ks, quantize_k and qk == "fp4")  # [B, Hkv, Nk, D], [B, Hkv]
+    qv, dq = operand(qop, quantize_q and qk == "fp4")  # [B, Hq, Nq, D], [B, Hq]
+    kv, dk = operand(kop, quantize_k and qk == "fp4")  # [B, Hkv, Nk, D], [B, Hkv]
     # SPEC 4.3: V smoothing; quantize V - vbar, add vbar back after normalising.
     if smooth_v == "first":
         vbar = v32[:, :, :1].clone()  # [B, Hkv, 1, Dv]
@@ -907,6 +977,8 @@ def attention(
     else:
         vbar = v32.mean(dim=2, keepdim=True) if smooth_v else None  # [B, Hkv, 1, Dv]
     vs = v32 - vbar if smooth_v else v32
+    if n_v:  # not SPEC: V (smoothed) times H along the head dim; the output is rotated back
+        vs = _block_hadamard(torch.nn.functional.pad(vs, (0, k5_padded(Dv) - Dv)), n_v)
     vt, dv = operand(vs.transpose(-1, -2), quantize_v)  # V^T [B, Hkv, Dv, Nk]: along tokens
 
     # GQA: every query head reads its KV head; repeat after quantizing, so the global scales
@@ -931,7 +1003,7 @@ def attention(
 
     m = q32.new_full((B, Hq, Nq), -math.inf)
     l = q32.new_zeros(B, Hq, Nq)
-    acc = q32.new_zeros(B, Hq, Nq, Dv)
+    acc = q32.new_zeros(B, Hq, Nq, vs.shape[-1])
     for j0 in range(0, Nk, block_kv):
         j1 = min(j0 + block_kv, Nk)
         if ops8 is not None:  # SPEC_INT8 2.3: S = float(Q^ K^T) * ((sQ sK) * scale), masked
@@ -964,6 +1036,8 @@ def attention(
         acc = alpha[..., None] * acc + pv * dv
         m = m_new
 
+    if n_v:  # undo the rotation of V: (P (V H)) H / n = P V
+        acc = (_block_hadamard(acc, n_v) * (1.0 / n_v))[..., :Dv]
     out, visible = _normalise(acc, l)
     if smooth_v:  # softmax rows sum to one: O = softmax(S) (V - vbar) + vbar; hidden rows stay 0
         out = torch.where(visible[..., None], out + per_q_head(vbar), 0.0)

@@ -18,6 +18,14 @@ reference (``fp4attn.reference.attention``), changes that are not SPEC:
   weights the FP4MM actually used; ``smooth_v_weighted_rowsum``: weighted V smoothing and this;
 
 against the SPEC (``ref``) and, per layer, the compiled backend (which must match ``ref``).
+``ROTATION_VARIANTS`` are exact rewrites of Q.K^T / P.V before NVFP4 (docs/accuracy.md "Channel
+migration and Hadamard rotation for FP4"): SPEC_INT8's power-of-two channel migration on the
+smoothed Q and K (``migrate_qk``; ``_raw``: s from the unsmoothed Q), a Sylvester-Hadamard
+rotation of Q and K along the head dim (``rotate_qk16`` / ``32`` / ``64``, ``rotate_qk`` = D),
+both (``migrate_rotate_qk``), V's rotation (``rotate_v``, ``rotate_qk_v``) and the one-product
+halves (``fp4_qk*``, ``fp4_pv*``). ``--calibrate VARIANT`` instead computes the calibrated FP4
+share with VARIANT as the FP4 precision through ``fp4attn.eval.fp4pv``'s calibration machinery
+(``calibrate_variant``).
 Diagnostics per layer (``--no-diagnostics`` drops them): V quantized alone without smoothing,
 with the key mean, the first key and the weighted mean; P quantized alone as specified / with V
 smoothed (key mean) / with ``l`` from P^. Per layer also: V's offset (RMS of its key mean over
@@ -46,6 +54,7 @@ Writes ``docs/results/fp4_variants.csv`` (one row per model and variant) and
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import sys
 import time
@@ -53,15 +62,24 @@ from pathlib import Path
 
 import torch
 
+from .. import calibration as C
 from .. import reference as R
+from . import fp4pv as FP
+from . import int8_granularity as IG
 from . import models as M
 from . import report as RP
 from .int8_granularity import _fmt, _write_csv, capture_layers
 
 #: Variants (report.METHODS names); ``ref`` = the SPEC, the baseline of "vs SPEC", always run.
-VARIANTS = ("ref", "smooth_v", "smooth_v_first", "smooth_v_weighted", "quantized_rowsum",
-            "smooth_v_weighted_rowsum")
-DEFAULT_VARIANTS = VARIANTS
+DEFAULT_VARIANTS = ("ref", "smooth_v", "smooth_v_first", "smooth_v_weighted", "quantized_rowsum",
+                    "smooth_v_weighted_rowsum")
+#: Exact rewrites of Q.K^T / P.V before NVFP4 (docs/accuracy.md "Channel migration and Hadamard
+#: rotation for FP4"): channel migration, Hadamard rotations of Q and K (blocks of 16, 32, 64,
+#: D) and of V; the ``fp4_*`` ones quantize one product only (the other exact).
+ROTATION_VARIANTS = ("migrate_qk", "migrate_qk_raw", "rotate_qk16", "rotate_qk32", "rotate_qk64",
+                     "rotate_qk", "migrate_rotate_qk", "rotate_v", "rotate_qk_v", "fp4_qk",
+                     "fp4_qk_rotate_qk", "fp4_qk_migrate_qk", "fp4_pv", "fp4_pv_rotate_v")
+VARIANTS = DEFAULT_VARIANTS + ROTATION_VARIANTS
 DEFAULT_PPL_VARIANTS = ("ref", "smooth_v", "smooth_v_first", "smooth_v_weighted",
                         "smooth_v_weighted_rowsum")
 #: Per-layer diagnostics: one operand quantized alone, with and without the change.
@@ -75,7 +93,8 @@ LABELS = {"ref": "SPEC (reference)", "smooth_v": "V smoothing, key mean",
           "quantized_rowsum": "l from quantized P",
           "smooth_v_weighted_rowsum": "V smoothing, weighted + l from quantized P",
           "best_v_per_layer": "best of the three per layer (in-sample, per layer only)",
-          "fp4attn": "SPEC, compiled backend (per layer only)"}
+          "fp4attn": "SPEC, compiled backend (per layer only)",
+          **{v: RP.METHODS[v][0] for v in ROTATION_VARIANTS}}
 COS_TARGET = RP.COS_TARGET  # 0.99
 MODELS = ("smollm2", "gemma3")
 DEFAULT_CSV = Path("docs/results/fp4_variants.csv")
@@ -202,6 +221,100 @@ def study_model(name: str, args) -> tuple[list[dict], list[dict]]:
     return rows, layer_rows
 
 
+def calibrate_variant(name: str, args) -> list[dict]:
+    """The calibrated FP4 share at ``--budget`` with ``--calibrate``'s variant as the FP4
+    precision (cost 1, all of its FLOPs FP4), by the fp4pv study's machinery
+    (``fp4attn.eval.fp4pv``: ``fp4attn.calibrate``'s steps, per-layer attention error as the
+    sensitivity, bisection on the perplexity increase and exp(KL) - 1), candidates variant / int8
+    / bf16 (Blackwell order); with ``--cal-baseline`` also fp4 (SPEC, compiled) / int8 / bf16 on
+    the same batches. Then, held out on ``--heldout-seqs`` sequences of ``--book``: the variant
+    everywhere, the chosen policies and the variant order's last point with >= 60 % FP4 FLOPs.
+    Rows in fp4pv's CSV layout (kinds cal_layer, cal_point, probe, chosen, curve)."""
+    t0 = time.perf_counter()
+    var = args.calibrate
+    FP.register_precision(var, RP.METHODS[var][1], cost=1.0, fp4_fraction=1.0, char="r")
+    model, tok, title, bos_id = IG.load_model(name)
+    base = {"model": name, "title": title}
+    cal_ids = IG.text_ids(tok, args.cal_book, bos_id)
+    meter, refs, exact, flops, calls_by_batch = FP.prepare(
+        model, FP._batches(cal_ids, args.cal_seqs, args.cal_len, bos_id))
+    n = len(flops)
+    base["head_dim"] = calls_by_batch[0][0].q.shape[-1]
+    precs = [var, "fp4", "int8"] if args.cal_baseline else [var, "int8"]
+    err: dict[int, dict[str, list]] = {}
+    for calls in calls_by_batch:
+        for c in calls:
+            for p, met in FP.layer_metrics(c, precs).items():
+                err.setdefault(c.layer, {}).setdefault(p, []).append(met)
+    del calls_by_batch
+    _log(f"{name} calibration: per-layer errors ({time.perf_counter() - t0:.0f}s)")
+    sens = {s: {**{p: 1.0 - min(m["cos"] for m in err[s][p]) for p in precs}, "bf16": 0.0}
+            for s in range(n)}
+    tokens = sum(r["n"] for r in refs)
+    cal = {"text": args.cal_book, "tokens": tokens, "ppl_exact": exact, "budget": args.budget}
+    rows = []
+    got = meter.measure([var] * n, refs)
+    los = meter.losses(got, exact)
+    rows.append({**base, **cal, "kind": "cal_point", "method": f"all {var}",
+                 "code": FP.code([var] * n), "fp4_share": 1.0, "ppl": got["value"],
+                 "rel_change": los["loss"], "kl": got["kl"], "kl_loss": los["kl_loss"]})
+    _log(f"{name} calibration text, {var} everywhere: ppl {100 * los['loss']:+.3f}%, exp(KL)-1 "
+         f"{100 * los['kl_loss']:+.3f}%")
+    searches = {var: FP.search(meter, refs, exact, flops, sens, [var, "int8", "bf16"],
+                               args.budget, f"{name} {var}", t0)}
+    if args.cal_baseline:
+        searches["fp4"] = FP.search(meter, refs, exact, flops, sens, ["fp4", "int8", "bf16"],
+                                    args.budget, f"{name} fp4 (SPEC)", t0)
+    for p, srch in searches.items():
+        what = f"{p}/int8/bf16"
+        for m in sorted(srch["probes"]):
+            pr = srch["probes"][m]
+            rows.append({**base, **cal, "kind": "chosen" if m == srch["m"] else "probe",
+                         "method": what, "m": m, "moves": len(srch["moves"]), "code": pr["code"],
+                         "fp4_share": pr["fp4_share"], "ppl": pr["value"],
+                         "rel_change": pr["loss"], "kl": pr["kl"], "kl_loss": pr["kl_loss"]})
+    for s in range(n):
+        for p in precs:
+            mets = err[s][p]
+            rows.append({**base, "kind": "cal_layer", "text": args.cal_book, "tokens": tokens,
+                         "layer": s, "method": p, "label": LABELS.get(p, p),
+                         "cos": min(m["cos"] for m in mets),
+                         "rel_l1": sum(m["rel_l1"] for m in mets) / len(mets),
+                         "flops_share": flops[s] / sum(flops),
+                         "chosen": searches[var]["chosen"][s],
+                         "chosen_base": searches["fp4"]["chosen"][s] if args.cal_baseline else ""})
+    if args.heldout_seqs:
+        srch = searches[var]
+        at60 = [m for m in range(len(srch["moves"]) + 1)
+                if FP.fp4_share(C.assignment(n, var, srch["moves"], m), flops) >= 0.6]
+        assigns = [(f"all {var}", [var] * n), (f"chosen {var}/int8/bf16", srch["chosen"])]
+        if at60:
+            assigns.append((f"{var} order m={max(at60)} (>= 60 %)",
+                            C.assignment(n, var, srch["moves"], max(at60))))
+        if args.cal_baseline:
+            assigns.append(("chosen fp4/int8/bf16", searches["fp4"]["chosen"]))
+        ids = IG.text_ids(tok, args.book, bos_id)
+        for r in FP.heldout_curve(model, FP._batches(ids, args.heldout_seqs, args.cal_len, bos_id),
+                                  assigns, flops):
+            rows.append({**base, "kind": "curve", "text": args.book, "budget": args.budget,
+                         "tokens": args.heldout_seqs * args.cal_len, "method": r["label"],
+                         **{k: v for k, v in r.items() if k != "label"}})
+    _log(f"{name} calibration done ({time.perf_counter() - t0:.0f}s)")
+    return rows
+
+
+def write_calibration_csv(path: Path, rows: list[dict], command: str, variant: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        fh.write(f"# command: {command}\n")
+        fh.write(f"# codes: one character per layer, layer 0 first: r {variant} (reference), 4 fp4 "
+                 "(SPEC, compiled), 8 int8, b bf16; fp4_share: r and 4 count as FP4\n")
+        w = csv.DictWriter(fh, fieldnames=FP.FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.8g}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
 def format_table(rows: list[dict]) -> str:
     """Markdown table: variant x model."""
     head = ["model (head dim)", "FP4 numerics", "perplexity", "change", "KL per token",
@@ -295,6 +408,21 @@ def build_parser() -> argparse.ArgumentParser:
                          "with _layers added to the name")
     ap.add_argument("--layer-table", action="store_true",
                     help="also print each model's per-layer cos table")
+    cal = ap.add_argument_group(
+        "calibration", "--calibrate VARIANT: instead of the per-layer / perplexity study, the "
+        "calibrated FP4 share with VARIANT as the FP4 precision (fp4attn.eval.fp4pv's "
+        "machinery); writes --csv with _calibration added to the name")
+    cal.add_argument("--calibrate", default="", metavar="VARIANT",
+                     help=f"one of {', '.join(ROTATION_VARIANTS)} (default: no calibration)")
+    cal.add_argument("--budget", type=float, default=0.01,
+                     help="perplexity increase and exp(KL) - 1 allowed (default 0.01)")
+    cal.add_argument("--cal-book", default="emma", choices=list(M.BOOKS))
+    cal.add_argument("--cal-seqs", type=int, default=2, help="calibration sequences (default 2)")
+    cal.add_argument("--cal-len", type=int, default=1024, help="their length (default 1024)")
+    cal.add_argument("--cal-baseline", action="store_true",
+                     help="also search fp4 (SPEC, compiled) / int8 / bf16 on the same batches")
+    cal.add_argument("--heldout-seqs", type=int, default=2,
+                     help="held-out sequences of --cal-len tokens of --book (default 2; 0: none)")
     return ap
 
 
@@ -313,6 +441,24 @@ def main(argv: list[str] | None = None) -> int:
               f"{VARIANTS}", file=sys.stderr)
         return 2
     args.variants, args.ppl_variants = variants, ppl_variants
+    if args.calibrate:
+        if args.calibrate not in ROTATION_VARIANTS:
+            print(f"error: --calibrate: choose from {ROTATION_VARIANTS}", file=sys.stderr)
+            return 2
+        cal_csv = args.csv.with_name(args.csv.stem + "_calibration" + args.csv.suffix)
+        command = "python -m fp4attn.eval.fp4_variants " + " ".join(
+            sys.argv[1:] if argv is None else argv)
+        rows = []
+        try:
+            for name in names:
+                rows += calibrate_variant(name, args)
+                write_calibration_csv(cal_csv, rows, command, args.calibrate)
+        except M.MissingResourceError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(FP.summary(rows))
+        _log(f"wrote {cal_csv}")
+        return 0
     if args.backend_check:
         args.backend_check = _backend_works()
     t0 = time.perf_counter()

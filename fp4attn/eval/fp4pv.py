@@ -65,6 +65,22 @@ LABELS = {"fp4": "FP4 (SPEC, compiled)", "int8": "INT8 (SPEC_INT8, compiled)",
           "fp4pv": "fp4pv: INT8 QK^T, FP4 P.V (reference)",
           "fp4_pv_exact_qk": "FP4 P.V only, QK^T exact (reference)"}
 DEFAULT_CSV = Path("docs/results/fp4pv.csv")
+#: Other reference-level precisions (name -> ``reference.attention`` keywords), for studies that
+#: calibrate a variant of the FP4 numerics with this machinery (``register_precision``).
+REFERENCE_PRECISIONS: dict[str, dict] = {}
+
+
+def register_precision(name: str, flags: dict, *, cost: float, fp4_fraction: float,
+                       char: str) -> None:
+    """Make ``reference.attention(..., **flags)`` a precision of this module (``attention_fn``,
+    ``search``, ``code``, ``fp4_share``) with the given cost, FP4 share of its FLOPs and code
+    character (used by ``fp4attn.eval.fp4_variants --calibrate``)."""
+    if name in COSTS and name not in REFERENCE_PRECISIONS:
+        raise ValueError(f"{name!r} is a precision of the fp4pv study already")
+    if char in CODE.values() and CODE.get(name) != char:
+        raise ValueError(f"code character {char!r} is taken")
+    REFERENCE_PRECISIONS[name] = dict(flags)
+    COSTS[name], FP4_FRACTION[name], CODE[name] = cost, fp4_fraction, char
 
 
 def _log(msg: str) -> None:
@@ -87,6 +103,16 @@ def attention_fn(precision: str):
                 enable_gqa=False):
             o = R.attention_fp4pv(q.cpu(), k.cpu(), v.cpu(),
                                   None if attn_mask is None else attn_mask.cpu(), is_causal, scale)
+            return o.to(q.device, q.dtype)
+        return run
+    if precision in REFERENCE_PRECISIONS:
+        flags = REFERENCE_PRECISIONS[precision]
+
+        def run(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+            o = R.attention(q.cpu(), k.cpu(), v.cpu(),
+                            None if attn_mask is None else attn_mask.cpu(), is_causal, scale,
+                            **flags)
             return o.to(q.device, q.dtype)
         return run
     if precision == "bf16":

@@ -90,6 +90,24 @@ METHODS: dict[str, tuple[str, object]] = {
                         {**_QUANT_ONLY, "quantize_p": True, "smooth_v": "mean"}),
     "only_p_rowsum": ("P quantized only, l from quantized P",
                       {**_QUANT_ONLY, "quantize_p": True, "quantized_rowsum": True}),
+    # Exact rewrites of Q.K^T / P.V before NVFP4 (not SPEC; fp4attn.eval.fp4_variants,
+    # docs/accuracy.md "Channel migration and Hadamard rotation for FP4")
+    "migrate_qk": ("Q/K channel migration (s from smoothed Q)", {"migrate_qk": True}),
+    "migrate_qk_raw": ("Q/K channel migration (s from raw Q)", {"migrate_qk": "raw"}),
+    "rotate_qk16": ("Hadamard 16 on Q, K", {"rotate_qk": 16}),
+    "rotate_qk32": ("Hadamard 32 on Q, K", {"rotate_qk": 32}),
+    "rotate_qk64": ("Hadamard 64 on Q, K", {"rotate_qk": 64}),
+    "rotate_qk": ("Hadamard D on Q, K", {"rotate_qk": True}),
+    "migrate_rotate_qk": ("migration + Hadamard D on Q, K",
+                          {"migrate_qk": True, "rotate_qk": True}),
+    "rotate_qk_v": ("Hadamard D on Q, K and V", {"rotate_qk": True, "rotate_v": True}),
+    "rotate_v": ("Hadamard D on V", {"rotate_v": True}),
+    "fp4_qk_rotate_qk": ("FP4 QK^T only, Hadamard D on Q, K",
+                         {"quantize_p": False, "quantize_v": False, "rotate_qk": True}),
+    "fp4_qk_migrate_qk": ("FP4 QK^T only, channel migration",
+                          {"quantize_p": False, "quantize_v": False, "migrate_qk": True}),
+    "fp4_pv_rotate_v": ("FP4 P.V only, Hadamard D on V",
+                        {"quantize_q": False, "quantize_k": False, "rotate_v": True}),
 }
 MAIN_METHODS = ("fp4attn", "int8", "fp16", "bf16")
 INT8_COS_TARGET = 0.999  # SPEC_INT8's accuracy targets: every layer, and end to end
