@@ -1,8 +1,9 @@
 /*
  * The preparation kernels of the 8-bit attention (docs/SPEC_INT8.md 2.1-2.2, 3): one pass over the
  * inputs that leaves every operand of the attention kernels in the workspace (int8_tiles.cuh).
- * Each block stages its rows once in shared memory as floats (coalesced 16-byte loads where the
- * rows allow) and reads them from there in every order its outputs need.
+ * The statistics kernels reduce columns; each quantizing block holds one 128-key or 64-row tile
+ * of one operand in registers (RegTile: all its loads in flight at once, 16-byte where the rows
+ * allow) and writes row-major codes straight from them, transposed ones through shared memory.
  *
  * - kbar: per 128-key block column sums of K, then their ordered sum / Nk (deterministic, so that
  *   the backward recomputes the forward's K^ bit for bit), with the column max and min of K.
@@ -32,21 +33,9 @@ __device__ __forceinline__ float amax_u(float a, float b) {
   return __uint_as_float(max(__float_as_uint(a), __float_as_uint(b)));
 }
 
-__device__ float block_amax(float v, float *red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = amax_u(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  v = 0.0f;
-  for (int w = 0; w < kThreads / 32; ++w) v = amax_u(v, red[w]);
-  __syncthreads();
-  return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+/* the larger of two sizes, in a constant expression */
+constexpr int cmax(int a, int b) {
+  return a > b ? a : b;
 }
 
 __device__ __forceinline__ uint16_t to16(float x, bool bf16) {
@@ -56,89 +45,6 @@ __device__ __forceinline__ uint16_t to16(float x, bool bf16) {
 /* A value as dP and Drow see it (SPEC_INT8 3): FP32 inputs rounded to BF16. */
 __device__ __forceinline__ float as16(float x, fp4attn_dtype dt) {
   return dt == FP4ATTN_FLOAT32 ? __bfloat162float(__float2bfloat16_rn(x)) : x;
-}
-
-/* 16 codes as one 16-byte store: code(e) for e = 0..15. */
-template <typename F>
-__device__ __forceinline__ void store16(int8_t *dst, F code) {
-  uint32_t w[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q)
-    w[q] = pack_s8x4(code(4 * q), code(4 * q + 1), code(4 * q + 2), code(4 * q + 3));
-  *reinterpret_cast<uint4 *>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-/* Rows r0 .. r0 + rows - 1 of x's (b, h) matrix into a float tile [rows_max][dp + 4] in shared
- * memory, coalesced (16-byte loads where `vec`), zeros past `rows` and past D. Each thread issues
- * kBatch loads before it stores any: the compiler cannot move a global load above a store through
- * another pointer, and one load in flight per thread leaves DRAM idle. */
-__device__ __forceinline__ void stage_rows(float *tile, const void *x, fp4attn_dtype dt,
-                                           const int64_t *st, int64_t b, int64_t h, int64_t r0,
-                                           int rows, int rows_max, int D, int dp, bool vec) {
-  constexpr int kBatch = 4;
-  const int groups = dp / 8, pitch = dp + 4, n = rows_max * groups;
-  for (int i0 = threadIdx.x; i0 < n; i0 += kBatch * kThreads) {
-    float v[kBatch][8];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int i = i0 + u * kThreads, r = i / groups, c = (i % groups) * 8;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[u][e] = 0.0f;
-      if (i < n && r < rows)
-        load8_padded(x, dt, b * st[0] + h * st[1] + (r0 + r) * st[2], c, D, vec, v[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int i = i0 + u * kThreads, r = i / groups, c = (i % groups) * 8;
-      if (i >= n) break;
-      float4 *dst = reinterpret_cast<float4 *>(tile + r * pitch + c);
-      dst[0] = make_float4(v[u][0], v[u][1], v[u][2], v[u][3]);
-      dst[1] = make_float4(v[u][4], v[u][5], v[u][6], v[u][7]);
-    }
-  }
-}
-
-/* Row-major codes of a staged tile's kRows rows with one scale per tile (psi of its amax m, the
- * block-wide value): thread 0 writes the scale to *scale, the codes go to out [kRows][dp].
- * Returns the factor r, for further codes of the same tile. */
-template <int kRows>
-__device__ __forceinline__ float code_rows(const float *tile, int pitch, int dp, float m,
-                                           float *scale, int8_t *out) {
-  float r, s;
-  psi_factors(m, r, s);
-  if (threadIdx.x == 0) *scale = s;
-  for (int i = threadIdx.x; i < kRows * (dp / 16); i += kThreads) {
-    const int n = i / (dp / 16), d0 = (i % (dp / 16)) * 16;
-    store16(out + n * dp + d0, [&](int e) { return code_s8(tile[n * pitch + d0 + e], r); });
-  }
-  return r;
-}
-
-/* Per-channel codes of a staged tile (the first `rows` of its kRows rows are real): channel d's
- * scale (psi of its amax over the rows) to scales[d], its kRows codes in perm16 order to
- * out + d x kRows. kThreads / dp neighbouring threads share a channel (its rows for the amax, its
- * 16-code groups for the stores), so that every thread works at dp < kThreads. */
-template <int kRows>
-__device__ __forceinline__ void code_channels(const float *tile, int pitch, int rows, int dp,
-                                              float *scales, int8_t *out) {
-  const int tpc = dp < kThreads ? kThreads / dp : 1; /* 1, 2 or 4: lanes of one warp */
-  const int part = threadIdx.x % tpc;
-  for (int d = threadIdx.x / tpc; d < dp; d += kThreads / tpc) {
-    float m = 0.0f;
-    for (int n = part; n < rows; n += tpc) m = amax_u(m, fabsf(tile[n * pitch + d]));
-    for (int o = 1; o < tpc; o <<= 1) m = amax_u(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float r, s;
-    psi_factors(m, r, s);
-    if (part == 0) scales[d] = s;
-    for (int c0 = 16 * part; c0 < kRows; c0 += 16 * tpc)
-      store16(out + d * kRows + c0,
-              [&](int e) { return code_s8(tile[(c0 + perm16(e)) * pitch + d], r); });
-  }
-}
-
-/* Shared-memory bytes of a staged tile of `rows` rows. */
-__host__ __device__ constexpr int tile_bytes(int rows, int dp) {
-  return rows * (dp + 4) * 4;
 }
 
 /* A block's threads over a row-major [rows][dp] input: thread t reads columns c .. c + 7 of rows
@@ -247,196 +153,432 @@ __global__ void __launch_bounds__(kThreads) kbar_final_kernel(const Int8Args a) 
   }
 }
 
-/* One 128-key block of one (batch, KV head): K^ (and K^T), then V^ (forward) or V16 (backward),
- * each staged once in shared memory. */
-template <int DP>
-__global__ void __launch_bounds__(kThreads) quantize_kv_kernel(const Int8Args a, bool backward) {
-  extern __shared__ __align__(16) float tile[]; /* [128][dp + 4] */
-  __shared__ float red[kThreads / 32];
-  const fp4attn_attention_params &p = a.p;
-  const Int8Workspace &w = a.ws;
-  const int64_t bhk = blockIdx.x / w.nkb, j = blockIdx.x % w.nkb;
-  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv, n0 = j * kBK8;
-  const int rows = (int)min((int64_t)kBK8, p.len_k - n0), D = (int)p.head_dim;
-  constexpr int dp = DP; /* compile-time: the index arithmetic below is shifts and masks */
-  const int pitch = dp + 4;
-  const float *kbar = w.kbar + bhk * dp, *inv = w.mig_inv + bhk * dp;
-  stage_rows(tile, p.k, p.dtype, p.k_stride, b, hk, n0, rows, kBK8, D, dp, a.vec_k);
-  __syncthreads();
-  float m = 0.0f; /* smooth and migrate in place (real rows only: padding stays 0), take the amax */
-  for (int i = threadIdx.x; i < rows * dp; i += kThreads) {
-    float &x = tile[(i / dp) * pitch + i % dp];
-    x = __fmul_rn(x - kbar[i % dp], inv[i % dp]); /* = (K - kbar) / s: 1 / s is exact */
-    m = amax_u(m, fabsf(x));
+/* 8 consecutive elements of a row as loaded: FP32 as floats, FP16 / BF16 as their bits (half the
+ * registers; converted where used). Columns from D on are 0; 16-byte loads where `vec` (the row's
+ * alignment) and all 8 are inside the row. */
+template <fp4attn_dtype kDt>
+struct Vals8 {
+  static constexpr bool k16 = kDt != FP4ATTN_FLOAT32;
+  static constexpr int kWords = k16 ? 4 : 8;
+  uint32_t w[kWords];
+
+  __device__ void zero() {
+#pragma unroll
+    for (int q = 0; q < kWords; ++q) w[q] = 0u;
   }
-  const float r = code_rows<kBK8>(tile, pitch, dp, block_amax(m, red), w.sk + bhk * w.nkb + j,
-                                  w.kc + (bhk * w.nkp + n0) * dp);
-  if (backward) {
-    int8_t *kct = w.kct + (bhk * w.nkb + j) * dp * kBK8;
-    for (int i = threadIdx.x; i < dp * (kBK8 / 16); i += kThreads) {
-      const int d = i % dp, c0 = (i / dp) * 16;
-      store16(kct + d * kBK8 + c0, [&](int e) { return code_s8(tile[(c0 + e) * pitch + d], r); });
+  __device__ void load(const void *base, int64_t row, int col, int D, bool vec) {
+    if (vec && col + 8 <= D) {
+      const uint4 *src = reinterpret_cast<const uint4 *>(static_cast<const uint32_t *>(base) +
+                                                         (row + col) * kWords / 8);
+#pragma unroll
+      for (int q = 0; q < kWords / 4; ++q) {
+        const uint4 x = src[q];
+        w[4 * q] = x.x, w[4 * q + 1] = x.y, w[4 * q + 2] = x.z, w[4 * q + 3] = x.w;
+      }
+      return;
+    }
+    zero();
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      if (col + e >= D) continue;
+      if constexpr (k16)
+        w[e / 2] |= (uint32_t)static_cast<const uint16_t *>(base)[row + col + e] << (16 * (e & 1));
+      else
+        w[e] = static_cast<const uint32_t *>(base)[row + col + e];
     }
   }
-  __syncthreads();
-  stage_rows(tile, p.v, p.dtype, p.v_stride, b, hk, n0, rows, kBK8, D, dp, a.vec_v);
-  __syncthreads();
-  if (backward) {
-    for (int i = threadIdx.x; i < kBK8 * dp; i += kThreads)
-      w.v16[(bhk * w.nkp + n0) * dp + i] = to16(tile[(i / dp) * pitch + i % dp], a.bf16_ops);
-    return;
+  __device__ float operator[](int e) const {
+    if constexpr (!k16) {
+      return __uint_as_float(w[e]);
+    } else {
+      const uint32_t x = w[e / 2];
+      if (kDt == FP4ATTN_BFLOAT16) return __uint_as_float(e & 1 ? x & 0xFFFF0000u : x << 16);
+      return __half2float(__ushort_as_half((uint16_t)(e & 1 ? x >> 16 : x)));
+    }
   }
-  code_channels<kBK8>(tile, pitch, rows, dp, w.sv + (bhk * w.nkb + j) * dp,
-                      w.vct + (bhk * w.nkb + j) * dp * kBK8); /* V: one scale per channel */
+};
+
+/* A tile of kRows rows of one (batch, head) matrix held in registers, 32 values per thread:
+ * thread t holds columns c .. c + 7 of the four adjacent rows row0 .. row0 + 3 (c = (t % G) * 8,
+ * G = DP / 8 threads per row), so that every load instruction of a warp reads whole sectors, a
+ * row's G threads are neighbouring lanes, and a 16-row group of a perm tile is four threads.
+ * Rows from `rows` on (padding) and columns from D on are 0. */
+template <int DP, int kRows, fp4attn_dtype kDt>
+struct RegTile {
+  static constexpr int kGroups = DP / 8, kPer = 4;
+  static constexpr int kThreads = kRows / kPer * kGroups;
+  static constexpr int kWarps = kThreads / 32;
+  Vals8<kDt> v[kPer];
+  int c, row0;
+
+  __device__ RegTile() : c((threadIdx.x % kGroups) * 8), row0((threadIdx.x / kGroups) * kPer) {}
+
+  /* every load issued before any value is used (no store in between) */
+  __device__ void load(const void *x, int64_t base, int64_t row_stride, int rows, int D, bool vec) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (row0 + i < rows)
+        v[i].load(x, base + (row0 + i) * row_stride, c, D, vec);
+      else
+        v[i].zero();
+    }
+  }
+
+  /* the sum over row i's 8 x G columns of f(e), valid in the row's first thread (c == 0) */
+  template <typename F>
+  __device__ float row_sum(F f) const {
+    float acc = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc += f(e);
+#pragma unroll
+    for (int o = 1; o < kGroups && o < 32; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return acc;
+  }
+
+  /* max |f(i, e)| over the thread's values */
+  template <typename F>
+  __device__ float amax(F f) const {
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) m = amax_u(m, fabsf(f(i, e)));
+    return m;
+  }
+
+  /* row-major codes psi(f(i, e), r) of all kRows rows into out [kRows][DP], 8 bytes per row and
+   * thread */
+  template <typename F>
+  __device__ void store_rows(int8_t *out, float r, F f) const {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      int q[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[e] = code_s8(f(i, e), r);
+      *reinterpret_cast<uint2 *>(out + (row0 + i) * DP + c) =
+          make_uint2(pack_s8x4(q[0], q[1], q[2], q[3]), pack_s8x4(q[4], q[5], q[6], q[7]));
+    }
+  }
+
+  /* all kRows rows in 16 bits (BF16 if bf16, else FP16) into out [kRows][DP] */
+  __device__ void store_rows16(uint16_t *out, bool bf16) const {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      uint32_t w[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        w[q] =
+            (kDt == FP4ATTN_BFLOAT16 && bf16) || (kDt == FP4ATTN_FLOAT16 && !bf16)
+                ? v[i].w[q] /* the input's own bits */
+                : (uint32_t)to16(v[i][2 * q], bf16) | ((uint32_t)to16(v[i][2 * q + 1], bf16) << 16);
+      *reinterpret_cast<uint4 *>(out + (row0 + i) * DP + c) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+
+  /* Codes psi(v, r[channel]) transposed into the shared tile t [DP][kRows]: natural row order, or
+   * perm16 order within every 16 rows (row k of a group at position 4 ((k % 8) / 2) + k % 2 +
+   * (k >= 8 ? 2 : 0), the inverse of perm16). */
+  template <bool kPerm, typename F, typename R>
+  __device__ void codes_transposed(int8_t *t, F f, R r) const {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float re = r(c + e);
+      const int c0 = code_s8(f(0, e), re), c1 = code_s8(f(1, e), re), c2 = code_s8(f(2, e), re),
+                c3 = code_s8(f(3, e), re);
+      int8_t *col = t + (c + e) * kRows;
+      if (kPerm) {
+        const int k = row0 % 16, at = (row0 - k) + 4 * ((k % 8) / 2) + (k >= 8 ? 2 : 0);
+        *reinterpret_cast<uint16_t *>(col + at) = (uint16_t)pack_s8x4(c0, c1, 0, 0);
+        *reinterpret_cast<uint16_t *>(col + at + 4) = (uint16_t)pack_s8x4(c2, c3, 0, 0);
+      } else {
+        *reinterpret_cast<uint32_t *>(col + row0) = pack_s8x4(c0, c1, c2, c3);
+      }
+    }
+  }
+};
+
+/* The block-wide amax of one value per thread; red: kWarps floats. */
+template <int kWarps>
+__device__ float block_amax(float v, float *red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = amax_u(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) v = amax_u(v, red[w]);
+  __syncthreads();
+  return v;
 }
 
-/* One 64-row block of one (batch, query head): Q^ (and its perm tiles), the lse's shift. */
-template <int DP>
-__global__ void __launch_bounds__(kThreads) quantize_q_kernel(const Int8Args a, bool backward) {
-  extern __shared__ __align__(16) float tile[]; /* [64][dp + 4] */
-  __shared__ float red[kThreads / 32];
+/* Per channel of a register tile, psi's factors over its kRows rows: r to chan_r[d] (shared),
+ * the scale to scales[d]. red: kWarps x DP floats of shared memory, free again on return. */
+template <typename T>
+__device__ void channel_factors(const T &t, float *red, float *chan_r, float *scales) {
+  constexpr int DP = T::kGroups * 8;
+  float m[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    m[e] = amax_u(amax_u(fabsf(t.v[0][e]), fabsf(t.v[1][e])),
+                  amax_u(fabsf(t.v[2][e]), fabsf(t.v[3][e])));
+#pragma unroll
+  for (int o = T::kGroups; o < 32; o <<= 1) /* the warp's lanes of the same columns */
+#pragma unroll
+    for (int e = 0; e < 8; ++e) m[e] = amax_u(m[e], __shfl_xor_sync(0xffffffffu, m[e], o));
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) < T::kGroups)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) red[warp * DP + t.c + e] = m[e];
+  __syncthreads();
+  for (int d = threadIdx.x; d < DP; d += T::kThreads) {
+    float a = 0.0f;
+    for (int w = 0; w < T::kWarps; ++w) a = amax_u(a, red[w * DP + d]);
+    float r, s;
+    psi_factors(a, r, s);
+    chan_r[d] = r;
+    scales[d] = s;
+  }
+  __syncthreads();
+}
+
+/* bytes shared tile -> global, 16 bytes per thread and step (n a multiple of 16) */
+template <int kThreads>
+__device__ __forceinline__ void copy_out(int8_t *dst, const int8_t *src, int n) {
+  for (int i = 16 * threadIdx.x; i < n; i += 16 * kThreads)
+    *reinterpret_cast<uint4 *>(dst + i) = *reinterpret_cast<const uint4 *>(src + i);
+}
+
+template <int DP, fp4attn_dtype kDt>
+using KvTile = RegTile<DP, kBK8, kDt>;
+template <int DP, fp4attn_dtype kDt>
+using QTile = RegTile<DP, kBQ8, kDt>;
+
+/* Blocks [0, n): K^ of one 128-key block of one (batch, KV head) (and K^T, backward); blocks
+ * [n, 2n): V^ per channel (forward) or V in 16 bits (backward) of the same block. K^'s amax
+ * comes from the block's column max and min (kbar_partial): rounding is monotonic, so
+ * max |fl(fl(K - kbar) / s)| over a column is that of its max or its min. */
+template <int DP, fp4attn_dtype kDt>
+__global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
+    quantize_kv_kernel(const Int8Args a, bool backward) {
+  using T = KvTile<DP, kDt>;
+  /* V's per-channel maxima, then the transposed codes */
+  __shared__ __align__(16) char buf[cmax(T::kWarps * DP * 4, DP * kBK8)];
+  __shared__ float red[T::kWarps], chan_r[DP];
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  const int64_t n = p.batch * p.heads_kv * w.nkb;
+  const bool is_v = blockIdx.x >= n;
+  const int64_t blk = is_v ? blockIdx.x - n : blockIdx.x;
+  const int64_t bhk = blk / w.nkb, j = blk % w.nkb;
+  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv, n0 = j * kBK8;
+  const int rows = (int)min((int64_t)kBK8, p.len_k - n0), D = (int)p.head_dim;
+  int8_t *codes = reinterpret_cast<int8_t *>(buf);
+  T t;
+  if (!is_v) {
+    t.load(p.k, b * p.k_stride[0] + hk * p.k_stride[1] + n0 * p.k_stride[2], p.k_stride[2], rows, D,
+           a.vec_k);
+    const float *kbar = w.kbar + bhk * DP, *inv = w.mig_inv + bhk * DP;
+    float m = 0.0f;
+    for (int d = threadIdx.x; d < DP; d += T::kThreads) {
+      const int64_t at = (bhk * w.nkb + j) * DP + d;
+      m = amax_u(m, amax_u(fabsf(__fmul_rn(w.kmax_part[at] - kbar[d], inv[d])),
+                           fabsf(__fmul_rn(w.kmin_part[at] - kbar[d], inv[d]))));
+    }
+    float r, s;
+    psi_factors(block_amax<T::kWarps>(m, red), r, s);
+    if (threadIdx.x == 0) w.sk[bhk * w.nkb + j] = s;
+    float kb[8], iv[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) kb[e] = kbar[t.c + e], iv[e] = inv[t.c + e];
+    /* (K - kbar) / s on real rows, 0 on padding (1 / s is exact) */
+    const auto ks = [&](int i, int e) {
+      return t.row0 + i < rows ? __fmul_rn(t.v[i][e] - kb[e], iv[e]) : 0.0f;
+    };
+    t.store_rows(w.kc + (bhk * w.nkp + n0) * DP, r, ks);
+    if (!backward) return;
+    t.template codes_transposed<false>(codes, ks, [&](int) { return r; });
+    __syncthreads();
+    copy_out<T::kThreads>(w.kct + (bhk * w.nkb + j) * DP * kBK8, codes, DP * kBK8);
+    return;
+  }
+  t.load(p.v, b * p.v_stride[0] + hk * p.v_stride[1] + n0 * p.v_stride[2], p.v_stride[2], rows, D,
+         a.vec_v);
+  if (backward) {
+    t.store_rows16(w.v16 + (bhk * w.nkp + n0) * DP, a.bf16_ops);
+    return;
+  }
+  channel_factors(t, reinterpret_cast<float *>(buf), chan_r, w.sv + (bhk * w.nkb + j) * DP);
+  t.template codes_transposed<true>(
+      codes, [&](int i, int e) { return t.v[i][e]; }, [&](int d) { return chan_r[d]; });
+  __syncthreads();
+  copy_out<T::kThreads>(w.vct + (bhk * w.nkb + j) * DP * kBK8, codes, DP * kBK8);
+}
+
+/* One 64-row block of one (batch, query head): the lse's shift of the unmigrated q, Q^ (and its
+ * perm tiles, backward). */
+template <int DP, fp4attn_dtype kDt>
+__global__ void __launch_bounds__(QTile<DP, kDt>::kThreads)
+    quantize_q_kernel(const Int8Args a, bool backward) {
+  using T = QTile<DP, kDt>;
+  __shared__ __align__(16) int8_t codes[DP * kBQ8];
+  __shared__ float red[T::kWarps];
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
   const int64_t bh = blockIdx.x / w.nqb, i = blockIdx.x % w.nqb;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / (p.heads_q / p.heads_kv);
   const int64_t r0 = i * kBQ8;
   const int rows = (int)min((int64_t)kBQ8, p.len_q - r0), D = (int)p.head_dim;
-  constexpr int dp = DP;
-  const int pitch = dp + 4;
-  stage_rows(tile, p.q, p.dtype, p.q_stride, b, h, r0, rows, kBQ8, D, dp, a.vec_q);
+  T t;
+  t.load(p.q, b * p.q_stride[0] + h * p.q_stride[1] + r0 * p.q_stride[2], p.q_stride[2], rows, D,
+         a.vec_q);
+  const float *kbar = w.kbar + (b * p.heads_kv + hk) * DP,
+              *mig = w.mig + (b * p.heads_kv + hk) * DP;
+  float kb[8], mg[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) kb[e] = kbar[t.c + e], mg[e] = mig[t.c + e];
+#pragma unroll
+  for (int r = 0; r < T::kPer; ++r) {
+    const float acc = t.row_sum([&](int e) { return t.v[r][e] * kb[e]; });
+    if (t.c == 0) w.qshift[bh * w.nqp + r0 + t.row0 + r] = t.row0 + r < rows ? p.scale * acc : 0.0f;
+  }
+  /* Q' = Q s (exact: s is a power of two) */
+  const auto qs = [&](int r, int e) { return __fmul_rn(t.v[r][e], mg[e]); };
+  float rq, sq;
+  psi_factors(block_amax<T::kWarps>(t.amax(qs), red), rq, sq);
+  if (threadIdx.x == 0) w.sq[bh * w.nqb + i] = sq;
+  t.store_rows(w.qc + (bh * w.nqp + r0) * DP, rq, qs);
+  if (!backward) return;
+  t.template codes_transposed<true>(codes, qs, [&](int) { return rq; });
   __syncthreads();
-  const float *kbar = w.kbar + (b * p.heads_kv + hk) * dp,
-              *mig = w.mig + (b * p.heads_kv + hk) * dp;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int n = warp; n < kBQ8; n += kThreads / 32) { /* the lse's shift, of the unmigrated q */
-    float acc = 0.0f;
-    for (int d = lane; d < dp; d += 32) acc += tile[n * pitch + d] * kbar[d];
-    acc = warp_sum(acc);
-    if (lane == 0) w.qshift[bh * w.nqp + r0 + n] = n < rows ? p.scale * acc : 0.0f;
-  }
-  __syncthreads();
-  float m = 0.0f; /* Q' = Q s in place (exact: s is a power of two) and its amax */
-  for (int e = threadIdx.x; e < kBQ8 * dp; e += kThreads) {
-    float &x = tile[(e / dp) * pitch + e % dp];
-    x = __fmul_rn(x, mig[e % dp]);
-    m = amax_u(m, fabsf(x));
-  }
-  const float r = code_rows<kBQ8>(tile, pitch, dp, block_amax(m, red), w.sq + bh * w.nqb + i,
-                                  w.qc + (bh * w.nqp + r0) * dp);
-  if (backward) {
-    int8_t *qct = w.qct + (bh * w.nqb + i) * dp * kBQ8;
-    for (int e = threadIdx.x; e < dp * (kBQ8 / 16); e += kThreads) {
-      const int d = e % dp, c0 = (e / dp) * 16;
-      store16(qct + d * kBQ8 + c0,
-              [&](int x) { return code_s8(tile[(c0 + perm16(x)) * pitch + d], r); });
-    }
-  }
+  copy_out<T::kThreads>(w.qct + (bh * w.nqb + i) * DP * kBQ8, codes, DP * kBQ8);
 }
 
 /* One 64-row block of one (batch, query head) of dO: Drow and the smoothed lse per row, dO^ per
  * channel (perm tiles), dO in 16 bits. */
-template <int DP>
-__global__ void __launch_bounds__(kThreads) prepare_do_kernel(const Int8Args a) {
-  extern __shared__ __align__(16) float tile[]; /* dO, then O: [2][64][dp + 4] */
+template <int DP, fp4attn_dtype kDt>
+__global__ void __launch_bounds__(QTile<DP, kDt>::kThreads) prepare_do_kernel(const Int8Args a) {
+  using T = QTile<DP, kDt>;
+  __shared__ __align__(16) char buf[cmax(T::kWarps * DP * 4, DP * kBQ8)];
+  __shared__ float chan_r[DP];
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
   const int64_t bh = blockIdx.x / w.nqb, i = blockIdx.x % w.nqb;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q, r0 = i * kBQ8;
   const int rows = (int)min((int64_t)kBQ8, p.len_q - r0), D = (int)p.head_dim;
-  constexpr int dp = DP;
-  const int pitch = dp + 4;
-  float *otile = tile + kBQ8 * pitch;
-  stage_rows(tile, a.grad_out, p.dtype, a.grad_out_stride, b, h, r0, rows, kBQ8, D, dp, a.vec_do);
-  stage_rows(otile, p.out, p.dtype, p.out_stride, b, h, r0, rows, kBQ8, D, dp, a.vec_out);
-  __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int n = warp; n < kBQ8; n += kThreads / 32) {
-    float acc = 0.0f;
-    for (int d = lane; d < dp; d += 32)
-      acc += as16(tile[n * pitch + d], p.dtype) * as16(otile[n * pitch + d], p.dtype);
-    acc = warp_sum(acc);
-    if (lane != 0) continue;
-    float drow = 0.0f, lse2 = INFINITY;
-    if (n < rows) {
-      const int64_t li = bh * p.len_q + r0 + n;
-      drow = a.grad_lse ? acc - a.grad_lse[li] : acc;
-      const float lse = p.lse[li];
-      if (lse != -INFINITY) lse2 = (lse - w.qshift[bh * w.nqp + r0 + n]) * kLog2e;
+  T t;
+  t.load(a.grad_out,
+         b * a.grad_out_stride[0] + h * a.grad_out_stride[1] + r0 * a.grad_out_stride[2],
+         a.grad_out_stride[2], rows, D, a.vec_do);
+  {
+    T o;
+    o.load(p.out, b * p.out_stride[0] + h * p.out_stride[1] + r0 * p.out_stride[2], p.out_stride[2],
+           rows, D, a.vec_out);
+#pragma unroll
+    for (int r = 0; r < T::kPer; ++r) {
+      const float acc =
+          t.row_sum([&](int e) { return as16(t.v[r][e], p.dtype) * as16(o.v[r][e], p.dtype); });
+      const int n = t.row0 + r;
+      if (t.c != 0) continue;
+      float drow = 0.0f, lse2 = INFINITY;
+      if (n < rows) {
+        const int64_t li = bh * p.len_q + r0 + n;
+        drow = a.grad_lse ? acc - a.grad_lse[li] : acc;
+        const float lse = p.lse[li];
+        if (lse != -INFINITY) lse2 = (lse - w.qshift[bh * w.nqp + r0 + n]) * kLog2e;
+      }
+      w.drow[bh * w.nqp + r0 + n] = drow;
+      w.lse2[bh * w.nqp + r0 + n] = lse2;
     }
-    w.drow[bh * w.nqp + r0 + n] = drow;
-    w.lse2[bh * w.nqp + r0 + n] = lse2;
   }
-  code_channels<kBQ8>(tile, pitch, rows, dp, w.sdo + (bh * w.nqb + i) * dp,
-                      w.doct + (bh * w.nqb + i) * dp * kBQ8); /* dO^: one scale per channel */
-  for (int e = threadIdx.x; e < kBQ8 * dp; e += kThreads)
-    w.do16[(bh * w.nqp + r0) * dp + e] = to16(tile[(e / dp) * pitch + e % dp], a.bf16_ops);
+  t.store_rows16(w.do16 + (bh * w.nqp + r0) * DP, a.bf16_ops);
+  channel_factors(t, reinterpret_cast<float *>(buf), chan_r, w.sdo + (bh * w.nqb + i) * DP);
+  t.template codes_transposed<true>(
+      reinterpret_cast<int8_t *>(buf), [&](int r, int e) { return t.v[r][e]; },
+      [&](int d) { return chan_r[d]; });
+  __syncthreads();
+  copy_out<T::kThreads>(w.doct + (bh * w.nqb + i) * DP * kBQ8, reinterpret_cast<int8_t *>(buf),
+                        DP * kBQ8);
 }
 
+/* dQ = dQ' s + scale * dlse kbar (SPEC_INT8 3; no correction without dlse or where the row sees no
+ * key), each operation rounded, in the input dtype: a thread per 4 columns of a row (the row and
+ * head from one division per thread: per-element 64-bit divisions made this kernel issue-bound). */
+template <int DP>
 __global__ void __launch_bounds__(kThreads) finish_dq_kernel(const Int8Args a) {
+  constexpr int kTpr = DP / 4, kRowsPerBlock = kThreads / kTpr;
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
-  const int64_t D = p.head_dim, total = p.batch * p.heads_q * p.len_q * D;
-  const int64_t G = p.heads_q / p.heads_kv;
-  for (int64_t e = blockIdx.x * (int64_t)kThreads + threadIdx.x; e < total;
-       e += (int64_t)gridDim.x * kThreads) {
-    const int64_t row = e / D, d = e % D, bh = row / p.len_q;
-    const int64_t bhk = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / G;
-    /* dQ = dQ' s + scale * dlse kbar (SPEC_INT8 3; no correction without dlse or where the row
-     * sees no key), each operation rounded */
-    float v = __fmul_rn(w.dq_acc[row * w.dp + d], w.mig[bhk * w.dp + d]);
-    if (a.grad_lse && p.lse[row] != -INFINITY)
-      v = __fadd_rn(v, __fmul_rn(__fmul_rn(p.scale, a.grad_lse[row]), w.kbar[bhk * w.dp + d]));
-    store_from_float(a.dq, p.dtype, e, v);
+  const int64_t row = blockIdx.x * (int64_t)kRowsPerBlock + threadIdx.x / kTpr;
+  const int d0 = (threadIdx.x % kTpr) * 4, D = (int)p.head_dim;
+  if (row >= p.batch * p.heads_q * p.len_q || d0 >= D) return;
+  const int64_t bh = row / p.len_q, G = p.heads_q / p.heads_kv;
+  const int64_t bhk = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / G;
+  const float4 acc = *reinterpret_cast<const float4 *>(w.dq_acc + row * DP + d0);
+  const float4 mig = *reinterpret_cast<const float4 *>(w.mig + bhk * DP + d0);
+  float v[4] = {__fmul_rn(acc.x, mig.x), __fmul_rn(acc.y, mig.y), __fmul_rn(acc.z, mig.z),
+                __fmul_rn(acc.w, mig.w)};
+  if (a.grad_lse && p.lse[row] != -INFINITY) {
+    const float g = __fmul_rn(p.scale, a.grad_lse[row]);
+    const float4 kb = *reinterpret_cast<const float4 *>(w.kbar + bhk * DP + d0);
+    v[0] = __fadd_rn(v[0], __fmul_rn(g, kb.x));
+    v[1] = __fadd_rn(v[1], __fmul_rn(g, kb.y));
+    v[2] = __fadd_rn(v[2], __fmul_rn(g, kb.z));
+    v[3] = __fadd_rn(v[3], __fmul_rn(g, kb.w));
   }
-}
-
-/* Raises a kernel's dynamic shared-memory limit to `bytes`, once per device (kernels here need at
- * most 133 KB, at head dim 256). */
-template <typename Kernel>
-bool allow_smem(Kernel kernel, int bytes, int (&done)[64]) {
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev >= 0 && dev < 64 && done[dev] >= bytes) return true;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) !=
-      cudaSuccess)
-    return false;
-  if (dev >= 0 && dev < 64) done[dev] = bytes;
-  return true;
+  const int64_t e = row * D + d0;
+  const bool pairs = D % 2 == 0; /* 4-byte (16-bit) / 8-byte (fp32) aligned pairs */
+  const int n = min(4, D - d0);
+  for (int k = 0; k < n; k += 2) {
+    if (k + 1 < n)
+      store2_from_float(a.dq, p.dtype, e + k, v[k], v[k + 1], pairs);
+    else
+      store_from_float(a.dq, p.dtype, e + k, v[k]);
+  }
 }
 
 }  // namespace
 
 namespace {
 
+template <int DP, fp4attn_dtype kDt>
+void launch_quantize(const Int8Args &a, bool backward, cudaStream_t s) {
+  const Int8Workspace &w = a.ws;
+  const int64_t bhk = a.p.batch * a.p.heads_kv, bhq = a.p.batch * a.p.heads_q;
+  quantize_kv_kernel<DP, kDt>
+      <<<(unsigned)(2 * bhk * w.nkb), KvTile<DP, kDt>::kThreads, 0, s>>>(a, backward);
+  quantize_q_kernel<DP, kDt>
+      <<<(unsigned)(bhq * w.nqb), QTile<DP, kDt>::kThreads, 0, s>>>(a, backward);
+  if (backward)
+    prepare_do_kernel<DP, kDt><<<(unsigned)(bhq * w.nqb), QTile<DP, kDt>::kThreads, 0, s>>>(a);
+}
+
 template <int DP>
 fp4attn_status launch_prepare(const Int8Args &a, bool backward, cudaStream_t s) {
-  static int kv_smem[64], q_smem[64], do_smem[64];
   const Int8Workspace &w = a.ws;
-  constexpr int dp = DP;
   const int64_t bhk = a.p.batch * a.p.heads_kv, bhq = a.p.batch * a.p.heads_q;
-  if (bhk * w.nkb > 0x7FFFFFFFLL || bhq * w.nqb > 0x7FFFFFFFLL)
+  if (2 * bhk * w.nkb > 0x7FFFFFFFLL || bhq * w.nqb > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many blocks");
-  const int kv_bytes = tile_bytes(kBK8, dp), q_bytes = tile_bytes(kBQ8, dp);
-  if (!allow_smem(quantize_kv_kernel<DP>, kv_bytes, kv_smem) ||
-      !allow_smem(quantize_q_kernel<DP>, q_bytes, q_smem) ||
-      (backward && !allow_smem(prepare_do_kernel<DP>, 2 * q_bytes, do_smem)))
-    return launch_status("int8 attention: prepare (shared memory)");
   kbar_partial_kernel<<<(unsigned)(bhk * w.nkb), kThreads, 0, s>>>(a);
   q_amax_partial_kernel<<<(unsigned)(bhq * w.nqa), kThreads, 0, s>>>(a);
   kbar_final_kernel<<<(unsigned)bhk, kThreads, 0, s>>>(a);
-  quantize_kv_kernel<DP><<<(unsigned)(bhk * w.nkb), kThreads, kv_bytes, s>>>(a, backward);
-  quantize_q_kernel<DP><<<(unsigned)(bhq * w.nqb), kThreads, q_bytes, s>>>(a, backward);
-  if (backward) {
-    prepare_do_kernel<DP><<<(unsigned)(bhq * w.nqb), kThreads, 2 * q_bytes, s>>>(a);
-    cudaMemsetAsync(w.dq_acc, 0, sizeof(float) * bhq * a.p.len_q * w.dp, s);
+  switch (a.p.dtype) { /* the element type fixes the tiles' registers and conversions */
+    case FP4ATTN_FLOAT16:
+      launch_quantize<DP, FP4ATTN_FLOAT16>(a, backward, s);
+      break;
+    case FP4ATTN_BFLOAT16:
+      launch_quantize<DP, FP4ATTN_BFLOAT16>(a, backward, s);
+      break;
+    default:
+      launch_quantize<DP, FP4ATTN_FLOAT32>(a, backward, s);
   }
+  if (backward) cudaMemsetAsync(w.dq_acc, 0, sizeof(float) * bhq * a.p.len_q * w.dp, s);
   return launch_status("int8 attention: prepare");
 }
 
 }  // namespace
 
-/* The padded head dim is a template parameter of the staged kernels: their per-element index
- * arithmetic (row = i / dp, ...) is then shifts, not divisions (which made them issue-bound). */
+/* The padded head dim is a template parameter of the quantizing kernels: it fixes their tile shape
+ * and thread count, and keeps their index arithmetic shifts and masks. */
 fp4attn_status launch_int8_prepare(const Int8Args &a, bool backward, cudaStream_t s) {
   switch (a.ws.dp) {
     case 64:
@@ -449,9 +591,21 @@ fp4attn_status launch_int8_prepare(const Int8Args &a, bool backward, cudaStream_
 }
 
 fp4attn_status launch_int8_finish_dq(const Int8Args &a, cudaStream_t s) {
-  const int64_t total = a.p.batch * a.p.heads_q * a.p.len_q * a.p.head_dim;
-  const int64_t blocks = min(ceil_div(total, kThreads), (int64_t)sm_count() * 16);
-  finish_dq_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(a);
+  const int64_t rows = a.p.batch * a.p.heads_q * a.p.len_q;
+  const int rows_per_block = kThreads / ((int)a.ws.dp / 4);
+  const int64_t blocks = ceil_div(rows, (int64_t)rows_per_block);
+  if (blocks > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention backward: too many rows");
+  switch (a.ws.dp) {
+    case 64:
+      finish_dq_kernel<64><<<(unsigned)blocks, kThreads, 0, s>>>(a);
+      break;
+    case 128:
+      finish_dq_kernel<128><<<(unsigned)blocks, kThreads, 0, s>>>(a);
+      break;
+    default:
+      finish_dq_kernel<256><<<(unsigned)blocks, kThreads, 0, s>>>(a);
+  }
   return launch_status("int8 attention: finish dq");
 }
 
