@@ -224,7 +224,7 @@ struct RegTile {
     }
   }
 
-  /* the sum over row i's 8 x G columns of f(e), valid in the row's first thread (c == 0) */
+  /* a row's sum of f(e) over its G threads' 8 columns each, valid in its first thread (c == 0) */
   template <typename F>
   __device__ float row_sum(F f) const {
     float acc = 0.0f;
