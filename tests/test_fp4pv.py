@@ -136,3 +136,14 @@ def test_validation():
         R.attention(q, k, v, qk="fp8")
     with pytest.raises(ValueError, match="block_kv=128"):
         R.attention(q, k, v, qk="int8", block_kv=64)
+
+
+def test_study_site_attention_is_attention_fp4pv():
+    """The calibration study's fp4pv call site (``fp4pv.attention_fn``) computes
+    ``reference.attention_fp4pv`` and returns the input's dtype."""
+    from fp4attn.eval import fp4pv as FP
+
+    q, k, v = _qkv(Nq=64, Nk=96)
+    got = FP.attention_fn("fp4pv")(q, k, v, None, 0.0, True, None, True)
+    assert got.dtype == q.dtype
+    assert torch.equal(got, R.attention_fp4pv(q, k, v, is_causal=True).to(q.dtype))

@@ -65,9 +65,11 @@ LABELS = {"fp4": "FP4 (SPEC, compiled)", "int8": "INT8 (SPEC_INT8, compiled)",
           "fp4pv": "fp4pv: INT8 QK^T, FP4 P.V (reference)",
           "fp4_pv_exact_qk": "FP4 P.V only, QK^T exact (reference)"}
 DEFAULT_CSV = Path("docs/results/fp4pv.csv")
-#: Other reference-level precisions (name -> ``reference.attention`` keywords), for studies that
-#: calibrate a variant of the FP4 numerics with this machinery (``register_precision``).
-REFERENCE_PRECISIONS: dict[str, dict] = {}
+#: The precisions computed by the reference (name -> ``reference.attention`` keywords): fp4pv
+#: (``reference.attention_fp4pv``), and the variants other studies calibrate with this machinery
+#: (``register_precision``).
+REFERENCE_PRECISIONS: dict[str, dict] = {"fp4pv": {"qk": "int8"}}
+_STUDY_PRECISIONS = frozenset(COSTS)
 
 
 def register_precision(name: str, flags: dict, *, cost: float, fp4_fraction: float,
@@ -75,7 +77,7 @@ def register_precision(name: str, flags: dict, *, cost: float, fp4_fraction: flo
     """Make ``reference.attention(..., **flags)`` a precision of this module (``attention_fn``,
     ``search``, ``code``, ``fp4_share``) with the given cost, FP4 share of its FLOPs and code
     character (used by ``fp4attn.eval.fp4_variants --calibrate``)."""
-    if name in COSTS and name not in REFERENCE_PRECISIONS:
+    if name in _STUDY_PRECISIONS:
         raise ValueError(f"{name!r} is a precision of the fp4pv study already")
     if char in CODE.values() and CODE.get(name) != char:
         raise ValueError(f"code character {char!r} is taken")
@@ -98,13 +100,6 @@ def fp4_share(precisions: list[str], flops: list[float]) -> float:
 
 def attention_fn(precision: str):
     """One site's attention, torch SDPA's contract, in ``precision``."""
-    if precision == "fp4pv":
-        def run(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                enable_gqa=False):
-            o = R.attention_fp4pv(q.cpu(), k.cpu(), v.cpu(),
-                                  None if attn_mask is None else attn_mask.cpu(), is_causal, scale)
-            return o.to(q.device, q.dtype)
-        return run
     if precision in REFERENCE_PRECISIONS:
         flags = REFERENCE_PRECISIONS[precision]
 
