@@ -348,12 +348,6 @@ __device__ __forceinline__ RowKeys row_keys(const fp4attn_decode_params &p, int 
   return k;
 }
 
-/* The residual split (SPEC 6): the tile's rows against their residual keys, the exact K and V rows
- * of the ring, in FP32 (scores scale (q . (K - kmean)), in log2 units like the stored rows'). Per
- * step of kKeys keys, thread (row r, key j) = (tid / kKeys, tid % kKeys) scores its pair, the kKeys
- * threads of a row (lanes of one warp) update its online softmax, then the same thread owns
- * columns j + kKeys i of the row's O. Writes the split's o_part and ml_part as the other splits do.
- */
 /* A raw element of a tensor of dtype `dt` (T: float for FP32, the bits of FP16 / BF16) as float. */
 template <typename T>
 __device__ __forceinline__ float raw_as_float(T x, fp4attn_dtype dt) {
@@ -364,7 +358,13 @@ __device__ __forceinline__ float raw_as_float(T x, fp4attn_dtype dt) {
                                   : __half2float(__ushort_as_half(x));
 }
 
-/* (T: the element type of q and the ring, raw: loads batch only if nothing converts them first) */
+/* The residual split (SPEC 6): the tile's rows against their residual keys, the exact K and V rows
+ * of the ring, in FP32 (scores scale (q . (K - kmean)), in log2 units like the stored rows'). Per
+ * step of kKeys keys, thread (row r, key j) = (tid / kKeys, tid % kKeys) scores its pair, the kKeys
+ * threads of a row (lanes of one warp) update its online softmax, then the same thread owns
+ * columns j + kKeys i of the row's O. Writes the split's o_part and ml_part as the other splits do.
+ * T: the element type of q and the ring, loaded raw (loads batch only if nothing converts them
+ * before the last is issued). */
 template <int DP, int NQ, typename T>
 __device__ void residual_split(const DecodeArgs &a, int64_t tile, int64_t b, int64_t hk, int64_t mt,
                                int Lb, char *smem) {
