@@ -264,7 +264,7 @@ struct Int8BwdSm90 {
         for (int n = 0; n < 8; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            pm[n][e] = fast_exp2(exact_float(sacc[n][e]) * f - lse2[n * 8 + 2 * t + (e & 1)]);
+            pm[n][e] = fast_exp2((float)sacc[n][e] * f - lse2[n * 8 + 2 * t + (e & 1)]);
       } else {
 #pragma unroll
         for (int n = 0; n < 8; ++n)
@@ -272,7 +272,7 @@ struct Int8BwdSm90 {
           for (int e = 0; e < 4; ++e) {
             const int col = n * 8 + 2 * t + (e & 1);
             const int64_t key = j0 + krow0 + g + 8 * (e >> 1), row = i0 + col;
-            pm[n][e] = fast_exp2(masked_score(p, walk.b, h, row, key, exact_float(sacc[n][e]) * f) -
+            pm[n][e] = fast_exp2(masked_score(p, walk.b, h, row, key, (float)sacc[n][e] * f) -
                                  lse2[col]);
           }
       }
@@ -366,7 +366,7 @@ struct Int8BwdSm90 {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = n * 8 + 2 * t + (e & 1);
-          dv[n][e] += (sp[e >> 1] * sdo[col]) * exact_float(big[n][e]);
+          dv[n][e] += (sp[e >> 1] * sdo[col]) * (float)big[n][e];
         }
       wg_sync(); /* B: this consumer's dS^ keys are in the tile */
 
@@ -395,7 +395,7 @@ struct Int8BwdSm90 {
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) dk[8 * c + n][e] += fk[e >> 1] * exact_float(acc[n][e]);
+          for (int e = 0; e < 4; ++e) dk[8 * c + n][e] += fk[e >> 1] * (float)acc[n][e];
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk)
@@ -410,8 +410,8 @@ struct Int8BwdSm90 {
           for (int r = 0; r < 2; ++r)
             *reinterpret_cast<float2 *>(dq_tile + (wwarp * 16 + g + 8 * r) * DP + 64 * c + n * 8 +
                                         2 * t) =
-                make_float2(fq[r] * exact_float(acc[n][2 * r]),
-                            fq[r] * exact_float(acc[n][2 * r + 1]));
+                make_float2(fq[r] * (float)acc[n][2 * r],
+                            fq[r] * (float)acc[n][2 * r + 1]);
       }
       mbar_arrive(bar.empty(s)); /* every consumer thread: the stage's last reads are done */
       fence_proxy_async();       /* the dQ tile, for the bulk reduction */

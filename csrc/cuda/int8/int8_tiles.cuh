@@ -135,13 +135,6 @@ __device__ __forceinline__ void psi_factors(float amax, float &r, float &scale) 
   if (r == INFINITY) r = scale = 0.0f;
 }
 
-/* float(x) for an int32 |x| < 2^22 (every 8-bit product sum here: at most 128 x 255 x 127) without
- * the conversion unit (a quarter of the FP32 rate): 1.5 x 2^23 + x is exact in FP32 and its bits
- * are those of 1.5 x 2^23 plus x. */
-__device__ __forceinline__ float exact_float(int x) {
-  return __int_as_float(x + 0x4B400000) - 12582912.0f;
-}
-
 __device__ __forceinline__ uint32_t pack_s8x4(int a, int b, int c, int d) {
   return (uint32_t)(a & 0xFF) | ((uint32_t)(b & 0xFF) << 8) | ((uint32_t)(c & 0xFF) << 16) |
          ((uint32_t)d << 24);
