@@ -14,6 +14,9 @@ values the workspace holds, or Q^, K^, V^ as INT8 codes) per second, over the de
 bandwidth (read + written).
 TFLOPS = 4*B*H*N^2*D / t, halved for causal. Tokens per config: B*N = --tokens (B >= 1), H*D = 2048.
 The kernel is the one fp4attn.sdpa picks; FP4ATTN_KERNEL forces one and is recorded in the header.
+--short times the issue's short calls instead (B = 1, 32 query / 8 KV heads, head dim 128, N = 512,
+1K, 2K, BF16, causal and not; torch and SageAttention with GQA as they offer it) into
+bench_attention_short[_int8].csv.
 Prints a table and writes bench_attention.csv (headed by the command, the GPU and the software
 versions, see provenance.py) and bench_attention.png (bench_attention_int8.* for int8) into --out;
 the default writes the committed result set, benchmarks/results/ (the full sweep). --quick fits in
@@ -22,6 +25,7 @@ about two minutes on an H200.
   python benchmarks/bench_attention.py                           # full sweep -> benchmarks/results
   python benchmarks/bench_attention.py --precision int8          # the 8-bit forward
   python benchmarks/bench_attention.py --quick --out bench_out
+  python benchmarks/bench_attention.py --precision int8 --short  # B = 1, GQA 32/8, N <= 2K
   FP4ATTN_KERNEL=sm120 python benchmarks/bench_attention.py --quick --out bench_sm120
 """
 
@@ -128,10 +132,11 @@ def start_gpu_run() -> tuple[Timer, float, dict[str, str]]:
 def sdpa_backend_fn(name, q, k, v, causal):
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
 
     def fn():
         with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
 
     return fn
 
@@ -145,6 +150,22 @@ def sage_fn(q, k, v, causal):
     return lambda: sageattn(q, k, v, tensor_layout="HND", is_causal=causal)
 
 
+def configs(args) -> list[tuple]:
+    """(dtype, D, N, B, query heads, KV heads, causal) of every timed call."""
+    if args.short:  # the issue's short calls: one sequence, GQA 32/8, head dim 128
+        return [(torch.bfloat16, 128, N, 1, 32, 8, causal)
+                for N in (512, 1024, 2048) for causal in (True, False)]
+    if args.quick:
+        seqs, dims, causals, dtypes = [1024, 4096, 16384], [64, 128], [False, True], [torch.float16]
+    else:
+        seqs, dims = [1024, 2048, 4096, 8192, 16384, 32768], [64, 128]
+        causals, dtypes = [False, True], [torch.float16, torch.bfloat16]
+    seqs = int_list(args.seqs) if args.seqs else seqs
+    dims = int_list(args.dims) if args.dims else dims
+    return [(dtype, D, N, max(1, args.tokens // N), 2048 // D, 2048 // D, causal)
+            for dtype in dtypes for D in dims for N in seqs for causal in causals]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sweep (~2 minutes)")
@@ -154,6 +175,8 @@ def main() -> int:
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths (overrides the sweep's)")
     ap.add_argument("--dims", default=None, help="comma-separated head dims (overrides the sweep's)")
+    ap.add_argument("--short", action="store_true",
+                    help="the short calls: B = 1, 32/8 heads, head dim 128, N = 512, 1K, 2K")
     ap.add_argument("--precision", choices=PRECISIONS, default="fp4",
                     help="fp4 (SPEC) or int8 (SPEC_INT8) attention")
     args = ap.parse_args()
@@ -162,70 +185,58 @@ def main() -> int:
         print("bench_attention: needs a CUDA GPU")
         return 1
     os.makedirs(args.out, exist_ok=True)
-    if args.quick:
-        seqs, dims, causals, dtypes = [1024, 4096, 16384], [64, 128], [False, True], [torch.float16]
-        reps = args.reps or 10
-    else:
-        seqs, dims = [1024, 2048, 4096, 8192, 16384, 32768], [64, 128]
-        causals, dtypes = [False, True], [torch.float16, torch.bfloat16]
-        reps = args.reps or 30
-    seqs = int_list(args.seqs) if args.seqs else seqs
-    dims = int_list(args.dims) if args.dims else dims
+    reps = args.reps or (10 if args.quick else 30)
     timer, bw, head = start_gpu_run()
     baselines = [] if args.no_baselines else ["flash", "cudnn", "efficient"]
     if baselines and sage_fn(None, None, None, False) is not None:
         baselines.append("sage")
     rows = []
     t_start = time.time()
-    for dtype in dtypes:
-        for D in dims:
-            H = 2048 // D
-            for N in seqs:
-                B = max(1, args.tokens // N)
-                for causal in causals:
-                    g = torch.Generator(device="cuda").manual_seed(N + D)
-                    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=g)
-                               for _ in range(3))
-                    flops = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
-                    row = {"dtype": str(dtype).replace("torch.", ""), "D": D, "N": N, "B": B, "H": H,
-                           "causal": causal}
+    for dtype, D, N, B, H, Hkv, causal in configs(args):
+        g = torch.Generator(device="cuda").manual_seed(N + D)
+        q = torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=g)
+        k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+        flops = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
+        row = {"dtype": str(dtype).replace("torch.", ""), "D": D, "N": N, "B": B, "H": H, "Hkv": Hkv,
+               "causal": causal}
 
-                    def ours():
-                        return fp4attn.sdpa(q, k, v, is_causal=causal, precision=prec)
+        def ours():
+            return fp4attn.sdpa(q, k, v, is_causal=causal, enable_gqa=Hkv != H, precision=prec)
 
-                    ms = timer.time(ours, reps)
-                    fwd_ms, pre_ms = kernel_breakdown(ours, FWD_KERNELS[prec])
-                    row[f"{prec}attn_ms"] = ms
-                    row[f"{prec}attn_tflops"] = flops / ms / 1e9
-                    row[f"{prec}_kernel_ms"] = fwd_ms
-                    row[f"{prec}_kernel_tflops"] = flops / fwd_ms / 1e9
-                    row[f"{prec}_prepass_ms"] = pre_ms
-                    in_bytes = 3 * q.numel() * q.element_size()
-                    # fp4: K^, V^ as the exact FP16 values the workspace holds; int8: codes
-                    out_bytes = 2 * k.numel() * 2 if prec == "fp4" else q.numel() + 2 * k.numel()
-                    row["prepass_gbps"] = (in_bytes + out_bytes) / pre_ms / 1e6
-                    row["prepass_frac_copy"] = row["prepass_gbps"] / bw
-                    for name in baselines:
-                        try:
-                            fn = sage_fn(q, k, v, causal) if name == "sage" else \
-                                sdpa_backend_fn(name, q, k, v, causal)
-                            ms_b = timer.time(fn, reps)
-                            row[f"{name}_ms"] = ms_b
-                            row[f"{name}_tflops"] = flops / ms_b / 1e9
-                        except RuntimeError as exc:  # backend unavailable for this config
-                            row[f"{name}_ms"] = row[f"{name}_tflops"] = float("nan")
-                            print(f"  {name} unavailable: {str(exc).splitlines()[0][:100]}")
-                    rows.append(row)
-                    fl = row.get("flash_tflops", float("nan"))
-                    cu = row.get("cudnn_tflops", float("nan"))
-                    sa = row.get("sage_tflops", float("nan"))
-                    print(f"{row['dtype']:>8} D={D:<3} N={N:<6} causal={int(causal)} "
-                          f"{prec}attn {row[f'{prec}attn_tflops']:6.1f} "
-                          f"kernel {row[f'{prec}_kernel_tflops']:6.1f} "
-                          f"prepass {pre_ms:6.3f} ms ({100 * row['prepass_frac_copy']:3.0f}% copy bw) | "
-                          f"flash {fl:6.1f} cudnn {cu:6.1f} sage {sa:6.1f} TFLOPS", flush=True)
-                    del q, k, v
-    stem = "bench_attention" if prec == "fp4" else f"bench_attention_{prec}"
+        ms = timer.time(ours, reps)
+        fwd_ms, pre_ms = kernel_breakdown(ours, FWD_KERNELS[prec])
+        row[f"{prec}attn_ms"] = ms
+        row[f"{prec}attn_tflops"] = flops / ms / 1e9
+        row[f"{prec}_kernel_ms"] = fwd_ms
+        row[f"{prec}_kernel_tflops"] = flops / fwd_ms / 1e9
+        row[f"{prec}_prepass_ms"] = pre_ms
+        in_bytes = (q.numel() + 2 * k.numel()) * q.element_size()
+        # fp4: K^, V^ as the exact FP16 values the workspace holds; int8: codes
+        out_bytes = 2 * k.numel() * 2 if prec == "fp4" else q.numel() + 2 * k.numel()
+        row["prepass_gbps"] = (in_bytes + out_bytes) / pre_ms / 1e6
+        row["prepass_frac_copy"] = row["prepass_gbps"] / bw
+        for name in baselines:
+            try:
+                fn = sage_fn(q, k, v, causal) if name == "sage" else \
+                    sdpa_backend_fn(name, q, k, v, causal)
+                ms_b = timer.time(fn, reps)
+                row[f"{name}_ms"] = ms_b
+                row[f"{name}_tflops"] = flops / ms_b / 1e9
+            except (RuntimeError, AssertionError, ValueError) as exc:  # unavailable here
+                row[f"{name}_ms"] = row[f"{name}_tflops"] = float("nan")
+                print(f"  {name} unavailable: {str(exc).splitlines()[0][:100]}")
+        rows.append(row)
+        fl = row.get("flash_tflops", float("nan"))
+        cu = row.get("cudnn_tflops", float("nan"))
+        sa = row.get("sage_tflops", float("nan"))
+        print(f"{row['dtype']:>8} D={D:<3} N={N:<6} causal={int(causal)} "
+              f"{prec}attn {row[f'{prec}attn_tflops']:6.1f} "
+              f"kernel {row[f'{prec}_kernel_tflops']:6.1f} "
+              f"prepass {pre_ms:6.3f} ms ({100 * row['prepass_frac_copy']:3.0f}% copy bw) | "
+              f"flash {fl:6.1f} cudnn {cu:6.1f} sage {sa:6.1f} TFLOPS", flush=True)
+        del q, k, v
+    stem = "bench_attention_short" if args.short else "bench_attention"
+    stem = stem if prec == "fp4" else f"{stem}_{prec}"
     path = os.path.join(args.out, f"{stem}.csv")
     write_csv(path, head, rows)
     print(f"\nwrote {path} ({time.time() - t_start:.0f} s)")
