@@ -373,6 +373,22 @@ def _rotation_block(rotate: bool | int, dp: int, what: str) -> int:
     return n
 
 
+def _pv_rotation_block(rotate: bool | int, block_kv: int) -> int:
+    """The Hadamard block n of ``rotate_pv`` (along the keys): 0 (off), True (the largest power
+    of two dividing ``block_kv``) or a power of two 16 <= n that divides ``block_kv``, so that
+    every rotation block lies inside one key tile and spans whole 16-key quantization blocks."""
+    if rotate is False or rotate is None or (not isinstance(rotate, bool) and rotate == 0):
+        return 0
+    if rotate is True:
+        return block_kv & -block_kv
+    n = int(rotate)
+    if n != rotate or n < BLOCK or n & (n - 1) or block_kv % n:
+        raise ValueError(f"rotate_pv must be False, True or a power of two >= {BLOCK} dividing "
+                         f"block_kv={block_kv} (16, 32, 64 or 128 for the SPEC's 128-key tile), "
+                         f"got {rotate!r}")
+    return n
+
+
 def k5_channel_scales(x: Tensor) -> Tensor:
     """SPEC 6's channel scales ``kscale [..., D]`` (float32) from ``x [..., M, D]``, the rows
     ``K - kmean`` of the tokens that fix kmean: ``r_c = sqrt(max_t |x_tc|)`` (correctly rounded,
@@ -810,6 +826,7 @@ def attention(
     migrate_qk: bool | str = False,
     rotate_qk: bool | int = False,
     rotate_v: bool | int = False,
+    rotate_pv: bool | int = False,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """FP4 attention forward of SPEC 4; float32 output ``[B, Hq, Nq, Dv]`` (and optionally LSE).
@@ -881,8 +898,28 @@ def attention(
       by ``H / n`` after the last key step, before ``vbar`` is added back: exact since the output
       is linear in V.
 
+    * ``rotate_pv`` (docs/accuracy.md "Hadamard rotation along the keys for FP4 P.V"): P.V is
+      computed as ``(P H)(H V) / n`` with the block-diagonal Sylvester-Hadamard H along the
+      *keys* (blocks of n = 16, 32, 64 or 128 consecutive keys inside each ``block_kv`` tile;
+      ``True`` = the largest power of two dividing ``block_kv``), so a token outlier of V and a
+      peak of P are spread over n keys. V - vbar (or V; after ``rotate_v``, if both), zero-padded
+      to a multiple of n keys, is multiplied by H along the tokens and NVFP4-quantized along the
+      tokens as ever (16-token blocks per channel, global scale of the rotated V). Per tile and
+      row, ``e = exp(S - t)`` (zero-padded likewise) is rotated, ``eH`` (float32 butterfly), and
+      P's first level is applied to the rotated row: ``P = eH * c`` with ``c = 2688 / max_j
+      |eH_j|`` (a correctly rounded division; the maximum is the largest block sum of e, since
+      H's first column is all ones), so the row's tile maximum magnitude sits at 2688 as in SPEC
+      4.5. P is signed, and is quantized by phi_local (SPEC 2 without a global scale): per block
+      of 16 keys the E4M3 scale ``rne_e4m3_sat(amax / 6)`` of the block's largest magnitude and
+      E2M1 codes with their sign bit (the 8 magnitudes 0 .. 6 and their negatives). The FP4MM
+      ``P^ . (HV)^`` is scaled by ``sP = (beta / c) / n`` (1 / n a power of two) and the global
+      scale of V. ``two_level_p=False``: ``P = beta * eH / n`` (|P| <= 1), no further scaling;
+      ``quantized_rowsum``: ``l`` sums the un-rotated P^ (``P^ H``, times sP). Exact in real
+      arithmetic (``H H = n I``); the LSE is unchanged (but for ``quantized_rowsum``). It
+      also applies with ``qk="int8"`` (fp4pv's FP4 P.V).
+
     The LSE is computed as without them (``rotate_qk``'s scores differ by float32 rounding).
-    ``qk="int8"`` takes none of them.
+    ``qk="int8"`` takes none of them but ``rotate_pv``.
 
     Rows that see no key (masks, causal with Nq > Nk, Nk == 0) give 0 and LSE -inf.
 
@@ -917,6 +954,7 @@ def attention(
     n_v = _rotation_block(rotate_v, k5_padded(Dv), "rotate_v")
     if qk == "int8" and (migrate_qk or n_qk or n_v):
         raise ValueError("qk='int8' takes no migrate_qk / rotate_qk / rotate_v")
+    n_pv = _pv_rotation_block(rotate_pv, block_kv)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     allowed, additive = _mask_bias(attn_mask, is_causal, (B, Hq, Nq, Nk), q.device)
@@ -979,7 +1017,11 @@ def attention(
     vs = v32 - vbar if smooth_v else v32
     if n_v:  # not SPEC: V (smoothed) times H along the head dim; the output is rotated back
         vs = _block_hadamard(torch.nn.functional.pad(vs, (0, k5_padded(Dv) - Dv)), n_v)
-    vt, dv = operand(vs.transpose(-1, -2), quantize_v)  # V^T [B, Hkv, Dv, Nk]: along tokens
+    vst = vs.transpose(-1, -2)  # [B, Hkv, Dv, Nk]
+    nkp = -(-Nk // n_pv) * n_pv if n_pv else Nk
+    if n_pv:  # not SPEC: (V - vbar) times H along the tokens, zero-padded to whole blocks of n
+        vst = _block_hadamard(torch.nn.functional.pad(vst, (0, nkp - Nk)), n_pv)
+    vt, dv = operand(vst, quantize_v)  # V^T [B, Hkv, Dv, Nk (nkp)]: along tokens
 
     # GQA: every query head reads its KV head; repeat after quantizing, so the global scales
     # are per (batch, KV head) as the kernels compute them.
@@ -1020,19 +1062,30 @@ def attention(
         _, m_new, alpha, beta, e = _online_softmax_step(m, s)
         if not quantized_rowsum:
             l = alpha * l + beta * e.sum(dim=-1)  # l from the unquantized exponentials
-        if two_level_p:
+        jp = min(j0 + block_kv, nkp)  # = j1 unless rotate_pv pads the last tile
+        if n_pv:  # not SPEC: e H along the keys (signed), first level on the rotated row
+            eh = _block_hadamard(torch.nn.functional.pad(e, (0, jp - j1)), n_pv)
+            if two_level_p:
+                a = eh.abs().amax(dim=-1)  # the largest block sum of e; 0 for an empty row
+                c = torch.where(a > 0, _div_rn(NVFP4_RANGE, a), 1.0)
+                p = eh * c[..., None]  # the row's tile maximum magnitude sits at 2688
+                sp = _div_rn(beta, c) * (1.0 / n_pv)  # undoes c, and H H = n I
+            else:
+                p = eh * (beta * (1.0 / n_pv))[..., None]  # |P| <= 1
+        elif two_level_p:
             p = NVFP4_RANGE * e  # first level: each row's tile maximum sits exactly at 2688
+            sp = _div_rn(beta, NVFP4_RANGE)
         else:
             p = beta[..., None] * e  # ablation: P~ = exp(S - m_new) in [0, 1], one level only
         if quantize_p:
             codes, scales, _ = _phi(p, global_scale=False)  # phi_local: blocks of 16 keys
-            p = _block_values(codes, scales)[..., : j1 - j0]
-        if quantized_rowsum:  # l from the P^ the FP4MM uses (first level undone)
-            ps = p.sum(dim=-1)
-            l = alpha * l + (_div_rn(beta, NVFP4_RANGE) * ps if two_level_p else ps)
-        pv = _mm64(p, vt[..., j0:j1])  # FP4MM(P^, V^_j) without its global scale, [B,Hq,Nq,Dv]
+            p = _block_values(codes, scales)[..., : jp - j0]
+        if quantized_rowsum:  # l from the P^ the FP4MM uses (first level undone, un-rotated)
+            ps = (_block_hadamard(p, n_pv) if n_pv else p).sum(dim=-1)
+            l = alpha * l + (sp * ps if two_level_p else ps)
+        pv = _mm64(p, vt[..., j0:jp])  # FP4MM(P^, V^_j) without its global scale, [B,Hq,Nq,Dv]
         if two_level_p:
-            pv = _div_rn(beta, NVFP4_RANGE)[..., None] * pv  # undo the first level: sP
+            pv = sp[..., None] * pv  # undo the first level: sP
         acc = alpha[..., None] * acc + pv * dv
         m = m_new
 

@@ -1,7 +1,8 @@
 """Exact rewrites of the FP4 reference's Q.K^T and P.V before NVFP4 (not SPEC; docs/accuracy.md
 "Channel migration and Hadamard rotation for FP4"): ``migrate_qk`` (SPEC_INT8 2.1b's power-of-two
 channel migration on the FP4 operands), ``rotate_qk`` (the same block-diagonal Sylvester-Hadamard
-H on Q and K along the head dim) and ``rotate_v`` (H on V, the output rotated back).
+H on Q and K along the head dim), ``rotate_v`` (H on V, the output rotated back) and
+``rotate_pv`` (H along the keys: (P H)(H V) / n, P H quantized signed).
 
 Checked: off by default (explicit False gives the same bits as the default call, and the default
 is still the SPEC as the compiled backend computes it); exact in real arithmetic (every
@@ -30,6 +31,9 @@ OPTIONS = (
     dict(rotate_v=True),
     dict(rotate_v=16),
     dict(migrate_qk=True, rotate_qk=32, rotate_v=True),
+    dict(rotate_pv=16),
+    dict(rotate_pv=True),
+    dict(migrate_qk=True, rotate_qk=32, rotate_v=True, rotate_pv=32),
 )
 
 
@@ -62,7 +66,7 @@ def test_off_by_default(case):
     kw = dict(is_causal=True) if case == "causal" else dict(attn_mask=_mask(150, 200))
     base, lse = R.attention(q, k, v, return_lse=True, **kw)
     off, lse_off = R.attention(q, k, v, return_lse=True, migrate_qk=False, rotate_qk=False,
-                               rotate_v=0, **kw)
+                               rotate_v=0, rotate_pv=0, **kw)
     assert torch.equal(base, off) and torch.equal(lse, lse_off)
     for opt in OPTIONS:  # and every option changes the quantized result
         assert not torch.equal(base, R.attention(q, k, v, **kw, **opt)), opt
@@ -244,3 +248,185 @@ def test_registered_reference_precision(monkeypatch):
         FP.register_precision("other", {}, cost=1.0, fp4_fraction=1.0, char="8")
     with pytest.raises(ValueError, match="already"):
         FP.register_precision("fp4pv", {}, cost=1.0, fp4_fraction=1.0, char="z")
+
+
+# ---------------------------------------------------------------------------------------------
+# rotate_pv: P.V = (P H)(H V) / n, H along the keys
+# ---------------------------------------------------------------------------------------------
+
+
+def _pv_dense(q, k, v, n, **kw):
+    """The test's own (P H)(H V) / n: exact float64 softmax P of the scaled scores, V - nothing
+    smoothed, H the dense block-diagonal Sylvester matrix built by concatenation (not the
+    reference's butterfly), keys zero-padded to a multiple of n."""
+    G = q.shape[1] // k.shape[1]
+    Nk = k.shape[2]
+    nkp = -(-Nk // n) * n
+    s = (q.double() @ k.double().repeat_interleave(G, 1).transpose(-1, -2)) / q.shape[-1] ** 0.5
+    if kw.get("is_causal"):
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.nn.functional.pad(torch.softmax(s, dim=-1), (0, nkp - Nk))
+    vv = torch.nn.functional.pad(v.double().repeat_interleave(G, 1), (0, 0, 0, nkp - Nk))
+    H = torch.block_diag(*[_hadamard(n).double()] * (nkp // n))
+    return (p @ H) @ (H @ vv) / n
+
+
+@pytest.mark.parametrize("n", [16, 32, 64, 128])
+def test_rotate_pv_is_an_identity_in_exact_arithmetic(n):
+    """The rewrite itself, on its own: (P H)(H V) / n with a dense H equals exact attention for
+    every block size (Nk = 200: the last tile's 72 keys padded to whole blocks), while the same
+    product without the 1/n, or with H over the keys misaligned by one key (another matrix, not
+    orthogonal to itself), is far off: the identity holds because H H = n I."""
+    q, k, v = _qkv(B=1, Nq=150, Nk=200)
+    exact = R.exact_attention(q, k, v, is_causal=True)
+    assert torch.allclose(_pv_dense(q, k, v, n, is_causal=True), exact, rtol=0, atol=1e-10)
+    assert not torch.allclose(n * _pv_dense(q, k, v, n, is_causal=True), exact, atol=1e-3)
+    shifted = torch.roll(torch.block_diag(*[_hadamard(n)] * 2), 1, dims=0).double()
+    assert not torch.allclose(shifted @ shifted / n, torch.eye(2 * n, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("n", [16, 32, 64, 128, True])
+@pytest.mark.parametrize("case", ["causal", "mask", "no_smooth_v", "int8", "rowsum",
+                                  "one_level", "block_kv64"])
+def test_rotate_pv_exact_without_quantization(n, case):
+    """Every quantization off: rotate_pv = n is the SPEC's attention to float32 rounding (LSE
+    bit for bit: l sums the unrotated exponentials), also with qk="int8" (fp4pv's P.V, its scores
+    quantized alike with and without), l from P^ (un-rotated), one-level P and 64-key tiles; and
+    within float32 rounding of exact attention. Nk = 200: the last tile is padded."""
+    q, k, v = _qkv()
+    kw = dict(attn_mask=_mask(150, 200)) if case == "mask" else dict(is_causal=True)
+    flags = dict(NO_QUANT)
+    if case == "no_smooth_v":
+        flags["smooth_v"] = False
+    elif case == "int8":
+        flags = dict(qk="int8", quantize_v=False, quantize_p=False)
+    elif case == "rowsum":
+        flags["quantized_rowsum"] = True
+    elif case == "one_level":
+        flags["two_level_p"] = False
+    elif case == "block_kv64":
+        flags["block_kv"] = 64
+        if n == 128:  # a block of 128 keys does not fit a 64-key tile
+            with pytest.raises(ValueError, match="rotate_pv"):
+                R.attention(q, k, v, rotate_pv=n, **flags, **kw)
+            return
+    base, lse = R.attention(q, k, v, return_lse=True, **flags, **kw)
+    out, lse2 = R.attention(q, k, v, return_lse=True, rotate_pv=n, **flags, **kw)
+    assert torch.allclose(out, base, rtol=0, atol=2e-6), (out - base).abs().max()
+    if case == "rowsum":  # l from the un-rotated P: the same sums up to float32 rounding
+        assert torch.allclose(lse, lse2, rtol=0, atol=2e-6)
+    else:
+        assert torch.equal(lse, lse2)
+    if case != "int8":
+        exact = R.exact_attention(q, k, v, **kw)
+        assert torch.allclose(out.double(), exact, rtol=0, atol=5e-6)
+
+
+def _one_hot_pv(n, seed=4):
+    """Inputs whose P and V quantize exactly with and without the key rotation of block n: 256
+    keys (two tiles), key j one-hot on channel j mod 128 times 200, each query one-hot on a
+    random channel, so each row has exactly one key per tile with score 200 and e = 1, the rest
+    e = exp(-200) = 0: P = 2688 e and its rotation (+-1 on one block of n, c = 2688) are +-2688
+    and 0. V is +-1 everywhere, each channel's n tokens of a block a signed Hadamard row, so V
+    (all magnitudes 1) and H V (+-n on one token per block) quantize exactly too."""
+    g = torch.Generator().manual_seed(seed)
+    N, D, Dv = 256, 128, 16
+    k = torch.zeros(1, 1, N, D)
+    k[0, 0, torch.arange(N), torch.arange(N) % D] = 200.0
+    q = torch.zeros(1, 2, 96, D)
+    chans = torch.randint(0, D, (2, 96), generator=g)
+    q[0, torch.arange(2)[:, None], torch.arange(96), chans] = 1.0
+    rows = torch.randint(0, n, (N // n, Dv), generator=g)
+    signs = torch.where(torch.rand(N // n, Dv, generator=g) < 0.5, -1.0, 1.0)
+    Hn = _hadamard(n)
+    v = (Hn[rows].transpose(1, 2) * signs[:, None, :]).reshape(1, 1, N, Dv)  # [block, n, Dv]
+    return q, k, v
+
+
+@pytest.mark.parametrize("n", [16, 32, 64, 128])
+def test_rotate_pv_on_exactly_quantized_operands(n):
+    """P and V quantized (Q and K not: the scores are then 200 or 0 up to float32 rounding):
+    with and without rotate_pv every FP4 operand is exact, so both outputs are exact attention
+    to float32 rounding; with a V that is not Hadamard-structured the rotation moves the output
+    by far more than that."""
+    q, k, v = _one_hot_pv(n)
+    kw = dict(scale=1.0, smooth_v=False, quantize_q=False, quantize_k=False)
+    exact = R.exact_attention(q, k, v, scale=1.0)
+    base = R.attention(q, k, v, **kw)
+    out = R.attention(q, k, v, rotate_pv=n, **kw)
+    assert torch.allclose(base.double(), exact, rtol=0, atol=1e-6)
+    assert torch.allclose(out.double(), exact, rtol=0, atol=1e-6), (out - exact).abs().max()
+    g = torch.Generator().manual_seed(9)
+    v2 = torch.randn(v.shape, generator=g)
+    base2, out2 = R.attention(q, k, v2, **kw), R.attention(q, k, v2, rotate_pv=n, **kw)
+    assert (out2 - base2).abs().max() > 1e-3
+
+
+def test_rotate_pv_deterministic_and_close_to_exact():
+    """Quantized (every operand FP4), random inputs with a key channel outlier and a V token
+    outlier: the same bits twice, and for every block size the output stays within the SPEC's
+    error class (cos >= 0.99, 1 - cos at most twice the SPEC's); every block size gives another
+    result."""
+    q, k, v = _qkv()
+    v[:, :, 17] *= 20.0  # a token outlier of V
+    kw = dict(attn_mask=_mask(150, 200))
+    exact = R.exact_attention(q, k, v, **kw)
+    spec = 1 - R.metrics(R.attention(q, k, v, **kw), exact)["cos"]
+    outs = []
+    for n in (16, 32, 64, 128):
+        a, lse_a = R.attention(q, k, v, rotate_pv=n, return_lse=True, **kw)
+        b, lse_b = R.attention(q, k, v, rotate_pv=n, return_lse=True, **kw)
+        assert torch.equal(a, b) and torch.equal(lse_a, lse_b)
+        err = 1 - R.metrics(a, exact)["cos"]
+        assert err < 0.01 and err < 2 * spec, (n, err, spec)
+        outs.append(a)
+    assert all(not torch.equal(x, y) for i, x in enumerate(outs) for y in outs[i + 1:])
+
+
+def test_rotate_pv_bad_options():
+    q, k, v = _qkv(B=1, Nq=32, Nk=32)
+    for bad in (dict(rotate_pv=8), dict(rotate_pv=24), dict(rotate_pv=256), dict(rotate_pv=-16),
+                dict(rotate_pv=16.5), dict(rotate_pv="16"), dict(rotate_pv=64, block_kv=32),
+                dict(rotate_pv=32, block_kv=48)):
+        with pytest.raises(ValueError, match="rotate_pv"):
+            R.attention(q, k, v, **bad)
+    # True is the largest power of two dividing block_kv: 16 for 48-key tiles
+    a = R.attention(q, k, v, rotate_pv=True, block_kv=48)
+    assert torch.equal(a, R.attention(q, k, v, rotate_pv=16, block_kv=48))
+
+
+def test_driver_pv_variants():
+    for name in FV.PV_ROTATION_VARIANTS:
+        assert name in FV.VARIANTS and name in RP.METHODS and name in FV.LABELS
+    q, k, v = _qkv(B=1, Nq=64, Nk=64)
+    call = RP.AttnCall(0, q, k, v, None, True, None, True, None)
+    for name, opt in (("rotate_pv32", dict(rotate_pv=32)),
+                      ("migrate_rotate_qk_pv128", dict(migrate_qk=True, rotate_qk=True,
+                                                       rotate_pv=128)),
+                      ("fp4_pv_rotate_pv16", dict(rotate_pv=16, quantize_q=False,
+                                                  quantize_k=False))):
+        got = RP.run_method(name, call, device="cpu", backend="reference")
+        assert torch.equal(got, R.attention(q, k, v, None, True, None, **opt))
+
+
+@pytest.mark.parametrize("n", [16, 128])
+def test_rotate_pv_quantizes_the_rotated_v(n):
+    """V quantized alone (P exact), no V smoothing: rotate_pv = n is attention of the V whose
+    rotation was NVFP4-quantized along the tokens and rotated back, H V -> fake_quantize ->
+    H (.) / n, with the test's own dense H (keys zero-padded to a multiple of n) -- and that V is
+    not the unrotated V's quantization."""
+    q, k, v = _qkv()
+    v[:, :, 17] *= 20.0
+    Nk = v.shape[2]
+    nkp = -(-Nk // n) * n
+    H = torch.block_diag(*[_hadamard(n)] * (nkp // n))
+    vr = H @ torch.nn.functional.pad(v, (0, 0, 0, nkp - Nk))  # [B, Hkv, nkp, Dv]
+    deq = R.fake_quantize(vr.transpose(-1, -2)).transpose(-1, -2)  # along the tokens
+    v_back = ((H.double() @ deq.double()) / n).float()[:, :, :Nk]
+    kw = dict(is_causal=True, smooth_v=False)
+    only_v = dict(NO_QUANT, quantize_v=True)
+    out = R.attention(q, k, v, rotate_pv=n, **only_v, **kw)
+    want = R.attention(q, k, v_back, **NO_QUANT, **kw)
+    assert torch.allclose(out, want, rtol=0, atol=2e-5), (out - want).abs().max()
+    base = R.attention(q, k, v, **only_v, **kw)
+    assert (out - base).abs().max() > 100 * 2e-5

@@ -23,7 +23,10 @@ migration and Hadamard rotation for FP4"): SPEC_INT8's power-of-two channel migr
 smoothed Q and K (``migrate_qk``; ``_raw``: s from the unsmoothed Q), a Sylvester-Hadamard
 rotation of Q and K along the head dim (``rotate_qk16`` / ``32`` / ``64``, ``rotate_qk`` = D),
 both (``migrate_rotate_qk``), V's rotation (``rotate_v``, ``rotate_qk_v``) and the one-product
-halves (``fp4_qk*``, ``fp4_pv*``). ``--calibrate VARIANT`` instead computes the calibrated FP4
+halves (``fp4_qk*``, ``fp4_pv*``). ``PV_ROTATION_VARIANTS`` rotate P and V along the keys
+(``rotate_pv16`` / ``32`` / ``128``: ``reference.attention(rotate_pv=n)``, alone and after
+``migrate_rotate_qk``; docs/accuracy.md "Hadamard rotation along the keys for FP4 P.V").
+``--calibrate VARIANT`` instead computes the calibrated FP4
 share with VARIANT as the FP4 precision through ``fp4attn.eval.fp4pv``'s calibration machinery
 (``calibrate_variant``).
 Diagnostics per layer (``--no-diagnostics`` drops them): V quantized alone without smoothing,
@@ -79,7 +82,13 @@ DEFAULT_VARIANTS = ("ref", "smooth_v", "smooth_v_first", "smooth_v_weighted", "q
 ROTATION_VARIANTS = ("migrate_qk", "migrate_qk_raw", "rotate_qk16", "rotate_qk32", "rotate_qk64",
                      "rotate_qk", "migrate_rotate_qk", "rotate_v", "rotate_qk_v", "fp4_qk",
                      "fp4_qk_rotate_qk", "fp4_qk_migrate_qk", "fp4_pv", "fp4_pv_rotate_v")
-VARIANTS = DEFAULT_VARIANTS + ROTATION_VARIANTS
+#: P.V rotated along the keys, (P H)(H V) / n with H of blocks of n keys (16, 32, 128) inside the
+#: 128-key tile (docs/accuracy.md "Hadamard rotation along the keys for FP4 P.V"), alone, after
+#: migration + Hadamard D on Q, K, and with QK^T exact (``fp4_pv_rotate_pv*``).
+PV_ROTATION_VARIANTS = ("rotate_pv16", "rotate_pv32", "rotate_pv128", "migrate_rotate_qk_pv16",
+                        "migrate_rotate_qk_pv32", "migrate_rotate_qk_pv128", "fp4_pv_rotate_pv16",
+                        "fp4_pv_rotate_pv128")
+VARIANTS = DEFAULT_VARIANTS + ROTATION_VARIANTS + PV_ROTATION_VARIANTS
 DEFAULT_PPL_VARIANTS = ("ref", "smooth_v", "smooth_v_first", "smooth_v_weighted",
                         "smooth_v_weighted_rowsum")
 #: Per-layer diagnostics: one operand quantized alone, with and without the change.
@@ -94,7 +103,7 @@ LABELS = {"ref": "SPEC (reference)", "smooth_v": "V smoothing, key mean",
           "smooth_v_weighted_rowsum": "V smoothing, weighted + l from quantized P",
           "best_v_per_layer": "best of the three per layer (in-sample, per layer only)",
           "fp4attn": "SPEC, compiled backend (per layer only)",
-          **{v: RP.METHODS[v][0] for v in ROTATION_VARIANTS}}
+          **{v: RP.METHODS[v][0] for v in ROTATION_VARIANTS + PV_ROTATION_VARIANTS}}
 COS_TARGET = RP.COS_TARGET  # 0.99
 MODELS = ("smollm2", "gemma3")
 DEFAULT_CSV = Path("docs/results/fp4_variants.csv")
@@ -413,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrated FP4 share with VARIANT as the FP4 precision (fp4attn.eval.fp4pv's "
         "machinery); writes --csv with _calibration added to the name")
     cal.add_argument("--calibrate", default="", metavar="VARIANT",
-                     help=f"one of {', '.join(ROTATION_VARIANTS)} (default: no calibration)")
+                     help=f"one of {', '.join(ROTATION_VARIANTS + PV_ROTATION_VARIANTS)} "
+                          "(default: no calibration)")
     cal.add_argument("--budget", type=float, default=0.01,
                      help="perplexity increase and exp(KL) - 1 allowed (default 0.01)")
     cal.add_argument("--cal-book", default="emma", choices=list(M.BOOKS))
@@ -442,8 +452,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.variants, args.ppl_variants = variants, ppl_variants
     if args.calibrate:
-        if args.calibrate not in ROTATION_VARIANTS:
-            print(f"error: --calibrate: choose from {ROTATION_VARIANTS}", file=sys.stderr)
+        if args.calibrate not in ROTATION_VARIANTS + PV_ROTATION_VARIANTS:
+            print(f"error: --calibrate: choose from {ROTATION_VARIANTS + PV_ROTATION_VARIANTS}",
+                  file=sys.stderr)
             return 2
         cal_csv = args.csv.with_name(args.csv.stem + "_calibration" + args.csv.suffix)
         command = "python -m fp4attn.eval.fp4_variants " + " ".join(

@@ -108,6 +108,15 @@ METHODS: dict[str, tuple[str, object]] = {
                           {"quantize_p": False, "quantize_v": False, "migrate_qk": True}),
     "fp4_pv_rotate_v": ("FP4 P.V only, Hadamard D on V",
                         {"quantize_q": False, "quantize_k": False, "rotate_v": True}),
+    # Hadamard rotation along the keys for P.V (not SPEC; docs/accuracy.md "Hadamard rotation
+    # along the keys for FP4 P.V"): (P H)(H V) / n, blocks of n keys inside the 128-key tile
+    **{f"rotate_pv{n}": (f"Hadamard {n} keys on P, V", {"rotate_pv": n}) for n in (16, 32, 128)},
+    **{f"migrate_rotate_qk_pv{n}": (f"migration + Hadamard D on Q, K; Hadamard {n} keys on P, V",
+                                    {"migrate_qk": True, "rotate_qk": True, "rotate_pv": n})
+       for n in (16, 32, 128)},
+    **{f"fp4_pv_rotate_pv{n}": (f"FP4 P.V only, Hadamard {n} keys on P, V",
+                                {"quantize_q": False, "quantize_k": False, "rotate_pv": n})
+       for n in (16, 128)},
 }
 MAIN_METHODS = ("fp4attn", "int8", "fp16", "bf16")
 INT8_COS_TARGET = 0.999  # SPEC_INT8's accuracy targets: every layer, and end to end
