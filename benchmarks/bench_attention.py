@@ -162,7 +162,8 @@ def configs(args) -> list[tuple]:
         causals, dtypes = [False, True], [torch.float16, torch.bfloat16]
     seqs = int_list(args.seqs) if args.seqs else seqs
     dims = int_list(args.dims) if args.dims else dims
-    return [(dtype, D, N, max(1, args.tokens // N), 2048 // D, 2048 // D, causal)
+    tokens = args.tokens or 16384
+    return [(dtype, D, N, max(1, tokens // N), 2048 // D, 2048 // D, causal)
             for dtype in dtypes for D in dims for N in seqs for causal in causals]
 
 
@@ -171,7 +172,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sweep (~2 minutes)")
     ap.add_argument("--out", default=RESULTS, help="output folder (default: benchmarks/results)")
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--tokens", type=int, default=16384, help="B*N per config")
+    ap.add_argument("--tokens", type=int, default=None, help="B*N per config (default 16384)")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths (overrides the sweep's)")
     ap.add_argument("--dims", default=None, help="comma-separated head dims (overrides the sweep's)")
@@ -180,6 +181,8 @@ def main() -> int:
     ap.add_argument("--precision", choices=PRECISIONS, default="fp4",
                     help="fp4 (SPEC) or int8 (SPEC_INT8) attention")
     args = ap.parse_args()
+    if args.short and (args.quick or args.seqs or args.dims or args.tokens):
+        ap.error("--short has its own shapes: it takes no --quick, --seqs, --dims or --tokens")
     prec = args.precision
     if not torch.cuda.is_available():
         print("bench_attention: needs a CUDA GPU")
