@@ -272,8 +272,8 @@ struct Int8BwdSm90 {
           for (int e = 0; e < 4; ++e) {
             const int col = n * 8 + 2 * t + (e & 1);
             const int64_t key = j0 + krow0 + g + 8 * (e >> 1), row = i0 + col;
-            pm[n][e] = fast_exp2(masked_score(p, walk.b, h, row, key, (float)sacc[n][e] * f) -
-                                 lse2[col]);
+            pm[n][e] =
+                fast_exp2(masked_score(p, walk.b, h, row, key, (float)sacc[n][e] * f) - lse2[col]);
           }
       }
 
@@ -410,8 +410,7 @@ struct Int8BwdSm90 {
           for (int r = 0; r < 2; ++r)
             *reinterpret_cast<float2 *>(dq_tile + (wwarp * 16 + g + 8 * r) * DP + 64 * c + n * 8 +
                                         2 * t) =
-                make_float2(fq[r] * (float)acc[n][2 * r],
-                            fq[r] * (float)acc[n][2 * r + 1]);
+                make_float2(fq[r] * (float)acc[n][2 * r], fq[r] * (float)acc[n][2 * r + 1]);
       }
       mbar_arrive(bar.empty(s)); /* every consumer thread: the stage's last reads are done */
       fence_proxy_async();       /* the dQ tile, for the bulk reduction */
