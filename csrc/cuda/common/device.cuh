@@ -123,6 +123,11 @@ __host__ __device__ inline int64_t fp4_scale_count(int64_t cols) {
 
 /* ---------------------------------------------------------------------- dtype conversions */
 
+/* An FP16 or BF16 value given as its 16 bits (in the low half of `bits`), as float. */
+__device__ __forceinline__ float bits16_as_float(uint32_t bits, bool bf16) {
+  return bf16 ? __uint_as_float(bits << 16) : __half2float(__ushort_as_half((uint16_t)bits));
+}
+
 __device__ __forceinline__ float load_as_float(const void *base, fp4attn_dtype dt, int64_t i) {
   if (dt == FP4ATTN_FLOAT16) return __half2float(static_cast<const __half *>(base)[i]);
   if (dt == FP4ATTN_BFLOAT16) return __bfloat162float(static_cast<const __nv_bfloat16 *>(base)[i]);

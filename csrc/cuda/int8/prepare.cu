@@ -188,13 +188,10 @@ struct Vals8 {
     }
   }
   __device__ float operator[](int e) const {
-    if constexpr (!k16) {
+    if constexpr (!k16)
       return __uint_as_float(w[e]);
-    } else {
-      const uint32_t x = w[e / 2];
-      if (kDt == FP4ATTN_BFLOAT16) return __uint_as_float(e & 1 ? x & 0xFFFF0000u : x << 16);
-      return __half2float(__ushort_as_half((uint16_t)(e & 1 ? x >> 16 : x)));
-    }
+    else
+      return bits16_as_float(e & 1 ? w[e / 2] >> 16 : w[e / 2], kDt == FP4ATTN_BFLOAT16);
   }
 };
 

@@ -354,8 +354,7 @@ __device__ __forceinline__ float raw_as_float(T x, fp4attn_dtype dt) {
   if constexpr (sizeof(T) == 4)
     return x;
   else
-    return dt == FP4ATTN_BFLOAT16 ? __uint_as_float((uint32_t)x << 16)
-                                  : __half2float(__ushort_as_half(x));
+    return bits16_as_float(x, dt == FP4ATTN_BFLOAT16);
 }
 
 /* The residual split (SPEC 6): the tile's rows against their residual keys, the exact K and V rows
