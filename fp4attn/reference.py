@@ -358,34 +358,19 @@ def _block_hadamard(x: Tensor, n: int) -> Tensor:
     return k5_rotate(x.reshape(*lead, L // n, n)).reshape(*lead, L)
 
 
-def _rotation_block(rotate: bool | int, dp: int, what: str) -> int:
-    """The Hadamard block n of ``rotate_qk`` / ``rotate_v`` for a padded head dim ``dp``: 0 (off),
-    True (the largest power of two dividing dp, as ``k5_rotation_size``) or a power of two
-    2 <= n that divides dp."""
+def _rotation_block(rotate: bool | int, length: int, what: str, over: str, smallest: int) -> int:
+    """The Hadamard block n of a rotation option (``rotate_qk`` / ``rotate_v`` over the padded head
+    dim, ``rotate_pv`` over the key tile ``block_kv``): 0 (off), True (the largest power of two
+    dividing ``length``, as ``k5_rotation_size``) or a power of two ``smallest <= n`` that divides
+    ``length``. ``rotate_pv``'s smallest is 16, so that its blocks span whole quantization blocks."""
     if rotate is False or rotate is None or (not isinstance(rotate, bool) and rotate == 0):
         return 0
     if rotate is True:
-        return k5_rotation_size(dp)
+        return length & -length
     n = int(rotate)
-    if n != rotate or n < 2 or n & (n - 1) or dp % n:
-        raise ValueError(f"{what} must be False, True or a power of two >= 2 dividing the padded "
-                         f"head dim {dp}, got {rotate!r}")
-    return n
-
-
-def _pv_rotation_block(rotate: bool | int, block_kv: int) -> int:
-    """The Hadamard block n of ``rotate_pv`` (along the keys): 0 (off), True (the largest power
-    of two dividing ``block_kv``) or a power of two 16 <= n that divides ``block_kv``, so that
-    every rotation block lies inside one key tile and spans whole 16-key quantization blocks."""
-    if rotate is False or rotate is None or (not isinstance(rotate, bool) and rotate == 0):
-        return 0
-    if rotate is True:
-        return block_kv & -block_kv
-    n = int(rotate)
-    if n != rotate or n < BLOCK or n & (n - 1) or block_kv % n:
-        raise ValueError(f"rotate_pv must be False, True or a power of two >= {BLOCK} dividing "
-                         f"block_kv={block_kv} (16, 32, 64 or 128 for the SPEC's 128-key tile), "
-                         f"got {rotate!r}")
+    if n != rotate or n < smallest or n & (n - 1) or length % n:
+        raise ValueError(f"{what} must be False, True or a power of two >= {smallest} dividing "
+                         f"{over} {length}, got {rotate!r}")
     return n
 
 
@@ -950,11 +935,11 @@ def attention(
         raise ValueError(f"migrate_qk must be False, True, 'smoothed' or 'raw', got {migrate_qk!r}")
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    n_qk = _rotation_block(rotate_qk, k5_padded(D), "rotate_qk")
-    n_v = _rotation_block(rotate_v, k5_padded(Dv), "rotate_v")
+    n_qk = _rotation_block(rotate_qk, k5_padded(D), "rotate_qk", "the padded head dim", 2)
+    n_v = _rotation_block(rotate_v, k5_padded(Dv), "rotate_v", "the padded head dim", 2)
     if qk == "int8" and (migrate_qk or n_qk or n_v):
         raise ValueError("qk='int8' takes no migrate_qk / rotate_qk / rotate_v")
-    n_pv = _pv_rotation_block(rotate_pv, block_kv)
+    n_pv = _rotation_block(rotate_pv, block_kv, "rotate_pv", "the key tile block_kv =", BLOCK)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     allowed, additive = _mask_bias(attn_mask, is_causal, (B, Hq, Nq, Nk), q.device)
