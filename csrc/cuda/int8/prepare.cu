@@ -473,7 +473,7 @@ __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads) prepare_do_kernel(co
 #pragma unroll
     for (int r = 0; r < T::kPer; ++r) {
       const float acc =
-          t.row_sum([&](int e) { return as16(t.v[r][e], p.dtype) * as16(o.v[r][e], p.dtype); });
+          t.row_sum([&](int e) { return as16(t.v[r][e], kDt) * as16(o.v[r][e], kDt); });
       const int n = t.row0 + r;
       if (t.c != 0) continue;
       float drow = 0.0f, lse2 = INFINITY;
