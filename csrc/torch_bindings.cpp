@@ -484,6 +484,65 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward(
   return {dq, dk, dv};
 }
 
+// Autograd of the 8-bit attention: saves q, k, v, out, lse and the mask; the backward op
+// recomputes the quantized operands (SPEC_INT8 section 3). Both ops go through the dispatcher, so
+// other devices reach fp4attn.int8's reference kernels and tracing sees the ops, not this code.
+class Int8AttentionFunction : public torch::autograd::Function<Int8AttentionFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx,
+                                                const at::Tensor &q, const at::Tensor &k,
+                                                const at::Tensor &v,
+                                                const c10::optional<at::Tensor> &attn_mask,
+                                                bool is_causal, double scale,
+                                                const std::string &cuda_kernel) {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("fp4attn::int8_attention", "")
+            .typed<std::tuple<at::Tensor, at::Tensor>(
+                const at::Tensor &, const at::Tensor &, const at::Tensor &,
+                const c10::optional<at::Tensor> &, bool, double, c10::string_view)>();
+    at::Tensor out, lse;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      std::tie(out, lse) = op.call(q, k, v, attn_mask, is_causal, scale, cuda_kernel);
+    }
+    ctx->save_for_backward({q, k, v, out, lse, attn_mask.value_or(at::Tensor())});
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["cuda_kernel"] = cuda_kernel;
+    return {out, lse};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                 torch::autograd::variable_list grads) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("fp4attn::int8_attention_backward", "")
+                               .typed<decltype(int8_attention_backward)>();
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &out = saved[3];
+    const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    const c10::optional<at::Tensor> grad_lse =
+        grads[1].defined() ? c10::optional<at::Tensor>(grads[1]) : c10::nullopt;
+    const c10::optional<at::Tensor> mask =
+        saved[5].defined() ? c10::optional<at::Tensor>(saved[5]) : c10::nullopt;
+    const std::string cuda_kernel = ctx->saved_data["cuda_kernel"].toStringRef();
+    auto [dq, dk, dv] = op.call(grad_out, grad_lse, saved[0], saved[1], saved[2], out, saved[4],
+                                mask, ctx->saved_data["is_causal"].toBool(),
+                                ctx->saved_data["scale"].toDouble(), cuda_kernel);
+    // one entry per forward argument: q, k, v get gradients; mask and the flags none
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> int8_attention_autograd(
+    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+    const c10::optional<at::Tensor> &attn_mask, bool is_causal, double scale,
+    c10::string_view cuda_kernel) {
+  torch::autograd::variable_list res =
+      Int8AttentionFunction::apply(q, k, v, attn_mask, is_causal, scale, std::string(cuda_kernel));
+  return {res[0], res[1]};
+}
+
 // ---------------------------------------------------------------- FP4 KV cache (SPEC 6)
 
 // The cache's storage tensors checked against each other and described for the C API.
@@ -724,6 +783,13 @@ TORCH_LIBRARY(fp4attn, m) {
       "Tensor v_scales, Tensor v_dec, Tensor kmean, Tensor kscale, Tensor block_table, "
       "Tensor seq_lens, float scale, int window=0, Tensor? res_k=None, Tensor? res_v=None, "
       "int residual_len=0) -> (Tensor out, Tensor lse)");
+  m.def(
+      "int8_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, "
+      "float scale, str cuda_kernel=\"auto\") -> (Tensor out, Tensor lse)");
+  m.def(
+      "int8_attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, "
+      "Tensor out, Tensor lse, Tensor? attn_mask, bool is_causal, float scale, "
+      "str cuda_kernel=\"auto\") -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 // Private test hooks (csrc/testing/testing.h), undocumented; not part of the product's ops.
@@ -740,6 +806,12 @@ TORCH_LIBRARY_IMPL(fp4attn, CPU, m) {
   m.impl("attention", &attention);
   m.impl("kv_append", &kv_append);
   m.impl("decode", &decode);
+  m.impl("int8_attention", &int8_attention);
+  m.impl("int8_attention_backward", &int8_attention_backward);
+}
+
+TORCH_LIBRARY_IMPL(fp4attn, Autograd, m) {
+  m.impl("int8_attention", &int8_attention_autograd);
 }
 
 #ifdef FP4ATTN_WITH_CUDA
@@ -750,6 +822,8 @@ TORCH_LIBRARY_IMPL(fp4attn, CUDA, m) {
   m.impl("attention", &attention);
   m.impl("kv_append", &kv_append);
   m.impl("decode", &decode);
+  m.impl("int8_attention", &int8_attention);
+  m.impl("int8_attention_backward", &int8_attention_backward);
 }
 
 TORCH_LIBRARY_IMPL(fp4attn_testing, CUDA, m) {
@@ -770,11 +844,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     info["openmp"] = fp4attn_cpu_has_openmp() != 0;
     return info;
   });
-  m.def("int8_attention", &int8_attention,
-        "SPEC_INT8 forward on the C CPU backend or the CUDA kernels: (out, lse); the kernel of "
-        "torch.ops.fp4attn.int8_attention on CPU and CUDA tensors");
-  m.def("int8_attention_backward", &int8_attention_backward,
-        "SPEC_INT8 backward on the C CPU backend or the CUDA kernels: (dq, dk, dv)");
   m.def(
       "attention_kernel",
       [](int64_t device, int64_t head_dim, bool int8) -> std::string {

@@ -19,6 +19,9 @@ import torch
 from ._ops import HAS_CUDA_BACKEND, ops
 from .int8 import int8_attention
 
+# The overload itself: calling through the OpOverloadPacket adds a lookup per call.
+_fp4_attention = ops.attention.default
+
 # Captured before anyone (fp4attn.patch included) can replace it.
 ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
 
@@ -139,22 +142,25 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
                              is_causal=is_causal, scale=scale, **kwargs)
 
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    # Collapse any leading batch dims to one: [B, H, N, D] (views, no copies).
+    # The ops take [B, H, N, D]: collapse other leading dims to one batch dim (views, no copies).
+    # 4-D inputs, the common case, pass as they are (a reshape costs microseconds per call).
+    four_d = query.dim() == 4
     lead = query.shape[:-3]
-    q4 = query.reshape(-1, *query.shape[-3:])
-    k4 = key.reshape(-1, *key.shape[-3:])
-    v4 = value.reshape(-1, *value.shape[-3:])
-    mask = attn_mask
-    if mask is not None and mask.dim() > 4:
-        mask = mask.expand(*query.shape[:-1], key.shape[-2]).reshape(-1, *query.shape[-3:-1], key.shape[-2])
+    q4, k4, v4, mask = query, key, value, attn_mask
+    if not four_d:
+        q4 = query.reshape(-1, *query.shape[-3:])
+        k4 = key.reshape(-1, *key.shape[-3:])
+        v4 = value.reshape(-1, *value.shape[-3:])
+        if mask is not None and mask.dim() > 4:
+            mask = mask.expand(*query.shape[:-1], key.shape[-2]).reshape(
+                -1, *query.shape[-3:-1], key.shape[-2])
     if precision == "int8":
         out, lse = int8_attention(q4, k4, v4, mask, bool(is_causal), scale, _kernel_from_env())
     else:
-        out, lse = ops.attention(q4, k4, v4, mask, bool(is_causal), scale, bool(return_lse),
-                                 _kernel_from_env())
-    # back to the caller's leading dims (none for 3-D inputs: drop the batch of one)
-    out = out.reshape(*lead, *out.shape[1:]) if lead else out[0]
-    if not return_lse:
-        return out
-    lse = lse.reshape(*lead, *lse.shape[1:]) if lead else lse[0]
-    return out, lse
+        out, lse = _fp4_attention(q4, k4, v4, mask, bool(is_causal), scale, bool(return_lse),
+                                  _kernel_from_env())
+    if not four_d:  # back to the caller's leading dims (3-D inputs: drop the batch of one)
+        out = out.reshape(*lead, *out.shape[1:]) if lead else out[0]
+        if return_lse:
+            lse = lse.reshape(*lead, *lse.shape[1:]) if lead else lse[0]
+    return (out, lse) if return_lse else out

@@ -394,6 +394,28 @@ def test_opcheck_with_autograd():
     torch.library.opcheck(torch.ops.fp4attn.int8_attention.default, (q, k, v, None, True, 0.25))
 
 
+def test_ops_registered_in_cpp_with_reference_kernels_for_other_devices():
+    """The ops' CPU (and CUDA) kernels and the forward's autograd are C++ registrations, no Python
+    on the call path; a device without a kernel of its own gets fp4attn.int8's reference kernels,
+    which refuse a CUDA kernel request as the C++ kernels do."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    for op in ("fp4attn::int8_attention", "fp4attn::int8_attention_backward"):
+        assert has(op, "CPU") and has(op, "CompositeExplicitAutograd") and has(op, "Meta")
+        assert has(op, "CUDA") == fp4attn.build_info()["cuda"]
+    assert has("fp4attn::int8_attention", "Autograd")
+    q, k, v = make(1, 2, 1, 20, 30, 16, seed=11)
+    out, lse = torch.ops.fp4attn.int8_attention(q, k, v, None, True, 0.25)
+    ref_out, ref_lse = fp4attn.int8._reference_forward(q, k, v, None, True, 0.25)
+    assert cos(ref_out, out) > 0.99999 and cos(ref_lse, lse) > 0.99999
+    grad_out = torch.randn_like(out)
+    got = torch.ops.fp4attn.int8_attention_backward(grad_out, None, q, k, v, out, lse, None, True,
+                                                    0.25)
+    want = fp4attn.int8._reference_backward(grad_out, None, q, k, v, out, lse, None, True, 0.25)
+    assert all(cos(a, b) > 0.9999 for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="cuda_kernel='sm90' needs CUDA tensors"):
+        fp4attn.int8._reference_forward(q, k, v, None, True, 0.25, "sm90")
+
+
 def test_torch_compile_fullgraph_forward_and_backward():
     q, k, v = make(1, 2, 2, 40, 40, 16, seed=10)
 
