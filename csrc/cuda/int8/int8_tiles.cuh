@@ -19,7 +19,7 @@ namespace fp4attn_cuda {
 
 constexpr int kBQ8 = 64; /* SPEC_INT8 BQ: query rows per block (one Q^ scale, backward row block) */
 constexpr int kBK8 = 128;    /* SPEC_INT8 BK: keys per block and per online-softmax step */
-constexpr int kQaRows = 512; /* query rows per partial column amax of Q (the migration's qa) */
+constexpr int kQaRows = 128; /* query rows per partial column amax of Q (the migration's qa) */
 
 /* Head dims the INT8 kernels are instantiated for (inputs are zero-padded up to them). */
 static inline int64_t int8_padded_head_dim(int64_t d) {

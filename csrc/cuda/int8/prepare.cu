@@ -47,112 +47,6 @@ __device__ __forceinline__ float as16(float x, fp4attn_dtype dt) {
   return dt == FP4ATTN_FLOAT32 ? __bfloat162float(__float2bfloat16_rn(x)) : x;
 }
 
-/* A block's threads over a row-major [rows][dp] input: thread t reads columns c .. c + 7 of rows
- * lane, lane + lanes, ... (8-column groups across the threads, row lanes per group). */
-struct ColumnLanes {
-  int lanes, c, lane;
-  __device__ explicit ColumnLanes(int dp)
-      : lanes(kThreads / (dp / 8)), c((threadIdx.x % (dp / 8)) * 8), lane(threadIdx.x / (dp / 8)) {}
-};
-
-__global__ void __launch_bounds__(kThreads) kbar_partial_kernel(const Int8Args a) {
-  __shared__ float part[kThreads * 8], pmax[kThreads * 8], pmin[kThreads * 8];
-  const fp4attn_attention_params &p = a.p;
-  const Int8Workspace &w = a.ws;
-  const int64_t bhk = blockIdx.x / w.nkb, j = blockIdx.x % w.nkb;
-  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv, n0 = j * kBK8;
-  const int rows = (int)min((int64_t)kBK8, p.len_k - n0), dp = (int)w.dp;
-  const ColumnLanes cl(dp);
-  const int lanes = cl.lanes, c = cl.c, lane = cl.lane;
-  float s[8], mx[8], mn[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) s[e] = 0.0f, mx[e] = -INFINITY, mn[e] = INFINITY;
-  for (int r = lane; r < rows; r += lanes) {
-    float v[8];
-    load8_padded(p.k, p.dtype, b * p.k_stride[0] + hk * p.k_stride[1] + (n0 + r) * p.k_stride[2], c,
-                 (int)p.head_dim, a.vec_k, v);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      s[e] += v[e];
-      mx[e] = fmaxf(mx[e], v[e]); /* a NaN makes kbar, and so ka, NaN */
-      mn[e] = fminf(mn[e], v[e]);
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    part[lane * dp + c + e] = s[e];
-    pmax[lane * dp + c + e] = mx[e];
-    pmin[lane * dp + c + e] = mn[e];
-  }
-  __syncthreads();
-  for (int d = threadIdx.x; d < dp; d += kThreads) { /* the lanes in a fixed order */
-    float t = 0.0f, hi = -INFINITY, lo = INFINITY;
-    for (int l = 0; l < lanes; ++l) {
-      t += part[l * dp + d];
-      hi = fmaxf(hi, pmax[l * dp + d]);
-      lo = fminf(lo, pmin[l * dp + d]);
-    }
-    w.kbar_part[(bhk * w.nkb + j) * dp + d] = t;
-    w.kmax_part[(bhk * w.nkb + j) * dp + d] = hi;
-    w.kmin_part[(bhk * w.nkb + j) * dp + d] = lo;
-  }
-}
-
-/* The column amax of |Q| over kQaRows rows of one (batch, query head) (NaN propagates). */
-__global__ void __launch_bounds__(kThreads) q_amax_partial_kernel(const Int8Args a) {
-  __shared__ float part[kThreads * 8];
-  const fp4attn_attention_params &p = a.p;
-  const Int8Workspace &w = a.ws;
-  const int64_t bh = blockIdx.x / w.nqa, i = blockIdx.x % w.nqa;
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q, r0 = i * kQaRows;
-  const int rows = (int)min((int64_t)kQaRows, p.len_q - r0), dp = (int)w.dp;
-  const ColumnLanes cl(dp);
-  const int lanes = cl.lanes, c = cl.c, lane = cl.lane;
-  float m[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  for (int r = lane; r < rows; r += lanes) {
-    float v[8];
-    load8_padded(p.q, p.dtype, b * p.q_stride[0] + h * p.q_stride[1] + (r0 + r) * p.q_stride[2], c,
-                 (int)p.head_dim, a.vec_q, v);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) m[e] = amax_u(m[e], fabsf(v[e]));
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) part[lane * dp + c + e] = m[e];
-  __syncthreads();
-  for (int d = threadIdx.x; d < dp; d += kThreads) {
-    float t = 0.0f;
-    for (int l = 0; l < lanes; ++l) t = amax_u(t, part[l * dp + d]);
-    w.qa_part[(bh * w.nqa + i) * dp + d] = t;
-  }
-}
-
-/* kbar, and SPEC_INT8 2.1b's s and 1 / s, of one (batch, KV head). */
-__global__ void __launch_bounds__(kThreads) kbar_final_kernel(const Int8Args a) {
-  const fp4attn_attention_params &p = a.p;
-  const Int8Workspace &w = a.ws;
-  const int64_t bhk = blockIdx.x, G = p.heads_q / p.heads_kv;
-  const int64_t bh0 = (bhk / p.heads_kv) * p.heads_q + (bhk % p.heads_kv) * G; /* 1st query head */
-  for (int d = threadIdx.x; d < w.dp; d += kThreads) {
-    float s = 0.0f, hi = -INFINITY, lo = INFINITY;
-    for (int64_t j = 0; j < w.nkb; ++j) {
-      const int64_t at = (bhk * w.nkb + j) * w.dp + d;
-      s += w.kbar_part[at];
-      hi = fmaxf(hi, w.kmax_part[at]);
-      lo = fminf(lo, w.kmin_part[at]);
-    }
-    float qa = 0.0f;
-    for (int64_t e = 0; e < G * w.nqa; ++e)
-      qa = amax_u(qa, w.qa_part[(bh0 * w.nqa + e) * w.dp + d]);
-    const float kbar = d < p.head_dim ? s / (float)p.len_k : 0.0f;
-    const float mig =
-        d < p.head_dim ? fp4attn_int8_migration_factor(qa, fp4attn_int8_migration_ka(hi, lo, kbar))
-                       : 1.0f;
-    w.kbar[bhk * w.dp + d] = kbar;
-    w.mig[bhk * w.dp + d] = mig;
-    w.mig_inv[bhk * w.dp + d] = __frcp_rn(mig); /* exact: a power of two in [2^-63, 2^64] */
-  }
-}
-
 /* 8 consecutive elements of a row as loaded: FP32 as floats, FP16 / BF16 as their bits (half the
  * registers; converted where used). Columns from D on are 0; 16-byte loads where `vec` (the row's
  * alignment) and all 8 are inside the row. */
@@ -194,6 +88,150 @@ struct Vals8 {
       return bits16_as_float(e & 1 ? w[e / 2] >> 16 : w[e / 2], kDt == FP4ATTN_BFLOAT16);
   }
 };
+
+/* A block's threads over a row-major [rows][dp] input: thread t reads columns c .. c + 7 of rows
+ * lane, lane + lanes, ... (8-column groups across the threads, row lanes per group). */
+struct ColumnLanes {
+  int lanes, c, lane;
+  __device__ explicit ColumnLanes(int dp)
+      : lanes(kThreads / (dp / 8)), c((threadIdx.x % (dp / 8)) * 8), lane(threadIdx.x / (dp / 8)) {}
+};
+
+/* Rows of a statistics block a thread has loaded before it reduces any: their loads are in flight
+ * together (one at a time, a block's few hundred threads wait a DRAM latency per row). */
+constexpr int kRowsInFlight = 4;
+
+/* Column sums, maxima and minima of 128 keys of one (batch, KV head): block `blk` of them. */
+template <fp4attn_dtype kDt>
+__device__ void kbar_partial(const Int8Args &a, int64_t blk, float *part, float *pmax,
+                             float *pmin) {
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  const int64_t bhk = blk / w.nkb, j = blk % w.nkb;
+  const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv, n0 = j * kBK8;
+  const int rows = (int)min((int64_t)kBK8, p.len_k - n0), dp = (int)w.dp;
+  const int64_t base = b * p.k_stride[0] + hk * p.k_stride[1] + n0 * p.k_stride[2];
+  const ColumnLanes cl(dp);
+  const int lanes = cl.lanes, c = cl.c, lane = cl.lane;
+  float s[8], mx[8], mn[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) s[e] = 0.0f, mx[e] = -INFINITY, mn[e] = INFINITY;
+  for (int r0 = lane; r0 < rows; r0 += kRowsInFlight * lanes) {
+    Vals8<kDt> v[kRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const int r = r0 + u * lanes;
+      if (r < rows) v[u].load(p.k, base + r * p.k_stride[2], c, (int)p.head_dim, a.vec_k);
+    }
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      if (r0 + u * lanes >= rows) break; /* the rows in order: kbar's sum is reproducible */
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float x = v[u][e];
+        s[e] += x;
+        mx[e] = fmaxf(mx[e], x); /* a NaN makes kbar, and so ka, NaN */
+        mn[e] = fminf(mn[e], x);
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    part[lane * dp + c + e] = s[e];
+    pmax[lane * dp + c + e] = mx[e];
+    pmin[lane * dp + c + e] = mn[e];
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < dp; d += kThreads) { /* the lanes in a fixed order */
+    float t = 0.0f, hi = -INFINITY, lo = INFINITY;
+    for (int l = 0; l < lanes; ++l) {
+      t += part[l * dp + d];
+      hi = fmaxf(hi, pmax[l * dp + d]);
+      lo = fminf(lo, pmin[l * dp + d]);
+    }
+    w.kbar_part[(bhk * w.nkb + j) * dp + d] = t;
+    w.kmax_part[(bhk * w.nkb + j) * dp + d] = hi;
+    w.kmin_part[(bhk * w.nkb + j) * dp + d] = lo;
+  }
+}
+
+/* The column amax of |Q| over kQaRows rows of one (batch, query head), block `blk` of them (NaN
+ * propagates). */
+template <fp4attn_dtype kDt>
+__device__ void q_amax_partial(const Int8Args &a, int64_t blk, float *part) {
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  const int64_t bh = blk / w.nqa, i = blk % w.nqa;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q, r0 = i * kQaRows;
+  const int rows = (int)min((int64_t)kQaRows, p.len_q - r0), dp = (int)w.dp;
+  const int64_t base = b * p.q_stride[0] + h * p.q_stride[1] + r0 * p.q_stride[2];
+  const ColumnLanes cl(dp);
+  const int lanes = cl.lanes, c = cl.c, lane = cl.lane;
+  float m[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (int rr = lane; rr < rows; rr += kRowsInFlight * lanes) {
+    Vals8<kDt> v[kRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const int r = rr + u * lanes;
+      if (r < rows)
+        v[u].load(p.q, base + r * p.q_stride[2], c, (int)p.head_dim, a.vec_q);
+      else
+        v[u].zero(); /* |0| changes no amax */
+    }
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) m[e] = amax_u(m[e], fabsf(v[u][e]));
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) part[lane * dp + c + e] = m[e];
+  __syncthreads();
+  for (int d = threadIdx.x; d < dp; d += kThreads) {
+    float t = 0.0f;
+    for (int l = 0; l < lanes; ++l) t = amax_u(t, part[l * dp + d]);
+    w.qa_part[(bh * w.nqa + i) * dp + d] = t;
+  }
+}
+
+/* Both partial statistics in one grid: K's 128-key blocks first, then Q's kQaRows-row blocks. */
+template <fp4attn_dtype kDt>
+__global__ void __launch_bounds__(kThreads) stats_partial_kernel(const Int8Args a) {
+  __shared__ float part[kThreads * 8], pmax[kThreads * 8], pmin[kThreads * 8];
+  const int64_t k_blocks = a.p.batch * a.p.heads_kv * a.ws.nkb;
+  if ((int64_t)blockIdx.x < k_blocks)
+    kbar_partial<kDt>(a, blockIdx.x, part, pmax, pmin);
+  else
+    q_amax_partial<kDt>(a, blockIdx.x - k_blocks, part);
+}
+
+/* kbar, and SPEC_INT8 2.1b's s and 1 / s, of one (batch, KV head). */
+__global__ void __launch_bounds__(kThreads) kbar_final_kernel(const Int8Args a) {
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  const int64_t bhk = blockIdx.x, G = p.heads_q / p.heads_kv;
+  const int64_t bh0 = (bhk / p.heads_kv) * p.heads_q + (bhk % p.heads_kv) * G; /* 1st query head */
+  for (int d = threadIdx.x; d < w.dp; d += kThreads) {
+    float s = 0.0f, hi = -INFINITY, lo = INFINITY;
+#pragma unroll 8 /* loads in flight together; the sum stays in order */
+    for (int64_t j = 0; j < w.nkb; ++j) {
+      const int64_t at = (bhk * w.nkb + j) * w.dp + d;
+      s += w.kbar_part[at];
+      hi = fmaxf(hi, w.kmax_part[at]);
+      lo = fminf(lo, w.kmin_part[at]);
+    }
+    float qa = 0.0f;
+#pragma unroll 8
+    for (int64_t e = 0; e < G * w.nqa; ++e)
+      qa = amax_u(qa, w.qa_part[(bh0 * w.nqa + e) * w.dp + d]);
+    const float kbar = d < p.head_dim ? s / (float)p.len_k : 0.0f;
+    const float mig =
+        d < p.head_dim ? fp4attn_int8_migration_factor(qa, fp4attn_int8_migration_ka(hi, lo, kbar))
+                       : 1.0f;
+    w.kbar[bhk * w.dp + d] = kbar;
+    w.mig[bhk * w.dp + d] = mig;
+    w.mig_inv[bhk * w.dp + d] = __frcp_rn(mig); /* exact: a power of two in [2^-63, 2^64] */
+  }
+}
 
 /* A tile of kRows rows of one (batch, head) matrix held in registers, 32 values per thread:
  * thread t holds columns c .. c + 7 of the four adjacent rows row0 .. row0 + 3 (c = (t % G) * 8,
@@ -537,10 +575,13 @@ __global__ void __launch_bounds__(kThreads) finish_dq_kernel(const Int8Args a) {
 
 namespace {
 
+/* The statistics (kbar, s), then the quantized operands. */
 template <int DP, fp4attn_dtype kDt>
 void launch_quantize(const Int8Args &a, bool backward, cudaStream_t s) {
   const Int8Workspace &w = a.ws;
   const int64_t bhk = a.p.batch * a.p.heads_kv, bhq = a.p.batch * a.p.heads_q;
+  stats_partial_kernel<kDt><<<(unsigned)(bhk * w.nkb + bhq * w.nqa), kThreads, 0, s>>>(a);
+  kbar_final_kernel<<<(unsigned)bhk, kThreads, 0, s>>>(a);
   quantize_kv_kernel<DP, kDt>
       <<<(unsigned)(2 * bhk * w.nkb), KvTile<DP, kDt>::kThreads, 0, s>>>(a, backward);
   quantize_q_kernel<DP, kDt>
@@ -553,11 +594,9 @@ template <int DP>
 fp4attn_status launch_prepare(const Int8Args &a, bool backward, cudaStream_t s) {
   const Int8Workspace &w = a.ws;
   const int64_t bhk = a.p.batch * a.p.heads_kv, bhq = a.p.batch * a.p.heads_q;
-  if (2 * bhk * w.nkb > 0x7FFFFFFFLL || bhq * w.nqb > 0x7FFFFFFFLL)
+  if (2 * bhk * w.nkb > 0x7FFFFFFFLL || bhq * w.nqb > 0x7FFFFFFFLL ||
+      bhk * w.nkb + bhq * w.nqa > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many blocks");
-  kbar_partial_kernel<<<(unsigned)(bhk * w.nkb), kThreads, 0, s>>>(a);
-  q_amax_partial_kernel<<<(unsigned)(bhq * w.nqa), kThreads, 0, s>>>(a);
-  kbar_final_kernel<<<(unsigned)bhk, kThreads, 0, s>>>(a);
   switch (a.p.dtype) { /* the element type fixes the tiles' registers and conversions */
     case FP4ATTN_FLOAT16:
       launch_quantize<DP, FP4ATTN_FLOAT16>(a, backward, s);
