@@ -17,6 +17,7 @@ Configurations whose FP16 cache would exceed --max-gb are skipped.
 
   python benchmarks/bench_decode.py
   python benchmarks/bench_decode.py --quick --out bench_out
+  python benchmarks/bench_decode.py --quick --dims 64     # the quick sweep at head dim 64
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ def best_torch_tbps(row) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="B in {1, 8}, L in {8K, 32K}, D=128")
+    ap.add_argument("--quick", action="store_true", help="B in {1, 8}, L in {8K, 32K}, D=128 (or --dims)")
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--max-gb", type=float, default=40.0, help="largest FP16 cache to build")
+    ap.add_argument("--dims", default=None, help="comma-separated head dims (overrides the sweep's)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode: needs a CUDA GPU")
@@ -71,6 +73,8 @@ def main() -> int:
         batches, lens, heads, dims, nqs = [1, 8], [8192, 32768], [(32, 8), (32, 32)], [128], [1, 4]
     else:
         batches, lens, heads, dims, nqs = [1, 8, 64], [8192, 32768, 131072], [(32, 8), (32, 32)], [64, 128], [1, 4]
+    if args.dims:
+        dims = [int(d) for d in args.dims.split(",")]
     timer, bw, head = start_gpu_run()
     rows, t0 = [], time.time()
     path = os.path.join(args.out, "bench_decode.csv")

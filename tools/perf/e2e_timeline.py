@@ -5,6 +5,8 @@ every GPU operation's start relative to the end of the flush, its duration and t
 it; the host time of one call; and the same call timed eagerly and replayed from a CUDA graph.
 
   python tools/perf/e2e_timeline.py --dim 128 --seq 4096 --causal [--dtype bfloat16]
+  python tools/perf/e2e_timeline.py --precision int8 --dim 128 --seq 512 --tokens 512 --heads 32/8 \
+      --causal --dtype bfloat16     # a short call of bench_attention.py --short
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--tokens", type=int, default=16384, help="B*N, as in bench_attention.py")
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--precision", default="fp4", choices=["fp4", "int8"])
+    ap.add_argument("--heads", default=None, metavar="HQ/HKV",
+                    help="query / key-value heads (default: 2048 / dim both, as bench_attention.py)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("e2e_timeline: needs a CUDA GPU")
@@ -40,19 +45,22 @@ def main() -> int:
 
     dtype = getattr(torch, args.dtype)
     D, N = args.dim, args.seq
-    H, B = 2048 // D, max(1, args.tokens // N)
+    B = max(1, args.tokens // N)
+    H, Hkv = (int(x) for x in args.heads.split("/")) if args.heads else (2048 // D, 2048 // D)
     g = torch.Generator(device="cuda").manual_seed(N + D)
-    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+    q = torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=g) for _ in range(2))
     timer = Timer()
     flush_buf = timer.flush_buf
 
     def call():
-        return fp4attn.sdpa(q, k, v, is_causal=args.causal)
+        return fp4attn.sdpa(q, k, v, is_causal=args.causal, enable_gqa=H != Hkv,
+                            precision=args.precision)
 
     for _ in range(3):
         call()
     torch.cuda.synchronize()
-    print(f"B={B} H={H} N={N} D={D} causal={args.causal} {args.dtype}")
+    print(f"{args.precision} B={B} H={H}/{Hkv} N={N} D={D} causal={args.causal} {args.dtype}")
 
     host = []
     for _ in range(20):
