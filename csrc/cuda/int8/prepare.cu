@@ -577,7 +577,7 @@ namespace {
 
 /* The statistics (kbar, s), then the quantized operands. */
 template <int DP, fp4attn_dtype kDt>
-void launch_quantize(const Int8Args &a, bool backward, cudaStream_t s) {
+void launch_kernels(const Int8Args &a, bool backward, cudaStream_t s) {
   const Int8Workspace &w = a.ws;
   const int64_t bhk = a.p.batch * a.p.heads_kv, bhq = a.p.batch * a.p.heads_q;
   stats_partial_kernel<kDt><<<(unsigned)(bhk * w.nkb + bhq * w.nqa), kThreads, 0, s>>>(a);
@@ -599,13 +599,13 @@ fp4attn_status launch_prepare(const Int8Args &a, bool backward, cudaStream_t s) 
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many blocks");
   switch (a.p.dtype) { /* the element type fixes the tiles' registers and conversions */
     case FP4ATTN_FLOAT16:
-      launch_quantize<DP, FP4ATTN_FLOAT16>(a, backward, s);
+      launch_kernels<DP, FP4ATTN_FLOAT16>(a, backward, s);
       break;
     case FP4ATTN_BFLOAT16:
-      launch_quantize<DP, FP4ATTN_BFLOAT16>(a, backward, s);
+      launch_kernels<DP, FP4ATTN_BFLOAT16>(a, backward, s);
       break;
     default:
-      launch_quantize<DP, FP4ATTN_FLOAT32>(a, backward, s);
+      launch_kernels<DP, FP4ATTN_FLOAT32>(a, backward, s);
   }
   if (backward) cudaMemsetAsync(w.dq_acc, 0, sizeof(float) * bhq * a.p.len_q * w.dp, s);
   return launch_status("int8 attention: prepare");
