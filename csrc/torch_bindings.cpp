@@ -1,5 +1,6 @@
 // The only file that sees torch: op schemas, argument checks, output allocation, and the calls
 // into the torch-free C API (fp4attn.h). Nothing here computes; kernels never see torch.
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -810,8 +811,11 @@ TORCH_LIBRARY_IMPL(fp4attn, CPU, m) {
   m.impl("int8_attention_backward", &int8_attention_backward);
 }
 
+// The backward has no derivative: differentiating it (double backward) raises instead of
+// returning zeros.
 TORCH_LIBRARY_IMPL(fp4attn, Autograd, m) {
   m.impl("int8_attention", &int8_attention_autograd);
+  m.impl("int8_attention_backward", torch::autograd::autogradNotImplementedFallback());
 }
 
 #ifdef FP4ATTN_WITH_CUDA

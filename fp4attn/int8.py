@@ -26,7 +26,6 @@ from . import _ops  # noqa: F401  (loads fp4attn._C, which defines the ops)
 from . import reference_int8
 
 int8_attention = torch.ops.fp4attn.int8_attention.default
-int8_attention_backward = torch.ops.fp4attn.int8_attention_backward.default
 
 
 @torch.library.register_fake("fp4attn::int8_attention")
@@ -40,10 +39,15 @@ def _int8_attention_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_ma
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def _refuse_kernel_request(cuda_kernel: str) -> None:
+    """As the C++ kernels refuse it on CPU tensors."""
+    if cuda_kernel != "auto":
+        raise RuntimeError(f"cuda_kernel '{cuda_kernel}' needs CUDA tensors")
+
+
 def _reference_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
                        scale: float, cuda_kernel: str = "auto") -> tuple[Tensor, Tensor]:
-    if cuda_kernel != "auto":
-        raise ValueError(f"cuda_kernel={cuda_kernel!r} needs CUDA tensors")
+    _refuse_kernel_request(cuda_kernel)
     out, lse = reference_int8.attention_forward(q, k, v, attn_mask, is_causal, scale)
     return out.to(q.dtype), lse
 
@@ -51,8 +55,7 @@ def _reference_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None
 def _reference_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
                         out: Tensor, lse: Tensor, attn_mask: Tensor | None, is_causal: bool,
                         scale: float, cuda_kernel: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
-    if cuda_kernel != "auto":
-        raise ValueError(f"cuda_kernel={cuda_kernel!r} needs CUDA tensors")
+    _refuse_kernel_request(cuda_kernel)
     dq, dk, dv = reference_int8.attention_backward(
         grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, grad_lse=grad_lse
     )

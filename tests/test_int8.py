@@ -412,8 +412,36 @@ def test_ops_registered_in_cpp_with_reference_kernels_for_other_devices():
                                                     0.25)
     want = fp4attn.int8._reference_backward(grad_out, None, q, k, v, out, lse, None, True, 0.25)
     assert all(cos(a, b) > 0.9999 for a, b in zip(got, want))
-    with pytest.raises(ValueError, match="cuda_kernel='sm90' needs CUDA tensors"):
+    with pytest.raises(RuntimeError, match="cuda_kernel 'sm90' needs CUDA tensors"):
         fp4attn.int8._reference_forward(q, k, v, None, True, 0.25, "sm90")
+
+
+def test_autograd_passes_the_kernel_request_and_refuses_double_backward():
+    """The C++ autograd hands the forward's cuda_kernel to the backward op (seen here on meta
+    tensors, which run the fake kernels), and a second derivative raises instead of giving zeros."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append((func, args))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (torch.randn(1, 4, 70, 32, device="meta", requires_grad=True) for _ in range(3))
+    with Calls() as calls:
+        out, _ = torch.ops.fp4attn.int8_attention(q, k, v, None, True, 0.125, "sm80")
+        out.sum().backward()
+    bwd = [a for f, a in calls.seen if f == torch.ops.fp4attn.int8_attention_backward.default]
+    assert len(bwd) == 1 and bwd[0][-1] == "sm80"
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    q, k, v = (t.requires_grad_() for t in make(1, 2, 1, 20, 30, 16, seed=12))
+    out, _ = torch.ops.fp4attn.int8_attention(q, k, v, None, True, 0.25)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="derivative|not implemented|autograd"):
+        torch.autograd.grad(dq.sum(), q)
 
 
 def test_torch_compile_fullgraph_forward_and_backward():

@@ -1,8 +1,9 @@
-"""Where the end-to-end time of one fp4attn.sdpa call goes on the GPU, beyond its kernels' own
-times (bench_attention.py's fp4attn column against fp4_kernel + fp4_prepass): a torch.profiler
-trace of calls made as the benchmark makes them (L2 flushed by a 256 MB write before each), with
-every GPU operation's start relative to the end of the flush, its duration and the idle gap before
-it; the host time of one call; and the same call timed eagerly and replayed from a CUDA graph.
+"""Where the end-to-end time of one fp4attn.sdpa call (FP4, or --precision int8) goes on the GPU,
+beyond its kernels' own times (bench_attention.py's end-to-end column against its kernel and
+pre-pass columns): a torch.profiler trace of calls made as the benchmark makes them (L2 flushed
+by a 256 MB write before each), with every GPU operation's start relative to the end of the
+flush, its duration and the idle gap before it; the host time of one call; and the same call
+timed eagerly and replayed from a CUDA graph.
 
   python tools/perf/e2e_timeline.py --dim 128 --seq 4096 --causal [--dtype bfloat16]
   python tools/perf/e2e_timeline.py --precision int8 --dim 128 --seq 512 --tokens 512 --heads 32/8 \
