@@ -215,6 +215,8 @@ def attention_forward(
     migrate_pow2: bool | None = None,
     p_max: str = "tile",
     v_block: int = BK,
+    p_exp: str = "fp32",
+    l_sum: str = "e",
 ) -> tuple[Tensor, Tensor]:
     """SPEC_INT8 2: ``(out, lse)``, out float32 ``[B, Hq, Nq, D]``, lse float32 ``[B, Hq, Nq]``
     (natural log of the scaled scores, the smoothing shift ``scale * q . kbar`` added back).
@@ -240,13 +242,31 @@ def attention_forward(
     key steps, docs/accuracy.md "INT8 P and V scales across key steps"): ``p_max="running"``
     codes P against the running row maximum, ``P^ = rne(255 exp(S - m_new))``, instead of the
     step's (``"tile"``, the spec); ``v_block`` keys per V scale and channel, a multiple of 128
-    (the spec) or 0 for one scale per channel over the whole sequence."""
+    (the spec) or 0 for one scale per channel over the whole sequence.
+
+    ``p_exp`` (accuracy study of a kernel that takes P's exponentials two per instruction,
+    ``ex2.approx.f16x2``; docs/accuracy.md "P's exponentials in FP16"): ``"fp32"`` (the spec)
+    or ``"fp16"``, E = fp16(exp2(fp16((S - t) log2 e))) (argument and result rounded to FP16,
+    the exponential itself exact), or ``"fp16-noisy"``, that E times (1 + u) with u uniform in
+    +-2^-9.9 (PTX's bound on ex2.approx.f16's relative error; drawn from a generator seeded 0 at
+    every call), then rounded to FP16 again. P^ is rne(255 E) of that E (exact in FP16
+    arithmetic: one FMA onto 1024) and l sums it in FP32. Forward only (attention_backward
+    recomputes P in FP32), with the spec's ``p_max="tile"``. ``l_sum="codes"`` (same study: a
+    kernel whose P^ V^ product also sums P^ on the tensor cores, a column of ones beside V^)
+    sums the row's codes / 255 into l instead of E (``"e"``, the spec)."""
     if q_block < 1 or k_block < 1:
         raise ValueError(f"q_block and k_block must be >= 1, got {q_block}, {k_block}")
     if p_max not in ("tile", "running"):
         raise ValueError(f'p_max must be "tile" or "running", got {p_max!r}')
     if v_block < 0 or v_block % BK:
         raise ValueError(f"v_block must be 0 or a multiple of {BK}, got {v_block}")
+    if p_exp not in ("fp32", "fp16", "fp16-noisy"):
+        raise ValueError(f'p_exp must be "fp32", "fp16" or "fp16-noisy", got {p_exp!r}')
+    if l_sum not in ("e", "codes"):
+        raise ValueError(f'l_sum must be "e" or "codes", got {l_sum!r}')
+    if p_exp != "fp32" and p_max != "tile":
+        raise ValueError(f'p_exp={p_exp!r} is modelled with p_max="tile" only, got {p_max!r}')
+    noise = torch.Generator().manual_seed(0) if p_exp == "fp16-noisy" else None
     mig = _migrate_kw(migrate, migrate_pow2)
     G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
     B, Hq, Nq, D = q.shape
@@ -262,8 +282,13 @@ def attention_forward(
     for j in range(-(-Nk // BK)):
         j0, j1 = j * BK, min((j + 1) * BK, Nk)
         s_j = ops.scores(j, scale, allowed, additive)
-        _, m_new, alpha, beta, e = _online_softmax_step(m, s_j)
-        l = alpha * l + beta * e.sum(dim=-1)
+        t, m_new, alpha, beta, e = _online_softmax_step(m, s_j)
+        if p_exp != "fp32":
+            e = _exp_fp16(s_j, t, noise)
+        if l_sum == "e":
+            l = alpha * l + beta * e.sum(dim=-1)
+        else:
+            l = alpha * l + beta * (torch.round(PMAX * e).sum(dim=-1) / PMAX)
         if p_max == "running":  # codes against the running maximum: no per-step factor
             e = torch.exp(s_j - torch.where(m_new == -math.inf, 0.0, m_new)[..., None])
             beta = torch.where(m_new == -math.inf, 0.0, 1.0)
@@ -274,6 +299,17 @@ def attention_forward(
     out, visible = _normalise(out, l)
     lse = torch.where(visible, m + torch.log(l) + _lse_shift(q32, ops.kbar, G, scale), -math.inf)
     return out, lse
+
+
+def _exp_fp16(s: Tensor, t: Tensor, noise: torch.Generator | None) -> Tensor:
+    """exp(s - t) as an FP16 exp2 of an FP16 argument computes it (float32 values); with `noise`,
+    the result's relative error drawn uniformly within ex2.approx.f16's bound 2^-9.9."""
+    x = ((s - torch.where(t == -math.inf, 0.0, t)[..., None]) * math.log2(math.e)).half()
+    e = torch.exp2(x.float()).half().float()
+    if noise is not None:
+        u = (torch.rand(e.shape, generator=noise, dtype=torch.float64) * 2 - 1) * 2.0 ** -9.9
+        e = (e.double() * (1 + u.to(e.device))).clamp(max=1.0).half().float()
+    return e
 
 
 def attention_backward(

@@ -152,6 +152,41 @@ def test_fold_options_p_against_the_running_max_and_coarser_v_scales():
                                                  v_block=0)[0])
 
 
+def test_fold_option_p_exponentials_in_fp16():
+    """reference_int8's p_exp (fp4attn.eval.int8_fold): E is an FP16 exp2 of an FP16 argument
+    (every E an FP16 value, P^ = rne(255 E) of it), within 2^-10 of the spec's E (absolutely:
+    E <= 1, and P's codes are absolute); the noisy
+    variant stays in [0, 1]; the report mode reaches it."""
+    q, k, v = _inputs()
+    s = torch.randn(2, 3, 128) * 4
+    t = s.amax(dim=-1)
+    e16 = R8._exp_fp16(s, t, None)
+    assert torch.equal(e16, e16.half().float()) and e16.max() <= 1.0
+    assert (e16 - torch.exp(s - t[..., None])).abs().max() <= 2.0 ** -10
+    noisy = R8._exp_fp16(s, t, torch.Generator().manual_seed(1))
+    assert noisy.max() <= 1.0 and not torch.equal(noisy, e16)
+    spec = R8.attention_forward(q, k, v, is_causal=True)
+    for p_exp in ("fp16", "fp16-noisy"):
+        out, lse = R8.attention_forward(q, k, v, is_causal=True, p_exp=p_exp)
+        assert not torch.equal(out, spec[0]) and metrics(out, spec[0])["cos"] > 0.99999, p_exp
+        assert torch.allclose(lse, spec[1], atol=1e-3)
+    with pytest.raises(ValueError, match="p_exp"):
+        R8.attention_forward(q, k, v, p_exp="bf16")
+    with pytest.raises(ValueError, match="p_max"):
+        R8.attention_forward(q, k, v, p_exp="fp16", p_max="running")
+    with pytest.raises(ValueError, match="l_sum"):
+        R8.attention_forward(q, k, v, l_sum="p")
+    # l from the codes (a sum of rne(255 E) / 255 instead of E): the output stays close
+    out, lse = R8.attention_forward(q, k, v, is_causal=True, p_exp="fp16", l_sum="codes")
+    assert metrics(out, spec[0])["cos"] > 0.9999 and torch.isfinite(out).all()
+    assert "codes" in RP.mode_label(RP.int8_granularity_mode(64, 128, p_exp="fp16", l_sum="codes"))
+    mode = RP.int8_granularity_mode(64, 128, p_exp="fp16")
+    assert "FP16" in RP.mode_label(mode).upper()
+    with RP.attention_mode(None, mode, "fp4attn"):
+        got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(got, R8.attention_forward(q, k, v, is_causal=True, p_exp="fp16")[0])
+
+
 @pytest.mark.parametrize("fix", G.OUTLIER_FIXES)
 def test_outlier_fixes_keep_qk(fix):
     q, k, _ = _inputs(Nq=40, Nk=40)

@@ -6,8 +6,10 @@ keys and channel, so the Hopper kernel folds its int32 P^ V^ accumulator into FP
 step (per thread and step at head dim 128: 64 output columns x convert, multiply, add, about a
 fifth of the consumer's instructions). Coding P against the running row maximum (as FP8
 FlashAttention does) and scaling V over more keys would let the int32 sum run until the row
-maximum grows or V's scale block ends. This driver measures what that costs in accuracy with the
-pure-PyTorch reference (``reference_int8.attention_forward(..., p_max=, v_block=)``), on the
+maximum grows or V's scale block ends. It also measures P's exponentials taken in FP16 (two per
+``ex2.approx.f16x2``) and l summed from P's codes (``p_exp=``, ``l_sum=``), which would cut the
+consumer's per-score instructions instead. This driver measures what each costs in accuracy with
+the pure-PyTorch reference (``reference_int8.attention_forward(..., p_max=, v_block=)``), on the
 models and text of ``int8_granularity``: per layer, cos against exact float64 attention on the
 Q/K/V captured on the first ``--tokens`` tokens; end to end, perplexity and KL with the variant in
 every layer. Writes ``docs/results/int8_fold.csv`` and ``int8_fold_layers.csv``.
@@ -28,14 +30,17 @@ from .. import reference_int8 as R8
 from . import int8_granularity as G
 from . import report as RP
 
-#: (label, p_max, v_block): the spec first.
+#: (label, p_max, v_block, p_exp, l_sum): the spec first.
 VARIANTS = [
-    ("SPEC_INT8 (P per step max, V per 128 keys)", "tile", 128),
-    ("P against the running max", "running", 128),
-    ("V per 512 keys", "tile", 512),
-    ("V per channel over the sequence", "tile", 0),
-    ("running max, V per 512 keys", "running", 512),
-    ("running max, V over the sequence", "running", 0),
+    ("SPEC_INT8 (P per step max, V per 128 keys)", "tile", 128, "fp32", "e"),
+    ("P against the running max", "running", 128, "fp32", "e"),
+    ("V per 512 keys", "tile", 512, "fp32", "e"),
+    ("V per channel over the sequence", "tile", 0, "fp32", "e"),
+    ("running max, V per 512 keys", "running", 512, "fp32", "e"),
+    ("running max, V over the sequence", "running", 0, "fp32", "e"),
+    ("P's exponentials in FP16 (ex2.f16x2)", "tile", 128, "fp16", "e"),
+    ("the same, error at PTX's bound 2^-9.9", "tile", 128, "fp16-noisy", "e"),
+    ("FP16 exponentials, l from P's codes", "tile", 128, "fp16", "codes"),
 ]
 DEFAULT_CSV = Path("docs/results/int8_fold.csv")
 
@@ -49,9 +54,10 @@ def layer_rows(calls, variants) -> list[dict]:
     for call in calls:
         exact = R.exact_attention(call.q, call.k, call.v, call.attn_mask, call.is_causal,
                                   call.scale, enable_gqa=True)
-        for label, p_max, v_block in variants:
+        for label, p_max, v_block, p_exp, l_sum in variants:
             out, _ = R8.attention_forward(call.q, call.k, call.v, call.attn_mask, call.is_causal,
-                                          call.scale, p_max=p_max, v_block=v_block)
+                                          call.scale, p_max=p_max, v_block=v_block, p_exp=p_exp,
+                                          l_sum=l_sum)
             met = R.metrics(out, exact)
             rows.append({"layer": call.layer, "variant": label, "cos": met["cos"],
                          "rel_l1": met["rel_l1"]})
@@ -64,16 +70,17 @@ def study(name: str, args) -> tuple[list[dict], list[dict]]:
     model, _, title, bos_id, ids, ppl_tokens, calls = G.capture_layers(name, args)
     per_layer = layer_rows(calls, VARIANTS)
     del calls
-    modes = {label: RP.int8_granularity_mode(R8.BQ, R8.BK, p, v) for label, p, v in VARIANTS}
+    modes = {label: RP.int8_granularity_mode(R8.BQ, R8.BK, *options) for label, *options in VARIANTS}
     e2e = (RP.perplexity(model, ids[:ppl_tokens], window=args.window,
                          modes=["exact", *modes.values()], backend="reference", bos_id=bos_id)
            if ppl_tokens > 1 else {})
     summary = []
-    for label, p_max, v_block in VARIANTS:
+    for label, p_max, v_block, p_exp, l_sum in VARIANTS:
         sel = [r for r in per_layer if r["variant"] == label]
         d = e2e.get(modes[label], {})
         summary.append({
             "model": name, "title": title, "variant": label, "p_max": p_max, "v_block": v_block,
+            "p_exp": p_exp, "l_sum": l_sum,
             "worst_cos": min(r["cos"] for r in sel),
             "layers_below_0.999": sum(not r["cos"] >= RP.INT8_COS_TARGET for r in sel),
             "layers": len(sel), "mean_cos": sum(r["cos"] for r in sel) / len(sel),

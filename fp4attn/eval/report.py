@@ -370,13 +370,18 @@ GEN_LABELS = {
 }
 
 
-def int8_granularity_mode(q_block: int, k_block: int, p_max: str = "tile", v_block: int = 128) -> str:
+def int8_granularity_mode(q_block: int, k_block: int, p_max: str = "tile", v_block: int = 128,
+                          p_exp: str = "fp32", l_sum: str = "e") -> str:
     """Mode name for the INT8 reference with Q scales per ``q_block`` rows and K scales per
     ``k_block`` keys (SPEC_INT8: 64 and 128; see fp4attn.eval.int8_granularity), and optionally
-    P coded against the running maximum (``p_max="running"``) or V scales per ``v_block`` keys
-    (0: the whole sequence); see reference_int8.attention_forward."""
+    P coded against the running maximum (``p_max="running"``), V scales per ``v_block`` keys
+    (0: the whole sequence), P's exponentials in FP16 (``p_exp``) or l from P's codes
+    (``l_sum``); see
+    reference_int8.attention_forward."""
     return (f"int8ref:q{q_block}k{k_block}" + (f":p={p_max}" if p_max != "tile" else "")
-            + (f":v={v_block}" if v_block != 128 else ""))
+            + (f":v={v_block}" if v_block != 128 else "")
+            + (f":e={p_exp}" if p_exp != "fp32" else "")
+            + (f":l={l_sum}" if l_sum != "e" else ""))
 
 
 def _parse_int8_granularity(mode: str) -> dict:
@@ -389,6 +394,10 @@ def _parse_int8_granularity(mode: str) -> dict:
             kw["p_max"] = value
         elif name == "v":
             kw["v_block"] = int(value)
+        elif name == "e":
+            kw["p_exp"] = value
+        elif name == "l":
+            kw["l_sum"] = value
         else:
             raise ValueError(f"unknown INT8 reference option {opt!r} in mode {mode!r}")
     return kw
@@ -399,7 +408,9 @@ def mode_label(mode: str) -> str:
         g = _parse_int8_granularity(mode)
         extra = ("" if g.get("p_max", "tile") == "tile" else ", P against the running max") + (
             "" if g.get("v_block", 128) == 128 else
-            f", V per {g['v_block'] or 'all'} keys")
+            f", V per {g['v_block'] or 'all'} keys") + (
+            "" if g.get("p_exp", "fp32") == "fp32" else f", P's exponentials in {g['p_exp']}") + (
+            "" if g.get("l_sum", "e") == "e" else ", l from P's codes")
         return f"INT8 reference, Q per {g['q_block']} rows, K per {g['k_block']} keys{extra}"
     if mode.startswith("variant:"):
         return f"{METHODS[mode.split(':', 1)[1]][0]}, every layer (reference)"
