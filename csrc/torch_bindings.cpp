@@ -496,12 +496,9 @@ class Int8AttentionFunction : public torch::autograd::Function<Int8AttentionFunc
                                                 const c10::optional<at::Tensor> &attn_mask,
                                                 bool is_causal, double scale,
                                                 const std::string &cuda_kernel) {
-    static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("fp4attn::int8_attention", "")
-            .typed<std::tuple<at::Tensor, at::Tensor>(
-                const at::Tensor &, const at::Tensor &, const at::Tensor &,
-                const c10::optional<at::Tensor> &, bool, double, c10::string_view)>();
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("fp4attn::int8_attention", "")
+                               .typed<decltype(int8_attention)>();
     at::Tensor out, lse;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;

@@ -264,8 +264,9 @@ def attention_forward(
         raise ValueError(f'p_exp must be "fp32", "fp16" or "fp16-noisy", got {p_exp!r}')
     if l_sum not in ("e", "codes"):
         raise ValueError(f'l_sum must be "e" or "codes", got {l_sum!r}')
-    if p_exp != "fp32" and p_max != "tile":
-        raise ValueError(f'p_exp={p_exp!r} is modelled with p_max="tile" only, got {p_max!r}')
+    if (p_exp != "fp32" or l_sum != "e") and p_max != "tile":
+        raise ValueError(f'p_exp={p_exp!r}, l_sum={l_sum!r} are modelled with p_max="tile" only, '
+                         f'got {p_max!r}')
     noise = torch.Generator().manual_seed(0) if p_exp == "fp16-noisy" else None
     mig = _migrate_kw(migrate, migrate_pow2)
     G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
@@ -285,14 +286,12 @@ def attention_forward(
         t, m_new, alpha, beta, e = _online_softmax_step(m, s_j)
         if p_exp != "fp32":
             e = _exp_fp16(s_j, t, noise)
-        if l_sum == "e":
-            l = alpha * l + beta * e.sum(dim=-1)
-        else:
-            l = alpha * l + beta * (torch.round(PMAX * e).sum(dim=-1) / PMAX)
+        p = torch.round(PMAX * e)  # per-row unsigned 8-bit P, amax = 1
+        l = alpha * l + beta * (e.sum(dim=-1) if l_sum == "e" else p.sum(dim=-1) / PMAX)
         if p_max == "running":  # codes against the running maximum: no per-step factor
             e = torch.exp(s_j - torch.where(m_new == -math.inf, 0.0, m_new)[..., None])
             beta = torch.where(m_new == -math.inf, 0.0, 1.0)
-        p = torch.round(PMAX * e)  # per-row unsigned 8-bit P, amax = 1
+            p = torch.round(PMAX * e)
         pv = _mm64(p, ops.vc[:, :, j0:j1]) * ops.sv[:, :, j, None, :]
         out = alpha[..., None] * out + _div_rn(beta, PMAX)[..., None] * pv
         m = m_new

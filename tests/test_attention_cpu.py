@@ -90,14 +90,23 @@ def test_fully_masked_rows_give_zero():
     assert lse[0, 0, 3] == -math.inf and torch.isfinite(lse[0, 0, :3]).all()
 
 
-def test_3d_and_5d_inputs():
+@pytest.mark.parametrize("precision", ["fp4", "int8"])
+def test_3d_and_5d_inputs(precision):
+    """Leading dims other than [B, H] are folded into the batch and restored, out and lse alike."""
     q, k, v = make_qkv(1, 2, 2, 40, 50, 32)
-    out3 = fp4attn.sdpa(q[0], k[0], v[0])
-    torch.testing.assert_close(out3, fp4attn.sdpa(q, k, v)[0])
+    out4, lse4 = fp4attn.sdpa(q, k, v, return_lse=True, precision=precision)
+    out3, lse3 = fp4attn.sdpa(q[0], k[0], v[0], return_lse=True, precision=precision)
+    assert out3.shape == (2, 40, 32) and lse3.shape == (2, 40)
+    assert torch.equal(out3, out4[0]) and torch.equal(lse3, lse4[0])
+    assert torch.equal(fp4attn.sdpa(q[0], k[0], v[0], precision=precision), out4[0])
     q5, k5, v5 = (t.unsqueeze(0).expand(2, *t.shape) for t in (q, k, v))
-    out5 = fp4attn.sdpa(q5, k5, v5)
-    assert out5.shape == (2, 1, 2, 40, 32)
-    torch.testing.assert_close(out5[1], fp4attn.sdpa(q, k, v))
+    mask = torch.rand(2, 1, 2, 40, 50, generator=torch.Generator().manual_seed(3)) > 0.3
+    out5, lse5 = fp4attn.sdpa(q5, k5, v5, attn_mask=mask, return_lse=True, precision=precision)
+    assert out5.shape == (2, 1, 2, 40, 32) and lse5.shape == (2, 1, 2, 40)
+    for i in range(2):
+        want, want_lse = fp4attn.sdpa(q, k, v, attn_mask=mask[i], return_lse=True,
+                                      precision=precision)
+        assert torch.equal(out5[i], want) and torch.equal(lse5[i], want_lse)
 
 
 def test_noncontiguous_bnhd_layout():

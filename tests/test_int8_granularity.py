@@ -176,6 +176,8 @@ def test_fold_option_p_exponentials_in_fp16():
         R8.attention_forward(q, k, v, p_exp="fp16", p_max="running")
     with pytest.raises(ValueError, match="l_sum"):
         R8.attention_forward(q, k, v, l_sum="p")
+    with pytest.raises(ValueError, match="p_max"):
+        R8.attention_forward(q, k, v, l_sum="codes", p_max="running")
     # l from the codes (a sum of rne(255 E) / 255 instead of E): the output stays close
     out, lse = R8.attention_forward(q, k, v, is_causal=True, p_exp="fp16", l_sum="codes")
     assert metrics(out, spec[0])["cos"] > 0.9999 and torch.isfinite(out).all()
