@@ -540,6 +540,35 @@ def test_cuda_kernels_migrate_channel_outliers(case, dtype, kernel):
     check_migration_against_reference(case, dtype, "cuda", kernel)
 
 
+def q_outlier_in_last_rows(device, kernel="auto"):
+    """A Q channel outlier (x100) only in the last 60 rows of one query head of a GQA pair, past
+    the last full 128-row block of the statistics pass: qa_c, and so s_c, must see it. Returns the
+    output's rel_l1 against the reference and against the reference without the migration."""
+    q, k, v = make(1, 4, 2, 700, 520, 128, seed=4)
+    q[:, 3, 640:, 7] *= 100.0
+    scale = 128 ** -0.5
+    ref, _ = R8.attention_forward(q, k, v, None, False, scale)
+    before, _ = R8.attention_forward(q, k, v, None, False, scale, migrate=None)
+    qd, kd, vd = (t.to(device) for t in (q, k, v))
+    out, _ = torch.ops.fp4attn.int8_attention(qd, kd, vd, None, False, scale, kernel)
+    out = out.cpu()
+    return rel_l1(out, ref), rel_l1(out, before)
+
+
+def test_q_outlier_in_the_last_rows_reaches_the_migration():
+    err, err_before = q_outlier_in_last_rows("cpu")
+    assert err < 2e-3 and err < 0.05 * err_before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+def test_cuda_q_outlier_in_the_last_rows_reaches_the_migration(kernel):
+    skip_unless_kernel_runs(kernel, 128)
+    err, err_before = q_outlier_in_last_rows("cuda", kernel)
+    assert err < 2e-3 and err < 0.05 * err_before
+
+
 SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 
 

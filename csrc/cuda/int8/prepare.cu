@@ -204,33 +204,59 @@ __global__ void __launch_bounds__(kThreads) stats_partial_kernel(const Int8Args 
     q_amax_partial<kDt>(a, blockIdx.x - k_blocks, part);
 }
 
-/* kbar, and SPEC_INT8 2.1b's s and 1 / s, of one (batch, KV head). */
+/* kbar_final's blocks: kFinChannels channels x kFinLanes lanes of one (batch, KV head). The
+ * order-free reductions (K's column max and min, Q's amax) are spread over the lanes; kbar's sum
+ * stays in key-block order in one thread per channel, from chunks of partials the lanes stage in
+ * shared memory (a thread walking them alone waits a memory latency per few partials). */
+constexpr int kFinChannels = 16, kFinLanes = kThreads / kFinChannels, kFinChunk = 64;
+
+/* kbar, and SPEC_INT8 2.1b's s and 1 / s, of kFinChannels channels of one (batch, KV head). */
 __global__ void __launch_bounds__(kThreads) kbar_final_kernel(const Int8Args a) {
+  __shared__ float sums[kFinChunk][kFinChannels];
+  __shared__ float red[3][kFinLanes][kFinChannels];
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
-  const int64_t bhk = blockIdx.x, G = p.heads_q / p.heads_kv;
+  const int64_t groups = w.dp / kFinChannels, bhk = blockIdx.x / groups;
+  const int ch = threadIdx.x % kFinChannels, lane = threadIdx.x / kFinChannels;
+  const int64_t d = (blockIdx.x % groups) * kFinChannels + ch, G = p.heads_q / p.heads_kv;
   const int64_t bh0 = (bhk / p.heads_kv) * p.heads_q + (bhk % p.heads_kv) * G; /* 1st query head */
-  for (int d = threadIdx.x; d < w.dp; d += kThreads) {
-    float s = 0.0f, hi = -INFINITY, lo = INFINITY;
-#pragma unroll 8 /* loads in flight together; the sum stays in order */
-    for (int64_t j = 0; j < w.nkb; ++j) {
-      const int64_t at = (bhk * w.nkb + j) * w.dp + d;
-      s += w.kbar_part[at];
-      hi = fmaxf(hi, w.kmax_part[at]);
+  float s = 0.0f, hi = -INFINITY, lo = INFINITY, qa = 0.0f;
+  for (int64_t j0 = 0; j0 < w.nkb; j0 += kFinChunk) {
+    const int n = (int)min((int64_t)kFinChunk, w.nkb - j0);
+#pragma unroll
+    for (int u = 0; u < kFinChunk / kFinLanes; ++u) {
+      const int jj = lane + u * kFinLanes;
+      if (jj >= n) break;
+      const int64_t at = (bhk * w.nkb + j0 + jj) * w.dp + d;
+      sums[jj][ch] = w.kbar_part[at];
+      hi = fmaxf(hi, w.kmax_part[at]); /* a NaN makes kbar, and so ka, NaN */
       lo = fminf(lo, w.kmin_part[at]);
     }
-    float qa = 0.0f;
-#pragma unroll 8
-    for (int64_t e = 0; e < G * w.nqa; ++e)
-      qa = amax_u(qa, w.qa_part[(bh0 * w.nqa + e) * w.dp + d]);
-    const float kbar = d < p.head_dim ? s / (float)p.len_k : 0.0f;
-    const float mig =
-        d < p.head_dim ? fp4attn_int8_migration_factor(qa, fp4attn_int8_migration_ka(hi, lo, kbar))
-                       : 1.0f;
-    w.kbar[bhk * w.dp + d] = kbar;
-    w.mig[bhk * w.dp + d] = mig;
-    w.mig_inv[bhk * w.dp + d] = __frcp_rn(mig); /* exact: a power of two in [2^-63, 2^64] */
+    __syncthreads();
+    if (lane == 0)
+      for (int jj = 0; jj < n; ++jj) s += sums[jj][ch];
+    __syncthreads();
   }
+#pragma unroll 8 /* loads in flight together */
+  for (int64_t e = lane; e < G * w.nqa; e += kFinLanes)
+    qa = amax_u(qa, w.qa_part[(bh0 * w.nqa + e) * w.dp + d]);
+  red[0][lane][ch] = hi;
+  red[1][lane][ch] = lo;
+  red[2][lane][ch] = qa;
+  __syncthreads();
+  if (lane != 0) return;
+  for (int l = 1; l < kFinLanes; ++l) {
+    hi = fmaxf(hi, red[0][l][ch]);
+    lo = fminf(lo, red[1][l][ch]);
+    qa = amax_u(qa, red[2][l][ch]);
+  }
+  const float kbar = d < p.head_dim ? s / (float)p.len_k : 0.0f;
+  const float mig =
+      d < p.head_dim ? fp4attn_int8_migration_factor(qa, fp4attn_int8_migration_ka(hi, lo, kbar))
+                     : 1.0f;
+  w.kbar[bhk * w.dp + d] = kbar;
+  w.mig[bhk * w.dp + d] = mig;
+  w.mig_inv[bhk * w.dp + d] = __frcp_rn(mig); /* exact: a power of two in [2^-63, 2^64] */
 }
 
 /* A tile of kRows rows of one (batch, head) matrix held in registers, 32 values per thread:
@@ -310,9 +336,17 @@ struct RegTile {
     }
   }
 
-  /* Codes psi(v, r[channel]) transposed into the shared tile t [DP][kRows]: natural row order, or
-   * perm16 order within every 16 rows (row k of a group at position 4 ((k % 8) / 2) + k % 2 +
-   * (k >= 8 ? 2 : 0), the inverse of perm16). */
+  /* Byte offset in a shared transposed tile [DP][kRows] of 16-row group g of column x: the
+   * groups of a column permuted by XOR with x / 8, so that the kGroups threads of a row, 8
+   * columns apart, store into different banks (unpermuted, every column starts at bank 0:
+   * kGroups-way conflicts). copy_transposed undoes it. */
+  static __device__ __forceinline__ int swizzled(int x, int g) {
+    return x * kRows + 16 * (g ^ ((x >> 3) & (kRows / 16 - 1)));
+  }
+
+  /* Codes psi(v, r[channel]) transposed into the shared tile t [DP][kRows] (swizzled): natural
+   * row order, or perm16 order within every 16 rows (row k of a group at position
+   * 4 ((k % 8) / 2) + k % 2 + (k >= 8 ? 2 : 0), the inverse of perm16). */
   template <bool kPerm, typename F, typename R>
   __device__ void codes_transposed(int8_t *t, F f, R r) const {
 #pragma unroll
@@ -320,7 +354,7 @@ struct RegTile {
       const float re = r(c + e);
       const int c0 = code_s8(f(0, e), re), c1 = code_s8(f(1, e), re), c2 = code_s8(f(2, e), re),
                 c3 = code_s8(f(3, e), re);
-      int8_t *col = t + (c + e) * kRows;
+      int8_t *col = t + swizzled(c + e, row0 / 16) - (row0 & ~15); /* + row0's own position */
       if (kPerm) {
         const int k = row0 % 16, at = (row0 - k) + 4 * ((k % 8) / 2) + (k >= 8 ? 2 : 0);
         *reinterpret_cast<uint16_t *>(col + at) = (uint16_t)pack_s8x4(c0, c1, 0, 0);
@@ -329,6 +363,13 @@ struct RegTile {
         *reinterpret_cast<uint32_t *>(col + row0) = pack_s8x4(c0, c1, c2, c3);
       }
     }
+  }
+
+  /* A shared tile codes_transposed wrote -> global [DP][kRows], 16 bytes per thread and step */
+  static __device__ __forceinline__ void copy_transposed(int8_t *dst, const int8_t *t) {
+    for (int i = 16 * threadIdx.x; i < DP * kRows; i += 16 * kThreads)
+      *reinterpret_cast<uint4 *>(dst + i) =
+          *reinterpret_cast<const uint4 *>(t + swizzled(i / kRows, (i % kRows) / 16));
   }
 };
 
@@ -374,13 +415,6 @@ __device__ void channel_factors(const T &t, float *red, float *chan_r, float *sc
     scales[d] = s;
   }
   __syncthreads();
-}
-
-/* bytes shared tile -> global, 16 bytes per thread and step (n a multiple of 16) */
-template <int kThreads>
-__device__ __forceinline__ void copy_out(int8_t *dst, const int8_t *src, int n) {
-  for (int i = 16 * threadIdx.x; i < n; i += 16 * kThreads)
-    *reinterpret_cast<uint4 *>(dst + i) = *reinterpret_cast<const uint4 *>(src + i);
 }
 
 template <int DP, fp4attn_dtype kDt>
@@ -433,7 +467,7 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
     if (!backward) return;
     t.template codes_transposed<false>(codes, ks, [&](int) { return r; });
     __syncthreads();
-    copy_out<T::kThreads>(w.kct + (bhk * w.nkb + j) * DP * kBK8, codes, DP * kBK8);
+    T::copy_transposed(w.kct + (bhk * w.nkb + j) * DP * kBK8, codes);
     return;
   }
   t.load(p.v, b * p.v_stride[0] + hk * p.v_stride[1] + n0 * p.v_stride[2], p.v_stride[2], rows, D,
@@ -446,7 +480,7 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
   t.template codes_transposed<true>(
       codes, [&](int i, int e) { return t.v[i][e]; }, [&](int d) { return chan_r[d]; });
   __syncthreads();
-  copy_out<T::kThreads>(w.vct + (bhk * w.nkb + j) * DP * kBK8, codes, DP * kBK8);
+  T::copy_transposed(w.vct + (bhk * w.nkb + j) * DP * kBK8, codes);
 }
 
 /* One 64-row block of one (batch, query head): the lse's shift of the unmigrated q, Q^ (and its
@@ -485,7 +519,7 @@ __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads)
   if (!backward) return;
   t.template codes_transposed<true>(codes, qs, [&](int) { return rq; });
   __syncthreads();
-  copy_out<T::kThreads>(w.qct + (bh * w.nqb + i) * DP * kBQ8, codes, DP * kBQ8);
+  T::copy_transposed(w.qct + (bh * w.nqb + i) * DP * kBQ8, codes);
 }
 
 /* One 64-row block of one (batch, query head) of dO: Drow and the smoothed lse per row, dO^ per
@@ -531,8 +565,7 @@ __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads) prepare_do_kernel(co
       reinterpret_cast<int8_t *>(buf), [&](int r, int e) { return t.v[r][e]; },
       [&](int d) { return chan_r[d]; });
   __syncthreads();
-  copy_out<T::kThreads>(w.doct + (bh * w.nqb + i) * DP * kBQ8, reinterpret_cast<int8_t *>(buf),
-                        DP * kBQ8);
+  T::copy_transposed(w.doct + (bh * w.nqb + i) * DP * kBQ8, reinterpret_cast<int8_t *>(buf));
 }
 
 /* dQ = dQ' s + scale * dlse kbar (SPEC_INT8 3; no correction without dlse or where the row sees no
@@ -581,7 +614,7 @@ void launch_kernels(const Int8Args &a, bool backward, cudaStream_t s) {
   const Int8Workspace &w = a.ws;
   const int64_t bhk = a.p.batch * a.p.heads_kv, bhq = a.p.batch * a.p.heads_q;
   stats_partial_kernel<kDt><<<(unsigned)(bhk * w.nkb + bhq * w.nqa), kThreads, 0, s>>>(a);
-  kbar_final_kernel<<<(unsigned)bhk, kThreads, 0, s>>>(a);
+  kbar_final_kernel<<<(unsigned)(bhk * (w.dp / kFinChannels)), kThreads, 0, s>>>(a);
   quantize_kv_kernel<DP, kDt>
       <<<(unsigned)(2 * bhk * w.nkb), KvTile<DP, kDt>::kThreads, 0, s>>>(a, backward);
   quantize_q_kernel<DP, kDt>
