@@ -251,9 +251,9 @@ __global__ void __launch_bounds__(kThreads) kbar_final_kernel(const Int8Args a) 
     qa = amax_u(qa, red[2][l][ch]);
   }
   const float kbar = d < p.head_dim ? s / (float)p.len_k : 0.0f;
-  const float mig =
-      d < p.head_dim ? fp4attn_int8_migration_factor(qa, fp4attn_int8_migration_ka(hi, lo, kbar))
-                     : 1.0f;
+  const float mig = d < p.head_dim
+                        ? fp4attn_int8_migration_factor(qa, fp4attn_int8_migration_ka(hi, lo, kbar))
+                        : 1.0f;
   w.kbar[bhk * w.dp + d] = kbar;
   w.mig[bhk * w.dp + d] = mig;
   w.mig_inv[bhk * w.dp + d] = __frcp_rn(mig); /* exact: a power of two in [2^-63, 2^64] */
