@@ -21,8 +21,8 @@ from torch import Tensor
 from .reference import (_as_float32, _check_qkv, _div_rn, _mask_bias, _mask_scores, _normalise,
                         _online_softmax_step)
 
-__all__ = ["BK", "BKS", "BQ", "PMAX", "QMAX", "attention_backward", "attention_forward",
-           "channel_migration", "psi"]
+__all__ = ["BK", "BKS", "BQ", "E4M3_MAX", "PMAX", "QMAX", "attention_backward",
+           "attention_forward", "channel_migration", "psi", "psi_e4m3"]
 
 #: Query rows per INT8 block (one scale for Q^ per block; the backward's row blocks).
 BQ = 64
@@ -34,6 +34,9 @@ BKS = 64
 QMAX = 127.0
 #: Largest code of the forward's P (unsigned bytes: P is never negative).
 PMAX = 255.0
+#: Largest finite FP8 e4m3 (``torch.float8_e4m3fn``) value: the scale of P and V in FP8
+#: (``attention_forward(..., pv="fp8")``, an accuracy study; not SPEC_INT8).
+E4M3_MAX = 448.0
 
 
 def psi(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
@@ -47,6 +50,25 @@ def psi(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     scale = torch.where(flush, 0.0, _div_rn(amax, QMAX))
     codes = torch.clamp(torch.round(x * torch.where(flush, 0.0, recip)), -QMAX, QMAX)
     return codes, scale
+
+
+def _e4m3(x: Tensor) -> Tensor:
+    """x (float32) rounded to FP8 e4m3 (round to nearest even, subnormals kept; |x| <= 448), as
+    float32 values."""
+    return x.to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def psi_e4m3(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """``psi`` with FP8 e4m3 codes (accuracy study, ``attention_forward(..., pv="fp8")``): per
+    group, ``scale = amax / 448`` and ``codes = e4m3(x / scale)`` (both divisions correctly
+    rounded float32, codes clamped to +-448, as a saturating conversion would). Where the scale
+    is 0 (amax 0, or so small that amax / 448 underflows) scale and codes are 0, as psi flushes;
+    NaN propagates. Returns (codes as float32 values, scales)."""
+    amax = x.abs().amax(dim=dims, keepdim=True)
+    scale = _div_rn(amax, E4M3_MAX)
+    flush = scale == 0
+    codes = _e4m3(torch.clamp(_div_rn(x, torch.where(flush, 1.0, scale)), -E4M3_MAX, E4M3_MAX))
+    return torch.where(flush, 0.0, codes), scale
 
 
 def _migrate_kw(migrate: float | None, migrate_pow2: bool | None) -> dict:
@@ -135,7 +157,7 @@ class _Quantized:
 
     def __init__(self, q32: Tensor, k32: Tensor, v32: Tensor, G: int, q_block: int = BQ,
                  k_block: int = BK, migrate: float | None = 0.5, migrate_pow2: bool = True,
-                 v_block: int = BK):
+                 v_block: int = BK, pv: str = "int8"):
         B, Hq, Nq, D = q32.shape
         Nk = k32.shape[2]
         self.kbar = k32.mean(dim=2, keepdim=True)  # [B, Hkv, 1, D]
@@ -147,9 +169,10 @@ class _Quantized:
             ks = _div_rn(ks, self.mig)
         qc, sq = psi(_blocks(q32, q_block), (3, 4))  # per q_block rows (SPEC: 64)
         kc, sk = psi(_blocks(ks, k_block), (3, 4))  # per k_block keys (SPEC: 128)
-        # per v_block keys (SPEC: 128; 0: the whole sequence) and channel
+        # per v_block keys (SPEC: 128; 0: the whole sequence) and channel; INT8 (the spec) or
+        # FP8 e4m3 codes (pv="fp8", forward only)
         vb = v_block or -(-Nk // BK) * BK
-        vc, sv = psi(_blocks(v32, vb), (3,))
+        vc, sv = (psi if pv == "int8" else psi_e4m3)(_blocks(v32, vb), (3,))
         sv = sv.repeat_interleave(vb // BK, dim=2)  # one per 128-key softmax step
         vc = vc.reshape(*vc.shape[:2], -1, BK, D)
         nqb, nkb, nvb = qc.shape[2], kc.shape[2], -(-Nk // BK)
@@ -217,6 +240,7 @@ def attention_forward(
     v_block: int = BK,
     p_exp: str = "fp32",
     l_sum: str = "e",
+    pv: str = "int8",
 ) -> tuple[Tensor, Tensor]:
     """SPEC_INT8 2: ``(out, lse)``, out float32 ``[B, Hq, Nq, D]``, lse float32 ``[B, Hq, Nq]``
     (natural log of the scaled scores, the smoothing shift ``scale * q . kbar`` added back).
@@ -253,7 +277,20 @@ def attention_forward(
     arithmetic: one FMA onto 1024) and l sums it in FP32. Forward only (attention_backward
     recomputes P in FP32), with the spec's ``p_max="tile"``. ``l_sum="codes"`` (same study: a
     kernel whose P^ V^ product also sums P^ on the tensor cores, a column of ones beside V^)
-    sums the row's codes / 255 into l instead of E (``"e"``, the spec)."""
+    sums the row's codes / 255 into l instead of E (``"e"``, the spec).
+
+    ``pv`` (accuracy study of a kernel that multiplies P.V in FP8 e4m3, as SageAttention2 does;
+    docs/accuracy.md "INT8 P and V scales across key steps"): ``"int8"`` (the spec, above) or
+    ``"fp8"``: per 128-key step ``P~ = e4m3(448 E)``, E as the spec computes it (against the
+    step's row maximum t; E <= 1, so nothing saturates; FP32 product, then one round to nearest
+    even), ``V~ = e4m3(V / sV8)`` with ``sV8 = amax / 448`` per channel over the ``v_block`` keys
+    (``psi_e4m3``), the product ``P~ V~`` exact (float64) and rounded once to FP32, folded as
+    ``O = alpha O + (exp(t - m_new) / 448) (P~ V~ * sV8)``; l sums E (``l_sum="e"``). With
+    ``p_max="running"``, ``P~ = e4m3(448 exp(S - m_new))`` and the fold is
+    ``O = alpha O + (P~ V~ * sV8) / 448`` (FP8 FlashAttention's form: no per-step factor). Hopper's
+    FP8 wgmma accumulates with fewer bits than FP32 (and the kernel would accumulate across steps
+    in its registers); that is not modelled. Forward only (attention_backward is the spec's), with
+    ``p_exp="fp32"`` and ``l_sum="e"``."""
     if q_block < 1 or k_block < 1:
         raise ValueError(f"q_block and k_block must be >= 1, got {q_block}, {k_block}")
     if p_max not in ("tile", "running"):
@@ -267,6 +304,11 @@ def attention_forward(
     if (p_exp != "fp32" or l_sum != "e") and p_max != "tile":
         raise ValueError(f'p_exp={p_exp!r}, l_sum={l_sum!r} are modelled with p_max="tile" only, '
                          f'got {p_max!r}')
+    if pv not in ("int8", "fp8"):
+        raise ValueError(f'pv must be "int8" or "fp8", got {pv!r}')
+    if pv == "fp8" and (p_exp != "fp32" or l_sum != "e"):
+        raise ValueError(f'pv="fp8" is modelled with p_exp="fp32" and l_sum="e" only, got '
+                         f'p_exp={p_exp!r}, l_sum={l_sum!r}')
     noise = torch.Generator().manual_seed(0) if p_exp == "fp16-noisy" else None
     mig = _migrate_kw(migrate, migrate_pow2)
     G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
@@ -277,7 +319,8 @@ def attention_forward(
     lse = q32.new_full((B, Hq, Nq), -math.inf)
     if 0 in (B, Hq, Nq, Nk):
         return out, lse
-    ops = _Quantized(q32, k32, v32, G, q_block, k_block, **mig, v_block=v_block)
+    ops = _Quantized(q32, k32, v32, G, q_block, k_block, **mig, v_block=v_block, pv=pv)
+    pmax = PMAX if pv == "int8" else E4M3_MAX
     m = q32.new_full((B, Hq, Nq), -math.inf)
     l = q32.new_zeros(B, Hq, Nq)
     for j in range(-(-Nk // BK)):
@@ -286,14 +329,15 @@ def attention_forward(
         t, m_new, alpha, beta, e = _online_softmax_step(m, s_j)
         if p_exp != "fp32":
             e = _exp_fp16(s_j, t, noise)
-        p = torch.round(PMAX * e)  # per-row unsigned 8-bit P, amax = 1
+        # per-row P: unsigned 8-bit codes (amax 255) or FP8 e4m3 values (amax 448)
+        p = torch.round(PMAX * e) if pv == "int8" else _e4m3(E4M3_MAX * e)
         l = alpha * l + beta * (e.sum(dim=-1) if l_sum == "e" else p.sum(dim=-1) / PMAX)
         if p_max == "running":  # codes against the running maximum: no per-step factor
             e = torch.exp(s_j - torch.where(m_new == -math.inf, 0.0, m_new)[..., None])
             beta = torch.where(m_new == -math.inf, 0.0, 1.0)
-            p = torch.round(PMAX * e)
-        pv = _mm64(p, ops.vc[:, :, j0:j1]) * ops.sv[:, :, j, None, :]
-        out = alpha[..., None] * out + _div_rn(beta, PMAX)[..., None] * pv
+            p = torch.round(PMAX * e) if pv == "int8" else _e4m3(E4M3_MAX * e)
+        acc = _mm64(p, ops.vc[:, :, j0:j1]) * ops.sv[:, :, j, None, :]
+        out = alpha[..., None] * out + _div_rn(beta, pmax)[..., None] * acc
         m = m_new
     out, visible = _normalise(out, l)
     lse = torch.where(visible, m + torch.log(l) + _lse_shift(q32, ops.kbar, G, scale), -math.inf)

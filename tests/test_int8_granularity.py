@@ -24,8 +24,8 @@ class _SpecQuantized:
     to reproduce (with ``migrate=None``)."""
 
     def __init__(self, q32, k32, v32, G, q_block=64, k_block=128, migrate=None, migrate_pow2=None,
-                 v_block=128):
-        assert (q_block, k_block, migrate, v_block) == (64, 128, None, 128)
+                 v_block=128, pv="int8"):
+        assert (q_block, k_block, migrate, v_block, pv) == (64, 128, None, 128, "int8")
         B, Hq, Nq, D = q32.shape
         Nk = k32.shape[2]
         BQ, BK = 64, 128
@@ -187,6 +187,70 @@ def test_fold_option_p_exponentials_in_fp16():
     with RP.attention_mode(None, mode, "fp4attn"):
         got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert torch.equal(got, R8.attention_forward(q, k, v, is_causal=True, p_exp="fp16")[0])
+
+
+def test_fold_option_pv_in_fp8(monkeypatch):
+    """reference_int8's pv (fp4attn.eval.int8_fold): "int8" is the spec bit for bit; "fp8" codes
+    P and V as FP8 e4m3 values (round to nearest even; V per block and channel, amax -> 448, a
+    zero block gives scale 0 and codes 0), folds P~ V~ as documented, differs from the spec but
+    stays close (this case: cos 0.99948 against exact, 0.99992 for the spec); bad values raise;
+    the report mode reaches it."""
+    q, k, v = _inputs()
+    exact = exact_attention(q, k, v, is_causal=True, enable_gqa=True)
+    spec = R8.attention_forward(q, k, v, is_causal=True)
+    assert all(torch.equal(a, b) for a, b in zip(
+        spec, R8.attention_forward(q, k, v, is_causal=True, pv="int8")))
+    x = torch.tensor([1.0625, 1.1875, 304.0, 2.0**-10, 3 * 2.0**-11, -448.0])  # ties to even
+    assert R8._e4m3(x).tolist() == [1.0, 1.25, 320.0, 0.0, 2.0**-9, -448.0]
+    # V~: e4m3 values, amax 448 per (128 keys, channel), within e4m3's half ulp of V / sV8
+    v0 = v.clone()
+    v0[0, 1, 128:256] = 0.0  # a zero block
+    codes, sc = R8.psi_e4m3(R8._blocks(v0, 128), (3,))
+    assert torch.equal(codes, R8._e4m3(codes)) and codes.abs().max() == 448.0
+    assert torch.equal(sc, R8._div_rn(R8._blocks(v0, 128).abs().amax(dim=3, keepdim=True), 448.0))
+    assert (sc[0, 1, 1] == 0).all() and (codes[0, 1, 1] == 0).all()
+    assert ((codes.abs().amax(dim=3, keepdim=True) == 448.0) | (sc == 0)).all()
+    vb = R8._blocks(v0, 128)
+    assert ((codes * sc - vb).abs() <= 2.0**-4 * 1.0001 * vb.abs() + 2.0**-10 * sc).all()
+    # P~: every value an e4m3 byte 0x00..0x7e (so at most 127 distinct per row), row max 448
+    seen = []
+    e4m3 = R8._e4m3
+    monkeypatch.setattr(R8, "_e4m3", lambda t: seen.append(e4m3(t)) or seen[-1])
+    out, lse = R8.attention_forward(q, k, v, is_causal=True, pv="fp8")
+    monkeypatch.undo()
+    ps = [t for t in seen if t.dim() == 4]  # P~ [B, Hq, Nq, keys] of each step (V~ is 5-D)
+    assert len(ps) == 3
+    for p in ps:
+        assert torch.equal(p, e4m3(p))
+        assert (p.to(torch.float8_e4m3fn).view(torch.uint8) < 0x7F).all()
+        assert set(p.amax(dim=-1).unique().tolist()) <= {0.0, 448.0}  # 0: causal, no key yet
+    assert not torch.equal(out, spec[0]) and torch.isfinite(out).all()
+    assert metrics(out, exact)["cos"] > 0.999 and metrics(out, spec[0])["cos"] > 0.999
+    assert torch.equal(lse, spec[1])  # l sums E, as the spec
+    for vb in (128, 0):  # P~ against the running max: e4m3's exponent keeps the small values
+        tile = R8.attention_forward(q, k, v, is_causal=True, pv="fp8", v_block=vb)[0]
+        run = R8.attention_forward(q, k, v, is_causal=True, pv="fp8", v_block=vb, p_max="running")
+        assert metrics(tile, exact)["cos"] > 0.999 and metrics(run[0], tile)["cos"] > 0.99999
+    # one step (no mask, 100 keys): O = (P~ V~ sV8) / 448 / sum(E), P~ = e4m3(448 exp(S - t))
+    q1, k1, v1 = _inputs(Nq=20, Nk=100)
+    ops = R8._Quantized(q1, k1, v1, 2, pv="fp8")
+    s = ops.scores(0, 1 / 8, None, None)
+    e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    p = (448.0 * e).to(torch.float8_e4m3fn).double()
+    want = (p @ ops.vc.double()) * ops.sv[:, :, 0, None].double() / 448.0 / e.sum(-1, keepdim=True)
+    got = R8.attention_forward(q1, k1, v1, pv="fp8")[0]
+    assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="pv"):
+        R8.attention_forward(q, k, v, pv="fp4")
+    with pytest.raises(ValueError, match="pv"):
+        R8.attention_forward(q, k, v, pv="fp8", p_exp="fp16")
+    with pytest.raises(ValueError, match="pv"):
+        R8.attention_forward(q, k, v, pv="fp8", l_sum="codes")
+    mode = RP.int8_granularity_mode(64, 128, v_block=0, pv="fp8")
+    assert mode == "int8ref:q64k128:v=0:pv=fp8" and "FP8" in RP.mode_label(mode)
+    with RP.attention_mode(None, mode, "fp4attn"):
+        got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(got, R8.attention_forward(q, k, v, is_causal=True, v_block=0, pv="fp8")[0])
 
 
 @pytest.mark.parametrize("fix", G.OUTLIER_FIXES)

@@ -8,8 +8,10 @@ fifth of the consumer's instructions). Coding P against the running row maximum 
 FlashAttention does) and scaling V over more keys would let the int32 sum run until the row
 maximum grows or V's scale block ends. It also measures P's exponentials taken in FP16 (two per
 ``ex2.approx.f16x2``) and l summed from P's codes (``p_exp=``, ``l_sum=``), which would cut the
-consumer's per-score instructions instead. This driver measures what each costs in accuracy with
-the pure-PyTorch reference (``reference_int8.attention_forward(..., p_max=, v_block=)``), on the
+consumer's per-score instructions instead, and P.V in FP8 e4m3 (``pv="fp8"``, as SageAttention2
+does: FP8 wgmma accumulates in FP32 across steps, and FP32 -> e4m3 is one conversion per pair).
+This driver measures what each costs in accuracy with the pure-PyTorch reference
+(``reference_int8.attention_forward(..., p_max=, v_block=, p_exp=, l_sum=, pv=)``), on the
 models and text of ``int8_granularity``: per layer, cos against exact float64 attention on the
 Q/K/V captured on the first ``--tokens`` tokens; end to end, perplexity and KL with the variant in
 every layer. Writes ``docs/results/int8_fold.csv`` and ``int8_fold_layers.csv``.
@@ -30,17 +32,20 @@ from .. import reference_int8 as R8
 from . import int8_granularity as G
 from . import report as RP
 
-#: (label, p_max, v_block, p_exp, l_sum): the spec first.
+#: (label, p_max, v_block, p_exp, l_sum, pv): the spec first.
 VARIANTS = [
-    ("SPEC_INT8 (P per step max, V per 128 keys)", "tile", 128, "fp32", "e"),
-    ("P against the running max", "running", 128, "fp32", "e"),
-    ("V per 512 keys", "tile", 512, "fp32", "e"),
-    ("V per channel over the sequence", "tile", 0, "fp32", "e"),
-    ("running max, V per 512 keys", "running", 512, "fp32", "e"),
-    ("running max, V over the sequence", "running", 0, "fp32", "e"),
-    ("P's exponentials in FP16 (ex2.f16x2)", "tile", 128, "fp16", "e"),
-    ("the same, error at PTX's bound 2^-9.9", "tile", 128, "fp16-noisy", "e"),
-    ("FP16 exponentials, l from P's codes", "tile", 128, "fp16", "codes"),
+    ("SPEC_INT8 (P per step max, V per 128 keys)", "tile", 128, "fp32", "e", "int8"),
+    ("P against the running max", "running", 128, "fp32", "e", "int8"),
+    ("V per 512 keys", "tile", 512, "fp32", "e", "int8"),
+    ("V per channel over the sequence", "tile", 0, "fp32", "e", "int8"),
+    ("running max, V per 512 keys", "running", 512, "fp32", "e", "int8"),
+    ("running max, V over the sequence", "running", 0, "fp32", "e", "int8"),
+    ("P's exponentials in FP16 (ex2.f16x2)", "tile", 128, "fp16", "e", "int8"),
+    ("the same, error at PTX's bound 2^-9.9", "tile", 128, "fp16-noisy", "e", "int8"),
+    ("FP16 exponentials, l from P's codes", "tile", 128, "fp16", "codes", "int8"),
+    ("P and V in FP8 e4m3, V per 128 keys and channel", "tile", 128, "fp32", "e", "fp8"),
+    ("P and V in FP8 e4m3, V per channel over the sequence", "tile", 0, "fp32", "e", "fp8"),
+    ("FP8 e4m3, P against the running max, V over the sequence", "running", 0, "fp32", "e", "fp8"),
 ]
 DEFAULT_CSV = Path("docs/results/int8_fold.csv")
 
@@ -54,10 +59,10 @@ def layer_rows(calls, variants) -> list[dict]:
     for call in calls:
         exact = R.exact_attention(call.q, call.k, call.v, call.attn_mask, call.is_causal,
                                   call.scale, enable_gqa=True)
-        for label, p_max, v_block, p_exp, l_sum in variants:
+        for label, p_max, v_block, p_exp, l_sum, pv in variants:
             out, _ = R8.attention_forward(call.q, call.k, call.v, call.attn_mask, call.is_causal,
                                           call.scale, p_max=p_max, v_block=v_block, p_exp=p_exp,
-                                          l_sum=l_sum)
+                                          l_sum=l_sum, pv=pv)
             met = R.metrics(out, exact)
             rows.append({"layer": call.layer, "variant": label, "cos": met["cos"],
                          "rel_l1": met["rel_l1"]})
@@ -75,12 +80,12 @@ def study(name: str, args) -> tuple[list[dict], list[dict]]:
                          modes=["exact", *modes.values()], backend="reference", bos_id=bos_id)
            if ppl_tokens > 1 else {})
     summary = []
-    for label, p_max, v_block, p_exp, l_sum in VARIANTS:
+    for label, p_max, v_block, p_exp, l_sum, pv in VARIANTS:
         sel = [r for r in per_layer if r["variant"] == label]
         d = e2e.get(modes[label], {})
         summary.append({
             "model": name, "title": title, "variant": label, "p_max": p_max, "v_block": v_block,
-            "p_exp": p_exp, "l_sum": l_sum,
+            "p_exp": p_exp, "l_sum": l_sum, "pv": pv,
             "worst_cos": min(r["cos"] for r in sel),
             "layers_below_0.999": sum(not r["cos"] >= RP.INT8_COS_TARGET for r in sel),
             "layers": len(sel), "mean_cos": sum(r["cos"] for r in sel) / len(sel),
