@@ -22,7 +22,7 @@ from .reference import (_as_float32, _check_qkv, _div_rn, _mask_bias, _mask_scor
                         _online_softmax_step)
 
 __all__ = ["BK", "BKS", "BQ", "E4M3_MAX", "PMAX", "QMAX", "attention_backward",
-           "attention_forward", "channel_migration", "psi", "psi_e4m3"]
+           "attention_forward", "channel_migration", "psi", "psi_e4m3", "psi_e4m3x2"]
 
 #: Query rows per INT8 block (one scale for Q^ per block; the backward's row blocks).
 BQ = 64
@@ -69,6 +69,18 @@ def psi_e4m3(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     flush = scale == 0
     codes = _e4m3(torch.clamp(_div_rn(x, torch.where(flush, 1.0, scale)), -E4M3_MAX, E4M3_MAX))
     return torch.where(flush, 0.0, codes), scale
+
+
+def psi_e4m3x2(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """``psi_e4m3`` plus an e4m3 term for its rounding error (accuracy study,
+    ``attention_forward(..., pv="fp8x2")``: V as two FP8 operands, two P.V products): codes
+    ``c + e4m3(16 (x / scale - c)) / 16`` (the residual is at most half an e4m3 ulp, 2^-4 of |c|,
+    so 16 times it stays in range), with psi_e4m3's scale. Returns (codes as float32, scales)."""
+    codes, scale = psi_e4m3(x, dims)
+    flush = scale == 0
+    resid = _div_rn(x, torch.where(flush, 1.0, scale)) - codes
+    codes2 = codes + _e4m3(torch.clamp(16.0 * resid, -E4M3_MAX, E4M3_MAX)) / 16.0
+    return torch.where(flush, 0.0, codes2), scale
 
 
 def _migrate_kw(migrate: float | None, migrate_pow2: bool | None) -> dict:
@@ -172,7 +184,7 @@ class _Quantized:
         # per v_block keys (SPEC: 128; 0: the whole sequence) and channel; INT8 (the spec) or
         # FP8 e4m3 codes (pv="fp8", forward only)
         vb = v_block or -(-Nk // BK) * BK
-        vc, sv = (psi if pv == "int8" else psi_e4m3)(_blocks(v32, vb), (3,))
+        vc, sv = {"int8": psi, "fp8": psi_e4m3, "fp8x2": psi_e4m3x2}[pv](_blocks(v32, vb), (3,))
         sv = sv.repeat_interleave(vb // BK, dim=2)  # one per 128-key softmax step
         vc = vc.reshape(*vc.shape[:2], -1, BK, D)
         nqb, nkb, nvb = qc.shape[2], kc.shape[2], -(-Nk // BK)
@@ -289,8 +301,9 @@ def attention_forward(
     ``p_max="running"``, ``P~ = e4m3(448 exp(S - m_new))`` and the fold is
     ``O = alpha O + (P~ V~ * sV8) / 448`` (FP8 FlashAttention's form: no per-step factor). Hopper's
     FP8 wgmma accumulates with fewer bits than FP32 (and the kernel would accumulate across steps
-    in its registers); that is not modelled. Forward only (attention_backward is the spec's), with
-    ``p_exp="fp32"`` and ``l_sum="e"``."""
+    in its registers); that is not modelled. ``"fp8x2"``: the same with V as two e4m3 terms
+    (``psi_e4m3x2``: V~ plus an e4m3 of its rounding error, two FP8 P.V products). Forward only
+    (attention_backward is the spec's), with ``p_exp="fp32"`` and ``l_sum="e"``."""
     if q_block < 1 or k_block < 1:
         raise ValueError(f"q_block and k_block must be >= 1, got {q_block}, {k_block}")
     if p_max not in ("tile", "running"):
@@ -304,10 +317,10 @@ def attention_forward(
     if (p_exp != "fp32" or l_sum != "e") and p_max != "tile":
         raise ValueError(f'p_exp={p_exp!r}, l_sum={l_sum!r} are modelled with p_max="tile" only, '
                          f'got {p_max!r}')
-    if pv not in ("int8", "fp8"):
-        raise ValueError(f'pv must be "int8" or "fp8", got {pv!r}')
-    if pv == "fp8" and (p_exp != "fp32" or l_sum != "e"):
-        raise ValueError(f'pv="fp8" is modelled with p_exp="fp32" and l_sum="e" only, got '
+    if pv not in ("int8", "fp8", "fp8x2"):
+        raise ValueError(f'pv must be "int8", "fp8" or "fp8x2", got {pv!r}')
+    if pv != "int8" and (p_exp != "fp32" or l_sum != "e"):
+        raise ValueError(f'pv={pv!r} is modelled with p_exp="fp32" and l_sum="e" only, got '
                          f'p_exp={p_exp!r}, l_sum={l_sum!r}')
     noise = torch.Generator().manual_seed(0) if p_exp == "fp16-noisy" else None
     mig = _migrate_kw(migrate, migrate_pow2)

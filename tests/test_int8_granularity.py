@@ -304,3 +304,24 @@ def test_gemma3_tokenizer_is_sentencepiece_bpe(tmp_path):
     ids = tok("Hello world. It is a truth universally acknowledged,\n\nHowever").input_ids
     assert ids == [2, 9259, 1902, 236761, 1030, 563, 496, 9043, 69127, 30285, 236764, 108, 9675]
     assert tok.decode(ids[1:]) == "Hello world. It is a truth universally acknowledged,\n\nHowever"
+
+
+def test_fold_option_v_as_two_fp8_terms():
+    """reference_int8's pv="fp8x2": V as an e4m3 term plus an e4m3 of its rounding error (two FP8
+    P.V products). V's codes are that sum, within 2^-8 of V / sV8 relative (plus e4m3's
+    subnormal step), and the output is nearer exact attention than pv="fp8"'s."""
+    q, k, v = _inputs()
+    exact = exact_attention(q, k, v, is_causal=True, enable_gqa=True)
+    vb = R8._blocks(v, 128)
+    c1, s1 = R8.psi_e4m3(vb, (3,))
+    c2, s2 = R8.psi_e4m3x2(vb, (3,))
+    assert torch.equal(s1, s2)
+    resid = c2 - c1
+    assert torch.equal(16.0 * resid, R8._e4m3(16.0 * resid))  # the second term is e4m3 / 16
+    x = R8._div_rn(vb, s1)
+    assert ((c2 - x).abs() <= 2.0**-8 * x.abs() + 2.0**-13).all()
+    fp8 = R8.attention_forward(q, k, v, is_causal=True, pv="fp8")[0]
+    fp8x2 = R8.attention_forward(q, k, v, is_causal=True, pv="fp8x2")[0]
+    assert 1 - metrics(fp8x2, exact)["cos"] < 0.5 * (1 - metrics(fp8, exact)["cos"])
+    with pytest.raises(ValueError, match="pv"):
+        R8.attention_forward(q, k, v, pv="fp8x2", l_sum="codes")

@@ -46,6 +46,9 @@ VARIANTS = [
     ("P and V in FP8 e4m3, V per 128 keys and channel", "tile", 128, "fp32", "e", "fp8"),
     ("P and V in FP8 e4m3, V per channel over the sequence", "tile", 0, "fp32", "e", "fp8"),
     ("FP8 e4m3, P against the running max, V over the sequence", "running", 0, "fp32", "e", "fp8"),
+    ("FP8 e4m3, V as two e4m3 terms, V per 128 keys and channel", "tile", 128, "fp32", "e", "fp8x2"),
+    ("FP8 e4m3, V as two e4m3 terms, P against the running max, V over the sequence", "running", 0,
+     "fp32", "e", "fp8x2"),
 ]
 DEFAULT_CSV = Path("docs/results/int8_fold.csv")
 

@@ -376,7 +376,7 @@ def int8_granularity_mode(q_block: int, k_block: int, p_max: str = "tile", v_blo
     ``k_block`` keys (SPEC_INT8: 64 and 128; see fp4attn.eval.int8_granularity), and optionally
     P coded against the running maximum (``p_max="running"``), V scales per ``v_block`` keys
     (0: the whole sequence), P's exponentials in FP16 (``p_exp``), l from P's codes
-    (``l_sum``) or P.V in FP8 e4m3 (``pv="fp8"``); see
+    (``l_sum``) or P.V in FP8 e4m3 (``pv="fp8"``, ``"fp8x2"``: V as two e4m3 terms); see
     reference_int8.attention_forward."""
     return (f"int8ref:q{q_block}k{k_block}" + (f":p={p_max}" if p_max != "tile" else "")
             + (f":v={v_block}" if v_block != 128 else "")
@@ -414,7 +414,8 @@ def mode_label(mode: str) -> str:
             f", V per {g['v_block'] or 'all'} keys") + (
             "" if g.get("p_exp", "fp32") == "fp32" else f", P's exponentials in {g['p_exp']}") + (
             "" if g.get("l_sum", "e") == "e" else ", l from P's codes") + (
-            "" if g.get("pv", "int8") == "int8" else f", P.V in {g['pv'].upper()} e4m3")
+            "" if g.get("pv", "int8") == "int8" else
+            ", P.V in FP8 e4m3" + (", V as two e4m3 terms" if g["pv"] == "fp8x2" else ""))
         return f"INT8 reference, Q per {g['q_block']} rows, K per {g['k_block']} keys{extra}"
     if mode.startswith("variant:"):
         return f"{METHODS[mode.split(':', 1)[1]][0]}, every layer (reference)"
