@@ -58,16 +58,22 @@ def _e4m3(x: Tensor) -> Tensor:
     return x.to(torch.float8_e4m3fn).to(torch.float32)
 
 
+def _e4m3_scaled(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """psi_e4m3's parts: (x / scale, its e4m3 codes, scale, where the group flushes)."""
+    amax = x.abs().amax(dim=dims, keepdim=True)
+    scale = _div_rn(amax, E4M3_MAX)
+    flush = scale == 0
+    y = _div_rn(x, torch.where(flush, 1.0, scale))
+    return y, _e4m3(torch.clamp(y, -E4M3_MAX, E4M3_MAX)), scale, flush
+
+
 def psi_e4m3(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     """``psi`` with FP8 e4m3 codes (accuracy study, ``attention_forward(..., pv="fp8")``): per
     group, ``scale = amax / 448`` and ``codes = e4m3(x / scale)`` (both divisions correctly
     rounded float32, codes clamped to +-448, as a saturating conversion would). Where the scale
     is 0 (amax 0, or so small that amax / 448 underflows) scale and codes are 0, as psi flushes;
     NaN propagates. Returns (codes as float32 values, scales)."""
-    amax = x.abs().amax(dim=dims, keepdim=True)
-    scale = _div_rn(amax, E4M3_MAX)
-    flush = scale == 0
-    codes = _e4m3(torch.clamp(_div_rn(x, torch.where(flush, 1.0, scale)), -E4M3_MAX, E4M3_MAX))
+    _, codes, scale, flush = _e4m3_scaled(x, dims)
     return torch.where(flush, 0.0, codes), scale
 
 
@@ -76,10 +82,8 @@ def psi_e4m3x2(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     ``attention_forward(..., pv="fp8x2")``: V as two FP8 operands, two P.V products): codes
     ``c + e4m3(16 (x / scale - c)) / 16`` (the residual is at most half an e4m3 ulp, 2^-4 of |c|,
     so 16 times it stays in range), with psi_e4m3's scale. Returns (codes as float32, scales)."""
-    codes, scale = psi_e4m3(x, dims)
-    flush = scale == 0
-    resid = _div_rn(x, torch.where(flush, 1.0, scale)) - codes
-    codes2 = codes + _e4m3(torch.clamp(16.0 * resid, -E4M3_MAX, E4M3_MAX)) / 16.0
+    y, codes, scale, flush = _e4m3_scaled(x, dims)
+    codes2 = codes + _e4m3(torch.clamp(16.0 * (y - codes), -E4M3_MAX, E4M3_MAX)) / 16.0
     return torch.where(flush, 0.0, codes2), scale
 
 
@@ -334,6 +338,10 @@ def attention_forward(
         return out, lse
     ops = _Quantized(q32, k32, v32, G, q_block, k_block, **mig, v_block=v_block, pv=pv)
     pmax = PMAX if pv == "int8" else E4M3_MAX
+
+    def code_p(e: Tensor) -> Tensor:  # per-row P: unsigned 8-bit codes or FP8 e4m3 values
+        return torch.round(PMAX * e) if pv == "int8" else _e4m3(E4M3_MAX * e)
+
     m = q32.new_full((B, Hq, Nq), -math.inf)
     l = q32.new_zeros(B, Hq, Nq)
     for j in range(-(-Nk // BK)):
@@ -342,13 +350,12 @@ def attention_forward(
         t, m_new, alpha, beta, e = _online_softmax_step(m, s_j)
         if p_exp != "fp32":
             e = _exp_fp16(s_j, t, noise)
-        # per-row P: unsigned 8-bit codes (amax 255) or FP8 e4m3 values (amax 448)
-        p = torch.round(PMAX * e) if pv == "int8" else _e4m3(E4M3_MAX * e)
+        p = code_p(e)
         l = alpha * l + beta * (e.sum(dim=-1) if l_sum == "e" else p.sum(dim=-1) / PMAX)
         if p_max == "running":  # codes against the running maximum: no per-step factor
             e = torch.exp(s_j - torch.where(m_new == -math.inf, 0.0, m_new)[..., None])
             beta = torch.where(m_new == -math.inf, 0.0, 1.0)
-            p = torch.round(PMAX * e) if pv == "int8" else _e4m3(E4M3_MAX * e)
+            p = code_p(e)
         acc = _mm64(p, ops.vc[:, :, j0:j1]) * ops.sv[:, :, j, None, :]
         out = alpha[..., None] * out + _div_rn(beta, pmax)[..., None] * acc
         m = m_new

@@ -32,23 +32,31 @@ from .. import reference_int8 as R8
 from . import int8_granularity as G
 from . import report as RP
 
+
+def _variant(label: str, p_max: str = "tile", v_block: int = 128, p_exp: str = "fp32",
+             l_sum: str = "e", pv: str = "int8") -> tuple:
+    """A study variant: the spec's options except those named."""
+    return label, p_max, v_block, p_exp, l_sum, pv
+
+
 #: (label, p_max, v_block, p_exp, l_sum, pv): the spec first.
 VARIANTS = [
-    ("SPEC_INT8 (P per step max, V per 128 keys)", "tile", 128, "fp32", "e", "int8"),
-    ("P against the running max", "running", 128, "fp32", "e", "int8"),
-    ("V per 512 keys", "tile", 512, "fp32", "e", "int8"),
-    ("V per channel over the sequence", "tile", 0, "fp32", "e", "int8"),
-    ("running max, V per 512 keys", "running", 512, "fp32", "e", "int8"),
-    ("running max, V over the sequence", "running", 0, "fp32", "e", "int8"),
-    ("P's exponentials in FP16 (ex2.f16x2)", "tile", 128, "fp16", "e", "int8"),
-    ("the same, error at PTX's bound 2^-9.9", "tile", 128, "fp16-noisy", "e", "int8"),
-    ("FP16 exponentials, l from P's codes", "tile", 128, "fp16", "codes", "int8"),
-    ("P and V in FP8 e4m3, V per 128 keys and channel", "tile", 128, "fp32", "e", "fp8"),
-    ("P and V in FP8 e4m3, V per channel over the sequence", "tile", 0, "fp32", "e", "fp8"),
-    ("FP8 e4m3, P against the running max, V over the sequence", "running", 0, "fp32", "e", "fp8"),
-    ("FP8 e4m3, V as two e4m3 terms, V per 128 keys and channel", "tile", 128, "fp32", "e", "fp8x2"),
-    ("FP8 e4m3, V as two e4m3 terms, P against the running max, V over the sequence", "running", 0,
-     "fp32", "e", "fp8x2"),
+    _variant("SPEC_INT8 (P per step max, V per 128 keys)"),
+    _variant("P against the running max", p_max="running"),
+    _variant("V per 512 keys", v_block=512),
+    _variant("V per channel over the sequence", v_block=0),
+    _variant("running max, V per 512 keys", p_max="running", v_block=512),
+    _variant("running max, V over the sequence", p_max="running", v_block=0),
+    _variant("P's exponentials in FP16 (ex2.f16x2)", p_exp="fp16"),
+    _variant("the same, error at PTX's bound 2^-9.9", p_exp="fp16-noisy"),
+    _variant("FP16 exponentials, l from P's codes", p_exp="fp16", l_sum="codes"),
+    _variant("P and V in FP8 e4m3, V per 128 keys and channel", pv="fp8"),
+    _variant("P and V in FP8 e4m3, V per channel over the sequence", v_block=0, pv="fp8"),
+    _variant("FP8 e4m3, P against the running max, V over the sequence", p_max="running",
+             v_block=0, pv="fp8"),
+    _variant("FP8 e4m3, V as two e4m3 terms, V per 128 keys and channel", pv="fp8x2"),
+    _variant("FP8 e4m3, V as two e4m3 terms, P against the running max, V over the sequence",
+             p_max="running", v_block=0, pv="fp8x2"),
 ]
 DEFAULT_CSV = Path("docs/results/int8_fold.csv")
 
