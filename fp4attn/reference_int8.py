@@ -2,9 +2,9 @@
 
 The oracle the INT8 backends are tested against, written to be obviously right rather than fast:
 vectorised over batch, heads and rows, looping over the 128-key blocks of the online softmax like
-the kernels. INT8 codes are kept as integer-valued float32 tensors (NaN inputs stay visible), and
-every integer matmul runs in float64, where it is exact; the scales are applied afterwards in
-float32 in the order SPEC_INT8 writes them.
+the kernels. INT8 codes and FP8 e4m3 values are kept as float32 tensors (NaN inputs stay
+visible), and every 8-bit matmul runs in float64, where it is exact; the scales are applied
+afterwards in float32 in the order SPEC_INT8 writes them.
 
 Layouts as in ``fp4attn.reference``: ``q [B, Hq, Nq, D]``, ``k / v [B, Hkv, Nk, D]``, query head
 ``h`` reads KV head ``h // (Hq // Hkv)``; masks broadcast to ``[B, Hq, Nq, Nk]``; causal is
@@ -22,7 +22,7 @@ from .reference import (_as_float32, _check_qkv, _div_rn, _mask_bias, _mask_scor
                         _online_softmax_step)
 
 __all__ = ["BK", "BKS", "BQ", "E4M3_MAX", "PMAX", "QMAX", "attention_backward",
-           "attention_forward", "channel_migration", "psi", "psi_e4m3", "psi_e4m3x2"]
+           "attention_forward", "channel_migration", "psi", "psi_e4m3_pair"]
 
 #: Query rows per INT8 block (one scale for Q^ per block; the backward's row blocks).
 BQ = 64
@@ -32,10 +32,11 @@ BK = 128
 BKS = 64
 #: Largest INT8 code magnitude.
 QMAX = 127.0
-#: Largest code of the forward's P (unsigned bytes: P is never negative).
+#: Largest code of P in INT8 P.V (``attention_forward(..., pv="int8")``, SPEC_INT8 before the
+#: FP8 P.V; unsigned bytes: P is never negative).
 PMAX = 255.0
-#: Largest finite FP8 e4m3 (``torch.float8_e4m3fn``) value: the scale of P and V in FP8
-#: (``attention_forward(..., pv="fp8")``, an accuracy study; not SPEC_INT8).
+#: Largest finite FP8 e4m3 (``torch.float8_e4m3fn``) value: where the forward's P~ and V~ put
+#: a row's running maximum and a V group's amax (SPEC_INT8 2.2, 2.4).
 E4M3_MAX = 448.0
 
 
@@ -53,38 +54,29 @@ def psi(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
 
 
 def _e4m3(x: Tensor) -> Tensor:
-    """x (float32) rounded to FP8 e4m3 (round to nearest even, subnormals kept; |x| <= 448), as
-    float32 values."""
+    """x (float32) rounded to FP8 e4m3 (round to nearest even, subnormals kept; |x| <= 448; NaN
+    stays NaN), as float32 values."""
     return x.to(torch.float8_e4m3fn).to(torch.float32)
 
 
-def _e4m3_scaled(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """psi_e4m3's parts: (x / scale, its e4m3 codes, scale, where the group flushes)."""
+def psi_e4m3_pair(x: Tensor, dims: tuple[int, ...], lo_scale: float = 1.0
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """SPEC_INT8 2.2: V as two FP8 e4m3 terms with one scale per group (``dims`` as for psi;
+    float32 in). Per group ``r = 448 / amax`` and ``sV = amax / 448`` (correctly rounded FP32),
+    ``y = x * r`` (FP32), ``V~ = e4m3(clamp(y, -448, 448))``, ``R = e4m3(y - V~)``: ``y - V~``
+    is exact in FP32 and at most half an e4m3 step (16 in the top binade), so R needs no clamp.
+    Where ``r == +inf`` (amax 0, or below 448 / FLT_MAX) sV, V~ and R are 0, as psi flushes; NaN
+    propagates. Returns (V~, R, sV), V~ and R as float32 values; ``(V~ + R) * sV`` dequantizes
+    (``V~ + R`` is exact in FP32). ``lo_scale`` (accuracy study, ``attention_forward(...,
+    pv="fp8-r16")``, 16): ``R = e4m3(lo_scale (y - V~)) / lo_scale``, the residual scaled out of
+    e4m3's subnormals (a kernel would need a second accumulator); 1 is the spec."""
     amax = x.abs().amax(dim=dims, keepdim=True)
-    scale = _div_rn(amax, E4M3_MAX)
-    flush = scale == 0
-    y = _div_rn(x, torch.where(flush, 1.0, scale))
-    return y, _e4m3(torch.clamp(y, -E4M3_MAX, E4M3_MAX)), scale, flush
-
-
-def psi_e4m3(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-    """``psi`` with FP8 e4m3 codes (accuracy study, ``attention_forward(..., pv="fp8")``): per
-    group, ``scale = amax / 448`` and ``codes = e4m3(x / scale)`` (both divisions correctly
-    rounded float32, codes clamped to +-448, as a saturating conversion would). Where the scale
-    is 0 (amax 0, or so small that amax / 448 underflows) scale and codes are 0, as psi flushes;
-    NaN propagates. Returns (codes as float32 values, scales)."""
-    _, codes, scale, flush = _e4m3_scaled(x, dims)
-    return torch.where(flush, 0.0, codes), scale
-
-
-def psi_e4m3x2(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-    """``psi_e4m3`` plus an e4m3 term for its rounding error (accuracy study,
-    ``attention_forward(..., pv="fp8x2")``: V as two FP8 operands, two P.V products): codes
-    ``c + e4m3(16 (x / scale - c)) / 16`` (the residual is at most half an e4m3 ulp, 2^-4 of |c|,
-    so 16 times it stays in range), with psi_e4m3's scale. Returns (codes as float32, scales)."""
-    y, codes, scale, flush = _e4m3_scaled(x, dims)
-    codes2 = codes + _e4m3(torch.clamp(16.0 * (y - codes), -E4M3_MAX, E4M3_MAX)) / 16.0
-    return torch.where(flush, 0.0, codes2), scale
+    recip = _div_rn(E4M3_MAX, amax)
+    flush = recip == math.inf
+    scale = torch.where(flush, 0.0, _div_rn(amax, E4M3_MAX))
+    y = x * torch.where(flush, 0.0, recip)
+    hi = _e4m3(torch.clamp(y, -E4M3_MAX, E4M3_MAX))
+    return hi, _e4m3(lo_scale * (y - hi)) / lo_scale, scale
 
 
 def _migrate_kw(migrate: float | None, migrate_pow2: bool | None) -> dict:
@@ -163,7 +155,8 @@ def _per_q_head(x: Tensor, G: int) -> Tensor:
 
 
 def _mm64(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b of integer-valued float32 operands, exact (float64), as float32."""
+    """a @ b, exact in float64 for the operands used here (integers, or e4m3 P~ times V~ + R:
+    multiples of 2^-22 below 2^25), rounded once to float32."""
     return torch.matmul(a.double(), b.double()).to(torch.float32)
 
 
@@ -173,7 +166,7 @@ class _Quantized:
 
     def __init__(self, q32: Tensor, k32: Tensor, v32: Tensor, G: int, q_block: int = BQ,
                  k_block: int = BK, migrate: float | None = 0.5, migrate_pow2: bool = True,
-                 v_block: int = BK, pv: str = "int8"):
+                 v_block: int = BK, pv: str = "fp8"):
         B, Hq, Nq, D = q32.shape
         Nk = k32.shape[2]
         self.kbar = k32.mean(dim=2, keepdim=True)  # [B, Hkv, 1, D]
@@ -185,12 +178,14 @@ class _Quantized:
             ks = _div_rn(ks, self.mig)
         qc, sq = psi(_blocks(q32, q_block), (3, 4))  # per q_block rows (SPEC: 64)
         kc, sk = psi(_blocks(ks, k_block), (3, 4))  # per k_block keys (SPEC: 128)
-        # per v_block keys (SPEC: 128; 0: the whole sequence) and channel; INT8 (the spec) or
-        # FP8 e4m3 codes (pv="fp8", forward only)
-        vb = v_block or -(-Nk // BK) * BK
-        vc, sv = {"int8": psi, "fp8": psi_e4m3, "fp8x2": psi_e4m3x2}[pv](_blocks(v32, vb), (3,))
-        sv = sv.repeat_interleave(vb // BK, dim=2)  # one per 128-key softmax step
-        vc = vc.reshape(*vc.shape[:2], -1, BK, D)
+        if pv == "int8":  # INT8 codes per v_block keys (0: the whole sequence) and channel
+            vb = v_block or -(-Nk // BK) * BK
+            vc, sv = psi(_blocks(v32, vb), (3,))
+            sv = sv.repeat_interleave(vb // BK, dim=2)  # one per 128-key softmax step
+            vc = vc.reshape(*vc.shape[:2], -1, BK, D)
+        else:  # the spec: V~ + R (exact in FP32) per 128 keys and channel
+            hi, lo, sv = psi_e4m3_pair(_blocks(v32, BK), (3,), 16.0 if pv == "fp8-r16" else 1.0)
+            vc = hi + lo
         nqb, nkb, nvb = qc.shape[2], kc.shape[2], -(-Nk // BK)
         vc, sv = vc[:, :, :nvb], sv[:, :, :nvb]
         # per row / per key, repeated over the GQA group after quantizing (scales per KV head)
@@ -252,15 +247,30 @@ def attention_forward(
     k_block: int = BK,
     migrate: float | None = 0.5,
     migrate_pow2: bool | None = None,
+    pv: str = "fp8",
     p_max: str = "tile",
     v_block: int = BK,
     p_exp: str = "fp32",
     l_sum: str = "e",
-    pv: str = "int8",
 ) -> tuple[Tensor, Tensor]:
     """SPEC_INT8 2: ``(out, lse)``, out float32 ``[B, Hq, Nq, D]``, lse float32 ``[B, Hq, Nq]``
     (natural log of the scaled scores, the smoothing shift ``scale * q . kbar`` added back).
     Rows that see no key give 0 and -inf.
+
+    ``pv``, the P.V numerics. ``"fp8"`` (the spec, SPEC_INT8 2.2 and 2.4-2.5): V as two e4m3
+    terms per 128 keys and channel (``psi_e4m3_pair``); per 128-key step, P against the running
+    row maximum, ``W = 448 * exp(S - m_new)`` (float32 exp, then one float32 product),
+    ``P~ = e4m3(W)``, ``l = alpha * l + rowsum(W)``, ``O = alpha * O + fl(P~ (V~ + R)) * sV``
+    (the product exact in float64, rounded once to float32; no per-step factor); ``O / l``, and
+    ``lse = m + log(l) - log(448) + shift``. ``"int8"`` (SPEC_INT8 before its FP8 P.V, for
+    studies): V^ = psi(V) per 128 keys and channel; per step ``E = exp(S - t)`` against the
+    step's row maximum t, ``P^ = rne(255 E)`` (unsigned codes), ``l = alpha * l + exp(t - m_new)
+    * rowsum(E)``, ``O = alpha * O + (exp(t - m_new) / 255) * (float(P^ V^) * sV)``;
+    ``lse = m + log(l) + shift``. Two study variants of the spec isolate its choices
+    (docs/accuracy.md "P and V in FP8"): ``"fp8-tile"``, ``P~ = e4m3(448 E)`` against the step's
+    row maximum, with the INT8 path's l and per-step factor (``exp(t - m_new) / 448``);
+    ``"fp8-r16"``, V's second term ``e4m3(16 (y - V~)) / 16`` (``psi_e4m3_pair``'s
+    ``lo_scale``). The backward never reads V's codes, so it is the same for every ``pv``.
 
     ``q_block`` / ``k_block`` (accuracy studies, docs/accuracy.md "INT8 scale granularity"):
     query rows per scale of Q^ and (smoothed) keys per scale of K^, aligned at 0 like SPEC_INT8's
@@ -278,38 +288,28 @@ def attention_forward(
     off: it divides Q by its channel maxima). Exact in real arithmetic (``Q' Ks'^T = Q Ks^T``);
     only the INT8 codes and scales change. The lse shift uses the unmigrated Q and kbar.
 
-    ``p_max`` / ``v_block`` (accuracy study of a kernel that accumulates P^ V^ in int32 across
-    key steps, docs/accuracy.md "INT8 P and V scales across key steps"): ``p_max="running"``
-    codes P against the running row maximum, ``P^ = rne(255 exp(S - m_new))``, instead of the
-    step's (``"tile"``, the spec); ``v_block`` keys per V scale and channel, a multiple of 128
-    (the spec) or 0 for one scale per channel over the whole sequence.
+    ``p_max``, ``v_block``, ``p_exp``, ``l_sum``: studies of the INT8 P.V, ``pv="int8"`` only
+    (the defaults are its form above).
+    ``p_max`` / ``v_block`` (a kernel that accumulates P^ V^ in int32 across key steps,
+    docs/accuracy.md "INT8 P and V scales across key steps"): ``p_max="running"`` codes P
+    against the running row maximum, ``P^ = rne(255 exp(S - m_new))``, instead of the step's
+    (``"tile"``); ``v_block`` keys per V scale and channel, a multiple of 128 or 0 for one scale
+    per channel over the whole sequence.
 
-    ``p_exp`` (accuracy study of a kernel that takes P's exponentials two per instruction,
-    ``ex2.approx.f16x2``; docs/accuracy.md "P's exponentials in FP16"): ``"fp32"`` (the spec)
-    or ``"fp16"``, E = fp16(exp2(fp16((S - t) log2 e))) (argument and result rounded to FP16,
-    the exponential itself exact), or ``"fp16-noisy"``, that E times (1 + u) with u uniform in
-    +-2^-9.9 (PTX's bound on ex2.approx.f16's relative error; drawn from a generator seeded 0 at
-    every call), then rounded to FP16 again. P^ is rne(255 E) of that E (exact in FP16
-    arithmetic: one FMA onto 1024) and l sums it in FP32. Forward only (attention_backward
-    recomputes P in FP32), with the spec's ``p_max="tile"``. ``l_sum="codes"`` (same study: a
-    kernel whose P^ V^ product also sums P^ on the tensor cores, a column of ones beside V^)
-    sums the row's codes / 255 into l instead of E (``"e"``, the spec).
-
-    ``pv`` (accuracy study of a kernel that multiplies P.V in FP8 e4m3, as SageAttention2 does;
-    docs/accuracy.md "INT8 P and V scales across key steps"): ``"int8"`` (the spec, above) or
-    ``"fp8"``: per 128-key step ``P~ = e4m3(448 E)``, E as the spec computes it (against the
-    step's row maximum t; E <= 1, so nothing saturates; FP32 product, then one round to nearest
-    even), ``V~ = e4m3(V / sV8)`` with ``sV8 = amax / 448`` per channel over the ``v_block`` keys
-    (``psi_e4m3``), the product ``P~ V~`` exact (float64) and rounded once to FP32, folded as
-    ``O = alpha O + (exp(t - m_new) / 448) (P~ V~ * sV8)``; l sums E (``l_sum="e"``). With
-    ``p_max="running"``, ``P~ = e4m3(448 exp(S - m_new))`` and the fold is
-    ``O = alpha O + (P~ V~ * sV8) / 448`` (FP8 FlashAttention's form: no per-step factor). Hopper's
-    FP8 wgmma accumulates with fewer bits than FP32 (and the kernel would accumulate across steps
-    in its registers); that is not modelled. ``"fp8x2"``: the same with V as two e4m3 terms
-    (``psi_e4m3x2``: V~ plus an e4m3 of its rounding error, two FP8 P.V products). Forward only
-    (attention_backward is the spec's), with ``p_exp="fp32"`` and ``l_sum="e"``."""
+    ``p_exp`` (a kernel that takes P's exponentials two per instruction, ``ex2.approx.f16x2``;
+    docs/accuracy.md "P's exponentials in FP16"): ``"fp32"`` or ``"fp16"``,
+    E = fp16(exp2(fp16((S - t) log2 e))) (argument and result rounded to FP16, the exponential
+    itself exact), or ``"fp16-noisy"``, that E times (1 + u) with u uniform in +-2^-9.9 (PTX's
+    bound on ex2.approx.f16's relative error; drawn from a generator seeded 0 at every call),
+    then rounded to FP16 again. P^ is rne(255 E) of that E (exact in FP16 arithmetic: one FMA
+    onto 1024) and l sums it in FP32. Forward only (attention_backward recomputes P in FP32),
+    with ``p_max="tile"``. ``l_sum="codes"`` (same study: a kernel whose P^ V^ product also sums
+    P^ on the tensor cores, a column of ones beside V^) sums the row's codes / 255 into l
+    instead of E (``"e"``)."""
     if q_block < 1 or k_block < 1:
         raise ValueError(f"q_block and k_block must be >= 1, got {q_block}, {k_block}")
+    if pv not in ("fp8", "int8", "fp8-tile", "fp8-r16"):
+        raise ValueError(f'pv must be "fp8", "int8", "fp8-tile" or "fp8-r16", got {pv!r}')
     if p_max not in ("tile", "running"):
         raise ValueError(f'p_max must be "tile" or "running", got {p_max!r}')
     if v_block < 0 or v_block % BK:
@@ -321,11 +321,10 @@ def attention_forward(
     if (p_exp != "fp32" or l_sum != "e") and p_max != "tile":
         raise ValueError(f'p_exp={p_exp!r}, l_sum={l_sum!r} are modelled with p_max="tile" only, '
                          f'got {p_max!r}')
-    if pv not in ("int8", "fp8", "fp8x2"):
-        raise ValueError(f'pv must be "int8", "fp8" or "fp8x2", got {pv!r}')
-    if pv != "int8" and (p_exp != "fp32" or l_sum != "e"):
-        raise ValueError(f'pv={pv!r} is modelled with p_exp="fp32" and l_sum="e" only, got '
-                         f'p_exp={p_exp!r}, l_sum={l_sum!r}')
+    if pv != "int8" and (p_max, v_block, p_exp, l_sum) != ("tile", BK, "fp32", "e"):
+        raise ValueError(f'p_max, v_block, p_exp and l_sum study pv="int8" only, got pv={pv!r} '
+                         f'with p_max={p_max!r}, v_block={v_block}, p_exp={p_exp!r}, '
+                         f'l_sum={l_sum!r}')
     noise = torch.Generator().manual_seed(0) if p_exp == "fp16-noisy" else None
     mig = _migrate_kw(migrate, migrate_pow2)
     G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
@@ -337,9 +336,10 @@ def attention_forward(
     if 0 in (B, Hq, Nq, Nk):
         return out, lse
     ops = _Quantized(q32, k32, v32, G, q_block, k_block, **mig, v_block=v_block, pv=pv)
+    running = pv in ("fp8", "fp8-r16")  # the spec's P~ against the running maximum
     pmax = PMAX if pv == "int8" else E4M3_MAX
 
-    def code_p(e: Tensor) -> Tensor:  # per-row P: unsigned 8-bit codes or FP8 e4m3 values
+    def code_p(e: Tensor) -> Tensor:  # per-row P from E <= 1: unsigned 8-bit codes or e4m3
         return torch.round(PMAX * e) if pv == "int8" else _e4m3(E4M3_MAX * e)
 
     m = q32.new_full((B, Hq, Nq), -math.inf)
@@ -348,20 +348,32 @@ def attention_forward(
         j0, j1 = j * BK, min((j + 1) * BK, Nk)
         s_j = ops.scores(j, scale, allowed, additive)
         t, m_new, alpha, beta, e = _online_softmax_step(m, s_j)
-        if p_exp != "fp32":
-            e = _exp_fp16(s_j, t, noise)
-        p = code_p(e)
-        l = alpha * l + beta * (e.sum(dim=-1) if l_sum == "e" else p.sum(dim=-1) / PMAX)
-        if p_max == "running":  # codes against the running maximum: no per-step factor
-            e = torch.exp(s_j - torch.where(m_new == -math.inf, 0.0, m_new)[..., None])
-            beta = torch.where(m_new == -math.inf, 0.0, 1.0)
+        if running:  # W in [0, 448]; the 448 cancels in O / l
+            w = E4M3_MAX * _exp_running(s_j, m_new)
+            p, l, f = _e4m3(w), alpha * l + w.sum(dim=-1), None
+        else:
+            if p_exp != "fp32":
+                e = _exp_fp16(s_j, t, noise)
             p = code_p(e)
+            l = alpha * l + beta * (e.sum(dim=-1) if l_sum == "e" else p.sum(dim=-1) / PMAX)
+            if p_max == "running":  # INT8 codes against the running maximum: no per-step factor
+                beta = torch.where(m_new == -math.inf, 0.0, 1.0)
+                p = code_p(_exp_running(s_j, m_new))
+            f = _div_rn(beta, pmax)[..., None]
         acc = _mm64(p, ops.vc[:, :, j0:j1]) * ops.sv[:, :, j, None, :]
-        out = alpha[..., None] * out + _div_rn(beta, pmax)[..., None] * acc
+        out = alpha[..., None] * out + (acc if f is None else f * acc)
         m = m_new
     out, visible = _normalise(out, l)
-    lse = torch.where(visible, m + torch.log(l) + _lse_shift(q32, ops.kbar, G, scale), -math.inf)
+    lse = m + torch.log(l)
+    if running:
+        lse = lse - math.log(E4M3_MAX)
+    lse = torch.where(visible, lse + _lse_shift(q32, ops.kbar, G, scale), -math.inf)
     return out, lse
+
+
+def _exp_running(s: Tensor, m_new: Tensor) -> Tensor:
+    """exp(s - m_new) against the running row maximum; 0 in a row with no visible key yet."""
+    return torch.exp(s - torch.where(m_new == -math.inf, 0.0, m_new)[..., None])
 
 
 def _exp_fp16(s: Tensor, t: Tensor, noise: torch.Generator | None) -> Tensor:

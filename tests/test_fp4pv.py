@@ -115,17 +115,19 @@ def test_neither_full_precision():
     assert not torch.equal(pv, fp4) and not torch.equal(pv, int8)
     c = {n: R.metrics(o, ex)["cos"] for n, o in (("pv", pv), ("fp4", fp4), ("int8", int8))}
     assert c["fp4"] < c["pv"] < c["int8"], c
-    # its P.V half is FP4's: far from INT8 attention, not a rounding away from it
-    assert R.metrics(pv, int8)["rel_l1"] > 3 * R.metrics(int8, ex)["rel_l1"]
+    # its P.V half is FP4's: far from INT8 attention, not a rounding away from it (here 2.8x
+    # INT8's own error with FP8 P.V, 3.5x with INT8 P.V)
+    assert R.metrics(pv, int8)["rel_l1"] > 2.5 * R.metrics(int8, ex)["rel_l1"]
 
 
 def test_lse_is_the_int8_lse():
-    """Same scores and the same unquantized row sums as SPEC_INT8 2.4-2.5: the same LSE, bit
-    for bit (V and P quantization do not enter it); near the true LSE."""
+    """Same scores and the same unquantized row sums exp(S - t) as SPEC_INT8's INT8 P.V
+    (pv="int8"): the same LSE, bit for bit (V and P quantization do not enter it); within FP32
+    rounding of the spec's (its l sums 448 exp(S - m_new)); near the true LSE."""
     q, k, v = _qkv(Nq=130, Nk=300, seed=3)
     _, lse = R.attention_fp4pv(q, k, v, return_lse=True)
-    _, lse8 = R8.attention_forward(q, k, v)
-    assert torch.equal(lse, lse8)
+    assert torch.equal(lse, R8.attention_forward(q, k, v, pv="int8")[1])
+    assert (lse - R8.attention_forward(q, k, v)[1]).abs().max() < 1e-5
     s = (q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2)) / 8.0
     assert (lse.double() - torch.logsumexp(s, dim=-1)).abs().max().item() < 0.2
 

@@ -21,18 +21,23 @@ from fp4attn.reference import exact_attention, metrics
 class _SpecQuantized:
     """fp4attn.reference_int8._Quantized as it was before the granularity options (one scale per
     64 query rows and per 128 keys, applied per block) and the channel migration: the old results
-    to reproduce (with ``migrate=None``)."""
+    to reproduce (with ``migrate=None``), V quantized for either P.V of the spec."""
 
     def __init__(self, q32, k32, v32, G, q_block=64, k_block=128, migrate=None, migrate_pow2=None,
-                 v_block=128, pv="int8"):
-        assert (q_block, k_block, migrate, v_block, pv) == (64, 128, None, 128, "int8")
+                 v_block=128, pv="fp8"):
+        assert (q_block, k_block, migrate, v_block) == (64, 128, None, 128)
+        assert pv in ("fp8", "int8")
         B, Hq, Nq, D = q32.shape
         Nk = k32.shape[2]
         BQ, BK = 64, 128
         self.kbar = k32.mean(dim=2, keepdim=True)
         qc, sq = R8.psi(R8._blocks(q32, BQ), (3, 4))
         kc, sk = R8.psi(R8._blocks(k32 - self.kbar, BK), (3, 4))
-        vc, sv = R8.psi(R8._blocks(v32, BK), (3,))
+        if pv == "int8":
+            vc, sv = R8.psi(R8._blocks(v32, BK), (3,))
+        else:
+            hi, lo, sv = R8.psi_e4m3_pair(R8._blocks(v32, BK), (3,))
+            vc = hi + lo
         nqb, nkb = qc.shape[2], kc.shape[2]
         self.qc = qc.reshape(B, Hq, nqb * BQ, D)[:, :, :Nq]
         self.sq = sq.reshape(B, Hq, nqb, 1).repeat_interleave(BQ, dim=2)[:, :, :Nq]
@@ -122,21 +127,22 @@ def test_report_mode_runs_the_granularity():
 
 
 def test_fold_options_p_against_the_running_max_and_coarser_v_scales():
-    """reference_int8's p_max / v_block (fp4attn.eval.int8_fold): the defaults are the spec,
-    V's scale per block is the amax of its keys, P's codes against the running maximum stay
-    close to exact, and the report mode reaches them."""
+    """reference_int8's p_max / v_block for the INT8 P.V (pv="int8"; docs/accuracy.md "P and V
+    scales across key steps"): the defaults are its spec, V's scale per block is the amax of its
+    keys, P's codes against the running maximum stay close to exact, and the report mode reaches
+    them."""
     q, k, v = _inputs()
     exact = exact_attention(q, k, v, is_causal=True, enable_gqa=True)
-    spec = R8.attention_forward(q, k, v, is_causal=True)
+    spec = R8.attention_forward(q, k, v, is_causal=True, pv="int8")
     assert all(torch.equal(a, b) for a, b in zip(
-        spec, R8.attention_forward(q, k, v, is_causal=True, p_max="tile", v_block=128)))
+        spec, R8.attention_forward(q, k, v, is_causal=True, p_max="tile", v_block=128, pv="int8")))
     for kw in [{"p_max": "running"}, {"v_block": 256}, {"v_block": 0}, {"p_max": "running", "v_block": 0}]:
-        out, lse = R8.attention_forward(q, k, v, is_causal=True, **kw)
+        out, lse = R8.attention_forward(q, k, v, is_causal=True, pv="int8", **kw)
         assert torch.isfinite(out).all() and metrics(out, exact)["cos"] > 0.999, kw
         assert torch.allclose(lse, spec[1], atol=1e-5)  # l is unquantized in every variant
     v[0, 1, 200] *= 50.0  # a V outlier row in the first 256-key block (softmax steps 0 and 1)
     for vb, amax_keys in [(256, slice(0, 256)), (0, slice(None))]:
-        ops = R8._Quantized(q, k, v, 2, v_block=vb, migrate=None)  # q heads 2, 3 read KV head 1
+        ops = R8._Quantized(q, k, v, 2, v_block=vb, migrate=None, pv="int8")  # q heads 2, 3: KV 1
         want = R8._div_rn(v[0, 1, amax_keys].abs().amax(dim=0), 127.0)
         assert torch.equal(ops.sv[0, 2, 0], want) and torch.equal(ops.sv[0, 3, 1], want)
         assert torch.equal(ops.sv[0, 2, 2], want) == (vb == 0)  # keys 256.. : own block at 256
@@ -144,16 +150,16 @@ def test_fold_options_p_against_the_running_max_and_coarser_v_scales():
         R8.attention_forward(q, k, v, p_max="row")
     with pytest.raises(ValueError, match="v_block"):
         R8.attention_forward(q, k, v, v_block=100)
-    mode = RP.int8_granularity_mode(64, 128, "running", 0)
+    mode = RP.int8_granularity_mode(64, 128, "running", 0, pv="int8")
     assert "running max" in RP.mode_label(mode)
     with RP.attention_mode(None, mode, "fp4attn"):
         got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert torch.equal(got, R8.attention_forward(q, k, v, is_causal=True, p_max="running",
-                                                 v_block=0)[0])
+                                                 v_block=0, pv="int8")[0])
 
 
 def test_fold_option_p_exponentials_in_fp16():
-    """reference_int8's p_exp (fp4attn.eval.int8_fold): E is an FP16 exp2 of an FP16 argument
+    """reference_int8's p_exp for the INT8 P.V (pv="int8"): E is an FP16 exp2 of an FP16 argument
     (every E an FP16 value, P^ = rne(255 E) of it), within 2^-10 of the spec's E (absolutely:
     E <= 1, and P's codes are absolute); the noisy
     variant stays in [0, 1]; the report mode reaches it."""
@@ -165,9 +171,9 @@ def test_fold_option_p_exponentials_in_fp16():
     assert (e16 - torch.exp(s - t[..., None])).abs().max() <= 2.0 ** -10
     noisy = R8._exp_fp16(s, t, torch.Generator().manual_seed(1))
     assert noisy.max() <= 1.0 and not torch.equal(noisy, e16)
-    spec = R8.attention_forward(q, k, v, is_causal=True)
+    spec = R8.attention_forward(q, k, v, is_causal=True, pv="int8")
     for p_exp in ("fp16", "fp16-noisy"):
-        out, lse = R8.attention_forward(q, k, v, is_causal=True, p_exp=p_exp)
+        out, lse = R8.attention_forward(q, k, v, is_causal=True, p_exp=p_exp, pv="int8")
         assert not torch.equal(out, spec[0]) and metrics(out, spec[0])["cos"] > 0.99999, p_exp
         assert torch.allclose(lse, spec[1], atol=1e-3)
     with pytest.raises(ValueError, match="p_exp"):
@@ -179,78 +185,17 @@ def test_fold_option_p_exponentials_in_fp16():
     with pytest.raises(ValueError, match="p_max"):
         R8.attention_forward(q, k, v, l_sum="codes", p_max="running")
     # l from the codes (a sum of rne(255 E) / 255 instead of E): the output stays close
-    out, lse = R8.attention_forward(q, k, v, is_causal=True, p_exp="fp16", l_sum="codes")
+    out, lse = R8.attention_forward(q, k, v, is_causal=True, p_exp="fp16", l_sum="codes",
+                                    pv="int8")
     assert metrics(out, spec[0])["cos"] > 0.9999 and torch.isfinite(out).all()
-    assert "codes" in RP.mode_label(RP.int8_granularity_mode(64, 128, p_exp="fp16", l_sum="codes"))
-    mode = RP.int8_granularity_mode(64, 128, p_exp="fp16")
+    assert "codes" in RP.mode_label(RP.int8_granularity_mode(64, 128, p_exp="fp16", l_sum="codes",
+                                                             pv="int8"))
+    mode = RP.int8_granularity_mode(64, 128, p_exp="fp16", pv="int8")
     assert "FP16" in RP.mode_label(mode).upper()
     with RP.attention_mode(None, mode, "fp4attn"):
         got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    assert torch.equal(got, R8.attention_forward(q, k, v, is_causal=True, p_exp="fp16")[0])
-
-
-def test_fold_option_pv_in_fp8(monkeypatch):
-    """reference_int8's pv (fp4attn.eval.int8_fold): "int8" is the spec bit for bit; "fp8" codes
-    P and V as FP8 e4m3 values (round to nearest even; V per block and channel, amax -> 448, a
-    zero block gives scale 0 and codes 0), folds P~ V~ as documented, differs from the spec but
-    stays close (this case: cos 0.99948 against exact, 0.99992 for the spec); bad values raise;
-    the report mode reaches it."""
-    q, k, v = _inputs()
-    exact = exact_attention(q, k, v, is_causal=True, enable_gqa=True)
-    spec = R8.attention_forward(q, k, v, is_causal=True)
-    assert all(torch.equal(a, b) for a, b in zip(
-        spec, R8.attention_forward(q, k, v, is_causal=True, pv="int8")))
-    x = torch.tensor([1.0625, 1.1875, 304.0, 2.0**-10, 3 * 2.0**-11, -448.0])  # ties to even
-    assert R8._e4m3(x).tolist() == [1.0, 1.25, 320.0, 0.0, 2.0**-9, -448.0]
-    # V~: e4m3 values, amax 448 per (128 keys, channel), within e4m3's half ulp of V / sV8
-    v0 = v.clone()
-    v0[0, 1, 128:256] = 0.0  # a zero block
-    codes, sc = R8.psi_e4m3(R8._blocks(v0, 128), (3,))
-    assert torch.equal(codes, R8._e4m3(codes)) and codes.abs().max() == 448.0
-    assert torch.equal(sc, R8._div_rn(R8._blocks(v0, 128).abs().amax(dim=3, keepdim=True), 448.0))
-    assert (sc[0, 1, 1] == 0).all() and (codes[0, 1, 1] == 0).all()
-    assert ((codes.abs().amax(dim=3, keepdim=True) == 448.0) | (sc == 0)).all()
-    vb = R8._blocks(v0, 128)
-    assert ((codes * sc - vb).abs() <= 2.0**-4 * 1.0001 * vb.abs() + 2.0**-10 * sc).all()
-    # P~: every value an e4m3 byte 0x00..0x7e (so at most 127 distinct per row), row max 448
-    seen = []
-    e4m3 = R8._e4m3
-    monkeypatch.setattr(R8, "_e4m3", lambda t: seen.append(e4m3(t)) or seen[-1])
-    out, lse = R8.attention_forward(q, k, v, is_causal=True, pv="fp8")
-    monkeypatch.undo()
-    ps = [t for t in seen if t.dim() == 4]  # P~ [B, Hq, Nq, keys] of each step (V~ is 5-D)
-    assert len(ps) == 3
-    for p in ps:
-        assert torch.equal(p, e4m3(p))
-        assert (p.to(torch.float8_e4m3fn).view(torch.uint8) < 0x7F).all()
-        assert set(p.amax(dim=-1).unique().tolist()) <= {0.0, 448.0}  # 0: causal, no key yet
-    assert not torch.equal(out, spec[0]) and torch.isfinite(out).all()
-    assert metrics(out, exact)["cos"] > 0.999 and metrics(out, spec[0])["cos"] > 0.999
-    assert torch.equal(lse, spec[1])  # l sums E, as the spec
-    for vb in (128, 0):  # P~ against the running max: e4m3's exponent keeps the small values
-        tile = R8.attention_forward(q, k, v, is_causal=True, pv="fp8", v_block=vb)[0]
-        run = R8.attention_forward(q, k, v, is_causal=True, pv="fp8", v_block=vb, p_max="running")
-        assert metrics(tile, exact)["cos"] > 0.999 and metrics(run[0], tile)["cos"] > 0.99999
-    # one step (no mask, 100 keys): O = (P~ V~ sV8) / 448 / sum(E), P~ = e4m3(448 exp(S - t))
-    q1, k1, v1 = _inputs(Nq=20, Nk=100)
-    ops = R8._Quantized(q1, k1, v1, 2, pv="fp8")
-    s = ops.scores(0, 1 / 8, None, None)
-    e = torch.exp(s - s.amax(dim=-1, keepdim=True))
-    p = (448.0 * e).to(torch.float8_e4m3fn).double()
-    want = (p @ ops.vc.double()) * ops.sv[:, :, 0, None].double() / 448.0 / e.sum(-1, keepdim=True)
-    got = R8.attention_forward(q1, k1, v1, pv="fp8")[0]
-    assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="pv"):
-        R8.attention_forward(q, k, v, pv="fp4")
-    with pytest.raises(ValueError, match="pv"):
-        R8.attention_forward(q, k, v, pv="fp8", p_exp="fp16")
-    with pytest.raises(ValueError, match="pv"):
-        R8.attention_forward(q, k, v, pv="fp8", l_sum="codes")
-    mode = RP.int8_granularity_mode(64, 128, v_block=0, pv="fp8")
-    assert mode == "int8ref:q64k128:v=0:pv=fp8" and "FP8" in RP.mode_label(mode)
-    with RP.attention_mode(None, mode, "fp4attn"):
-        got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    assert torch.equal(got, R8.attention_forward(q, k, v, is_causal=True, v_block=0, pv="fp8")[0])
+    assert torch.equal(got, R8.attention_forward(q, k, v, is_causal=True, p_exp="fp16",
+                                                 pv="int8")[0])
 
 
 @pytest.mark.parametrize("fix", G.OUTLIER_FIXES)
@@ -304,24 +249,3 @@ def test_gemma3_tokenizer_is_sentencepiece_bpe(tmp_path):
     ids = tok("Hello world. It is a truth universally acknowledged,\n\nHowever").input_ids
     assert ids == [2, 9259, 1902, 236761, 1030, 563, 496, 9043, 69127, 30285, 236764, 108, 9675]
     assert tok.decode(ids[1:]) == "Hello world. It is a truth universally acknowledged,\n\nHowever"
-
-
-def test_fold_option_v_as_two_fp8_terms():
-    """reference_int8's pv="fp8x2": V as an e4m3 term plus an e4m3 of its rounding error (two FP8
-    P.V products). V's codes are that sum, within 2^-8 of V / sV8 relative (plus e4m3's
-    subnormal step), and the output is nearer exact attention than pv="fp8"'s."""
-    q, k, v = _inputs()
-    exact = exact_attention(q, k, v, is_causal=True, enable_gqa=True)
-    vb = R8._blocks(v, 128)
-    c1, s1 = R8.psi_e4m3(vb, (3,))
-    c2, s2 = R8.psi_e4m3x2(vb, (3,))
-    assert torch.equal(s1, s2)
-    resid = c2 - c1
-    assert torch.equal(16.0 * resid, R8._e4m3(16.0 * resid))  # the second term is e4m3 / 16
-    x = R8._div_rn(vb, s1)
-    assert ((c2 - x).abs() <= 2.0**-8 * x.abs() + 2.0**-13).all()
-    fp8 = R8.attention_forward(q, k, v, is_causal=True, pv="fp8")[0]
-    fp8x2 = R8.attention_forward(q, k, v, is_causal=True, pv="fp8x2")[0]
-    assert 1 - metrics(fp8x2, exact)["cos"] < 0.5 * (1 - metrics(fp8, exact)["cos"])
-    with pytest.raises(ValueError, match="pv"):
-        R8.attention_forward(q, k, v, pv="fp8x2", l_sum="codes")
