@@ -2,10 +2,13 @@
  * The 8-bit trainable attention on the CPU (docs/SPEC_INT8.md): forward and backward.
  *
  * Operands are quantized once per call (psi: Q' = Q s per 64 rows, Ks' = (K - kbar) / s per 128
- * keys, s the channel migration of SPEC_INT8 2.1b, V per 128 keys and channel), then every
- * (batch, head) runs the blocked algorithm of the spec with int32 dot products of the INT8 codes
- * and FP32 scales. OpenMP over query heads in the forward and
- * over KV heads in the backward (a KV head's dK and dV sum over its query heads without atomics).
+ * keys, s the channel migration of SPEC_INT8 2.1b; V as two FP8 e4m3 terms V~ + R per 128 keys
+ * and channel, SPEC_INT8 2.2), then every (batch, head) runs the blocked algorithm of the spec:
+ * scores from int32 dot products of the INT8 codes and FP32 scales, P.V in FP8 (P~ = e4m3 of
+ * 448 exp(S - m) against the running max, SPEC_INT8 2.4) with the exact products summed in double.
+ * OpenMP over query heads in the forward and over KV heads in the backward (a KV head's dK and dV
+ * sum over its query heads without atomics). setup.py compiles with -ffp-contract=off: a * b + c
+ * is two roundings, as the spec writes it, never an FMA.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -26,9 +29,11 @@ static inline int8_t code8(float y) {
   return (int8_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
 }
 
-/* The forward's P code (SPEC_INT8 2.4): rne_int(255 * e) for e in [0, 1], an unsigned byte. */
-static inline uint8_t p_code(float e) {
-  return e == e ? (uint8_t)nearbyintf(255.0f * e) : 0;
+/* e4m3(x) as a float (SPEC_INT8 2.2): round to nearest even to FP8 E4M3, saturating at +-448, NaN
+ * stays NaN. */
+static inline float e4m3_round(float x) {
+  const float a = fp4attn_e4m3_decode(fp4attn_e4m3_encode_sat(fabsf(x)));
+  return x < 0.0f ? -a : a;
 }
 
 static inline float absmax_nan(float m, float x) {
@@ -47,6 +52,24 @@ static float psi_group(const float *x, int64_t rows, int64_t cols, int64_t pitch
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t c = 0; c < cols; ++c) codes[i * pitch + c] = code8(x[i * pitch + c] * r);
   return s;
+}
+
+/* SPEC_INT8 2.2: one group of V (rows values x[r * pitch], a channel of a 128-key block) as two
+ * e4m3 terms, stored as their sum V~ + R (exact in float) at the same offsets of vv; returns sV. */
+static float v_group(const float *x, int64_t rows, int64_t pitch, float *vv) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < rows; ++i) amax = absmax_nan(amax, x[i * pitch]);
+  const float r = 448.0f / amax;
+  if (r == INFINITY) { /* amax 0 or below 448 / FLT_MAX: the group is zeros */
+    for (int64_t i = 0; i < rows; ++i) vv[i * pitch] = 0.0f;
+    return 0.0f;
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const float y = x[i * pitch] * r;
+    const float vt = e4m3_round(y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y));
+    vv[i * pitch] = vt + e4m3_round(y - vt); /* y - vt is exact (Sterbenz), |y - vt| <= 16 */
+  }
+  return amax / 448.0f; /* NaN where amax is: the group's outputs are NaN */
 }
 
 static float load_row(const void *base, fp4attn_dtype dt, const int64_t *st, int64_t b, int64_t h,
@@ -71,7 +94,7 @@ typedef struct {
   float *mig;  /* [D]: the channel migration factors s (powers of two) */
   int8_t *kc;  /* [Nk][D], (K - kbar) / s */
   float *sk;   /* [nkb] */
-  int8_t *vc;  /* [Nk][D] */
+  float *vv;   /* [Nk][D]: V~ + R (SPEC_INT8 2.2), sV's multiples */
   float *sv;   /* [nkb][D] */
 } kv_codes;
 
@@ -87,10 +110,10 @@ static int quantize_kv(const fp4attn_attention_params *p, int64_t b, int64_t h, 
   o->mig = (float *)malloc(sizeof(float) * (size_t)D);
   o->kc = (int8_t *)malloc((size_t)(Nk * D));
   o->sk = (float *)malloc(sizeof(float) * (size_t)nkb);
-  o->vc = (int8_t *)malloc((size_t)(Nk * D));
+  o->vv = (float *)malloc(sizeof(float) * (size_t)(Nk * D));
   o->sv = (float *)malloc(sizeof(float) * (size_t)(nkb * D));
   float *x = (float *)malloc(sizeof(float) * (size_t)(BK * D)); /* one block: K - kbar, then V */
-  if (!o->kbar || !o->mig || !o->kc || !o->sk || !o->vc || !o->sv || !x) {
+  if (!o->kbar || !o->mig || !o->kc || !o->sk || !o->vv || !o->sv || !x) {
     free(x);
     return 0;
   }
@@ -122,7 +145,7 @@ static int quantize_kv(const fp4attn_attention_params *p, int64_t b, int64_t h, 
       for (int64_t d = 0; d < D; ++d)
         x[n * D + d] = load_row(p->v, p->dtype, p->v_stride, b, h, n0 + n, d);
     for (int64_t d = 0; d < D; ++d) /* V: one scale per channel */
-      o->sv[j * D + d] = psi_group(x + d, rows, 1, D, o->vc + n0 * D + d);
+      o->sv[j * D + d] = v_group(x + d, rows, D, o->vv + n0 * D + d);
   }
   free(x);
   return 1;
@@ -152,7 +175,7 @@ static void free_kv(kv_codes *c) {
   free(c->mig);
   free(c->kc);
   free(c->sk);
-  free(c->vc);
+  free(c->vv);
   free(c->sv);
 }
 
@@ -199,8 +222,8 @@ static int forward_head(const fp4attn_attention_params *p, const kv_codes *kv, i
   const int64_t D = p->head_dim, Nq = p->len_q, Nk = p->len_k, nkb = (Nk + BK - 1) / BK;
   q_codes q = {0, 0};
   float *s = (float *)malloc(sizeof(float) * BK), *o = (float *)malloc(sizeof(float) * (size_t)D);
-  uint8_t *pc = (uint8_t *)malloc(BK);
-  int ok = s && o && pc && quantize_q(p, kv, b, h, &q);
+  float *pt = (float *)malloc(sizeof(float) * BK); /* P~ of the step, e4m3 values */
+  int ok = s && o && pt && quantize_q(p, kv, b, h, &q);
   for (int64_t i = 0; ok && i < Nq; ++i) {
     float m = -INFINITY, l = 0.0f;
     for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
@@ -213,33 +236,42 @@ static int forward_head(const fp4attn_attention_params *p, const kv_codes *kv, i
       for (int64_t n = 0; n < w; ++n) t = s[n] > t ? s[n] : t;
       const float m_new = m > t ? m : t;
       const float alpha = m == -INFINITY ? 0.0f : expf(m - m_new);
-      const float beta = t == -INFINITY ? 0.0f : expf(t - m_new);
+      /* SPEC_INT8 2.4: W = 448 exp(S - m_new) in [0, 448] (float expf, then one multiplication),
+       * P~ = e4m3(W) against the running max, l sums W */
       float rowsum = 0.0f;
       for (int64_t n = 0; n < w; ++n) {
-        const float e = t == -INFINITY ? 0.0f : expf(s[n] - t);
-        rowsum += e;
-        pc[n] = p_code(e);
+        const float wn =
+            m_new == -INFINITY || s[n] == -INFINITY ? 0.0f : 448.0f * expf(s[n] - m_new);
+        rowsum += wn;
+        pt[n] = e4m3_round(wn);
       }
-      l = alpha * l + beta * rowsum;
-      const float pf = beta / 255.0f;
-      int32_t acc[FP4ATTN_MAX_HEAD_DIM] = {0};
+      l = alpha * l + rowsum;
+      /* P~ (V~ + R) exactly: P~ and V~ + R are multiples of 2^-9 below 2^9 in magnitude, so every
+       * product is a multiple of 2^-18 below 2^18 and a sum of 128 below 2^25: 43 bits, exact in
+       * double whatever the order; rounded once to float */
+      double acc[FP4ATTN_MAX_HEAD_DIM] = {0};
       for (int64_t n = 0; n < w; ++n)
-        if (pc[n]) axpy8(acc, pc[n], kv->vc + (n0 + n) * D, D);
-      for (int64_t d = 0; d < D; ++d)
-        o[d] = alpha * o[d] + pf * ((float)acc[d] * kv->sv[j * D + d]);
+        if (pt[n] != 0.0f) {
+          const double pn = pt[n];
+          const float *vv = kv->vv + (n0 + n) * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += pn * vv[d];
+        }
+      /* alpha O + float(acc) sV: two roundings (no FMA, -ffp-contract=off) */
+      for (int64_t d = 0; d < D; ++d) o[d] = alpha * o[d] + (float)acc[d] * kv->sv[j * D + d];
       m = m_new;
     }
     const int64_t orow = b * p->out_stride[0] + h * p->out_stride[1] + i * p->out_stride[2];
+    /* SPEC_INT8 2.5: O / l (the 448 of W cancels); lse = m + log(l) - log(448) + scale Q.kbar */
     for (int64_t d = 0; d < D; ++d)
       fp4attn_store(p->out, p->dtype, orow + d, l > 0 ? o[d] / l : 0.0f);
     p->lse[(b * p->heads_q + h) * Nq + i] =
-        l > 0 ? m + logf(l) + lse_shift(p, kv, b, h, i) : -INFINITY;
+        l > 0 ? m + logf(l) - logf(448.0f) + lse_shift(p, kv, b, h, i) : -INFINITY;
   }
   free(q.qc);
   free(q.sq);
   free(s);
   free(o);
-  free(pc);
+  free(pt);
   return ok;
 }
 
