@@ -174,8 +174,9 @@ def test_forward_is_the_definition_and_near_exact(case):
 
 def test_hidden_rows_and_steps():
     """Rows with no visible key give 0 and -inf (boolean and additive masks, also fully hidden
-    heads); a row hidden for whole key steps (causal: row 5 sees no key of steps 1, 2) adds
-    nothing there; no NaN anywhere; the model agrees on every visible row."""
+    heads); rows hidden for whole key steps (row 9 after step 0, row 11 before step 2, every row
+    after step 0 when causal) add nothing there; no NaN anywhere; the model agrees on every
+    visible row."""
     q, k, v = _inputs(Nq=70, Nk=300, seed=3)
     mask = torch.rand(2, 4, 70, 300, generator=torch.Generator().manual_seed(4)) > 0.3
     mask[:, :, 7] = False  # a hidden row
