@@ -89,10 +89,15 @@ def test_train_gpt_int8_runs_both_attentions(tmp_path):
     _, rows = read_csv(str(tmp_path / "train_gpt_int8.csv"))
     assert [(r["run"], r["step"]) for r in rows] == [("torch", "2"), ("torch", "4"), ("int8", "2"),
                                                      ("int8", "4")]
-    # the int8 arm's weights are also evaluated with exact attention (close to, not equal to, int8)
-    for r in rows:
-        exact, val = float(r["val_loss_exact_attention"]), float(r["val_loss"])
-        assert (exact == val) if r["run"] == "torch" else (exact != val and abs(exact / val - 1) < 0.05)
+    # the int8 arm's weights are also evaluated with exact attention: close to int8, and not the
+    # same number at every step (at 5 decimals the two can agree at one step of this tiny model)
+    def column(run, name):
+        return [float(r[name]) for r in rows if r["run"] == run]
+
+    exact, val = ({run: column(run, c) for run in ("torch", "int8")}
+                  for c in ("val_loss_exact_attention", "val_loss"))
+    assert exact["torch"] == val["torch"] and exact["int8"] != val["int8"]
+    assert all(abs(e / v - 1) < 0.05 for e, v in zip(exact["int8"], val["int8"]))
     # the gradient probe: one row per probed step and layer, the int8 op close to exact attention
     _, probe = read_csv(str(tmp_path / "train_gpt_int8_probe.csv"))
     assert [(r["step"], r["layer"]) for r in probe] == [("2", "0"), ("4", "0")]
