@@ -1,13 +1,15 @@
 /*
- * 8-bit attention forward (docs/SPEC_INT8.md 2) on mma.sync m16n8k32 s8, sm_80 and newer.
+ * 8-bit attention forward (docs/SPEC_INT8.md 2) on mma.sync, sm_80 and newer.
  *
  * One block = 4 warps = the 64 query rows of one Q^ block (one scale sQ) of one (batch, query
- * head); each warp owns 16 rows. Per 128-key step j (K^ and V^ tiles double-buffered by cp.async):
- *   S    = Q^ K^_j^T (exact int32) * (sQ sK_j scale) in log2 units, masks (tile/mask.cuh)
- *   t    = rowmax over the 128 keys; E = exp2(S - t); P^ = rne(255 E), unsigned codes in registers
- *   O    = alpha O + (exp2(t - m) / 255) (P^ V^_j * sV_j per column; u8 x s8 MMA), l likewise
- * P^ goes from the accumulator layout straight into A fragments (k order perm16), which is why the
- * preparation stores V^ transposed with the same permutation. Head dims 64 / 128 / 256.
+ * head); each warp owns 16 rows. Per 128-key step j (K^ tiles double-buffered by cp.async, the
+ * step's V~ and R tiles loaded while the previous step's scores and softmax run):
+ *   S     = Q^ K^_j^T (m16n8k32 s8, exact int32) * (sQ sK_j scale) in log2 units, masks
+ *   m_new = max(m, rowmax S); W = 448 exp2(S - m_new); P~ = e4m3(W) in registers; l += W
+ *   O     = alpha O + (P~ (V~_j + R_j)) * sV_j per column (E4M3 MMA on sm_89+, FP16 MMA of the
+ *           decoded bytes on sm_80 / sm_86; int8_tiles.cuh)
+ * P~ goes from the accumulator layout straight into A fragments (k order perm16), which is why the
+ * preparation stores V~ and R transposed with the same permutation. Head dims 64 / 128 / 256.
  */
 #include "../tile/mask.cuh"
 #include "attention_int8.h"
@@ -19,10 +21,10 @@ namespace {
 template <int DP>
 struct FwdSmem {
   static constexpr int kQ = 0;                   /* Q^ [64][DP] */
-  static constexpr int kK = kQ + kBQ8 * DP;      /* K^ [2][128][DP] */
-  static constexpr int kV = kK + 2 * kBK8 * DP;  /* V^T [2][DP][128] perm */
-  static constexpr int kSv = kV + 2 * DP * kBK8; /* sV [2][DP] */
-  static constexpr int kBytes = kSv + 2 * DP * 4;
+  static constexpr int kK = kQ + kBQ8 * DP;      /* K^ [2][128][DP], double-buffered */
+  static constexpr int kV = kK + 2 * kBK8 * DP;  /* V~, R: [2][DP][128] perm, the step's */
+  static constexpr int kSv = kV + 2 * DP * kBK8; /* sV [DP] */
+  static constexpr int kBytes = kSv + DP * 4;
 };
 
 template <int DP>
@@ -48,15 +50,20 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
   int ntiles = (int)w.nkb;
   if (p.causal) ntiles = (int)min((int64_t)ntiles, (min(q0 + kBQ8, p.len_q) - 1) / kBK8 + 1);
 
-  auto load_kv = [&](int j, int buf) {
+  auto load_k = [&](int j, int buf) {
     load_tile<DP>(smem + L::kK + buf * kBK8 * DP, w.kc + (bhk * w.nkp + (int64_t)j * kBK8) * DP,
                   kBK8, DP, tid, 128);
-    load_tile<kBK8>(smem + L::kV + buf * DP * kBK8, w.vct + (bhk * w.nkb + j) * DP * kBK8, DP, kBK8,
-                    tid, 128);
-    load_bytes(smem + L::kSv + buf * DP * 4, w.sv + (bhk * w.nkb + j) * DP, DP * 4, tid, 128);
   };
+  auto load_v = [&](int j) {
+    load_tile<kBK8>(smem + L::kV, w.vct + (bhk * w.nkb + j) * 2 * DP * kBK8, 2 * DP, kBK8, tid,
+                    128);
+    load_bytes(smem + L::kSv, w.sv + (bhk * w.nkb + j) * DP, DP * 4, tid, 128);
+  };
+  /* cp.async groups in commit order: {Q^, K^_0}, {V_0}, then per step {K^_j+1} and {V_j+1} */
   load_tile<DP>(smem + L::kQ, w.qc + (bh * w.nqp + q0) * DP, kBQ8, DP, tid, 128);
-  load_kv(0, 0);
+  load_k(0, 0);
+  cp_async_commit();
+  load_v(0);
   cp_async_commit();
 
   const float sq_scale = w.sq[bh * w.nqb + qb];
@@ -66,17 +73,16 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
 
   for (int j = 0; j < ntiles; ++j) {
     const int buf = j & 1;
-    if (j + 1 < ntiles) {
-      load_kv(j + 1, buf ^ 1);
+    const bool next = j + 1 < ntiles;
+    if (next) {
+      load_k(j + 1, buf ^ 1);
       cp_async_commit();
-      cp_async_wait_group<1>();
+      cp_async_wait_group<2>(); /* K^_j; V_j and K^_j+1 may be in flight */
     } else {
-      cp_async_wait_group<0>();
+      cp_async_wait_group<1>();
     }
     __syncthreads();
     const char *kt = smem + L::kK + buf * kBK8 * DP;
-    const char *vt = smem + L::kV + buf * DP * kBK8;
-    const float *sv = reinterpret_cast<const float *>(smem + L::kSv + buf * DP * 4);
 
     int acc[16][4] = {};
 #pragma unroll
@@ -105,57 +111,57 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
         mask_general(p, rows, j0, s);
     }
 
-    /* online softmax with per-row INT8 P (SPEC_INT8 2.4), in log2 units */
-    float alpha[2], beta[2], pf[2], tmax[2];
+    /* online softmax with P~ against the running maximum (SPEC_INT8 2.4), in log2 units */
+    float alpha[2], shift[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float x = -INFINITY;
 #pragma unroll
       for (int n = 0; n < 16; ++n) x = fmaxf(x, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-      const float tr = quad_max(x);
-      const float m_new = fmaxf(m[r], tr);
+      const float m_new = fmaxf(m[r], quad_max(x));
       alpha[r] = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - m_new);
-      beta[r] = tr == -INFINITY ? 0.0f : exp2f(tr - m_new);
-      pf[r] = beta[r] / 255.0f;
       m[r] = m_new;
-      tmax[r] = tr == -INFINITY ? 0.0f : tr; /* a row hidden for the whole step: E = 0 */
+      /* W = exp2(S - (m - log2 448)); a row with nothing visible yet has S = -inf: W = 0 */
+      shift[r] = m_new == -INFINITY ? 0.0f : m_new - kLog2_448;
     }
-    int pc[16][4];
     float rowsum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int n = 0; n < 16; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float E = exp2f(s[n][e] - tmax[e >> 1]);
-        rowsum[e >> 1] += E;
-        pc[n][e] = __float2int_rn(255.0f * E); /* 0..255: an unsigned byte */
+        s[n][e] = exp2f(s[n][e] - shift[e >> 1]);
+        rowsum[e >> 1] += s[n][e];
       }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = alpha[r] * l[r] + beta[r] * rowsum[r];
-    uint32_t pa[4][4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) pack_a_from_acc(pa[c], pc, c);
+    for (int r = 0; r < 2; ++r) l[r] = alpha[r] * l[r] + rowsum[r];
+    PTilde pt;
+    make_ptilde(s, pt);
 
+    if (next)
+      cp_async_wait_group<1>(); /* V_j; K^_j+1 may be in flight */
+    else
+      cp_async_wait_group<0>();
+    __syncthreads();
+    const char *vt = smem + L::kV;
+    const float *sv = reinterpret_cast<const float *>(smem + L::kSv);
 #pragma unroll
     for (int np = 0; np < DP / 16; ++np) {
-      int pv[2][4] = {};
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        uint32_t vb[2][2];
-        ldsm_b<kBK8>(vb, vt, np * 16, c * 32);
-        mma_s8<true>(pv[0], pa[c], vb[0]);
-        mma_s8<true>(pv[1], pa[c], vb[1]);
-      }
+      float pv[2][4] = {};
+      mma_ptilde_v<DP>(pv, pt, vt, np * 16);
 #pragma unroll
       for (int x = 0; x < 2; ++x)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = np * 16 + x * 8 + 2 * t + (e & 1);
           float &oe = o[2 * np + x][e];
-          oe = alpha[e >> 1] * oe + pf[e >> 1] * ((float)pv[x][e] * sv[col]);
+          oe = fmaf(pv[x][e], kPvScale * sv[col], alpha[e >> 1] * oe);
         }
     }
-    __syncthreads();
+    __syncthreads(); /* every warp is done with K^_j, V_j: their buffers are refilled */
+    if (next) {
+      load_v(j + 1);
+      cp_async_commit();
+    }
   }
 
   store_forward_rows<DP>(p, w, rows, bh, o, m, l);

@@ -4,20 +4,22 @@
  *
  * One block = 128 query rows (two SPEC_INT8 Q^ blocks) of one (batch, query head), 3 warpgroups:
  *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the item's Q^ rows, then
- *     per 128-key tile j the K^ tile, the V^T tile (perm order, as the preparation writes it) and
- *     V's channel scales sV_j into a ring of kStages stages ("full" mbarriers), refilling a stage
- *     once all 256 consumer threads have released it ("empty" mbarriers).
+ *     per 128-key tile j the K^ tile, V's two E4M3 terms V~ and R as transposed tiles (perm order,
+ *     as the preparation writes them) and V's channel scales sV_j into a ring of kStages stages
+ *     ("full" mbarriers), refilling a stage once all 256 consumer threads have released it
+ *     ("empty" mbarriers).
  *   warpgroups 1 and 2, consumers (setmaxnreg up): one Q^ block of 64 rows each (wgmma's M).
  *     S_j = Q^ K^_j^T by wgmma m64n128k32 s8.s8 (both in shared memory, exact int32), the scores
- *     and the online softmax with per-row 8-bit P in registers (SPEC_INT8 2.4), then
- *     PV_j = P^_j V^_j by wgmma m64n{DP}k32 u8.s8 with P^_j from registers (the accumulator
- *     layout packed into A fragments in perm16 k order, which V^T's perm tiles match), folded into
- *     the FP32 output as O = alpha O + (exp2(t - m) / 255) (PV_j * sV_j) per column.
- *     PV_j is issued together with S_{j+1} and folded after S_{j+1}'s row maxima are known, so the
+ *     and the online softmax with P~ = e4m3(448 exp2(S - m)) against the running row maximum in
+ *     registers (SPEC_INT8 2.4), then PV_j = P~_j (V~_j + R_j) by wgmma m64n{DP}k32 e4m3 with P~_j
+ *     from registers (the accumulator layout packed into A fragments in perm16 k order, which the
+ *     perm tiles match; FP32 accumulation, from zero every step), added to the FP32 output as
+ *     O = alpha O + PV_j * sV_j per column (alpha = 1 once the row maxima settle: one FMA).
+ *     PV_j is issued together with S_{j+1} and added after S_{j+1}'s row maxima are known, so the
  *     tensor cores run it during that softmax; the two consumers take turns at issuing (named
  *     barriers), so one's wgmma run while the other computes.
  * Operand layouts: K-major rows swizzled over their width (wgmma.cuh, kmajor_desc): Q^ and K^ rows
- * of DP bytes (64: 64-byte swizzle, 128: 128-byte swizzle), V^T rows of 128 keys (128-byte).
+ * of DP bytes (64: 64-byte swizzle, 128: 128-byte swizzle), V~ and R rows of 128 keys (128-byte).
  */
 #include "../sm90/tensor_maps.h"
 #include "../sm90/wgmma.cuh"
@@ -36,10 +38,10 @@ constexpr int kConsumerThreads = 256;
 template <int DP>
 struct Sm90Config {
   static constexpr int kStages = 4;
-  static constexpr int kQBytes = kRows * DP; /* Q^ [128][DP] */
-  static constexpr int kKBytes = kBK8 * DP;  /* K^ [128][DP] */
-  static constexpr int kVBytes = DP * kBK8;  /* V^T [DP][128] perm */
-  static constexpr int kSvBytes = DP * 4;    /* sV [DP] */
+  static constexpr int kQBytes = kRows * DP;    /* Q^ [128][DP] */
+  static constexpr int kKBytes = kBK8 * DP;     /* K^ [128][DP] */
+  static constexpr int kVBytes = 2 * DP * kBK8; /* V~, R: [2][DP][128] perm */
+  static constexpr int kSvBytes = DP * 4;       /* sV [DP] */
   /* shared memory from a 1024-byte boundary (the swizzled tiles' alignment) */
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
@@ -55,7 +57,7 @@ struct Sm90Config {
 };
 
 /* Kernel parameters: the 8-bit arguments and this call's TMA maps of Q^ {DP, nqp, BHq}, K^ {DP,
- * nkp, BHk} and the V^T tiles {128, nkb x DP, BHk} (bytes, innermost first). */
+ * nkp, BHk} and V's term tiles {128, nkb x 2 DP, BHk} (bytes, innermost first). */
 struct Int8Sm90Params {
   Int8Args a;
   CUtensorMap qmap, kmap, vmap;
@@ -96,13 +98,6 @@ struct Int8Bars {
   __device__ uint32_t qfull() const { return base + 16 * kStages; }
 };
 
-/* rne(255 E) for E in [0, 1] in the low byte of the result: 255 E + 1.5 * 2^23 in one rounding,
- * to an integer ties to even (no F2I). It differs from rounding 255 E to FP32 first only where
- * 255 E lies within an FP32 ulp of a tie: a code off by one there (SPEC_INT8 4). */
-__device__ __forceinline__ uint32_t p_word(float e) {
-  return __float_as_uint(__fmaf_rn(255.0f, e, 12582912.0f));
-}
-
 template <int DP>
 struct Int8Sm90 {
   using C = Sm90Config<DP>;
@@ -127,8 +122,8 @@ struct Int8Sm90 {
       mbar_expect_tx(bar.full(s), C::kKBytes + C::kVBytes + C::kSvBytes);
       tma_load_3d(smem_u32(tiles + C::kOffK + s * C::kKBytes), &prm.kmap, 0, j * kBK8, (int)it.bhk,
                   bar.full(s));
-      tma_load_3d(smem_u32(tiles + C::kOffV + s * C::kVBytes), &prm.vmap, 0, j * DP, (int)it.bhk,
-                  bar.full(s));
+      tma_load_3d(smem_u32(tiles + C::kOffV + s * C::kVBytes), &prm.vmap, 0, j * 2 * DP,
+                  (int)it.bhk, bar.full(s));
       bulk_load(smem_u32(tiles + C::kOffSv + s * C::kSvBytes), w.sv + (it.bhk * w.nkb + j) * DP,
                 C::kSvBytes, bar.full(s));
       mbar_arrive(bar.full(s));
@@ -158,9 +153,6 @@ struct Int8Sm90 {
     const auto k_desc = [&](int s) {
       return kmajor_desc<kQkRow>(smem_u32(tiles + C::kOffK + s * C::kKBytes));
     };
-    const auto v_desc = [&](int s) {
-      return kmajor_desc<kBK8>(smem_u32(tiles + C::kOffV + s * C::kVBytes));
-    };
     const auto turn_begin = [&]() { named_sync(kBarTurn + cwg, kTurnCount); };
     const auto turn_end = [&]() { named_arrive(kBarTurn + (cwg ^ 1), kTurnCount); };
     if (cwg == 1) named_arrive(kBarTurn + 0, kTurnCount); /* consumer 0 issues first */
@@ -170,13 +162,13 @@ struct Int8Sm90 {
 #pragma unroll
     for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* l: this thread's partial sums */
-    float fold_alpha[2] = {0.0f, 0.0f}, fold_pf[2] = {0.0f, 0.0f}; /* of the PV in flight */
-    uint32_t pa[4][4]; /* P^ of the last tile: A fragments of its 4 k32 steps */
-    int pv[DP / 8][4]; /* P^ V^ of the last tile, exact */
-    int prev = 0;      /* its stage */
+    float fold_alpha[2] = {0.0f, 0.0f};                       /* alpha of the PV in flight */
+    uint32_t pa[4][4];   /* P~ of the last tile: A fragments of its 4 k32 steps */
+    float pv[DP / 8][4]; /* P~ (V~ + R) of the last tile */
+    int prev = 0;        /* its stage */
 
-    /* O = alpha O + pf (PV * sV) per column, sV of stage s; then the stage is released. Once
-     * the row maxima settle, alpha is exactly 1 in every row of the warp: no rescaling. */
+    /* O = alpha O + PV * sV per column, sV of stage s; then the stage is released. Once the row
+     * maxima settle, alpha is exactly 1 in every row of the warp: no rescaling. */
     const auto fold = [&](int s) {
       const float *sv = reinterpret_cast<const float *>(tiles + C::kOffSv + s * C::kSvBytes);
       const bool rescale = __any_sync(0xffffffffu, fold_alpha[0] != 1.0f || fold_alpha[1] != 1.0f);
@@ -185,21 +177,25 @@ struct Int8Sm90 {
         const float2 scl = *reinterpret_cast<const float2 *>(sv + n * 8 + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float x = (float)pv[n][e] * ((e & 1) ? scl.y : scl.x);
           const float kept = rescale ? fold_alpha[e >> 1] * o[n][e] : o[n][e];
-          o[n][e] = fmaf(fold_pf[e >> 1], x, kept);
+          o[n][e] = fmaf(pv[n][e], (e & 1) ? scl.y : scl.x, kept);
         }
       }
       mbar_arrive(bar.empty(s)); /* every consumer thread: its own reads are ordered */
     };
+    /* PV = P~ V~ + P~ R, from zero (Hopper's FP8 accumulation keeps too few bits to carry O) */
     const auto issue_pv = [&](int s) {
-      const uint64_t vd = v_desc(s);
 #pragma unroll
-      for (int kb = 0; kb < 4; ++kb) {
-        if constexpr (DP == 128)
-          wgmma_rs_m64n128k32_i8<true>(pv, pa[kb], vd + 2 * kb, kb > 0);
-        else
-          wgmma_rs_m64n64k32_i8<true>(pv, pa[kb], vd + 2 * kb, kb > 0);
+      for (int term = 0; term < 2; ++term) {
+        const uint64_t vd =
+            kmajor_desc<kBK8>(smem_u32(tiles + C::kOffV + s * C::kVBytes) + term * DP * kBK8);
+#pragma unroll
+        for (int kb = 0; kb < 4; ++kb) {
+          if constexpr (DP == 128)
+            wgmma_rs_m64n128k32_e4m3(pv, pa[kb], vd + 2 * kb, term + kb > 0);
+          else
+            wgmma_rs_m64n64k32_e4m3(pv, pa[kb], vd + 2 * kb, term + kb > 0);
+        }
       }
     };
 
@@ -208,7 +204,7 @@ struct Int8Sm90 {
     int acc[16][4];
     bool scores_in_acc = false; /* which of the two acc holds */
     float f = 0.0f;             /* the tile's score factor sQ sK scale log2(e) */
-    float alpha[2], beta[2], tmax[2];
+    float alpha[2], shift[2];   /* shift: m - log2(448), W = exp2(S - shift) */
     const bool general_mask = p.mask_kind != FP4ATTN_MASK_NONE;
     const auto issue_scores = [&](int s) {
 #pragma unroll
@@ -257,42 +253,41 @@ struct Int8Sm90 {
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float tr = tr2[r];
-        const float m_new = fmaxf(m[r], tr);
+        const float m_new = fmaxf(m[r], tr2[r]);
         alpha[r] = m[r] == -INFINITY ? 0.0f : fast_exp2(m[r] - m_new);
-        beta[r] = tr == -INFINITY ? 0.0f : fast_exp2(tr - m_new);
         m[r] = m_new;
-        tmax[r] = tr == -INFINITY ? 0.0f : tr; /* a row hidden for the whole tile: E = 0 */
+        /* a row with nothing visible yet has S = -inf: W = 0 */
+        shift[r] = m_new == -INFINITY ? 0.0f : m_new - kLog2_448;
       }
     };
-    /* P^ = rne(255 E) of the tile into pa, E = exp2(S - rowmax), and l */
+    /* P~ = e4m3(W) of the tile into pa, W = exp2(S - shift) = 448 exp2(S - m), and l */
     const auto make_p = [&]() {
       float rowsum[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        uint32_t wd[4][4];
+        float wt[4][4];
 #pragma unroll
         for (int q = 0; q < 4; ++q)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int a_ne = acc[4 * c + q][e];
-            const float x = scores_in_acc ? __int_as_float(a_ne) - tmax[e >> 1]
-                                          : fmaf((float)a_ne, f, -tmax[e >> 1]);
-            const float E = fast_exp2(x);
-            rowsum[e >> 1] += E;
-            wd[q][e] = p_word(E);
+            const float x = scores_in_acc ? __int_as_float(a_ne) - shift[e >> 1]
+                                          : fmaf((float)a_ne, f, -shift[e >> 1]);
+            wt[q][e] = fast_exp2(x);
+            rowsum[e >> 1] += wt[q][e];
           }
-        /* the A fragment of k32 step c (pack_a_from_acc's order) */
-        pa[c][0] = pack_low_bytes(wd[0][0], wd[0][1], wd[1][0], wd[1][1]);
-        pa[c][1] = pack_low_bytes(wd[0][2], wd[0][3], wd[1][2], wd[1][3]);
-        pa[c][2] = pack_low_bytes(wd[2][0], wd[2][1], wd[3][0], wd[3][1]);
-        pa[c][3] = pack_low_bytes(wd[2][2], wd[2][3], wd[3][2], wd[3][3]);
+        /* the A fragment of k32 step c (pack_a_from_acc's order), two codes per conversion */
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int n = 2 * (q >> 1), e = 2 * (q & 1);
+          pa[c][q] =
+              e4m3x2(wt[n][e], wt[n][e + 1]) | (e4m3x2(wt[n + 1][e], wt[n + 1][e + 1]) << 16);
+        }
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        l[r] = alpha[r] * l[r] + beta[r] * rowsum[r];
+        l[r] = alpha[r] * l[r] + rowsum[r];
         fold_alpha[r] = alpha[r];
-        fold_pf[r] = beta[r] / 255.0f;
       }
     };
 
@@ -406,9 +401,9 @@ fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
   const cuuint64_t kstrides[2] = {(cuuint64_t)DP, (cuuint64_t)(w.nkp * DP)};
   st = encode_byte_map(prm.kmap, w.kc, kdims, kstrides, DP, kBK8, "K^");
   if (st.code != FP4ATTN_OK) return st;
-  const cuuint64_t vdims[3] = {(cuuint64_t)kBK8, (cuuint64_t)(w.nkb * DP), bhk};
-  const cuuint64_t vstrides[2] = {(cuuint64_t)kBK8, (cuuint64_t)(w.nkb * DP * kBK8)};
-  st = encode_byte_map(prm.vmap, w.vct, vdims, vstrides, kBK8, DP, "V^T");
+  const cuuint64_t vdims[3] = {(cuuint64_t)kBK8, (cuuint64_t)(w.nkb * 2 * DP), bhk};
+  const cuuint64_t vstrides[2] = {(cuuint64_t)kBK8, (cuuint64_t)(w.nkb * 2 * DP * kBK8)};
+  st = encode_byte_map(prm.vmap, w.vct, vdims, vstrides, kBK8, 2 * DP, "V~ and R");
   if (st.code != FP4ATTN_OK) return st;
 
   static int configured[64] = {0};
@@ -423,7 +418,7 @@ fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
   const int64_t blocks = p.batch * p.heads_q * ceil_div(p.len_q, (int64_t)kRows);
   if (blocks > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many query blocks");
-  if (w.nkb * DP > 0x7FFFFFFFLL || w.nqp > 0x7FFFFFFFLL || w.nkp > 0x7FFFFFFFLL)
+  if (w.nkb * 2 * DP > 0x7FFFFFFFLL || w.nqp > 0x7FFFFFFFLL || w.nkp > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
                          "int8 attention (sm90 kernel): sequences too long for TMA coordinates");
   int8_forward_sm90_kernel<DP><<<(unsigned)blocks, kThreads, C::kSmem, s>>>(prm);

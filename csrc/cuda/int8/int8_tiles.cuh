@@ -1,7 +1,8 @@
 /*
  * Shared pieces of the 8-bit attention kernels (docs/SPEC_INT8.md) on mma.sync m16n8k32 s8:
  * block sizes, the workspace the preparation kernels fill and the attention kernels read,
- * the INT8 psi code, the s8 MMA and the A fragments packed from accumulators.
+ * the INT8 psi code, the s8 MMA and the A fragments packed from accumulators, and the forward's
+ * FP8 P~ (V~ + R) product (E4M3 MMA on sm_89+, FP16 MMA of the decoded bytes on sm_80 / sm_86).
  *
  * Fragment conventions (g = lane / 4, t = lane % 4): the m16n8 accumulator holds rows g, g + 8
  * and columns 2t, 2t + 1 of each 8-column tile; the A operand of m16n8k32 holds row g / g + 8 and
@@ -12,6 +13,7 @@
 #ifndef FP4ATTN_CUDA_INT8_INT8_TILES_CUH
 #define FP4ATTN_CUDA_INT8_INT8_TILES_CUH
 
+#include "../common/e4m3.cuh"
 #include "../common/smem_tiles.cuh"
 #include "../tile/mask.cuh"
 
@@ -44,11 +46,11 @@ struct Int8Workspace {
   float *mig, *mig_inv;           /* [bhk][dp]: SPEC_INT8 2.1b's s (1 past D), 1 / s */
   int8_t *kc;                     /* [bhk][nkp][dp]: K^ = psi((K - kbar) / s) per 128 keys */
   float *sk;                      /* [bhk][nkb] */
-  int8_t *vct;                    /* forward: [bhk][nkb][dp][128] perm: V^ per key and channel */
-  float *sv;                      /* [bhk][nkb][dp] */
-  int8_t *qc;                     /* [bhq][nqp][dp]: Q^ = psi(Q s) per 64 rows */
-  float *sq;                      /* [bhq][nqb] */
-  float *qshift;                  /* [bhq][nqp]: scale * (q . kbar), the lse's smoothing term */
+  uint8_t *vct;  /* forward: [bhk][nkb][2][dp][128] perm: V~ then R, E4M3 bytes (SPEC_INT8 2.2) */
+  float *sv;     /* [bhk][nkb][dp]: V's scale per 128 keys and channel */
+  int8_t *qc;    /* [bhq][nqp][dp]: Q^ = psi(Q s) per 64 rows */
+  float *sq;     /* [bhq][nqb] */
+  float *qshift; /* [bhq][nqp]: scale * (q . kbar), the lse's smoothing term */
   /* backward only */
   int8_t *kct;    /* [bhk][nkb][dp][128]: K^ transposed per block (natural key order) */
   int8_t *qct;    /* [bhq][nqb][dp][64] perm: Q^ transposed per block */
@@ -102,7 +104,7 @@ static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params
   w.mig_inv = (float *)take(4 * bhk * dp);
   w.kc = (int8_t *)take(bhk * w.nkp * dp);
   w.sk = (float *)take(4 * bhk * w.nkb);
-  w.vct = (int8_t *)take(backward ? 0 : bhk * w.nkp * dp);
+  w.vct = (uint8_t *)take(backward ? 0 : 2 * bhk * w.nkp * dp);
   w.sv = (float *)take(backward ? 0 : 4 * bhk * w.nkb * dp);
   w.qc = (int8_t *)take(bhq * w.nqp * dp);
   w.sq = (float *)take(4 * bhq * w.nqb);
@@ -132,6 +134,12 @@ __device__ __forceinline__ int code_s8(float x, float r) {
 __device__ __forceinline__ void psi_factors(float amax, float &r, float &scale) {
   r = 127.0f / amax;
   scale = amax / 127.0f;
+  if (r == INFINITY) r = scale = 0.0f;
+}
+/* The same for V's E4M3 terms (SPEC_INT8 2.2): r = 448 / amax, scale = amax / 448. */
+__device__ __forceinline__ void e4m3_factors(float amax, float &r, float &scale) {
+  r = kE4m3Max / amax;
+  scale = amax / kE4m3Max;
   if (r == INFINITY) r = scale = 0.0f;
 }
 
@@ -182,6 +190,88 @@ __device__ __forceinline__ void pack_a_from_acc(uint32_t (&a)[4], const int (&x)
   a[1] = pack_s8x4(x[n][2], x[n][3], x[n + 1][2], x[n + 1][3]);
   a[2] = pack_s8x4(x[n + 2][0], x[n + 2][1], x[n + 3][0], x[n + 3][1]);
   a[3] = pack_s8x4(x[n + 2][2], x[n + 2][3], x[n + 3][2], x[n + 3][3]);
+}
+
+/* ln(448), log2(448): the forward's W = 448 exp(S - m) (SPEC_INT8 2.4), whose row sums l are. */
+constexpr float kLn448 = 6.1047932324149849f;
+constexpr float kLog2_448 = 8.8073549220576041f;
+
+/* ---- The forward's P~ (V~ + R) on mma.sync (SPEC_INT8 2.4): E4M3 MMA where the GPU has it
+ * (sm_89+), otherwise FP16 MMA of the exactly decoded bytes (E4M3 values are FP16 values). */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define FP4ATTN_FP8_MMA 1
+#endif
+
+/* The B tile's bytes decode to 2^-8 times their values without FP8 MMA: pv carries that factor,
+ * which the fold's scale takes back (kPvScale * sV: exact, a power of two). */
+#if defined(FP4ATTN_FP8_MMA)
+constexpr float kPvScale = 1.0f;
+#else
+constexpr float kPvScale = 256.0f;
+#endif
+
+/* P~ of one 128-key step as A operands: the E4M3 bytes of the four k32 chunks in the 8-bit A
+ * fragment layout (perm16 k order, pack_a_from_acc's), or their FP16 values in the A fragments of
+ * the eight k16 steps (k16 step s = accumulator tiles 2s, 2s + 1: the same k order per chunk). */
+struct PTilde {
+#if defined(FP4ATTN_FP8_MMA)
+  uint32_t a[4][4];
+#else
+  uint32_t a[8][4];
+#endif
+};
+
+/* P~ = e4m3(W) from W in accumulator layout (16 tiles of 8 keys), W in [0, 448]. */
+__device__ __forceinline__ void make_ptilde(const float (&w)[16][4], PTilde &p) {
+#if defined(FP4ATTN_FP8_MMA)
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int n = 4 * c + 2 * (q >> 1), e = 2 * (q & 1); /* a[q]: tiles n, n + 1, rows e / 2 */
+      p.a[c][q] = e4m3x2(w[n][e], w[n][e + 1]) | (e4m3x2(w[n + 1][e], w[n + 1][e + 1]) << 16);
+    }
+#else
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int n = 2 * k + (q >> 1), e = 2 * (q & 1);
+      p.a[k][q] = pack_half2(e4m3_round(w[n][e]), e4m3_round(w[n][e + 1]));
+    }
+#endif
+}
+
+/* pv[x] += P~ (V~ + R) of output columns n0 + 8x .. n0 + 8x + 7 (times 2^-8 without FP8 MMA):
+ * vt the step's [2][DP][128] perm tile (V~, then R), swizzled. */
+template <int DP>
+__device__ __forceinline__ void mma_ptilde_v(float (&pv)[2][4], const PTilde &p, const char *vt,
+                                             int n0) {
+#pragma unroll 1 /* one term at a time: unrolled, ptxas hoists both terms' loads and spills */
+  for (int term = 0; term < 2; ++term)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      uint32_t vb[2][2];
+      ldsm_b<kBK8>(vb, vt + term * DP * kBK8, n0, c * 32);
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+#if defined(FP4ATTN_FP8_MMA)
+        asm volatile(
+            "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(pv[x][0]), "+f"(pv[x][1]), "+f"(pv[x][2]), "+f"(pv[x][3])
+            : "r"(p.a[c][0]), "r"(p.a[c][1]), "r"(p.a[c][2]), "r"(p.a[c][3]), "r"(vb[x][0]),
+              "r"(vb[x][1]));
+#else
+      /* B word h (k bytes 4t..4t+3 of half h): FP16 pairs (4t, 4t+1) and (4t+2, 4t+3), the
+       * k16 step's (2t, 2t+1) and (2t+8, 2t+9), as the A fragments above order them */
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          mma_16816(pv[x], p.a[2 * c + h], e4m3x2_to_half2_scaled(vb[x][h]),
+                    e4m3x2_to_half2_scaled(vb[x][h] >> 16));
+#endif
+      }
+    }
 }
 
 /* dst[0..1] += (x, y) atomically (8-byte aligned): one vector atomic on sm_90 and newer. */
@@ -300,9 +390,9 @@ __device__ __forceinline__ void store_dk_dv_rows(const Int8Args &a, int64_t bhk,
 }
 
 /* The forward's epilogue for one warp's 16 query rows from rows.row0 (accumulator layout, see the
- * file comment): O / l in the input dtype and lse = m ln2 + log(l) + scale (q . kbar) (SPEC_INT8
- * 2.5); m in log2 units, l this thread's partial row sums (quad-reduced here). Rows past len_q
- * are not stored. */
+ * file comment): O / l in the input dtype and lse = m ln2 + log(l) - ln(448) + scale (q . kbar)
+ * (SPEC_INT8 2.5); m in log2 units, l this thread's partial row sums of W (quad-reduced here).
+ * Rows past len_q are not stored. */
 template <int DP>
 __device__ __forceinline__ void store_forward_rows(const fp4attn_attention_params &p,
                                                    const Int8Workspace &w, const WarpRows &rows,
@@ -332,7 +422,8 @@ __device__ __forceinline__ void store_forward_rows(const fp4attn_attention_param
     }
     if (t == 0)
       p.lse[bh * p.len_q + row] =
-          lsum > 0.0f ? (m[r] * kLn2 + logf(lsum)) + w.qshift[bh * w.nqp + row] : -INFINITY;
+          lsum > 0.0f ? (m[r] * kLn2 + (logf(lsum) - kLn448)) + w.qshift[bh * w.nqp + row]
+                      : -INFINITY;
   }
 }
 

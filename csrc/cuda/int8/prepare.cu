@@ -11,7 +11,8 @@
  *   (batch, KV head) and channel qa (over the group's query heads), ka from K's max, min and kbar,
  *   and s = fp4attn_int8_migration_factor(qa, ka) with 1 / s (max and min are exact in any order).
  * - K, V: K^ = psi((K - kbar) / s) per 128 keys (row-major; transposed too for the backward);
- *   V^ = psi(V) per 128 keys and channel (perm tiles; forward), V in 16 bits (backward).
+ *   V's E4M3 terms V~ and R per 128 keys and channel (SPEC_INT8 2.2; perm tiles; forward), V in
+ *   16 bits (backward).
  * - Q: Q^ = psi(Q s) per 64 rows (row-major; perm tiles for the backward), and the lse's
  *   smoothing term scale * (q . kbar) per row, of the unmigrated q.
  * - dO (backward): Drow = rowsum(dO * O) - dlse (16-bit operands, like dP), the smoothed lse in
@@ -344,32 +345,41 @@ struct RegTile {
     return x * kRows + 16 * (g ^ ((x >> 3) & (kRows / 16 - 1)));
   }
 
-  /* Codes psi(v, r[channel]) transposed into the shared tile t [DP][kRows] (swizzled): natural
-   * row order, or perm16 order within every 16 rows (row k of a group at position
+  /* Byte codes transposed into the shared tile t [DP][kRows] (swizzled): code4(e) holds the codes
+   * of column c + e for the thread's rows row0 .. row0 + 3 (low byte first). Natural row order,
+   * or perm16 order within every 16 rows (row k of a group at position
    * 4 ((k % 8) / 2) + k % 2 + (k >= 8 ? 2 : 0), the inverse of perm16). */
-  template <bool kPerm, typename F, typename R>
-  __device__ void codes_transposed(int8_t *t, F f, R r) const {
+  template <bool kPerm, typename C>
+  __device__ void codes_transposed(void *t, C code4) const {
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const float re = r(c + e);
-      const int c0 = code_s8(f(0, e), re), c1 = code_s8(f(1, e), re), c2 = code_s8(f(2, e), re),
-                c3 = code_s8(f(3, e), re);
-      int8_t *col = t + swizzled(c + e, row0 / 16) - (row0 & ~15); /* + row0's own position */
+      const uint32_t w = code4(e);
+      /* + row0's own position */
+      char *col = static_cast<char *>(t) + swizzled(c + e, row0 / 16) - (row0 & ~15);
       if (kPerm) {
         const int k = row0 % 16, at = (row0 - k) + 4 * ((k % 8) / 2) + (k >= 8 ? 2 : 0);
-        *reinterpret_cast<uint16_t *>(col + at) = (uint16_t)pack_s8x4(c0, c1, 0, 0);
-        *reinterpret_cast<uint16_t *>(col + at + 4) = (uint16_t)pack_s8x4(c2, c3, 0, 0);
+        *reinterpret_cast<uint16_t *>(col + at) = (uint16_t)w;
+        *reinterpret_cast<uint16_t *>(col + at + 4) = (uint16_t)(w >> 16);
       } else {
-        *reinterpret_cast<uint32_t *>(col + row0) = pack_s8x4(c0, c1, c2, c3);
+        *reinterpret_cast<uint32_t *>(col + row0) = w;
       }
     }
   }
+  /* codes_transposed of psi's codes of f(i, e) with factor r(channel) */
+  template <bool kPerm, typename F, typename R>
+  __device__ void psi_transposed(void *t, F f, R r) const {
+    codes_transposed<kPerm>(t, [&](int e) {
+      const float re = r(c + e);
+      return pack_s8x4(code_s8(f(0, e), re), code_s8(f(1, e), re), code_s8(f(2, e), re),
+                       code_s8(f(3, e), re));
+    });
+  }
 
   /* A shared tile codes_transposed wrote -> global [DP][kRows], 16 bytes per thread and step */
-  static __device__ __forceinline__ void copy_transposed(int8_t *dst, const int8_t *t) {
+  static __device__ __forceinline__ void copy_transposed(void *dst, const void *t) {
     for (int i = 16 * threadIdx.x; i < DP * kRows; i += 16 * kThreads)
-      *reinterpret_cast<uint4 *>(dst + i) =
-          *reinterpret_cast<const uint4 *>(t + swizzled(i / kRows, (i % kRows) / 16));
+      *reinterpret_cast<uint4 *>(static_cast<char *>(dst) + i) = *reinterpret_cast<const uint4 *>(
+          static_cast<const char *>(t) + swizzled(i / kRows, (i % kRows) / 16));
   }
 };
 
@@ -387,9 +397,10 @@ __device__ float block_amax(float v, float *red) {
   return v;
 }
 
-/* Per channel of a register tile, psi's factors over its kRows rows: r to chan_r[d] (shared),
- * the scale to scales[d]. red: kWarps x DP floats of shared memory, free again on return. */
-template <typename T>
+/* Per channel of a register tile, the quantization's factors over its kRows rows (psi's, or with
+ * kE4m3 the E4M3 terms' of SPEC_INT8 2.2): r to chan_r[d] (shared), the scale to scales[d]. red:
+ * kWarps x DP floats of shared memory, free again on return. */
+template <bool kE4m3, typename T>
 __device__ void channel_factors(const T &t, float *red, float *chan_r, float *scales) {
   constexpr int DP = T::kGroups * 8;
   float m[8];
@@ -410,7 +421,10 @@ __device__ void channel_factors(const T &t, float *red, float *chan_r, float *sc
     float a = 0.0f;
     for (int w = 0; w < T::kWarps; ++w) a = amax_u(a, red[w * DP + d]);
     float r, s;
-    psi_factors(a, r, s);
+    if (kE4m3)
+      e4m3_factors(a, r, s);
+    else
+      psi_factors(a, r, s);
     chan_r[d] = r;
     scales[d] = s;
   }
@@ -423,7 +437,8 @@ template <int DP, fp4attn_dtype kDt>
 using QTile = RegTile<DP, kBQ8, kDt>;
 
 /* Blocks [0, n): K^ of one 128-key block of one (batch, KV head) (and K^T, backward); blocks
- * [n, 2n): V^ per channel (forward) or V in 16 bits (backward) of the same block. K^'s amax
+ * [n, 2n): V's E4M3 terms per channel (forward) or V in 16 bits (backward) of the same block.
+ * K^'s amax
  * comes from the block's column max and min (kbar_partial): rounding is monotonic, so
  * max |fl(fl(K - kbar) / s)| over a column is that of its max or its min. */
 template <int DP, fp4attn_dtype kDt>
@@ -465,7 +480,7 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
     };
     t.store_rows(w.kc + (bhk * w.nkp + n0) * DP, r, ks);
     if (!backward) return;
-    t.template codes_transposed<false>(codes, ks, [&](int) { return r; });
+    t.template psi_transposed<false>(codes, ks, [&](int) { return r; });
     __syncthreads();
     T::copy_transposed(w.kct + (bhk * w.nkb + j) * DP * kBK8, codes);
     return;
@@ -476,11 +491,25 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
     t.store_rows16(w.v16 + (bhk * w.nkp + n0) * DP, a.bf16_ops);
     return;
   }
-  channel_factors(t, reinterpret_cast<float *>(buf), chan_r, w.sv + (bhk * w.nkb + j) * DP);
-  t.template codes_transposed<true>(
-      codes, [&](int i, int e) { return t.v[i][e]; }, [&](int d) { return chan_r[d]; });
-  __syncthreads();
-  T::copy_transposed(w.vct + (bhk * w.nkb + j) * DP * kBK8, codes);
+  /* V~ and R (SPEC_INT8 2.2), one tile after the other through the same buffer */
+  channel_factors<true>(t, reinterpret_cast<float *>(buf), chan_r, w.sv + (bhk * w.nkb + j) * DP);
+  uint8_t *dst = w.vct + (bhk * w.nkb + j) * 2 * DP * kBK8;
+#pragma unroll 1
+  for (int term = 0; term < 2; ++term) {
+    t.template codes_transposed<true>(codes, [&](int e) {
+      const float r = chan_r[t.c + e];
+      float y[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        y[i] = __fmul_rn(t.v[i][e], r);
+        if (term == 1) y[i] = __fsub_rn(y[i], e4m3_round(y[i])); /* exact */
+      }
+      return e4m3x2(y[0], y[1]) | (e4m3x2(y[2], y[3]) << 16);
+    });
+    __syncthreads();
+    T::copy_transposed(dst + term * DP * kBK8, codes);
+    __syncthreads();
+  }
 }
 
 /* One 64-row block of one (batch, query head): the lse's shift of the unmigrated q, Q^ (and its
@@ -517,7 +546,7 @@ __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads)
   if (threadIdx.x == 0) w.sq[bh * w.nqb + i] = sq;
   t.store_rows(w.qc + (bh * w.nqp + r0) * DP, rq, qs);
   if (!backward) return;
-  t.template codes_transposed<true>(codes, qs, [&](int) { return rq; });
+  t.template psi_transposed<true>(codes, qs, [&](int) { return rq; });
   __syncthreads();
   T::copy_transposed(w.qct + (bh * w.nqb + i) * DP * kBQ8, codes);
 }
@@ -560,12 +589,12 @@ __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads) prepare_do_kernel(co
     }
   }
   t.store_rows16(w.do16 + (bh * w.nqp + r0) * DP, a.bf16_ops);
-  channel_factors(t, reinterpret_cast<float *>(buf), chan_r, w.sdo + (bh * w.nqb + i) * DP);
-  t.template codes_transposed<true>(
+  channel_factors<false>(t, reinterpret_cast<float *>(buf), chan_r, w.sdo + (bh * w.nqb + i) * DP);
+  t.template psi_transposed<true>(
       reinterpret_cast<int8_t *>(buf), [&](int r, int e) { return t.v[r][e]; },
       [&](int d) { return chan_r[d]; });
   __syncthreads();
-  T::copy_transposed(w.doct + (bh * w.nqb + i) * DP * kBQ8, reinterpret_cast<int8_t *>(buf));
+  T::copy_transposed(w.doct + (bh * w.nqb + i) * DP * kBQ8, buf);
 }
 
 /* dQ = dQ' s + scale * dlse kbar (SPEC_INT8 3; no correction without dlse or where the row sees no
