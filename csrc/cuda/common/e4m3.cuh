@@ -1,14 +1,13 @@
 /*
  * FP8 E4M3 ("fn": max 448, subnormals in steps of 2^-9) for the 8-bit attention's P.V
  * (docs/SPEC_INT8.md 2.2 and 2.4): rounding a float to an E4M3 value, the bytes of E4M3 values,
- * and, for GPUs without FP8 MMA (sm_80 / sm_86), bytes to FP16. Every helper gives the bytes or
- * values of numerics.h's fp4attn_e4m3_encode_sat / fp4attn_e4m3_decode (with the sign applied);
+ * and the sum of V's two E4M3 terms. Every helper gives the bytes or values of numerics.h's
+ * fp4attn_e4m3_encode_sat / fp4attn_e4m3_decode (with the sign applied);
  * tests/cuda_harness/check_e4m3.cu checks them exhaustively (scripts/check_e4m3.sh).
  */
 #ifndef FP4ATTN_CUDA_COMMON_E4M3_CUH
 #define FP4ATTN_CUDA_COMMON_E4M3_CUH
 
-#include <cuda_fp16.h>
 #include <stdint.h>
 
 #include "fp4attn/numerics.h"
@@ -56,18 +55,13 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 #endif
 }
 
-/* Two E4M3 bytes (bits 0-7 and 8-15 of w) as FP16 values times 2^-8, in the halves of the result:
- * a byte's magnitude bits moved to FP16 bits 7-13 give E4M3's exponent rebiased by -8 (15 - 7)
- * and its mantissa, a subnormal E4M3 becoming a subnormal FP16 of the same scale, and its sign
- * to bit 15. Exact (the extra 2^-8 keeps 448 and the smallest code 2^-9 in FP16's range); NaN
- * codes become a finite value (the kernels never load one: V~ and R are finite where V is). */
-__host__ __device__ __forceinline__ uint32_t e4m3x2_to_half2_scaled(uint32_t w) {
-#if defined(__CUDA_ARCH__)
-  const uint32_t x = __byte_perm(w, 0u, 0x1404); /* byte 0 -> bits 8-15, byte 1 -> bits 24-31 */
-#else
-  const uint32_t x = ((w & 0xFFu) << 8) | ((w & 0xFF00u) << 16);
-#endif
-  return ((x >> 1) & 0x3F803F80u) | (x & 0x80008000u);
+/* The two E4M3 terms of y summed, V~ + R with V~ = e4m3_round(y), R = e4m3_round(y - V~)
+ * (SPEC_INT8 2.2's V for scaled y, |y| <= 448 (1 + 2^-23)): y - V~ is exact (y's bits below V~'s
+ * precision, or y - 448 >= 0 by Sterbenz), and so is the sum: both terms are multiples of 2^-9
+ * below 2^9. */
+__host__ __device__ __forceinline__ float e4m3_terms_sum(float y) {
+  const float hi = e4m3_round(y);
+  return hi + e4m3_round(y - hi);
 }
 
 }  // namespace fp4attn_cuda

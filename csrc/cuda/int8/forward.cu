@@ -3,13 +3,12 @@
  *
  * One block = 4 warps = the 64 query rows of one Q^ block (one scale sQ) of one (batch, query
  * head); each warp owns 16 rows. Per 128-key step j (K^ tiles double-buffered by cp.async, the
- * step's V~ and R tiles loaded while the previous step's scores and softmax run):
+ * step's V tile loaded while its scores and softmax run):
  *   S     = Q^ K^_j^T (m16n8k32 s8, exact int32) * (sQ sK_j scale) in log2 units, masks
  *   m_new = max(m, rowmax S); W = 448 exp2(S - m_new); P~ = e4m3(W) in registers; l += W
- *   O     = alpha O + (P~ (V~_j + R_j)) * sV_j per column (E4M3 MMA on sm_89+, FP16 MMA of the
- *           decoded bytes on sm_80 / sm_86; int8_tiles.cuh)
- * P~ goes from the accumulator layout straight into A fragments (k order perm16), which is why the
- * preparation stores V~ and R transposed with the same permutation. Head dims 64 / 128 / 256.
+ *   O     = alpha O + (P~ (V~_j + R_j)) * sV_j per column, by FP16 MMA of P~ and fl16(V~ + R),
+ *           which the preparation stores transposed for this kernel (int8_tiles.cuh)
+ * P~ goes from the accumulator layout straight into FP16 A fragments. Head dims 64 / 128 / 256.
  */
 #include "../tile/mask.cuh"
 #include "attention_int8.h"
@@ -22,7 +21,7 @@ template <int DP>
 struct FwdSmem {
   static constexpr int kQ = 0;                   /* Q^ [64][DP] */
   static constexpr int kK = kQ + kBQ8 * DP;      /* K^ [2][128][DP], double-buffered */
-  static constexpr int kV = kK + 2 * kBK8 * DP;  /* V~, R: [2][DP][128] perm, the step's */
+  static constexpr int kV = kK + 2 * kBK8 * DP;  /* fl16(V~ + R) [DP][128], the step's */
   static constexpr int kSv = kV + 2 * DP * kBK8; /* sV [DP] */
   static constexpr int kBytes = kSv + DP * 4;
 };
@@ -55,8 +54,8 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
                   kBK8, DP, tid, 128);
   };
   auto load_v = [&](int j) {
-    load_tile<kBK8>(smem + L::kV, w.vct + (bhk * w.nkb + j) * 2 * DP * kBK8, 2 * DP, kBK8, tid,
-                    128);
+    load_tile<2 * kBK8>(smem + L::kV, w.vct + (bhk * w.nkb + j) * 2 * DP * kBK8, DP, 2 * kBK8, tid,
+                        128);
     load_bytes(smem + L::kSv, w.sv + (bhk * w.nkb + j) * DP, DP * 4, tid, 128);
   };
   /* cp.async groups in commit order: {Q^, K^_0}, {V_0}, then per step {K^_j+1} and {V_j+1} */
@@ -147,14 +146,14 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
 #pragma unroll
     for (int np = 0; np < DP / 16; ++np) {
       float pv[2][4] = {};
-      mma_ptilde_v<DP>(pv, pt, vt, np * 16);
+      mma_ptilde_v(pv, pt, vt, np * 16);
 #pragma unroll
       for (int x = 0; x < 2; ++x)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = np * 16 + x * 8 + 2 * t + (e & 1);
           float &oe = o[2 * np + x][e];
-          oe = fmaf(pv[x][e], kPvScale * sv[col], alpha[e >> 1] * oe);
+          oe = fmaf(pv[x][e], sv[col], alpha[e >> 1] * oe);
         }
     }
     __syncthreads(); /* every warp is done with K^_j, V_j: their buffers are refilled */

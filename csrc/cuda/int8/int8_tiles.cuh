@@ -46,7 +46,9 @@ struct Int8Workspace {
   float *mig, *mig_inv;           /* [bhk][dp]: SPEC_INT8 2.1b's s (1 past D), 1 / s */
   int8_t *kc;                     /* [bhk][nkp][dp]: K^ = psi((K - kbar) / s) per 128 keys */
   float *sk;                      /* [bhk][nkb] */
-  uint8_t *vct;  /* forward: [bhk][nkb][2][dp][128] perm: V~ then R, E4M3 bytes (SPEC_INT8 2.2) */
+  /* forward, per [bhk][nkb]: V~ then R as [2][dp][128] perm E4M3 bytes (SPEC_INT8 2.2) for the
+   * wgmma kernel, or (v_half) fl16(V~ + R) as [dp][128] FP16 in natural key order for mma.sync */
+  uint8_t *vct;
   float *sv;     /* [bhk][nkb][dp]: V's scale per 128 keys and channel */
   int8_t *qc;    /* [bhq][nqp][dp]: Q^ = psi(Q s) per 64 rows */
   float *sq;     /* [bhq][nqb] */
@@ -74,6 +76,7 @@ struct Int8Args {
   const float *grad_lse;
   void *dq, *dk, *dv; /* contiguous like q, k, v */
   bool bf16_ops;      /* the backward's 16-bit operands are BF16 (input bf16 or fp32), else FP16 */
+  bool v_half;        /* forward: V's tiles for the mma.sync kernel (Int8Workspace::vct) */
   bool vec_q, vec_k, vec_v, vec_out, vec_do; /* rows allow 16-byte loads (vector_rows) */
 };
 
@@ -196,42 +199,19 @@ __device__ __forceinline__ void pack_a_from_acc(uint32_t (&a)[4], const int (&x)
 constexpr float kLn448 = 6.1047932324149849f;
 constexpr float kLog2_448 = 8.8073549220576041f;
 
-/* ---- The forward's P~ (V~ + R) on mma.sync (SPEC_INT8 2.4): E4M3 MMA where the GPU has it
- * (sm_89+), otherwise FP16 MMA of the exactly decoded bytes (E4M3 values are FP16 values). */
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-#define FP4ATTN_FP8_MMA 1
-#endif
+/* ---- The forward's P~ (V~ + R) on mma.sync (SPEC_INT8 2.4): FP16 MMA of P~ (E4M3 values are
+ * FP16 values) and of V~ + R rounded once to FP16, which the preparation stores for this kernel.
+ * One k16 MMA per 16 keys costs what the two E4M3 terms cost where mma.sync has E4M3 (sm_89,
+ * sm_120) and half of it on sm_90, whose mma.sync e4m3 ptxas emulates by unpacking to FP16. */
 
-/* The B tile's bytes decode to 2^-8 times their values without FP8 MMA: pv carries that factor,
- * which the fold's scale takes back (kPvScale * sV: exact, a power of two). */
-#if defined(FP4ATTN_FP8_MMA)
-constexpr float kPvScale = 1.0f;
-#else
-constexpr float kPvScale = 256.0f;
-#endif
-
-/* P~ of one 128-key step as A operands: the E4M3 bytes of the four k32 chunks in the 8-bit A
- * fragment layout (perm16 k order, pack_a_from_acc's), or their FP16 values in the A fragments of
- * the eight k16 steps (k16 step s = accumulator tiles 2s, 2s + 1: the same k order per chunk). */
+/* P~ of one 128-key step as the FP16 A fragments of its eight k16 steps (k16 step s = accumulator
+ * tiles 2s, 2s + 1: natural key order, m16n8k16's A layout). */
 struct PTilde {
-#if defined(FP4ATTN_FP8_MMA)
-  uint32_t a[4][4];
-#else
   uint32_t a[8][4];
-#endif
 };
 
 /* P~ = e4m3(W) from W in accumulator layout (16 tiles of 8 keys), W in [0, 448]. */
 __device__ __forceinline__ void make_ptilde(const float (&w)[16][4], PTilde &p) {
-#if defined(FP4ATTN_FP8_MMA)
-#pragma unroll
-  for (int c = 0; c < 4; ++c)
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int n = 4 * c + 2 * (q >> 1), e = 2 * (q & 1); /* a[q]: tiles n, n + 1, rows e / 2 */
-      p.a[c][q] = e4m3x2(w[n][e], w[n][e + 1]) | (e4m3x2(w[n + 1][e], w[n + 1][e + 1]) << 16);
-    }
-#else
 #pragma unroll
   for (int k = 0; k < 8; ++k)
 #pragma unroll
@@ -239,39 +219,19 @@ __device__ __forceinline__ void make_ptilde(const float (&w)[16][4], PTilde &p) 
       const int n = 2 * k + (q >> 1), e = 2 * (q & 1);
       p.a[k][q] = pack_half2(e4m3_round(w[n][e]), e4m3_round(w[n][e + 1]));
     }
-#endif
 }
 
-/* pv[x] += P~ (V~ + R) of output columns n0 + 8x .. n0 + 8x + 7 (times 2^-8 without FP8 MMA):
- * vt the step's [2][DP][128] perm tile (V~, then R), swizzled. */
-template <int DP>
+/* pv[x] += P~ (V~ + R) of output columns n0 + 8x .. n0 + 8x + 7: vt the step's swizzled [DP][128]
+ * FP16 tile of fl16(V~ + R) (keys in natural order). */
 __device__ __forceinline__ void mma_ptilde_v(float (&pv)[2][4], const PTilde &p, const char *vt,
                                              int n0) {
-#pragma unroll 1 /* one term at a time: unrolled, ptxas hoists both terms' loads and spills */
-  for (int term = 0; term < 2; ++term)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      uint32_t vb[2][2];
-      ldsm_b<kBK8>(vb, vt + term * DP * kBK8, n0, c * 32);
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-#if defined(FP4ATTN_FP8_MMA)
-        asm volatile(
-            "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(pv[x][0]), "+f"(pv[x][1]), "+f"(pv[x][2]), "+f"(pv[x][3])
-            : "r"(p.a[c][0]), "r"(p.a[c][1]), "r"(p.a[c][2]), "r"(p.a[c][3]), "r"(vb[x][0]),
-              "r"(vb[x][1]));
-#else
-      /* B word h (k bytes 4t..4t+3 of half h): FP16 pairs (4t, 4t+1) and (4t+2, 4t+3), the
-       * k16 step's (2t, 2t+1) and (2t+8, 2t+9), as the A fragments above order them */
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          mma_16816(pv[x], p.a[2 * c + h], e4m3x2_to_half2_scaled(vb[x][h]),
-                    e4m3x2_to_half2_scaled(vb[x][h] >> 16));
-#endif
-      }
-    }
+  for (int k = 0; k < 8; ++k) {
+    uint32_t vb[2][2];
+    ldsm_b<2 * kBK8>(vb, vt, n0, 32 * k);
+    mma_16816(pv[0], p.a[k], vb[0][0], vb[0][1]);
+    mma_16816(pv[1], p.a[k], vb[1][0], vb[1][1]);
+  }
 }
 
 /* dst[0..1] += (x, y) atomically (8-byte aligned): one vector atomic on sm_90 and newer. */

@@ -491,9 +491,21 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
     t.store_rows16(w.v16 + (bhk * w.nkp + n0) * DP, a.bf16_ops);
     return;
   }
-  /* V~ and R (SPEC_INT8 2.2), one tile after the other through the same buffer */
   channel_factors<true>(t, reinterpret_cast<float *>(buf), chan_r, w.sv + (bhk * w.nkb + j) * DP);
   uint8_t *dst = w.vct + (bhk * w.nkb + j) * 2 * DP * kBK8;
+  if (a.v_half) { /* fl16(V~ + R) [DP][128]: the thread's 4 keys of each of its columns */
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float r = chan_r[t.c + e];
+      float y[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) y[i] = e4m3_terms_sum(__fmul_rn(t.v[i][e], r));
+      *reinterpret_cast<uint2 *>(dst + 2 * ((t.c + e) * kBK8 + t.row0)) =
+          make_uint2(pack_half2(y[0], y[1]), pack_half2(y[2], y[3]));
+    }
+    return;
+  }
+  /* V~ and R (SPEC_INT8 2.2), one tile after the other through the same buffer */
 #pragma unroll 1
   for (int term = 0; term < 2; ++term) {
     t.template codes_transposed<true>(codes, [&](int e) {
