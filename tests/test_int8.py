@@ -649,16 +649,18 @@ def test_cuda_q_outlier_in_the_last_rows_reaches_the_migration(kernel):
 SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 
 
-def skip_unless_kernel_runs(kernel: str, head_dim: int = 64) -> None:
-    """Skips a test of the sm90 kernels where they do not run (compute capability 9.0, head dims
-    <= 128)."""
-    if kernel == "sm90" and (not SM90 or head_dim > 128):
-        pytest.skip("the sm90 kernels run on compute capability 9.0, head dims <= 128")
+def skip_unless_kernel_runs(kernel: str, head_dim: int = 64, backward: bool = True) -> None:
+    """Skips a test of the sm90 kernels where they do not run (compute capability 9.0; head dims
+    <= 256 forward, <= 128 backward)."""
+    if kernel == "sm90" and (not SM90 or head_dim > (128 if backward else 256)):
+        pytest.skip("the sm90 kernels run on compute capability 9.0, head dims <= 256 forward and "
+                    "<= 128 backward")
 
 
 # Shapes for the forward kernels: several tiles each way and a ring of K^/V^ stages that wraps
 # around (Nk > 512), lengths off the 64/128 blocks (a 128-row block whose second Q^ block is
-# padding: Nq = 130), GQA and MQA, causal with Nq < Nk and Nq > Nk, head dims padded to 64 / 128.
+# padding: Nq = 130), GQA and MQA, causal with Nq < Nk and Nq > Nk, head dims padded to 64 / 128 /
+# 256 (the sm90 forward's P.V in halves and 2-stage ring there: Nk > 256 wraps it).
 FORWARD_CASES = GPU_CASES[:-2] + [
     (1, 2, 2, 1100, 1300, 64, True, None),
     (1, 4, 1, 130, 2000, 128, False, None),
@@ -666,6 +668,9 @@ FORWARD_CASES = GPU_CASES[:-2] + [
     (1, 3, 3, 1500, 700, 80, True, None),
     (1, 2, 2, 300, 700, 128, False, "bool"),
     (1, 2, 1, 500, 500, 40, True, "additive"),
+    (1, 4, 1, 700, 1300, 256, True, None),
+    (2, 2, 2, 130, 600, 256, False, "bool"),
+    (1, 2, 2, 520, 400, 200, True, "additive"),
 ]
 
 
@@ -677,7 +682,7 @@ FORWARD_CASES = GPU_CASES[:-2] + [
 def test_cuda_forward_kernels_against_reference(case, dtype, kernel):
     """Each 8-bit forward kernel, requested by name, against the reference."""
     B, Hq, Hkv, Nq, Nk, D, causal, kind = case
-    skip_unless_kernel_runs(kernel, D)
+    skip_unless_kernel_runs(kernel, D, backward=False)
     q, k, v = make(B, Hq, Hkv, Nq, Nk, D, dtype=dtype, device="cuda")
     mask = make_mask(kind, Nq, Nk)
     out, _ = forward_against_reference(q, k, v, None if mask is None else mask.cuda(), causal,
@@ -715,22 +720,32 @@ def test_cuda_ds_scales_per_row_for_dq_and_per_key_for_dk(kernel):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_int8_kernel_requests():
-    """auto takes the wgmma kernels on Hopper for head dims <= 128; a kernel that cannot run is
-    refused with the reason, in the forward and in the backward."""
+    """auto takes the wgmma kernels on Hopper (forward: head dims <= 256, backward: <= 128); a
+    kernel that cannot run is refused with the reason, in the forward and in the backward."""
     from fp4attn._ops import attention_kernel
 
     dev = torch.cuda.current_device()
     assert attention_kernel(dev, 128, "int8") == ("sm90" if SM90 else "sm80")
-    assert attention_kernel(dev, 256, "int8") == "sm80"
+    assert attention_kernel(dev, 256, "int8") == ("sm90" if SM90 else "sm80")
     q, k, v = make(1, 2, 2, 64, 64, 256, device="cuda")
-    with pytest.raises(RuntimeError, match="kernel sm90 needs"):
-        torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125, "sm90")
+    if not SM90:
+        with pytest.raises(RuntimeError, match="kernel sm90 needs"):
+            torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125, "sm90")
     with pytest.raises(RuntimeError, match="no 'sm120' kernel"):
         torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125, "sm120")
     out, lse = torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125, "sm80")
-    with pytest.raises(RuntimeError, match="kernel sm90 needs"):
+    with pytest.raises(RuntimeError, match="kernel sm90 needs .* head dim <= 128 for the backward"):
         torch.ops.fp4attn.int8_attention_backward(out, None, q, k, v, out, lse, None, False, 0.125,
                                                   "sm90")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_head_dim_256_forward_and_backward_with_auto():
+    """auto at head dim 256: the sm90 forward on Hopper, the mma.sync backward (from the same
+    saved out and lse), both against the reference."""
+    q, k, v = make(1, 4, 2, 300, 520, 256, dtype=torch.bfloat16, device="cuda")
+    check_against_reference(q, k, v, None, True, kernel="auto")
 
 
 def test_int8_kernel_request_needs_cuda():

@@ -76,13 +76,14 @@ fp4attn_status for_head_dim(int64_t dp, Launch launch) {
   }
 }
 
-/* The INT8 kernels' checks beyond the C API contract, and their kernel. */
-fp4attn_status check_int8(const fp4attn_attention_params *p, fp4attn_kernel *kernel) {
+/* The INT8 kernels' checks beyond the C API contract, and their kernel (forward or backward). */
+fp4attn_status check_int8(const fp4attn_attention_params *p, bool backward,
+                          fp4attn_kernel *kernel) {
   const fp4attn_status st = check_cuda_attention(p, "int8 attention");
   if (st.code != FP4ATTN_OK) return st;
   if (!p->lse)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 attention: lse must not be null");
-  return plan_int8_attention(p, kernel);
+  return plan_int8_attention(p, backward, kernel);
 }
 
 fp4attn_status check_workspace(const void *workspace, const char *what) {
@@ -158,19 +159,19 @@ extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params 
 
 extern "C" int64_t fp4attn_cuda_int8_attention_workspace_bytes(const fp4attn_attention_params *p) {
   fp4attn_kernel k;
-  if (check_int8(p, &k).code != FP4ATTN_OK) return 0;
+  if (check_int8(p, false, &k).code != FP4ATTN_OK) return 0;
   return int8_workspace_layout(p, false, nullptr).bytes;
 }
 
 extern "C" fp4attn_kernel fp4attn_cuda_int8_attention_kernel(const fp4attn_attention_params *p) {
   fp4attn_kernel k;
-  return check_int8(p, &k).code == FP4ATTN_OK ? k : FP4ATTN_KERNEL_AUTO;
+  return check_int8(p, false, &k).code == FP4ATTN_OK ? k : FP4ATTN_KERNEL_AUTO;
 }
 
 extern "C" fp4attn_status fp4attn_cuda_int8_attention(const fp4attn_attention_params *p,
                                                       void *workspace, void *stream) {
   fp4attn_kernel k;
-  fp4attn_status st = check_int8(p, &k);
+  fp4attn_status st = check_int8(p, false, &k);
   if (st.code != FP4ATTN_OK) return st;
   st = check_workspace(workspace, "int8 attention");
   if (st.code != FP4ATTN_OK) return st;
@@ -180,7 +181,7 @@ extern "C" fp4attn_status fp4attn_cuda_int8_attention(const fp4attn_attention_pa
   st = launch_int8_prepare(a, false, s);
   if (st.code != FP4ATTN_OK) return st;
   if (k == FP4ATTN_KERNEL_SM90)
-    return a.ws.dp == 64 ? launch_int8_forward_sm90<64>(a, s) : launch_int8_forward_sm90<128>(a, s);
+    return for_head_dim(a.ws.dp, [&](auto dp) { return launch_int8_forward_sm90<dp()>(a, s); });
   return for_head_dim(a.ws.dp, [&](auto dp) { return launch_int8_forward<dp()>(a, s); });
 }
 
@@ -188,7 +189,7 @@ namespace {
 
 fp4attn_status check_int8_backward(const fp4attn_int8_backward_params *bp, fp4attn_kernel *k) {
   if (!bp) return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 backward: null params");
-  const fp4attn_status st = check_int8(&bp->fwd, k);
+  const fp4attn_status st = check_int8(&bp->fwd, true, k);
   if (st.code != FP4ATTN_OK) return st;
   if (!bp->grad_out || !bp->dq || !bp->dk || !bp->dv)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,

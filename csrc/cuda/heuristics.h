@@ -179,9 +179,9 @@ static inline KvDecodePlan plan_kv_decode(const fp4attn_decode_params *p) {
 }
 
 /* The kernel of an 8-bit call (SPEC_INT8), forward or backward. AUTO: the wgmma kernels
- * (int8/forward_sm90.cu, int8/backward_sm90.cu) on compute capability 9.0 with an sm_90a build and
- * head dim <= 128, else the mma.sync kernels (int8/, sm_80 and newer). */
-static inline fp4attn_status plan_int8_attention(const fp4attn_attention_params *p,
+ * (int8/forward_sm90.cu: head dims <= 256, int8/backward_sm90.cu: <= 128) on compute capability
+ * 9.0 with an sm_90a build, else the mma.sync kernels (int8/, sm_80 and newer). */
+static inline fp4attn_status plan_int8_attention(const fp4attn_attention_params *p, bool backward,
                                                  fp4attn_kernel *kernel) {
   if (p->kernel != FP4ATTN_KERNEL_AUTO && p->kernel != FP4ATTN_KERNEL_SM80 &&
       p->kernel != FP4ATTN_KERNEL_SM90)
@@ -195,11 +195,14 @@ static inline fp4attn_status plan_int8_attention(const fp4attn_attention_params 
   if (cc < 80)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
                          "int8 attention needs a GPU of compute capability 8.0 or newer");
-  const bool sm90_ok = built_for_sm90a() && cc == 90 && p->head_dim <= 128;
+  const int64_t sm90_max_dim = backward ? 128 : 256;
+  const bool sm90_ok = built_for_sm90a() && cc == 90 && p->head_dim <= sm90_max_dim;
   if (p->kernel == FP4ATTN_KERNEL_SM90 && !sm90_ok)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
                          "int8 attention: kernel sm90 needs a GPU of compute capability 9.0, a "
-                         "build with sm_90a in FP4ATTN_CUDA_ARCHS and head dim <= 128 (got %lld)",
+                         "build with sm_90a in FP4ATTN_CUDA_ARCHS and head dim <= %lld for the %s "
+                         "(got %lld)",
+                         (long long)sm90_max_dim, backward ? "backward" : "forward",
                          (long long)p->head_dim);
   const bool sm90 =
       p->kernel == FP4ATTN_KERNEL_SM90 || (p->kernel == FP4ATTN_KERNEL_AUTO && sm90_ok);

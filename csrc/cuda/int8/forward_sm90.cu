@@ -11,15 +11,19 @@
  *   warpgroups 1 and 2, consumers (setmaxnreg up): one Q^ block of 64 rows each (wgmma's M).
  *     S_j = Q^ K^_j^T by wgmma m64n128k32 s8.s8 (both in shared memory, exact int32), the scores
  *     and the online softmax with P~ = e4m3(448 exp2(S - m)) against the running row maximum in
- *     registers (SPEC_INT8 2.4), then PV_j = P~_j (V~_j + R_j) by wgmma m64n{DP}k32 e4m3 with P~_j
- *     from registers (the accumulator layout packed into A fragments in perm16 k order, which the
- *     perm tiles match; FP32 accumulation, from zero every step), added to the FP32 output as
- *     O = alpha O + PV_j * sV_j per column (alpha = 1 once the row maxima settle: one FMA).
+ *     registers (SPEC_INT8 2.4), then PV_j = P~_j (V~_j + R_j) by wgmma m64n{64,128}k32 e4m3
+ *     with P~_j from registers (the accumulator layout packed into A fragments in perm16 k order,
+ *     which the perm tiles match; FP32 accumulation, from zero every step), added to the FP32
+ *     output as O = alpha O + PV_j * sV_j per column (alpha = 1 once the row maxima settle: one
+ *     FMA).
  *     PV_j is issued together with S_{j+1} and added after S_{j+1}'s row maxima are known, so the
  *     tensor cores run it during that softmax; the two consumers take turns at issuing (named
- *     barriers), so one's wgmma run while the other computes.
+ *     barriers), so one's wgmma run while the other computes. Head dim 256 has no registers for
+ *     that overlap: PV_j follows S_j's softmax, in two halves of 128 columns, and only the two
+ *     consumers' turns overlap the tensor cores with the softmax.
  * Operand layouts: K-major rows swizzled over their width (wgmma.cuh, kmajor_desc): Q^ and K^ rows
- * of DP bytes (64: 64-byte swizzle, 128: 128-byte swizzle), V~ and R rows of 128 keys (128-byte).
+ * of DP bytes (64: 64-byte swizzle, 128: 128-byte swizzle, 256: two 128-byte slabs), V~ and R rows
+ * of 128 keys (128-byte).
  */
 #include "../sm90/tensor_maps.h"
 #include "../sm90/wgmma.cuh"
@@ -37,11 +41,19 @@ constexpr int kConsumerThreads = 256;
 
 template <int DP>
 struct Sm90Config {
-  static constexpr int kStages = 4;
-  static constexpr int kQBytes = kRows * DP;    /* Q^ [128][DP] */
-  static constexpr int kKBytes = kBK8 * DP;     /* K^ [128][DP] */
-  static constexpr int kVBytes = 2 * DP * kBK8; /* V~, R: [2][DP][128] perm */
-  static constexpr int kSvBytes = DP * 4;       /* sV [DP] */
+  /* Head dim 256: P.V in two halves of 128 output columns, each after the scores (O's 128
+   * registers leave no room for S and a whole P.V accumulator at once), and 2 stages of 97 KB. */
+  static constexpr bool kSplitPv = DP == 256;
+  static constexpr int kStages = kSplitPv ? 2 : 4;
+  /* Q^ and K^ rows as slabs of kSlab bytes, the swizzle's width (TMA boxes and wgmma operands
+   * swizzle at most 128 bytes): [DP / kSlab][rows][kSlab] */
+  static constexpr int kSlab = DP < 128 ? DP : 128;
+  static constexpr int kQBytes = kRows * DP;                 /* Q^ [DP / kSlab][128][kSlab] */
+  static constexpr int kKBytes = kBK8 * DP;                  /* K^ [DP / kSlab][128][kSlab] */
+  static constexpr int kVBytes = 2 * DP * kBK8;              /* V~, R: [2][DP][128] perm */
+  static constexpr int kSvBytes = DP * 4;                    /* sV [DP] */
+  static constexpr int kPvTiles = kSplitPv ? 16 : DP / 8;    /* 8-column tiles per P.V product */
+  static constexpr int kVRows = 2 * DP < 256 ? 2 * DP : 256; /* V rows per TMA box (<= 256) */
   /* shared memory from a 1024-byte boundary (the swizzled tiles' alignment) */
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
@@ -49,7 +61,12 @@ struct Sm90Config {
   static constexpr int kOffSv = kOffV + kStages * kVBytes;
   static constexpr int kOffBar = kOffSv + kStages * kSvBytes; /* full[S], empty[S], qfull */
   static constexpr int kBytes = kOffBar + (2 * kStages + 1) * 8;
-  static constexpr int kSmem = kBytes + 1023;
+  /* 1023 bytes to align the dynamic shared memory where they fit in 227 KB; at head dim 256 they
+   * do not, and the kernel checks that the base is aligned (after the block's reserved 1 KB) */
+  static constexpr int kMaxSmem = 227 * 1024;
+  static constexpr int kAlignSlack = kBytes + 1023 <= kMaxSmem ? 1023 : 0;
+  static constexpr int kSmem = kBytes + kAlignSlack;
+  static_assert(kSmem <= kMaxSmem, "227 KB of shared memory per block");
   /* setmaxnreg split of 168 x 384: the producer only issues copies */
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -101,8 +118,8 @@ struct Int8Bars {
 template <int DP>
 struct Int8Sm90 {
   using C = Sm90Config<DP>;
-  static constexpr int kQkRow = DP;      /* bytes per Q^ / K^ row: their swizzle width */
-  static constexpr int kSteps = DP / 32; /* k32 steps of S */
+  static constexpr int kSteps = DP / 32;           /* k32 steps of S */
+  static constexpr int kSlabSteps = C::kSlab / 32; /* of them per slab */
 
   static __device__ void producer(const Int8Sm90Params &prm, char *tiles, int64_t nqi) {
     const Int8Args &a = prm.a;
@@ -113,17 +130,20 @@ struct Int8Sm90 {
     const Int8Bars<C::kStages> bar{smem_u32(tiles + C::kOffBar)};
 
     mbar_expect_tx(bar.qfull(), C::kQBytes);
-    tma_load_3d(smem_u32(tiles + C::kOffQ), &prm.qmap, 0, (int)(it.qi * kRows), (int)it.bh,
-                bar.qfull());
+    for (int x = 0; x < DP; x += C::kSlab)
+      tma_load_3d(smem_u32(tiles + C::kOffQ) + x * kRows, &prm.qmap, x, (int)(it.qi * kRows),
+                  (int)it.bh, bar.qfull());
     mbar_arrive(bar.qfull());
     for (int j = 0; j < ntiles; ++j) {
       const int s = j % C::kStages;
       if (j >= C::kStages) mbar_wait(bar.empty(s), ((j / C::kStages) - 1) & 1);
       mbar_expect_tx(bar.full(s), C::kKBytes + C::kVBytes + C::kSvBytes);
-      tma_load_3d(smem_u32(tiles + C::kOffK + s * C::kKBytes), &prm.kmap, 0, j * kBK8, (int)it.bhk,
-                  bar.full(s));
-      tma_load_3d(smem_u32(tiles + C::kOffV + s * C::kVBytes), &prm.vmap, 0, j * 2 * DP,
-                  (int)it.bhk, bar.full(s));
+      for (int x = 0; x < DP; x += C::kSlab)
+        tma_load_3d(smem_u32(tiles + C::kOffK + s * C::kKBytes) + x * kBK8, &prm.kmap, x, j * kBK8,
+                    (int)it.bhk, bar.full(s));
+      for (int r = 0; r < 2 * DP; r += C::kVRows)
+        tma_load_3d(smem_u32(tiles + C::kOffV + s * C::kVBytes) + r * kBK8, &prm.vmap, 0,
+                    j * 2 * DP + r, (int)it.bhk, bar.full(s));
       bulk_load(smem_u32(tiles + C::kOffSv + s * C::kSvBytes), w.sv + (it.bhk * w.nkb + j) * DP,
                 C::kSvBytes, bar.full(s));
       mbar_arrive(bar.full(s));
@@ -149,9 +169,16 @@ struct Int8Sm90 {
     const int ntiles = tile_count(p, w, it.qi);
     const WarpRows rows{it.b, it.h, qb * kBQ8 + wwarp * 16};
     const Int8Bars<C::kStages> bar{smem_u32(tiles + C::kOffBar)};
-    const uint64_t q_desc = kmajor_desc<kQkRow>(smem_u32(tiles + C::kOffQ) + cwg * kBQ8 * DP);
-    const auto k_desc = [&](int s) {
-      return kmajor_desc<kQkRow>(smem_u32(tiles + C::kOffK + s * C::kKBytes));
+    /* k32 step kk of this consumer's Q^ rows and of stage s's K^: slab kk / kSlabSteps */
+    const auto q_desc = [&](int kk) {
+      const int x = kk / kSlabSteps * C::kSlab;
+      return kmajor_desc<C::kSlab>(smem_u32(tiles + C::kOffQ) + x * kRows + cwg * kBQ8 * C::kSlab) +
+             2 * (kk % kSlabSteps);
+    };
+    const auto k_desc = [&](int s, int kk) {
+      const int x = kk / kSlabSteps * C::kSlab;
+      return kmajor_desc<C::kSlab>(smem_u32(tiles + C::kOffK + s * C::kKBytes) + x * kBK8) +
+             2 * (kk % kSlabSteps);
     };
     const auto turn_begin = [&]() { named_sync(kBarTurn + cwg, kTurnCount); };
     const auto turn_end = [&]() { named_arrive(kBarTurn + (cwg ^ 1), kTurnCount); };
@@ -163,35 +190,37 @@ struct Int8Sm90 {
     for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* l: this thread's partial sums */
     float fold_alpha[2] = {0.0f, 0.0f};                       /* alpha of the PV in flight */
-    uint32_t pa[4][4];   /* P~ of the last tile: A fragments of its 4 k32 steps */
-    float pv[DP / 8][4]; /* P~ (V~ + R) of the last tile */
-    int prev = 0;        /* its stage */
+    uint32_t pa[4][4];        /* P~ of the last tile: A fragments of its 4 k32 steps */
+    float pv[C::kPvTiles][4]; /* P~ (V~ + R) of the last tile, output tiles from 8 n0 */
+    int prev = 0;             /* its stage */
 
-    /* O = alpha O + PV * sV per column, sV of stage s; then the stage is released. Once the row
+    /* O = alpha O + PV * sV per column over pv's output tiles n0 .., sV of stage s. Once the row
      * maxima settle, alpha is exactly 1 in every row of the warp: no rescaling. */
-    const auto fold = [&](int s) {
+    const auto fold = [&](int s, int n0) {
       const float *sv = reinterpret_cast<const float *>(tiles + C::kOffSv + s * C::kSvBytes);
       const bool rescale = __any_sync(0xffffffffu, fold_alpha[0] != 1.0f || fold_alpha[1] != 1.0f);
 #pragma unroll
-      for (int n = 0; n < DP / 8; ++n) {
-        const float2 scl = *reinterpret_cast<const float2 *>(sv + n * 8 + 2 * t);
+      for (int n = 0; n < C::kPvTiles; ++n) {
+        const float2 scl = *reinterpret_cast<const float2 *>(sv + (n0 + n) * 8 + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float kept = rescale ? fold_alpha[e >> 1] * o[n][e] : o[n][e];
-          o[n][e] = fmaf(pv[n][e], (e & 1) ? scl.y : scl.x, kept);
+          float &oe = o[n0 + n][e];
+          oe = fmaf(pv[n][e], (e & 1) ? scl.y : scl.x, rescale ? fold_alpha[e >> 1] * oe : oe);
         }
       }
-      mbar_arrive(bar.empty(s)); /* every consumer thread: its own reads are ordered */
     };
-    /* PV = P~ V~ + P~ R, from zero (Hopper's FP8 accumulation keeps too few bits to carry O) */
-    const auto issue_pv = [&](int s) {
+    /* every consumer thread, once its reads of stage s are done (its own reads are ordered) */
+    const auto release = [&](int s) { mbar_arrive(bar.empty(s)); };
+    /* PV = P~ V~ + P~ R of pv's output tiles from n0, from zero (Hopper's FP8 accumulation keeps
+     * too few bits to carry O) */
+    const auto issue_pv = [&](int s, int n0) {
 #pragma unroll
       for (int term = 0; term < 2; ++term) {
-        const uint64_t vd =
-            kmajor_desc<kBK8>(smem_u32(tiles + C::kOffV + s * C::kVBytes) + term * DP * kBK8);
+        const uint64_t vd = kmajor_desc<kBK8>(smem_u32(tiles + C::kOffV + s * C::kVBytes) +
+                                              (term * DP + n0 * 8) * kBK8);
 #pragma unroll
         for (int kb = 0; kb < 4; ++kb) {
-          if constexpr (DP == 128)
+          if constexpr (C::kPvTiles == 16)
             wgmma_rs_m64n128k32_e4m3(pv, pa[kb], vd + 2 * kb, term + kb > 0);
           else
             wgmma_rs_m64n64k32_e4m3(pv, pa[kb], vd + 2 * kb, term + kb > 0);
@@ -209,7 +238,7 @@ struct Int8Sm90 {
     const auto issue_scores = [&](int s) {
 #pragma unroll
       for (int kk = 0; kk < kSteps; ++kk)
-        wgmma_ss_m64n128k32_s8(acc, q_desc + 2 * kk, k_desc(s) + 2 * kk, kk > 0);
+        wgmma_ss_m64n128k32_s8(acc, q_desc(kk), k_desc(s, kk), kk > 0);
     };
     /* Tile j's row maxima and online-softmax factors. A tile without masks and with f >= 0 takes
      * its row maxima on the integers (f x is increasing in x, and FP32 rounding keeps that
@@ -292,7 +321,33 @@ struct Int8Sm90 {
     };
 
     mbar_wait(bar.qfull(), 0);
-    if (ntiles > 0) {
+    if constexpr (C::kSplitPv) {
+      /* per tile: S, its softmax, then P.V half by half; the other consumer's wgmma run while
+       * this one computes */
+      for (int j = 0; j < ntiles; ++j) {
+        const int s = j % C::kStages;
+        mbar_wait(bar.full(s), (j / C::kStages) & 1);
+        turn_begin();
+        wgmma_fence();
+        issue_scores(s);
+        wgmma_commit();
+        turn_end();
+        wgmma_wait<0>();
+        fence_regs(acc);
+        tile_stats(j);
+        make_p();
+#pragma unroll
+        for (int n0 = 0; n0 < DP / 8; n0 += C::kPvTiles) {
+          wgmma_fence();
+          issue_pv(s, n0);
+          wgmma_commit();
+          wgmma_wait<0>();
+          fence_regs(pv);
+          fold(s, n0);
+        }
+        release(s);
+      }
+    } else if (ntiles > 0) {
       /* tile 0: S only */
       mbar_wait(bar.full(0), 0);
       turn_begin();
@@ -311,7 +366,7 @@ struct Int8Sm90 {
         wgmma_fence();
         issue_scores(s);
         wgmma_commit();
-        issue_pv(prev);
+        issue_pv(prev, 0);
         wgmma_commit();
         turn_end();
         if (!general_mask) {
@@ -327,19 +382,21 @@ struct Int8Sm90 {
           tile_stats(j);
         }
         fence_regs(pv);
-        fold(prev);
+        fold(prev, 0);
+        release(prev);
         make_p();
         prev = s;
       }
       /* the last tile's P^ V^ */
       turn_begin();
       wgmma_fence();
-      issue_pv(prev);
+      issue_pv(prev, 0);
       wgmma_commit();
       turn_end();
       wgmma_wait<0>();
       fence_regs(pv);
-      fold(prev);
+      fold(prev, 0);
+      release(prev);
     }
     if (cwg == 0) turn_begin(); /* consumer 1's last hand-over */
     store_forward_rows<DP>(p, w, rows, it.bh, o, m, l);
@@ -347,6 +404,7 @@ struct Int8Sm90 {
 
   static __device__ void run(const Int8Sm90Params &prm, char *smem) {
     const int64_t nqi = (prm.a.p.len_q + kRows - 1) / kRows;
+    if (C::kAlignSlack == 0 && (smem_u32(smem) & 1023u) != 0) __trap(); /* see Sm90Config */
     char *tiles = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
     if (threadIdx.x == 0) {
       const Int8Bars<C::kStages> bar{smem_u32(tiles + C::kOffBar)};
@@ -385,7 +443,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <int DP>
 fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
-  static_assert(DP == 64 || DP == 128, "the sm90 INT8 forward serves padded head dims 64 and 128");
+  static_assert(DP == 64 || DP == 128 || DP == 256,
+                "the sm90 8-bit forward serves padded head dims 64, 128 and 256");
   using C = Sm90Config<DP>;
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
@@ -395,15 +454,15 @@ fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
                    bhk = (cuuint64_t)(p.batch * p.heads_kv);
   const cuuint64_t qdims[3] = {(cuuint64_t)DP, (cuuint64_t)w.nqp, bhq};
   const cuuint64_t qstrides[2] = {(cuuint64_t)DP, (cuuint64_t)(w.nqp * DP)};
-  fp4attn_status st = encode_byte_map(prm.qmap, w.qc, qdims, qstrides, DP, kRows, "Q^");
+  fp4attn_status st = encode_byte_map(prm.qmap, w.qc, qdims, qstrides, C::kSlab, kRows, "Q^");
   if (st.code != FP4ATTN_OK) return st;
   const cuuint64_t kdims[3] = {(cuuint64_t)DP, (cuuint64_t)w.nkp, bhk};
   const cuuint64_t kstrides[2] = {(cuuint64_t)DP, (cuuint64_t)(w.nkp * DP)};
-  st = encode_byte_map(prm.kmap, w.kc, kdims, kstrides, DP, kBK8, "K^");
+  st = encode_byte_map(prm.kmap, w.kc, kdims, kstrides, C::kSlab, kBK8, "K^");
   if (st.code != FP4ATTN_OK) return st;
   const cuuint64_t vdims[3] = {(cuuint64_t)kBK8, (cuuint64_t)(w.nkb * 2 * DP), bhk};
   const cuuint64_t vstrides[2] = {(cuuint64_t)kBK8, (cuuint64_t)(w.nkb * 2 * DP * kBK8)};
-  st = encode_byte_map(prm.vmap, w.vct, vdims, vstrides, kBK8, 2 * DP, "V~ and R");
+  st = encode_byte_map(prm.vmap, w.vct, vdims, vstrides, kBK8, C::kVRows, "V~ and R");
   if (st.code != FP4ATTN_OK) return st;
 
   static int configured[64] = {0};
@@ -427,5 +486,6 @@ fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
 
 template fp4attn_status launch_int8_forward_sm90<64>(const Int8Args &, cudaStream_t);
 template fp4attn_status launch_int8_forward_sm90<128>(const Int8Args &, cudaStream_t);
+template fp4attn_status launch_int8_forward_sm90<256>(const Int8Args &, cudaStream_t);
 
 }  // namespace fp4attn_cuda
