@@ -89,7 +89,7 @@ constexpr int kTurnCount = kConsumerThreads;
 
 /* This block's 128 query rows (item qi of (batch, query head) bh; bhk its KV head): causal
  * calls longest first across all heads, otherwise head-major (neighbouring blocks share K^ and
- * V^ in L2), as forward.cu orders its blocks. */
+ * V's tiles in L2), as forward.cu orders its blocks. */
 struct Int8Item {
   int64_t b, h, bh, bhk, qi;
 };
@@ -370,7 +370,7 @@ struct Int8Sm90 {
         wgmma_commit();
         turn_end();
         if (!general_mask) {
-          wgmma_wait<1>(); /* S_j; its statistics overlap P^_{j-1} V^_{j-1} */
+          wgmma_wait<1>(); /* S_j; its statistics overlap P~_{j-1} (V~ + R)_{j-1} */
           fence_regs(acc);
           tile_stats(j);
           wgmma_wait<0>();
@@ -387,7 +387,7 @@ struct Int8Sm90 {
         make_p();
         prev = s;
       }
-      /* the last tile's P^ V^ */
+      /* the last tile's P.V */
       turn_begin();
       wgmma_fence();
       issue_pv(prev, 0);
@@ -472,6 +472,18 @@ fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
     if (cudaFuncSetAttribute(int8_forward_sm90_kernel<DP>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem) != cudaSuccess)
       return launch_status("int8 attention forward (sm90 kernel)");
+    /* without alignment slack the tiles start at the dynamic shared memory's base, which is
+     * 1024-aligned only while the kernel has no static shared memory (the kernel traps otherwise)
+     */
+    cudaFuncAttributes attr{};
+    if (C::kAlignSlack == 0 &&
+        (cudaFuncGetAttributes(&attr, int8_forward_sm90_kernel<DP>) != cudaSuccess ||
+         attr.sharedSizeBytes != 0))
+      return fp4attn_error(
+          FP4ATTN_ERR_UNSUPPORTED,
+          "int8 attention (sm90 kernel, head dim %d): the kernel has static shared "
+          "memory, which misaligns its tiles",
+          DP);
     if (dev >= 0 && dev < 64) configured[dev] = 1;
   }
   const int64_t blocks = p.batch * p.heads_q * ceil_div(p.len_q, (int64_t)kRows);

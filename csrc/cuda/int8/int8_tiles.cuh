@@ -1,8 +1,8 @@
 /*
  * Shared pieces of the 8-bit attention kernels (docs/SPEC_INT8.md) on mma.sync m16n8k32 s8:
  * block sizes, the workspace the preparation kernels fill and the attention kernels read,
- * the INT8 psi code, the s8 MMA and the A fragments packed from accumulators, and the forward's
- * FP8 P~ (V~ + R) product (E4M3 MMA on sm_89+, FP16 MMA of the decoded bytes on sm_80 / sm_86).
+ * the INT8 psi code, the s8 MMA and the A fragments packed from accumulators, and the mma.sync
+ * forward's P~ (V~ + R) product (FP16 MMA of P~ and of fl16(V~ + R), on every architecture).
  *
  * Fragment conventions (g = lane / 4, t = lane % 4): the m16n8 accumulator holds rows g, g + 8
  * and columns 2t, 2t + 1 of each 8-column tile; the A operand of m16n8k32 holds row g / g + 8 and
@@ -35,7 +35,8 @@ __host__ __device__ __forceinline__ int perm16(int pos) {
 }
 
 /* The workspace of one call; every operand tile is zero-padded to whole blocks and to dp. Codes
- * are int8, "perm" tiles are transposed per block with perm16 along their rows. */
+ * are int8 except V's (E4M3 bytes or FP16 values, vct), "perm" tiles are transposed per block with
+ * perm16 along their rows. */
 struct Int8Workspace {
   int64_t dp, nqb, nkb, nqp, nkp; /* padded head dim, block counts, padded lengths */
   int64_t nqa;                    /* partial amaxes of Q per query head: ceil(len_q / kQaRows) */

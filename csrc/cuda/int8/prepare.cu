@@ -11,8 +11,9 @@
  *   (batch, KV head) and channel qa (over the group's query heads), ka from K's max, min and kbar,
  *   and s = fp4attn_int8_migration_factor(qa, ka) with 1 / s (max and min are exact in any order).
  * - K, V: K^ = psi((K - kbar) / s) per 128 keys (row-major; transposed too for the backward);
- *   V's E4M3 terms V~ and R per 128 keys and channel (SPEC_INT8 2.2; perm tiles; forward), V in
- *   16 bits (backward).
+ *   V's E4M3 terms V~ and R per 128 keys and channel (SPEC_INT8 2.2, forward): as perm tiles of
+ *   bytes for the wgmma kernel, or as one FP16 tile of fl16(V~ + R) in natural key order for the
+ *   mma.sync kernel (Int8Args::v_half, stored from registers); V in 16 bits (backward).
  * - Q: Q^ = psi(Q s) per 64 rows (row-major; perm tiles for the backward), and the lse's
  *   smoothing term scale * (q . kbar) per row, of the unmigrated q.
  * - dO (backward): Drow = rowsum(dO * O) - dlse (16-bit operands, like dP), the smoothed lse in
