@@ -354,9 +354,9 @@ struct Int8BwdSm90 {
 #pragma unroll
       for (int kb = 0; kb < 2; ++kb) {
         if constexpr (DP == 128)
-          wgmma_rs_m64n128k32_i8<false>(big, pa[kb], dot_desc + 2 * kb, kb > 0);
+          wgmma_rs_m64n128k32_s8(big, pa[kb], dot_desc + 2 * kb, kb > 0);
         else
-          wgmma_rs_m64n64k32_i8<false>(big, pa[kb], dot_desc + 2 * kb, kb > 0);
+          wgmma_rs_m64n64k32_s8(big, pa[kb], dot_desc + 2 * kb, kb > 0);
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -387,8 +387,7 @@ struct Int8BwdSm90 {
         wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < 2; ++kb)
-          wgmma_rs_m64n64k32_i8<false>(acc, da[kb], qt_desc + c * (64 * kBQ8 >> 4) + 2 * kb,
-                                       kb > 0);
+          wgmma_rs_m64n64k32_s8(acc, da[kb], qt_desc + c * (64 * kBQ8 >> 4) + 2 * kb, kb > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(acc);

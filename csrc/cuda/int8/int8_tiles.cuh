@@ -152,22 +152,15 @@ __device__ __forceinline__ uint32_t pack_s8x4(int a, int b, int c, int d) {
          ((uint32_t)d << 24);
 }
 
-/* D += A (16x32, row) * B (32x8 s8, col), exact int32 accumulation; A signed bytes, or unsigned
- * with kU8A (the forward's P^ V^: P's codes are 0..255). */
-#define FP4ATTN_MMA_I8(atype)                                                    \
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32." atype                    \
-               ".s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n" \
-               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])                  \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
-template <bool kU8A = false>
+/* D += A (16x32, row) * B (32x8, col), signed bytes, exact int32 accumulation. */
 __device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4],
                                        const uint32_t (&b)[2]) {
-  if (kU8A)
-    FP4ATTN_MMA_I8("u8");
-  else
-    FP4ATTN_MMA_I8("s8");
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-#undef FP4ATTN_MMA_I8
 
 /* B (8x32 s8) times the A fragments of two 32-column k-chunks: the 16x16 int32 block of n-tiles
  * 2np, 2np + 1 of A (accumulator layout, k = 64) x B^T, B the rows np*16 .. np*16+15 of a

@@ -190,51 +190,34 @@ __device__ __forceinline__ void wgmma_ss_m64n32k32_s8(int (&d)[4][4], uint64_t d
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-/* D[64 x 128] (+)= A[64 x 32] * B[128 x 32]^T, A in registers (each warp's m16n8k32 A fragment
- * of its 16 rows): unsigned bytes with kU8A (P^ codes 0..255), else signed; signed B in shared
- * memory. */
-#define FP4ATTN_WGMMA_RS_N128_I8(atype)                                    \
-  asm volatile(                                                            \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                         \
-      "wgmma.mma_async.sync.aligned.m64n128k32.s32." atype                 \
-      ".s8 {"                                                              \
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"             \
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"   \
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"   \
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, " \
-      "{%64,%65,%66,%67}, %68, p;\n}\n"                                    \
-      : FP4ATTN_WGMMA_IACC(d, 0), FP4ATTN_WGMMA_IACC(d, 8)                 \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
-template <bool kU8A>
-__device__ __forceinline__ void wgmma_rs_m64n128k32_i8(int (&d)[16][4], const uint32_t (&a)[4],
+/* D[64 x 128] (+)= A[64 x 32] * B[128 x 32]^T, signed bytes, A in registers (each warp's
+ * m16n8k32 A fragment of its 16 rows), B in shared memory. */
+__device__ __forceinline__ void wgmma_rs_m64n128k32_s8(int (&d)[16][4], const uint32_t (&a)[4],
                                                        uint64_t desc_b, int accumulate) {
-  if constexpr (kU8A)
-    FP4ATTN_WGMMA_RS_N128_I8("u8");
-  else
-    FP4ATTN_WGMMA_RS_N128_I8("s8");
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+      "{%64,%65,%66,%67}, %68, p;\n}\n"
+      : FP4ATTN_WGMMA_IACC(d, 0), FP4ATTN_WGMMA_IACC(d, 8)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
-#undef FP4ATTN_WGMMA_RS_N128_I8
 
 /* D[64 x 64] (+)= A[64 x 32] * B[64 x 32]^T, as above. */
-#define FP4ATTN_WGMMA_RS_N64_I8(atype)                                     \
-  asm volatile(                                                            \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                         \
-      "wgmma.mma_async.sync.aligned.m64n64k32.s32." atype                  \
-      ".s8 {"                                                              \
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"             \
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
-      "{%32,%33,%34,%35}, %36, p;\n}\n"                                    \
-      : FP4ATTN_WGMMA_IACC(d, 0)                                           \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
-template <bool kU8A>
-__device__ __forceinline__ void wgmma_rs_m64n64k32_i8(int (&d)[8][4], const uint32_t (&a)[4],
+__device__ __forceinline__ void wgmma_rs_m64n64k32_s8(int (&d)[8][4], const uint32_t (&a)[4],
                                                       uint64_t desc_b, int accumulate) {
-  if constexpr (kU8A)
-    FP4ATTN_WGMMA_RS_N64_I8("u8");
-  else
-    FP4ATTN_WGMMA_RS_N64_I8("s8");
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+      "{%32,%33,%34,%35}, %36, p;\n}\n"
+      : FP4ATTN_WGMMA_IACC(d, 0)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
-#undef FP4ATTN_WGMMA_RS_N64_I8
 
 /* D[64 x N] (+)= A[64 x 32] * B[N x 32]^T with FP8 E4M3 operands and FP32 accumulation, A in
  * registers (the 8-bit A fragment layout above), B in shared memory (K-major descriptor): the
