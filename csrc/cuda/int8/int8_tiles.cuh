@@ -239,7 +239,7 @@ __device__ __forceinline__ void add_pair(float *dst, float x, float y) {
 }
 
 /* Bytes a, b, c, d (low to high) of one word from the low bytes of four FP32 words v + 1.5 x 2^23,
- * which hold rne(v) for |v| < 2^22 (code_word, p_word). */
+ * which hold rne(v) for |v| < 2^22 (code_word). */
 __device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
 }
@@ -249,7 +249,7 @@ __device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint3
 __device__ __forceinline__ uint32_t code_word(float x, float r) {
   return __float_as_uint(__fadd_rn(__fmul_rn(x, r), 12582912.0f));
 }
-/* pack_a_from_acc for codes held as code_word / p_word words. */
+/* pack_a_from_acc for codes held as code_word words. */
 template <int N>
 __device__ __forceinline__ void pack_a_from_words(uint32_t (&a)[4], const uint32_t (&x)[N][4],
                                                   int c) {
