@@ -59,15 +59,8 @@ int main(int argc, char **argv) {
     host_bad = check_words(0, 1ull << 32, want);
     printf("e2m1_pairs (host): all 2^32 code words x 4 pairs, %llu mismatches\n", host_bad);
   }
-  int devices = 0;
   unsigned long long dev_bad = 0;
-  if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) {
-    unsigned long long *d = nullptr;
-    CK(cudaMalloc(&d, sizeof(*d)));
-    CK(cudaMemset(d, 0, sizeof(*d)));
-    check_kernel<<<(1u << 16) / 256, 256>>>(d);
-    CK(cudaGetLastError());
-    CK(cudaMemcpy(&dev_bad, d, sizeof(dev_bad), cudaMemcpyDeviceToHost));
+  if (count_on_device(check_kernel, (1u << 16) / 256, 256, &dev_bad)) {
     printf("e2m1_pairs (device): all 2^32 code words x 4 pairs, %llu mismatches\n", dev_bad);
   } else if (device_only) {
     printf("e2m1_pairs: --device needs a GPU\n");

@@ -64,15 +64,8 @@ int main(int argc, char **argv) {
     printf("e4m3 (host): e4m3_round and e4m3_terms_sum on all 2^32 floats: %llu mismatches\n",
            host_bad);
   }
-  int devices = 0;
   unsigned long long dev_bad = 0;
-  if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) {
-    unsigned long long *d = nullptr;
-    CK(cudaMalloc(&d, sizeof(*d)));
-    CK(cudaMemset(d, 0, sizeof(*d)));
-    check_kernel<<<(1u << 16) / 256, 256>>>(d);
-    CK(cudaGetLastError());
-    CK(cudaMemcpy(&dev_bad, d, sizeof(dev_bad), cudaMemcpyDeviceToHost));
+  if (count_on_device(check_kernel, (1u << 16) / 256, 256, &dev_bad)) {
     printf(
         "e4m3 (device): the same and e4m3x2's bytes on the GPU's instructions, %llu "
         "mismatches\n",

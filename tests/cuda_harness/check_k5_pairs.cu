@@ -116,15 +116,8 @@ int main(int argc, char **argv) {
         "scales: %llu mismatches\n",
         host_bad);
   }
-  int devices = 0;
   unsigned long long dev_bad = 0;
-  if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) {
-    unsigned long long *d = nullptr;
-    CK(cudaMalloc(&d, sizeof(*d)));
-    CK(cudaMemset(d, 0, sizeof(*d)));
-    check_kernel<<<(1u << 16) / 256, 256>>>(d);
-    CK(cudaGetLastError());
-    CK(cudaMemcpy(&dev_bad, d, sizeof(dev_bad), cudaMemcpyDeviceToHost));
+  if (count_on_device(check_kernel, (1u << 16) / 256, 256, &dev_bad)) {
     printf("k5_pairs (device): the same on the GPU's instructions, %llu mismatches\n", dev_bad);
   } else if (device_only) {
     printf("k5_pairs: --device needs a GPU\n");

@@ -320,22 +320,27 @@ struct Int8Sm90 {
       }
     };
 
+    /* S_j with no P.V in flight (issued in this consumer's turn), its softmax and P~ */
+    const auto scores_alone = [&](int j) {
+      mbar_wait(bar.full(j % C::kStages), (j / C::kStages) & 1);
+      turn_begin();
+      wgmma_fence();
+      issue_scores(j % C::kStages);
+      wgmma_commit();
+      turn_end();
+      wgmma_wait<0>();
+      fence_regs(acc);
+      tile_stats(j);
+      make_p();
+    };
+
     mbar_wait(bar.qfull(), 0);
     if constexpr (C::kSplitPv) {
       /* per tile: S, its softmax, then P.V half by half; the other consumer's wgmma run while
        * this one computes */
       for (int j = 0; j < ntiles; ++j) {
         const int s = j % C::kStages;
-        mbar_wait(bar.full(s), (j / C::kStages) & 1);
-        turn_begin();
-        wgmma_fence();
-        issue_scores(s);
-        wgmma_commit();
-        turn_end();
-        wgmma_wait<0>();
-        fence_regs(acc);
-        tile_stats(j);
-        make_p();
+        scores_alone(j);
 #pragma unroll
         for (int n0 = 0; n0 < DP / 8; n0 += C::kPvTiles) {
           wgmma_fence();
@@ -348,17 +353,7 @@ struct Int8Sm90 {
         release(s);
       }
     } else if (ntiles > 0) {
-      /* tile 0: S only */
-      mbar_wait(bar.full(0), 0);
-      turn_begin();
-      wgmma_fence();
-      issue_scores(0);
-      wgmma_commit();
-      turn_end();
-      wgmma_wait<0>();
-      fence_regs(acc);
-      tile_stats(0);
-      make_p();
+      scores_alone(0);
       for (int j = 1; j < ntiles; ++j) {
         const int s = j % C::kStages;
         mbar_wait(bar.full(s), (j / C::kStages) & 1);
