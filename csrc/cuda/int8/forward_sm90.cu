@@ -2,13 +2,15 @@
  * 8-bit attention forward (docs/SPEC_INT8.md 2) for Hopper (sm_90a) on wgmma: the numbers of the
  * mma.sync kernel (forward.cu), with the matrix work on warpgroup MMA and the loads on TMA.
  *
- * One block = 128 query rows (two SPEC_INT8 Q^ blocks) of one (batch, query head), 3 warpgroups:
+ * One block = kConsumers SPEC_INT8 Q^ blocks of 64 query rows of one (batch, query head), one
+ * warpgroup per block plus the producer (kConsumers = 2; 3 at head dim 64, whose consumers need
+ * fewer registers, so each scheduler has three softmax warps to interleave):
  *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the item's Q^ rows, then
  *     per 128-key tile j the K^ tile, V's two E4M3 terms V~ and R as transposed tiles (perm order,
  *     as the preparation writes them) and V's channel scales sV_j into a ring of kStages stages
- *     ("full" mbarriers), refilling a stage once all 256 consumer threads have released it
+ *     ("full" mbarriers), refilling a stage once every consumer thread has released it
  *     ("empty" mbarriers).
- *   warpgroups 1 and 2, consumers (setmaxnreg up): one Q^ block of 64 rows each (wgmma's M).
+ *   warpgroups 1 .. kConsumers, consumers (setmaxnreg up): one Q^ block of 64 rows each (wgmma's M).
  *     S_j = Q^ K^_j^T by wgmma m64n128k32 s8.s8 (both in shared memory, exact int32), the scores
  *     and the online softmax with P~ = e4m3(448 exp2(S - m)) against the running row maximum in
  *     registers (SPEC_INT8 2.4), then PV_j = P~_j (V~_j + R_j) by wgmma m64n{64,128}k32 e4m3
@@ -18,7 +20,7 @@
  *     FMA).
  *     PV_j is issued together with S_{j+1} and added after S_{j+1}'s row maxima are known, so the
  *     tensor cores run it during that softmax; the two consumers take turns at issuing (named
- *     barriers), so one's wgmma run while the other computes. Head dim 256 has no registers for
+ *     barriers, in a ring), so one's wgmma run while the others compute. Head dim 256 has no registers for
  *     that overlap: PV_j follows S_j's softmax, in two halves of 128 columns, and only the two
  *     consumers' turns overlap the tensor cores with the softmax.
  * Operand layouts: K-major rows swizzled over their width (wgmma.cuh, kmajor_desc): Q^ and K^ rows
@@ -35,20 +37,22 @@ namespace {
 
 using namespace sm90;
 
-constexpr int kThreads = 384;   /* producer + 2 consumer warpgroups */
-constexpr int kRows = 2 * kBQ8; /* query rows per block: one Q^ block per consumer */
-constexpr int kConsumerThreads = 256;
-
 template <int DP>
 struct Sm90Config {
-  /* Head dim 256: P.V in two halves of 128 output columns, each after the scores (O's 128
-   * registers leave no room for S and a whole P.V accumulator at once), and 2 stages of 97 KB. */
+  static constexpr int kConsumers = DP == 64 ? 3 : 2; /* consumer warpgroups */
+  static constexpr int kConsumerThreads = 128 * kConsumers;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kRows = kConsumers * kBQ8; /* query rows per block: a Q^ block each */
+  /* P.V after its own tile's softmax instead of beside the next tile's S, where registers are
+   * short: at head dim 256 (O's 128 leave no room for S and a whole P.V accumulator at once; P.V
+   * in two halves of 128 output columns, 2 stages of 97 KB) and with 3 consumers (160 each). */
+  static constexpr bool kPvAfterSoftmax = DP == 256 || kConsumers == 3;
   static constexpr bool kSplitPv = DP == 256;
   static constexpr int kStages = kSplitPv ? 2 : 4;
   /* Q^ and K^ rows as slabs of kSlab bytes, the swizzle's width (TMA boxes and wgmma operands
    * swizzle at most 128 bytes): [DP / kSlab][rows][kSlab] */
   static constexpr int kSlab = DP < 128 ? DP : 128;
-  static constexpr int kQBytes = kRows * DP;                 /* Q^ [DP / kSlab][128][kSlab] */
+  static constexpr int kQBytes = kRows * DP;                 /* Q^ [DP / kSlab][kRows][kSlab] */
   static constexpr int kKBytes = kBK8 * DP;                  /* K^ [DP / kSlab][128][kSlab] */
   static constexpr int kVBytes = 2 * DP * kBK8;              /* V~, R: [2][DP][128] perm */
   static constexpr int kSvBytes = DP * 4;                    /* sV [DP] */
@@ -67,10 +71,10 @@ struct Sm90Config {
   static constexpr int kAlignSlack = kBytes + 1023 <= kMaxSmem ? 1023 : 0;
   static constexpr int kSmem = kBytes + kAlignSlack;
   static_assert(kSmem <= kMaxSmem, "227 KB of shared memory per block");
-  /* setmaxnreg split of 168 x 384: the producer only issues copies */
+  /* setmaxnreg split of the 64K registers: the producer only issues copies */
   static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
-  static_assert(kProducerRegs + 2 * kConsumerRegs == 3 * 168, "setmaxnreg split of 168 x 384");
+  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 240;
+  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "64K registers");
 };
 
 /* Kernel parameters: the 8-bit arguments and this call's TMA maps of Q^ {DP, nqp, BHq}, K^ {DP,
@@ -83,11 +87,11 @@ struct Int8Sm90Params {
 #if defined(FP4ATTN_SM90_WGMMA)
 
 /* Named barriers (0 is __syncthreads): the consumers' turns at issuing wgmma, one per consumer;
- * one consumer arrives, the other syncs. */
+ * the consumer before it in the ring arrives, it syncs (2 x 128 threads). */
 constexpr int kBarTurn = 1;
-constexpr int kTurnCount = kConsumerThreads;
+constexpr int kTurnCount = 256;
 
-/* This block's 128 query rows (item qi of (batch, query head) bh; bhk its KV head): causal
+/* This block's kRows query rows (item qi of (batch, query head) bh; bhk its KV head): causal
  * calls longest first across all heads, otherwise head-major (neighbouring blocks share K^ and
  * V's tiles in L2), as forward.cu orders its blocks. */
 struct Int8Item {
@@ -131,7 +135,7 @@ struct Int8Sm90 {
 
     mbar_expect_tx(bar.qfull(), C::kQBytes);
     for (int x = 0; x < DP; x += C::kSlab)
-      tma_load_3d(smem_u32(tiles + C::kOffQ) + x * kRows, &prm.qmap, x, (int)(it.qi * kRows),
+      tma_load_3d(smem_u32(tiles + C::kOffQ) + x * C::kRows, &prm.qmap, x, (int)(it.qi * C::kRows),
                   (int)it.bh, bar.qfull());
     mbar_arrive(bar.qfull());
     for (int j = 0; j < ntiles; ++j) {
@@ -154,7 +158,7 @@ struct Int8Sm90 {
   static __device__ __forceinline__ int tile_count(const fp4attn_attention_params &p,
                                                    const Int8Workspace &w, int64_t qi) {
     int64_t n = w.nkb;
-    if (p.causal) n = min(n, (min((qi + 1) * kRows, p.len_q) - 1) / kBK8 + 1);
+    if (p.causal) n = min(n, (min((qi + 1) * C::kRows, p.len_q) - 1) / kBK8 + 1);
     return (int)n;
   }
 
@@ -165,14 +169,15 @@ struct Int8Sm90 {
     const int ctid = threadIdx.x - 128, cwg = ctid >> 7, wwarp = (ctid >> 5) & 3, lane = ctid & 31;
     const int t = lane & 3;
     const Int8Item it = int8_item(p, nqi);
-    const int64_t qb = 2 * it.qi + cwg; /* this warpgroup's Q^ block (past nqb: padding rows) */
+    const int64_t qb = C::kConsumers * it.qi + cwg; /* its Q^ block (past nqb: padding rows) */
     const int ntiles = tile_count(p, w, it.qi);
     const WarpRows rows{it.b, it.h, qb * kBQ8 + wwarp * 16};
     const Int8Bars<C::kStages> bar{smem_u32(tiles + C::kOffBar)};
     /* k32 step kk of this consumer's Q^ rows and of stage s's K^: slab kk / kSlabSteps */
     const auto q_desc = [&](int kk) {
       const int x = kk / kSlabSteps * C::kSlab;
-      return kmajor_desc<C::kSlab>(smem_u32(tiles + C::kOffQ) + x * kRows + cwg * kBQ8 * C::kSlab) +
+      return kmajor_desc<C::kSlab>(smem_u32(tiles + C::kOffQ) + x * C::kRows +
+                                   cwg * kBQ8 * C::kSlab) +
              2 * (kk % kSlabSteps);
     };
     const auto k_desc = [&](int s, int kk) {
@@ -181,8 +186,10 @@ struct Int8Sm90 {
              2 * (kk % kSlabSteps);
     };
     const auto turn_begin = [&]() { named_sync(kBarTurn + cwg, kTurnCount); };
-    const auto turn_end = [&]() { named_arrive(kBarTurn + (cwg ^ 1), kTurnCount); };
-    if (cwg == 1) named_arrive(kBarTurn + 0, kTurnCount); /* consumer 0 issues first */
+    const auto turn_end = [&]() {
+      named_arrive(kBarTurn + (cwg + 1) % C::kConsumers, kTurnCount);
+    };
+    if (cwg == C::kConsumers - 1) turn_end(); /* consumer 0 issues first */
 
     const float sq = qb < w.nqb ? w.sq[it.bh * w.nqb + qb] : 0.0f;
     float o[DP / 8][4];
@@ -335,9 +342,9 @@ struct Int8Sm90 {
     };
 
     mbar_wait(bar.qfull(), 0);
-    if constexpr (C::kSplitPv) {
-      /* per tile: S, its softmax, then P.V half by half; the other consumer's wgmma run while
-       * this one computes */
+    if constexpr (C::kPvAfterSoftmax) {
+      /* per tile: S, its softmax, then P.V (half by half at head dim 256); the other consumers'
+       * wgmma run while this one computes */
       for (int j = 0; j < ntiles; ++j) {
         const int s = j % C::kStages;
         scores_alone(j);
@@ -393,19 +400,19 @@ struct Int8Sm90 {
       fold(prev, 0);
       release(prev);
     }
-    if (cwg == 0) turn_begin(); /* consumer 1's last hand-over */
+    if (cwg == 0) turn_begin(); /* the last consumer's last hand-over */
     store_forward_rows<DP>(p, w, rows, it.bh, o, m, l);
   }
 
   static __device__ void run(const Int8Sm90Params &prm, char *smem) {
-    const int64_t nqi = (prm.a.p.len_q + kRows - 1) / kRows;
+    const int64_t nqi = (prm.a.p.len_q + C::kRows - 1) / C::kRows;
     if (C::kAlignSlack == 0 && (smem_u32(smem) & 1023u) != 0) __trap(); /* see Sm90Config */
     char *tiles = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
     if (threadIdx.x == 0) {
       const Int8Bars<C::kStages> bar{smem_u32(tiles + C::kOffBar)};
       for (int s = 0; s < C::kStages; ++s) {
         mbar_init(bar.full(s), 1);
-        mbar_init(bar.empty(s), kConsumerThreads);
+        mbar_init(bar.empty(s), C::kConsumerThreads);
       }
       mbar_init(bar.qfull(), 1);
       mbar_init_fence();
@@ -424,7 +431,7 @@ struct Int8Sm90 {
 #endif /* FP4ATTN_SM90_WGMMA */
 
 template <int DP>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(Sm90Config<DP>::kThreads, 1)
     int8_forward_sm90_kernel(const __grid_constant__ Int8Sm90Params prm) {
 #if defined(FP4ATTN_SM90_WGMMA)
   extern __shared__ __align__(16) char smem[];
@@ -449,7 +456,7 @@ fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
                    bhk = (cuuint64_t)(p.batch * p.heads_kv);
   const cuuint64_t qdims[3] = {(cuuint64_t)DP, (cuuint64_t)w.nqp, bhq};
   const cuuint64_t qstrides[2] = {(cuuint64_t)DP, (cuuint64_t)(w.nqp * DP)};
-  fp4attn_status st = encode_byte_map(prm.qmap, w.qc, qdims, qstrides, C::kSlab, kRows, "Q^");
+  fp4attn_status st = encode_byte_map(prm.qmap, w.qc, qdims, qstrides, C::kSlab, C::kRows, "Q^");
   if (st.code != FP4ATTN_OK) return st;
   const cuuint64_t kdims[3] = {(cuuint64_t)DP, (cuuint64_t)w.nkp, bhk};
   const cuuint64_t kstrides[2] = {(cuuint64_t)DP, (cuuint64_t)(w.nkp * DP)};
@@ -481,13 +488,13 @@ fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
           DP);
     if (dev >= 0 && dev < 64) configured[dev] = 1;
   }
-  const int64_t blocks = p.batch * p.heads_q * ceil_div(p.len_q, (int64_t)kRows);
+  const int64_t blocks = p.batch * p.heads_q * ceil_div(p.len_q, (int64_t)C::kRows);
   if (blocks > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many query blocks");
   if (w.nkb * 2 * DP > 0x7FFFFFFFLL || w.nqp > 0x7FFFFFFFLL || w.nkp > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
                          "int8 attention (sm90 kernel): sequences too long for TMA coordinates");
-  int8_forward_sm90_kernel<DP><<<(unsigned)blocks, kThreads, C::kSmem, s>>>(prm);
+  int8_forward_sm90_kernel<DP><<<(unsigned)blocks, C::kThreads, C::kSmem, s>>>(prm);
   return launch_status("int8 attention forward (sm90 kernel)");
 }
 
