@@ -10,8 +10,8 @@
  *     as the preparation writes them) and V's channel scales sV_j into a ring of kStages stages
  *     ("full" mbarriers), refilling a stage once every consumer thread has released it
  *     ("empty" mbarriers).
- *   warpgroups 1 .. kConsumers, consumers (setmaxnreg up): one Q^ block of 64 rows each (wgmma's M).
- *     S_j = Q^ K^_j^T by wgmma m64n128k32 s8.s8 (both in shared memory, exact int32), the scores
+ *   warpgroups 1 .. kConsumers, consumers (setmaxnreg up): one Q^ block of 64 rows each (wgmma's
+ * M). S_j = Q^ K^_j^T by wgmma m64n128k32 s8.s8 (both in shared memory, exact int32), the scores
  *     and the online softmax with P~ = e4m3(448 exp2(S - m)) against the running row maximum in
  *     registers (SPEC_INT8 2.4), then PV_j = P~_j (V~_j + R_j) by wgmma m64n{64,128}k32 e4m3
  *     with P~_j from registers (the accumulator layout packed into A fragments in perm16 k order,
@@ -20,12 +20,11 @@
  *     FMA).
  *     PV_j is issued together with S_{j+1} and added after S_{j+1}'s row maxima are known, so the
  *     tensor cores run it during that softmax; the two consumers take turns at issuing (named
- *     barriers, in a ring), so one's wgmma run while the others compute. Head dim 256 has no registers for
- *     that overlap: PV_j follows S_j's softmax, in two halves of 128 columns, and only the two
- *     consumers' turns overlap the tensor cores with the softmax.
- * Operand layouts: K-major rows swizzled over their width (wgmma.cuh, kmajor_desc): Q^ and K^ rows
- * of DP bytes (64: 64-byte swizzle, 128: 128-byte swizzle, 256: two 128-byte slabs), V~ and R rows
- * of 128 keys (128-byte).
+ *     barriers, in a ring), so one's wgmma run while the others compute. Head dim 256 has no
+ * registers for that overlap: PV_j follows S_j's softmax, in two halves of 128 columns, and only
+ * the two consumers' turns overlap the tensor cores with the softmax. Operand layouts: K-major rows
+ * swizzled over their width (wgmma.cuh, kmajor_desc): Q^ and K^ rows of DP bytes (64: 64-byte
+ * swizzle, 128: 128-byte swizzle, 256: two 128-byte slabs), V~ and R rows of 128 keys (128-byte).
  */
 #include "../sm90/tensor_maps.h"
 #include "../sm90/wgmma.cuh"
@@ -186,9 +185,7 @@ struct Int8Sm90 {
              2 * (kk % kSlabSteps);
     };
     const auto turn_begin = [&]() { named_sync(kBarTurn + cwg, kTurnCount); };
-    const auto turn_end = [&]() {
-      named_arrive(kBarTurn + (cwg + 1) % C::kConsumers, kTurnCount);
-    };
+    const auto turn_end = [&]() { named_arrive(kBarTurn + (cwg + 1) % C::kConsumers, kTurnCount); };
     if (cwg == C::kConsumers - 1) turn_end(); /* consumer 0 issues first */
 
     const float sq = qb < w.nqb ? w.sq[it.bh * w.nqb + qb] : 0.0f;
