@@ -3,8 +3,8 @@
  * mma.sync kernel (forward.cu), with the matrix work on warpgroup MMA and the loads on TMA.
  *
  * One block = kConsumers SPEC_INT8 Q^ blocks of 64 query rows of one (batch, query head), one
- * warpgroup per block plus the producer (kConsumers = 2; 3 at head dim 64, whose consumers need
- * fewer registers, so each scheduler has three softmax warps to interleave):
+ * warpgroup per block plus the producer (kConsumers = 3 at head dims 64 and 128, so each scheduler
+ * has three softmax warps to interleave; 2 at 256, whose output needs 240 registers a thread):
  *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the item's Q^ rows, then
  *     per 128-key tile j the K^ tile, V's two E4M3 terms V~ and R as transposed tiles (perm order,
  *     as the preparation writes them) and V's channel scales sV_j into a ring of kStages stages
@@ -20,9 +20,10 @@
  *     FMA).
  *     PV_j is issued together with S_{j+1} and added after S_{j+1}'s row maxima are known, so the
  *     tensor cores run it during that softmax; the two consumers take turns at issuing (named
- *     barriers, in a ring), so one's wgmma run while the others compute. Head dim 256 has no
- * registers for that overlap: PV_j follows S_j's softmax, in two halves of 128 columns, and only
- * the two consumers' turns overlap the tensor cores with the softmax. Operand layouts: K-major rows
+ *     barriers, in a ring), so one's wgmma run while the others compute. With 3 consumers (160
+ * registers each) and at head dim 256 there are no registers for that overlap: PV_j follows S_j's
+ * softmax, in parts of kPvCols output columns, and only the consumers' turns overlap the tensor
+ * cores with the softmax. Operand layouts: K-major rows
  * swizzled over their width (wgmma.cuh, kmajor_desc): Q^ and K^ rows of DP bytes (64: 64-byte
  * swizzle, 128: 128-byte swizzle, 256: two 128-byte slabs), V~ and R rows of 128 keys (128-byte).
  */
@@ -38,16 +39,19 @@ using namespace sm90;
 
 template <int DP>
 struct Sm90Config {
-  static constexpr int kConsumers = DP == 64 ? 3 : 2; /* consumer warpgroups */
+  static constexpr int kConsumers = DP <= 128 ? 3 : 2; /* consumer warpgroups */
   static constexpr int kConsumerThreads = 128 * kConsumers;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kRows = kConsumers * kBQ8; /* query rows per block: a Q^ block each */
   /* P.V after its own tile's softmax instead of beside the next tile's S, where registers are
-   * short: at head dim 256 (O's 128 leave no room for S and a whole P.V accumulator at once; P.V
-   * in two halves of 128 output columns, 2 stages of 97 KB) and with 3 consumers (160 each). */
+   * short: with 3 consumers (160 each) and at head dim 256 (O's 128 leave no room for S and a
+   * whole P.V accumulator at once). P.V then runs in parts of kPvCols output columns, each a
+   * wgmma chain into an accumulator of kPvCols / 2 registers. */
   static constexpr bool kPvAfterSoftmax = DP == 256 || kConsumers == 3;
-  static constexpr bool kSplitPv = DP == 256;
-  static constexpr int kStages = kSplitPv ? 2 : 4;
+  static constexpr int kPvCols = DP == 256 ? 128 : kConsumers == 3 ? 64 : DP;
+  static constexpr int kPvTiles = kPvCols / 8; /* 8-column output tiles per P.V part */
+  static_assert(kPvCols == 64 || kPvCols == 128, "P.V parts are m64n64 or m64n128 chains");
+  static constexpr int kStages = DP == 256 ? 2 : 4; /* 256: 2 stages of 97 KB */
   /* Q^ and K^ rows as slabs of kSlab bytes, the swizzle's width (TMA boxes and wgmma operands
    * swizzle at most 128 bytes): [DP / kSlab][rows][kSlab] */
   static constexpr int kSlab = DP < 128 ? DP : 128;
@@ -55,7 +59,6 @@ struct Sm90Config {
   static constexpr int kKBytes = kBK8 * DP;                  /* K^ [DP / kSlab][128][kSlab] */
   static constexpr int kVBytes = 2 * DP * kBK8;              /* V~, R: [2][DP][128] perm */
   static constexpr int kSvBytes = DP * 4;                    /* sV [DP] */
-  static constexpr int kPvTiles = kSplitPv ? 16 : DP / 8;    /* 8-column tiles per P.V product */
   static constexpr int kVRows = 2 * DP < 256 ? 2 * DP : 256; /* V rows per TMA box (<= 256) */
   /* shared memory from a 1024-byte boundary (the swizzled tiles' alignment) */
   static constexpr int kOffQ = 0;
@@ -224,7 +227,7 @@ struct Int8Sm90 {
                                               (term * DP + n0 * 8) * kBK8);
 #pragma unroll
         for (int kb = 0; kb < 4; ++kb) {
-          if constexpr (C::kPvTiles == 16)
+          if constexpr (C::kPvCols == 128)
             wgmma_rs_m64n128k32_e4m3(pv, pa[kb], vd + 2 * kb, term + kb > 0);
           else
             wgmma_rs_m64n64k32_e4m3(pv, pa[kb], vd + 2 * kb, term + kb > 0);
@@ -340,7 +343,7 @@ struct Int8Sm90 {
 
     mbar_wait(bar.qfull(), 0);
     if constexpr (C::kPvAfterSoftmax) {
-      /* per tile: S, its softmax, then P.V (half by half at head dim 256); the other consumers'
+      /* per tile: S, its softmax, then P.V part by part; the other consumers'
        * wgmma run while this one computes */
       for (int j = 0; j < ntiles; ++j) {
         const int s = j % C::kStages;
