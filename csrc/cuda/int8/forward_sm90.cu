@@ -10,22 +10,19 @@
  *     as the preparation writes them) and V's channel scales sV_j into a ring of kStages stages
  *     ("full" mbarriers), refilling a stage once every consumer thread has released it
  *     ("empty" mbarriers).
- *   warpgroups 1 .. kConsumers, consumers (setmaxnreg up): one Q^ block of 64 rows each (wgmma's
- * M). S_j = Q^ K^_j^T by wgmma m64n128k32 s8.s8 (both in shared memory, exact int32), the scores
- *     and the online softmax with P~ = e4m3(448 exp2(S - m)) against the running row maximum in
- *     registers (SPEC_INT8 2.4), then PV_j = P~_j (V~_j + R_j) by wgmma m64n{64,128}k32 e4m3
- *     with P~_j from registers (the accumulator layout packed into A fragments in perm16 k order,
- *     which the perm tiles match; FP32 accumulation, from zero every step), added to the FP32
- *     output as O = alpha O + PV_j * sV_j per column (alpha = 1 once the row maxima settle: one
- *     FMA).
- *     PV_j is issued together with S_{j+1} and added after S_{j+1}'s row maxima are known, so the
- *     tensor cores run it during that softmax; the two consumers take turns at issuing (named
- *     barriers, in a ring), so one's wgmma run while the others compute. With 3 consumers (160
- * registers each) and at head dim 256 there are no registers for that overlap: PV_j follows S_j's
- * softmax, in parts of kPvCols output columns, and only the consumers' turns overlap the tensor
- * cores with the softmax. Operand layouts: K-major rows
- * swizzled over their width (wgmma.cuh, kmajor_desc): Q^ and K^ rows of DP bytes (64: 64-byte
- * swizzle, 128: 128-byte swizzle, 256: two 128-byte slabs), V~ and R rows of 128 keys (128-byte).
+ *   warpgroups 1 .. kConsumers, consumers (setmaxnreg up): one Q^ block of 64 rows each
+ *     (wgmma's M), per tile: S_j = Q^ K^_j^T by wgmma m64n128k32 s8.s8 (both in shared memory,
+ *     exact int32), the online softmax with P~ = e4m3(448 exp2(S - m)) against the running row
+ *     maximum in registers (SPEC_INT8 2.4), then PV_j = P~_j (V~_j + R_j) by wgmma
+ *     m64n{64,128}k32 e4m3 in parts of kPvCols output columns, with P~_j from registers (the
+ *     accumulator layout packed into A fragments in perm16 k order, which the perm tiles match;
+ *     FP32 accumulation, from zero every step), added to the FP32 output as
+ *     O = alpha O + PV_j * sV_j per column (alpha = 1 once the row maxima settle: one FMA).
+ *     The consumers take turns at issuing S (named barriers in a ring), so the others' wgmma run
+ *     while one computes its softmax.
+ * Operand layouts: K-major rows swizzled over their width (wgmma.cuh, kmajor_desc): Q^ and K^ rows
+ * of DP bytes (64: 64-byte swizzle, 128: 128-byte swizzle, 256: two 128-byte slabs), V~ and R rows
+ * of 128 keys (128-byte).
  */
 #include "../sm90/tensor_maps.h"
 #include "../sm90/wgmma.cuh"
@@ -43,12 +40,11 @@ struct Sm90Config {
   static constexpr int kConsumerThreads = 128 * kConsumers;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kRows = kConsumers * kBQ8; /* query rows per block: a Q^ block each */
-  /* P.V after its own tile's softmax instead of beside the next tile's S, where registers are
-   * short: with 3 consumers (160 each) and at head dim 256 (O's 128 leave no room for S and a
-   * whole P.V accumulator at once). P.V then runs in parts of kPvCols output columns, each a
-   * wgmma chain into an accumulator of kPvCols / 2 registers. */
-  static constexpr bool kPvAfterSoftmax = DP == 256 || kConsumers == 3;
-  static constexpr int kPvCols = DP == 256 ? 128 : kConsumers == 3 ? 64 : DP;
+  /* P.V follows its own tile's softmax, in parts of kPvCols output columns (each a wgmma chain
+   * into kPvCols / 2 registers): 160 registers (3 consumers), or O's 128 at head dim 256, leave
+   * no room for S_{j+1} beside a whole P.V accumulator, which FA3's overlap of P_j V_j with
+   * S_{j+1} needs. The consumers' turns keep the tensor cores busy instead. */
+  static constexpr int kPvCols = DP == 256 ? 128 : 64;
   static constexpr int kPvTiles = kPvCols / 8; /* 8-column output tiles per P.V part */
   static_assert(kPvCols == 64 || kPvCols == 128, "P.V parts are m64n64 or m64n128 chains");
   static constexpr int kStages = DP == 256 ? 2 : 4; /* 256: 2 stages of 97 KB */
@@ -196,10 +192,9 @@ struct Int8Sm90 {
 #pragma unroll
     for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* l: this thread's partial sums */
-    float fold_alpha[2] = {0.0f, 0.0f};                       /* alpha of the PV in flight */
-    uint32_t pa[4][4];        /* P~ of the last tile: A fragments of its 4 k32 steps */
-    float pv[C::kPvTiles][4]; /* P~ (V~ + R) of the last tile, output tiles from 8 n0 */
-    int prev = 0;             /* its stage */
+    float fold_alpha[2] = {0.0f, 0.0f};                       /* alpha of the tile's P.V */
+    uint32_t pa[4][4];        /* P~ of the tile: A fragments of its 4 k32 steps */
+    float pv[C::kPvTiles][4]; /* P~ (V~ + R) of the tile, output tiles from 8 n0 */
 
     /* O = alpha O + PV * sV per column over pv's output tiles n0 .., sV of stage s. Once the row
      * maxima settle, alpha is exactly 1 in every row of the warp: no rescaling. */
@@ -327,7 +322,7 @@ struct Int8Sm90 {
       }
     };
 
-    /* S_j with no P.V in flight (issued in this consumer's turn), its softmax and P~ */
+    /* S_j (issued in this consumer's turn), its softmax and P~ */
     const auto scores_alone = [&](int j) {
       mbar_wait(bar.full(j % C::kStages), (j / C::kStages) & 1);
       turn_begin();
@@ -342,63 +337,21 @@ struct Int8Sm90 {
     };
 
     mbar_wait(bar.qfull(), 0);
-    if constexpr (C::kPvAfterSoftmax) {
-      /* per tile: S, its softmax, then P.V part by part; the other consumers'
-       * wgmma run while this one computes */
-      for (int j = 0; j < ntiles; ++j) {
-        const int s = j % C::kStages;
-        scores_alone(j);
+    /* per tile: S, its softmax, then P.V part by part; the other consumers' wgmma run while this
+     * one computes */
+    for (int j = 0; j < ntiles; ++j) {
+      const int s = j % C::kStages;
+      scores_alone(j);
 #pragma unroll
-        for (int n0 = 0; n0 < DP / 8; n0 += C::kPvTiles) {
-          wgmma_fence();
-          issue_pv(s, n0);
-          wgmma_commit();
-          wgmma_wait<0>();
-          fence_regs(pv);
-          fold(s, n0);
-        }
-        release(s);
-      }
-    } else if (ntiles > 0) {
-      scores_alone(0);
-      for (int j = 1; j < ntiles; ++j) {
-        const int s = j % C::kStages;
-        mbar_wait(bar.full(s), (j / C::kStages) & 1);
-        turn_begin();
+      for (int n0 = 0; n0 < DP / 8; n0 += C::kPvTiles) {
         wgmma_fence();
-        issue_scores(s);
+        issue_pv(s, n0);
         wgmma_commit();
-        issue_pv(prev, 0);
-        wgmma_commit();
-        turn_end();
-        if (!general_mask) {
-          wgmma_wait<1>(); /* S_j; its statistics overlap P~_{j-1} (V~ + R)_{j-1} */
-          fence_regs(acc);
-          tile_stats(j);
-          wgmma_wait<0>();
-        } else {
-          /* the general mask's loads and branches while a wgmma is in flight make ptxas
-           * serialize every wgmma (C7513): both groups first */
-          wgmma_wait<0>();
-          fence_regs(acc);
-          tile_stats(j);
-        }
+        wgmma_wait<0>();
         fence_regs(pv);
-        fold(prev, 0);
-        release(prev);
-        make_p();
-        prev = s;
+        fold(s, n0);
       }
-      /* the last tile's P.V */
-      turn_begin();
-      wgmma_fence();
-      issue_pv(prev, 0);
-      wgmma_commit();
-      turn_end();
-      wgmma_wait<0>();
-      fence_regs(pv);
-      fold(prev, 0);
-      release(prev);
+      release(s);
     }
     if (cwg == 0) turn_begin(); /* the last consumer's last hand-over */
     store_forward_rows<DP>(p, w, rows, it.bh, o, m, l);
