@@ -46,7 +46,7 @@ struct Sm90Config {
    * S_{j+1} needs. The consumers' turns keep the tensor cores busy instead. */
   static constexpr int kPvCols = DP == 256 ? 128 : 64;
   static constexpr int kPvTiles = kPvCols / 8; /* 8-column output tiles per P.V part */
-  static_assert(kPvCols == 64 || kPvCols == 128, "P.V parts are m64n64 or m64n128 chains");
+  static_assert(kPvTiles * 8 == 64 || kPvTiles * 8 == 128, "P.V parts: m64n64 or m64n128 chains");
   static constexpr int kStages = DP == 256 ? 2 : 4; /* 256: 2 stages of 97 KB */
   /* Q^ and K^ rows as slabs of kSlab bytes, the swizzle's width (TMA boxes and wgmma operands
    * swizzle at most 128 bytes): [DP / kSlab][rows][kSlab] */
