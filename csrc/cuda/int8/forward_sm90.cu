@@ -46,7 +46,7 @@ struct Sm90Config {
    * S_{j+1} needs. The consumers' turns keep the tensor cores busy instead. */
   static constexpr int kPvCols = DP == 256 ? 128 : 64;
   static constexpr int kPvTiles = kPvCols / 8; /* 8-column output tiles per P.V part */
-  static_assert(kPvTiles * 8 == 64 || kPvTiles * 8 == 128, "P.V parts: m64n64 or m64n128 chains");
+  static_assert(DP % (8 * kPvTiles) == 0, "the P.V parts tile the output columns");
   static constexpr int kStages = DP == 256 ? 2 : 4; /* 256: 2 stages of 97 KB */
   /* Q^ and K^ rows as slabs of kSlab bytes, the swizzle's width (TMA boxes and wgmma operands
    * swizzle at most 128 bytes): [DP / kSlab][rows][kSlab] */
@@ -192,22 +192,22 @@ struct Int8Sm90 {
 #pragma unroll
     for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* l: this thread's partial sums */
-    float fold_alpha[2] = {0.0f, 0.0f};                       /* alpha of the tile's P.V */
-    uint32_t pa[4][4];        /* P~ of the tile: A fragments of its 4 k32 steps */
-    float pv[C::kPvTiles][4]; /* P~ (V~ + R) of the tile, output tiles from 8 n0 */
+    float alpha[2] = {0.0f, 0.0f}; /* the tile's rescale of O (its P.V follows its softmax) */
+    uint32_t pa[4][4];             /* P~ of the tile: A fragments of its 4 k32 steps */
+    float pv[C::kPvTiles][4];      /* P~ (V~ + R) of the tile, output tiles from 8 n0 */
 
     /* O = alpha O + PV * sV per column over pv's output tiles n0 .., sV of stage s. Once the row
      * maxima settle, alpha is exactly 1 in every row of the warp: no rescaling. */
     const auto fold = [&](int s, int n0) {
       const float *sv = reinterpret_cast<const float *>(tiles + C::kOffSv + s * C::kSvBytes);
-      const bool rescale = __any_sync(0xffffffffu, fold_alpha[0] != 1.0f || fold_alpha[1] != 1.0f);
+      const bool rescale = __any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f);
 #pragma unroll
       for (int n = 0; n < C::kPvTiles; ++n) {
         const float2 scl = *reinterpret_cast<const float2 *>(sv + (n0 + n) * 8 + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float &oe = o[n0 + n][e];
-          oe = fmaf(pv[n][e], (e & 1) ? scl.y : scl.x, rescale ? fold_alpha[e >> 1] * oe : oe);
+          oe = fmaf(pv[n][e], (e & 1) ? scl.y : scl.x, rescale ? alpha[e >> 1] * oe : oe);
         }
       }
     };
@@ -235,7 +235,7 @@ struct Int8Sm90 {
     int acc[16][4];
     bool scores_in_acc = false; /* which of the two acc holds */
     float f = 0.0f;             /* the tile's score factor sQ sK scale log2(e) */
-    float alpha[2], shift[2];   /* shift: m - log2(448), W = exp2(S - shift) */
+    float shift[2];             /* m - log2(448): W = exp2(S - shift) */
     const bool general_mask = p.mask_kind != FP4ATTN_MASK_NONE;
     const auto issue_scores = [&](int s) {
 #pragma unroll
@@ -316,14 +316,11 @@ struct Int8Sm90 {
         }
       }
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        l[r] = alpha[r] * l[r] + rowsum[r];
-        fold_alpha[r] = alpha[r];
-      }
+      for (int r = 0; r < 2; ++r) l[r] = alpha[r] * l[r] + rowsum[r];
     };
 
     /* S_j (issued in this consumer's turn), its softmax and P~ */
-    const auto scores_alone = [&](int j) {
+    const auto scores_and_p = [&](int j) {
       mbar_wait(bar.full(j % C::kStages), (j / C::kStages) & 1);
       turn_begin();
       wgmma_fence();
@@ -341,7 +338,7 @@ struct Int8Sm90 {
      * one computes */
     for (int j = 0; j < ntiles; ++j) {
       const int s = j % C::kStages;
-      scores_alone(j);
+      scores_and_p(j);
 #pragma unroll
       for (int n0 = 0; n0 < DP / 8; n0 += C::kPvTiles) {
         wgmma_fence();
