@@ -176,7 +176,6 @@ extern "C" fp4attn_status fp4attn_cuda_int8_attention(const fp4attn_attention_pa
   st = check_workspace(workspace, "int8 attention");
   if (st.code != FP4ATTN_OK) return st;
   Int8Args a = make_int8_args(p, false, workspace);
-  a.v_half = k != FP4ATTN_KERNEL_SM90;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   st = launch_int8_prepare(a, false, s);
   if (st.code != FP4ATTN_OK) return st;

@@ -5,10 +5,10 @@
  * head); each warp owns 16 rows. Per 128-key step j (K^ tiles double-buffered by cp.async, the
  * step's V tile loaded while its scores and softmax run):
  *   S     = Q^ K^_j^T (m16n8k32 s8, exact int32) * (sQ sK_j scale) in log2 units, masks
- *   m_new = max(m, rowmax S); W = 448 exp2(S - m_new); P~ = e4m3(W) in registers; l += W
- *   O     = alpha O + (P~ (V~_j + R_j)) * sV_j per column, by FP16 MMA of P~ and fl16(V~ + R),
- *           which the preparation stores transposed for this kernel (int8_tiles.cuh)
- * P~ goes from the accumulator layout straight into FP16 A fragments. Head dims 64 / 128 / 256.
+ *   m_new = max(m, rowmax S); W = 448 exp2(S - m_new); P16 = W in 16 bits; l += W
+ *   O     = alpha O + P16 V16_j, by FP16 or (kBf16) BF16 MMA accumulating into O, V16 as the
+ *           preparation stores it transposed per block (int8_tiles.cuh)
+ * P16 goes from the accumulator layout straight into A fragments. Head dims 64 / 128 / 256.
  */
 #include "../tile/mask.cuh"
 #include "attention_int8.h"
@@ -19,20 +19,19 @@ namespace {
 
 template <int DP>
 struct FwdSmem {
-  static constexpr int kQ = 0;                   /* Q^ [64][DP] */
-  static constexpr int kK = kQ + kBQ8 * DP;      /* K^ [2][128][DP], double-buffered */
-  static constexpr int kV = kK + 2 * kBK8 * DP;  /* fl16(V~ + R) [DP][128], the step's */
-  static constexpr int kSv = kV + 2 * DP * kBK8; /* sV [DP] */
-  static constexpr int kBytes = kSv + DP * 4;
+  static constexpr int kQ = 0;                  /* Q^ [64][DP] */
+  static constexpr int kK = kQ + kBQ8 * DP;     /* K^ [2][128][DP], double-buffered */
+  static constexpr int kV = kK + 2 * kBK8 * DP; /* V16 [DP][128], the step's */
+  static constexpr int kBytes = kV + 2 * DP * kBK8;
 };
 
-template <int DP>
+template <int DP, bool kBf16>
 __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
   using L = FwdSmem<DP>;
   extern __shared__ __align__(128) char smem[];
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3;
+  const int tid = threadIdx.x, warp = tid >> 5;
   const int64_t bhq = p.batch * p.heads_q;
   /* causal: query blocks longest first across all heads; otherwise head-major (K/V reuse in L2) */
   int64_t bh, qb;
@@ -54,9 +53,8 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
                   kBK8, DP, tid, 128);
   };
   auto load_v = [&](int j) {
-    load_tile<2 * kBK8>(smem + L::kV, w.vct + (bhk * w.nkb + j) * 2 * DP * kBK8, DP, 2 * kBK8, tid,
+    load_tile<2 * kBK8>(smem + L::kV, w.vt16 + (bhk * w.nkb + j) * DP * kBK8, DP, 2 * kBK8, tid,
                         128);
-    load_bytes(smem + L::kSv, w.sv + (bhk * w.nkb + j) * DP, DP * 4, tid, 128);
   };
   /* cp.async groups in commit order: {Q^, K^_0}, {V_0}, then per step {K^_j+1} and {V_j+1} */
   load_tile<DP>(smem + L::kQ, w.qc + (bh * w.nqp + q0) * DP, kBQ8, DP, tid, 128);
@@ -110,7 +108,7 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
         mask_general(p, rows, j0, s);
     }
 
-    /* online softmax with P~ against the running maximum (SPEC_INT8 2.4), in log2 units */
+    /* online softmax with P16 against the running maximum (SPEC_INT8 2.4), in log2 units */
     float alpha[2], shift[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -133,29 +131,20 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
       }
 #pragma unroll
     for (int r = 0; r < 2; ++r) l[r] = alpha[r] * l[r] + rowsum[r];
-    PTilde pt;
-    make_ptilde(s, pt);
+    P16 pt;
+    make_p16<kBf16>(s, pt);
 
     if (next)
       cp_async_wait_group<1>(); /* V_j; K^_j+1 may be in flight */
     else
       cp_async_wait_group<0>();
     __syncthreads();
-    const char *vt = smem + L::kV;
-    const float *sv = reinterpret_cast<const float *>(smem + L::kSv);
 #pragma unroll
-    for (int np = 0; np < DP / 16; ++np) {
-      float pv[2][4] = {};
-      mma_ptilde_v(pv, pt, vt, np * 16);
+    for (int n = 0; n < DP / 8; ++n)
 #pragma unroll
-      for (int x = 0; x < 2; ++x)
+      for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e >> 1];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = np * 16 + x * 8 + 2 * t + (e & 1);
-          float &oe = o[2 * np + x][e];
-          oe = fmaf(pv[x][e], sv[col], alpha[e >> 1] * oe);
-        }
-    }
+    for (int np = 0; np < DP / 16; ++np) mma_p16_v<kBf16>(o, pt, smem + L::kV, np);
     __syncthreads(); /* every warp is done with K^_j, V_j: their buffers are refilled */
     if (next) {
       load_v(j + 1);
@@ -166,10 +155,9 @@ __global__ void __launch_bounds__(128) int8_forward_kernel(const Int8Args a) {
   store_forward_rows<DP>(p, w, rows, bh, o, m, l);
 }
 
-}  // namespace
-
-template <int DP>
-fp4attn_status launch_int8_forward(const Int8Args &a, cudaStream_t s) {
+/* The kernel for the call's 16-bit type (SPEC_INT8 2.2: V16 is BF16 unless the inputs are FP16). */
+template <int DP, bool kBf16>
+fp4attn_status launch_int8_forward_typed(const Int8Args &a, cudaStream_t s) {
   static int configured[64] = {0};
   const int smem = FwdSmem<DP>::kBytes;
   int dev = 0;
@@ -182,16 +170,24 @@ fp4attn_status launch_int8_forward(const Int8Args &a, cudaStream_t s) {
                            "int8 attention: head dim %d needs %d bytes of shared memory, the "
                            "device allows %d",
                            DP, smem, optin);
-    if (cudaFuncSetAttribute(int8_forward_kernel<DP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             smem) != cudaSuccess)
+    if (cudaFuncSetAttribute(int8_forward_kernel<DP, kBf16>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
       return launch_status("int8 attention forward");
     if (dev >= 0 && dev < 64) configured[dev] = 1;
   }
   const int64_t blocks = a.p.batch * a.p.heads_q * a.ws.nqb;
   if (blocks > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many query blocks");
-  int8_forward_kernel<DP><<<(unsigned)blocks, 128, smem, s>>>(a);
+  int8_forward_kernel<DP, kBf16><<<(unsigned)blocks, 128, smem, s>>>(a);
   return launch_status("int8 attention forward");
+}
+
+}  // namespace
+
+template <int DP>
+fp4attn_status launch_int8_forward(const Int8Args &a, cudaStream_t s) {
+  return a.bf16_ops ? launch_int8_forward_typed<DP, true>(a, s)
+                    : launch_int8_forward_typed<DP, false>(a, s);
 }
 
 template fp4attn_status launch_int8_forward<64>(const Int8Args &, cudaStream_t);

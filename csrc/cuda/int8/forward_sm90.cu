@@ -6,23 +6,21 @@
  * warpgroup per block plus the producer (kConsumers = 3 at head dims 64 and 128, so each scheduler
  * has three softmax warps to interleave; 2 at 256, whose output needs 240 registers a thread):
  *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the item's Q^ rows, then
- *     per 128-key tile j the K^ tile, V's two E4M3 terms V~ and R as transposed tiles (perm order,
- *     as the preparation writes them) and V's channel scales sV_j into a ring of kStages stages
- *     ("full" mbarriers), refilling a stage once every consumer thread has released it
- *     ("empty" mbarriers).
+ *     per 128-key tile j the K^ tile and V16_j (transposed, as the preparation writes it) into a
+ *     ring of kStages stages ("full" mbarriers), refilling a stage once every consumer thread has
+ *     released it ("empty" mbarriers).
  *   warpgroups 1 .. kConsumers, consumers (setmaxnreg up): one Q^ block of 64 rows each
  *     (wgmma's M), per tile: S_j = Q^ K^_j^T by wgmma m64n128k32 s8.s8 (both in shared memory,
- *     exact int32), the online softmax with P~ = e4m3(448 exp2(S - m)) against the running row
- *     maximum in registers (SPEC_INT8 2.4), then PV_j = P~_j (V~_j + R_j) by wgmma
- *     m64n{64,128}k32 e4m3 in parts of kPvCols output columns, with P~_j from registers (the
- *     accumulator layout packed into A fragments in perm16 k order, which the perm tiles match;
- *     FP32 accumulation, from zero every step), added to the FP32 output as
- *     O = alpha O + PV_j * sV_j per column (alpha = 1 once the row maxima settle: one FMA).
+ *     exact int32), the online softmax with P16 = fl16(448 exp2(S - m)) against the running row
+ *     maximum in registers (SPEC_INT8 2.4), then O = alpha O + P16_j V16_j: O rescaled in
+ *     registers (not at all once the row maxima settle), then eight wgmma m64n{DP}k16 FP16 or
+ *     (kBf16) BF16 accumulating into O, with P16_j from registers (the accumulator layout is the
+ *     k16 A fragment's).
  *     The consumers take turns at issuing S (named barriers in a ring), so the others' wgmma run
  *     while one computes its softmax.
  * Operand layouts: K-major rows swizzled over their width (wgmma.cuh, kmajor_desc): Q^ and K^ rows
- * of DP bytes (64: 64-byte swizzle, 128: 128-byte swizzle, 256: two 128-byte slabs), V~ and R rows
- * of 128 keys (128-byte).
+ * of DP bytes (64: 64-byte swizzle, 128: 128-byte swizzle, 256: two 128-byte slabs); V16^T rows of
+ * 128 keys as two 128-byte slabs of 64 keys (sw128_desc).
  */
 #include "../sm90/tensor_maps.h"
 #include "../sm90/wgmma.cuh"
@@ -40,28 +38,21 @@ struct Sm90Config {
   static constexpr int kConsumerThreads = 128 * kConsumers;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kRows = kConsumers * kBQ8; /* query rows per block: a Q^ block each */
-  /* P.V follows its own tile's softmax, in parts of kPvCols output columns (each a wgmma chain
-   * into kPvCols / 2 registers): 160 registers (3 consumers), or O's 128 at head dim 256, leave
-   * no room for S_{j+1} beside a whole P.V accumulator, which FA3's overlap of P_j V_j with
-   * S_{j+1} needs. The consumers' turns keep the tensor cores busy instead. */
-  static constexpr int kPvCols = DP == 256 ? 128 : 64;
-  static constexpr int kPvTiles = kPvCols / 8; /* 8-column output tiles per P.V part */
-  static_assert(DP % (8 * kPvTiles) == 0, "the P.V parts tile the output columns");
-  static constexpr int kStages = DP == 256 ? 2 : 4; /* 256: 2 stages of 97 KB */
+  /* P.V follows its own tile's softmax: 160 registers (3 consumers), or O's 128 at head dim 256,
+   * leave no room for S_{j+1} beside O and P, which FA3's overlap of P_j V_j with S_{j+1} needs.
+   * The consumers' turns keep the tensor cores busy instead. */
+  static constexpr int kStages = DP == 256 ? 2 : 4; /* 256: 2 stages of 96 KB */
   /* Q^ and K^ rows as slabs of kSlab bytes, the swizzle's width (TMA boxes and wgmma operands
    * swizzle at most 128 bytes): [DP / kSlab][rows][kSlab] */
   static constexpr int kSlab = DP < 128 ? DP : 128;
-  static constexpr int kQBytes = kRows * DP;                 /* Q^ [DP / kSlab][kRows][kSlab] */
-  static constexpr int kKBytes = kBK8 * DP;                  /* K^ [DP / kSlab][128][kSlab] */
-  static constexpr int kVBytes = 2 * DP * kBK8;              /* V~, R: [2][DP][128] perm */
-  static constexpr int kSvBytes = DP * 4;                    /* sV [DP] */
-  static constexpr int kVRows = 2 * DP < 256 ? 2 * DP : 256; /* V rows per TMA box (<= 256) */
+  static constexpr int kQBytes = kRows * DP;    /* Q^ [DP / kSlab][kRows][kSlab] */
+  static constexpr int kKBytes = kBK8 * DP;     /* K^ [DP / kSlab][128][kSlab] */
+  static constexpr int kVBytes = 2 * DP * kBK8; /* V16^T: [2][DP][64 keys], 16 bits */
   /* shared memory from a 1024-byte boundary (the swizzled tiles' alignment) */
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
   static constexpr int kOffV = kOffK + kStages * kKBytes;
-  static constexpr int kOffSv = kOffV + kStages * kVBytes;
-  static constexpr int kOffBar = kOffSv + kStages * kSvBytes; /* full[S], empty[S], qfull */
+  static constexpr int kOffBar = kOffV + kStages * kVBytes; /* full[S], empty[S], qfull */
   static constexpr int kBytes = kOffBar + (2 * kStages + 1) * 8;
   /* 1023 bytes to align the dynamic shared memory where they fit in 227 KB; at head dim 256 they
    * do not, and the kernel checks that the base is aligned (after the block's reserved 1 KB) */
@@ -76,7 +67,7 @@ struct Sm90Config {
 };
 
 /* Kernel parameters: the 8-bit arguments and this call's TMA maps of Q^ {DP, nqp, BHq}, K^ {DP,
- * nkp, BHk} and V's term tiles {128, nkb x 2 DP, BHk} (bytes, innermost first). */
+ * nkp, BHk} and V16^T {256, nkb x DP, BHk} (bytes, innermost first). */
 struct Int8Sm90Params {
   Int8Args a;
   CUtensorMap qmap, kmap, vmap;
@@ -117,7 +108,7 @@ struct Int8Bars {
   __device__ uint32_t qfull() const { return base + 16 * kStages; }
 };
 
-template <int DP>
+template <int DP, bool kBf16>
 struct Int8Sm90 {
   using C = Sm90Config<DP>;
   static constexpr int kSteps = DP / 32;           /* k32 steps of S */
@@ -139,15 +130,13 @@ struct Int8Sm90 {
     for (int j = 0; j < ntiles; ++j) {
       const int s = j % C::kStages;
       if (j >= C::kStages) mbar_wait(bar.empty(s), ((j / C::kStages) - 1) & 1);
-      mbar_expect_tx(bar.full(s), C::kKBytes + C::kVBytes + C::kSvBytes);
+      mbar_expect_tx(bar.full(s), C::kKBytes + C::kVBytes);
       for (int x = 0; x < DP; x += C::kSlab)
         tma_load_3d(smem_u32(tiles + C::kOffK + s * C::kKBytes) + x * kBK8, &prm.kmap, x, j * kBK8,
                     (int)it.bhk, bar.full(s));
-      for (int r = 0; r < 2 * DP; r += C::kVRows)
-        tma_load_3d(smem_u32(tiles + C::kOffV + s * C::kVBytes) + r * kBK8, &prm.vmap, 0,
-                    j * 2 * DP + r, (int)it.bhk, bar.full(s));
-      bulk_load(smem_u32(tiles + C::kOffSv + s * C::kSvBytes), w.sv + (it.bhk * w.nkb + j) * DP,
-                C::kSvBytes, bar.full(s));
+      for (int cb = 0; cb < 2; ++cb) /* keys cb * 64 ..: [DP][64] */
+        tma_load_3d(smem_u32(tiles + C::kOffV + s * C::kVBytes) + cb * DP * 128, &prm.vmap,
+                    cb * 128, j * DP, (int)it.bhk, bar.full(s));
       mbar_arrive(bar.full(s));
     }
   }
@@ -164,8 +153,7 @@ struct Int8Sm90 {
     const Int8Args &a = prm.a;
     const fp4attn_attention_params &p = a.p;
     const Int8Workspace &w = a.ws;
-    const int ctid = threadIdx.x - 128, cwg = ctid >> 7, wwarp = (ctid >> 5) & 3, lane = ctid & 31;
-    const int t = lane & 3;
+    const int ctid = threadIdx.x - 128, cwg = ctid >> 7, wwarp = (ctid >> 5) & 3;
     const Int8Item it = int8_item(p, nqi);
     const int64_t qb = C::kConsumers * it.qi + cwg; /* its Q^ block (past nqb: padding rows) */
     const int ntiles = tile_count(p, w, it.qi);
@@ -193,41 +181,25 @@ struct Int8Sm90 {
     for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* l: this thread's partial sums */
     float alpha[2] = {0.0f, 0.0f}; /* the tile's rescale of O (its P.V follows its softmax) */
-    uint32_t pa[4][4];             /* P~ of the tile: A fragments of its 4 k32 steps */
-    float pv[C::kPvTiles][4];      /* P~ (V~ + R) of the tile, output tiles from 8 n0 */
+    uint32_t pa[8][4];             /* P16 of the tile: A fragments of its 8 k16 steps */
 
-    /* O = alpha O + PV * sV per column over pv's output tiles n0 .., sV of stage s. Once the row
-     * maxima settle, alpha is exactly 1 in every row of the warp: no rescaling. */
-    const auto fold = [&](int s, int n0) {
-      const float *sv = reinterpret_cast<const float *>(tiles + C::kOffSv + s * C::kSvBytes);
-      const bool rescale = __any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f);
-#pragma unroll
-      for (int n = 0; n < C::kPvTiles; ++n) {
-        const float2 scl = *reinterpret_cast<const float2 *>(sv + (n0 + n) * 8 + 2 * t);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float &oe = o[n0 + n][e];
-          oe = fmaf(pv[n][e], (e & 1) ? scl.y : scl.x, rescale ? alpha[e >> 1] * oe : oe);
-        }
-      }
-    };
     /* every consumer thread, once its reads of stage s are done (its own reads are ordered) */
     const auto release = [&](int s) { mbar_arrive(bar.empty(s)); };
-    /* PV = P~ V~ + P~ R of pv's output tiles from n0, from zero (Hopper's FP8 accumulation keeps
-     * too few bits to carry O) */
-    const auto issue_pv = [&](int s, int n0) {
+    /* O = alpha O + P16 V16 of stage s: O rescaled in registers (once the row maxima settle,
+     * alpha is exactly 1 in every row of the warp: skipped), then accumulated by the wgmma */
+    const auto issue_pv = [&](int s) {
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
 #pragma unroll
-      for (int term = 0; term < 2; ++term) {
-        const uint64_t vd = kmajor_desc<kBK8>(smem_u32(tiles + C::kOffV + s * C::kVBytes) +
-                                              (term * DP + n0 * 8) * kBK8);
+        for (int n = 0; n < DP / 8; ++n)
 #pragma unroll
-        for (int kb = 0; kb < 4; ++kb) {
-          if constexpr (C::kPvCols == 128)
-            wgmma_rs_m64n128k32_e4m3(pv, pa[kb], vd + 2 * kb, term + kb > 0);
-          else
-            wgmma_rs_m64n64k32_e4m3(pv, pa[kb], vd + 2 * kb, term + kb > 0);
-        }
-      }
+          for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e >> 1];
+      const uint32_t v_lo = sw128_desc_lo(smem_u32(tiles + C::kOffV + s * C::kVBytes));
+      wgmma_fence();
+#pragma unroll
+      for (int kb = 0; kb < 8; ++kb)
+        wgmma_rs_acc_k16<DP, kBf16>(o, pa[kb],
+                                    sw128_desc(v_lo + (kb >> 2) * (DP * 8) + (kb & 3) * 2));
+      wgmma_commit();
     };
 
     /* S of the current tile: exact int32 products, or (tile_stats on a masked tile) the bits of
@@ -291,35 +263,32 @@ struct Int8Sm90 {
         shift[r] = m_new == -INFINITY ? 0.0f : m_new - kLog2_448;
       }
     };
-    /* P~ = e4m3(W) of the tile into pa, W = exp2(S - shift) = 448 exp2(S - m), and l */
+    /* P16 = fl16(W) of the tile into pa, W = exp2(S - shift) = 448 exp2(S - m), and l */
     const auto make_p = [&]() {
       float rowsum[2] = {0.0f, 0.0f};
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        float wt[4][4];
+      for (int kb = 0; kb < 8; ++kb) {
+        float wt[2][4];
 #pragma unroll
-        for (int q = 0; q < 4; ++q)
+        for (int q = 0; q < 2; ++q)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int a_ne = acc[4 * c + q][e];
+            const int a_ne = acc[2 * kb + q][e];
             const float x = scores_in_acc ? __int_as_float(a_ne) - shift[e >> 1]
                                           : fmaf((float)a_ne, f, -shift[e >> 1]);
             wt[q][e] = fast_exp2(x);
             rowsum[e >> 1] += wt[q][e];
           }
-        /* the A fragment of k32 step c (pack_a_from_acc's order), two codes per conversion */
+        /* the A fragment of k16 step kb: accumulator tiles 2 kb, 2 kb + 1 (m16n8k16's layout) */
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int n = 2 * (q >> 1), e = 2 * (q & 1);
-          pa[c][q] =
-              e4m3x2(wt[n][e], wt[n][e + 1]) | (e4m3x2(wt[n + 1][e], wt[n + 1][e + 1]) << 16);
-        }
+        for (int q = 0; q < 4; ++q)
+          pa[kb][q] = pack16x2<kBf16>(wt[q >> 1][2 * (q & 1)], wt[q >> 1][2 * (q & 1) + 1]);
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) l[r] = alpha[r] * l[r] + rowsum[r];
     };
 
-    /* S_j (issued in this consumer's turn), its softmax and P~ */
+    /* S_j (issued in this consumer's turn), its softmax and P16 */
     const auto scores_and_p = [&](int j) {
       mbar_wait(bar.full(j % C::kStages), (j / C::kStages) & 1);
       turn_begin();
@@ -334,20 +303,14 @@ struct Int8Sm90 {
     };
 
     mbar_wait(bar.qfull(), 0);
-    /* per tile: S, its softmax, then P.V part by part; the other consumers' wgmma run while this
-     * one computes */
+    /* per tile: S, its softmax, then P.V; the other consumers' wgmma run while this one
+     * computes */
     for (int j = 0; j < ntiles; ++j) {
       const int s = j % C::kStages;
       scores_and_p(j);
-#pragma unroll
-      for (int n0 = 0; n0 < DP / 8; n0 += C::kPvTiles) {
-        wgmma_fence();
-        issue_pv(s, n0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(pv);
-        fold(s, n0);
-      }
+      issue_pv(s);
+      wgmma_wait<0>();
+      fence_regs(o);
       release(s);
     }
     if (cwg == 0) turn_begin(); /* the last consumer's last hand-over */
@@ -380,21 +343,20 @@ struct Int8Sm90 {
 
 #endif /* FP4ATTN_SM90_WGMMA */
 
-template <int DP>
+template <int DP, bool kBf16>
 __global__ void __launch_bounds__(Sm90Config<DP>::kThreads, 1)
     int8_forward_sm90_kernel(const __grid_constant__ Int8Sm90Params prm) {
 #if defined(FP4ATTN_SM90_WGMMA)
   extern __shared__ __align__(16) char smem[];
-  Int8Sm90<DP>::run(prm, smem);
+  Int8Sm90<DP, kBf16>::run(prm, smem);
 #else
   __trap(); /* never launched: the dispatch picks this kernel only for sm_90a builds on CC 9.0 */
 #endif
 }
 
-}  // namespace
-
-template <int DP>
-fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
+/* The kernel for the call's 16-bit type (SPEC_INT8 2.2: V16 is BF16 unless the inputs are FP16). */
+template <int DP, bool kBf16>
+fp4attn_status launch_typed(const Int8Args &a, cudaStream_t s) {
   static_assert(DP == 64 || DP == 128 || DP == 256,
                 "the sm90 8-bit forward serves padded head dims 64, 128 and 256");
   using C = Sm90Config<DP>;
@@ -412,16 +374,17 @@ fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
   const cuuint64_t kstrides[2] = {(cuuint64_t)DP, (cuuint64_t)(w.nkp * DP)};
   st = encode_byte_map(prm.kmap, w.kc, kdims, kstrides, C::kSlab, kBK8, "K^");
   if (st.code != FP4ATTN_OK) return st;
-  const cuuint64_t vdims[3] = {(cuuint64_t)kBK8, (cuuint64_t)(w.nkb * 2 * DP), bhk};
-  const cuuint64_t vstrides[2] = {(cuuint64_t)kBK8, (cuuint64_t)(w.nkb * 2 * DP * kBK8)};
-  st = encode_byte_map(prm.vmap, w.vct, vdims, vstrides, kBK8, C::kVRows, "V~ and R");
+  /* V16^T rows of 128 keys as 256 bytes; boxes of 64 keys x DP rows */
+  const cuuint64_t vdims[3] = {(cuuint64_t)(2 * kBK8), (cuuint64_t)(w.nkb * DP), bhk};
+  const cuuint64_t vstrides[2] = {(cuuint64_t)(2 * kBK8), (cuuint64_t)(w.nkb * DP * 2 * kBK8)};
+  st = encode_byte_map(prm.vmap, w.vt16, vdims, vstrides, 128, DP, "V16");
   if (st.code != FP4ATTN_OK) return st;
 
   static int configured[64] = {0};
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 0 || dev >= 64 || !configured[dev]) {
-    if (cudaFuncSetAttribute(int8_forward_sm90_kernel<DP>,
+    if (cudaFuncSetAttribute(int8_forward_sm90_kernel<DP, kBf16>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem) != cudaSuccess)
       return launch_status("int8 attention forward (sm90 kernel)");
     /* without alignment slack the tiles start at the dynamic shared memory's base, which is
@@ -429,7 +392,7 @@ fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
      */
     cudaFuncAttributes attr{};
     if (C::kAlignSlack == 0 &&
-        (cudaFuncGetAttributes(&attr, int8_forward_sm90_kernel<DP>) != cudaSuccess ||
+        (cudaFuncGetAttributes(&attr, int8_forward_sm90_kernel<DP, kBf16>) != cudaSuccess ||
          attr.sharedSizeBytes != 0))
       return fp4attn_error(
           FP4ATTN_ERR_UNSUPPORTED,
@@ -441,11 +404,18 @@ fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
   const int64_t blocks = p.batch * p.heads_q * ceil_div(p.len_q, (int64_t)C::kRows);
   if (blocks > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many query blocks");
-  if (w.nkb * 2 * DP > 0x7FFFFFFFLL || w.nqp > 0x7FFFFFFFLL || w.nkp > 0x7FFFFFFFLL)
+  if (w.nkb * DP > 0x7FFFFFFFLL || w.nqp > 0x7FFFFFFFLL || w.nkp > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
                          "int8 attention (sm90 kernel): sequences too long for TMA coordinates");
-  int8_forward_sm90_kernel<DP><<<(unsigned)blocks, C::kThreads, C::kSmem, s>>>(prm);
+  int8_forward_sm90_kernel<DP, kBf16><<<(unsigned)blocks, C::kThreads, C::kSmem, s>>>(prm);
   return launch_status("int8 attention forward (sm90 kernel)");
+}
+
+}  // namespace
+
+template <int DP>
+fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
+  return a.bf16_ops ? launch_typed<DP, true>(a, s) : launch_typed<DP, false>(a, s);
 }
 
 template fp4attn_status launch_int8_forward_sm90<64>(const Int8Args &, cudaStream_t);

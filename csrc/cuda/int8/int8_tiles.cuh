@@ -2,7 +2,7 @@
  * Shared pieces of the 8-bit attention kernels (docs/SPEC_INT8.md) on mma.sync m16n8k32 s8:
  * block sizes, the workspace the preparation kernels fill and the attention kernels read,
  * the INT8 psi code, the s8 MMA and the A fragments packed from accumulators, and the mma.sync
- * forward's P~ (V~ + R) product (FP16 MMA of P~ and of fl16(V~ + R), on every architecture).
+ * forward's P16 V16 product (FP16 or BF16 MMA, SPEC_INT8 2.4).
  *
  * Fragment conventions (g = lane / 4, t = lane % 4): the m16n8 accumulator holds rows g, g + 8
  * and columns 2t, 2t + 1 of each 8-column tile; the A operand of m16n8k32 holds row g / g + 8 and
@@ -13,7 +13,6 @@
 #ifndef FP4ATTN_CUDA_INT8_INT8_TILES_CUH
 #define FP4ATTN_CUDA_INT8_INT8_TILES_CUH
 
-#include "../common/e4m3.cuh"
 #include "../common/smem_tiles.cuh"
 #include "../tile/mask.cuh"
 
@@ -35,8 +34,7 @@ __host__ __device__ __forceinline__ int perm16(int pos) {
 }
 
 /* The workspace of one call; every operand tile is zero-padded to whole blocks and to dp. Codes
- * are int8 except V's (E4M3 bytes or FP16 values, vct), "perm" tiles are transposed per block with
- * perm16 along their rows. */
+ * are int8; "perm" tiles are transposed per block with perm16 along their rows. */
 struct Int8Workspace {
   int64_t dp, nqb, nkb, nqp, nkp; /* padded head dim, block counts, padded lengths */
   int64_t nqa;                    /* partial amaxes of Q per query head: ceil(len_q / kQaRows) */
@@ -47,13 +45,10 @@ struct Int8Workspace {
   float *mig, *mig_inv;           /* [bhk][dp]: SPEC_INT8 2.1b's s (1 past D), 1 / s */
   int8_t *kc;                     /* [bhk][nkp][dp]: K^ = psi((K - kbar) / s) per 128 keys */
   float *sk;                      /* [bhk][nkb] */
-  /* forward, per [bhk][nkb]: V~ then R as [2][dp][128] perm E4M3 bytes (SPEC_INT8 2.2) for the
-   * wgmma kernel, or (v_half) fl16(V~ + R) as [dp][128] FP16 in natural key order for mma.sync */
-  uint8_t *vct;
-  float *sv;     /* [bhk][nkb][dp]: V's scale per 128 keys and channel */
-  int8_t *qc;    /* [bhq][nqp][dp]: Q^ = psi(Q s) per 64 rows */
-  float *sq;     /* [bhq][nqb] */
-  float *qshift; /* [bhq][nqp]: scale * (q . kbar), the lse's smoothing term */
+  uint16_t *vt16; /* forward: [bhk][nkb][dp][128]: V16 (SPEC_INT8 2.2) transposed per block */
+  int8_t *qc;     /* [bhq][nqp][dp]: Q^ = psi(Q s) per 64 rows */
+  float *sq;      /* [bhq][nqb] */
+  float *qshift;  /* [bhq][nqp]: scale * (q . kbar), the lse's smoothing term */
   /* backward only */
   int8_t *kct;    /* [bhk][nkb][dp][128]: K^ transposed per block (natural key order) */
   int8_t *qct;    /* [bhq][nqb][dp][64] perm: Q^ transposed per block */
@@ -77,7 +72,6 @@ struct Int8Args {
   const float *grad_lse;
   void *dq, *dk, *dv; /* contiguous like q, k, v */
   bool bf16_ops;      /* the backward's 16-bit operands are BF16 (input bf16 or fp32), else FP16 */
-  bool v_half;        /* forward: V's tiles for the mma.sync kernel (Int8Workspace::vct) */
   bool vec_q, vec_k, vec_v, vec_out, vec_do; /* rows allow 16-byte loads (vector_rows) */
 };
 
@@ -108,8 +102,7 @@ static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params
   w.mig_inv = (float *)take(4 * bhk * dp);
   w.kc = (int8_t *)take(bhk * w.nkp * dp);
   w.sk = (float *)take(4 * bhk * w.nkb);
-  w.vct = (uint8_t *)take(backward ? 0 : 2 * bhk * w.nkp * dp);
-  w.sv = (float *)take(backward ? 0 : 4 * bhk * w.nkb * dp);
+  w.vt16 = (uint16_t *)take(backward ? 0 : 2 * bhk * w.nkp * dp);
   w.qc = (int8_t *)take(bhq * w.nqp * dp);
   w.sq = (float *)take(4 * bhq * w.nqb);
   w.qshift = (float *)take(4 * bhq * w.nqp);
@@ -138,12 +131,6 @@ __device__ __forceinline__ int code_s8(float x, float r) {
 __device__ __forceinline__ void psi_factors(float amax, float &r, float &scale) {
   r = 127.0f / amax;
   scale = amax / 127.0f;
-  if (r == INFINITY) r = scale = 0.0f;
-}
-/* The same for V's E4M3 terms (SPEC_INT8 2.2): r = 448 / amax, scale = amax / 448. */
-__device__ __forceinline__ void e4m3_factors(float amax, float &r, float &scale) {
-  r = kE4m3Max / amax;
-  scale = amax / kE4m3Max;
   if (r == INFINITY) r = scale = 0.0f;
 }
 
@@ -193,38 +180,48 @@ __device__ __forceinline__ void pack_a_from_acc(uint32_t (&a)[4], const int (&x)
 constexpr float kLn448 = 6.1047932324149849f;
 constexpr float kLog2_448 = 8.8073549220576041f;
 
-/* ---- The forward's P~ (V~ + R) on mma.sync (SPEC_INT8 2.4): FP16 MMA of P~ (E4M3 values are
- * FP16 values) and of V~ + R rounded once to FP16, which the preparation stores for this kernel.
- * One k16 MMA per 16 keys costs what the two E4M3 terms cost where mma.sync has E4M3 (sm_89,
- * sm_120) and half of it on sm_90, whose mma.sync e4m3 ptxas emulates by unpacking to FP16. */
+/* ---- The forward's P16 V16 on mma.sync (SPEC_INT8 2.4): FP16 or (kBf16) BF16 MMA of P16 and the
+ * preparation's V16 tiles, accumulated into O. */
 
-/* P~ of one 128-key step as the FP16 A fragments of its eight k16 steps (k16 step s = accumulator
+/* P16 of one 128-key step as the A fragments of its eight k16 steps (k16 step s = accumulator
  * tiles 2s, 2s + 1: natural key order, m16n8k16's A layout). */
-struct PTilde {
+struct P16 {
   uint32_t a[8][4];
 };
 
-/* P~ = e4m3(W) from W in accumulator layout (16 tiles of 8 keys), W in [0, 448]. */
-__device__ __forceinline__ void make_ptilde(const float (&w)[16][4], PTilde &p) {
+/* Two values rounded to nearest even to FP16 or (kBf16) BF16, packed (a low). */
+template <bool kBf16>
+__device__ __forceinline__ uint32_t pack16x2(float a, float b) {
+  if constexpr (kBf16) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t *>(&h);
+  } else {
+    return pack_half2(a, b);
+  }
+}
+
+/* P16 = W rounded to the 16-bit type, from W in accumulator layout (16 tiles of 8 keys). */
+template <bool kBf16>
+__device__ __forceinline__ void make_p16(const float (&w)[16][4], P16 &p) {
 #pragma unroll
   for (int k = 0; k < 8; ++k)
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int n = 2 * k + (q >> 1), e = 2 * (q & 1);
-      p.a[k][q] = pack_half2(e4m3_round(w[n][e]), e4m3_round(w[n][e + 1]));
+      p.a[k][q] = pack16x2<kBf16>(w[n][e], w[n][e + 1]);
     }
 }
 
-/* pv[x] += P~ (V~ + R) of output columns n0 + 8x .. n0 + 8x + 7: vt the step's swizzled [DP][128]
- * FP16 tile of fl16(V~ + R) (keys in natural order). */
-__device__ __forceinline__ void mma_ptilde_v(float (&pv)[2][4], const PTilde &p, const char *vt,
-                                             int n0) {
+/* O += P16 V16 over output tiles 2np, 2np + 1 (columns 16np .. 16np + 15): vt the step's swizzled
+ * [DP][128] tile of V16 (keys in natural order). */
+template <bool kBf16, int NB>
+__device__ __forceinline__ void mma_p16_v(float (&o)[NB][4], const P16 &p, const char *vt, int np) {
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     uint32_t vb[2][2];
-    ldsm_b<2 * kBK8>(vb, vt, n0, 32 * k);
-    mma_16816(pv[0], p.a[k], vb[0][0], vb[0][1]);
-    mma_16816(pv[1], p.a[k], vb[1][0], vb[1][1]);
+    ldsm_b<2 * kBK8>(vb, vt, 16 * np, 32 * k);
+    mma_16816<kBf16>(o[2 * np], p.a[k], vb[0][0], vb[0][1]);
+    mma_16816<kBf16>(o[2 * np + 1], p.a[k], vb[1][0], vb[1][1]);
   }
 }
 

@@ -11,9 +11,8 @@
  *   (batch, KV head) and channel qa (over the group's query heads), ka from K's max, min and kbar,
  *   and s = fp4attn_int8_migration_factor(qa, ka) with 1 / s (max and min are exact in any order).
  * - K, V: K^ = psi((K - kbar) / s) per 128 keys (row-major; transposed too for the backward);
- *   V's E4M3 terms V~ and R per 128 keys and channel (SPEC_INT8 2.2, forward): as perm tiles of
- *   bytes for the wgmma kernel, or as one FP16 tile of fl16(V~ + R) in natural key order for the
- *   mma.sync kernel (Int8Args::v_half, stored from registers); V in 16 bits (backward).
+ *   V16 (SPEC_INT8 2.2: V in the backward's 16-bit type) transposed per 128 keys in natural key
+ *   order, stored from registers (forward); V in 16 bits row-major (backward).
  * - Q: Q^ = psi(Q s) per 64 rows (row-major; perm tiles for the backward), and the lse's
  *   smoothing term scale * (q . kbar) per row, of the unmigrated q.
  * - dO (backward): Drow = rowsum(dO * O) - dlse (16-bit operands, like dP), the smoothed lse in
@@ -398,10 +397,9 @@ __device__ float block_amax(float v, float *red) {
   return v;
 }
 
-/* Per channel of a register tile, the quantization's factors over its kRows rows (psi's, or with
- * kE4m3 the E4M3 terms' of SPEC_INT8 2.2): r to chan_r[d] (shared), the scale to scales[d]. red:
- * kWarps x DP floats of shared memory, free again on return. */
-template <bool kE4m3, typename T>
+/* Per channel of a register tile, psi's factors over its kRows rows: r to chan_r[d] (shared), the
+ * scale to scales[d]. red: kWarps x DP floats of shared memory, free again on return. */
+template <typename T>
 __device__ void channel_factors(const T &t, float *red, float *chan_r, float *scales) {
   constexpr int DP = T::kGroups * 8;
   float m[8];
@@ -422,10 +420,7 @@ __device__ void channel_factors(const T &t, float *red, float *chan_r, float *sc
     float a = 0.0f;
     for (int w = 0; w < T::kWarps; ++w) a = amax_u(a, red[w * DP + d]);
     float r, s;
-    if (kE4m3)
-      e4m3_factors(a, r, s);
-    else
-      psi_factors(a, r, s);
+    psi_factors(a, r, s);
     chan_r[d] = r;
     scales[d] = s;
   }
@@ -438,17 +433,15 @@ template <int DP, fp4attn_dtype kDt>
 using QTile = RegTile<DP, kBQ8, kDt>;
 
 /* Blocks [0, n): K^ of one 128-key block of one (batch, KV head) (and K^T, backward); blocks
- * [n, 2n): V's E4M3 terms per channel (forward) or V in 16 bits (backward) of the same block.
- * K^'s amax
- * comes from the block's column max and min (kbar_partial): rounding is monotonic, so
+ * [n, 2n): V16 of the same block (transposed, forward; row-major, backward). K^'s amax comes from
+ * the block's column max and min (kbar_partial): rounding is monotonic, so
  * max |fl(fl(K - kbar) / s)| over a column is that of its max or its min. */
 template <int DP, fp4attn_dtype kDt>
 __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
     quantize_kv_kernel(const Int8Args a, bool backward) {
   using T = KvTile<DP, kDt>;
-  /* V's per-channel maxima, then the transposed codes */
-  __shared__ __align__(16) char buf[cmax(T::kWarps * DP * 4, DP * kBK8)];
-  __shared__ float red[T::kWarps], chan_r[DP];
+  __shared__ __align__(16) char buf[DP * kBK8]; /* K^T's codes (backward) */
+  __shared__ float red[T::kWarps];
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
   const int64_t n = p.batch * p.heads_kv * w.nkb;
@@ -492,36 +485,15 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
     t.store_rows16(w.v16 + (bhk * w.nkp + n0) * DP, a.bf16_ops);
     return;
   }
-  channel_factors<true>(t, reinterpret_cast<float *>(buf), chan_r, w.sv + (bhk * w.nkb + j) * DP);
-  uint8_t *dst = w.vct + (bhk * w.nkb + j) * 2 * DP * kBK8;
-  if (a.v_half) { /* fl16(V~ + R) [DP][128]: the thread's 4 keys of each of its columns */
+  /* V16 [DP][128] in natural key order: the thread's 4 keys of each of its 8 columns */
+  uint16_t *dst = w.vt16 + (bhk * w.nkb + j) * DP * kBK8;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float r = chan_r[t.c + e];
-      float y[4];
+  for (int e = 0; e < 8; ++e) {
+    uint16_t y[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) y[i] = e4m3_terms_sum(__fmul_rn(t.v[i][e], r));
-      *reinterpret_cast<uint2 *>(dst + 2 * ((t.c + e) * kBK8 + t.row0)) =
-          make_uint2(pack_half2(y[0], y[1]), pack_half2(y[2], y[3]));
-    }
-    return;
-  }
-  /* V~ and R (SPEC_INT8 2.2), one tile after the other through the same buffer */
-#pragma unroll 1
-  for (int term = 0; term < 2; ++term) {
-    t.template codes_transposed<true>(codes, [&](int e) {
-      const float r = chan_r[t.c + e];
-      float y[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        y[i] = __fmul_rn(t.v[i][e], r);
-        if (term == 1) y[i] = __fsub_rn(y[i], e4m3_round(y[i])); /* exact */
-      }
-      return e4m3x2(y[0], y[1]) | (e4m3x2(y[2], y[3]) << 16);
-    });
-    __syncthreads();
-    T::copy_transposed(dst + term * DP * kBK8, codes);
-    __syncthreads();
+    for (int i = 0; i < 4; ++i) y[i] = to16(t.v[i][e], a.bf16_ops);
+    *reinterpret_cast<uint2 *>(dst + (t.c + e) * kBK8 + t.row0) =
+        make_uint2(y[0] | ((uint32_t)y[1] << 16), y[2] | ((uint32_t)y[3] << 16));
   }
 }
 
@@ -602,7 +574,7 @@ __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads) prepare_do_kernel(co
     }
   }
   t.store_rows16(w.do16 + (bh * w.nqp + r0) * DP, a.bf16_ops);
-  channel_factors<false>(t, reinterpret_cast<float *>(buf), chan_r, w.sdo + (bh * w.nqb + i) * DP);
+  channel_factors(t, reinterpret_cast<float *>(buf), chan_r, w.sdo + (bh * w.nqb + i) * DP);
   t.template psi_transposed<true>(
       reinterpret_cast<int8_t *>(buf), [&](int r, int e) { return t.v[r][e]; },
       [&](int d) { return chan_r[d]; });

@@ -1,6 +1,6 @@
 /*
  * Hopper (sm_90a) primitives for the wgmma attention kernels: shared-memory matrix descriptors,
- * warpgroup MMA (wgmma.mma_async: FP16 and FP8 operands with FP32 accumulators, 8-bit integer
+ * warpgroup MMA (wgmma.mma_async: FP16 and BF16 operands with FP32 accumulators, 8-bit integer
  * operands with int32 accumulators), named barriers and mbarriers
  * between the producer and consumer warpgroups, TMA tensor loads, and register reallocation
  * (setmaxnreg).
@@ -219,34 +219,72 @@ __device__ __forceinline__ void wgmma_rs_m64n64k32_s8(int (&d)[8][4], const uint
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
-/* D[64 x N] (+)= A[64 x 32] * B[N x 32]^T with FP8 E4M3 operands and FP32 accumulation, A in
- * registers (the 8-bit A fragment layout above), B in shared memory (K-major descriptor): the
- * 8-bit forward's P~ (V~ + R) (SPEC_INT8 2.4). The tensor cores add inside one instruction with
- * fewer than 24 bits. */
-__device__ __forceinline__ void wgmma_rs_m64n128k32_e4m3(float (&d)[16][4], const uint32_t (&a)[4],
-                                                         uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-      "{%64,%65,%66,%67}, %68, p, 1, 1;\n}\n"
-      : FP4ATTN_WGMMA_ACC(d, 0), FP4ATTN_WGMMA_ACC(d, 8)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+/* O[64 x N] += A[64 x 16] * B[N x 16]^T with FP16 or (kBf16) BF16 operands and FP32
+ * accumulation, A in registers (each warp's m16n8k16 A fragment of its 16 rows), B in shared
+ * memory (K-major descriptor): the 8-bit forward's P16 V16 (SPEC_INT8 2.4), N = its head dim. */
+#define FP4ATTN_WGMMA_RS_N64_K16(type)                                  \
+  asm volatile(                                                         \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                      \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." type "." type       \
+      " {"                                                              \
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"          \
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31" \
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"                     \
+      : FP4ATTN_WGMMA_ACC(d, 0)                                         \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+#define FP4ATTN_WGMMA_RS_N128_K16(type)                                  \
+  asm volatile(                                                          \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                       \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." type "." type       \
+      " {"                                                               \
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"           \
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"  \
+      "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"                      \
+      : FP4ATTN_WGMMA_ACC(d, 0), FP4ATTN_WGMMA_ACC(d, 8)                 \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+#define FP4ATTN_WGMMA_RS_N256_K16(type)                                                 \
+  asm volatile(                                                                         \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                     \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." type "." type                      \
+      " {"                                                                              \
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                          \
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"                \
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"                \
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"                \
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"                \
+      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"                \
+      "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"    \
+      "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127" \
+      "}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"                                \
+      : FP4ATTN_WGMMA_ACC(d, 0), FP4ATTN_WGMMA_ACC(d, 8), FP4ATTN_WGMMA_ACC(d, 16),     \
+        FP4ATTN_WGMMA_ACC(d, 24)                                                        \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+template <int N, bool kBf16>
+__device__ __forceinline__ void wgmma_rs_acc_k16(float (&d)[N / 8][4], const uint32_t (&a)[4],
+                                                 uint64_t desc_b) {
+  static_assert(N == 64 || N == 128 || N == 256, "m64n{64,128,256}k16");
+  if constexpr (N == 64) {
+    if constexpr (kBf16)
+      FP4ATTN_WGMMA_RS_N64_K16("bf16");
+    else
+      FP4ATTN_WGMMA_RS_N64_K16("f16");
+  } else if constexpr (N == 128) {
+    if constexpr (kBf16)
+      FP4ATTN_WGMMA_RS_N128_K16("bf16");
+    else
+      FP4ATTN_WGMMA_RS_N128_K16("f16");
+  } else {
+    if constexpr (kBf16)
+      FP4ATTN_WGMMA_RS_N256_K16("bf16");
+    else
+      FP4ATTN_WGMMA_RS_N256_K16("f16");
+  }
 }
-__device__ __forceinline__ void wgmma_rs_m64n64k32_e4m3(float (&d)[8][4], const uint32_t (&a)[4],
-                                                        uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-      "{%32,%33,%34,%35}, %36, p, 1, 1;\n}\n"
-      : FP4ATTN_WGMMA_ACC(d, 0)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
+#undef FP4ATTN_WGMMA_RS_N64_K16
+#undef FP4ATTN_WGMMA_RS_N128_K16
+#undef FP4ATTN_WGMMA_RS_N256_K16
 
 /* D[64 x 64] (+)= A[64 x 16] * B[64 x 16]^T, FP16 or (kBf16) BF16 A and B in shared memory
  * (K-major descriptors), FP32 accumulation. */
