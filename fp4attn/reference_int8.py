@@ -166,7 +166,7 @@ class _Quantized:
 
     def __init__(self, q32: Tensor, k32: Tensor, v32: Tensor, G: int, q_block: int = BQ,
                  k_block: int = BK, migrate: float | None = 0.5, migrate_pow2: bool = True,
-                 v_block: int = BK, pv: str = "fp8"):
+                 v_block: int = BK, pv: str = "16bit"):
         B, Hq, Nq, D = q32.shape
         Nk = k32.shape[2]
         self.kbar = k32.mean(dim=2, keepdim=True)  # [B, Hkv, 1, D]
@@ -183,7 +183,10 @@ class _Quantized:
             vc, sv = psi(_blocks(v32, vb), (3,))
             sv = sv.repeat_interleave(vb // BK, dim=2)  # one per 128-key softmax step
             vc = vc.reshape(*vc.shape[:2], -1, BK, D)
-        else:  # the spec: V~ + R (exact in FP32) per 128 keys and channel
+        elif pv == "16bit":  # the spec: V16 as given (attention_forward rounds it), no scale
+            vc = _blocks(v32, BK)
+            sv = vc.new_ones(*vc.shape[:3], 1, D)
+        else:  # the FP8 study: V~ + R (exact in FP32) per 128 keys and channel
             hi, lo, sv = psi_e4m3_pair(_blocks(v32, BK), (3,), 16.0 if pv == "fp8-r16" else 1.0)
             vc = hi + lo
         nqb, nkb, nvb = qc.shape[2], kc.shape[2], -(-Nk // BK)
@@ -247,7 +250,7 @@ def attention_forward(
     k_block: int = BK,
     migrate: float | None = 0.5,
     migrate_pow2: bool | None = None,
-    pv: str = "fp8",
+    pv: str = "16bit",
     p_max: str = "tile",
     v_block: int = BK,
     p_exp: str = "fp32",
@@ -257,13 +260,15 @@ def attention_forward(
     (natural log of the scaled scores, the smoothing shift ``scale * q . kbar`` added back).
     Rows that see no key give 0 and -inf.
 
-    ``pv``, the P.V numerics. ``"fp8"`` (the spec, SPEC_INT8 2.2 and 2.4-2.5): V as two e4m3
-    terms per 128 keys and channel (``psi_e4m3_pair``); per 128-key step, P against the running
-    row maximum, ``W = 448 * exp(S - m_new)`` (float32 exp, then one float32 product),
-    ``P~ = e4m3(W)``, ``l = alpha * l + rowsum(W)``, ``O = alpha * O + fl(P~ (V~ + R)) * sV``
-    (the product exact in float64, rounded once to float32; no per-step factor); ``O / l``, and
-    ``lse = m + log(l) - log(448) + shift``. ``"int8"`` (SPEC_INT8 before its FP8 P.V, for
-    studies): V^ = psi(V) per 128 keys and channel; per step ``E = exp(S - t)`` against the
+    ``pv``, the P.V numerics. ``"16bit"`` (the spec, SPEC_INT8 2.2 and 2.4-2.5): V16 = V in the
+    backward's 16-bit type (FP16 inputs as given, BF16 as given, FP32 rounded to BF16); per
+    128-key step, P against the running row maximum, ``W = 448 * exp(S - m_new)`` (float32 exp,
+    then one float32 product), ``P16 = W`` rounded to V16's type, ``l = alpha * l + rowsum(W)``,
+    ``O = alpha * O + fl(P16 V16)`` (the product exact in float64, rounded once to float32);
+    ``O / l``, and ``lse = m + log(l) - log(448) + shift``. ``"fp8"`` (SPEC_INT8 before the
+    16-bit P.V, for studies): the same with V as two e4m3 terms per 128 keys and channel
+    (``psi_e4m3_pair``), ``P~ = e4m3(W)`` and ``O = alpha * O + fl(P~ (V~ + R)) * sV``.
+    ``"int8"`` (SPEC_INT8 before its FP8 P.V, for studies): V^ = psi(V) per 128 keys and channel; per step ``E = exp(S - t)`` against the
     step's row maximum t, ``P^ = rne(255 E)`` (unsigned codes), ``l = alpha * l + exp(t - m_new)
     * rowsum(E)``, ``O = alpha * O + (exp(t - m_new) / 255) * (float(P^ V^) * sV)``;
     ``lse = m + log(l) + shift``. Two study variants of the spec isolate its choices
@@ -308,8 +313,8 @@ def attention_forward(
     instead of E (``"e"``)."""
     if q_block < 1 or k_block < 1:
         raise ValueError(f"q_block and k_block must be >= 1, got {q_block}, {k_block}")
-    if pv not in ("fp8", "int8", "fp8-tile", "fp8-r16"):
-        raise ValueError(f'pv must be "fp8", "int8", "fp8-tile" or "fp8-r16", got {pv!r}')
+    if pv not in ("16bit", "fp8", "int8", "fp8-tile", "fp8-r16"):
+        raise ValueError(f'pv must be "16bit", "fp8", "int8", "fp8-tile" or "fp8-r16", got {pv!r}')
     if p_max not in ("tile", "running"):
         raise ValueError(f'p_max must be "tile" or "running", got {p_max!r}')
     if v_block < 0 or v_block % BK:
@@ -335,8 +340,11 @@ def attention_forward(
     lse = q32.new_full((B, Hq, Nq), -math.inf)
     if 0 in (B, Hq, Nq, Nk):
         return out, lse
+    if pv == "16bit":
+        v32 = _dp_operand(v)  # V16's values
+        p16 = torch.float16 if v.dtype == torch.float16 else torch.bfloat16
     ops = _Quantized(q32, k32, v32, G, q_block, k_block, **mig, v_block=v_block, pv=pv)
-    running = pv in ("fp8", "fp8-r16")  # the spec's P~ against the running maximum
+    running = pv in ("16bit", "fp8", "fp8-r16")  # P against the running maximum
     pmax = PMAX if pv == "int8" else E4M3_MAX
 
     def code_p(e: Tensor) -> Tensor:  # per-row P from E <= 1: unsigned 8-bit codes or e4m3
@@ -350,7 +358,8 @@ def attention_forward(
         t, m_new, alpha, beta, e = _online_softmax_step(m, s_j)
         if running:  # W in [0, 448]; the 448 cancels in O / l
             w = E4M3_MAX * _exp_running(s_j, m_new)
-            p, l, f = _e4m3(w), alpha * l + w.sum(dim=-1), None
+            p = w.to(p16).float() if pv == "16bit" else _e4m3(w)
+            l, f = alpha * l + w.sum(dim=-1), None
         else:
             if p_exp != "fp32":
                 e = _exp_fp16(s_j, t, noise)

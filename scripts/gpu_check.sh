@@ -33,8 +33,6 @@ echo "== the KV-cache decode's E2M1 decoder on the device"
 bash scripts/check_e2m1_pairs.sh --device || status=1
 echo "== the KV-cache decode's K5 key decoder on the device"
 bash scripts/check_k5_pairs.sh --device || status=1
-echo "== the 8-bit attention's FP8 E4M3 helpers on the device"
-bash scripts/check_e4m3.sh --device || status=1
 run_tests() {  # $1: marker expression, $2: log name
   local t0=$(date +%s)
   "$PY" -m pytest tests/ -m "$1" -q -rfE -p no:cacheprovider > "$LOG/$2" 2>&1 || status=1

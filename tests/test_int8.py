@@ -220,9 +220,9 @@ def test_cpu_backend_migrates_channel_outliers(case, dtype):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_cpu_backend_is_the_reference_up_to_rounding(case):
-    """The C forward computes SPEC_INT8 2 as the reference does (FP32 inputs): the same codes, P~
-    and V~ + R, the same exact P~ (V~ + R); they differ by expf against torch.exp (one ulp in ~1%
-    of the exponentials, which moves l and, rarely, a P~ across a tie) and summation orders
+    """The C forward computes SPEC_INT8 2 as the reference does (FP32 inputs): the same codes, P16
+    and V16, the same exact P16 V16; they differ by expf against torch.exp (one ulp in ~1% of the
+    exponentials, which moves l and, rarely, a P16 across a tie) and summation orders
     (l, the lse shift): rel_l1 ~1e-7, lse ~2e-6 on these cases, where SPEC_INT8 4 allows 2e-3."""
     B, Hq, Hkv, Nq, Nk, D, causal, kind = case
     q, k, v = make(B, Hq, Hkv, Nq, Nk, D)
@@ -235,54 +235,42 @@ def test_cpu_backend_is_the_reference_up_to_rounding(case):
     assert (lse[finite] - ref_lse[finite]).abs().max() < 2e-5
 
 
-def v_e4m3_pair(v: torch.Tensor) -> torch.Tensor:
-    """SPEC_INT8 2.2 written out on its own: V [..., Nk, D] float32 dequantized from its two e4m3
-    terms, (V~ + R) * sV per 128 keys and channel, in float64."""
-    e4m3 = lambda x: x.to(torch.float8_e4m3fn).float()  # noqa: E731  (RNE, |x| <= 448 here)
-    out = []
-    for j0 in range(0, v.shape[-2], 128):
-        x = v[..., j0:j0 + 128, :]
-        amax = x.abs().amax(dim=-2, keepdim=True)
-        r = (448.0 / amax.double()).float()  # correctly rounded: inf where amax is 0 or tiny
-        sv = (amax.double() / 448.0).float()
-        y = x * torch.where(r == math.inf, 0.0, r)
-        vt = e4m3(y.clamp(-448.0, 448.0))
-        out.append(torch.where(r == math.inf, 0.0, (vt + e4m3(y - vt)).double() * sv.double()))
-    return torch.cat(out, dim=-2)
-
-
-def test_cpu_backend_v_as_two_e4m3_terms():
-    """V's quantization in the C backend, seen through the output: with Q = 0 every visible key
-    gets P~ = e4m3(448) = 448 exactly, so each output row is the plain mean of its visible keys'
-    dequantized V, and rows that see 1, 2, 4, ... keys expose single elements. Against
-    SPEC_INT8 2.2 written out (v_e4m3_pair) to 2^-22 of the channel's amax (the backend is within
-    2^-27): key 0's V~ alone (no residual R) is 2^-16.8 off, its residual on a finer grid
-    (e4m3(16 (y - V~)) / 16) 2^-18.8. GQA, Nq != Nk, a short last key block (300 = 2 * 128 + 44),
-    channel magnitudes over 2^46, a block of one channel all zero and one too small to invert
-    (both flushed), and a row with no visible key (lse -inf); lse = m + log(l) - log(448) is
-    log(count) here."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_backend_v16(dtype):
+    """V16 in the C backend, seen through the output: with Q = 0 every visible key gets
+    P16 = fl16(448) = 448 exactly, so each output row is the plain mean of its visible keys' V16
+    (SPEC_INT8 2.2: V in its own 16-bit type, FP32 rounded to BF16, no scale), and rows that see
+    1, 2, 4, ... keys expose single elements. Against that mean in float64 to 2^-22 of the
+    channel's amax (a few FP32 roundings); V in FP32 unrounded, or V rounded to e4m3 pairs, is
+    far off for FP32 inputs. GQA, Nq != Nk, a short last key block (300 = 2 * 128 + 44), channel
+    magnitudes over 2^20 (2^46 in FP32), a channel all zero, and a row with no visible key (lse
+    -inf); lse = m + log(l) - log(448) is log(count) here."""
     B, Hq, Hkv, Nq, Nk, D = 1, 4, 2, 200, 300, 24
     g = torch.Generator().manual_seed(13)
     q = torch.zeros(B, Hq, Nq, D)
     k = torch.randn(B, Hkv, Nk, D, generator=g)
-    v = torch.randn(B, Hkv, Nk, D, generator=g)
-    v[..., 1, :] = 448.0  # the first block's amax: y = V there (r = 1, sV = 1 before the 2^e)
-    v[..., 0, :] = 1.0 + 3 * 2.0**-10  # V~ = 1, R = e4m3(3 2^-10) = 2^-8 (a tie, to even)
-    v = v * torch.exp2(torch.arange(D) - 12.0) ** 2  # channel magnitudes 2^-24 .. 2^22
+    v = torch.randn(B, Hkv, Nk, D, generator=g) * (1 + 2.0**-12)  # off the BF16 grid
+    v[..., 0, :] = 1.0 + 3 * 2.0**-10  # BF16 rounds it to 1 (FP16 keeps it)
+    span = 12.0 if dtype == torch.float32 else 5.0
+    v = v * torch.exp2((torch.arange(D) / (D - 1) - 0.5) * 2 * span) ** 2  # channel magnitudes
     v[0, 0, 128:256, 3] = 0.0
-    v[0, 1, :128, 5] = 1e-39 * torch.rand(128, generator=g)  # amax below 448 / FLT_MAX: flushed
-    v[0, 1, 256:, 7] = torch.randint(-448, 449, (44,), generator=g).float()  # V~ + R exact
-    v[0, 1, -1, 7] = -448.0  # (r = 1 there)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     # row i sees a prefix of ~1.5 i keys (rows 0, 1, 2 see 1, 2, 4 keys), some dropped; row 9 none
     i, n = torch.arange(Nq)[:, None], torch.arange(Nk)[None, :]
     mask = (n <= (i * Nk) // Nq) & ((torch.rand(Nq, Nk, generator=g) > 0.2) | (n == 0))
     mask[9] = False
     out, lse = torch.ops.fp4attn.int8_attention(q, k, v, mask, False, 0.125)
     count = mask.sum(dim=-1).double()
-    want = (mask.double() @ v_e4m3_pair(v)) / count.clamp_min(1)[:, None]
-    want = want.repeat_interleave(Hq // Hkv, dim=1)
+    v16 = v.to(torch.float16 if dtype == torch.float16 else torch.bfloat16).double()
+    mean = lambda x: ((mask.double() @ x) / count.clamp_min(1)[:, None]).repeat_interleave(  # noqa: E731
+        Hq // Hkv, dim=1)
+    want = mean(v16)
     tol = 2.0**-22 * v.abs().amax(dim=2, keepdim=True).repeat_interleave(Hq // Hkv, dim=1).double()
+    if dtype != torch.float32:  # the output's own rounding (FP16's subnormals: steps of 2^-24)
+        tol = tol + 2.0**-8 * want.abs() + 2.0**-24
     assert ((out.double() - want).abs() <= tol).all()
+    if dtype == torch.float32:  # V16 is BF16: neither V itself nor its e4m3 pair
+        assert ((out.double() - mean(v.double())).abs() > tol).any()
     assert out[..., 9, :].abs().max() == 0 and (lse[..., 9] == -math.inf).all()
     seen = count > 0
     assert (lse[..., seen].double() - count[seen].log()).abs().max() < 1e-5

@@ -1,7 +1,8 @@
-"""SPEC_INT8 2.2 and 2.4-2.5's FP8 P.V in the reference (fp4attn.reference_int8): V as two e4m3
-terms (psi_e4m3_pair) against a float64 model, the forward against an independent float64
-evaluation of the definition and against exact attention, masks and hidden rows, the study
-variants, and pv="int8" as the INT8 P.V it replaced, bit for bit. CPU only, small sizes."""
+"""SPEC_INT8 2.2 and 2.4-2.5's P.V in the reference (fp4attn.reference_int8): the spec's 16-bit
+P.V (pv="16bit") and the FP8 P.V it replaced (pv="fp8", a study variant now) against an
+independent float64 evaluation of each definition and against exact attention, masks and hidden
+rows; V as two e4m3 terms (psi_e4m3_pair) against a float64 model; the FP8 study variants; and
+pv="int8" as the INT8 P.V before them, bit for bit. CPU only, small sizes."""
 
 from __future__ import annotations
 
@@ -107,24 +108,30 @@ def test_v_pair_against_a_float64_model():
     assert (y - h16 - l16)[sub].abs().sum() < 0.5 * (y - hi - lo)[sub].abs().sum()
 
 
-def _forward_model(q, k, v, attn_mask=None, is_causal=False):
-    """SPEC_INT8 2.4-2.5 with FP8 P.V evaluated independently of attention_forward's loop: the
-    reference's scores (SPEC_INT8 2.3, shared), V~ and R from _pair_model, W in float32 as the
-    definition writes it, P~ by fp4attn.reference's e4m3 encoder, O and l summed in float64."""
+def _forward_model(q, k, v, attn_mask=None, is_causal=False, pv="16bit"):
+    """SPEC_INT8 2.4-2.5 evaluated independently of attention_forward's loop: the reference's
+    scores (SPEC_INT8 2.3, shared), W in float32 as the definition writes it, O and l summed in
+    float64. pv="16bit" (the spec): V16 and P16 = W in FP16 for FP16 inputs, else BF16 (FP32
+    inputs rounded); "fp8": V~ and R from _pair_model, P~ by fp4attn.reference's e4m3 encoder."""
     B, Hq, Nq, D = q.shape
     Nk, G = k.shape[2], q.shape[1] // k.shape[1]
     scale = 1 / math.sqrt(D)
-    ops = R8._Quantized(q, k, v, G)
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    ops = R8._Quantized(q32, k32, v32, G)
     allowed, additive = R8._mask_bias(attn_mask, is_causal, (B, Hq, Nq, Nk), q.device)
+    t16 = torch.float16 if v.dtype == torch.float16 else torch.bfloat16
     vh = np.zeros((B, k.shape[1], Nk, D))
-    svs = np.zeros((B, k.shape[1], -(-Nk // 128), D))
-    for b in range(B):
-        for h in range(k.shape[1]):
-            for j in range(0, Nk, 128):
-                for c in range(D):
-                    _, hi, _, lo, sv = _pair_model(v[b, h, j:j + 128, c].numpy())
-                    vh[b, h, j:j + 128, c] = hi.astype(np.float64) + lo
-                    svs[b, h, j // 128, c] = sv
+    svs = np.ones((B, k.shape[1], -(-Nk // 128), D))
+    if pv == "16bit":
+        vh = v.to(t16).double().numpy()
+    else:
+        for b in range(B):
+            for h in range(k.shape[1]):
+                for j in range(0, Nk, 128):
+                    for c in range(D):
+                        _, hi, _, lo, sv = _pair_model(v32[b, h, j:j + 128, c].numpy())
+                        vh[b, h, j:j + 128, c] = hi.astype(np.float64) + lo
+                        svs[b, h, j // 128, c] = sv
     vh = torch.from_numpy(vh).repeat_interleave(G, 1)
     svs = torch.from_numpy(svs).repeat_interleave(G, 1)
     m = torch.full((B, Hq, Nq), -math.inf)
@@ -136,32 +143,39 @@ def _forward_model(q, k, v, attn_mask=None, is_causal=False):
         m_new = torch.maximum(m, s.amax(dim=-1))
         alpha = torch.exp((m - m_new).double()).nan_to_num(0.0)  # -inf - -inf: no key yet
         w = 448.0 * torch.exp(s - m_new.nan_to_num(0.0, neginf=0.0)[..., None])  # float32
-        p = R.e4m3_decode(R.e4m3_encode_sat(w)).double()
+        p = (w.to(t16) if pv == "16bit" else R.e4m3_decode(R.e4m3_encode_sat(w))).double()
         o = alpha[..., None] * o + (p @ vh[:, :, j0:j1]) * svs[:, :, j, None]
         l = alpha * l + w.double().sum(dim=-1)
         m = m_new
     seen = l > 0
     out = torch.where(seen[..., None], o / l.clamp(min=1e-300)[..., None], 0.0)
-    shift = R8._lse_shift(q, ops.kbar, G, scale).double()
+    shift = R8._lse_shift(q32, ops.kbar, G, scale).double()
     lse = torch.where(seen, m.double() + torch.log(l) - math.log(448.0) + shift, -math.inf)
     return out, lse
 
 
+@pytest.mark.parametrize("pv, dtype", [("16bit", torch.float32), ("16bit", torch.bfloat16),
+                                       ("16bit", torch.float16), ("fp8", torch.float32)])
 @pytest.mark.parametrize("case", ["plain", "causal", "mask"])
-def test_forward_is_the_definition_and_near_exact(case):
+def test_forward_is_the_definition_and_near_exact(case, pv, dtype):
     """Against the independent float64 evaluation: SPEC_INT8 4's kernel tolerances, with room
-    to spare (only FP32 rounding separates them). Against exact attention: cos >= 0.999 (this
-    case's INT8 QK^T and 8-bit P give ~0.9998), and the lse within SPEC_INT8 4's 1e-3 of exact
-    softmax on the same (INT8) scores (l sums the unquantized W)."""
-    q, k, v = _inputs(Nq=100, Nk=300, seed=1)
+    to spare (only FP32 rounding separates them; P in e4m3 instead of 16 bits is off by ~1e-2).
+    Against exact attention: cos >= 0.999 (this case's INT8 QK^T and 8-bit P give ~0.9998), and
+    the lse within SPEC_INT8 4's 1e-3 of exact softmax on the same (INT8) scores (l sums the
+    unquantized W)."""
+    q, k, v = (t.to(dtype) for t in _inputs(Nq=100, Nk=300, seed=1))
     kw = {"is_causal": case == "causal"}
     if case == "mask":
         g = torch.Generator().manual_seed(2)
         kw["attn_mask"] = torch.rand(2, 1, 100, 300, generator=g) > 0.5
-    out, lse = R8.attention_forward(q, k, v, **kw)
-    want, want_lse = _forward_model(q, k, v, **kw)
+    out, lse = R8.attention_forward(q, k, v, **kw, pv=pv)
+    want, want_lse = _forward_model(q, k, v, **kw, pv=pv)
     assert R.metrics(out, want.float())["rel_l1"] < 2e-6  # SPEC_INT8 4: 2e-3
     assert (lse.double() - want_lse).abs().max() < 1e-5  # SPEC_INT8 4: 1e-3
+    if pv == "16bit":  # P rounded to e4m3 (the FP8 P.V) would be far off the 16-bit definition
+        fp8 = R8.attention_forward(q, k, v, **kw, pv="fp8")[0]
+        assert R.metrics(fp8, want.float())["rel_l1"] > 100 * R.metrics(out, want.float())["rel_l1"]
+    q, k, v = q.float(), k.float(), v.float()
     exact = R.exact_attention(q, k, v, kw.get("attn_mask"), kw["is_causal"], enable_gqa=True)
     assert R.metrics(out, exact)["cos"] > 0.999
     ops = R8._Quantized(q, k, v, 2)
@@ -172,7 +186,8 @@ def test_forward_is_the_definition_and_near_exact(case):
     assert (lse.double() - lse_s).abs().max() < 1e-3
 
 
-def test_hidden_rows_and_steps():
+@pytest.mark.parametrize("pv", ["16bit", "fp8"])
+def test_hidden_rows_and_steps(pv):
     """Rows with no visible key give 0 and -inf (boolean and additive masks, also fully hidden
     heads); rows hidden for whole key steps (row 9 after step 0, row 11 before step 2, every row
     after step 0 when causal) add nothing there; no NaN anywhere; the model agrees on every
@@ -185,7 +200,7 @@ def test_hidden_rows_and_steps():
     mask[:, :, 11, :256] = False  # row 11 sees only step 2
     bias = torch.where(mask, 0.0, -math.inf)
     for kw in ({"attn_mask": mask}, {"attn_mask": bias}, {"attn_mask": mask, "is_causal": True}):
-        out, lse = R8.attention_forward(q, k, v, **kw)
+        out, lse = R8.attention_forward(q, k, v, **kw, pv=pv)
         assert not out.isnan().any() and not lse.isnan().any()
         hidden = ~mask.any(dim=-1)
         if kw.get("is_causal"):
@@ -193,13 +208,13 @@ def test_hidden_rows_and_steps():
         assert hidden[:, :, 7].all() and hidden[1, 2].all()
         assert (out[hidden] == 0).all() and (lse[hidden] == -math.inf).all()
         assert torch.isfinite(lse[~hidden]).all()
-        want, want_lse = _forward_model(q, k, v, **kw)
+        want, want_lse = _forward_model(q, k, v, **kw, pv=pv)
         assert (out - want.float()).abs().max() < 1e-5
         assert (lse[~hidden].double() - want_lse[~hidden]).abs().max() < 1e-5
 
 
 def _int8_model(q, k, v, attn_mask=None, is_causal=False):
-    """SPEC_INT8 2.4-2.5 as they were before the FP8 P.V (INT8 V^, P^ = rne(255 exp(S - t))
+    """SPEC_INT8 2.4-2.5 as they were before the FP8 and 16-bit P.V (INT8 V^, P^ = rne(255 exp(S - t))
     per step, the per-step factor exp(t - m_new) / 255), written out in float32 in the old
     spec's order, on the reference's INT8 operands."""
     B, Hq, Nq, D = q.shape
@@ -264,19 +279,22 @@ def test_backward_does_not_depend_on_v_codes(monkeypatch):
 
 
 def test_study_variants_and_options():
-    """fp8-tile and fp8-r16 differ from the spec but only slightly; p_max, v_block, p_exp and
-    l_sum are refused with an FP8 pv; bad values raise; report modes reach every pv."""
+    """The default is the spec's 16-bit P.V; fp8-tile and fp8-r16 differ from fp8 but only
+    slightly; p_max, v_block, p_exp and l_sum are refused without pv="int8"; bad values raise;
+    report modes reach every pv."""
     q, k, v = _inputs(seed=10)
-    spec = R8.attention_forward(q, k, v, is_causal=True)
-    assert all(torch.equal(a, b) for a, b in zip(spec, R8.attention_forward(
-        q, k, v, is_causal=True, pv="fp8")))
+    default = R8.attention_forward(q, k, v, is_causal=True)
+    assert all(torch.equal(a, b) for a, b in zip(default, R8.attention_forward(
+        q, k, v, is_causal=True, pv="16bit")))
+    spec = R8.attention_forward(q, k, v, is_causal=True, pv="fp8")
+    assert not torch.equal(default[0], spec[0])
     for pv in ("fp8-tile", "fp8-r16"):
         out, lse = R8.attention_forward(q, k, v, is_causal=True, pv=pv)
         assert not torch.equal(out, spec[0]) and R.metrics(out, spec[0])["cos"] > 0.99999, pv
         assert (lse - spec[1]).abs().max() < 1e-5
     # fp8-tile: one step (no mask, 100 keys), O = (P~ (V~ + R) sV) / 448 / sum(E)
     q1, k1, v1 = _inputs(Nq=20, Nk=100)
-    ops = R8._Quantized(q1, k1, v1, 2)
+    ops = R8._Quantized(q1, k1, v1, 2, pv="fp8")
     s = ops.scores(0, 1 / 8, None, None)
     e = torch.exp(s - s.amax(dim=-1, keepdim=True))
     p = (448.0 * e).to(torch.float8_e4m3fn).double()
@@ -284,14 +302,15 @@ def test_study_variants_and_options():
     got = R8.attention_forward(q1, k1, v1, pv="fp8-tile")[0]
     assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-6)
     for bad in ({"p_max": "running"}, {"v_block": 0}, {"p_exp": "fp16"}, {"l_sum": "codes"}):
-        with pytest.raises(ValueError, match='pv="int8" only'):
-            R8.attention_forward(q, k, v, **bad)
+        for pv in ("16bit", "fp8"):
+            with pytest.raises(ValueError, match='pv="int8" only'):
+                R8.attention_forward(q, k, v, **bad, pv=pv)
         R8.attention_forward(q1, k1, v1, **bad, pv="int8")
     with pytest.raises(ValueError, match="pv"):
         R8.attention_forward(q, k, v, pv="fp8x2")
-    for pv in ("fp8", "int8", "fp8-tile", "fp8-r16"):
+    for pv in ("16bit", "fp8", "int8", "fp8-tile", "fp8-r16"):
         mode = RP.int8_granularity_mode(64, 128, pv=pv)
-        assert mode == "int8ref:q64k128" + ("" if pv == "fp8" else f":pv={pv}")
+        assert mode == "int8ref:q64k128" + ("" if pv == "16bit" else f":pv={pv}")
         RP.mode_label(mode)
         with RP.attention_mode(None, mode, "fp4attn"):
             got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

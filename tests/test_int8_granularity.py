@@ -21,12 +21,12 @@ from fp4attn.reference import exact_attention, metrics
 class _SpecQuantized:
     """fp4attn.reference_int8._Quantized as it was before the granularity options (one scale per
     64 query rows and per 128 keys, applied per block) and the channel migration: the old results
-    to reproduce (with ``migrate=None``), V quantized for either P.V of the spec."""
+    to reproduce (with ``migrate=None``), V for any P.V of the spec."""
 
     def __init__(self, q32, k32, v32, G, q_block=64, k_block=128, migrate=None, migrate_pow2=None,
-                 v_block=128, pv="fp8"):
+                 v_block=128, pv="16bit"):
         assert (q_block, k_block, migrate, v_block) == (64, 128, None, 128)
-        assert pv in ("fp8", "int8")
+        assert pv in ("16bit", "fp8", "int8")
         B, Hq, Nq, D = q32.shape
         Nk = k32.shape[2]
         BQ, BK = 64, 128
@@ -35,6 +35,9 @@ class _SpecQuantized:
         kc, sk = R8.psi(R8._blocks(k32 - self.kbar, BK), (3, 4))
         if pv == "int8":
             vc, sv = R8.psi(R8._blocks(v32, BK), (3,))
+        elif pv == "16bit":  # V16 as attention_forward passes it, no scale
+            vc = R8._blocks(v32, BK)
+            sv = vc.new_ones(*vc.shape[:3], 1, D)
         else:
             hi, lo, sv = R8.psi_e4m3_pair(R8._blocks(v32, BK), (3,))
             vc = hi + lo

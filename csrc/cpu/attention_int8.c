@@ -2,10 +2,10 @@
  * The 8-bit trainable attention on the CPU (docs/SPEC_INT8.md): forward and backward.
  *
  * Operands are quantized once per call (psi: Q' = Q s per 64 rows, Ks' = (K - kbar) / s per 128
- * keys, s the channel migration of SPEC_INT8 2.1b; V as two FP8 e4m3 terms V~ + R per 128 keys
- * and channel, SPEC_INT8 2.2), then every (batch, head) runs the blocked algorithm of the spec:
- * scores from int32 dot products of the INT8 codes and FP32 scales, P.V in FP8 (P~ = e4m3 of
- * 448 exp(S - m) against the running max, SPEC_INT8 2.4) with the exact products summed in double.
+ * keys, s the channel migration of SPEC_INT8 2.1b; V as V16, SPEC_INT8 2.2), then every (batch,
+ * head) runs the blocked algorithm of the spec: scores from int32 dot products of the INT8 codes
+ * and FP32 scales, P.V in 16 bits (P16 = 448 exp(S - m) against the running max rounded to V16's
+ * type, SPEC_INT8 2.4) with the exact products summed in double.
  * OpenMP over query heads in the forward and over KV heads in the backward (a KV head's dK and dV
  * sum over its query heads without atomics). setup.py compiles with -ffp-contract=off: a * b + c
  * is two roundings, as the spec writes it, never an FMA.
@@ -29,11 +29,11 @@ static inline int8_t code8(float y) {
   return (int8_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
 }
 
-/* e4m3(x) as a float (SPEC_INT8 2.2): round to nearest even to FP8 E4M3, saturating at +-448, NaN
- * stays NaN. */
-static inline float e4m3_round(float x) {
-  const float a = fp4attn_e4m3_decode(fp4attn_e4m3_encode_sat(fabsf(x)));
-  return x < 0.0f ? -a : a;
+/* x rounded to nearest even to the type of SPEC_INT8's 16-bit operands (V16, P16, and dP's and
+ * Drow's dO, V, O): FP16 for FP16 inputs, else BF16. FP16 and BF16 inputs are their own values. */
+static inline float round16(float x, fp4attn_dtype dt) {
+  return dt == FP4ATTN_FLOAT16 ? fp4attn_f16_to_f32(fp4attn_f32_to_f16(x))
+                               : fp4attn_bf16_to_f32(fp4attn_f32_to_bf16(x));
 }
 
 static inline float absmax_nan(float m, float x) {
@@ -52,24 +52,6 @@ static float psi_group(const float *x, int64_t rows, int64_t cols, int64_t pitch
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t c = 0; c < cols; ++c) codes[i * pitch + c] = code8(x[i * pitch + c] * r);
   return s;
-}
-
-/* SPEC_INT8 2.2: one group of V (rows values x[r * pitch], a channel of a 128-key block) as two
- * e4m3 terms, stored as their sum V~ + R (exact in float) at the same offsets of vv; returns sV. */
-static float v_group(const float *x, int64_t rows, int64_t pitch, float *vv) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < rows; ++i) amax = absmax_nan(amax, x[i * pitch]);
-  const float r = 448.0f / amax;
-  if (r == INFINITY) { /* amax 0 or below 448 / FLT_MAX: the group is zeros */
-    for (int64_t i = 0; i < rows; ++i) vv[i * pitch] = 0.0f;
-    return 0.0f;
-  }
-  for (int64_t i = 0; i < rows; ++i) {
-    const float y = x[i * pitch] * r;
-    const float vt = e4m3_round(y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y));
-    vv[i * pitch] = vt + e4m3_round(y - vt); /* y - vt is exact (Sterbenz), |y - vt| <= 16 */
-  }
-  return amax / 448.0f; /* NaN where amax is: the group's outputs are NaN */
 }
 
 static float load_row(const void *base, fp4attn_dtype dt, const int64_t *st, int64_t b, int64_t h,
@@ -94,8 +76,7 @@ typedef struct {
   float *mig;  /* [D]: the channel migration factors s (powers of two) */
   int8_t *kc;  /* [Nk][D], (K - kbar) / s */
   float *sk;   /* [nkb] */
-  float *vv;   /* [Nk][D]: V~ + R (SPEC_INT8 2.2), sV's multiples */
-  float *sv;   /* [nkb][D] */
+  float *v16;  /* [Nk][D]: V16 (SPEC_INT8 2.2) */
 } kv_codes;
 
 typedef struct {
@@ -110,10 +91,9 @@ static int quantize_kv(const fp4attn_attention_params *p, int64_t b, int64_t h, 
   o->mig = (float *)malloc(sizeof(float) * (size_t)D);
   o->kc = (int8_t *)malloc((size_t)(Nk * D));
   o->sk = (float *)malloc(sizeof(float) * (size_t)nkb);
-  o->vv = (float *)malloc(sizeof(float) * (size_t)(Nk * D));
-  o->sv = (float *)malloc(sizeof(float) * (size_t)(nkb * D));
-  float *x = (float *)malloc(sizeof(float) * (size_t)(BK * D)); /* one block: K - kbar, then V */
-  if (!o->kbar || !o->mig || !o->kc || !o->sk || !o->vv || !o->sv || !x) {
+  o->v16 = (float *)malloc(sizeof(float) * (size_t)(Nk * D));
+  float *x = (float *)malloc(sizeof(float) * (size_t)(BK * D)); /* one block of K - kbar */
+  if (!o->kbar || !o->mig || !o->kc || !o->sk || !o->v16 || !x) {
     free(x);
     return 0;
   }
@@ -141,12 +121,10 @@ static int quantize_kv(const fp4attn_attention_params *p, int64_t b, int64_t h, 
         x[n * D + d] =
             (load_row(p->k, p->dtype, p->k_stride, b, h, n0 + n, d) - o->kbar[d]) / o->mig[d];
     o->sk[j] = psi_group(x, rows, D, D, o->kc + n0 * D);
-    for (int64_t n = 0; n < rows; ++n)
-      for (int64_t d = 0; d < D; ++d)
-        x[n * D + d] = load_row(p->v, p->dtype, p->v_stride, b, h, n0 + n, d);
-    for (int64_t d = 0; d < D; ++d) /* V: one scale per channel */
-      o->sv[j * D + d] = v_group(x + d, rows, D, o->vv + n0 * D + d);
   }
+  for (int64_t n = 0; n < Nk; ++n)
+    for (int64_t d = 0; d < D; ++d)
+      o->v16[n * D + d] = round16(load_row(p->v, p->dtype, p->v_stride, b, h, n, d), p->dtype);
   free(x);
   return 1;
 }
@@ -175,14 +153,7 @@ static void free_kv(kv_codes *c) {
   free(c->mig);
   free(c->kc);
   free(c->sk);
-  free(c->vv);
-  free(c->sv);
-}
-
-/* A value as dP = dO V^T and Drow = rowsum(dO O) see it (SPEC_INT8 3): FP16/BF16 inputs as they
- * are, FP32 inputs rounded to BF16. */
-static inline float dp_operand(float x, fp4attn_dtype dt) {
-  return dt == FP4ATTN_FLOAT32 ? fp4attn_bf16_to_f32(fp4attn_f32_to_bf16(x)) : x;
+  free(c->v16);
 }
 
 /* acc[0..n) += c * x[0..n): the inner loop of every INT8 product, contiguous so it vectorizes. */
@@ -222,7 +193,7 @@ static int forward_head(const fp4attn_attention_params *p, const kv_codes *kv, i
   const int64_t D = p->head_dim, Nq = p->len_q, Nk = p->len_k, nkb = (Nk + BK - 1) / BK;
   q_codes q = {0, 0};
   float *s = (float *)malloc(sizeof(float) * BK), *o = (float *)malloc(sizeof(float) * (size_t)D);
-  float *pt = (float *)malloc(sizeof(float) * BK); /* P~ of the step, e4m3 values */
+  float *pt = (float *)malloc(sizeof(float) * BK); /* P16 of the step */
   int ok = s && o && pt && quantize_q(p, kv, b, h, &q);
   for (int64_t i = 0; ok && i < Nq; ++i) {
     float m = -INFINITY, l = 0.0f;
@@ -237,27 +208,26 @@ static int forward_head(const fp4attn_attention_params *p, const kv_codes *kv, i
       const float m_new = m > t ? m : t;
       const float alpha = m == -INFINITY ? 0.0f : expf(m - m_new);
       /* SPEC_INT8 2.4: W = 448 exp(S - m_new) in [0, 448] (float expf, then one multiplication),
-       * P~ = e4m3(W) against the running max, l sums W */
+       * P16 = W in 16 bits against the running max, l sums W */
       float rowsum = 0.0f;
       for (int64_t n = 0; n < w; ++n) {
         const float wn =
             m_new == -INFINITY || s[n] == -INFINITY ? 0.0f : 448.0f * expf(s[n] - m_new);
         rowsum += wn;
-        pt[n] = e4m3_round(wn);
+        pt[n] = round16(wn, p->dtype);
       }
       l = alpha * l + rowsum;
-      /* P~ (V~ + R) exactly: P~ and V~ + R are multiples of 2^-9 below 2^9 in magnitude, so every
-       * product is a multiple of 2^-18 below 2^18 and a sum of 128 below 2^25: 43 bits, exact in
-       * double whatever the order; rounded once to float */
+      /* P16 V16: every product exact in double (two 16-bit significands), summed in double,
+       * rounded once to float */
       double acc[FP4ATTN_MAX_HEAD_DIM] = {0};
       for (int64_t n = 0; n < w; ++n)
         if (pt[n] != 0.0f) {
           const double pn = pt[n];
-          const float *vv = kv->vv + (n0 + n) * D;
-          for (int64_t d = 0; d < D; ++d) acc[d] += pn * vv[d];
+          const float *vn = kv->v16 + (n0 + n) * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += pn * vn[d];
         }
-      /* alpha O + float(acc) sV: two roundings (no FMA, -ffp-contract=off) */
-      for (int64_t d = 0; d < D; ++d) o[d] = alpha * o[d] + (float)acc[d] * kv->sv[j * D + d];
+      /* alpha O + float(acc): two roundings (no FMA, -ffp-contract=off) */
+      for (int64_t d = 0; d < D; ++d) o[d] = alpha * o[d] + (float)acc[d];
       m = m_new;
     }
     const int64_t orow = b * p->out_stride[0] + h * p->out_stride[1] + i * p->out_stride[2];
@@ -346,9 +316,9 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
         for (int64_t d = 0; d < D; ++d) {
           const float go = load_row(bp->grad_out, p->dtype, bp->grad_out_stride, b, h, i, d);
           dor[r * D + d] = go;
-          dor16[r * D + d] = dp_operand(go, p->dtype);
+          dor16[r * D + d] = round16(go, p->dtype);
           dsum += dor16[r * D + d] *
-                  dp_operand(load_row(p->out, p->dtype, p->out_stride, b, h, i, d), p->dtype);
+                  round16(load_row(p->out, p->dtype, p->out_stride, b, h, i, d), p->dtype);
         }
         const int64_t li = (b * p->heads_q + h) * Nq + i;
         drow[r] = bp->grad_lse ? dsum - bp->grad_lse[li] : dsum;
@@ -364,7 +334,7 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
         for (int64_t n = 0; n < w; ++n)
           for (int64_t d = 0; d < D; ++d)
             vrow[n * D + d] =
-                dp_operand(load_row(p->v, p->dtype, p->v_stride, b, hk, n0 + n, d), p->dtype);
+                round16(load_row(p->v, p->dtype, p->v_stride, b, hk, n0 + n, d), p->dtype);
         for (int64_t r = 0; r < rows; ++r) {
           score_row(p, &q, kv, b, h, r0 + r, j, P + r * BK);
           for (int64_t n = 0; n < w; ++n) P[r * BK + n] = expf(P[r * BK + n] - lses[r]);

@@ -1,16 +1,16 @@
-"""`python -m fp4attn.eval.int8_fold`: the 8-bit forward's P.V, INT8 against FP8 (issue 33,
-forward speed; docs/accuracy.md "P and V in FP8").
+"""`python -m fp4attn.eval.int8_fold`: the 8-bit forward's P.V in 16 bits, FP8 and INT8 (issue 33;
+docs/accuracy.md "P and V in FP8", "P.V in 16 bits").
 
-SPEC_INT8 2.2 and 2.4 now multiply P.V in FP8 e4m3: V as two e4m3 terms per 128 keys and channel,
-P~ = e4m3(448 exp(S - m_new)) against the running row maximum, so that a Hopper kernel accumulates
-P~ (V~ + R) on FP8 tensor cores with one FMA per output and step (no int32 fold, no per-step
-factor of P). This driver measures the spec against the INT8 P.V it replaced (``pv="int8"``) and
-two study variants that each undo one of its choices (``"fp8-tile"``: P~ against each step's row
-maximum; ``"fp8-r16"``: V's residual scaled into e4m3's normal range), with the pure-PyTorch
+SPEC_INT8 2.2 and 2.4 multiply P.V in 16 bits: P16 = 448 exp(S - m_new) against the running row
+maximum rounded to V16's type, V16 = V as the backward's dP sees it. This driver measures the
+spec against the FP8 P.V it replaced (``pv="fp8"``: V as two e4m3 terms per 128 keys and channel,
+P~ = e4m3(W)), the INT8 P.V before that (``pv="int8"``) and two study variants of the FP8 P.V
+(``"fp8-tile"``: P~ against each step's row maximum; ``"fp8-r16"``: V's residual scaled into
+e4m3's normal range), with the pure-PyTorch
 reference (``reference_int8.attention_forward(..., pv=)``), on the models and text of
 ``int8_granularity``: per layer, cos against exact float64 attention on the Q/K/V captured on the
 first ``--tokens`` tokens; end to end, perplexity and KL with the variant in every layer. Writes
-``docs/results/int8_fold_fp8.csv`` and ``int8_fold_fp8_layers.csv``. The reference's other study
+``docs/results/int8_fold_pv.csv`` and ``int8_fold_pv_layers.csv``. The reference's other study
 options of the INT8 P.V (``p_max=``, ``v_block=``, ``p_exp=``, ``l_sum=``) were measured by this
 driver before the amendment (docs/accuracy.md "P and V scales across key steps").
 """
@@ -33,12 +33,13 @@ from . import report as RP
 
 #: (label, pv): the spec first.
 VARIANTS = [
-    ("SPEC_INT8 (FP8 P.V: P~ against the running max, V as two e4m3 terms)", "fp8"),
+    ("SPEC_INT8 (16-bit P.V: P16 against the running max, V16)", "16bit"),
+    ("FP8 P.V (SPEC_INT8 before: P~ against the running max, V as two e4m3 terms)", "fp8"),
     ("INT8 P.V (SPEC_INT8 before: P per step max, INT8 V)", "int8"),
     ("FP8 P.V, P~ against each step's max", "fp8-tile"),
     ("FP8 P.V, V's residual scaled by 16", "fp8-r16"),
 ]
-DEFAULT_CSV = Path("docs/results/int8_fold_fp8.csv")
+DEFAULT_CSV = Path("docs/results/int8_fold_pv.csv")
 
 
 def _log(msg: str) -> None:

@@ -371,11 +371,12 @@ GEN_LABELS = {
 
 
 def int8_granularity_mode(q_block: int, k_block: int, p_max: str = "tile", v_block: int = 128,
-                          p_exp: str = "fp32", l_sum: str = "e", pv: str = "fp8") -> str:
+                          p_exp: str = "fp32", l_sum: str = "e", pv: str = "16bit") -> str:
     """Mode name for the INT8 reference with Q scales per ``q_block`` rows and K scales per
     ``k_block`` keys (SPEC_INT8: 64 and 128; see fp4attn.eval.int8_granularity), and optionally
-    another P.V (``pv``: ``"int8"``, SPEC_INT8 before its FP8 P.V, or a study variant of the
-    spec's, ``"fp8-tile"``, ``"fp8-r16"``) and, with ``pv="int8"``, P coded against the running
+    another P.V (``pv``: ``"fp8"``, SPEC_INT8 before its 16-bit P.V, with its study variants
+    ``"fp8-tile"`` and ``"fp8-r16"``, or ``"int8"``, before the FP8 P.V) and, with
+    ``pv="int8"``, P coded against the running
     maximum (``p_max="running"``), V scales per ``v_block`` keys (0: the whole sequence), P's
     exponentials in FP16 (``p_exp``) or l from P's codes (``l_sum``); see
     reference_int8.attention_forward."""
@@ -383,7 +384,7 @@ def int8_granularity_mode(q_block: int, k_block: int, p_max: str = "tile", v_blo
             + (f":v={v_block}" if v_block != 128 else "")
             + (f":e={p_exp}" if p_exp != "fp32" else "")
             + (f":l={l_sum}" if l_sum != "e" else "")
-            + (f":pv={pv}" if pv != "fp8" else ""))
+            + (f":pv={pv}" if pv != "16bit" else ""))
 
 
 def _parse_int8_granularity(mode: str) -> dict:
@@ -415,9 +416,10 @@ def mode_label(mode: str) -> str:
             f", V per {g['v_block'] or 'all'} keys") + (
             "" if g.get("p_exp", "fp32") == "fp32" else f", P's exponentials in {g['p_exp']}") + (
             "" if g.get("l_sum", "e") == "e" else ", l from P's codes") + (
-            {"fp8": "", "int8": ", INT8 P.V (SPEC_INT8 before FP8 P.V)",
-             "fp8-tile": ", P~ against the step max",
-             "fp8-r16": ", V's residual scaled by 16"}[g.get("pv", "fp8")])
+            {"16bit": "", "fp8": ", FP8 P.V (SPEC_INT8 before the 16-bit P.V)",
+             "int8": ", INT8 P.V (SPEC_INT8 before FP8 P.V)",
+             "fp8-tile": ", FP8 P.V, P~ against the step max",
+             "fp8-r16": ", FP8 P.V, V's residual scaled by 16"}[g.get("pv", "16bit")])
         return f"INT8 reference, Q per {g['q_block']} rows, K per {g['k_block']} keys{extra}"
     if mode.startswith("variant:"):
         return f"{METHODS[mode.split(':', 1)[1]][0]}, every layer (reference)"
