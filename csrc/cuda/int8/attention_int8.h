@@ -18,7 +18,7 @@ struct Int8Args;
 fp4attn_status launch_int8_prepare(const Int8Args &a, bool backward, cudaStream_t s);
 template <int DP>
 fp4attn_status launch_int8_forward(const Int8Args &a, cudaStream_t s);
-/* The Hopper forward on wgmma (forward_sm90.cu): DP 64 or 128, sm_90a builds on CC 9.0. */
+/* The Hopper forward on wgmma (forward_sm90.cu): DP 64, 128 or 256, sm_90a builds on CC 9.0. */
 template <int DP>
 fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s);
 template <int DP>
