@@ -292,10 +292,9 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
         *fq = (float *)malloc(sizeof(float) * BQ * (BK / BKS)),
         *fk = (float *)malloc(sizeof(float) * BK);
   float *drow = (float *)malloc(sizeof(float) * BQ), *lses = (float *)malloc(sizeof(float) * BQ);
-  float *vrow = (float *)malloc(sizeof(float) * (size_t)(BK * D));
   q_codes q = {0, 0};
   int ok = P && dS && dkacc && dvacc && dqacc && dor && dor16 && doc && pcode && dsq && dsk &&
-           sdo && sp && fq && fk && drow && lses && vrow;
+           sdo && sp && fq && fk && drow && lses;
   for (int64_t g = 0; ok && g < G; ++g) {
     const int64_t h = hk * G + g;
     free(q.qc);
@@ -331,10 +330,7 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
                     jend = p->causal && last / BK + 1 < nkb ? last / BK + 1 : nkb;
       for (int64_t j = 0; j < jend; ++j) {
         const int64_t n0 = j * BK, w = Nk - n0 < BK ? Nk - n0 : BK;
-        for (int64_t n = 0; n < w; ++n)
-          for (int64_t d = 0; d < D; ++d)
-            vrow[n * D + d] =
-                round16(load_row(p->v, p->dtype, p->v_stride, b, hk, n0 + n, d), p->dtype);
+        const float *vrow = kv->v16 + n0 * D; /* dP's V: V16, as the forward's */
         for (int64_t r = 0; r < rows; ++r) {
           score_row(p, &q, kv, b, h, r0 + r, j, P + r * BK);
           for (int64_t n = 0; n < w; ++n) P[r * BK + n] = expf(P[r * BK + n] - lses[r]);
@@ -419,7 +415,6 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
   free(fk);
   free(drow);
   free(lses);
-  free(vrow);
   return ok;
 }
 
