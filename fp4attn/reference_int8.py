@@ -2,9 +2,10 @@
 
 The oracle the INT8 backends are tested against, written to be obviously right rather than fast:
 vectorised over batch, heads and rows, looping over the 128-key blocks of the online softmax like
-the kernels. INT8 codes and FP8 e4m3 values are kept as float32 tensors (NaN inputs stay
-visible), and every 8-bit matmul runs in float64, where it is exact; the scales are applied
-afterwards in float32 in the order SPEC_INT8 writes them.
+the kernels. INT8 codes and 16-bit values (P16, V16; e4m3 values for the FP8 study variant)
+are kept as float32 tensors (NaN inputs stay visible), and every matmul of them runs in float64:
+exact for the 8-bit ones, exact products summed in float64 for the 16-bit P.V; the scales are
+applied afterwards in float32 in the order SPEC_INT8 writes them.
 
 Layouts as in ``fp4attn.reference``: ``q [B, Hq, Nq, D]``, ``k / v [B, Hkv, Nk, D]``, query head
 ``h`` reads KV head ``h // (Hq // Hkv)``; masks broadcast to ``[B, Hq, Nq, Nk]``; causal is
@@ -35,8 +36,9 @@ QMAX = 127.0
 #: Largest code of P in INT8 P.V (``attention_forward(..., pv="int8")``, SPEC_INT8 before the
 #: FP8 P.V; unsigned bytes: P is never negative).
 PMAX = 255.0
-#: Largest finite FP8 e4m3 (``torch.float8_e4m3fn``) value: where the forward's P~ and V~ put
-#: a row's running maximum and a V group's amax (SPEC_INT8 2.2, 2.4).
+#: Largest finite FP8 e4m3 (``torch.float8_e4m3fn``) value: the scale of the forward's
+#: ``W = 448 exp(S - m_new)`` (SPEC_INT8 2.4, from the FP8 P.V, whose P~ and V~ put a row's
+#: running maximum and a V group's amax there; ``pv="fp8"``).
 E4M3_MAX = 448.0
 
 
@@ -61,15 +63,16 @@ def _e4m3(x: Tensor) -> Tensor:
 
 def psi_e4m3_pair(x: Tensor, dims: tuple[int, ...], lo_scale: float = 1.0
                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """SPEC_INT8 2.2: V as two FP8 e4m3 terms with one scale per group (``dims`` as for psi;
-    float32 in). Per group ``r = 448 / amax`` and ``sV = amax / 448`` (correctly rounded FP32),
-    ``y = x * r`` (FP32), ``V~ = e4m3(clamp(y, -448, 448))``, ``R = e4m3(y - V~)``: ``y - V~``
-    is exact in FP32 and at most half an e4m3 step (16 in the top binade), so R needs no clamp.
-    Where ``r == +inf`` (amax 0, or below 448 / FLT_MAX) sV, V~ and R are 0, as psi flushes; NaN
+    """V as two FP8 e4m3 terms with one scale per group, the FP8 P.V's V (SPEC_INT8 2.2 before
+    the 16-bit P.V; ``attention_forward(..., pv="fp8")``; ``dims`` as for psi; float32 in). Per
+    group ``r = 448 / amax`` and ``sV = amax / 448`` (correctly rounded FP32), ``y = x * r``
+    (FP32), ``V~ = e4m3(clamp(y, -448, 448))``, ``R = e4m3(y - V~)``: ``y - V~`` is exact in
+    FP32 and at most half an e4m3 step (16 in the top binade), so R needs no clamp. Where
+    ``r == +inf`` (amax 0, or below 448 / FLT_MAX) sV, V~ and R are 0, as psi flushes; NaN
     propagates. Returns (V~, R, sV), V~ and R as float32 values; ``(V~ + R) * sV`` dequantizes
     (``V~ + R`` is exact in FP32). ``lo_scale`` (accuracy study, ``attention_forward(...,
     pv="fp8-r16")``, 16): ``R = e4m3(lo_scale (y - V~)) / lo_scale``, the residual scaled out of
-    e4m3's subnormals (a kernel would need a second accumulator); 1 is the spec."""
+    e4m3's subnormals (a kernel would need a second accumulator); 1 is ``pv="fp8"``."""
     amax = x.abs().amax(dim=dims, keepdim=True)
     recip = _div_rn(E4M3_MAX, amax)
     flush = recip == math.inf
@@ -155,8 +158,9 @@ def _per_q_head(x: Tensor, G: int) -> Tensor:
 
 
 def _mm64(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b, exact in float64 for the operands used here (integers, or e4m3 P~ times V~ + R:
-    multiples of 2^-22 below 2^25), rounded once to float32."""
+    """a @ b in float64, rounded once to float32: exact for the 8-bit operands (integers, or
+    e4m3 P~ times V~ + R: multiples of 2^-22 below 2^25); P16 times V16 (the spec's P.V) has
+    exact products (two 16-bit significands) summed in float64."""
     return torch.matmul(a.double(), b.double()).to(torch.float32)
 
 
@@ -260,18 +264,21 @@ def attention_forward(
     (natural log of the scaled scores, the smoothing shift ``scale * q . kbar`` added back).
     Rows that see no key give 0 and -inf.
 
-    ``pv``, the P.V numerics. ``"16bit"`` (the spec, SPEC_INT8 2.2 and 2.4-2.5): V16 = V in the
-    backward's 16-bit type (FP16 inputs as given, BF16 as given, FP32 rounded to BF16); per
-    128-key step, P against the running row maximum, ``W = 448 * exp(S - m_new)`` (float32 exp,
-    then one float32 product), ``P16 = W`` rounded to V16's type, ``l = alpha * l + rowsum(W)``,
-    ``O = alpha * O + fl(P16 V16)`` (the product exact in float64, rounded once to float32);
+    ``pv``, the P.V numerics. ``"16bit"`` (the default and the spec, SPEC_INT8 2.2 and 2.4-2.5):
+    V16 = V in the backward's 16-bit type, no scale (FP16 and BF16 inputs as given, FP32 inputs
+    rounded to nearest even to BF16: ``_dp_operand``); per 128-key step, P against the running
+    row maximum, ``W = 448 * exp(S - m_new)`` (float32 exp, then one float32 product; 0 where
+    S = -inf), ``P16 = W`` rounded to nearest even to V16's type (FP16 for FP16 inputs, else
+    BF16; FP16 subnormals kept), ``l = alpha * l + rowsum(W)`` (W unrounded),
+    ``O = alpha * O + fl(P16 V16)`` (exact products summed in float64, rounded once to float32);
     ``O / l``, and ``lse = m + log(l) - log(448) + shift``. ``"fp8"`` (SPEC_INT8 before the
     16-bit P.V, for studies): the same with V as two e4m3 terms per 128 keys and channel
     (``psi_e4m3_pair``), ``P~ = e4m3(W)`` and ``O = alpha * O + fl(P~ (V~ + R)) * sV``.
-    ``"int8"`` (SPEC_INT8 before its FP8 P.V, for studies): V^ = psi(V) per 128 keys and channel; per step ``E = exp(S - t)`` against the
-    step's row maximum t, ``P^ = rne(255 E)`` (unsigned codes), ``l = alpha * l + exp(t - m_new)
-    * rowsum(E)``, ``O = alpha * O + (exp(t - m_new) / 255) * (float(P^ V^) * sV)``;
-    ``lse = m + log(l) + shift``. Two study variants of the spec isolate its choices
+    ``"int8"`` (SPEC_INT8 before its FP8 P.V, for studies): V^ = psi(V) per 128 keys and
+    channel; per step ``E = exp(S - t)`` against the step's row maximum t, ``P^ = rne(255 E)``
+    (unsigned codes), ``l = alpha * l + exp(t - m_new) * rowsum(E)``,
+    ``O = alpha * O + (exp(t - m_new) / 255) * (float(P^ V^) * sV)``;
+    ``lse = m + log(l) + shift``. Two study variants of the FP8 P.V isolate its choices
     (docs/accuracy.md "P and V in FP8"): ``"fp8-tile"``, ``P~ = e4m3(448 E)`` against the step's
     row maximum, with the INT8 path's l and per-step factor (``exp(t - m_new) / 448``);
     ``"fp8-r16"``, V's second term ``e4m3(16 (y - V~)) / 16`` (``psi_e4m3_pair``'s
@@ -280,8 +287,8 @@ def attention_forward(
     ``q_block`` / ``k_block`` (accuracy studies, docs/accuracy.md "INT8 scale granularity"):
     query rows per scale of Q^ and (smoothed) keys per scale of K^, aligned at 0 like SPEC_INT8's
     blocks; the defaults, 64 and 128, are the spec and give bit-identical results. Everything
-    else (V per 128 keys and channel, 128-key softmax steps, per-row P) is unchanged. The
-    backward keeps the spec's blocks.
+    else (V, 128-key softmax steps, per-row P) is unchanged. The backward keeps the spec's
+    blocks.
 
     ``migrate``: the exponent alpha of SPEC_INT8 2.1b's Q<->K channel migration before
     quantizing, ``Q' = Q s`` and ``Ks' = (K - kbar) / s`` per channel with ``s`` from

@@ -2,10 +2,11 @@
  * The 8-bit trainable attention on the CPU (docs/SPEC_INT8.md): forward and backward.
  *
  * Operands are quantized once per call (psi: Q' = Q s per 64 rows, Ks' = (K - kbar) / s per 128
- * keys, s the channel migration of SPEC_INT8 2.1b; V as V16, SPEC_INT8 2.2), then every (batch,
- * head) runs the blocked algorithm of the spec: scores from int32 dot products of the INT8 codes
- * and FP32 scales, P.V in 16 bits (P16 = 448 exp(S - m) against the running max rounded to V16's
- * type, SPEC_INT8 2.4) with the exact products summed in double.
+ * keys, s the channel migration of SPEC_INT8 2.1b; V is not quantized: V16, FP16 and BF16 inputs
+ * as given, FP32 rounded to BF16, no scale, SPEC_INT8 2.2), then every (batch, head) runs the
+ * blocked algorithm of the spec: scores from int32 dot products of the INT8 codes and FP32 scales,
+ * P.V in 16 bits (P16 = 448 exp(S - m) against the running max rounded to nearest even to V16's
+ * type, SPEC_INT8 2.4) with the exact products summed in double, rounded once to float.
  * OpenMP over query heads in the forward and over KV heads in the backward (a KV head's dK and dV
  * sum over its query heads without atomics). setup.py compiles with -ffp-contract=off: a * b + c
  * is two roundings, as the spec writes it, never an FMA.
@@ -218,14 +219,14 @@ static int forward_head(const fp4attn_attention_params *p, const kv_codes *kv, i
       }
       l = alpha * l + rowsum;
       /* P16 V16: every product exact in double (two 16-bit significands), summed in double,
-       * rounded once to float */
+       * rounded once to float. Keys with P16 = 0 are summed too: V16 carries no scale, so a NaN
+       * or Inf in V reaches O through 0 * V16 as in the reference (and a tensor core) */
       double acc[FP4ATTN_MAX_HEAD_DIM] = {0};
-      for (int64_t n = 0; n < w; ++n)
-        if (pt[n] != 0.0f) {
-          const double pn = pt[n];
-          const float *vn = kv->v16 + (n0 + n) * D;
-          for (int64_t d = 0; d < D; ++d) acc[d] += pn * vn[d];
-        }
+      for (int64_t n = 0; n < w; ++n) {
+        const double pn = pt[n];
+        const float *vn = kv->v16 + (n0 + n) * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] += pn * vn[d];
+      }
       /* alpha O + float(acc): two roundings (no FMA, -ffp-contract=off) */
       for (int64_t d = 0; d < D; ++d) o[d] = alpha * o[d] + (float)acc[d];
       m = m_new;
