@@ -71,7 +71,7 @@ struct Int8Args {
   int64_t grad_out_stride[3];
   const float *grad_lse;
   void *dq, *dk, *dv; /* contiguous like q, k, v */
-  bool bf16_ops;      /* the backward's 16-bit operands are BF16 (input bf16 or fp32), else FP16 */
+  bool bf16_ops; /* the 16-bit operands (V16, P16, dP's) are BF16 (input bf16 or fp32), else FP16 */
   bool vec_q, vec_k, vec_v, vec_out, vec_do; /* rows allow 16-byte loads (vector_rows) */
 };
 

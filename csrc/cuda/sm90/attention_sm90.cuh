@@ -466,8 +466,8 @@ struct Kernel {
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk) {
       const uint32_t step = (kk & 3) * 2;
-      Wgmma<128>::ss(s, sw128_desc(q_lo + (kk >> 2) * (kRows * 8) + step),
-                     sw128_desc(k_lo + (kk >> 2) * (kTile * 8) + step), kk > 0);
+      wgmma_ss_m64n128k16(s, sw128_desc(q_lo + (kk >> 2) * (kRows * 8) + step),
+                          sw128_desc(k_lo + (kk >> 2) * (kTile * 8) + step), kk > 0);
     }
   }
 
@@ -476,7 +476,8 @@ struct Kernel {
                                                   uint32_t v_lo) {
 #pragma unroll
     for (int kb = 0; kb < 8; ++kb)
-      Wgmma<DP>::rs(o, pa[kb], sw128_desc(v_lo + (kb >> 2) * (DP * 8) + (kb & 3) * 2), 1);
+      wgmma_rs_acc_k16<DP, false>(o, pa[kb],
+                                  sw128_desc(v_lo + (kb >> 2) * (DP * 8) + (kb & 3) * 2));
   }
 
   /* Position in the K^/V^ ring: the stage of the next tile and the parity of its "full" phase

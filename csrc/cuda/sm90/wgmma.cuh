@@ -88,21 +88,6 @@ __device__ __forceinline__ void fence_regs(float (&d)[NB][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[n][e])::"memory");
 }
 
-/* D[64 x 64] (+)= A[64 x 16] * B[64 x 16]^T, A in registers (each warp's m16n8k16 A fragment of
- * its 16 rows), B in shared memory (K-major descriptor). S always has 128 key columns, so only
- * P V uses N = 64 (head dim 64). */
-__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[8][4], const uint32_t (&a)[4],
-                                                   uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-      "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-      : FP4ATTN_WGMMA_ACC(d, 0)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
-
 /* D[64 x 128] (+)= A[64 x 16] * B[128 x 16]^T, A and B in shared memory (K-major descriptors). */
 __device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[16][4], uint64_t desc_a,
                                                     uint64_t desc_b, int accumulate) {
@@ -116,21 +101,6 @@ __device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[16][4], uint64_t 
       "%64, %65, p, 1, 1, 0, 0;\n}\n"
       : FP4ATTN_WGMMA_ACC(d, 0), FP4ATTN_WGMMA_ACC(d, 8)
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-/* The same with A in registers: each warp's m16n8k16 A fragment of its 16 rows. */
-__device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[16][4], const uint32_t (&a)[4],
-                                                    uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-      "{%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
-      : FP4ATTN_WGMMA_ACC(d, 0), FP4ATTN_WGMMA_ACC(d, 8)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
 /* The same for an int32 accumulator (the 8-bit products). */
@@ -221,7 +191,7 @@ __device__ __forceinline__ void wgmma_rs_m64n64k32_s8(int (&d)[8][4], const uint
 
 /* O[64 x N] += A[64 x 16] * B[N x 16]^T with FP16 or (kBf16) BF16 operands and FP32
  * accumulation, A in registers (each warp's m16n8k16 A fragment of its 16 rows), B in shared
- * memory (K-major descriptor): the 8-bit forward's P16 V16 (SPEC_INT8 2.4), N = its head dim. */
+ * memory (K-major descriptor): the attention kernels' P V into O, N = the head dim. */
 #define FP4ATTN_WGMMA_RS_N64_K16(type)                                  \
   asm volatile(                                                         \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                      \
@@ -307,26 +277,6 @@ __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[8][4], uint64_t de
     FP4ATTN_WGMMA_SS_N64_K16("f16");
 }
 #undef FP4ATTN_WGMMA_SS_N64_K16
-
-template <int N>
-struct Wgmma;
-template <>
-struct Wgmma<64> {
-  static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b,
-                                            int acc) {
-    wgmma_rs_m64n64k16(d, a, b, acc);
-  }
-};
-template <>
-struct Wgmma<128> {
-  static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t a, uint64_t b, int acc) {
-    wgmma_ss_m64n128k16(d, a, b, acc);
-  }
-  static __device__ __forceinline__ void rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b,
-                                            int acc) {
-    wgmma_rs_m64n128k16(d, a, b, acc);
-  }
-};
 
 /* Named barriers (0 is __syncthreads): `sync` waits until `count` threads have arrived or
  * synced; `arrive` signals without waiting. Both order this thread's earlier shared-memory
