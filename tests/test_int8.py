@@ -688,7 +688,9 @@ def skip_unless_kernel_runs(kernel: str, head_dim: int = 64, backward: bool = Tr
 # Shapes for the forward kernels: several tiles each way and a ring of K^/V^ stages that wraps
 # around (Nk > 512), lengths off the 64/128 blocks (a 128-row block whose second Q^ block is
 # padding: Nq = 130), GQA and MQA, causal with Nq < Nk and Nq > Nk, head dims padded to 64 / 128 /
-# 256 (the sm90 forward's P.V in halves and 2-stage ring there: Nk > 256 wraps it).
+# 256 (the sm90 forward's P.V in halves and 2-stage ring there: Nk > 256 wraps it). The sm90
+# forward reads V16 by rows up to 4,096 keys (2,048 at head dim 64, twice that causal) and as the
+# preparation's tiles past that (heuristics.h, Int8Plan): the last two cases take the tiles.
 FORWARD_CASES = GPU_CASES[:-2] + [
     (1, 2, 2, 1100, 1300, 64, True, None),
     (1, 4, 1, 130, 2000, 128, False, None),
@@ -699,6 +701,8 @@ FORWARD_CASES = GPU_CASES[:-2] + [
     (1, 4, 1, 700, 1300, 256, True, None),
     (2, 2, 2, 130, 600, 256, False, "bool"),
     (1, 2, 2, 520, 400, 200, True, "additive"),
+    (1, 2, 1, 96, 4500, 128, False, None),
+    (1, 2, 2, 64, 4200, 64, True, None),
 ]
 
 
@@ -808,6 +812,71 @@ def test_cuda_non_contiguous_inputs_and_strided_grad():
     a = torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125)
     b = torch.ops.fp4attn.int8_attention(qt, kt, vt, None, False, 0.125)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def v_layouts(v: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The same V values in layouts the sm90 kernels load directly (contiguous, [B, N, H, D] seen
+    through a transpose) and in ones the preparation copies first (a base 2 bytes off 16-byte
+    alignment, a head broadcast with stride 0)."""
+    buf = torch.empty(v.numel() + 1, dtype=v.dtype, device=v.device)
+    shifted = buf[1:].view(v.shape).copy_(v)
+    return {"contiguous": v, "transposed": v.transpose(1, 2).contiguous().transpose(1, 2),
+            "misaligned": shifted, "broadcast": v[:, :1].expand(v.shape)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("D", [48, 128])
+def test_cuda_v_read_in_place_or_copied_gives_the_same_bits(kernel, dtype, D):
+    """V16 is V itself for 16-bit inputs: the sm90 kernels TMA-load the caller's V where its
+    layout allows and the preparation's copy otherwise, the sm80 kernels always the copy; every
+    layout of the same values gives the same output, lse and gradients. Keys off the 128-key
+    blocks and a head dim below the padded one check the TMA's zero fill."""
+    skip_unless_kernel_runs(kernel, D)
+    q, k, v = make(2, 4, 2, 100, 333, D, dtype=dtype, seed=5, device="cuda")
+    v = v[:, :1].expand(v.shape).contiguous()  # equal heads, so that "broadcast" has the values
+    g = torch.Generator().manual_seed(6)
+    grad_out = torch.randn(2, 4, 100, D, generator=g).to(dtype).cuda()
+    scale = D**-0.5
+    results = {}
+    for name, vl in v_layouts(v).items():
+        before = vl.clone()
+        out, lse = torch.ops.fp4attn.int8_attention(q, k, vl, None, True, scale, kernel)
+        grads = torch.ops.fp4attn.int8_attention_backward(grad_out, None, q, k, vl, out, lse, None,
+                                                          True, scale, kernel)
+        assert torch.equal(vl, before)
+        results[name] = (out, lse, grads)
+    out0, lse0, grads0 = results["contiguous"]
+    assert torch.isfinite(out0).all()
+    for name, (out, lse, grads) in results.items():
+        assert torch.equal(out, out0) and torch.equal(lse, lse0), name
+        for a, b in zip(grads, grads0):  # dQ sums FP32 atomics: equal up to their order
+            assert rel_l1(a.float(), b.float()) < 1e-5, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_cuda_nan_in_v_at_a_masked_key_stays_visible(dtype, bad, kernel):
+    """As the C backend's test: the tensor cores multiply P16 = 0 by V16 at a masked key, so a NaN
+    or Inf there makes that channel NaN in the rows of its step, as in the reference."""
+    skip_unless_kernel_runs(kernel, 16, backward=False)
+    q, k, v = make(1, 4, 2, 70, 300, 16, dtype=dtype, seed=11)
+    v[0, 0, 20, 3] = bad  # KV head 0 (query heads 0, 1), key 20 (step 0)
+    mask = torch.rand(1, 1, 70, 300, generator=torch.Generator().manual_seed(12)) > 0.3
+    mask[..., 20] = False  # no row sees key 20
+    out, lse = torch.ops.fp4attn.int8_attention(q.cuda(), k.cuda(), v.cuda(), mask.cuda(), False,
+                                                0.25, kernel)
+    ref, ref_lse = R8.attention_forward(q, k, v, mask, False, 0.25)
+    out, lse = out.cpu(), lse.cpu()
+    assert torch.equal(out.isnan(), ref.isnan()) and out.isnan().sum() == 2 * 70
+    fine = ~ref.isnan()
+    assert rel_l1(out[fine], ref[fine].to(dtype)) < 5e-3
+    assert (lse - ref_lse).abs().max() < 1e-3
 
 
 @pytest.mark.gpu

@@ -77,13 +77,12 @@ fp4attn_status for_head_dim(int64_t dp, Launch launch) {
 }
 
 /* The INT8 kernels' checks beyond the C API contract, and their kernel (forward or backward). */
-fp4attn_status check_int8(const fp4attn_attention_params *p, bool backward,
-                          fp4attn_kernel *kernel) {
+fp4attn_status check_int8(const fp4attn_attention_params *p, bool backward, Int8Plan *plan) {
   const fp4attn_status st = check_cuda_attention(p, "int8 attention");
   if (st.code != FP4ATTN_OK) return st;
   if (!p->lse)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 attention: lse must not be null");
-  return plan_int8_attention(p, backward, kernel);
+  return plan_int8_attention(p, backward, plan);
 }
 
 fp4attn_status check_workspace(const void *workspace, const char *what) {
@@ -94,10 +93,11 @@ fp4attn_status check_workspace(const void *workspace, const char *what) {
   return fp4attn_ok();
 }
 
-Int8Args make_int8_args(const fp4attn_attention_params *p, bool backward, void *workspace) {
+Int8Args make_int8_args(const fp4attn_attention_params *p, bool backward, const Int8Plan &plan,
+                        void *workspace) {
   Int8Args a{};
   a.p = *p;
-  a.ws = int8_workspace_layout(p, backward, workspace);
+  a.ws = int8_workspace_layout(p, backward, plan.kernel, plan.v_rows, workspace);
   a.bf16_ops = p->dtype != FP4ATTN_FLOAT16;
   a.vec_q = vector_rows(p->q, p->q_stride, p->head_dim);
   a.vec_k = vector_rows(p->k, p->k_stride, p->head_dim);
@@ -158,37 +158,37 @@ extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params 
 }
 
 extern "C" int64_t fp4attn_cuda_int8_attention_workspace_bytes(const fp4attn_attention_params *p) {
-  fp4attn_kernel k;
-  if (check_int8(p, false, &k).code != FP4ATTN_OK) return 0;
-  return int8_workspace_layout(p, false, nullptr).bytes;
+  Int8Plan plan;
+  if (check_int8(p, false, &plan).code != FP4ATTN_OK) return 0;
+  return int8_workspace_layout(p, false, plan.kernel, plan.v_rows, nullptr).bytes;
 }
 
 extern "C" fp4attn_kernel fp4attn_cuda_int8_attention_kernel(const fp4attn_attention_params *p) {
-  fp4attn_kernel k;
-  return check_int8(p, false, &k).code == FP4ATTN_OK ? k : FP4ATTN_KERNEL_AUTO;
+  Int8Plan plan;
+  return check_int8(p, false, &plan).code == FP4ATTN_OK ? plan.kernel : FP4ATTN_KERNEL_AUTO;
 }
 
 extern "C" fp4attn_status fp4attn_cuda_int8_attention(const fp4attn_attention_params *p,
                                                       void *workspace, void *stream) {
-  fp4attn_kernel k;
-  fp4attn_status st = check_int8(p, false, &k);
+  Int8Plan plan;
+  fp4attn_status st = check_int8(p, false, &plan);
   if (st.code != FP4ATTN_OK) return st;
   st = check_workspace(workspace, "int8 attention");
   if (st.code != FP4ATTN_OK) return st;
-  Int8Args a = make_int8_args(p, false, workspace);
+  Int8Args a = make_int8_args(p, false, plan, workspace);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   st = launch_int8_prepare(a, false, s);
   if (st.code != FP4ATTN_OK) return st;
-  if (k == FP4ATTN_KERNEL_SM90)
+  if (plan.kernel == FP4ATTN_KERNEL_SM90)
     return for_head_dim(a.ws.dp, [&](auto dp) { return launch_int8_forward_sm90<dp()>(a, s); });
   return for_head_dim(a.ws.dp, [&](auto dp) { return launch_int8_forward<dp()>(a, s); });
 }
 
 namespace {
 
-fp4attn_status check_int8_backward(const fp4attn_int8_backward_params *bp, fp4attn_kernel *k) {
+fp4attn_status check_int8_backward(const fp4attn_int8_backward_params *bp, Int8Plan *plan) {
   if (!bp) return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 backward: null params");
-  const fp4attn_status st = check_int8(&bp->fwd, true, k);
+  const fp4attn_status st = check_int8(&bp->fwd, true, plan);
   if (st.code != FP4ATTN_OK) return st;
   if (!bp->grad_out || !bp->dq || !bp->dk || !bp->dv)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
@@ -202,19 +202,19 @@ fp4attn_status check_int8_backward(const fp4attn_int8_backward_params *bp, fp4at
 
 extern "C" int64_t fp4attn_cuda_int8_attention_backward_workspace_bytes(
     const fp4attn_int8_backward_params *bp) {
-  fp4attn_kernel k;
-  if (check_int8_backward(bp, &k).code != FP4ATTN_OK) return 0;
-  return int8_workspace_layout(&bp->fwd, true, nullptr).bytes;
+  Int8Plan plan;
+  if (check_int8_backward(bp, &plan).code != FP4ATTN_OK) return 0;
+  return int8_workspace_layout(&bp->fwd, true, plan.kernel, plan.v_rows, nullptr).bytes;
 }
 
 extern "C" fp4attn_status fp4attn_cuda_int8_attention_backward(
     const fp4attn_int8_backward_params *bp, void *workspace, void *stream) {
-  fp4attn_kernel k;
-  fp4attn_status st = check_int8_backward(bp, &k);
+  Int8Plan plan;
+  fp4attn_status st = check_int8_backward(bp, &plan);
   if (st.code != FP4ATTN_OK) return st;
   st = check_workspace(workspace, "int8 backward");
   if (st.code != FP4ATTN_OK) return st;
-  Int8Args a = make_int8_args(&bp->fwd, true, workspace);
+  Int8Args a = make_int8_args(&bp->fwd, true, plan, workspace);
   a.grad_out = bp->grad_out;
   for (int i = 0; i < 3; ++i) a.grad_out_stride[i] = bp->grad_out_stride[i];
   a.vec_do = vector_rows(bp->grad_out, bp->grad_out_stride, bp->fwd.head_dim);
@@ -225,7 +225,7 @@ extern "C" fp4attn_status fp4attn_cuda_int8_attention_backward(
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   st = launch_int8_prepare(a, true, s);
   if (st.code != FP4ATTN_OK) return st;
-  if (k == FP4ATTN_KERNEL_SM90)
+  if (plan.kernel == FP4ATTN_KERNEL_SM90)
     st = a.ws.dp == 64 ? launch_int8_backward_sm90<64>(a, s) : launch_int8_backward_sm90<128>(a, s);
   else
     st = for_head_dim(a.ws.dp, [&](auto dp) { return launch_int8_backward<dp()>(a, s); });

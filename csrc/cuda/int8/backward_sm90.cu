@@ -157,8 +157,8 @@ struct Int8BwdSm90 {
     tma_load_3d(smem_u32(sm + C::kOffK), &prm.kmap, 0, jr, bhk, bar.kfull());
 #pragma unroll
     for (int cb = 0; cb < DP / 64; ++cb)
-      tma_load_3d(smem_u32(sm + C::kOffV + cb * kBK8 * 128), &prm.vmap, cb * 128, jr, bhk,
-                  bar.kfull());
+      tma_load_4d(smem_u32(sm + C::kOffV + cb * kBK8 * 128), &prm.vmap, cb * 64, jr, (int)walk.hk,
+                  (int)walk.b, bar.kfull());
     tma_load_3d(smem_u32(sm + C::kOffKt), &prm.ktmap, 0, (int)(walk.j * DP), bhk, bar.kfull());
     mbar_arrive(bar.kfull());
 
@@ -487,7 +487,6 @@ fp4attn_status launch_int8_backward_sm90(const Int8Args &a, cudaStream_t s) {
     const char *what;
   } maps[] = {
       {prm.kmap, w.kc, {dp, (cuuint64_t)w.nkp, bhk}, {dp, w.nkp * dp}, DP, kBK8, "K^"},
-      {prm.vmap, w.v16, {2 * dp, (cuuint64_t)w.nkp, bhk}, {2 * dp, w.nkp * 2 * dp}, 128, kBK8, "V"},
       {prm.ktmap, w.kct, {kBK8, w.nkb * dp, bhk}, {kBK8, w.nkb * dp * kBK8}, kBK8, DP, "K^T"},
       {prm.qmap, w.qc, {dp, (cuuint64_t)w.nqp, bhq}, {dp, w.nqp * dp}, DP, kBQ8, "Q^"},
       {prm.qtmap, w.qct, {kBQ8, w.nqb * dp, bhq}, {kBQ8, w.nqb * dp * kBQ8}, kBQ8, DP, "Q^T"},
@@ -505,6 +504,9 @@ fp4attn_status launch_int8_backward_sm90(const Int8Args &a, cudaStream_t s) {
         encode_byte_map(m.map, m.base, m.dims, m.strides, m.inner, m.rows, m.what);
     if (st.code != FP4ATTN_OK) return st;
   }
+  const Int8Rows16 v = int8_v16_rows(a);
+  const fp4attn_status st = encode_rows16_map(prm.vmap, v.base, v.dims, v.strides, kBK8, "V16");
+  if (st.code != FP4ATTN_OK) return st;
 
   auto kernel =
       a.bf16_ops ? int8_backward_sm90_kernel<DP, true> : int8_backward_sm90_kernel<DP, false>;

@@ -6,21 +6,23 @@
  * warpgroup per block plus the producer (kConsumers = 3 at head dims 64 and 128, so each scheduler
  * has three softmax warps to interleave; 2 at 256, whose output needs 240 registers a thread):
  *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the item's Q^ rows, then
- *     per 128-key tile j the K^ tile and V16_j (transposed, as the preparation writes it) into a
- *     ring of kStages stages ("full" mbarriers), refilling a stage once every consumer thread has
- *     released it ("empty" mbarriers).
+ *     per 128-key tile j the K^ tile and V16_j into a ring of kStages stages ("full" mbarriers),
+ *     refilling a stage once every consumer thread has released it ("empty" mbarriers). V16_j
+ *     as the preparation's transposed tile, or (kVRows, heuristics.h's Int8Plan::v_rows) as its
+ *     rows: the caller's V where it is V16 already, else a row-major copy (int8_v16_rows).
  *   warpgroups 1 .. kConsumers, consumers (setmaxnreg up): one Q^ block of 64 rows each
  *     (wgmma's M), per tile: S_j = Q^ K^_j^T by wgmma m64n128k32 s8.s8 (both in shared memory,
  *     exact int32), the online softmax with P16 = fl16(448 exp2(S - m)) against the running row
  *     maximum in registers (SPEC_INT8 2.4), then O = alpha O + P16_j V16_j: O rescaled in
  *     registers (not at all once the row maxima settle), then eight wgmma m64n{DP}k16 FP16 or
  *     (kBf16) BF16 accumulating into O, with P16_j from registers (the accumulator layout is the
- *     k16 A fragment's).
+ *     k16 A fragment's), V16_j the B operand: K-major tiles, or (kVRows) MN-major rows.
  *     The consumers take turns at issuing S (named barriers in a ring), so the others' wgmma run
  *     while one computes its softmax.
  * Operand layouts: K-major rows swizzled over their width (wgmma.cuh, kmajor_desc): Q^ and K^ rows
- * of DP bytes (64: 64-byte swizzle, 128: 128-byte swizzle, 256: two 128-byte slabs); V16^T rows of
- * 128 keys as two 128-byte slabs of 64 keys (sw128_desc).
+ * of DP bytes (64: 64-byte swizzle, 128: 128-byte swizzle, 256: two 128-byte slabs). V16: tiles
+ * as two K-major slabs [DP][64 keys] (sw128_desc), or rows as per 64 of its DP columns an
+ * MN-major slab [128 keys][64] (mnmajor_sw128_desc); 128-byte swizzle for both.
  */
 #include "../sm90/tensor_maps.h"
 #include "../sm90/wgmma.cuh"
@@ -47,7 +49,7 @@ struct Sm90Config {
   static constexpr int kSlab = DP < 128 ? DP : 128;
   static constexpr int kQBytes = kRows * DP;    /* Q^ [DP / kSlab][kRows][kSlab] */
   static constexpr int kKBytes = kBK8 * DP;     /* K^ [DP / kSlab][128][kSlab] */
-  static constexpr int kVBytes = 2 * DP * kBK8; /* V16^T: [2][DP][64 keys], 16 bits */
+  static constexpr int kVBytes = 2 * DP * kBK8; /* V16 tile or rows, 16 bits */
   /* shared memory from a 1024-byte boundary (the swizzled tiles' alignment) */
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
@@ -67,7 +69,8 @@ struct Sm90Config {
 };
 
 /* Kernel parameters: the 8-bit arguments and this call's TMA maps of Q^ {DP, nqp, BHq}, K^ {DP,
- * nkp, BHk} and V16^T {256, nkb x DP, BHk} (bytes, innermost first). */
+ * nkp, BHk}, V16's tiles {256, nkb x DP, BHk} (bytes, innermost first) or rows (16-bit words,
+ * int8_v16_rows). */
 struct Int8Sm90Params {
   Int8Args a;
   CUtensorMap qmap, kmap, vmap;
@@ -108,7 +111,7 @@ struct Int8Bars {
   __device__ uint32_t qfull() const { return base + 16 * kStages; }
 };
 
-template <int DP, bool kBf16>
+template <int DP, bool kBf16, bool kVRows>
 struct Int8Sm90 {
   using C = Sm90Config<DP>;
   static constexpr int kSteps = DP / 32;           /* k32 steps of S */
@@ -134,9 +137,14 @@ struct Int8Sm90 {
       for (int x = 0; x < DP; x += C::kSlab)
         tma_load_3d(smem_u32(tiles + C::kOffK + s * C::kKBytes) + x * kBK8, &prm.kmap, x, j * kBK8,
                     (int)it.bhk, bar.full(s));
-      for (int cb = 0; cb < 2; ++cb) /* keys cb * 64 ..: [DP][64] */
-        tma_load_3d(smem_u32(tiles + C::kOffV + s * C::kVBytes) + cb * DP * 128, &prm.vmap,
-                    cb * 128, j * DP, (int)it.bhk, bar.full(s));
+      const uint32_t vs = smem_u32(tiles + C::kOffV + s * C::kVBytes);
+      if constexpr (kVRows)
+        for (int x = 0; x < DP; x += 64) /* V16's columns x ..: [128 keys][64] */
+          tma_load_4d(vs + x * 2 * kBK8, &prm.vmap, x, j * kBK8, (int)(it.bhk - it.b * p.heads_kv),
+                      (int)it.b, bar.full(s));
+      else
+        for (int cb = 0; cb < 2; ++cb) /* keys cb * 64 ..: [DP][64] */
+          tma_load_3d(vs + cb * DP * 128, &prm.vmap, cb * 128, j * DP, (int)it.bhk, bar.full(s));
       mbar_arrive(bar.full(s));
     }
   }
@@ -193,12 +201,22 @@ struct Int8Sm90 {
         for (int n = 0; n < DP / 8; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e >> 1];
-      const uint32_t v_lo = sw128_desc_lo(smem_u32(tiles + C::kOffV + s * C::kVBytes));
+      const uint32_t vs = smem_u32(tiles + C::kOffV + s * C::kVBytes);
       wgmma_fence();
+      if constexpr (kVRows) {
+        /* keys 16 kb ..: + 16 x 128 bytes; the next 64 columns a slab (128 x 128 bytes) on */
+        const uint64_t v0 = mnmajor_sw128_desc(vs, kBK8 * 128);
 #pragma unroll
-      for (int kb = 0; kb < 8; ++kb)
-        wgmma_rs_acc_k16<DP, kBf16>(o, pa[kb],
-                                    sw128_desc(v_lo + (kb >> 2) * (DP * 8) + (kb & 3) * 2));
+        for (int kb = 0; kb < 8; ++kb)
+          wgmma_rs_acc_k16<DP, kBf16, true>(o, pa[kb], v0 + kb * (16 * 128 >> 4));
+      } else {
+        /* keys 16 kb ..: slab kb / 4, + 32 bytes per k16 step inside it */
+        const uint32_t v_lo = sw128_desc_lo(vs);
+#pragma unroll
+        for (int kb = 0; kb < 8; ++kb)
+          wgmma_rs_acc_k16<DP, kBf16>(o, pa[kb],
+                                      sw128_desc(v_lo + (kb >> 2) * (DP * 8) + (kb & 3) * 2));
+      }
       wgmma_commit();
     };
 
@@ -343,19 +361,20 @@ struct Int8Sm90 {
 
 #endif /* FP4ATTN_SM90_WGMMA */
 
-template <int DP, bool kBf16>
+template <int DP, bool kBf16, bool kVRows>
 __global__ void __launch_bounds__(Sm90Config<DP>::kThreads, 1)
     int8_forward_sm90_kernel(const __grid_constant__ Int8Sm90Params prm) {
 #if defined(FP4ATTN_SM90_WGMMA)
   extern __shared__ __align__(16) char smem[];
-  Int8Sm90<DP, kBf16>::run(prm, smem);
+  Int8Sm90<DP, kBf16, kVRows>::run(prm, smem);
 #else
   __trap(); /* never launched: the dispatch picks this kernel only for sm_90a builds on CC 9.0 */
 #endif
 }
 
-/* The kernel for the call's 16-bit type (SPEC_INT8 2.2: V16 is BF16 unless the inputs are FP16). */
-template <int DP, bool kBf16>
+/* The kernel for the call's 16-bit type (SPEC_INT8 2.2: V16 is BF16 unless the inputs are FP16)
+ * and V16 layout. */
+template <int DP, bool kBf16, bool kVRows>
 fp4attn_status launch_typed(const Int8Args &a, cudaStream_t s) {
   static_assert(DP == 64 || DP == 128 || DP == 256,
                 "the sm90 8-bit forward serves padded head dims 64, 128 and 256");
@@ -374,17 +393,21 @@ fp4attn_status launch_typed(const Int8Args &a, cudaStream_t s) {
   const cuuint64_t kstrides[2] = {(cuuint64_t)DP, (cuuint64_t)(w.nkp * DP)};
   st = encode_byte_map(prm.kmap, w.kc, kdims, kstrides, C::kSlab, kBK8, "K^");
   if (st.code != FP4ATTN_OK) return st;
-  /* V16^T rows of 128 keys as 256 bytes; boxes of 64 keys x DP rows */
-  const cuuint64_t vdims[3] = {(cuuint64_t)(2 * kBK8), (cuuint64_t)(w.nkb * DP), bhk};
-  const cuuint64_t vstrides[2] = {(cuuint64_t)(2 * kBK8), (cuuint64_t)(w.nkb * DP * 2 * kBK8)};
-  st = encode_byte_map(prm.vmap, w.vt16, vdims, vstrides, 128, DP, "V16");
+  if constexpr (kVRows) {
+    const Int8Rows16 v = int8_v16_rows(a);
+    st = encode_rows16_map(prm.vmap, v.base, v.dims, v.strides, kBK8, "V16");
+  } else { /* rows of 128 keys as 256 bytes; boxes of 64 keys x DP rows */
+    const cuuint64_t vdims[3] = {(cuuint64_t)(2 * kBK8), (cuuint64_t)(w.nkb * DP), bhk};
+    const cuuint64_t vstrides[2] = {(cuuint64_t)(2 * kBK8), (cuuint64_t)(w.nkb * DP * 2 * kBK8)};
+    st = encode_byte_map(prm.vmap, w.vt16, vdims, vstrides, 128, DP, "V16");
+  }
   if (st.code != FP4ATTN_OK) return st;
 
   static int configured[64] = {0};
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 0 || dev >= 64 || !configured[dev]) {
-    if (cudaFuncSetAttribute(int8_forward_sm90_kernel<DP, kBf16>,
+    if (cudaFuncSetAttribute(int8_forward_sm90_kernel<DP, kBf16, kVRows>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem) != cudaSuccess)
       return launch_status("int8 attention forward (sm90 kernel)");
     /* without alignment slack the tiles start at the dynamic shared memory's base, which is
@@ -392,7 +415,7 @@ fp4attn_status launch_typed(const Int8Args &a, cudaStream_t s) {
      */
     cudaFuncAttributes attr{};
     if (C::kAlignSlack == 0 &&
-        (cudaFuncGetAttributes(&attr, int8_forward_sm90_kernel<DP, kBf16>) != cudaSuccess ||
+        (cudaFuncGetAttributes(&attr, int8_forward_sm90_kernel<DP, kBf16, kVRows>) != cudaSuccess ||
          attr.sharedSizeBytes != 0))
       return fp4attn_error(
           FP4ATTN_ERR_UNSUPPORTED,
@@ -407,7 +430,7 @@ fp4attn_status launch_typed(const Int8Args &a, cudaStream_t s) {
   if (w.nkb * DP > 0x7FFFFFFFLL || w.nqp > 0x7FFFFFFFLL || w.nkp > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
                          "int8 attention (sm90 kernel): sequences too long for TMA coordinates");
-  int8_forward_sm90_kernel<DP, kBf16><<<(unsigned)blocks, C::kThreads, C::kSmem, s>>>(prm);
+  int8_forward_sm90_kernel<DP, kBf16, kVRows><<<(unsigned)blocks, C::kThreads, C::kSmem, s>>>(prm);
   return launch_status("int8 attention forward (sm90 kernel)");
 }
 
@@ -415,7 +438,9 @@ fp4attn_status launch_typed(const Int8Args &a, cudaStream_t s) {
 
 template <int DP>
 fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
-  return a.bf16_ops ? launch_typed<DP, true>(a, s) : launch_typed<DP, false>(a, s);
+  if (a.ws.v_tiles)
+    return a.bf16_ops ? launch_typed<DP, true, false>(a, s) : launch_typed<DP, false, false>(a, s);
+  return a.bf16_ops ? launch_typed<DP, true, true>(a, s) : launch_typed<DP, false, true>(a, s);
 }
 
 template fp4attn_status launch_int8_forward_sm90<64>(const Int8Args &, cudaStream_t);

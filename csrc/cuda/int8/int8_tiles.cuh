@@ -45,14 +45,20 @@ struct Int8Workspace {
   float *mig, *mig_inv;           /* [bhk][dp]: SPEC_INT8 2.1b's s (1 past D), 1 / s */
   int8_t *kc;                     /* [bhk][nkp][dp]: K^ = psi((K - kbar) / s) per 128 keys */
   float *sk;                      /* [bhk][nkb] */
-  uint16_t *vt16; /* forward: [bhk][nkb][dp][128]: V16 (SPEC_INT8 2.2) transposed per block */
+  /* V16 (SPEC_INT8 2.2: V in the 16-bit operand type), the forward's P.V and the backward's dP
+   * operand. The forward reads it transposed per block (v_tiles: the mma.sync forward, and the
+   * sm90 one unless Int8Plan::v_rows), the rest by rows: the sm90 kernels TMA-load the caller's
+   * V where it is V16 already (v_caller, see int8_v_caller); otherwise the preparation writes
+   * it, to vt16 or v16. */
+  bool v_tiles, v_caller;
+  uint16_t *vt16; /* [bhk][nkb][dp][128] */
+  uint16_t *v16;  /* [bhk][nkp][dp] */
   int8_t *qc;     /* [bhq][nqp][dp]: Q^ = psi(Q s) per 64 rows */
   float *sq;      /* [bhq][nqb] */
   float *qshift;  /* [bhq][nqp]: scale * (q . kbar), the lse's smoothing term */
   /* backward only */
   int8_t *kct;    /* [bhk][nkb][dp][128]: K^ transposed per block (natural key order) */
   int8_t *qct;    /* [bhq][nqb][dp][64] perm: Q^ transposed per block */
-  uint16_t *v16;  /* [bhk][nkp][dp]: V in 16 bits (the dP operand) */
   uint16_t *do16; /* [bhq][nqp][dp]: dO in 16 bits */
   int8_t *doct;   /* [bhq][nqb][dp][64] perm: dO^ per channel over each 64-row block */
   float *sdo;     /* [bhq][nqb][dp] */
@@ -75,9 +81,24 @@ struct Int8Args {
   bool vec_q, vec_k, vec_v, vec_out, vec_do; /* rows allow 16-byte loads (vector_rows) */
 };
 
-/* Fills the section pointers for `base` (null: sizes only); backward adds its sections. */
+/* The caller's V is V16 as it stands and a TMA source of the sm90 kernels (their 4-D map of
+ * int8_v16_rows): 16-bit, a 16-byte aligned base, and strides that are positive multiples of 8
+ * elements wherever the dimension has more than one index (a broadcast head has stride 0). */
+static inline bool int8_v_caller(const fp4attn_attention_params *p) {
+  if (p->dtype == FP4ATTN_FLOAT32 || (reinterpret_cast<uintptr_t>(p->v) & 15u) != 0) return false;
+  const int64_t sizes[3] = {p->batch, p->heads_kv, p->len_k};
+  for (int i = 0; i < 3; ++i)
+    if (sizes[i] > 1 &&
+        (p->v_stride[i] <= 0 || p->v_stride[i] % 8 != 0 || p->v_stride[i] >= (int64_t)1 << 38))
+      return false;
+  return true;
+}
+
+/* Fills the section pointers for `base` (null: sizes only) of a call to `kernel` (SM80 or SM90)
+ * with V16 read by rows or not, as planned (heuristics.h, Int8Plan); backward adds its sections.
+ */
 static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params *p, bool backward,
-                                                  void *base) {
+                                                  fp4attn_kernel kernel, bool v_rows, void *base) {
   Int8Workspace w;
   w.dp = int8_padded_head_dim(p->head_dim);
   w.nqb = ceil_div(p->len_q, kBQ8);
@@ -102,14 +123,17 @@ static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params
   w.mig_inv = (float *)take(4 * bhk * dp);
   w.kc = (int8_t *)take(bhk * w.nkp * dp);
   w.sk = (float *)take(4 * bhk * w.nkb);
-  w.vt16 = (uint16_t *)take(backward ? 0 : 2 * bhk * w.nkp * dp);
+  const bool sm90 = kernel == FP4ATTN_KERNEL_SM90;
+  w.v_tiles = !backward && !(sm90 && v_rows);
+  w.v_caller = sm90 && !w.v_tiles && int8_v_caller(p);
+  w.vt16 = (uint16_t *)take(w.v_tiles ? 2 * bhk * w.nkp * dp : 0);
+  w.v16 = (uint16_t *)take(w.v_tiles || w.v_caller ? 0 : 2 * bhk * w.nkp * dp);
   w.qc = (int8_t *)take(bhq * w.nqp * dp);
   w.sq = (float *)take(4 * bhq * w.nqb);
   w.qshift = (float *)take(4 * bhq * w.nqp);
   const int64_t bw = backward ? 1 : 0;
   w.kct = (int8_t *)take(bw * bhk * w.nkp * dp);
   w.qct = (int8_t *)take(bw * bhq * w.nqp * dp);
-  w.v16 = (uint16_t *)take(bw * 2 * bhk * w.nkp * dp);
   w.do16 = (uint16_t *)take(bw * 2 * bhq * w.nqp * dp);
   w.doct = (int8_t *)take(bw * bhq * w.nqp * dp);
   w.sdo = (float *)take(bw * 4 * bhq * w.nqb * dp);
@@ -118,6 +142,38 @@ static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params
   w.dq_acc = (float *)take(bw * 4 * bhq * p->len_q * dp);
   w.bytes = off;
   return w;
+}
+
+/* V16 as the sm90 kernels' TMA sees it: 16-bit words {width, keys, KV heads, batch} with the byte
+ * strides of the outer three; the caller's V (v_caller: width head_dim, the TMA zero-fills up to
+ * dp and past len_k) or the workspace's v16. A dimension of one index gets the stride a packed
+ * tensor would have, which the driver accepts whatever the caller's was. */
+struct Int8Rows16 {
+  const void *base;
+  uint64_t dims[4], strides[3];
+};
+static inline Int8Rows16 int8_v16_rows(const Int8Args &a) {
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  Int8Rows16 r;
+  r.dims[2] = (uint64_t)p.heads_kv;
+  r.dims[3] = (uint64_t)p.batch;
+  if (!w.v_caller) {
+    r.base = w.v16;
+    r.dims[0] = (uint64_t)w.dp;
+    r.dims[1] = (uint64_t)w.nkp;
+    r.strides[0] = 2 * (uint64_t)w.dp;
+  } else {
+    r.base = p.v;
+    r.dims[0] = (uint64_t)p.head_dim;
+    r.dims[1] = (uint64_t)p.len_k;
+    r.strides[0] =
+        p.len_k > 1 ? 2 * (uint64_t)p.v_stride[2] : (uint64_t)round_up(2 * p.head_dim, 16);
+  }
+  for (int i = 1; i < 3; ++i)
+    r.strides[i] = r.dims[i + 1] > 1 && w.v_caller ? 2 * (uint64_t)p.v_stride[2 - i]
+                                                   : r.strides[i - 1] * r.dims[i];
+  return r;
 }
 
 /* ------------------------------------------------------------------------ device helpers */

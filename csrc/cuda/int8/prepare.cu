@@ -11,8 +11,9 @@
  *   (batch, KV head) and channel qa (over the group's query heads), ka from K's max, min and kbar,
  *   and s = fp4attn_int8_migration_factor(qa, ka) with 1 / s (max and min are exact in any order).
  * - K, V: K^ = psi((K - kbar) / s) per 128 keys (row-major; transposed too for the backward);
- *   V16 (SPEC_INT8 2.2: V in the backward's 16-bit type) transposed per 128 keys in natural key
- *   order, stored from registers (forward); V in 16 bits row-major (backward).
+ *   V16 (SPEC_INT8 2.2: V in the 16-bit operand type) unless the sm90 kernels read the caller's
+ *   V (Int8Workspace::v_caller): transposed per 128 keys in natural key order, stored from
+ *   registers (the forward's tiles), else row-major.
  * - Q: Q^ = psi(Q s) per 64 rows (row-major; perm tiles for the backward), and the lse's
  *   smoothing term scale * (q . kbar) per row, of the unmigrated q.
  * - dO (backward): Drow = rowsum(dO * O) - dlse (16-bit operands, like dP), the smoothed lse in
@@ -433,9 +434,9 @@ template <int DP, fp4attn_dtype kDt>
 using QTile = RegTile<DP, kBQ8, kDt>;
 
 /* Blocks [0, n): K^ of one 128-key block of one (batch, KV head) (and K^T, backward); blocks
- * [n, 2n): V16 of the same block (transposed, forward; row-major, backward). K^'s amax comes from
- * the block's column max and min (kbar_partial): rounding is monotonic, so
- * max |fl(fl(K - kbar) / s)| over a column is that of its max or its min. */
+ * [n, 2n), unless the kernels read the caller's V: V16 of the same block (vt16 or v16). K^'s amax
+ * comes from the block's column max and min (kbar_partial): rounding is monotonic, so max |fl(fl(K
+ * - kbar) / s)| over a column is that of its max or its min. */
 template <int DP, fp4attn_dtype kDt>
 __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
     quantize_kv_kernel(const Int8Args a, bool backward) {
@@ -481,7 +482,7 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
   }
   t.load(p.v, b * p.v_stride[0] + hk * p.v_stride[1] + n0 * p.v_stride[2], p.v_stride[2], rows, D,
          a.vec_v);
-  if (backward) {
+  if (!w.v_tiles) {
     t.store_rows16(w.v16 + (bhk * w.nkp + n0) * DP, a.bf16_ops);
     return;
   }
@@ -630,7 +631,8 @@ void launch_kernels(const Int8Args &a, bool backward, cudaStream_t s) {
   stats_partial_kernel<kDt><<<(unsigned)(bhk * w.nkb + bhq * w.nqa), kThreads, 0, s>>>(a);
   kbar_final_kernel<<<(unsigned)(bhk * (w.dp / kFinChannels)), kThreads, 0, s>>>(a);
   quantize_kv_kernel<DP, kDt>
-      <<<(unsigned)(2 * bhk * w.nkb), KvTile<DP, kDt>::kThreads, 0, s>>>(a, backward);
+      <<<(unsigned)((w.v_caller ? 1 : 2) * bhk * w.nkb), KvTile<DP, kDt>::kThreads, 0, s>>>(
+          a, backward);
   quantize_q_kernel<DP, kDt>
       <<<(unsigned)(bhq * w.nqb), QTile<DP, kDt>::kThreads, 0, s>>>(a, backward);
   if (backward)

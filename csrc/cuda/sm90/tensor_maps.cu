@@ -91,6 +91,24 @@ fp4attn_status encode_byte_map(CUtensorMap &map, const void *base, const cuuint6
   return fp4attn_ok();
 }
 
+fp4attn_status encode_rows16_map(CUtensorMap &map, const void *base, const uint64_t (&dims)[4],
+                                 const uint64_t (&strides)[3], cuuint32_t rows, const char *what) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr)
+    return fp4attn_error(FP4ATTN_ERR_CUDA,
+                         "attention (sm90 kernel): the driver has no cuTensorMapEncodeTiled");
+  const cuuint64_t d[4] = {dims[0], dims[1], dims[2], dims[3]};
+  const cuuint64_t st[3] = {strides[0], strides[1], strides[2]};
+  const cuuint32_t box[4] = {64, rows, 1, 1};
+  const CUresult r = encode_tiled<4>(encode, map, CU_TENSOR_MAP_DATA_TYPE_UINT16, base, d, st, box,
+                                     CU_TENSOR_MAP_SWIZZLE_128B);
+  if (r != CUDA_SUCCESS)
+    return fp4attn_error(FP4ATTN_ERR_CUDA,
+                         "attention (sm90 kernel): cuTensorMapEncodeTiled failed for %s (%d)", what,
+                         (int)r);
+  return fp4attn_ok();
+}
+
 bool encode_q_map(const AttnArgs &a, int64_t dp, CUtensorMap &qmap) {
   const fp4attn_attention_params &p = a.p;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();

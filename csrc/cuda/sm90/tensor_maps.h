@@ -28,6 +28,13 @@ fp4attn_status encode_byte_map(CUtensorMap &map, const void *base, const cuuint6
                                const cuuint64_t (&strides)[2], cuuint32_t inner, cuuint32_t rows,
                                const char *what);
 
+/* A 4-D map of 16-bit words (a caller's tensor or a workspace section): dims innermost first, the
+ * byte strides of the outer three, boxes of 64 x rows x 1 x 1 swizzled over their 128 bytes (the
+ * rows of a 16-bit wgmma operand, K-major or, with the transpose bit, MN-major); zero-filled past
+ * the dims. */
+fp4attn_status encode_rows16_map(CUtensorMap &map, const void *base, const uint64_t (&dims)[4],
+                                 const uint64_t (&strides)[3], cuuint32_t rows, const char *what);
+
 }  // namespace sm90
 }  // namespace fp4attn_cuda
 

@@ -58,6 +58,15 @@ __device__ __forceinline__ uint64_t kmajor_desc(uint32_t addr) {
          ((uint64_t)(8 * kRowBytes >> 4) << 32) | ((uint64_t)(kRowBytes == 128 ? 1 : 2) << 62);
 }
 
+/* Descriptor of an MN-major ("transposed") 16-bit operand with the 128-byte swizzle, as the TMA
+ * lands row-major [K][N] data in boxes of 64 N-values: per K index a 128-byte row of 64 N-values,
+ * 8 K indices per 1024-byte swizzle atom (stride byte offset), the next 64 N-values `nblock`
+ * bytes on (leading byte offset). A k16 step is + 2048 bytes (+ 128 on the descriptor). */
+__device__ __forceinline__ uint64_t mnmajor_sw128_desc(uint32_t addr, uint32_t nblock) {
+  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((nblock >> 4) & 0x3FFFu) << 16) |
+         ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
 #if defined(FP4ATTN_SM90_WGMMA)
 
 /* Read-write operands d[n..n+7][0..3] of an FP32 accumulator (32 registers), for the asm
@@ -191,7 +200,8 @@ __device__ __forceinline__ void wgmma_rs_m64n64k32_s8(int (&d)[8][4], const uint
 
 /* O[64 x N] += A[64 x 16] * B[N x 16]^T with FP16 or (kBf16) BF16 operands and FP32
  * accumulation, A in registers (each warp's m16n8k16 A fragment of its 16 rows), B in shared
- * memory (K-major descriptor): the attention kernels' P V into O, N = the head dim. */
+ * memory (K-major descriptor, or with kTransB an MN-major one): the attention kernels' P V into
+ * O, N = the head dim. */
 #define FP4ATTN_WGMMA_RS_N64_K16(type)                                  \
   asm volatile(                                                         \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                      \
@@ -199,9 +209,9 @@ __device__ __forceinline__ void wgmma_rs_m64n64k32_s8(int (&d)[8][4], const uint
       " {"                                                              \
       "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"          \
       "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31" \
-      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"                     \
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1, %38;\n}\n"                   \
       : FP4ATTN_WGMMA_ACC(d, 0)                                         \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"((int)kTransB))
 #define FP4ATTN_WGMMA_RS_N128_K16(type)                                  \
   asm volatile(                                                          \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                       \
@@ -211,9 +221,9 @@ __device__ __forceinline__ void wgmma_rs_m64n64k32_s8(int (&d)[8][4], const uint
       "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
       "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
       "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"  \
-      "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"                      \
+      "}, {%64,%65,%66,%67}, %68, p, 1, 1, %70;\n}\n"                    \
       : FP4ATTN_WGMMA_ACC(d, 0), FP4ATTN_WGMMA_ACC(d, 8)                 \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"((int)kTransB))
 #define FP4ATTN_WGMMA_RS_N256_K16(type)                                                 \
   asm volatile(                                                                         \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                     \
@@ -227,11 +237,11 @@ __device__ __forceinline__ void wgmma_rs_m64n64k32_s8(int (&d)[8][4], const uint
       "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"                \
       "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"    \
       "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127" \
-      "}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"                                \
+      "}, {%128,%129,%130,%131}, %132, p, 1, 1, %134;\n}\n"                             \
       : FP4ATTN_WGMMA_ACC(d, 0), FP4ATTN_WGMMA_ACC(d, 8), FP4ATTN_WGMMA_ACC(d, 16),     \
         FP4ATTN_WGMMA_ACC(d, 24)                                                        \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
-template <int N, bool kBf16>
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"((int)kTransB))
+template <int N, bool kBf16, bool kTransB = false>
 __device__ __forceinline__ void wgmma_rs_acc_k16(float (&d)[N / 8][4], const uint32_t (&a)[4],
                                                  uint64_t desc_b) {
   static_assert(N == 64 || N == 128 || N == 256, "m64n{64,128,256}k16");
