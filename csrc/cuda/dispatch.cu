@@ -97,7 +97,7 @@ Int8Args make_int8_args(const fp4attn_attention_params *p, bool backward, const 
                         void *workspace) {
   Int8Args a{};
   a.p = *p;
-  a.ws = int8_workspace_layout(p, backward, plan.kernel, plan.v_rows, workspace);
+  a.ws = int8_workspace_layout(p, backward, plan, workspace);
   a.bf16_ops = p->dtype != FP4ATTN_FLOAT16;
   a.vec_q = vector_rows(p->q, p->q_stride, p->head_dim);
   a.vec_k = vector_rows(p->k, p->k_stride, p->head_dim);
@@ -160,7 +160,7 @@ extern "C" fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params 
 extern "C" int64_t fp4attn_cuda_int8_attention_workspace_bytes(const fp4attn_attention_params *p) {
   Int8Plan plan;
   if (check_int8(p, false, &plan).code != FP4ATTN_OK) return 0;
-  return int8_workspace_layout(p, false, plan.kernel, plan.v_rows, nullptr).bytes;
+  return int8_workspace_layout(p, false, plan, nullptr).bytes;
 }
 
 extern "C" fp4attn_kernel fp4attn_cuda_int8_attention_kernel(const fp4attn_attention_params *p) {
@@ -204,7 +204,7 @@ extern "C" int64_t fp4attn_cuda_int8_attention_backward_workspace_bytes(
     const fp4attn_int8_backward_params *bp) {
   Int8Plan plan;
   if (check_int8_backward(bp, &plan).code != FP4ATTN_OK) return 0;
-  return int8_workspace_layout(&bp->fwd, true, plan.kernel, plan.v_rows, nullptr).bytes;
+  return int8_workspace_layout(&bp->fwd, true, plan, nullptr).bytes;
 }
 
 extern "C" fp4attn_status fp4attn_cuda_int8_attention_backward(

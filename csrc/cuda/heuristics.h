@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "decode/sdpa_decode.h"
+#include "int8/int8_tiles.cuh"
 #include "kv_cache/kv_cache.h"
 #include "tile/workspace.cuh"
 
@@ -178,21 +179,15 @@ static inline KvDecodePlan plan_kv_decode(const fp4attn_decode_params *p) {
   return d;
 }
 
-/* How an 8-bit call (SPEC_INT8) runs. */
-struct Int8Plan {
-  fp4attn_kernel kernel; /* SM80 or SM90 */
-  /* The sm90 forward reads V16 by rows (MN-major B of its P.V wgmma: the caller's V itself where
-   * int8_v_caller allows, else a row-major copy) rather than as the preparation's transposed
-   * tiles (K-major). Rows save the preparation's V pass (0.05-0.15 ms per 16K tokens x 2048
-   * channels), but the transposed B makes the kernel slower: 7 % at head dim 128, 5 % at 64,
-   * under 1 % at 256 (H200, docs/performance.md). So rows at head dim 256 and in short calls:
-   * up to 4,096 keys (2,048 at head dim 64), twice that with a causal mask. */
-  bool v_rows;
-};
-
-/* The kernel of an 8-bit call, forward or backward, and its V16 operand. AUTO: the wgmma kernels
- * (int8/forward_sm90.cu: head dims <= 256, int8/backward_sm90.cu: <= 128) on compute capability
- * 9.0 with an sm_90a build, else the mma.sync kernels (int8/, sm_80 and newer). */
+/* The kernel of an 8-bit call, forward or backward, and its V16 operand (Int8Plan). AUTO: the
+ * wgmma kernels (int8/forward_sm90.cu: head dims <= 256, int8/backward_sm90.cu: <= 128) on
+ * compute capability 9.0 with an sm_90a build, else the mma.sync kernels (int8/, sm_80 and newer).
+ * The sm90 forward reads V16 by rows (MN-major B of its P.V wgmma) rather than as the
+ * preparation's transposed tiles (K-major) where that saves the preparation's V pass (the caller's
+ * V is V16 already: int8_v_caller) and the call is short, or at head dim 256: the transposed B
+ * makes the kernel slower by 7 % at head dim 128, 5 % at 64 and under 1 % at 256 (H200,
+ * docs/performance.md), the V pass costs 0.05-0.15 ms per 16K tokens x 2048 channels. Short: up
+ * to 4,096 keys (2,048 at head dim 64), twice that with a causal mask. */
 static inline fp4attn_status plan_int8_attention(const fp4attn_attention_params *p, bool backward,
                                                  Int8Plan *plan) {
   if (p->kernel != FP4ATTN_KERNEL_AUTO && p->kernel != FP4ATTN_KERNEL_SM80 &&
@@ -221,7 +216,9 @@ static inline fp4attn_status plan_int8_attention(const fp4attn_attention_params 
   plan->kernel = sm90 ? FP4ATTN_KERNEL_SM90 : FP4ATTN_KERNEL_SM80;
   const int64_t dp = padded_head_dim(p->head_dim);
   const int64_t short_keys = (dp == 64 ? 2048 : 4096) * (p->causal ? 2 : 1);
-  plan->v_rows = sm90 && !backward && (dp == 256 || p->len_k <= short_keys);
+  const bool in_place = sm90 && int8_v_caller(p);
+  plan->v_rows = sm90 && !backward && (dp == 256 || (in_place && p->len_k <= short_keys));
+  plan->v_caller = in_place && (backward || plan->v_rows);
   return fp4attn_ok();
 }
 

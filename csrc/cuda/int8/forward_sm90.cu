@@ -438,8 +438,14 @@ fp4attn_status launch_typed(const Int8Args &a, cudaStream_t s) {
 
 template <int DP>
 fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {
-  if (a.ws.v_tiles)
-    return a.bf16_ops ? launch_typed<DP, true, false>(a, s) : launch_typed<DP, false, false>(a, s);
+  if (a.ws.v_tiles) {
+    if constexpr (DP == 256) /* the plan reads V16 by rows there (heuristics.h) */
+      return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                           "int8 attention (sm90 kernel): head dim 256 reads V16 by rows");
+    else
+      return a.bf16_ops ? launch_typed<DP, true, false>(a, s)
+                        : launch_typed<DP, false, false>(a, s);
+  }
   return a.bf16_ops ? launch_typed<DP, true, true>(a, s) : launch_typed<DP, false, true>(a, s);
 }
 

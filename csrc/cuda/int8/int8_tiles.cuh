@@ -94,11 +94,18 @@ static inline bool int8_v_caller(const fp4attn_attention_params *p) {
   return true;
 }
 
-/* Fills the section pointers for `base` (null: sizes only) of a call to `kernel` (SM80 or SM90)
- * with V16 read by rows or not, as planned (heuristics.h, Int8Plan); backward adds its sections.
- */
+/* How an 8-bit call runs (planned by heuristics.h, plan_int8_attention); the workspace is sized
+ * for it. */
+struct Int8Plan {
+  fp4attn_kernel kernel; /* SM80 or SM90 */
+  bool v_rows;           /* the sm90 forward reads V16 by rows, not as transposed tiles */
+  bool v_caller;         /* the sm90 kernels read the caller's V as V16 (int8_v_caller) */
+};
+
+/* Fills the section pointers for `base` (null: sizes only) of a call run as `plan`; backward adds
+ * its sections. */
 static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params *p, bool backward,
-                                                  fp4attn_kernel kernel, bool v_rows, void *base) {
+                                                  const Int8Plan &plan, void *base) {
   Int8Workspace w;
   w.dp = int8_padded_head_dim(p->head_dim);
   w.nqb = ceil_div(p->len_q, kBQ8);
@@ -123,9 +130,8 @@ static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params
   w.mig_inv = (float *)take(4 * bhk * dp);
   w.kc = (int8_t *)take(bhk * w.nkp * dp);
   w.sk = (float *)take(4 * bhk * w.nkb);
-  const bool sm90 = kernel == FP4ATTN_KERNEL_SM90;
-  w.v_tiles = !backward && !(sm90 && v_rows);
-  w.v_caller = sm90 && !w.v_tiles && int8_v_caller(p);
+  w.v_tiles = !backward && !(plan.kernel == FP4ATTN_KERNEL_SM90 && plan.v_rows);
+  w.v_caller = plan.v_caller;
   w.vt16 = (uint16_t *)take(w.v_tiles ? 2 * bhk * w.nkp * dp : 0);
   w.v16 = (uint16_t *)take(w.v_tiles || w.v_caller ? 0 : 2 * bhk * w.nkp * dp);
   w.qc = (int8_t *)take(bhq * w.nqp * dp);
