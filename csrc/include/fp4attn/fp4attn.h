@@ -249,8 +249,10 @@ fp4attn_kernel fp4attn_cuda_attention_kernel(const fp4attn_attention_params *p);
 /* The same for fp4attn_cuda_int8_attention (p->lse must be set). */
 fp4attn_kernel fp4attn_cuda_int8_attention_kernel(const fp4attn_attention_params *p);
 /* 8-bit attention on CUDA (SPEC_INT8), same conventions: a workspace of the size the matching
- * *_workspace_bytes returns for the same params and device, nothing synchronised. The backward
- * writes dq, dk, dv (contiguous) from the forward's out and lse. */
+ * *_workspace_bytes returns for the same params and device (pointers and strides included: the
+ * Hopper kernels read a suitably aligned 16-bit V in place, otherwise the workspace holds a copy),
+ * nothing synchronised. The backward writes dq, dk, dv (contiguous) from the forward's out and
+ * lse. */
 int64_t fp4attn_cuda_int8_attention_workspace_bytes(const fp4attn_attention_params *p);
 fp4attn_status fp4attn_cuda_int8_attention(const fp4attn_attention_params *p, void *workspace,
                                            void *stream);
