@@ -287,8 +287,8 @@ def attention_forward(
     ``q_block`` / ``k_block`` (accuracy studies, docs/accuracy.md "INT8 scale granularity"):
     query rows per scale of Q^ and (smoothed) keys per scale of K^, aligned at 0 like SPEC_INT8's
     blocks; the defaults, 64 and 128, are the spec and give bit-identical results. Everything
-    else (V, 128-key softmax steps, per-row P) is unchanged. The backward keeps the spec's
-    blocks.
+    else (V, 128-key softmax steps, per-row P) is unchanged. ``attention_backward`` takes the
+    same two (a training study).
 
     ``migrate``: the exponent alpha of SPEC_INT8 2.1b's Q<->K channel migration before
     quantizing, ``Q' = Q s`` and ``Ks' = (K - kbar) / s`` per channel with ``s`` from
@@ -417,6 +417,8 @@ def attention_backward(
     grad_lse: Tensor | None = None,
     migrate: float | None = 0.5,
     migrate_pow2: bool | None = None,
+    q_block: int = BQ,
+    k_block: int = BK,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """SPEC_INT8 3: ``(dq, dk, dv)`` in float32 from the forward's ``out`` (as returned, in the
     input dtype) and ``lse`` (as ``attention_forward`` returns it). dK and dV of a KV head sum
@@ -427,7 +429,15 @@ def attention_backward(
     recomputed from the migrated codes, the INT8 products give the gradients of Q' and Ks', and
     after all key blocks (FP32, per channel) ``dQ = dQ' * s + scale * dlse kbar``
     (the smoothing correction, with the unmigrated kbar; zero without ``grad_lse``) and
-    ``dK = (sum over the KV head's query heads of dKs') / s``."""
+    ``dK = (sum over the KV head's query heads of dKs') / s``.
+
+    ``q_block`` / ``k_block`` (study of the scores' scale granularity in training,
+    docs/performance.md "Training with the 8-bit attention"; pass the forward's): Q^ and K^ with
+    one scale per that many rows / keys, as ``attention_forward`` takes them. Off SPEC_INT8's 64 /
+    128 the scales vary inside dQ's and dK's products, so each code is scaled before the product
+    (float64, rounded once) rather than the integer product after it."""
+    if q_block < 1 or k_block < 1:
+        raise ValueError(f"q_block and k_block must be >= 1, got {q_block}, {k_block}")
     mig = _migrate_kw(migrate, migrate_pow2)
     G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
     B, Hq, Nq, D = q.shape
@@ -438,7 +448,9 @@ def attention_backward(
     dv = q32.new_zeros(B, Hq, Nk, D)
     if 0 in (B, Hq, Nq, Nk):
         return dq, dk[:, :Hkv], dv[:, :Hkv]
-    ops = _Quantized(q32, k32, v32, G, **mig)
+    ops = _Quantized(q32, k32, v32, G, q_block, k_block, **mig)
+    spec_q, spec_k = q_block == BQ, k_block == BK
+    qs = None if spec_q else ops.qc * ops.sq  # Q^ codes times their row's scale (study)
     do32 = _as_float32(grad_out)
     # Drow and dP on the same 16-bit operands (FP32 inputs rounded to BF16), so that they cancel
     # where they should (one visible key: dS = 0)
@@ -466,11 +478,19 @@ def attention_backward(
         for h0 in range(j0, j1, BKS):
             h1 = min(h0 + BKS, j1)
             dsc, sds = psi(ds[..., h0 - j0:h1 - j0], (3,))
-            dq += ((scale * sds) * ops.sk[:, :, j, None, None]) * _mm64(dsc, ops.kc[:, :, h0:h1])
+            if spec_k:
+                dq += ((scale * sds) * ops.sk[:, :, j, None, None]) * _mm64(dsc, ops.kc[:, :, h0:h1])
+            else:
+                ks_ = ops.kc[:, :, h0:h1] * ops.sk_key[:, :, h0:h1, None]
+                dq += (scale * sds) * _mm64(dsc, ks_)
         # dS^ for dK: one scale per key over the 64 rows of a query block (a row of dK's product)
         dsc, sds = psi(_blocks(ds, BQ), (3,))  # [B,Hq,nqb,64,keys], sds [B,Hq,nqb,1,keys]
-        fk = ((scale * sds) * _blocks(sq[..., None], BQ)[..., :1, :]).transpose(-1, -2)
-        dk[:, :, j0:j1] += (fk * _mm64(dsc.transpose(-1, -2), _blocks(ops.qc, BQ))).sum(dim=2)
+        if spec_q:
+            fk = ((scale * sds) * _blocks(sq[..., None], BQ)[..., :1, :]).transpose(-1, -2)
+            dk[:, :, j0:j1] += (fk * _mm64(dsc.transpose(-1, -2), _blocks(ops.qc, BQ))).sum(dim=2)
+        else:
+            fk = (scale * sds).transpose(-1, -2)
+            dk[:, :, j0:j1] += (fk * _mm64(dsc.transpose(-1, -2), _blocks(qs, BQ))).sum(dim=2)
     if mig["migrate"] is not None:  # the gradient of Q' = Q s back to Q
         dq = dq * _per_q_head(ops.mig, G)
     if grad_lse is not None:  # the smoothing correction: d lse / d Q along kbar (SPEC_INT8 3);

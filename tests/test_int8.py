@@ -130,6 +130,32 @@ def test_forward_and_backward_against_float64(case):
         assert (lse[..., 0] == -math.inf).all()
 
 
+@pytest.mark.parametrize("blocks", [(64, 128), (16, 32), (32, 64)])
+def test_backward_score_scale_study_blocks(blocks):
+    """attention_backward's q_block / k_block study (the scores' scale granularity in training):
+    the spec's blocks passed explicitly give the spec's gradients; finer blocks (codes scaled
+    before dQ's and dK's products) keep the gradients accurate and make dQ and dK no worse than
+    the spec's."""
+    B, Hq, Hkv, Nq, Nk, D, causal, kind = (1, 4, 2, 150, 300, 64, True, None)
+    q, k, v = make(B, Hq, Hkv, Nq, Nk, D, seed=4)
+    qb, kb = blocks
+    out, lse = R8.attention_forward(q, k, v, None, causal, q_block=qb, k_block=kb)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(8))
+    got = R8.attention_backward(grad_out, q, k, v, out, lse, None, causal, q_block=qb, k_block=kb)
+    ref = exact_with_grads(q, k, v, None, causal, grad_out)[1:]
+    spec = R8.attention_backward(grad_out, q, k, v, *R8.attention_forward(q, k, v, None, causal),
+                                 None, causal)
+    for g, s, r in zip(got, spec, ref):
+        assert torch.isfinite(g).all() and grad_close(g, r)
+        if blocks == (64, 128):
+            assert rel_l1(g, s) < 1e-6
+    if blocks != (64, 128):
+        for i in (0, 1):  # dQ, dK: finer score scales, closer to exact
+            assert cos(got[i], ref[i]) >= cos(spec[i], ref[i]) - 1e-6
+    with pytest.raises(ValueError, match="q_block"):
+        R8.attention_backward(grad_out, q, k, v, out, lse, None, causal, q_block=0)
+
+
 def rel_l1(a, b) -> float:
     return ((a.double() - b.double()).abs().sum() / b.double().abs().sum().clamp_min(1e-30)).item()
 
