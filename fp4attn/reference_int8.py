@@ -419,6 +419,7 @@ def attention_backward(
     migrate_pow2: bool | None = None,
     q_block: int = BQ,
     k_block: int = BK,
+    dv_product: str = "int8",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """SPEC_INT8 3: ``(dq, dk, dv)`` in float32 from the forward's ``out`` (as returned, in the
     input dtype) and ``lse`` (as ``attention_forward`` returns it). dK and dV of a KV head sum
@@ -435,9 +436,15 @@ def attention_backward(
     docs/performance.md "Training with the 8-bit attention"; pass the forward's): Q^ and K^ with
     one scale per that many rows / keys, as ``attention_forward`` takes them. Off SPEC_INT8's 64 /
     128 the scales vary inside dQ's and dK's products, so each code is scaled before the product
-    (float64, rounded once) rather than the integer product after it."""
+    (float64, rounded once) rather than the integer product after it.
+
+    ``dv_product`` (the same study): ``"int8"`` is the spec's ``dV = P^T dO^``; ``"16bit"`` multiplies P
+    rounded to the 16-bit operand type (dP's: FP16 for FP16 inputs, else BF16) by dO in that
+    type, as the forward's P.V does, with the products exact and summed in float64."""
     if q_block < 1 or k_block < 1:
         raise ValueError(f"q_block and k_block must be >= 1, got {q_block}, {k_block}")
+    if dv_product not in ("int8", "16bit"):
+        raise ValueError(f'dv_product must be "int8" or "16bit", got {dv_product!r}')
     mig = _migrate_kw(migrate, migrate_pow2)
     G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
     B, Hq, Nq, D = q.shape
@@ -461,15 +468,20 @@ def attention_backward(
     lse_s = torch.where(lse == -math.inf, math.inf, lse_s)[..., None]  # no visible key: P = 0
     # dP = dO V^T on 16-bit operands: FP16/BF16 inputs as given, FP32 rounded to BF16
     v16, do16 = (_dp_operand(t) for t in (_per_q_head(v, G), grad_out))
+    dv_16 = dv_product == "16bit"
+    do16_type = torch.float16 if grad_out.dtype == torch.float16 else torch.bfloat16
     nqb = -(-Nq // BQ)
     doc, sdo = psi(_blocks(do32, BQ), (3,))  # per 64 rows and channel: [B,Hq,nqb,1,D]
     for j in range(-(-Nk // BK)):
         j0, j1 = j * BK, min((j + 1) * BK, Nk)
         p = torch.exp(ops.scores(j, scale, allowed, additive) - lse_s)  # masked -> 0
-        # dV_j: P^ per key column over each 64-row block, dO^ per channel over the same rows
-        pc, sp = psi(_blocks(p, BQ), (3,))  # [B, Hq, nqb, 64, keys], sp [B, Hq, nqb, 1, keys]
-        acc = _mm64(pc.transpose(-1, -2), doc)  # [B, Hq, nqb, n, D]
-        dv[:, :, j0:j1] += ((sp.transpose(-1, -2) * sdo) * acc).sum(dim=2)
+        if dv_16:  # the study: P16^T dO16
+            p16 = p.to(do16_type).float()
+            dv[:, :, j0:j1] += _mm64(p16.transpose(-1, -2), do16)
+        else:  # dV_j: P^ per key column over each 64-row block, dO^ per channel over the same rows
+            pc, sp = psi(_blocks(p, BQ), (3,))  # [B, Hq, nqb, 64, keys], sp [B, Hq, nqb, 1, keys]
+            acc = _mm64(pc.transpose(-1, -2), doc)  # [B, Hq, nqb, n, D]
+            dv[:, :, j0:j1] += ((sp.transpose(-1, -2) * sdo) * acc).sum(dim=2)
         # dS = P * (dP - Drow), dP with FP32 accumulation
         dp = torch.matmul(do16, v16[:, :, j0:j1].transpose(-1, -2))
         ds = p * (dp - drow)
