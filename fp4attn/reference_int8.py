@@ -470,8 +470,8 @@ def attention_backward(
     v16, do16 = (_dp_operand(t) for t in (_per_q_head(v, G), grad_out))
     dv_16 = dv_product == "16bit"
     do16_type = torch.float16 if grad_out.dtype == torch.float16 else torch.bfloat16
-    nqb = -(-Nq // BQ)
-    doc, sdo = psi(_blocks(do32, BQ), (3,))  # per 64 rows and channel: [B,Hq,nqb,1,D]
+    if not dv_16:  # dO^ per 64 rows and channel: [B,Hq,nqb,1,D]
+        doc, sdo = psi(_blocks(do32, BQ), (3,))
     for j in range(-(-Nk // BK)):
         j0, j1 = j * BK, min((j + 1) * BK, Nk)
         p = torch.exp(ops.scores(j, scale, allowed, additive) - lse_s)  # masked -> 0

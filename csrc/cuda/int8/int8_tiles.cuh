@@ -161,25 +161,19 @@ struct Int8Rows16 {
 static inline Int8Rows16 int8_v16_rows(const Int8Args &a) {
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
-  Int8Rows16 r;
-  r.dims[2] = (uint64_t)p.heads_kv;
-  r.dims[3] = (uint64_t)p.batch;
-  if (!w.v_caller) {
-    r.base = w.v16;
-    r.dims[0] = (uint64_t)w.dp;
-    r.dims[1] = (uint64_t)w.nkp;
-    r.strides[0] = 2 * (uint64_t)w.dp;
-  } else {
-    r.base = p.v;
-    r.dims[0] = (uint64_t)p.head_dim;
-    r.dims[1] = (uint64_t)p.len_k;
-    r.strides[0] =
-        p.len_k > 1 ? 2 * (uint64_t)p.v_stride[2] : (uint64_t)round_up(2 * p.head_dim, 16);
+  if (!w.v_caller) { /* the workspace's v16: [bhk][nkp][dp] */
+    const uint64_t row = 2 * (uint64_t)w.dp, head = row * (uint64_t)w.nkp;
+    return {w.v16,
+            {(uint64_t)w.dp, (uint64_t)w.nkp, (uint64_t)p.heads_kv, (uint64_t)p.batch},
+            {row, head, head * (uint64_t)p.heads_kv}};
   }
-  for (int i = 1; i < 3; ++i)
-    r.strides[i] = r.dims[i + 1] > 1 && w.v_caller ? 2 * (uint64_t)p.v_stride[2 - i]
-                                                   : r.strides[i - 1] * r.dims[i];
-  return r;
+  const uint64_t row =
+      p.len_k > 1 ? 2 * (uint64_t)p.v_stride[2] : (uint64_t)round_up(2 * p.head_dim, 16);
+  const uint64_t head = p.heads_kv > 1 ? 2 * (uint64_t)p.v_stride[1] : row * (uint64_t)p.len_k;
+  const uint64_t batch = p.batch > 1 ? 2 * (uint64_t)p.v_stride[0] : head * (uint64_t)p.heads_kv;
+  return {p.v,
+          {(uint64_t)p.head_dim, (uint64_t)p.len_k, (uint64_t)p.heads_kv, (uint64_t)p.batch},
+          {row, head, batch}};
 }
 
 /* ------------------------------------------------------------------------ device helpers */

@@ -39,23 +39,33 @@ static CUresult encode_tiled(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorM
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
+/* encode_tiled with the encoder looked up and failures as errors naming the call (`op`, e.g.
+ * "int8 attention") and the map (`what`). */
+template <int R>
+static fp4attn_status encode_checked(CUtensorMap &map, CUtensorMapDataType type, const void *base,
+                                     const cuuint64_t (&dims)[R],
+                                     const cuuint64_t (&strides)[R - 1], const cuuint32_t (&box)[R],
+                                     CUtensorMapSwizzle swizzle, const char *op, const char *what) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr)
+    return fp4attn_error(FP4ATTN_ERR_CUDA,
+                         "%s (sm90 kernel): the driver has no cuTensorMapEncodeTiled", op);
+  const CUresult r = encode_tiled<R>(encode, map, type, base, dims, strides, box, swizzle);
+  if (r != CUDA_SUCCESS)
+    return fp4attn_error(FP4ATTN_ERR_CUDA,
+                         "%s (sm90 kernel): cuTensorMapEncodeTiled failed for %s (%d)", op, what,
+                         (int)r);
+  return fp4attn_ok();
+}
+
 /* One 3-D map of the workspace's FP16 K^ or V^: boxes of 64 x rows x 1 elements with the 128-byte
  * swizzle. */
 static fp4attn_status encode_map(CUtensorMap &map, void *base, const cuuint64_t (&dims)[3],
                                  const cuuint64_t (&strides)[2], cuuint32_t rows,
                                  const char *what) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr)
-    return fp4attn_error(FP4ATTN_ERR_CUDA,
-                         "attention (sm90 kernel): the driver has no cuTensorMapEncodeTiled");
   const cuuint32_t box[3] = {64, rows, 1};
-  const CUresult r = encode_tiled<3>(encode, map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, base, dims,
-                                     strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
-  if (r != CUDA_SUCCESS)
-    return fp4attn_error(FP4ATTN_ERR_CUDA,
-                         "attention (sm90 kernel): cuTensorMapEncodeTiled failed for %s (%d)", what,
-                         (int)r);
-  return fp4attn_ok();
+  return encode_checked<3>(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, base, dims, strides, box,
+                           CU_TENSOR_MAP_SWIZZLE_128B, "attention", what);
 }
 
 fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &kmap,
@@ -76,37 +86,19 @@ fp4attn_status encode_tensor_maps(const AttnArgs &a, int64_t dp, CUtensorMap &km
 fp4attn_status encode_byte_map(CUtensorMap &map, const void *base, const cuuint64_t (&dims)[3],
                                const cuuint64_t (&strides)[2], cuuint32_t inner, cuuint32_t rows,
                                const char *what) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr)
-    return fp4attn_error(FP4ATTN_ERR_CUDA,
-                         "int8 attention (sm90 kernel): the driver has no cuTensorMapEncodeTiled");
   const cuuint32_t box[3] = {inner, rows, 1};
-  const CUresult r =
-      encode_tiled<3>(encode, map, CU_TENSOR_MAP_DATA_TYPE_UINT8, base, dims, strides, box,
-                      inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
-  if (r != CUDA_SUCCESS)
-    return fp4attn_error(FP4ATTN_ERR_CUDA,
-                         "int8 attention (sm90 kernel): cuTensorMapEncodeTiled failed for %s (%d)",
-                         what, (int)r);
-  return fp4attn_ok();
+  return encode_checked<3>(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, base, dims, strides, box,
+                           inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                           "int8 attention", what);
 }
 
 fp4attn_status encode_rows16_map(CUtensorMap &map, const void *base, const uint64_t (&dims)[4],
                                  const uint64_t (&strides)[3], cuuint32_t rows, const char *what) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr)
-    return fp4attn_error(FP4ATTN_ERR_CUDA,
-                         "attention (sm90 kernel): the driver has no cuTensorMapEncodeTiled");
   const cuuint64_t d[4] = {dims[0], dims[1], dims[2], dims[3]};
   const cuuint64_t st[3] = {strides[0], strides[1], strides[2]};
   const cuuint32_t box[4] = {64, rows, 1, 1};
-  const CUresult r = encode_tiled<4>(encode, map, CU_TENSOR_MAP_DATA_TYPE_UINT16, base, d, st, box,
-                                     CU_TENSOR_MAP_SWIZZLE_128B);
-  if (r != CUDA_SUCCESS)
-    return fp4attn_error(FP4ATTN_ERR_CUDA,
-                         "attention (sm90 kernel): cuTensorMapEncodeTiled failed for %s (%d)", what,
-                         (int)r);
-  return fp4attn_ok();
+  return encode_checked<4>(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, base, d, st, box,
+                           CU_TENSOR_MAP_SWIZZLE_128B, "int8 attention", what);
 }
 
 bool encode_q_map(const AttnArgs &a, int64_t dp, CUtensorMap &qmap) {
