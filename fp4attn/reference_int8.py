@@ -419,7 +419,7 @@ def attention_backward(
     migrate_pow2: bool | None = None,
     q_block: int = BQ,
     k_block: int = BK,
-    dv_product: str = "int8",
+    dv_product: str = "16bit",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """SPEC_INT8 3: ``(dq, dk, dv)`` in float32 from the forward's ``out`` (as returned, in the
     input dtype) and ``lse`` (as ``attention_forward`` returns it). dK and dV of a KV head sum
@@ -438,9 +438,10 @@ def attention_backward(
     128 the scales vary inside dQ's and dK's products, so each code is scaled before the product
     (float64, rounded once) rather than the integer product after it.
 
-    ``dv_product`` (the same study): ``"int8"`` is the spec's ``dV = P^T dO^``; ``"16bit"`` multiplies P
-    rounded to the 16-bit operand type (dP's: FP16 for FP16 inputs, else BF16) by dO in that
-    type, as the forward's P.V does, with the products exact and summed in float64."""
+    ``dv_product``: ``"16bit"`` (the spec, SPEC_INT8 3) is ``dV = P16^T dO16``, P rounded to dP's
+    16-bit operand type (FP16 for FP16 inputs, else BF16) times dO in that type, as the forward's
+    P.V, the products exact and summed in float64; ``"int8"`` (a study) is the earlier spec's
+    ``sPcol sdO P^T dO^``, P^ per key column and dO^ per channel over each 64-row block."""
     if q_block < 1 or k_block < 1:
         raise ValueError(f"q_block and k_block must be >= 1, got {q_block}, {k_block}")
     if dv_product not in ("int8", "16bit"):
@@ -475,10 +476,10 @@ def attention_backward(
     for j in range(-(-Nk // BK)):
         j0, j1 = j * BK, min((j + 1) * BK, Nk)
         p = torch.exp(ops.scores(j, scale, allowed, additive) - lse_s)  # masked -> 0
-        if dv_16:  # the study: P16^T dO16
+        if dv_16:  # dV_j += P16^T dO16
             p16 = p.to(do16_type).float()
             dv[:, :, j0:j1] += _mm64(p16.transpose(-1, -2), do16)
-        else:  # dV_j: P^ per key column over each 64-row block, dO^ per channel over the same rows
+        else:  # the study: P^ per key column over each 64-row block, dO^ per channel over the rows
             pc, sp = psi(_blocks(p, BQ), (3,))  # [B, Hq, nqb, 64, keys], sp [B, Hq, nqb, 1, keys]
             acc = _mm64(pc.transpose(-1, -2), doc)  # [B, Hq, nqb, n, D]
             dv[:, :, j0:j1] += ((sp.transpose(-1, -2) * sdo) * acc).sum(dim=2)

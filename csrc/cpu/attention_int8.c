@@ -284,18 +284,13 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
   float *dkacc = (float *)calloc((size_t)(Nk * D), sizeof(float));
   float *dvacc = (float *)calloc((size_t)(Nk * D), sizeof(float));
   float *dqacc = (float *)malloc(sizeof(float) * (size_t)(Nq * D));
-  float *dor = (float *)malloc(sizeof(float) * (size_t)(BQ * D));   /* dO of the block, float */
-  float *dor16 = (float *)malloc(sizeof(float) * (size_t)(BQ * D)); /* ... as dP's operand */
-  int8_t *doc = (int8_t *)malloc((size_t)(BQ * D)), *pcode = (int8_t *)malloc(BQ * BK);
+  float *dor16 = (float *)malloc(sizeof(float) * (size_t)(BQ * D));          /* dO16 of the block */
   int8_t *dsq = (int8_t *)malloc(BQ * BK), *dsk = (int8_t *)malloc(BQ * BK); /* dS^ of dQ, dK */
-  float *sdo = (float *)malloc(sizeof(float) * (size_t)D),
-        *sp = (float *)malloc(sizeof(float) * BK),
-        *fq = (float *)malloc(sizeof(float) * BQ * (BK / BKS)),
+  float *fq = (float *)malloc(sizeof(float) * BQ * (BK / BKS)),
         *fk = (float *)malloc(sizeof(float) * BK);
   float *drow = (float *)malloc(sizeof(float) * BQ), *lses = (float *)malloc(sizeof(float) * BQ);
   q_codes q = {0, 0};
-  int ok = P && dS && dkacc && dvacc && dqacc && dor && dor16 && doc && pcode && dsq && dsk &&
-           sdo && sp && fq && fk && drow && lses;
+  int ok = P && dS && dkacc && dvacc && dqacc && dor16 && dsq && dsk && fq && fk && drow && lses;
   for (int64_t g = 0; ok && g < G; ++g) {
     const int64_t h = hk * G + g;
     free(q.qc);
@@ -309,14 +304,13 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
     for (int64_t n = 0; n < Nq * D; ++n) dqacc[n] = 0.0f;
     for (int64_t ib = 0; ib < nqb; ++ib) {
       const int64_t r0 = ib * BQ, rows = Nq - r0 < BQ ? Nq - r0 : BQ;
-      /* dO of the block (float), its per-channel INT8 codes, Drow and the smoothed lse */
+      /* dO16 of the block (dP's and dV's operand), Drow and the smoothed lse */
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = r0 + r;
         float dsum = 0.0f;
         for (int64_t d = 0; d < D; ++d) {
-          const float go = load_row(bp->grad_out, p->dtype, bp->grad_out_stride, b, h, i, d);
-          dor[r * D + d] = go;
-          dor16[r * D + d] = round16(go, p->dtype);
+          dor16[r * D + d] =
+              round16(load_row(bp->grad_out, p->dtype, bp->grad_out_stride, b, h, i, d), p->dtype);
           dsum += dor16[r * D + d] *
                   round16(load_row(p->out, p->dtype, p->out_stride, b, h, i, d), p->dtype);
         }
@@ -325,7 +319,6 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
         const float lse = p->lse[li];
         lses[r] = lse == -INFINITY ? INFINITY : lse - lse_shift(p, kv, b, h, i);
       }
-      for (int64_t d = 0; d < D; ++d) sdo[d] = psi_group(dor + d, rows, 1, D, doc + d);
       /* causal: the key blocks past the block's last row have P = 0 and add nothing */
       const int64_t last = r0 + rows - 1,
                     jend = p->causal && last / BK + 1 < nkb ? last / BK + 1 : nkb;
@@ -336,15 +329,12 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
           score_row(p, &q, kv, b, h, r0 + r, j, P + r * BK);
           for (int64_t n = 0; n < w; ++n) P[r * BK + n] = expf(P[r * BK + n] - lses[r]);
         }
-        /* dV_j += P^T dO in INT8: P per key column, dO per channel, over the block's rows */
-        for (int64_t n = 0; n < w; ++n) sp[n] = psi_group(P + n, rows, 1, BK, pcode + n);
-        for (int64_t n = 0; n < w; ++n) {
-          int32_t acc[FP4ATTN_MAX_HEAD_DIM] = {0};
-          for (int64_t rr = 0; rr < rows; ++rr)
-            if (pcode[rr * BK + n]) axpy8(acc, pcode[rr * BK + n], doc + rr * D, D);
-          for (int64_t d = 0; d < D; ++d)
-            dvacc[(n0 + n) * D + d] += (sp[n] * sdo[d]) * (float)acc[d];
-        }
+        /* dV_j += P16^T dO16: the products of two 16-bit values are exact in FP32 */
+        for (int64_t n = 0; n < w; ++n)
+          for (int64_t rr = 0; rr < rows; ++rr) {
+            const float p16 = round16(P[rr * BK + n], p->dtype);
+            for (int64_t d = 0; d < D; ++d) dvacc[(n0 + n) * D + d] += p16 * dor16[rr * D + d];
+          }
         /* dS = P (dP - Drow), dP = dO V^T on 16-bit operands, FP32 accumulation */
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t n = 0; n < w; ++n) {
@@ -404,14 +394,9 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
   free(dkacc);
   free(dvacc);
   free(dqacc);
-  free(dor);
   free(dor16);
-  free(doc);
-  free(pcode);
   free(dsq);
   free(dsk);
-  free(sdo);
-  free(sp);
   free(fq);
   free(fk);
   free(drow);

@@ -7,7 +7,7 @@
  * recomputing S and dP). Each warp owns 16 keys. The block walks every 64-row query block i of the
  * KV head's query heads (causal: only blocks that see key block j), double-buffering their tiles:
  *   S^T  = K^ Q^_i^T * (sQ sK scale), masks, P^T = exp2(S^T - lse2)         (keys x 64 rows)
- *   dV  += P^ per key column (psi over the 64 rows) x dO^ per channel       (A from registers)
+ *   dV  += P16^T dO16 in 16 bits                     (A from registers, dO16 by ldmatrix .trans)
  *   dP^T = V dO^T in 16 bits; dS^T = P (dP - Drow)
  *   dSk^ = psi per key over the 64 rows (a quad's maximum)
  *   dK  += (scale sdSk sQ_i) dSk^T Q^_i                                     (A from registers)
@@ -37,11 +37,9 @@ struct BwdSmem {
   static constexpr int bQc = 0;                    /* Q^ [64][DP] */
   static constexpr int bQt = bQc + kBQ8 * DP;      /* Q^T [DO][64] perm */
   static constexpr int bDo = bQt + DO * kBQ8;      /* dO [64][DP] 16-bit */
-  static constexpr int bDot = bDo + kBQ8 * DP * 2; /* dO^T [DO][64] perm */
-  static constexpr int bLse = bDot + DO * kBQ8;    /* lse2 [64] */
+  static constexpr int bLse = bDo + kBQ8 * DP * 2; /* lse2 [64] */
   static constexpr int bDrow = bLse + kBQ8 * 4;    /* Drow [64] */
-  static constexpr int bSdo = bDrow + kBQ8 * 4;    /* sdO [DO] */
-  static constexpr int kBufBytes = bSdo + DO * 4;
+  static constexpr int kBufBytes = bDrow + kBQ8 * 4;
   static constexpr int kBytes = kBuf + NBUF * kBufBytes;
 };
 
@@ -71,10 +69,8 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
     load_tile<DP>(B + L::bQc, w.qc + r0 * DP, kBQ8, DP, tid, 256);
     load_tile<kBQ8>(B + L::bQt, w.qct + (blk * DP + d0) * kBQ8, DO, kBQ8, tid, 256);
     load_tile<2 * DP>(B + L::bDo, w.do16 + r0 * DP, kBQ8, 2 * DP, tid, 256);
-    load_tile<kBQ8>(B + L::bDot, w.doct + (blk * DP + d0) * kBQ8, DO, kBQ8, tid, 256);
     load_bytes(B + L::bLse, w.lse2 + r0, kBQ8 * 4, tid, 256);
     load_bytes(B + L::bDrow, w.drow + r0, kBQ8 * 4, tid, 256);
-    load_bytes(B + L::bSdo, w.sdo + blk * DP + d0, DO * 4, tid, 256);
   };
 
   load_tile<DP>(smem + L::kKc, w.kc + (bhk * w.nkp + j0) * DP, kBK8, DP, tid, 256);
@@ -106,7 +102,6 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
     const char *B = smem + L::kBuf + buf * L::kBufBytes;
     const float *lse2 = reinterpret_cast<const float *>(B + L::bLse);
     const float *drow = reinterpret_cast<const float *>(B + L::bDrow);
-    const float *sdo = reinterpret_cast<const float *>(B + L::bSdo);
     const float sq = w.sq[bh * w.nqb + i];
 
     /* S^T = K^ Q^T (this warp's 16 keys x the block's 64 rows), then P^T */
@@ -146,26 +141,19 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
         }
     }
 
-    /* dV += P^T dO: P^ per key over the 64 rows, dO^ per channel */
-    int pc[8][4];
-    float sp[2];
-    psi_rows(pm, pc, sp);
+    /* dV += P16^T dO16: k16 step kk = query rows 16 kk .. 16 kk + 15 */
     {
-      uint32_t pa[2][4];
-      pack_a_from_acc(pa[0], pc, 0);
-      pack_a_from_acc(pa[1], pc, 1);
+      uint32_t pa[4][4];
+      acc_to_a16<kBf16, 4>(pm, pa);
 #pragma unroll
-      for (int np = 0; np < DO / 16; ++np) {
-        int c2[2][4] = {};
-        mma_s8_k64<kBQ8>(c2, pa, B + L::bDot, np);
+      for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-        for (int x = 0; x < 2; ++x)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = np * 16 + x * 8 + 2 * t + (e & 1);
-            dv[2 * np + x][e] += (sp[e >> 1] * sdo[col]) * (float)c2[x][e];
-          }
-      }
+        for (int np = 0; np < DO / 16; ++np) {
+          uint32_t ob[2][2];
+          ldsm_b_trans<2 * DP>(ob, B + L::bDo, 16 * kk, d0 + 16 * np);
+          mma_16816<kBf16>(dv[2 * np], pa[kk], ob[0][0], ob[0][1]);
+          mma_16816<kBf16>(dv[2 * np + 1], pa[kk], ob[1][0], ob[1][1]);
+        }
     }
 
     /* dP^T = V dO^T in 16 bits, FP32 accumulation */

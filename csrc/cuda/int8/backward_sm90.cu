@@ -5,13 +5,14 @@
  * One block = one 128-key block j of one (batch, KV head), 3 warpgroups:
  *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the key block's K^, V (16
  *     bits) and K^T once, then per 64-row query block i of the KV head's query heads (causal: the
- *     blocks that see key block j) Q^, Q^T, dO (16 bits), dO^T, lse2, Drow and sdO into a ring of
+ *     blocks that see key block j) Q^, Q^T, dO (16 bits), lse2 and Drow into a ring of
  *     kStages stages ("full" / "empty" mbarriers).
  *   warpgroups 1 and 2, consumers (setmaxnreg up): 64 keys each (wgmma's M), per query block:
  *     S^T  = K^ Q^T            wgmma m64n64k32 s8 (shared x shared), exact int32
  *     dP^T = V dO^T            wgmma m64n64k16 f16 / bf16, FP32
  *     P^T  = exp2(S^T f - lse2), dS^T = P^T (dP^T - Drow) in registers (accumulator layout)
- *     dV  += P^ per key column x dO^ per channel    wgmma m64n{DP}k32 s8, P^ from registers
+ *     dV  += P16^T dO16                              wgmma m64n{DP}k16 f16 / bf16, P16 from
+ *       registers, dO as the MN-major B; issued before dS and waited for with dK's product
  *     dK  += dSk^T Q^                                wgmma m64n64k32 s8 per 64 columns, dSk^
  *       scaled per key (an accumulator row: a quad's maximum) and packed from registers
  *     dQ_i += dSq^ K^ over this consumer's 64 keys   wgmma m64n64k32 s8 per 64 columns, dSq^
@@ -22,11 +23,12 @@
  *   for each other: only their own 4 warps meet (named barrier 1 + warpgroup), and they share
  *   only the stage ring (measured: no faster than in lockstep; docs/performance.md says what
  *   bounds it).
- * dK and dV stay in FP32 registers for the whole walk (the per-step scales keep the int32 products
- * from accumulating across query blocks) and are stored once, in the input dtype.
+ * dK and dV stay in FP32 registers for the whole walk (dV as its wgmma accumulator; dK's per-step
+ * scales keep its int32 products from accumulating across query blocks) and are stored once, in
+ * the input dtype.
  * Operand layouts (wgmma.cuh): 8-bit tiles K-major, swizzled over their row width (Q^, K^: DP
- * bytes; the perm tiles Q^T, dO^T: 64; K^T and dS^: 128); 16-bit V and dO as DP/64 column blocks
- * of 128-byte rows with the 128-byte swizzle.
+ * bytes; the perm tile Q^T: 64; K^T and dS^: 128); 16-bit V and dO as DP/64 column blocks of
+ * 128-byte rows with the 128-byte swizzle (dO read K-major by dP's product, MN-major by dV's).
  */
 #include "../sm90/tensor_maps.h"
 #include "../sm90/wgmma.cuh"
@@ -56,9 +58,8 @@ struct BwdSm90Config {
   static constexpr int kQBytes = kBQ8 * DP;      /* Q^ [64][DP] */
   static constexpr int kQtBytes = DP * kBQ8;     /* Q^T [DP][64] perm */
   static constexpr int kDoBytes = kBQ8 * DP * 2; /* dO [DP/64][64][64] 16-bit */
-  static constexpr int kDotBytes = DP * kBQ8;    /* dO^T [DP][64] perm */
-  static constexpr int kTileBytes = kQBytes + kQtBytes + kDoBytes + kDotBytes;
-  static constexpr int kVecBytes = 2 * kBQ8 * 4 + DP * 4; /* lse2 [64], Drow [64], sdO [DP] */
+  static constexpr int kTileBytes = kQBytes + kQtBytes + kDoBytes;
+  static constexpr int kVecBytes = 2 * kBQ8 * 4; /* lse2 [64], Drow [64] */
   /* shared memory from a 1024-byte boundary (every tile a multiple of 1024 bytes) */
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kKBytes;
@@ -66,9 +67,9 @@ struct BwdSm90Config {
   static constexpr int kOffDs = kOffKt + kKtBytes;
   static constexpr int kOffDq = kOffDs + kDsBytes;
   static constexpr int kOffStage = kOffDq + 2 * kDqBytes;
-  static constexpr int sQ = 0, sQt = sQ + kQBytes, sDo = sQt + kQtBytes, sDot = sDo + kDoBytes;
+  static constexpr int sQ = 0, sQt = sQ + kQBytes, sDo = sQt + kQtBytes;
   static constexpr int kOffVec = kOffStage + kStages * kTileBytes;
-  static constexpr int vLse = 0, vDrow = kBQ8 * 4, vSdo = 2 * kBQ8 * 4;
+  static constexpr int vLse = 0, vDrow = kBQ8 * 4;
   /* per consumer and step parity: each warp's maxima of |dS| per query row (floats) */
   static constexpr int kRedFloats = 2 * 4 * kBQ8;
   static constexpr int kOffRed = kOffVec + kStages * kVecBytes;
@@ -83,10 +84,10 @@ struct BwdSm90Config {
 
 /* Kernel parameters: the 8-bit arguments and this call's TMA maps (bytes, innermost first) of
  * K^ {DP, nkp, BHk}, V {2 DP, nkp, BHk}, K^T {128, nkb DP, BHk}, Q^ {DP, nqp, BHq},
- * Q^T {64, nqb DP, BHq}, dO {2 DP, nqp, BHq}, dO^T {64, nqb DP, BHq}. */
+ * Q^T {64, nqb DP, BHq}, dO {2 DP, nqp, BHq}. */
 struct Int8BwdSm90Params {
   Int8Args a;
-  CUtensorMap kmap, vmap, ktmap, qmap, qtmap, domap, dotmap;
+  CUtensorMap kmap, vmap, ktmap, qmap, qtmap, domap;
 };
 
 #if defined(FP4ATTN_SM90_WGMMA)
@@ -178,10 +179,8 @@ struct Int8BwdSm90 {
       for (int cb = 0; cb < DP / 64; ++cb)
         tma_load_3d(smem_u32(st + C::sDo + cb * kBQ8 * 128), &prm.domap, cb * 128, ir, bhq,
                     bar.full(s));
-      tma_load_3d(smem_u32(st + C::sDot), &prm.dotmap, 0, id, bhq, bar.full(s));
       bulk_load(smem_u32(vec + C::vLse), w.lse2 + r0, kBQ8 * 4, bar.full(s));
       bulk_load(smem_u32(vec + C::vDrow), w.drow + r0, kBQ8 * 4, bar.full(s));
-      bulk_load(smem_u32(vec + C::vSdo), w.sdo + (bh * w.nqb + i) * DP, DP * 4, bar.full(s));
       mbar_arrive(bar.full(s));
     }
   }
@@ -225,11 +224,12 @@ struct Int8BwdSm90 {
       const char *vec = sm + C::kOffVec + s * C::kVecBytes;
       const float *lse2 = reinterpret_cast<const float *>(vec + C::vLse);
       const float *drow = reinterpret_cast<const float *>(vec + C::vDrow);
-      const float *sdo = reinterpret_cast<const float *>(vec + C::vSdo);
       const uint64_t q_desc = kmajor_desc<kQkRow>(smem_u32(st + C::sQ));
       const uint64_t qt_desc = kmajor_desc<kBQ8>(smem_u32(st + C::sQt));
       const uint32_t do_lo = sw128_desc_lo(smem_u32(st + C::sDo));
-      const uint64_t dot_desc = kmajor_desc<kBQ8>(smem_u32(st + C::sDot));
+      /* dO as dV's MN-major B: query rows 16 kk .. at + 16 x 128 bytes, channel slabs 64 x 128
+       * bytes apart */
+      const uint64_t do_mn = mnmajor_sw128_desc(smem_u32(st + C::sDo), kBQ8 * 128);
       const float sq = w.sq[bh * w.nqb + i];
       mbar_wait(bar.full(s), (it / C::kStages) & 1);
 
@@ -277,14 +277,16 @@ struct Int8BwdSm90 {
           }
       }
 
-      /* P^: psi per key over the 64 rows, packed as the A fragments of dV's two k32 steps */
-      uint32_t pa[2][4];
-      float sp[2];
+      /* dV += P16^T dO16 (k16 step kk: query rows 16 kk ..), accumulated by the wgmma itself;
+       * waited for with dK's product, so that the tensor cores run it beside dS's quantization */
       {
-        uint32_t pc[8][4];
-        psi_rows(pm, pc, sp);
-        pack_a_from_words(pa[0], pc, 0);
-        pack_a_from_words(pa[1], pc, 1);
+        uint32_t pa[4][4];
+        acc_to_a16<kBf16, 4>(pm, pa);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_rs_acc_k16<DP, kBf16, true>(dv, pa[kk], do_mn + kk * (16 * 128 >> 4));
+        wgmma_commit();
       }
 
       /* dS^T = P^T (dP^T - Drow) in place of dP; dSk^, dK's codes, per key (accumulator row) */
@@ -348,26 +350,6 @@ struct Int8BwdSm90 {
         }
       fence_proxy_async(); /* the dS^ bytes, for this consumer's dQ wgmma */
 
-      /* dV += (sP sdO) P^T dO^ */
-      int big[DP / 8][4];
-      wgmma_fence();
-#pragma unroll
-      for (int kb = 0; kb < 2; ++kb) {
-        if constexpr (DP == 128)
-          wgmma_rs_m64n128k32_s8(big, pa[kb], dot_desc + 2 * kb, kb > 0);
-        else
-          wgmma_rs_m64n64k32_s8(big, pa[kb], dot_desc + 2 * kb, kb > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(big);
-#pragma unroll
-      for (int n = 0; n < DP / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = n * 8 + 2 * t + (e & 1);
-          dv[n][e] += (sp[e >> 1] * sdo[col]) * (float)big[n][e];
-        }
       wg_sync(); /* B: this consumer's dS^ keys are in the tile */
 
       /* per 64 columns c: dK += (scale sdSk sQ) dSk^T Q^ (per key) and dQ_i += (scale sdSq sK)
@@ -423,7 +405,9 @@ struct Int8BwdSm90 {
     }
     if (wtid == 0) bulk_wait<0>(); /* the last dQ reduction, before the block's memory goes */
 
-    /* dK and dV of this warp's 16 keys, in the input dtype */
+    /* dK and dV of this warp's 16 keys, in the input dtype (dV's last wgmma was waited for with
+     * dK's last product) */
+    fence_regs(dv);
     store_dk_dv_rows(a, walk.bhk, j0 + krow0, 0, dk, dv);
   }
 
@@ -497,7 +481,6 @@ fp4attn_status launch_int8_backward_sm90(const Int8Args &a, cudaStream_t s) {
        128,
        kBQ8,
        "dO"},
-      {prm.dotmap, w.doct, {kBQ8, w.nqb * dp, bhq}, {kBQ8, w.nqb * dp * kBQ8}, kBQ8, DP, "dO^T"},
   };
   for (Map &m : maps) {
     const fp4attn_status st =

@@ -59,9 +59,7 @@ struct Int8Workspace {
   /* backward only */
   int8_t *kct;    /* [bhk][nkb][dp][128]: K^ transposed per block (natural key order) */
   int8_t *qct;    /* [bhq][nqb][dp][64] perm: Q^ transposed per block */
-  uint16_t *do16; /* [bhq][nqp][dp]: dO in 16 bits */
-  int8_t *doct;   /* [bhq][nqb][dp][64] perm: dO^ per channel over each 64-row block */
-  float *sdo;     /* [bhq][nqb][dp] */
+  uint16_t *do16; /* [bhq][nqp][dp]: dO in 16 bits (dP's and dV's operand) */
   float *drow;    /* [bhq][nqp]: rowsum(dO * O) - dlse (0 on padding rows) */
   float *lse2;    /* [bhq][nqp]: (lse - qshift) * log2(e), +inf where no key is visible */
   float *dq_acc;  /* [bhq][len_q][dp]: FP32 dQ accumulated by the key blocks */
@@ -141,8 +139,6 @@ static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params
   w.kct = (int8_t *)take(bw * bhk * w.nkp * dp);
   w.qct = (int8_t *)take(bw * bhq * w.nqp * dp);
   w.do16 = (uint16_t *)take(bw * 2 * bhq * w.nqp * dp);
-  w.doct = (int8_t *)take(bw * bhq * w.nqp * dp);
-  w.sdo = (float *)take(bw * 4 * bhq * w.nqb * dp);
   w.drow = (float *)take(bw * 4 * bhq * w.nqp);
   w.lse2 = (float *)take(bw * 4 * bhq * w.nqp);
   w.dq_acc = (float *)take(bw * 4 * bhq * p->len_q * dp);
@@ -256,16 +252,25 @@ __device__ __forceinline__ uint32_t pack16x2(float a, float b) {
   }
 }
 
-/* P16 = W rounded to the 16-bit type, from W in accumulator layout (16 tiles of 8 keys). */
-template <bool kBf16>
-__device__ __forceinline__ void make_p16(const float (&w)[16][4], P16 &p) {
+/* The A fragments of kSteps k16 steps from FP32 values in accumulator layout (2 kSteps tiles of 8
+ * columns, step k = tiles 2k, 2k + 1), rounded to nearest even to the 16-bit type: an m16n8k16 /
+ * wgmma accumulator becomes the A operand of the next product in registers. */
+template <bool kBf16, int kSteps>
+__device__ __forceinline__ void acc_to_a16(const float (&w)[2 * kSteps][4],
+                                           uint32_t (&a)[kSteps][4]) {
 #pragma unroll
-  for (int k = 0; k < 8; ++k)
+  for (int k = 0; k < kSteps; ++k)
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int n = 2 * k + (q >> 1), e = 2 * (q & 1);
-      p.a[k][q] = pack16x2<kBf16>(w[n][e], w[n][e + 1]);
+      a[k][q] = pack16x2<kBf16>(w[n][e], w[n][e + 1]);
     }
+}
+
+/* P16 = W rounded to the 16-bit type, from W in accumulator layout (16 tiles of 8 keys). */
+template <bool kBf16>
+__device__ __forceinline__ void make_p16(const float (&w)[16][4], P16 &p) {
+  acc_to_a16<kBf16, 8>(w, p.a);
 }
 
 /* O += P16 V16 over output tiles 2np, 2np + 1 (columns 16np .. 16np + 15): vt the step's swizzled

@@ -17,7 +17,7 @@
  * - Q: Q^ = psi(Q s) per 64 rows (row-major; perm tiles for the backward), and the lse's
  *   smoothing term scale * (q . kbar) per row, of the unmigrated q.
  * - dO (backward): Drow = rowsum(dO * O) - dlse (16-bit operands, like dP), the smoothed lse in
- *   log2 units, dO^ per channel over each 64-row block (perm tiles), dO in 16 bits.
+ *   log2 units, dO in 16 bits (dO16, the operand of dP and dV).
  * - finish_dq (backward): dQ = the kernel's FP32 sum * s + scale * dlse kbar, in the input
  *   dtype (the kernels' dK epilogue divides by s).
  */
@@ -33,11 +33,6 @@ constexpr int kThreads = 256;
 /* max of non-negative floats by their bits: a NaN (sign cleared) beats +inf, as SPEC_INT8 asks */
 __device__ __forceinline__ float amax_u(float a, float b) {
   return __uint_as_float(max(__float_as_uint(a), __float_as_uint(b)));
-}
-
-/* the larger of two sizes, in a constant expression */
-constexpr int cmax(int a, int b) {
-  return a > b ? a : b;
 }
 
 __device__ __forceinline__ uint16_t to16(float x, bool bf16) {
@@ -366,13 +361,12 @@ struct RegTile {
       }
     }
   }
-  /* codes_transposed of psi's codes of f(i, e) with factor r(channel) */
-  template <bool kPerm, typename F, typename R>
-  __device__ void psi_transposed(void *t, F f, R r) const {
+  /* codes_transposed of psi's codes of f(i, e) with the block's factor r */
+  template <bool kPerm, typename F>
+  __device__ void psi_transposed(void *t, F f, float r) const {
     codes_transposed<kPerm>(t, [&](int e) {
-      const float re = r(c + e);
-      return pack_s8x4(code_s8(f(0, e), re), code_s8(f(1, e), re), code_s8(f(2, e), re),
-                       code_s8(f(3, e), re));
+      return pack_s8x4(code_s8(f(0, e), r), code_s8(f(1, e), r), code_s8(f(2, e), r),
+                       code_s8(f(3, e), r));
     });
   }
 
@@ -396,36 +390,6 @@ __device__ float block_amax(float v, float *red) {
   for (int w = 0; w < kWarps; ++w) v = amax_u(v, red[w]);
   __syncthreads();
   return v;
-}
-
-/* Per channel of a register tile, psi's factors over its kRows rows: r to chan_r[d] (shared), the
- * scale to scales[d]. red: kWarps x DP floats of shared memory, free again on return. */
-template <typename T>
-__device__ void channel_factors(const T &t, float *red, float *chan_r, float *scales) {
-  constexpr int DP = T::kGroups * 8;
-  float m[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e)
-    m[e] = amax_u(amax_u(fabsf(t.v[0][e]), fabsf(t.v[1][e])),
-                  amax_u(fabsf(t.v[2][e]), fabsf(t.v[3][e])));
-#pragma unroll
-  for (int o = T::kGroups; o < 32; o <<= 1) /* the warp's lanes of the same columns */
-#pragma unroll
-    for (int e = 0; e < 8; ++e) m[e] = amax_u(m[e], __shfl_xor_sync(0xffffffffu, m[e], o));
-  const int warp = threadIdx.x >> 5;
-  if ((threadIdx.x & 31) < T::kGroups)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) red[warp * DP + t.c + e] = m[e];
-  __syncthreads();
-  for (int d = threadIdx.x; d < DP; d += T::kThreads) {
-    float a = 0.0f;
-    for (int w = 0; w < T::kWarps; ++w) a = amax_u(a, red[w * DP + d]);
-    float r, s;
-    psi_factors(a, r, s);
-    chan_r[d] = r;
-    scales[d] = s;
-  }
-  __syncthreads();
 }
 
 template <int DP, fp4attn_dtype kDt>
@@ -475,7 +439,7 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
     };
     t.store_rows(w.kc + (bhk * w.nkp + n0) * DP, r, ks);
     if (!backward) return;
-    t.template psi_transposed<false>(codes, ks, [&](int) { return r; });
+    t.template psi_transposed<false>(codes, ks, r);
     __syncthreads();
     T::copy_transposed(w.kct + (bhk * w.nkb + j) * DP * kBK8, codes);
     return;
@@ -532,18 +496,16 @@ __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads)
   if (threadIdx.x == 0) w.sq[bh * w.nqb + i] = sq;
   t.store_rows(w.qc + (bh * w.nqp + r0) * DP, rq, qs);
   if (!backward) return;
-  t.template psi_transposed<true>(codes, qs, [&](int) { return rq; });
+  t.template psi_transposed<true>(codes, qs, rq);
   __syncthreads();
   T::copy_transposed(w.qct + (bh * w.nqb + i) * DP * kBQ8, codes);
 }
 
-/* One 64-row block of one (batch, query head) of dO: Drow and the smoothed lse per row, dO^ per
- * channel (perm tiles), dO in 16 bits. */
+/* One 64-row block of one (batch, query head) of dO: Drow and the smoothed lse per row, dO in 16
+ * bits. */
 template <int DP, fp4attn_dtype kDt>
 __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads) prepare_do_kernel(const Int8Args a) {
   using T = QTile<DP, kDt>;
-  __shared__ __align__(16) char buf[cmax(T::kWarps * DP * 4, DP * kBQ8)];
-  __shared__ float chan_r[DP];
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
   const int64_t bh = blockIdx.x / w.nqb, i = blockIdx.x % w.nqb;
@@ -575,12 +537,6 @@ __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads) prepare_do_kernel(co
     }
   }
   t.store_rows16(w.do16 + (bh * w.nqp + r0) * DP, a.bf16_ops);
-  channel_factors(t, reinterpret_cast<float *>(buf), chan_r, w.sdo + (bh * w.nqb + i) * DP);
-  t.template psi_transposed<true>(
-      reinterpret_cast<int8_t *>(buf), [&](int r, int e) { return t.v[r][e]; },
-      [&](int d) { return chan_r[d]; });
-  __syncthreads();
-  T::copy_transposed(w.doct + (bh * w.nqb + i) * DP * kBQ8, buf);
 }
 
 /* dQ = dQ' s + scale * dlse kbar (SPEC_INT8 3; no correction without dlse or where the row sees no
