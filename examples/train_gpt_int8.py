@@ -21,6 +21,10 @@ plot shows each arm's mean validation curve with its seed range.
 it idle); the losses do not depend on it, the tokens/s columns do (they are then shared-GPU rates:
 measure speed with --jobs 1).
 
+--arms int8 --reuse FILE trains one arm only and takes the other's rows (and tokens/s) from an
+earlier result of the same protocol, e.g. after a change to fp4attn, which leaves the torch arm as
+it was: `--arms int8 --reuse docs/results/train_gpt_int8.csv` (the CSV's header says so).
+
 --probe-every N checks the int8 arm's gradients while it trains: every N steps each layer's live
 q, k, v and upstream gradient dO go through the int8 op and through exact FP32 attention with
 autograd, and the cos of out, dQ, dK and dV between the two are written to
@@ -49,7 +53,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))  # provenance: the re
 import fp4attn  # noqa: E402
 from fp4attn.sdpa import ORIGINAL_SDPA  # noqa: E402
 from loss_curves import plot_loss_curves  # noqa: E402
-from provenance import ROOT, cpu_description, gpu_description, header, write_csv  # noqa: E402
+from provenance import ROOT, cpu_description, gpu_description, header, read_csv, write_csv  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "docs", "results")
 
@@ -215,6 +219,26 @@ def train(kind, data, val, args, device, seed):
     return rows, tokens / max(t_train, 1e-9), probed
 
 
+def reused_rows(args: argparse.Namespace, seeds: list[int], arms: list[str]) -> tuple[list[dict], dict]:
+    """The rows of `arms` for `seeds` from --reuse, typed, each run complete to --steps; and the
+    file's header."""
+    if not arms:
+        return [], {}
+    if not args.reuse:
+        raise SystemExit(f"--arms {args.arms} leaves the {' and '.join(arms)} arm out: --reuse names "
+                         f"the earlier result to take it from")
+    head, raw = read_csv(args.reuse)
+    rows = [{"run": r["run"], "seed": int(r["seed"]), "step": int(r["step"]),
+             **{k: float(r[k]) for k in ("train_loss", "val_loss", "val_loss_exact_attention",
+                                          "tokens_per_s")}}
+            for r in raw if r["run"] in arms and int(r["seed"]) in seeds]
+    for arm in arms:
+        for seed in seeds:
+            if not any(r["run"] == arm and r["seed"] == seed and r["step"] == args.steps for r in rows):
+                raise SystemExit(f"--reuse {args.reuse}: no {arm} run of seed {seed} to step {args.steps}")
+    return rows, head
+
+
 def load_corpus(path: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The corpus as byte tokens, split 95 % train / 5 % validation."""
     raw = open(path, "rb").read() if path else austen_bytes()
@@ -284,6 +308,10 @@ def main() -> int:
     ap.add_argument("--probe-save-layer", type=int, default=-1, metavar="L",
                     help="with --probe-every: also save layer L's q, k, v and dO (first sequence of "
                          "the batch) at each probed step into --out/probe_tensors_seed<S>/")
+    ap.add_argument("--arms", default="torch,int8", help="the arms to train (comma-separated)")
+    ap.add_argument("--reuse", metavar="CSV",
+                    help="an earlier train_gpt_int8.csv of the same protocol: the arms not trained "
+                         "now come from it")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     if args.jobs < 1:
@@ -303,7 +331,11 @@ def main() -> int:
           f"{args.dim} dims x {args.heads} heads, seq {args.seq}, batch {args.batch}, {args.steps} "
           f"steps on {device}, {args.jobs} run(s) at once")
     seeds = [int(x) for x in args.seeds.split(",")]
-    runs = [(kind, seed) for seed in seeds for kind in ("torch", "int8")]
+    arms = args.arms.split(",")
+    if not arms or any(a not in ("torch", "int8") for a in arms):
+        raise SystemExit(f"--arms must name torch and / or int8, got {args.arms!r}")
+    reused, reused_head = reused_rows(args, seeds, [a for a in ("torch", "int8") if a not in arms])
+    runs = [(kind, seed) for seed in seeds for kind in arms]
     if args.jobs == 1:
         done = [train(kind, train_data, val, args, device, seed) for kind, seed in runs]
     else:
@@ -313,11 +345,16 @@ def main() -> int:
         with concurrent.futures.ProcessPoolExecutor(
                 args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             done = list(pool.map(train_in_process, *zip(*runs), [args] * len(runs)))
-    results, speed, probed = [], {"torch": [], "int8": []}, []
-    for (kind, _), (rows, tps, probe_rows) in zip(runs, done):
+    results, speed, probed = [], {"torch": {}, "int8": {}}, []
+    for (kind, seed), (rows, tps, probe_rows) in zip(runs, done):
         results += rows
-        speed[kind].append(tps)
+        speed[kind][seed] = tps
         probed += probe_rows
+    for r in reused:
+        results.append({k: r[k] for k in ("run", "seed", "step", "train_loss", "val_loss",
+                                          "val_loss_exact_attention")})
+        speed[r["run"]][r["seed"]] = r["tokens_per_s"]
+    results.sort(key=lambda r: (r["run"] != "torch", r["seed"], r["step"]))
     summary = summarise(results, seeds, args.target_loss)
     label = {"torch": "torch SDPA (bf16)" if device.type == "cuda" else "torch SDPA",
              "int8": "fp4attn int8"}
@@ -329,7 +366,7 @@ def main() -> int:
         f, t = summary[k]["final"], summary[k]["reach"]
         reach = f"{t[0]:.0f} +- {t[1]:.0f}" if t else "not reached"
         print(f"| {label[k]} | {f[0]:.4f} +- {f[1]:.4f} ({f[2]:.4f}..{f[3]:.4f}) | {reach} | "
-              f"{sum(speed[k]) / len(speed[k]):,.0f} |")
+              f"{sum(speed[k].values()) / len(speed[k]):,.0f} |")
     rel = summary["int8"]["final"][0] / summary["torch"]["final"][0] - 1
     print(f"\nint8 vs torch: mean final validation loss {100 * rel:+.2f}%; parity: "
           f"{'yes' if summary['parity'] else 'no'} ({summary['why']})")
@@ -340,8 +377,12 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     hw = gpu_description() if device.type == "cuda" else cpu_description()
     for r in results:
-        r["tokens_per_s"] = round(speed[r["run"]][seeds.index(r["seed"])])
-    write_csv(os.path.join(args.out, "train_gpt_int8.csv"), header(hw), results)
+        r["tokens_per_s"] = round(speed[r["run"]][r["seed"]])
+    head = header(hw)
+    if reused:
+        head["reused"] = (f"the {' and '.join(sorted({r['run'] for r in reused}))} arm from "
+                          f"{args.reuse}: " + "; ".join(f"{k} {v}" for k, v in reused_head.items()))
+    write_csv(os.path.join(args.out, "train_gpt_int8.csv"), head, results)
     if probed:
         write_csv(os.path.join(args.out, "train_gpt_int8_probe.csv"), header(hw), probed)
     png = os.path.join(args.out, "train_gpt_int8.png")

@@ -108,6 +108,23 @@ def test_train_gpt_int8_runs_both_attentions(tmp_path):
     head, rows = read_csv(str(ROOT / "docs" / "results" / "train_gpt_int8.csv"))  # committed
     assert head["command"].startswith("python examples/train_gpt_int8.py")
     assert {r["run"] for r in rows} == {"torch", "int8"}
+    # one arm again, the other reused from that result: the same torch rows, the reuse named
+    again = tmp_path / "again"
+    common = ["--corpus", str(corpus), "--steps", "4", "--eval-every", "2", "--val-batches", "1",
+              "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "32", "--batch", "2"]
+    run_example("train_gpt_int8.py", *common, "--arms", "int8", "--reuse",
+                str(tmp_path / "train_gpt_int8.csv"), "--out", str(again))
+    head2, rows2 = read_csv(str(again / "train_gpt_int8.csv"))
+    assert "the torch arm from" in head2["reused"]
+    first = [r for r in read_csv(str(tmp_path / "train_gpt_int8.csv"))[1] if r["run"] == "torch"]
+    assert [(r["step"], float(r["val_loss"])) for r in rows2 if r["run"] == "torch"] == [
+        (r["step"], float(r["val_loss"])) for r in first]
+    assert [r["step"] for r in rows2 if r["run"] == "int8"] == ["2", "4"]
+    with pytest.raises(AssertionError, match="--reuse names"):  # an arm left out needs --reuse
+        run_example("train_gpt_int8.py", *common, "--arms", "int8", "--out", str(again))
+    with pytest.raises(AssertionError, match="no torch run of seed 0 to step 6"):  # as long
+        run_example("train_gpt_int8.py", *common[:2], "--steps", "6", *common[4:], "--arms", "int8",
+                    "--reuse", str(tmp_path / "train_gpt_int8.csv"), "--out", str(again))
 
 
 @needs_smollm2
