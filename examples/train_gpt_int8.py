@@ -332,8 +332,10 @@ def main() -> int:
           f"steps on {device}, {args.jobs} run(s) at once")
     seeds = [int(x) for x in args.seeds.split(",")]
     arms = args.arms.split(",")
-    if not arms or any(a not in ("torch", "int8") for a in arms):
-        raise SystemExit(f"--arms must name torch and / or int8, got {args.arms!r}")
+    if not arms or any(a not in ("torch", "int8") for a in arms) or len(set(arms)) != len(arms):
+        raise SystemExit(f"--arms must name torch and / or int8 once each, got {args.arms!r}")
+    if args.reuse and len(arms) == 2:
+        raise SystemExit("--reuse takes the arm that --arms leaves out, but --arms names both")
     reused, reused_head = reused_rows(args, seeds, [a for a in ("torch", "int8") if a not in arms])
     runs = [(kind, seed) for seed in seeds for kind in arms]
     if args.jobs == 1:

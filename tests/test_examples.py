@@ -120,6 +120,9 @@ def test_train_gpt_int8_runs_both_attentions(tmp_path):
     assert [(r["step"], float(r["val_loss"])) for r in rows2 if r["run"] == "torch"] == [
         (r["step"], float(r["val_loss"])) for r in first]
     assert [r["step"] for r in rows2 if r["run"] == "int8"] == ["2", "4"]
+    with pytest.raises(AssertionError, match="--arms names both"):  # nothing to reuse
+        run_example("train_gpt_int8.py", *common, "--reuse", str(tmp_path / "train_gpt_int8.csv"),
+                    "--out", str(again))
     with pytest.raises(AssertionError, match="--reuse names"):  # an arm left out needs --reuse
         run_example("train_gpt_int8.py", *common, "--arms", "int8", "--out", str(again))
     with pytest.raises(AssertionError, match="no torch run of seed 0 to step 6"):  # as long
