@@ -180,6 +180,7 @@ class _Quantized:
             self.mig = channel_migration(q32, k32, self.kbar, G, migrate, migrate_pow2)
             q32 = q32 * _per_q_head(self.mig, G)  # Q' = Q s, Ks' = Ks / s: Q' Ks'^T = Q Ks^T
             ks = _div_rn(ks, self.mig)
+        self.q_mig, self.ks_mig = q32, _per_q_head(ks, G)  # Q', Ks' unquantized (the ds study)
         qc, sq = psi(_blocks(q32, q_block), (3, 4))  # per q_block rows (SPEC: 64)
         kc, sk = psi(_blocks(ks, k_block), (3, 4))  # per k_block keys (SPEC: 128)
         if pv == "int8":  # INT8 codes per v_block keys (0: the whole sequence) and channel
@@ -420,6 +421,7 @@ def attention_backward(
     q_block: int = BQ,
     k_block: int = BK,
     dv_product: str = "16bit",
+    ds_product: str = "int8",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """SPEC_INT8 3: ``(dq, dk, dv)`` in float32 from the forward's ``out`` (as returned, in the
     input dtype) and ``lse`` (as ``attention_forward`` returns it). dK and dV of a KV head sum
@@ -441,11 +443,18 @@ def attention_backward(
     ``dv_product``: ``"16bit"`` (the spec, SPEC_INT8 3) is ``dV = P16^T dO16``, P rounded to dP's
     16-bit operand type (FP16 for FP16 inputs, else BF16) times dO in that type, as the forward's
     P.V, the products exact and summed in float64; ``"int8"`` (a study) is the earlier spec's
-    ``sPcol sdO P^T dO^``, P^ per key column and dO^ per channel over each 64-row block."""
+    ``sPcol sdO P^T dO^``, P^ per key column and dO^ per channel over each 64-row block.
+
+    ``ds_product`` (a study): ``"int8"`` is the spec's dQ and dK from dS^ (per query row for dQ,
+    per key for dK); ``"16bit"`` multiplies dS, Q' and Ks' rounded to that 16-bit type instead
+    (``dQ' += scale dS16 Ks'16``, ``dK' += scale dS16^T Q'16``, the products exact and summed in
+    float64): what the backward's gradients would be with only the scores in INT8."""
     if q_block < 1 or k_block < 1:
         raise ValueError(f"q_block and k_block must be >= 1, got {q_block}, {k_block}")
     if dv_product not in ("int8", "16bit"):
         raise ValueError(f'dv_product must be "int8" or "16bit", got {dv_product!r}')
+    if ds_product not in ("int8", "16bit"):
+        raise ValueError(f'ds_product must be "int8" or "16bit", got {ds_product!r}')
     mig = _migrate_kw(migrate, migrate_pow2)
     G, scale, allowed, additive = _prepare(q, k, v, attn_mask, is_causal, scale)
     B, Hq, Nq, D = q.shape
@@ -486,6 +495,11 @@ def attention_backward(
         # dS = P * (dP - Drow), dP with FP32 accumulation
         dp = torch.matmul(do16, v16[:, :, j0:j1].transpose(-1, -2))
         ds = p * (dp - drow)
+        if ds_product == "16bit":  # the study: dS, Q', Ks' in 16 bits
+            ds16 = ds.to(do16_type).float()
+            dq += scale * _mm64(ds16, ops.ks_mig[:, :, j0:j1].to(do16_type).float())
+            dk[:, :, j0:j1] += scale * _mm64(ds16.transpose(-1, -2), ops.q_mig.to(do16_type).float())
+            continue
         sq = ops.sq[..., 0]  # [B, Hq, Nq]: the 64-row block scale of each row
         # dS^ for dQ: one scale per query row and 64 keys (a row of dQ's product): [B,Hq,Nq,1]
         for h0 in range(j0, j1, BKS):

@@ -173,6 +173,24 @@ def test_backward_dv_product_study():
         R8.attention_backward(grad_out, q, k, v, out, lse, None, causal, dv_product="fp8")
 
 
+def test_backward_ds_product_study():
+    """attention_backward's ds_product study: dQ and dK from dS, Q' and Ks' in 16 bits are closer
+    to exact than the spec's INT8 dS^ products, dV does not depend on it, and an unknown form is
+    refused."""
+    B, Hq, Hkv, Nq, Nk, D, causal = (1, 4, 2, 150, 300, 64, True)
+    q, k, v = make(B, Hq, Hkv, Nq, Nk, D, dtype=torch.bfloat16, seed=11)
+    out, lse = R8.attention_forward(q, k, v, None, causal)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(12)).bfloat16()
+    spec = R8.attention_backward(grad_out, q, k, v, out, lse, None, causal)
+    d16 = R8.attention_backward(grad_out, q, k, v, out, lse, None, causal, ds_product="16bit")
+    ref = exact_with_grads(q, k, v, None, causal, grad_out)[1:]
+    assert torch.equal(d16[2], spec[2])
+    for i in (0, 1):
+        assert 1 - cos(d16[i], ref[i]) < 1 - cos(spec[i], ref[i])
+    with pytest.raises(ValueError, match="ds_product"):
+        R8.attention_backward(grad_out, q, k, v, out, lse, None, causal, ds_product="fp8")
+
+
 def rel_l1(a, b) -> float:
     return ((a.double() - b.double()).abs().sum() / b.double().abs().sum().clamp_min(1e-30)).item()
 
