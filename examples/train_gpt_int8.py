@@ -23,7 +23,9 @@ measure speed with --jobs 1).
 
 --arms int8 --reuse FILE trains one arm only and takes the other's rows (and tokens/s) from an
 earlier result of the same protocol, e.g. after a change to fp4attn, which leaves the torch arm as
-it was: `--arms int8 --reuse docs/results/train_gpt_int8.csv` (the CSV's header says so).
+it was: `--arms int8 --reuse docs/results/train_gpt_int8.csv` (the CSV's header says so). A result
+whose command differs in steps, batch, sequence, model size, learning rate, evaluation or corpus
+file is refused.
 
 --probe-every N checks the int8 arm's gradients while it trains: every N steps each layer's live
 q, k, v and upstream gradient dO go through the int8 op and through exact FP32 attention with
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import sys
 import time
 
@@ -228,6 +231,20 @@ def reused_rows(args: argparse.Namespace, seeds: list[int], arms: list[str]) -> 
         raise SystemExit(f"--arms {args.arms} leaves the {' and '.join(arms)} arm out: --reuse names "
                          f"the earlier result to take it from")
     head, raw = read_csv(args.reuse)
+    for command in head.get("command", "").split(";"):  # "python ... ; then python ..."
+        words = shlex.split(command)
+        script = next((i for i, w in enumerate(words) if w.endswith("train_gpt_int8.py")), None)
+        if script is None:
+            continue
+        earlier, _ = build_parser().parse_known_args(words[script + 1:])
+        for name in PROTOCOL:
+            if getattr(earlier, name) != getattr(args, name):
+                raise SystemExit(f"--reuse {args.reuse}: its runs used --{name.replace('_', '-')} "
+                                 f"{getattr(earlier, name)}, this one {getattr(args, name)}")
+        if earlier.corpus and args.corpus and (os.path.basename(earlier.corpus) !=
+                                               os.path.basename(args.corpus)):
+            raise SystemExit(f"--reuse {args.reuse}: its runs trained on {earlier.corpus}, this one "
+                             f"on {args.corpus}")
     rows = [{"run": r["run"], "seed": int(r["seed"]), "step": int(r["step"]),
              **{k: float(r[k]) for k in ("train_loss", "val_loss", "val_loss_exact_attention",
                                           "tokens_per_s")}}
@@ -284,7 +301,7 @@ def summarise(rows: list[dict], seeds: list[int], target: float | None) -> dict:
     return out
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", help="a UTF-8 text file (default: the janeaustenr package)")
     ap.add_argument("--write-corpus", metavar="FILE", help="write the Austen corpus as text and exit")
@@ -313,7 +330,15 @@ def main() -> int:
                     help="an earlier train_gpt_int8.csv of the same protocol: the arms not trained "
                          "now come from it")
     ap.add_argument("--out", default=RESULTS)
-    args = ap.parse_args()
+    return ap
+
+
+#: The options that make two runs' rows comparable (--reuse refuses a result that differs in one).
+PROTOCOL = ("steps", "batch", "seq", "layers", "dim", "heads", "lr", "eval_every", "val_batches")
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
     if args.probe_every < 0:

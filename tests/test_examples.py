@@ -125,9 +125,13 @@ def test_train_gpt_int8_runs_both_attentions(tmp_path):
                     "--out", str(again))
     with pytest.raises(AssertionError, match="--reuse names"):  # an arm left out needs --reuse
         run_example("train_gpt_int8.py", *common, "--arms", "int8", "--out", str(again))
-    with pytest.raises(AssertionError, match="no torch run of seed 0 to step 6"):  # as long
-        run_example("train_gpt_int8.py", *common[:2], "--steps", "6", *common[4:], "--arms", "int8",
-                    "--reuse", str(tmp_path / "train_gpt_int8.csv"), "--out", str(again))
+    reuse = ["--arms", "int8", "--reuse", str(tmp_path / "train_gpt_int8.csv"), "--out", str(again)]
+    with pytest.raises(AssertionError, match="its runs used --steps 4, this one 6"):  # same protocol
+        run_example("train_gpt_int8.py", *common[:2], "--steps", "6", *common[4:], *reuse)
+    with pytest.raises(AssertionError, match="its runs used --dim 32, this one 48"):
+        run_example("train_gpt_int8.py", *common[:10], "--dim", "48", *common[12:], *reuse)
+    with pytest.raises(AssertionError, match="no torch run of seed 1 to step 4"):  # same seeds
+        run_example("train_gpt_int8.py", *common, "--seeds", "1", *reuse)
 
 
 @needs_smollm2
