@@ -156,39 +156,29 @@ def test_backward_score_scale_study_blocks(blocks):
         R8.attention_backward(grad_out, q, k, v, out, lse, None, causal, q_block=0)
 
 
-def test_backward_dv_product_study():
-    """attention_backward's dv_product: the spec's dV = P16^T dO16 is closer to exact than the
-    study's INT8 P^T dO^ (the earlier spec), dQ and dK do not depend on it, and an unknown form is
-    refused."""
+@pytest.mark.parametrize("knob, affected, factor", [("dv_product", (2,), 0.5),
+                                                     ("ds_product", (0, 1), 1.0)])
+def test_backward_product_studies(knob, affected, factor):
+    """attention_backward's dv_product / ds_product: the 16-bit form of a product is closer to
+    exact than its INT8 form (dV by 2x or more: the spec's dV; dQ and dK: the ds study), the other
+    gradients do not depend on it, the default is the spec (16-bit dV, INT8 dS), and an unknown
+    form is refused."""
     B, Hq, Hkv, Nq, Nk, D, causal = (1, 4, 2, 150, 300, 64, True)
     q, k, v = make(B, Hq, Hkv, Nq, Nk, D, dtype=torch.bfloat16, seed=9)
     out, lse = R8.attention_forward(q, k, v, None, causal)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(10)).bfloat16()
+    g8, g16 = (R8.attention_backward(grad_out, q, k, v, out, lse, None, causal, **{knob: form})
+               for form in ("int8", "16bit"))
     spec = R8.attention_backward(grad_out, q, k, v, out, lse, None, causal)
-    d8 = R8.attention_backward(grad_out, q, k, v, out, lse, None, causal, dv_product="int8")
     ref = exact_with_grads(q, k, v, None, causal, grad_out)[1:]
-    assert torch.equal(d8[0], spec[0]) and torch.equal(d8[1], spec[1])
-    assert 1 - cos(spec[2], ref[2]) < 0.5 * (1 - cos(d8[2], ref[2]))
-    with pytest.raises(ValueError, match="dv_product"):
-        R8.attention_backward(grad_out, q, k, v, out, lse, None, causal, dv_product="fp8")
-
-
-def test_backward_ds_product_study():
-    """attention_backward's ds_product study: dQ and dK from dS, Q' and Ks' in 16 bits are closer
-    to exact than the spec's INT8 dS^ products, dV does not depend on it, and an unknown form is
-    refused."""
-    B, Hq, Hkv, Nq, Nk, D, causal = (1, 4, 2, 150, 300, 64, True)
-    q, k, v = make(B, Hq, Hkv, Nq, Nk, D, dtype=torch.bfloat16, seed=11)
-    out, lse = R8.attention_forward(q, k, v, None, causal)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(12)).bfloat16()
-    spec = R8.attention_backward(grad_out, q, k, v, out, lse, None, causal)
-    d16 = R8.attention_backward(grad_out, q, k, v, out, lse, None, causal, ds_product="16bit")
-    ref = exact_with_grads(q, k, v, None, causal, grad_out)[1:]
-    assert torch.equal(d16[2], spec[2])
-    for i in (0, 1):
-        assert 1 - cos(d16[i], ref[i]) < 1 - cos(spec[i], ref[i])
-    with pytest.raises(ValueError, match="ds_product"):
-        R8.attention_backward(grad_out, q, k, v, out, lse, None, causal, ds_product="fp8")
+    for i in range(3):
+        assert torch.equal(spec[i], (g16 if knob == "dv_product" else g8)[i])
+        if i in affected:
+            assert 1 - cos(g16[i], ref[i]) < factor * (1 - cos(g8[i], ref[i]))
+        else:
+            assert torch.equal(g8[i], g16[i])
+    with pytest.raises(ValueError, match=knob):
+        R8.attention_backward(grad_out, q, k, v, out, lse, None, causal, **{knob: "fp8"})
 
 
 def rel_l1(a, b) -> float:
