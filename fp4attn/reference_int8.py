@@ -180,7 +180,7 @@ class _Quantized:
             self.mig = channel_migration(q32, k32, self.kbar, G, migrate, migrate_pow2)
             q32 = q32 * _per_q_head(self.mig, G)  # Q' = Q s, Ks' = Ks / s: Q' Ks'^T = Q Ks^T
             ks = _div_rn(ks, self.mig)
-        self.q_mig, self.ks_mig = q32, _per_q_head(ks, G)  # Q', Ks' unquantized (the ds study)
+        self.q_mig, self.ks_mig = q32, ks  # Q', Ks' (per KV head) unquantized: the ds study
         qc, sq = psi(_blocks(q32, q_block), (3, 4))  # per q_block rows (SPEC: 64)
         kc, sk = psi(_blocks(ks, k_block), (3, 4))  # per k_block keys (SPEC: 128)
         if pv == "int8":  # INT8 codes per v_block keys (0: the whole sequence) and channel
@@ -482,6 +482,8 @@ def attention_backward(
     do16_type = torch.float16 if grad_out.dtype == torch.float16 else torch.bfloat16
     if not dv_16:  # dO^ per 64 rows and channel: [B,Hq,nqb,1,D]
         doc, sdo = psi(_blocks(do32, BQ), (3,))
+    if ds_product == "16bit":  # the study's Q' and Ks' in 16 bits
+        q16, ks16 = (t.to(do16_type).float() for t in (ops.q_mig, _per_q_head(ops.ks_mig, G)))
     for j in range(-(-Nk // BK)):
         j0, j1 = j * BK, min((j + 1) * BK, Nk)
         p = torch.exp(ops.scores(j, scale, allowed, additive) - lse_s)  # masked -> 0
@@ -497,8 +499,8 @@ def attention_backward(
         ds = p * (dp - drow)
         if ds_product == "16bit":  # the study: dS, Q', Ks' in 16 bits
             ds16 = ds.to(do16_type).float()
-            dq += scale * _mm64(ds16, ops.ks_mig[:, :, j0:j1].to(do16_type).float())
-            dk[:, :, j0:j1] += scale * _mm64(ds16.transpose(-1, -2), ops.q_mig.to(do16_type).float())
+            dq += scale * _mm64(ds16, ks16[:, :, j0:j1])
+            dk[:, :, j0:j1] += scale * _mm64(ds16.transpose(-1, -2), q16)
             continue
         sq = ops.sq[..., 0]  # [B, Hq, Nq]: the 64-row block scale of each row
         # dS^ for dQ: one scale per query row and 64 keys (a row of dQ's product): [B,Hq,Nq,1]

@@ -201,7 +201,7 @@ __device__ __forceinline__ void wgmma_rs_m64n64k32_s8(int (&d)[8][4], const uint
 /* O[64 x N] += A[64 x 16] * B[N x 16]^T with FP16 or (kBf16) BF16 operands and FP32
  * accumulation, A in registers (each warp's m16n8k16 A fragment of its 16 rows), B in shared
  * memory (K-major descriptor, or with kTransB an MN-major one): the attention kernels' P V into
- * O, N = the head dim. */
+ * O and the 8-bit backward's P^T dO into dV, N = the head dim. */
 #define FP4ATTN_WGMMA_RS_N64_K16(type)                                  \
   asm volatile(                                                         \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                      \
