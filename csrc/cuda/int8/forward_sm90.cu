@@ -349,6 +349,7 @@ struct Int8Sm90 {
       mbar_init_fence();
     }
     __syncthreads();
+    grid_dependency_wait(); /* the preparation's operands */
     if (threadIdx.x < 128) {
       regs_dealloc<C::kProducerRegs>();
       if (threadIdx.x == 0) producer(prm, tiles, nqi);
@@ -430,7 +431,8 @@ fp4attn_status launch_typed(const Int8Args &a, cudaStream_t s) {
   if (w.nkb * DP > 0x7FFFFFFFLL || w.nqp > 0x7FFFFFFFLL || w.nkp > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
                          "int8 attention (sm90 kernel): sequences too long for TMA coordinates");
-  int8_forward_sm90_kernel<DP, kBf16, kVRows><<<(unsigned)blocks, C::kThreads, C::kSmem, s>>>(prm);
+  launch_dependent(int8_forward_sm90_kernel<DP, kBf16, kVRows>, dim3((unsigned)blocks),
+                   dim3(C::kThreads), C::kSmem, s, prm);
   return launch_status("int8 attention forward (sm90 kernel)");
 }
 

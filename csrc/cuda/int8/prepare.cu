@@ -194,6 +194,7 @@ __device__ void q_amax_partial(const Int8Args &a, int64_t blk, float *part) {
 template <fp4attn_dtype kDt>
 __global__ void __launch_bounds__(kThreads) stats_partial_kernel(const Int8Args a) {
   __shared__ float part[kThreads * 8], pmax[kThreads * 8], pmin[kThreads * 8];
+  grid_dependents_launch(); /* kbar_final may start; it waits for this grid to finish */
   const int64_t k_blocks = a.p.batch * a.p.heads_kv * a.ws.nkb;
   if ((int64_t)blockIdx.x < k_blocks)
     kbar_partial<kDt>(a, blockIdx.x, part, pmax, pmin);
@@ -218,6 +219,8 @@ __global__ void __launch_bounds__(kThreads) kbar_final_kernel(const Int8Args a) 
   const int64_t d = (blockIdx.x % groups) * kFinChannels + ch, G = p.heads_q / p.heads_kv;
   const int64_t bh0 = (bhk / p.heads_kv) * p.heads_q + (bhk % p.heads_kv) * G; /* 1st query head */
   float s = 0.0f, hi = -INFINITY, lo = INFINITY, qa = 0.0f;
+  grid_dependency_wait(); /* the partials */
+  grid_dependents_launch();
   for (int64_t j0 = 0; j0 < w.nkb; j0 += kFinChunk) {
     const int n = (int)min((int64_t)kFinChunk, w.nkb - j0);
 #pragma unroll
@@ -420,6 +423,8 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
   if (!is_v) {
     t.load(p.k, b * p.k_stride[0] + hk * p.k_stride[1] + n0 * p.k_stride[2], p.k_stride[2], rows, D,
            a.vec_k);
+    grid_dependency_wait(); /* kbar, s and the block's column max and min */
+    grid_dependents_launch();
     const float *kbar = w.kbar + bhk * DP, *inv = w.mig_inv + bhk * DP;
     float m = 0.0f;
     for (int d = threadIdx.x; d < DP; d += T::kThreads) {
@@ -446,6 +451,8 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
   }
   t.load(p.v, b * p.v_stride[0] + hk * p.v_stride[1] + n0 * p.v_stride[2], p.v_stride[2], rows, D,
          a.vec_v);
+  grid_dependency_wait(); /* every block waits: the grid ends after the ones it depends on */
+  grid_dependents_launch();
   if (!w.v_tiles) {
     t.store_rows16(w.v16 + (bhk * w.nkp + n0) * DP, a.bf16_ops);
     return;
@@ -479,6 +486,8 @@ __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads)
   T t;
   t.load(p.q, b * p.q_stride[0] + h * p.q_stride[1] + r0 * p.q_stride[2], p.q_stride[2], rows, D,
          a.vec_q);
+  grid_dependency_wait(); /* kbar and s */
+  grid_dependents_launch();
   const float *kbar = w.kbar + (b * p.heads_kv + hk) * DP,
               *mig = w.mig + (b * p.heads_kv + hk) * DP;
   float kb[8], mg[8];
@@ -519,6 +528,8 @@ __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads) prepare_do_kernel(co
     T o;
     o.load(p.out, b * p.out_stride[0] + h * p.out_stride[1] + r0 * p.out_stride[2], p.out_stride[2],
            rows, D, a.vec_out);
+    grid_dependency_wait(); /* qshift */
+    grid_dependents_launch();
 #pragma unroll
     for (int r = 0; r < T::kPer; ++r) {
       const float acc =
@@ -549,6 +560,7 @@ __global__ void __launch_bounds__(kThreads) finish_dq_kernel(const Int8Args a) {
   const Int8Workspace &w = a.ws;
   const int64_t row = blockIdx.x * (int64_t)kRowsPerBlock + threadIdx.x / kTpr;
   const int d0 = (threadIdx.x % kTpr) * 4, D = (int)p.head_dim;
+  grid_dependency_wait(); /* the backward kernel's sums */
   if (row >= p.batch * p.heads_q * p.len_q || d0 >= D) return;
   const int64_t bh = row / p.len_q, G = p.heads_q / p.heads_kv;
   const int64_t bhk = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / G;
@@ -579,20 +591,24 @@ __global__ void __launch_bounds__(kThreads) finish_dq_kernel(const Int8Args a) {
 
 namespace {
 
-/* The statistics (kbar, s), then the quantized operands. */
+/* The statistics (kbar, s), then the quantized operands. The first kernel is an ordinary launch
+ * (it reads the caller's tensors; the workspace's previous readers have ended); the others are
+ * programmatic dependents of the one before, which load their input tiles while it finishes. */
 template <int DP, fp4attn_dtype kDt>
 void launch_kernels(const Int8Args &a, bool backward, cudaStream_t s) {
   const Int8Workspace &w = a.ws;
   const int64_t bhk = a.p.batch * a.p.heads_kv, bhq = a.p.batch * a.p.heads_q;
   stats_partial_kernel<kDt><<<(unsigned)(bhk * w.nkb + bhq * w.nqa), kThreads, 0, s>>>(a);
-  kbar_final_kernel<<<(unsigned)(bhk * (w.dp / kFinChannels)), kThreads, 0, s>>>(a);
-  quantize_kv_kernel<DP, kDt>
-      <<<(unsigned)((w.v_caller ? 1 : 2) * bhk * w.nkb), KvTile<DP, kDt>::kThreads, 0, s>>>(
-          a, backward);
-  quantize_q_kernel<DP, kDt>
-      <<<(unsigned)(bhq * w.nqb), QTile<DP, kDt>::kThreads, 0, s>>>(a, backward);
+  launch_dependent(kbar_final_kernel, dim3((unsigned)(bhk * (w.dp / kFinChannels))), dim3(kThreads),
+                   0, s, a);
+  launch_dependent(quantize_kv_kernel<DP, kDt>,
+                   dim3((unsigned)((w.v_caller ? 1 : 2) * bhk * w.nkb)),
+                   dim3(KvTile<DP, kDt>::kThreads), 0, s, a, backward);
+  launch_dependent(quantize_q_kernel<DP, kDt>, dim3((unsigned)(bhq * w.nqb)),
+                   dim3(QTile<DP, kDt>::kThreads), 0, s, a, backward);
   if (backward)
-    prepare_do_kernel<DP, kDt><<<(unsigned)(bhq * w.nqb), QTile<DP, kDt>::kThreads, 0, s>>>(a);
+    launch_dependent(prepare_do_kernel<DP, kDt>, dim3((unsigned)(bhq * w.nqb)),
+                     dim3(QTile<DP, kDt>::kThreads), 0, s, a);
 }
 
 template <int DP>
@@ -602,6 +618,8 @@ fp4attn_status launch_prepare(const Int8Args &a, bool backward, cudaStream_t s) 
   if (2 * bhk * w.nkb > 0x7FFFFFFFLL || bhq * w.nqb > 0x7FFFFFFFLL ||
       bhk * w.nkb + bhq * w.nqa > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many blocks");
+  /* dQ's sums start at 0: cleared before the first kernel, outside the dependent chain */
+  if (backward) cudaMemsetAsync(w.dq_acc, 0, sizeof(float) * bhq * a.p.len_q * w.dp, s);
   switch (a.p.dtype) { /* the element type fixes the tiles' registers and conversions */
     case FP4ATTN_FLOAT16:
       launch_kernels<DP, FP4ATTN_FLOAT16>(a, backward, s);
@@ -612,7 +630,6 @@ fp4attn_status launch_prepare(const Int8Args &a, bool backward, cudaStream_t s) 
     default:
       launch_kernels<DP, FP4ATTN_FLOAT32>(a, backward, s);
   }
-  if (backward) cudaMemsetAsync(w.dq_acc, 0, sizeof(float) * bhq * a.p.len_q * w.dp, s);
   return launch_status("int8 attention: prepare");
 }
 
@@ -639,13 +656,13 @@ fp4attn_status launch_int8_finish_dq(const Int8Args &a, cudaStream_t s) {
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention backward: too many rows");
   switch (a.ws.dp) {
     case 64:
-      finish_dq_kernel<64><<<(unsigned)blocks, kThreads, 0, s>>>(a);
+      launch_dependent(finish_dq_kernel<64>, dim3((unsigned)blocks), dim3(kThreads), 0, s, a);
       break;
     case 128:
-      finish_dq_kernel<128><<<(unsigned)blocks, kThreads, 0, s>>>(a);
+      launch_dependent(finish_dq_kernel<128>, dim3((unsigned)blocks), dim3(kThreads), 0, s, a);
       break;
     default:
-      finish_dq_kernel<256><<<(unsigned)blocks, kThreads, 0, s>>>(a);
+      launch_dependent(finish_dq_kernel<256>, dim3((unsigned)blocks), dim3(kThreads), 0, s, a);
   }
   return launch_status("int8 attention: finish dq");
 }
