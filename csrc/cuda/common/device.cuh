@@ -407,6 +407,12 @@ __device__ __forceinline__ void grid_dependents_launch() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+/* A chain's middle link (a dependent that has dependents): wait for the kernel before, then let
+ * the next one launch. Called by every block, so the chain's last kernel ends after all links. */
+__device__ __forceinline__ void grid_dependency_handoff() {
+  grid_dependency_wait();
+  grid_dependents_launch();
+}
 /* Whether `kernel` may launch as a programmatic dependent on the current device: a GPU of compute
  * capability 9.0 or newer running code built from PTX for sm_90 or newer (the compute_80 PTX that
  * a newer GPU may JIT-compile has no grid_dependency_wait()), with a runtime whose graph capture

@@ -219,8 +219,7 @@ __global__ void __launch_bounds__(kThreads) kbar_final_kernel(const Int8Args a) 
   const int64_t d = (blockIdx.x % groups) * kFinChannels + ch, G = p.heads_q / p.heads_kv;
   const int64_t bh0 = (bhk / p.heads_kv) * p.heads_q + (bhk % p.heads_kv) * G; /* 1st query head */
   float s = 0.0f, hi = -INFINITY, lo = INFINITY, qa = 0.0f;
-  grid_dependency_wait(); /* the partials */
-  grid_dependents_launch();
+  grid_dependency_handoff(); /* the partials */
   for (int64_t j0 = 0; j0 < w.nkb; j0 += kFinChunk) {
     const int n = (int)min((int64_t)kFinChunk, w.nkb - j0);
 #pragma unroll
@@ -423,8 +422,7 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
   if (!is_v) {
     t.load(p.k, b * p.k_stride[0] + hk * p.k_stride[1] + n0 * p.k_stride[2], p.k_stride[2], rows, D,
            a.vec_k);
-    grid_dependency_wait(); /* kbar, s and the block's column max and min */
-    grid_dependents_launch();
+    grid_dependency_handoff(); /* kbar, s and the block's column max and min */
     const float *kbar = w.kbar + bhk * DP, *inv = w.mig_inv + bhk * DP;
     float m = 0.0f;
     for (int d = threadIdx.x; d < DP; d += T::kThreads) {
@@ -451,8 +449,7 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
   }
   t.load(p.v, b * p.v_stride[0] + hk * p.v_stride[1] + n0 * p.v_stride[2], p.v_stride[2], rows, D,
          a.vec_v);
-  grid_dependency_wait(); /* every block waits: the grid ends after the ones it depends on */
-  grid_dependents_launch();
+  grid_dependency_handoff(); /* V16 needs nothing of kbar_final's; every block links the chain */
   if (!w.v_tiles) {
     t.store_rows16(w.v16 + (bhk * w.nkp + n0) * DP, a.bf16_ops);
     return;
@@ -486,8 +483,7 @@ __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads)
   T t;
   t.load(p.q, b * p.q_stride[0] + h * p.q_stride[1] + r0 * p.q_stride[2], p.q_stride[2], rows, D,
          a.vec_q);
-  grid_dependency_wait(); /* kbar and s */
-  grid_dependents_launch();
+  grid_dependency_handoff(); /* kbar and s */
   const float *kbar = w.kbar + (b * p.heads_kv + hk) * DP,
               *mig = w.mig + (b * p.heads_kv + hk) * DP;
   float kb[8], mg[8];
@@ -528,8 +524,7 @@ __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads) prepare_do_kernel(co
     T o;
     o.load(p.out, b * p.out_stride[0] + h * p.out_stride[1] + r0 * p.out_stride[2], p.out_stride[2],
            rows, D, a.vec_out);
-    grid_dependency_wait(); /* qshift */
-    grid_dependents_launch();
+    grid_dependency_handoff(); /* qshift */
 #pragma unroll
     for (int r = 0; r < T::kPer; ++r) {
       const float acc =
