@@ -180,7 +180,6 @@ class _Quantized:
             self.mig = channel_migration(q32, k32, self.kbar, G, migrate, migrate_pow2)
             q32 = q32 * _per_q_head(self.mig, G)  # Q' = Q s, Ks' = Ks / s: Q' Ks'^T = Q Ks^T
             ks = _div_rn(ks, self.mig)
-        self.q_mig, self.ks_mig = q32, ks  # Q', Ks' (per KV head) unquantized: the ds study
         qc, sq = psi(_blocks(q32, q_block), (3, 4))  # per q_block rows (SPEC: 64)
         kc, sk = psi(_blocks(ks, k_block), (3, 4))  # per k_block keys (SPEC: 128)
         if pv == "int8":  # INT8 codes per v_block keys (0: the whole sequence) and channel
@@ -421,7 +420,7 @@ def attention_backward(
     q_block: int = BQ,
     k_block: int = BK,
     dv_product: str = "16bit",
-    ds_product: str = "int8",
+    ds_product: str = "16bit",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """SPEC_INT8 3: ``(dq, dk, dv)`` in float32 from the forward's ``out`` (as returned, in the
     input dtype) and ``lse`` (as ``attention_forward`` returns it). dK and dV of a KV head sum
@@ -445,10 +444,12 @@ def attention_backward(
     P.V, the products exact and summed in float64; ``"int8"`` (a study) is the earlier spec's
     ``sPcol sdO P^T dO^``, P^ per key column and dO^ per channel over each 64-row block.
 
-    ``ds_product`` (a study): ``"int8"`` is the spec's dQ and dK from dS^ (per query row for dQ,
-    per key for dK); ``"16bit"`` multiplies dS, Q' and Ks' rounded to that 16-bit type instead
-    (``dQ' += scale dS16 Ks'16``, ``dK' += scale dS16^T Q'16``, the products exact and summed in
-    float64): what the backward's gradients would be with only the scores in INT8."""
+    ``ds_product``: ``"16bit"`` (the spec, SPEC_INT8 3) is ``dQ = scale (dS16 Ks16) + scale
+    dlse kbar`` and ``dK = scale (dS16^T Q16)``: dS rounded to dP's 16-bit operand type, Q in that
+    type, Ks16 = K - kbar (float32, the unmigrated kbar) rounded to it, the products exact and
+    summed in float64, ``scale`` applied once after the sums; these products see the unmigrated
+    operands, so no migration factor enters them. ``"int8"`` (a study) is the earlier spec's two
+    INT8 dS^ products of the migrated codes (per query row for dQ, per key for dK)."""
     if q_block < 1 or k_block < 1:
         raise ValueError(f"q_block and k_block must be >= 1, got {q_block}, {k_block}")
     if dv_product not in ("int8", "16bit"):
@@ -482,8 +483,9 @@ def attention_backward(
     do16_type = torch.float16 if grad_out.dtype == torch.float16 else torch.bfloat16
     if not dv_16:  # dO^ per 64 rows and channel: [B,Hq,nqb,1,D]
         doc, sdo = psi(_blocks(do32, BQ), (3,))
-    if ds_product == "16bit":  # the study's Q' and Ks' in 16 bits
-        q16, ks16 = (t.to(do16_type).float() for t in (ops.q_mig, _per_q_head(ops.ks_mig, G)))
+    ds_16 = ds_product == "16bit"
+    if ds_16:  # Q16 and Ks16 = K - kbar in dP's 16-bit type, unmigrated
+        q16, ks16 = (t.to(do16_type).float() for t in (q32, _per_q_head(k32 - ops.kbar, G)))
     for j in range(-(-Nk // BK)):
         j0, j1 = j * BK, min((j + 1) * BK, Nk)
         p = torch.exp(ops.scores(j, scale, allowed, additive) - lse_s)  # masked -> 0
@@ -497,10 +499,10 @@ def attention_backward(
         # dS = P * (dP - Drow), dP with FP32 accumulation
         dp = torch.matmul(do16, v16[:, :, j0:j1].transpose(-1, -2))
         ds = p * (dp - drow)
-        if ds_product == "16bit":  # the study: dS, Q', Ks' in 16 bits
+        if ds_16:  # dQ += dS16 Ks16, dK += dS16^T Q16 (scale applied after the sums)
             ds16 = ds.to(do16_type).float()
-            dq += scale * _mm64(ds16, ks16[:, :, j0:j1])
-            dk[:, :, j0:j1] += scale * _mm64(ds16.transpose(-1, -2), q16)
+            dq += _mm64(ds16, ks16[:, :, j0:j1])
+            dk[:, :, j0:j1] += _mm64(ds16.transpose(-1, -2), q16)
             continue
         sq = ops.sq[..., 0]  # [B, Hq, Nq]: the 64-row block scale of each row
         # dS^ for dQ: one scale per query row and 64 keys (a row of dQ's product): [B,Hq,Nq,1]
@@ -520,7 +522,9 @@ def attention_backward(
         else:
             fk = (scale * sds).transpose(-1, -2)
             dk[:, :, j0:j1] += (fk * _mm64(dsc.transpose(-1, -2), _blocks(qs, BQ))).sum(dim=2)
-    if mig["migrate"] is not None:  # the gradient of Q' = Q s back to Q
+    if ds_16:
+        dq, dk = dq * scale, dk * scale
+    elif mig["migrate"] is not None:  # the gradient of Q' = Q s back to Q
         dq = dq * _per_q_head(ops.mig, G)
     if grad_lse is not None:  # the smoothing correction: d lse / d Q along kbar (SPEC_INT8 3);
         # none where the row sees no key (lse = -inf does not depend on Q)
@@ -529,6 +533,6 @@ def attention_backward(
     if G > 1:
         dk = dk.reshape(B, Hkv, G, Nk, D).sum(dim=2)
         dv = dv.reshape(B, Hkv, G, Nk, D).sum(dim=2)
-    if mig["migrate"] is not None:  # the gradient of Ks' = Ks / s back to K, after the group's sum
-        dk = _div_rn(dk, ops.mig)
+    if not ds_16 and mig["migrate"] is not None:  # the gradient of Ks' = Ks / s back to K,
+        dk = _div_rn(dk, ops.mig)  # after the group's sum
     return dq, dk, dv

@@ -6,7 +6,9 @@
  * as given, FP32 rounded to BF16, no scale, SPEC_INT8 2.2), then every (batch, head) runs the
  * blocked algorithm of the spec: scores from int32 dot products of the INT8 codes and FP32 scales,
  * P.V in 16 bits (P16 = 448 exp(S - m) against the running max rounded to nearest even to V16's
- * type, SPEC_INT8 2.4) with the exact products summed in double, rounded once to float.
+ * type, SPEC_INT8 2.4) with the exact products summed in double, rounded once to float. The
+ * backward's other products are 16-bit too (SPEC_INT8 3): dP = dO16 V16^T, dV = P16^T dO16,
+ * dQ = dS16 Ks16 and dK = dS16^T Q16, exact products summed in float.
  * OpenMP over query heads in the forward and over KV heads in the backward (a KV head's dK and dV
  * sum over its query heads without atomics). setup.py compiles with -ffp-contract=off: a * b + c
  * is two roundings, as the spec writes it, never an FMA.
@@ -20,7 +22,6 @@
 
 #define BQ 64  /* query rows per INT8 block */
 #define BK 128 /* keys per INT8 block and online-softmax step */
-#define BKS 64 /* keys per dQ-side dS^ scale of a row in the backward (SPEC_INT8 3) */
 
 /* rne_int (ties to even, the default rounding mode) clamped to [-127, 127]; NaN -> 0 (the group's
  * scale is NaN then, so the dequantized values still are). */
@@ -157,11 +158,6 @@ static void free_kv(kv_codes *c) {
   free(c->v16);
 }
 
-/* acc[0..n) += c * x[0..n): the inner loop of every INT8 product, contiguous so it vectorizes. */
-static inline void axpy8(int32_t *acc, int32_t c, const int8_t *x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += c * (int32_t)x[i];
-}
-
 static inline int32_t dot8(const int8_t *a, const int8_t *b, int64_t n) {
   int32_t s = 0;
   for (int64_t i = 0; i < n; ++i) s += (int32_t)a[i] * (int32_t)b[i];
@@ -284,13 +280,16 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
   float *dkacc = (float *)calloc((size_t)(Nk * D), sizeof(float));
   float *dvacc = (float *)calloc((size_t)(Nk * D), sizeof(float));
   float *dqacc = (float *)malloc(sizeof(float) * (size_t)(Nq * D));
-  float *dor16 = (float *)malloc(sizeof(float) * (size_t)(BQ * D));          /* dO16 of the block */
-  int8_t *dsq = (int8_t *)malloc(BQ * BK), *dsk = (int8_t *)malloc(BQ * BK); /* dS^ of dQ, dK */
-  float *fq = (float *)malloc(sizeof(float) * BQ * (BK / BKS)),
-        *fk = (float *)malloc(sizeof(float) * BK);
+  float *dor16 = (float *)malloc(sizeof(float) * (size_t)(BQ * D)); /* dO16 of the block */
+  float *q16 = (float *)malloc(sizeof(float) * (size_t)(Nq * D));   /* Q16 of the query head */
+  float *ks16 = (float *)malloc(sizeof(float) * (size_t)(Nk * D));  /* Ks16 = K - kbar */
   float *drow = (float *)malloc(sizeof(float) * BQ), *lses = (float *)malloc(sizeof(float) * BQ);
   q_codes q = {0, 0};
-  int ok = P && dS && dkacc && dvacc && dqacc && dor16 && dsq && dsk && fq && fk && drow && lses;
+  int ok = P && dS && dkacc && dvacc && dqacc && dor16 && q16 && ks16 && drow && lses;
+  for (int64_t n = 0; ok && n < Nk; ++n) /* dQ's operand: K - kbar (FP32), unmigrated, in 16 bits */
+    for (int64_t d = 0; d < D; ++d)
+      ks16[n * D + d] =
+          round16(load_row(p->k, p->dtype, p->k_stride, b, hk, n, d) - kv->kbar[d], p->dtype);
   for (int64_t g = 0; ok && g < G; ++g) {
     const int64_t h = hk * G + g;
     free(q.qc);
@@ -301,7 +300,11 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
       ok = 0;
       break;
     }
-    for (int64_t n = 0; n < Nq * D; ++n) dqacc[n] = 0.0f;
+    for (int64_t n = 0; n < Nq; ++n) /* dK's operand: Q in 16 bits */
+      for (int64_t d = 0; d < D; ++d) {
+        q16[n * D + d] = round16(load_row(p->q, p->dtype, p->q_stride, b, h, n, d), p->dtype);
+        dqacc[n * D + d] = 0.0f;
+      }
     for (int64_t ib = 0; ib < nqb; ++ib) {
       const int64_t r0 = ib * BQ, rows = Nq - r0 < BQ ? Nq - r0 : BQ;
       /* dO16 of the block (dP's and dV's operand), Drow and the smoothed lse */
@@ -335,56 +338,40 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
             const float p16 = round16(P[rr * BK + n], p->dtype);
             for (int64_t d = 0; d < D; ++d) dvacc[(n0 + n) * D + d] += p16 * dor16[rr * D + d];
           }
-        /* dS = P (dP - Drow), dP = dO V^T on 16-bit operands, FP32 accumulation */
+        /* dS16 = P (dP - Drow) in 16 bits, dP = dO V^T on 16-bit operands, FP32 accumulation */
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t n = 0; n < w; ++n) {
             float dp = 0.0f;
             for (int64_t d = 0; d < D; ++d) dp += dor16[r * D + d] * vrow[n * D + d];
-            const float ds = P[r * BK + n] * (dp - drow[r]);
-            dS[r * BK + n] = ds;
+            dS[r * BK + n] = round16(P[r * BK + n] * (dp - drow[r]), p->dtype);
           }
-        /* dS^ twice: for dQ one scale per query row and half h of the key block (64 keys), for dK
-         * one per key over the block's rows; each scale multiplies a row of its product */
+        /* dQ_i += dS16 Ks16_j and dK_j += dS16^T Q16_i: exact products, FP32 sums */
         for (int64_t r = 0; r < rows; ++r)
-          for (int64_t h = 0; h * BKS < w; ++h) {
-            const int64_t c0 = h * BKS, cw = w - c0 < BKS ? w - c0 : BKS;
-            const float sds = psi_group(dS + r * BK + c0, 1, cw, BK, dsq + r * BK + c0);
-            fq[r * (BK / BKS) + h] = (p->scale * sds) * kv->sk[j];
+          for (int64_t n = 0; n < w; ++n) {
+            const float ds = dS[r * BK + n];
+            if (ds == 0.0f) continue;
+            float *dq = dqacc + (r0 + r) * D, *dk = dkacc + (n0 + n) * D;
+            const float *ks = ks16 + (n0 + n) * D, *qr = q16 + (r0 + r) * D;
+            for (int64_t d = 0; d < D; ++d) dq[d] += ds * ks[d];
+            for (int64_t d = 0; d < D; ++d) dk[d] += ds * qr[d];
           }
-        for (int64_t n = 0; n < w; ++n)
-          fk[n] = (p->scale * psi_group(dS + n, rows, 1, BK, dsk + n)) * q.sq[ib];
-        for (int64_t r = 0; r < rows; ++r) { /* dQ_i += dSq^_h K^_jh, summed over the halves */
-          for (int64_t c0 = 0; c0 < w; c0 += BKS) {
-            int32_t acc[FP4ATTN_MAX_HEAD_DIM] = {0};
-            for (int64_t n = c0; n < w && n < c0 + BKS; ++n)
-              if (dsq[r * BK + n]) axpy8(acc, dsq[r * BK + n], kv->kc + (n0 + n) * D, D);
-            const float f = fq[r * (BK / BKS) + c0 / BKS];
-            for (int64_t d = 0; d < D; ++d) dqacc[(r0 + r) * D + d] += f * (float)acc[d];
-          }
-        }
-        for (int64_t n = 0; n < w; ++n) { /* dK_j += dSk^T Q^_i */
-          int32_t acc[FP4ATTN_MAX_HEAD_DIM] = {0};
-          for (int64_t r = 0; r < rows; ++r)
-            if (dsk[r * BK + n]) axpy8(acc, dsk[r * BK + n], q.qc + (r0 + r) * D, D);
-          for (int64_t d = 0; d < D; ++d) dkacc[(n0 + n) * D + d] += fk[n] * (float)acc[d];
-        }
       }
     }
-    /* dQ = dQ' s plus the smoothing correction scale * dlse kbar (d lse / d Q along kbar; none
+    /* dQ = scale dQ plus the smoothing correction scale * dlse kbar (d lse / d Q along kbar; none
      * without grad_lse or where the row sees no key), out in the input dtype (contiguous
      * [B, Hq, Nq, D]) */
     const int64_t row0 = (b * p->heads_q + h) * Nq;
     for (int64_t i = 0; i < Nq; ++i)
       for (int64_t d = 0; d < D; ++d) {
-        float v = dqacc[i * D + d] * kv->mig[d];
+        float v = p->scale * dqacc[i * D + d];
         if (bp->grad_lse && p->lse[row0 + i] != -INFINITY)
           v += (p->scale * bp->grad_lse[row0 + i]) * kv->kbar[d];
         fp4attn_store(bp->dq, p->dtype, ((b * p->heads_q + h) * Nq + i) * D + d, v);
       }
   }
-  for (int64_t n = 0; ok && n < Nk * D; ++n) { /* dK = (the group's sum of dKs') / s */
+  for (int64_t n = 0; ok && n < Nk * D; ++n) { /* dK = scale (the group's sum) */
     const int64_t at = (b * p->heads_kv + hk) * Nk * D + n;
-    fp4attn_store(bp->dk, p->dtype, at, dkacc[n] / kv->mig[n % D]);
+    fp4attn_store(bp->dk, p->dtype, at, p->scale * dkacc[n]);
     fp4attn_store(bp->dv, p->dtype, at, dvacc[n]);
   }
   free(q.qc);
@@ -395,10 +382,8 @@ static int backward_kv_head(const fp4attn_int8_backward_params *bp, const kv_cod
   free(dvacc);
   free(dqacc);
   free(dor16);
-  free(dsq);
-  free(dsk);
-  free(fq);
-  free(fk);
+  free(q16);
+  free(ks16);
   free(drow);
   free(lses);
   return ok;

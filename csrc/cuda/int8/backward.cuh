@@ -1,6 +1,6 @@
 /*
- * 8-bit attention backward (docs/SPEC_INT8.md 3) on mma.sync: m16n8k32 s8 for the four INT8
- * products, m16n8k16 FP16/BF16 for dP = dO V^T.
+ * 8-bit attention backward (docs/SPEC_INT8.md 3) on mma.sync: m16n8k32 s8 for the scores,
+ * m16n8k16 FP16/BF16 for dP = dO V^T, dV, dK and dQ.
  *
  * One block = 8 warps = one 128-key block j of one (batch, KV head), and DO of its head-dim
  * columns (DO = DP, or half of it at head dim 256: the grid's y splits dK, dV and dQ by columns,
@@ -8,14 +8,12 @@
  * KV head's query heads (causal: only blocks that see key block j), double-buffering their tiles:
  *   S^T  = K^ Q^_i^T * (sQ sK scale), masks, P^T = exp2(S^T - lse2)         (keys x 64 rows)
  *   dV  += P16^T dO16 in 16 bits                     (A from registers, dO16 by ldmatrix .trans)
- *   dP^T = V dO^T in 16 bits; dS^T = P (dP - Drow)
- *   dSk^ = psi per key over the 64 rows (a quad's maximum)
- *   dK  += (scale sdSk sQ_i) dSk^T Q^_i                                     (A from registers)
- *   dSq^ = psi per query row over the 64 keys of half h (warps 0-3 and 4-7: each warp's row
- *          maxima through shared memory)
- *   dQ_i += sum_h (scale sdSq_h sK_j) dSq^_h K^_jh through shared memory, FP32 atomics into the
- *   workspace
- * dK and dV sum over the group's query heads in registers and are stored once, no atomics.
+ *   dP^T = V dO^T in 16 bits; dS16^T = P (dP - Drow) rounded to the 16-bit type
+ *   dK  += dS16^T Q16_i                              (A from registers, Q16 by ldmatrix .trans)
+ *   dQ_i += dS16 Ks16_j   (dS16 through shared memory, Ks16 by ldmatrix .trans), FP32 atomics
+ *   into the workspace (finish_dq applies the softmax scale)
+ * dK and dV sum over the group's query heads in registers and are stored once (dK times the
+ * scale), no atomics.
  */
 #ifndef FP4ATTN_CUDA_INT8_BACKWARD_CUH
 #define FP4ATTN_CUDA_INT8_BACKWARD_CUH
@@ -27,16 +25,15 @@ namespace fp4attn_cuda {
 
 template <int DP, int DO, int NBUF>
 struct BwdSmem {
-  static constexpr int kKc = 0;                    /* K^ [128][DP] */
-  static constexpr int kV16 = kKc + kBK8 * DP;     /* V [128][DP] 16-bit */
-  static constexpr int kKt = kV16 + kBK8 * DP * 2; /* K^T [DO][128] */
-  static constexpr int kDs = kKt + DO * kBK8;      /* dS^ [64][128] */
-  static constexpr int kRed = kDs + kBQ8 * kBK8;   /* |dS| row maxima [8 warps][64] (floats) */
-  static constexpr int kBuf = kRed + 8 * kBQ8 * 4;
+  static constexpr int kKc = 0;                      /* K^ [128][DP] */
+  static constexpr int kV16 = kKc + kBK8 * DP;       /* V [128][DP] 16-bit */
+  static constexpr int kKs16 = kV16 + kBK8 * DP * 2; /* Ks16 [128][DO] 16-bit */
+  static constexpr int kDs = kKs16 + kBK8 * DO * 2;  /* dS16 [64][128] 16-bit */
+  static constexpr int kBuf = kDs + kBQ8 * kBK8 * 2;
   /* one buffer of a query block's tiles */
   static constexpr int bQc = 0;                    /* Q^ [64][DP] */
-  static constexpr int bQt = bQc + kBQ8 * DP;      /* Q^T [DO][64] perm */
-  static constexpr int bDo = bQt + DO * kBQ8;      /* dO [64][DP] 16-bit */
+  static constexpr int bQ16 = bQc + kBQ8 * DP;     /* Q16 [64][DO] 16-bit */
+  static constexpr int bDo = bQ16 + kBQ8 * DO * 2; /* dO [64][DP] 16-bit */
   static constexpr int bLse = bDo + kBQ8 * DP * 2; /* lse2 [64] */
   static constexpr int bDrow = bLse + kBQ8 * 4;    /* Drow [64] */
   static constexpr int kBufBytes = bDrow + kBQ8 * 4;
@@ -65,9 +62,9 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
     int64_t bh, i;
     block_of(it, bh, i);
     char *B = smem + L::kBuf + buf * L::kBufBytes;
-    const int64_t blk = bh * w.nqb + i, r0 = bh * w.nqp + i * kBQ8;
+    const int64_t r0 = bh * w.nqp + i * kBQ8;
     load_tile<DP>(B + L::bQc, w.qc + r0 * DP, kBQ8, DP, tid, 256);
-    load_tile<kBQ8>(B + L::bQt, w.qct + (blk * DP + d0) * kBQ8, DO, kBQ8, tid, 256);
+    load_tile<2 * DO>(B + L::bQ16, w.q16 + r0 * DP + d0, kBQ8, 2 * DP, tid, 256);
     load_tile<2 * DP>(B + L::bDo, w.do16 + r0 * DP, kBQ8, 2 * DP, tid, 256);
     load_bytes(B + L::bLse, w.lse2 + r0, kBQ8 * 4, tid, 256);
     load_bytes(B + L::bDrow, w.drow + r0, kBQ8 * 4, tid, 256);
@@ -75,10 +72,9 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
 
   load_tile<DP>(smem + L::kKc, w.kc + (bhk * w.nkp + j0) * DP, kBK8, DP, tid, 256);
   load_tile<2 * DP>(smem + L::kV16, w.v16 + (bhk * w.nkp + j0) * DP, kBK8, 2 * DP, tid, 256);
-  load_tile<kBK8>(smem + L::kKt, w.kct + ((bhk * w.nkb + j) * DP + d0) * kBK8, DO, kBK8, tid, 256);
+  load_tile<2 * DO>(smem + L::kKs16, w.ks16 + (bhk * w.nkp + j0) * DP + d0, kBK8, 2 * DP, tid, 256);
   if (iters > 0) load_block(0, 0);
   cp_async_commit();
-  float *red = reinterpret_cast<float *>(smem + L::kRed);
 
   const float sk = w.sk[bhk * w.nkb + j];
   float dv[DO / 8][4] = {}, dk[DO / 8][4] = {};
@@ -171,101 +167,55 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
       }
     }
 
-    /* dS^T = P (dP - Drow) in place of P */
+    /* dS16^T = P (dP - Drow) in 16 bits: dK's A fragments (k16 step kk = query rows 16 kk ..) */
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) pm[n][e] = pm[n][e] * (dp[n][e] - drow[n * 8 + 2 * t + (e & 1)]);
-    /* dS is quantized twice (SPEC_INT8 3). For dQ per query row (accumulator column) over the 64
-     * keys of half warp / 4: this warp's row maxima over its 16 keys (the lanes of equal t), then
-     * its half's 4 warps' through shared memory */
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        float mx = fmaxf(fabsf(pm[n][c]), fabsf(pm[n][2 + c]));
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        if (g == 0) red[warp * kBQ8 + n * 8 + 2 * t + c] = mx;
-      }
-    __syncthreads();
-    /* for dK per key (accumulator row, a quad's maximum), packed as the A fragments of dK's two
-     * k32 steps */
-    uint32_t da[2][4];
-    float fk[2];
-    {
-      int dc[8][4];
-      float sdk[2];
-      psi_rows(pm, dc, sdk);
-      fk[0] = (p.scale * sdk[0]) * sq;
-      fk[1] = (p.scale * sdk[1]) * sq;
-      pack_a_from_acc(da[0], dc, 0);
-      pack_a_from_acc(da[1], dc, 1);
-    }
-    const auto row_amax = [&](int half, int row) {
-      const float *m = red + 4 * half * kBQ8 + row;
-      return fmaxf(fmaxf(m[0], m[kBQ8]), fmaxf(m[2 * kBQ8], m[3 * kBQ8]));
-    };
+    uint32_t da[4][4];
+    acc_to_a16<kBf16, 4>(pm, da);
+    /* dS16 [64 rows][128 keys] for dQ: word da[n / 2][2 (n % 2) + r] holds rows n*8 + 2t, +1 of
+     * key krow0 + g + 8r */
     char *ds_tile = smem + L::kDs;
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        float rq, sdq;
-        psi_factors(row_amax(warp >> 2, n * 8 + 2 * t + c), rq, sdq);
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          ds_tile[swz_byte<kBK8>(n * 8 + 2 * t + c, krow0 + g + 8 * r)] =
-              (char)code_s8(pm[n][2 * r + c], rq);
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t w2 = da[n >> 1][2 * (n & 1) + r];
+        const int key = krow0 + g + 8 * r, row = n * 8 + 2 * t;
+        *reinterpret_cast<uint16_t *>(ds_tile + swz_byte<2 * kBK8>(row, 2 * key)) = (uint16_t)w2;
+        *reinterpret_cast<uint16_t *>(ds_tile + swz_byte<2 * kBK8>(row + 1, 2 * key)) =
+            (uint16_t)(w2 >> 16);
       }
 
-    /* dK += (scale sdSk sQ) dSk^T Q^, per key */
+    /* dK += dS16^T Q16 */
 #pragma unroll
-    for (int np = 0; np < DO / 16; ++np) {
-      int c2[2][4] = {};
-      mma_s8_k64<kBQ8>(c2, da, B + L::bQt, np);
+    for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-      for (int x = 0; x < 2; ++x)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk[2 * np + x][e] += fk[e >> 1] * (float)c2[x][e];
-    }
+      for (int np = 0; np < DO / 16; ++np) {
+        uint32_t qb[2][2];
+        ldsm_b_trans<2 * DO>(qb, B + L::bQ16, 16 * kk, 16 * np);
+        mma_16816<kBf16>(dk[2 * np], da[kk], qb[0][0], qb[0][1]);
+        mma_16816<kBf16>(dk[2 * np + 1], da[kk], qb[1][0], qb[1][1]);
+      }
     __syncthreads();
 
-    /* dQ_i += sum over the halves h of (scale sdSq_h sK) dSq^_h K^_h, per row: warp -> 16 rows x
-     * DO/2 columns, FP32 atomics */
+    /* dQ_i += dS16 Ks16 over the block's 128 keys: warp -> 16 rows x DO/2 columns, FP32 atomics */
     {
       constexpr int NT = DO / 16;
       const int r0 = (warp & 3) * 16, c0 = (warp >> 2) * (DO / 2);
-      float f3[NT][4];
+      float dq[NT][4] = {};
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        int c3[NT][4] = {};
+      for (int kk = 0; kk < kBK8 / 16; ++kk) {
+        uint32_t sa[4];
+        ldsm_a<2 * kBK8>(sa, ds_tile, r0, kk * 32);
 #pragma unroll
-        for (int kc = 2 * hh; kc < 2 * hh + 2; ++kc) {
-          uint32_t sa[4];
-          ldsm_a<kBK8>(sa, ds_tile, r0, kc * 32);
-#pragma unroll
-          for (int np = 0; np < NT / 2; ++np) {
-            uint32_t kb[2][2];
-            ldsm_b<kBK8>(kb, smem + L::kKt, c0 + np * 16, kc * 32);
-            mma_s8(c3[2 * np], sa, kb[0]);
-            mma_s8(c3[2 * np + 1], sa, kb[1]);
-          }
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t kb[2][2];
+          ldsm_b_trans<2 * DO>(kb, smem + L::kKs16, 16 * kk, c0 + 16 * np);
+          mma_16816<kBf16>(dq[2 * np], sa, kb[0][0], kb[0][1]);
+          mma_16816<kBf16>(dq[2 * np + 1], sa, kb[1][0], kb[1][1]);
         }
-        float fq[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float rq, sdq;
-          psi_factors(row_amax(hh, r0 + g + 8 * r), rq, sdq);
-          fq[r] = (p.scale * sdq) * sk;
-        }
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float x = fq[e >> 1] * (float)c3[n][e];
-            f3[n][e] = hh == 0 ? x : f3[n][e] + x;
-          }
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -273,7 +223,7 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
         if (row >= p.len_q) continue;
         float *dst = w.dq_acc + (bh * p.len_q + row) * DP + d0 + c0 + 2 * t;
 #pragma unroll
-        for (int n = 0; n < NT; ++n) add_pair(dst + n * 8, f3[n][2 * r], f3[n][2 * r + 1]);
+        for (int n = 0; n < NT; ++n) add_pair(dst + n * 8, dq[n][2 * r], dq[n][2 * r + 1]);
       }
     }
   }
@@ -282,26 +232,16 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
   store_dk_dv_rows(a, bhk, j0 + krow0, d0, dk, dv);
 }
 
-/* Head dim DP: dK/dV/dQ columns per block (DO) and query-tile buffers; the kernel for the
- * 16-bit type of dP. */
-template <int DP>
-fp4attn_status launch_int8_backward(const Int8Args &a, cudaStream_t s) {
-  constexpr int DO = DP > 128 ? 128 : DP, NBUF = DP > 128 ? 1 : 2;
+/* The kernel of head dim DP, DO columns per block and NBUF query-tile buffers for the 16-bit type
+ * of dP, its shared memory set once per device. */
+template <int DP, int DO, int NBUF>
+fp4attn_status launch_backward_kernel(const Int8Args &a, cudaStream_t s, int dev) {
   using L = BwdSmem<DP, DO, NBUF>;
   static int configured[64] = {0};
   auto kernel = a.bf16_ops ? int8_backward_kernel<DP, DO, NBUF, true>
                            : int8_backward_kernel<DP, DO, NBUF, false>;
-  int dev = 0;
-  cudaGetDevice(&dev);
   const int bit = a.bf16_ops ? 2 : 1;
   if (dev < 0 || dev >= 64 || !(configured[dev] & bit)) {
-    int optin = 0;
-    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    if (optin < L::kBytes)
-      return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
-                           "int8 attention backward: head dim %d needs %d bytes of shared memory, "
-                           "the device allows %d",
-                           DP, L::kBytes, optin);
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes) !=
         cudaSuccess)
       return launch_status("int8 attention backward");
@@ -312,6 +252,31 @@ fp4attn_status launch_int8_backward(const Int8Args &a, cudaStream_t s) {
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention backward: too many key blocks");
   kernel<<<dim3((unsigned)blocks, DP / DO), 256, L::kBytes, s>>>(a);
   return launch_status("int8 attention backward");
+}
+
+/* Head dim DP: dK/dV/dQ columns per block (DO: all of them up to 128, else half, S and dP
+ * recomputed per half), and two query-tile buffers where the device's shared memory takes them
+ * (head dim 128 needs 177 KB with two: one on an A100). */
+template <int DP>
+fp4attn_status launch_int8_backward(const Int8Args &a, cudaStream_t s) {
+  constexpr int DO = DP > 128 ? 128 : DP;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  static int optin_of[64] = {0};
+  int optin = dev >= 0 && dev < 64 ? optin_of[dev] : 0;
+  if (optin == 0) {
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (dev >= 0 && dev < 64) optin_of[dev] = optin;
+  }
+  if constexpr (DP <= 128)
+    if (optin >= BwdSmem<DP, DO, 2>::kBytes) return launch_backward_kernel<DP, DO, 2>(a, s, dev);
+  constexpr int kBytes = BwdSmem<DP, DO, 1>::kBytes;
+  if (optin < kBytes)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                         "int8 attention backward: head dim %d needs %d bytes of shared memory, "
+                         "the device allows %d",
+                         DP, kBytes, optin);
+  return launch_backward_kernel<DP, DO, 1>(a, s, dev);
 }
 
 }  // namespace fp4attn_cuda

@@ -3,32 +3,27 @@
  * mma.sync kernel (backward.cuh), with the matrix work on warpgroup MMA and the loads on TMA.
  *
  * One block = one 128-key block j of one (batch, KV head), 3 warpgroups:
- *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the key block's K^, V (16
- *     bits) and K^T once, then per 64-row query block i of the KV head's query heads (causal: the
- *     blocks that see key block j) Q^, Q^T, dO (16 bits), lse2 and Drow into a ring of
- *     kStages stages ("full" / "empty" mbarriers).
+ *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the key block's K^, V and
+ *     Ks16 (16 bits) once, then per 64-row query block i of the KV head's query heads (causal: the
+ *     blocks that see key block j) Q^, Q16, dO (16 bits), lse2 and Drow into a ring of kStages
+ *     stages ("full" / "empty" mbarriers).
  *   warpgroups 1 and 2, consumers (setmaxnreg up): 64 keys each (wgmma's M), per query block:
  *     S^T  = K^ Q^T            wgmma m64n64k32 s8 (shared x shared), exact int32
  *     dP^T = V dO^T            wgmma m64n64k16 f16 / bf16, FP32
  *     P^T  = exp2(S^T f - lse2), dS^T = P^T (dP^T - Drow) in registers (accumulator layout)
- *     dV  += P16^T dO16                              wgmma m64n{DP}k16 f16 / bf16, P16 from
- *       registers, dO as the MN-major B; issued before dS and waited for with dK's product
- *     dK  += dSk^T Q^                                wgmma m64n64k32 s8 per 64 columns, dSk^
- *       scaled per key (an accumulator row: a quad's maximum) and packed from registers
- *     dQ_i += dSq^ K^ over this consumer's 64 keys   wgmma m64n64k32 s8 per 64 columns, dSq^
- *       scaled per query row over the consumer's keys (an accumulator column: its 4 warps'
- *       maxima meet in shared memory) from its half of the dS^ tile; the scaled FP32 products go
- *       through the consumer's own dQ tile into one bulk reduction (add) into the workspace
- *   Both dS^ scales stay within a consumer's 64 keys (SPEC_INT8 3), so the consumers never wait
- *   for each other: only their own 4 warps meet (named barrier 1 + warpgroup), and they share
- *   only the stage ring (measured: no faster than in lockstep; docs/performance.md says what
- *   bounds it).
- * dK and dV stay in FP32 registers for the whole walk (dV as its wgmma accumulator; dK's per-step
- * scales keep its int32 products from accumulating across query blocks) and are stored once, in
- * the input dtype.
+ *     dV  += P16^T dO16        wgmma m64n{DP}k16, P16 from registers, dO as the MN-major B
+ *     dK  += dS16^T Q16        the same with dS16 and Q16
+ *     dQ_i += dS16 Ks16        wgmma m64n64k16, dS16^T through shared memory (the MN-major A),
+ *       Ks16 the MN-major B, FP32 vector atomics into the workspace (finish_dq applies the
+ *       softmax scale): at head dim 64 over the consumer's own 64 keys, at 128 its 64 columns
+ *       over the block's 128 keys (half the atomic traffic; BwdSm90Config::kDqColumns)
+ *   The consumers share the stage ring and, at head dim 128, the dS16^T tile (one barrier of
+ *   both per step); otherwise only a consumer's own 4 warps meet (named barrier 1 + warpgroup).
+ * dK and dV stay in FP32 wgmma accumulators for the whole walk and are stored once, in the input
+ * dtype (dK times the scale).
  * Operand layouts (wgmma.cuh): 8-bit tiles K-major, swizzled over their row width (Q^, K^: DP
- * bytes; the perm tile Q^T: 64; K^T and dS^: 128); 16-bit V and dO as DP/64 column blocks of
- * 128-byte rows with the 128-byte swizzle (dO read K-major by dP's product, MN-major by dV's).
+ * bytes); 16-bit V, Ks16, Q16 and dO as DP/64 column blocks of 128-byte rows with the 128-byte
+ * swizzle (dO read K-major by dP's product, MN-major by dV's), the dS16^T tile [64 keys][64 rows].
  */
 #include "../sm90/tensor_maps.h"
 #include "../sm90/wgmma.cuh"
@@ -49,31 +44,33 @@ template <int DP>
 struct BwdSm90Config {
   static constexpr int kStages = 2;
   /* the key block's tiles, loaded once */
-  static constexpr int kKBytes = kBK8 * DP;      /* K^ [128][DP] */
-  static constexpr int kVBytes = kBK8 * DP * 2;  /* V [DP/64][128][64] 16-bit */
-  static constexpr int kKtBytes = DP * kBK8;     /* K^T [DP][128] */
-  static constexpr int kDsBytes = kBQ8 * kBK8;   /* dS^ [64][128]: keys 64c.. of consumer c */
-  static constexpr int kDqBytes = kBQ8 * DP * 4; /* FP32 dQ [64][DP] per consumer and step */
+  static constexpr int kKBytes = kBK8 * DP;           /* K^ [128][DP] */
+  static constexpr int kVBytes = kBK8 * DP * 2;       /* V [DP/64][128][64] 16-bit */
+  static constexpr int kKsBytes = kVBytes;            /* Ks16 [DP/64][128][64] 16-bit */
+  static constexpr int kDsBytes = kWgKeys * kBQ8 * 2; /* dS16^T [64 keys][64 rows] per consumer */
+  /* dQ = dS16 Ks16 per consumer: at head dim 128 its 64 columns over the block's 128 keys (both
+   * consumers' dS16^T, double-buffered by step parity, so one barrier of both per step), which
+   * halves the atomic traffic into dQ; at 64 all columns over its own 64 keys (no barrier
+   * between the consumers) */
+  static constexpr bool kDqColumns = DP == 128;
+  static constexpr int kDqKeys = kDqColumns ? kBK8 : kWgKeys;
+  static constexpr int kDsBufs = kDqColumns ? 2 : 1;
   /* one query block's tiles (a stage) */
-  static constexpr int kQBytes = kBQ8 * DP;      /* Q^ [64][DP] */
-  static constexpr int kQtBytes = DP * kBQ8;     /* Q^T [DP][64] perm */
-  static constexpr int kDoBytes = kBQ8 * DP * 2; /* dO [DP/64][64][64] 16-bit */
-  static constexpr int kTileBytes = kQBytes + kQtBytes + kDoBytes;
+  static constexpr int kQBytes = kBQ8 * DP;       /* Q^ [64][DP] */
+  static constexpr int kQ16Bytes = kBQ8 * DP * 2; /* Q16 [DP/64][64][64] 16-bit */
+  static constexpr int kDoBytes = kBQ8 * DP * 2;  /* dO [DP/64][64][64] 16-bit */
+  static constexpr int kTileBytes = kQBytes + kQ16Bytes + kDoBytes;
   static constexpr int kVecBytes = 2 * kBQ8 * 4; /* lse2 [64], Drow [64] */
   /* shared memory from a 1024-byte boundary (every tile a multiple of 1024 bytes) */
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kKBytes;
-  static constexpr int kOffKt = kOffV + kVBytes;
-  static constexpr int kOffDs = kOffKt + kKtBytes;
-  static constexpr int kOffDq = kOffDs + kDsBytes;
-  static constexpr int kOffStage = kOffDq + 2 * kDqBytes;
-  static constexpr int sQ = 0, sQt = sQ + kQBytes, sDo = sQt + kQtBytes;
+  static constexpr int kOffKs = kOffV + kVBytes;
+  static constexpr int kOffDs = kOffKs + kKsBytes;
+  static constexpr int kOffStage = kOffDs + kDsBufs * 2 * kDsBytes;
+  static constexpr int sQ = 0, sQ16 = sQ + kQBytes, sDo = sQ16 + kQ16Bytes;
   static constexpr int kOffVec = kOffStage + kStages * kTileBytes;
   static constexpr int vLse = 0, vDrow = kBQ8 * 4;
-  /* per consumer and step parity: each warp's maxima of |dS| per query row (floats) */
-  static constexpr int kRedFloats = 2 * 4 * kBQ8;
-  static constexpr int kOffRed = kOffVec + kStages * kVecBytes;
-  static constexpr int kOffBar = kOffRed + 2 * kRedFloats * 4; /* full[S], empty[S], kfull */
+  static constexpr int kOffBar = kOffVec + kStages * kVecBytes; /* full[S], empty[S], kfull */
   static constexpr int kBytes = kOffBar + (2 * kStages + 1) * 8;
   static constexpr int kSmem = kBytes + 1023;
   static constexpr int kProducerRegs = 24;
@@ -83,17 +80,18 @@ struct BwdSm90Config {
 };
 
 /* Kernel parameters: the 8-bit arguments and this call's TMA maps (bytes, innermost first) of
- * K^ {DP, nkp, BHk}, V {2 DP, nkp, BHk}, K^T {128, nkb DP, BHk}, Q^ {DP, nqp, BHq},
- * Q^T {64, nqb DP, BHq}, dO {2 DP, nqp, BHq}. */
+ * K^ {DP, nkp, BHk}, V (int8_v16_rows), Ks16 {2 DP, nkp, BHk}, Q^ {DP, nqp, BHq}, Q16 and dO
+ * {2 DP, nqp, BHq}. */
 struct Int8BwdSm90Params {
   Int8Args a;
-  CUtensorMap kmap, vmap, ktmap, qmap, qtmap, domap;
+  CUtensorMap kmap, vmap, ksmap, qmap, q16map, domap;
   bool longest_first; /* the block order (BwdWalk) */
 };
 
 #if defined(FP4ATTN_SM90_WGMMA)
 
-constexpr int kBarWg = 1; /* named barriers 1 and 2: the 4 warps of consumer 0 and 1 */
+constexpr int kBarWg = 1;   /* named barriers 1 and 2: the 4 warps of consumer 0 and 1 */
+constexpr int kBarBoth = 3; /* named barrier 3: both consumers (C::kDqColumns) */
 
 template <int kStages>
 struct BwdBars {
@@ -102,24 +100,6 @@ struct BwdBars {
   __device__ uint32_t empty(int s) const { return base + 8 * (kStages + s); }
   __device__ uint32_t kfull() const { return base + 16 * kStages; }
 };
-
-/* One step of a halving max across lanes: values k and k + kHalf pair up with lane ^ (32 / kHalf);
- * the lane whose bit 32 / kHalf is set keeps the upper one, its partner the lower, each takes the
- * maximum with the one it receives. */
-template <int kHalf>
-__device__ __forceinline__ void halving_max(float (&v)[16], int lane) {
-  const bool upper = lane & (32 / kHalf);
-#pragma unroll
-  for (int k = 0; k < kHalf; ++k) {
-    const float send = upper ? v[k] : v[k + kHalf], keep = upper ? v[k + kHalf] : v[k];
-    v[k] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 32 / kHalf));
-  }
-}
-
-/* Byte offset of (row, col) in a tile of 128-byte rows with the 128-byte swizzle. */
-__device__ __forceinline__ int sw128_byte(int row, int col) {
-  return row * 128 + ((((col >> 4) ^ row) & 7) << 4) + (col & 15);
-}
 
 /* The walk of one key block: its (batch, KV head), the first query block that sees it, and the
  * query blocks per query head of the group (the producer and the consumers agree on it). */
@@ -160,13 +140,15 @@ struct Int8BwdSm90 {
     const BwdBars<C::kStages> bar{smem_u32(sm + C::kOffBar)};
     const int jr = (int)(walk.j * kBK8), bhk = (int)walk.bhk;
 
-    mbar_expect_tx(bar.kfull(), C::kKBytes + C::kVBytes + C::kKtBytes);
+    mbar_expect_tx(bar.kfull(), C::kKBytes + C::kVBytes + C::kKsBytes);
     tma_load_3d(smem_u32(sm + C::kOffK), &prm.kmap, 0, jr, bhk, bar.kfull());
 #pragma unroll
-    for (int cb = 0; cb < DP / 64; ++cb)
+    for (int cb = 0; cb < DP / 64; ++cb) {
       tma_load_4d(smem_u32(sm + C::kOffV + cb * kBK8 * 128), &prm.vmap, cb * 64, jr, (int)walk.hk,
                   (int)walk.b, bar.kfull());
-    tma_load_3d(smem_u32(sm + C::kOffKt), &prm.ktmap, 0, (int)(walk.j * DP), bhk, bar.kfull());
+      tma_load_3d(smem_u32(sm + C::kOffKs + cb * kBK8 * 128), &prm.ksmap, cb * 128, jr, bhk,
+                  bar.kfull());
+    }
     mbar_arrive(bar.kfull());
 
     for (int it = 0; it < walk.iters; ++it) {
@@ -176,15 +158,17 @@ struct Int8BwdSm90 {
       walk.block(p, it, bh, i);
       char *st = sm + C::kOffStage + s * C::kTileBytes;
       char *vec = sm + C::kOffVec + s * C::kVecBytes;
-      const int ir = (int)(i * kBQ8), id = (int)(i * DP), bhq = (int)bh;
+      const int ir = (int)(i * kBQ8), bhq = (int)bh;
       const int64_t r0 = bh * w.nqp + i * kBQ8;
       mbar_expect_tx(bar.full(s), C::kTileBytes + C::kVecBytes);
       tma_load_3d(smem_u32(st + C::sQ), &prm.qmap, 0, ir, bhq, bar.full(s));
-      tma_load_3d(smem_u32(st + C::sQt), &prm.qtmap, 0, id, bhq, bar.full(s));
 #pragma unroll
-      for (int cb = 0; cb < DP / 64; ++cb)
+      for (int cb = 0; cb < DP / 64; ++cb) {
+        tma_load_3d(smem_u32(st + C::sQ16 + cb * kBQ8 * 128), &prm.q16map, cb * 128, ir, bhq,
+                    bar.full(s));
         tma_load_3d(smem_u32(st + C::sDo + cb * kBQ8 * 128), &prm.domap, cb * 128, ir, bhq,
                     bar.full(s));
+      }
       bulk_load(smem_u32(vec + C::vLse), w.lse2 + r0, kBQ8 * 4, bar.full(s));
       bulk_load(smem_u32(vec + C::vDrow), w.drow + r0, kBQ8 * 4, bar.full(s));
       mbar_arrive(bar.full(s));
@@ -202,27 +186,29 @@ struct Int8BwdSm90 {
     const int krow0 = cwg * kWgKeys + wwarp * 16; /* this warp's 16 keys in the block */
     const int64_t j0 = walk.j * kBK8;
     const auto wg_sync = [&]() { named_sync(kBarWg + cwg, kWgThreads); };
-    float *red = reinterpret_cast<float *>(sm + C::kOffRed) + cwg * C::kRedFloats;
-    float *dq_tile = reinterpret_cast<float *>(sm + C::kOffDq + cwg * C::kDqBytes);
-    char *ds_tile = sm + C::kOffDs;
 
-    /* descriptors of the resident tiles: this consumer's 64 keys of K^ and V; K^T and its half
-     * of the dS^ tile start 64 bytes (this consumer's keys) into their rows */
+    /* descriptors of the resident tiles: this consumer's 64 keys of K^ and V; dQ's Ks16, rows
+     * 64 cwg .. of column block 0 (head dim 64) or column block cwg (128: C::kDqColumns) */
     const uint64_t k_desc = kmajor_desc<kQkRow>(smem_u32(sm + C::kOffK) + cwg * kWgKeys * DP);
     const uint32_t v_lo = sw128_desc_lo(smem_u32(sm + C::kOffV) + cwg * kWgKeys * 128);
-    const uint64_t kt_desc = kmajor_desc<kBK8>(smem_u32(sm + C::kOffKt) + cwg * kWgKeys);
-    const uint64_t ds_desc = kmajor_desc<kBK8>(smem_u32(sm + C::kOffDs) + cwg * kWgKeys);
+    const uint64_t ks_mn = mnmajor_sw128_desc(
+        smem_u32(sm + C::kOffKs) + cwg * (C::kDqColumns ? kBK8 : kWgKeys) * 128, kBK8 * 128);
+    const int dq_col0 = C::kDqColumns ? 64 * cwg : 0;
+    /* this thread's words of the dS16^T tile [128 keys][64 rows] (consumer c's keys 64c ..):
+     * (key krow0 + g + 8r, rows n*8 + 2t, +1) at byte key*128 + 16 (n ^ g) + 4t (128-byte
+     * swizzle: key % 8 = g) */
+    const int ds_own = (krow0 + g) * 128 + 4 * t;
 
-    const float sk = w.sk[walk.bhk * w.nkb + walk.j];
     float dv[DP / 8][4], dk[DP / 8][4];
 #pragma unroll
     for (int n = 0; n < DP / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dv[n][e] = dk[n][e] = 0.0f;
 
+    const float sk = w.sk[walk.bhk * w.nkb + walk.j];
     mbar_wait(bar.kfull(), 0);
     for (int it = 0; it < walk.iters; ++it) {
-      const int s = it % C::kStages, par = it & 1;
+      const int s = it % C::kStages;
       int64_t bh, i;
       walk.block(p, it, bh, i);
       const int64_t h = bh % p.heads_q, i0 = i * kBQ8;
@@ -231,11 +217,11 @@ struct Int8BwdSm90 {
       const float *lse2 = reinterpret_cast<const float *>(vec + C::vLse);
       const float *drow = reinterpret_cast<const float *>(vec + C::vDrow);
       const uint64_t q_desc = kmajor_desc<kQkRow>(smem_u32(st + C::sQ));
-      const uint64_t qt_desc = kmajor_desc<kBQ8>(smem_u32(st + C::sQt));
       const uint32_t do_lo = sw128_desc_lo(smem_u32(st + C::sDo));
-      /* dO as dV's MN-major B: query rows 16 kk .. at + 16 x 128 bytes, channel slabs 64 x 128
-       * bytes apart */
+      /* dO and Q16 as dV's and dK's MN-major B: query rows 16 kk .. at + 16 x 128 bytes, channel
+       * slabs 64 x 128 bytes apart */
       const uint64_t do_mn = mnmajor_sw128_desc(smem_u32(st + C::sDo), kBQ8 * 128);
+      const uint64_t q16_mn = mnmajor_sw128_desc(smem_u32(st + C::sQ16), kBQ8 * 128);
       const float sq = w.sq[bh * w.nqb + i];
       mbar_wait(bar.full(s), (it / C::kStages) & 1);
 
@@ -283,8 +269,7 @@ struct Int8BwdSm90 {
           }
       }
 
-      /* dV += P16^T dO16 (k16 step kk: query rows 16 kk ..), accumulated by the wgmma itself;
-       * waited for with dK's product, so that the tensor cores run it beside dS's quantization */
+      /* dV += P16^T dO16 (k16 step kk: query rows 16 kk ..), accumulated by the wgmma itself */
       {
         uint32_t pa[4][4];
         acc_to_a16<kBf16, 4>(pm, pa);
@@ -295,125 +280,66 @@ struct Int8BwdSm90 {
         wgmma_commit();
       }
 
-      /* dS^T = P^T (dP^T - Drow) in place of dP; dSk^, dK's codes, per key (accumulator row) */
-      uint32_t da[2][4];
-      float sdk[2];
+      /* dS16^T = P^T (dP^T - Drow) in 16 bits; dK += dS16^T Q16 like dV */
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           dp[n][e] = pm[n][e] * (dp[n][e] - drow[n * 8 + 2 * t + (e & 1)]);
-      {
-        uint32_t dc[8][4];
-        psi_rows(dp, dc, sdk);
-        pack_a_from_words(da[0], dc, 0);
-        pack_a_from_words(da[1], dc, 1);
-      }
-      /* dSq^, dQ's codes, per query row (accumulator column) over this consumer's 64 keys: this
-       * warp's column maxima over its 16 keys (the 8 lanes of equal t hold columns n*8 + 2t + c,
-       * value k = 2n + c), then the 4 warps'. Halving exchange: at lane bit 4, 8, 16 each lane
-       * keeps one half of its values and sends the other, so 14 shuffles reduce all 16 and lane
-       * (g, t) ends with column pair n = 4 (g & 1) + (g & 2) + (g >> 2) */
-      float *red_par = red + par * 4 * kBQ8;
-      {
-        float v[16];
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) v[2 * n + c] = fmaxf(fabsf(dp[n][c]), fabsf(dp[n][2 + c]));
-        halving_max<8>(v, lane);
-        halving_max<4>(v, lane);
-        halving_max<2>(v, lane);
-        const int n = 4 * (g & 1) + (g & 2) + (g >> 2);
-        *reinterpret_cast<float2 *>(red_par + wwarp * kBQ8 + n * 8 + 2 * t) =
-            make_float2(v[0], v[1]);
-      }
-      if (wtid == 0) bulk_wait_read<0>(); /* the last step's dQ tile has been read */
-      wg_sync();                          /* A: the row maxima of this consumer's 64 keys */
-      /* lane l owns rows 2l and 2l + 1: their factors once per warp, handed out by shuffles */
-      float rq_own[2], sdq_own[2];
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int row = 2 * lane + c;
-        psi_factors(fmaxf(fmaxf(red_par[row], red_par[kBQ8 + row]),
-                          fmaxf(red_par[2 * kBQ8 + row], red_par[3 * kBQ8 + row])),
-                    rq_own[c], sdq_own[c]);
-      }
-      /* byte (row n*8 + 2t + c, key krow0 + g + 8r) of the swizzled tile: krow0 is a multiple of 16
-       * and n*8 leaves the row's low 3 bits alone, so the swizzle depends on (t, c) only and n, r
-       * are immediate offsets (sw128_byte per byte cost ~5 address instructions) */
-      int ds_at[2];
-#pragma unroll
-      for (int c = 0; c < 2; ++c) ds_at[c] = sw128_byte(2 * t + c, krow0 + g);
+      uint32_t da[4][4];
+      acc_to_a16<kBf16, 4>(dp, da);
+      /* dS16^T into the tile (read before the wgmma takes da). Its last readers were this
+       * consumer's dQ products of the last step (wg_sync), or, double-buffered, both consumers'
+       * two steps ago, which the barrier of the last step has seen end. */
+      char *ds_tile = sm + C::kOffDs + (C::kDqColumns ? (it & 1) : 0) * 2 * C::kDsBytes;
+      if (!C::kDqColumns) wg_sync();
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const float rq = __shfl_sync(0xffffffffu, rq_own[c], 4 * n + t); /* row n*8 + 2t + c */
+        for (int r = 0; r < 2; ++r)
+          *reinterpret_cast<uint32_t *>(ds_tile + ds_own + r * 8 * 128 + ((n ^ g) << 4)) =
+              da[n >> 1][2 * (n & 1) + r];
+      fence_proxy_async(); /* the dS16 words, for the dQ wgmma */
+      wgmma_fence();
 #pragma unroll
-          for (int r = 0; r < 2; ++r)
-            ds_tile[ds_at[c] + n * 8 * 128 + 8 * r] = (char)code_word(dp[n][2 * r + c], rq);
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_rs_acc_k16<DP, kBf16, true>(dk, da[kk], q16_mn + kk * (16 * 128 >> 4));
+      wgmma_commit();
+      if (C::kDqColumns)
+        named_sync(kBarBoth, kConsumerThreads);
+      else
+        wg_sync();
+
+      /* dQ_i += dS16 Ks16: 64 columns from dq_col0 over C::kDqKeys keys (k16 step kk: keys
+       * 16 kk .., +2048 bytes in both tiles), FP32 vector atomics (rows past len_q skipped) */
+      {
+        const uint64_t ds_mn = mnmajor_sw128_desc(
+            smem_u32(ds_tile) + (C::kDqColumns ? 0 : cwg * C::kDsBytes), kWgKeys * 128);
+        float acc[8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < C::kDqKeys / 16; ++kk)
+          wgmma_ss_m64n64k16<kBf16, true, true>(acc, ds_mn + kk * (2048 >> 4),
+                                                ks_mn + kk * (2048 >> 4), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc);
+        mbar_arrive(bar.empty(s)); /* the stage's last reads are done */
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int64_t row = i0 + wwarp * 16 + g + 8 * r;
+          if (row >= p.len_q) continue;
+          float *dst = w.dq_acc + (bh * p.len_q + row) * DP + dq_col0 + 2 * t;
+#pragma unroll
+          for (int n = 0; n < 8; ++n) add_pair(dst + n * 8, acc[n][2 * r], acc[n][2 * r + 1]);
         }
-      fence_proxy_async(); /* the dS^ bytes, for this consumer's dQ wgmma */
-
-      wg_sync(); /* B: this consumer's dS^ keys are in the tile */
-
-      /* per 64 columns c: dK += (scale sdSk sQ) dSk^T Q^ (per key) and dQ_i += (scale sdSq sK)
-       * dSq^ K^ over this consumer's keys (per query row), the latter into its dQ tile */
-      float fk[2], fq[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = wwarp * 16 + g + 8 * r; /* owned by lane row / 2 as its element row % 2 */
-        const float s0 = __shfl_sync(0xffffffffu, sdq_own[0], row >> 1);
-        const float s1 = __shfl_sync(0xffffffffu, sdq_own[1], row >> 1);
-        fk[r] = (p.scale * sdk[r]) * sq;
-        fq[r] = (p.scale * ((row & 1) ? s1 : s0)) * sk;
-      }
-      int acc[8][4]; /* dK's, then dQ's products of the 64 columns */
-#pragma unroll
-      for (int c = 0; c < DP / 64; ++c) {
-        wgmma_fence();
-#pragma unroll
-        for (int kb = 0; kb < 2; ++kb)
-          wgmma_rs_m64n64k32_s8(acc, da[kb], qt_desc + c * (64 * kBQ8 >> 4) + 2 * kb, kb > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(acc);
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dk[8 * c + n][e] += fk[e >> 1] * (float)acc[n][e];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk)
-          wgmma_ss_m64n64k32_s8(acc, ds_desc + 2 * kk, kt_desc + c * (64 * kBK8 >> 4) + 2 * kk,
-                                kk > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(acc);
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-            *reinterpret_cast<float2 *>(dq_tile + (wwarp * 16 + g + 8 * r) * DP + 64 * c + n * 8 +
-                                        2 * t) =
-                make_float2(fq[r] * (float)acc[n][2 * r], fq[r] * (float)acc[n][2 * r + 1]);
-      }
-      mbar_arrive(bar.empty(s)); /* every consumer thread: the stage's last reads are done */
-      fence_proxy_async();       /* the dQ tile, for the bulk reduction */
-      wg_sync();                 /* C: this consumer's dQ tile is complete */
-      if (wtid == 0) {
-        const int64_t rows = min((int64_t)kBQ8, p.len_q - i0);
-        bulk_reduce_add_f32(w.dq_acc + (bh * p.len_q + i0) * DP, smem_u32(dq_tile),
-                            (uint32_t)(rows * DP * 4));
-        bulk_commit();
       }
     }
-    if (wtid == 0) bulk_wait<0>(); /* the last dQ reduction, before the block's memory goes */
 
-    /* dK and dV of this warp's 16 keys, in the input dtype (dV's last wgmma was waited for with
-     * dK's last product) */
+    /* dK and dV of this warp's 16 keys, in the input dtype (their last wgmma were waited for with
+     * the last dQ product) */
     fence_regs(dv);
+    fence_regs(dk);
     store_dk_dv_rows(a, walk.bhk, j0 + krow0, 0, dk, dv);
   }
 
@@ -485,9 +411,21 @@ fp4attn_status launch_int8_backward_sm90(const Int8Args &a, cudaStream_t s) {
     const char *what;
   } maps[] = {
       {prm.kmap, w.kc, {dp, (cuuint64_t)w.nkp, bhk}, {dp, w.nkp * dp}, DP, kBK8, "K^"},
-      {prm.ktmap, w.kct, {kBK8, w.nkb * dp, bhk}, {kBK8, w.nkb * dp * kBK8}, kBK8, DP, "K^T"},
+      {prm.ksmap,
+       w.ks16,
+       {2 * dp, (cuuint64_t)w.nkp, bhk},
+       {2 * dp, w.nkp * 2 * dp},
+       128,
+       kBK8,
+       "Ks16"},
       {prm.qmap, w.qc, {dp, (cuuint64_t)w.nqp, bhq}, {dp, w.nqp * dp}, DP, kBQ8, "Q^"},
-      {prm.qtmap, w.qct, {kBQ8, w.nqb * dp, bhq}, {kBQ8, w.nqb * dp * kBQ8}, kBQ8, DP, "Q^T"},
+      {prm.q16map,
+       w.q16,
+       {2 * dp, (cuuint64_t)w.nqp, bhq},
+       {2 * dp, w.nqp * 2 * dp},
+       128,
+       kBQ8,
+       "Q16"},
       {prm.domap,
        w.do16,
        {2 * dp, (cuuint64_t)w.nqp, bhq},

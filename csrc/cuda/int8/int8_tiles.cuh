@@ -1,14 +1,13 @@
 /*
- * Shared pieces of the 8-bit attention kernels (docs/SPEC_INT8.md) on mma.sync m16n8k32 s8:
- * block sizes, the workspace the preparation kernels fill and the attention kernels read,
- * the INT8 psi code, the s8 MMA and the A fragments packed from accumulators, and the mma.sync
- * forward's P16 V16 product (FP16 or BF16 MMA, SPEC_INT8 2.4).
+ * Shared pieces of the 8-bit attention kernels (docs/SPEC_INT8.md): block sizes, the workspace
+ * the preparation kernels fill and the attention kernels read, the INT8 psi code, the s8 MMA,
+ * 16-bit A fragments from accumulators (P16, dS16), the mma.sync forward's P16 V16 product
+ * (FP16 or BF16 MMA, SPEC_INT8 2.4) and the epilogues.
  *
  * Fragment conventions (g = lane / 4, t = lane % 4): the m16n8 accumulator holds rows g, g + 8
  * and columns 2t, 2t + 1 of each 8-column tile; the A operand of m16n8k32 holds row g / g + 8 and
- * k = 4t..4t+3 (+16); B holds k = 4t..4t+3 (+16) of column g. An A operand built from an
- * accumulator (P, P^T, dS^T) therefore reads its k in the order perm16 below within every 16, and
- * the B tiles it multiplies are stored with the same permutation (the "perm" tiles).
+ * k = 4t..4t+3 (+16); B holds k = 4t..4t+3 (+16) of column g; the A operand of m16n8k16 holds
+ * k = 2t, 2t + 1 (+8), so an accumulator in 16 bits is an A operand as it stands (acc_to_a16).
  */
 #ifndef FP4ATTN_CUDA_INT8_INT8_TILES_CUH
 #define FP4ATTN_CUDA_INT8_INT8_TILES_CUH
@@ -27,14 +26,7 @@ static inline int64_t int8_padded_head_dim(int64_t d) {
   return d <= 64 ? 64 : (d <= 128 ? 128 : 256);
 }
 
-/* Position pos (0..15) of a perm tile holds element perm16(pos) of its 16-group: the k order of
- * an A fragment packed from accumulator registers (pack_a_from_acc). */
-__host__ __device__ __forceinline__ int perm16(int pos) {
-  return ((pos & 3) < 2 ? 0 : 8) + 2 * (pos >> 2) + (pos & 1);
-}
-
-/* The workspace of one call; every operand tile is zero-padded to whole blocks and to dp. Codes
- * are int8; "perm" tiles are transposed per block with perm16 along their rows. */
+/* The workspace of one call; every operand tile is zero-padded to whole blocks and to dp. */
 struct Int8Workspace {
   int64_t dp, nqb, nkb, nqp, nkp; /* padded head dim, block counts, padded lengths */
   int64_t nqa;                    /* partial amaxes of Q per query head: ceil(len_q / kQaRows) */
@@ -57,8 +49,8 @@ struct Int8Workspace {
   float *sq;      /* [bhq][nqb] */
   float *qshift;  /* [bhq][nqp]: scale * (q . kbar), the lse's smoothing term */
   /* backward only */
-  int8_t *kct;    /* [bhk][nkb][dp][128]: K^ transposed per block (natural key order) */
-  int8_t *qct;    /* [bhq][nqb][dp][64] perm: Q^ transposed per block */
+  uint16_t *ks16; /* [bhk][nkp][dp]: K - kbar in 16 bits (dQ's operand) */
+  uint16_t *q16;  /* [bhq][nqp][dp]: Q in 16 bits (dK's operand) */
   uint16_t *do16; /* [bhq][nqp][dp]: dO in 16 bits (dP's and dV's operand) */
   float *drow;    /* [bhq][nqp]: rowsum(dO * O) - dlse (0 on padding rows) */
   float *lse2;    /* [bhq][nqp]: (lse - qshift) * log2(e), +inf where no key is visible */
@@ -136,8 +128,8 @@ static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params
   w.sq = (float *)take(4 * bhq * w.nqb);
   w.qshift = (float *)take(4 * bhq * w.nqp);
   const int64_t bw = backward ? 1 : 0;
-  w.kct = (int8_t *)take(bw * bhk * w.nkp * dp);
-  w.qct = (int8_t *)take(bw * bhq * w.nqp * dp);
+  w.ks16 = (uint16_t *)take(bw * 2 * bhk * w.nkp * dp);
+  w.q16 = (uint16_t *)take(bw * 2 * bhq * w.nqp * dp);
   w.do16 = (uint16_t *)take(bw * 2 * bhq * w.nqp * dp);
   w.drow = (float *)take(bw * 4 * bhq * w.nqp);
   w.lse2 = (float *)take(bw * 4 * bhq * w.nqp);
@@ -199,33 +191,6 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4],
       "{%0,%1,%2,%3};\n"
       : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-/* B (8x32 s8) times the A fragments of two 32-column k-chunks: the 16x16 int32 block of n-tiles
- * 2np, 2np + 1 of A (accumulator layout, k = 64) x B^T, B the rows np*16 .. np*16+15 of a
- * swizzled [n][64] byte tile. */
-template <int W>
-__device__ __forceinline__ void mma_s8_k64(int (&c)[2][4], const uint32_t (&a)[2][4],
-                                           const char *tile, int np) {
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    uint32_t b[2][2];
-    ldsm_b<W>(b, tile, np * 16, k * 32);
-    mma_s8(c[0], a[k], b[0]);
-    mma_s8(c[1], a[k], b[1]);
-  }
-}
-
-/* The A fragment of k-chunk c (accumulator tiles 4c..4c+3, 32 columns) from 8-bit codes (signed,
- * or unsigned 0..255) held in accumulator layout: its k order is perm16 within each 16 (see the
- * file comment). */
-template <int N>
-__device__ __forceinline__ void pack_a_from_acc(uint32_t (&a)[4], const int (&x)[N][4], int c) {
-  const int n = 4 * c;
-  a[0] = pack_s8x4(x[n][0], x[n][1], x[n + 1][0], x[n + 1][1]);
-  a[1] = pack_s8x4(x[n][2], x[n][3], x[n + 1][2], x[n + 1][3]);
-  a[2] = pack_s8x4(x[n + 2][0], x[n + 2][1], x[n + 3][0], x[n + 3][1]);
-  a[3] = pack_s8x4(x[n + 2][2], x[n + 2][3], x[n + 3][2], x[n + 3][3]);
 }
 
 /* ln(448), log2(448): the forward's W = 448 exp(S - m) (SPEC_INT8 2.4), whose row sums l are. */
@@ -296,56 +261,9 @@ __device__ __forceinline__ void add_pair(float *dst, float x, float y) {
 #endif
 }
 
-/* Bytes a, b, c, d (low to high) of one word from the low bytes of four FP32 words v + 1.5 x 2^23,
- * which hold rne(v) for |v| < 2^22 (code_word). */
-__device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
-}
-/* SPEC_INT8 1's code of x in the low byte of the result, for |x| <= its group's amax: then
- * |fl(x r)| < 127.5, so no clamp is needed, and adding 1.5 x 2^23 rounds fl(x r) to an integer,
- * ties to even, exactly as rne_int (no conversion unit; the two roundings stay separate). */
-__device__ __forceinline__ uint32_t code_word(float x, float r) {
-  return __float_as_uint(__fadd_rn(__fmul_rn(x, r), 12582912.0f));
-}
-/* pack_a_from_acc for codes held as code_word words. */
-template <int N>
-__device__ __forceinline__ void pack_a_from_words(uint32_t (&a)[4], const uint32_t (&x)[N][4],
-                                                  int c) {
-  const int n = 4 * c;
-  a[0] = pack_low_bytes(x[n][0], x[n][1], x[n + 1][0], x[n + 1][1]);
-  a[1] = pack_low_bytes(x[n][2], x[n][3], x[n + 1][2], x[n + 1][3]);
-  a[2] = pack_low_bytes(x[n + 2][0], x[n + 2][1], x[n + 3][0], x[n + 3][1]);
-  a[3] = pack_low_bytes(x[n + 2][2], x[n + 2][3], x[n + 3][2], x[n + 3][3]);
-}
-
 __device__ __forceinline__ float quad_max(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-/* A code as an int (code_s8) or as a code_word word. */
-__device__ __forceinline__ void put_code(int &c, float x, float r) {
-  c = code_s8(x, r);
-}
-__device__ __forceinline__ void put_code(uint32_t &c, float x, float r) {
-  c = code_word(x, r);
-}
-/* psi (SPEC_INT8 1) per accumulator row of a 16-row tile x[8][4] (rows g and g + 8 of this
- * thread's quad): each row's scale in scale[r], the codes of x in codes (put_code). */
-template <typename Code>
-__device__ __forceinline__ void psi_rows(const float (&x)[8][4], Code (&codes)[8][4],
-                                         float (&scale)[2]) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float mx = 0.0f;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(fabsf(x[n][2 * r]), fabsf(x[n][2 * r + 1])));
-    float rr;
-    psi_factors(quad_max(mx), rr, scale[r]);
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) put_code(codes[n][2 * r + c], x[n][2 * r + c], rr);
-  }
 }
 __device__ __forceinline__ float quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
@@ -368,8 +286,8 @@ __device__ __forceinline__ float masked_score(const fp4attn_attention_params &p,
 
 /* The backward's epilogue: dK and dV of one warp's 16 keys from key0 (accumulator layout, columns
  * d0 + 8n + 2t) into the contiguous [B, Hkv, Nk, D] gradients of KV head bhk, in the input dtype;
- * keys past len_k and columns past head_dim are not stored. dk holds the gradient of Ks' summed
- * over the KV head's query heads; dK = that / s (SPEC_INT8 3), a product with the exact 1 / s. */
+ * keys past len_k and columns past head_dim are not stored. dk holds dS16^T Q16 summed over the
+ * KV head's query heads; dK = scale times that (SPEC_INT8 3). */
 template <int N>
 __device__ __forceinline__ void store_dk_dv_rows(const Int8Args &a, int64_t bhk, int64_t key0,
                                                  int d0, const float (&dk)[N][4],
@@ -377,21 +295,18 @@ __device__ __forceinline__ void store_dk_dv_rows(const Int8Args &a, int64_t bhk,
   const fp4attn_attention_params &p = a.p;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const bool pair_ok = p.head_dim % 2 == 0;
-  const float *inv = a.ws.mig_inv + bhk * a.ws.dp;
 #pragma unroll
   for (int n = 0; n < N; ++n) {
     const int col = d0 + n * 8 + 2 * t;
     if (col >= p.head_dim) continue;
-    /* 1 / s of columns col, col + 1 (< dp: in the workspace even past head_dim) */
-    const float inv0 = __ldg(inv + col), inv1 = __ldg(inv + col + 1);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t key = key0 + g + 8 * r;
       if (key >= p.len_k) continue;
       const int64_t at = (bhk * p.len_k + key) * p.head_dim + col;
-      const float dk0 = __fmul_rn(dk[n][2 * r], inv0);
+      const float dk0 = __fmul_rn(p.scale, dk[n][2 * r]);
       if (col + 1 < p.head_dim) {
-        store2_from_float(a.dk, p.dtype, at, dk0, __fmul_rn(dk[n][2 * r + 1], inv1), pair_ok);
+        store2_from_float(a.dk, p.dtype, at, dk0, __fmul_rn(p.scale, dk[n][2 * r + 1]), pair_ok);
         store2_from_float(a.dv, p.dtype, at, dv[n][2 * r], dv[n][2 * r + 1], pair_ok);
       } else {
         store_from_float(a.dk, p.dtype, at, dk0);

@@ -3,23 +3,24 @@
  * inputs that leaves every operand of the attention kernels in the workspace (int8_tiles.cuh).
  * The statistics kernels reduce columns; each quantizing block holds one 128-key or 64-row tile
  * of one operand in registers (RegTile: all its loads in flight at once, 16-byte where the rows
- * allow) and writes row-major codes straight from them, transposed ones through shared memory.
+ * allow) and writes its row-major outputs straight from them.
  *
  * - kbar: per 128-key block column sums of K, then their ordered sum / Nk (deterministic, so that
  *   the backward recomputes the forward's K^ bit for bit), with the column max and min of K.
  * - the channel migration (SPEC_INT8 2.1b): the column amax of |Q| per kQaRows rows, then per
  *   (batch, KV head) and channel qa (over the group's query heads), ka from K's max, min and kbar,
  *   and s = fp4attn_int8_migration_factor(qa, ka) with 1 / s (max and min are exact in any order).
- * - K, V: K^ = psi((K - kbar) / s) per 128 keys (row-major; transposed too for the backward);
+ * - K, V: K^ = psi((K - kbar) / s) per 128 keys (row-major; and Ks16 = K - kbar in 16 bits,
+ *   unmigrated, for the backward's dQ);
  *   V16 (SPEC_INT8 2.2: V in the 16-bit operand type) unless the sm90 kernels read the caller's
  *   V (Int8Workspace::v_caller): transposed per 128 keys in natural key order, stored from
  *   registers (the forward's tiles), else row-major.
- * - Q: Q^ = psi(Q s) per 64 rows (row-major; perm tiles for the backward), and the lse's
- *   smoothing term scale * (q . kbar) per row, of the unmigrated q.
+ * - Q: Q^ = psi(Q s) per 64 rows (row-major; and Q16, Q in 16 bits, for the backward's dK), and
+ *   the lse's smoothing term scale * (q . kbar) per row, of the unmigrated q.
  * - dO (backward): Drow = rowsum(dO * O) - dlse (16-bit operands, like dP), the smoothed lse in
  *   log2 units, dO in 16 bits (dO16, the operand of dP and dV).
- * - finish_dq (backward): dQ = the kernel's FP32 sum * s + scale * dlse kbar, in the input
- *   dtype (the kernels' dK epilogue divides by s).
+ * - finish_dq (backward): dQ = scale * the kernel's FP32 sum + scale * dlse kbar, in the input
+ *   dtype (the kernels' dK epilogue multiplies by the scale).
  */
 #include "attention_int8.h"
 #include "fp4attn/int8_migration.h"
@@ -261,7 +262,7 @@ __global__ void __launch_bounds__(kThreads) kbar_final_kernel(const Int8Args a) 
 /* A tile of kRows rows of one (batch, head) matrix held in registers, 32 values per thread:
  * thread t holds columns c .. c + 7 of the four adjacent rows row0 .. row0 + 3 (c = (t % G) * 8,
  * G = DP / 8 threads per row), so that every load instruction of a warp reads whole sectors, a
- * row's G threads are neighbouring lanes, and a 16-row group of a perm tile is four threads.
+ * row's G threads are neighbouring lanes.
  * Rows from `rows` on (padding) and columns from D on are 0. */
 template <int DP, int kRows, fp4attn_dtype kDt>
 struct RegTile {
@@ -320,6 +321,19 @@ struct RegTile {
     }
   }
 
+  /* f(i, e) of all kRows rows in 16 bits (BF16 if bf16, else FP16) into out [kRows][DP] */
+  template <typename F>
+  __device__ void store_rows16(uint16_t *out, bool bf16, F f) const {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      uint32_t w[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        w[q] = (uint32_t)to16(f(i, 2 * q), bf16) | ((uint32_t)to16(f(i, 2 * q + 1), bf16) << 16);
+      *reinterpret_cast<uint4 *>(out + (row0 + i) * DP + c) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+
   /* all kRows rows in 16 bits (BF16 if bf16, else FP16) into out [kRows][DP] */
   __device__ void store_rows16(uint16_t *out, bool bf16) const {
 #pragma unroll
@@ -333,50 +347,6 @@ struct RegTile {
                 : (uint32_t)to16(v[i][2 * q], bf16) | ((uint32_t)to16(v[i][2 * q + 1], bf16) << 16);
       *reinterpret_cast<uint4 *>(out + (row0 + i) * DP + c) = make_uint4(w[0], w[1], w[2], w[3]);
     }
-  }
-
-  /* Byte offset in a shared transposed tile [DP][kRows] of 16-row group g of column x: the
-   * groups of a column permuted by XOR with x / 8, so that the kGroups threads of a row, 8
-   * columns apart, store into different banks (unpermuted, every column starts at bank 0:
-   * kGroups-way conflicts). copy_transposed undoes it. */
-  static __device__ __forceinline__ int swizzled(int x, int g) {
-    return x * kRows + 16 * (g ^ ((x >> 3) & (kRows / 16 - 1)));
-  }
-
-  /* Byte codes transposed into the shared tile t [DP][kRows] (swizzled): code4(e) holds the codes
-   * of column c + e for the thread's rows row0 .. row0 + 3 (low byte first). Natural row order,
-   * or perm16 order within every 16 rows (row k of a group at position
-   * 4 ((k % 8) / 2) + k % 2 + (k >= 8 ? 2 : 0), the inverse of perm16). */
-  template <bool kPerm, typename C>
-  __device__ void codes_transposed(void *t, C code4) const {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const uint32_t w = code4(e);
-      /* + row0's own position */
-      char *col = static_cast<char *>(t) + swizzled(c + e, row0 / 16) - (row0 & ~15);
-      if (kPerm) {
-        const int k = row0 % 16, at = (row0 - k) + 4 * ((k % 8) / 2) + (k >= 8 ? 2 : 0);
-        *reinterpret_cast<uint16_t *>(col + at) = (uint16_t)w;
-        *reinterpret_cast<uint16_t *>(col + at + 4) = (uint16_t)(w >> 16);
-      } else {
-        *reinterpret_cast<uint32_t *>(col + row0) = w;
-      }
-    }
-  }
-  /* codes_transposed of psi's codes of f(i, e) with the block's factor r */
-  template <bool kPerm, typename F>
-  __device__ void psi_transposed(void *t, F f, float r) const {
-    codes_transposed<kPerm>(t, [&](int e) {
-      return pack_s8x4(code_s8(f(0, e), r), code_s8(f(1, e), r), code_s8(f(2, e), r),
-                       code_s8(f(3, e), r));
-    });
-  }
-
-  /* A shared tile codes_transposed wrote -> global [DP][kRows], 16 bytes per thread and step */
-  static __device__ __forceinline__ void copy_transposed(void *dst, const void *t) {
-    for (int i = 16 * threadIdx.x; i < DP * kRows; i += 16 * kThreads)
-      *reinterpret_cast<uint4 *>(static_cast<char *>(dst) + i) = *reinterpret_cast<const uint4 *>(
-          static_cast<const char *>(t) + swizzled(i / kRows, (i % kRows) / 16));
   }
 };
 
@@ -399,7 +369,7 @@ using KvTile = RegTile<DP, kBK8, kDt>;
 template <int DP, fp4attn_dtype kDt>
 using QTile = RegTile<DP, kBQ8, kDt>;
 
-/* Blocks [0, n): K^ of one 128-key block of one (batch, KV head) (and K^T, backward); blocks
+/* Blocks [0, n): K^ of one 128-key block of one (batch, KV head) (and Ks16, backward); blocks
  * [n, 2n), unless the kernels read the caller's V: V16 of the same block (vt16 or v16). K^'s amax
  * comes from the block's column max and min (kbar_partial): rounding is monotonic, so max |fl(fl(K
  * - kbar) / s)| over a column is that of its max or its min. */
@@ -407,7 +377,6 @@ template <int DP, fp4attn_dtype kDt>
 __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
     quantize_kv_kernel(const Int8Args a, bool backward) {
   using T = KvTile<DP, kDt>;
-  __shared__ __align__(16) char buf[DP * kBK8]; /* K^T's codes (backward) */
   __shared__ float red[T::kWarps];
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
@@ -417,7 +386,6 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
   const int64_t bhk = blk / w.nkb, j = blk % w.nkb;
   const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv, n0 = j * kBK8;
   const int rows = (int)min((int64_t)kBK8, p.len_k - n0), D = (int)p.head_dim;
-  int8_t *codes = reinterpret_cast<int8_t *>(buf);
   T t;
   if (!is_v) {
     t.load(p.k, b * p.k_stride[0] + hk * p.k_stride[1] + n0 * p.k_stride[2], p.k_stride[2], rows, D,
@@ -441,10 +409,9 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
       return t.row0 + i < rows ? __fmul_rn(t.v[i][e] - kb[e], iv[e]) : 0.0f;
     };
     t.store_rows(w.kc + (bhk * w.nkp + n0) * DP, r, ks);
-    if (!backward) return;
-    t.template psi_transposed<false>(codes, ks, r);
-    __syncthreads();
-    T::copy_transposed(w.kct + (bhk * w.nkb + j) * DP * kBK8, codes);
+    if (backward) /* dQ's operand Ks16: K - kbar unmigrated, 0 on padding */
+      t.store_rows16(w.ks16 + (bhk * w.nkp + n0) * DP, a.bf16_ops,
+                     [&](int i, int e) { return t.row0 + i < rows ? t.v[i][e] - kb[e] : 0.0f; });
     return;
   }
   t.load(p.v, b * p.v_stride[0] + hk * p.v_stride[1] + n0 * p.v_stride[2], p.v_stride[2], rows, D,
@@ -466,13 +433,12 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
   }
 }
 
-/* One 64-row block of one (batch, query head): the lse's shift of the unmigrated q, Q^ (and its
- * perm tiles, backward). */
+/* One 64-row block of one (batch, query head): the lse's shift of the unmigrated q, Q^ (and Q16,
+ * dK's operand, backward). */
 template <int DP, fp4attn_dtype kDt>
 __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads)
     quantize_q_kernel(const Int8Args a, bool backward) {
   using T = QTile<DP, kDt>;
-  __shared__ __align__(16) int8_t codes[DP * kBQ8];
   __shared__ float red[T::kWarps];
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
@@ -500,10 +466,7 @@ __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads)
   psi_factors(block_amax<T::kWarps>(t.amax(qs), red), rq, sq);
   if (threadIdx.x == 0) w.sq[bh * w.nqb + i] = sq;
   t.store_rows(w.qc + (bh * w.nqp + r0) * DP, rq, qs);
-  if (!backward) return;
-  t.template psi_transposed<true>(codes, qs, rq);
-  __syncthreads();
-  T::copy_transposed(w.qct + (bh * w.nqb + i) * DP * kBQ8, codes);
+  if (backward) t.store_rows16(w.q16 + (bh * w.nqp + r0) * DP, a.bf16_ops);
 }
 
 /* One 64-row block of one (batch, query head) of dO: Drow and the smoothed lse per row, dO in 16
@@ -545,8 +508,8 @@ __global__ void __launch_bounds__(QTile<DP, kDt>::kThreads) prepare_do_kernel(co
   t.store_rows16(w.do16 + (bh * w.nqp + r0) * DP, a.bf16_ops);
 }
 
-/* dQ = dQ' s + scale * dlse kbar (SPEC_INT8 3; no correction without dlse or where the row sees no
- * key), each operation rounded, in the input dtype: a thread per 4 columns of a row (the row and
+/* dQ = scale dQ + scale * dlse kbar (SPEC_INT8 3; no correction without dlse or where the row sees
+ * no key), each operation rounded, in the input dtype: a thread per 4 columns of a row (the row and
  * head from one division per thread: per-element 64-bit divisions made this kernel issue-bound). */
 template <int DP>
 __global__ void __launch_bounds__(kThreads) finish_dq_kernel(const Int8Args a) {
@@ -560,9 +523,8 @@ __global__ void __launch_bounds__(kThreads) finish_dq_kernel(const Int8Args a) {
   const int64_t bh = row / p.len_q, G = p.heads_q / p.heads_kv;
   const int64_t bhk = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / G;
   const float4 acc = *reinterpret_cast<const float4 *>(w.dq_acc + row * DP + d0);
-  const float4 mig = *reinterpret_cast<const float4 *>(w.mig + bhk * DP + d0);
-  float v[4] = {__fmul_rn(acc.x, mig.x), __fmul_rn(acc.y, mig.y), __fmul_rn(acc.z, mig.z),
-                __fmul_rn(acc.w, mig.w)};
+  float v[4] = {__fmul_rn(p.scale, acc.x), __fmul_rn(p.scale, acc.y), __fmul_rn(p.scale, acc.z),
+                __fmul_rn(p.scale, acc.w)};
   if (a.grad_lse && p.lse[row] != -INFINITY) {
     const float g = __fmul_rn(p.scale, a.grad_lse[row]);
     const float4 kb = *reinterpret_cast<const float4 *>(w.kbar + bhk * DP + d0);

@@ -266,8 +266,9 @@ __device__ __forceinline__ void wgmma_rs_acc_k16(float (&d)[N / 8][4], const uin
 #undef FP4ATTN_WGMMA_RS_N128_K16
 #undef FP4ATTN_WGMMA_RS_N256_K16
 
-/* D[64 x 64] (+)= A[64 x 16] * B[64 x 16]^T, FP16 or (kBf16) BF16 A and B in shared memory
- * (K-major descriptors), FP32 accumulation. */
+/* D[64 x 64] (+)= A[64 x 16] * B[64 x 16]^T, FP16 or (kBf16) BF16 A and B in shared memory,
+ * FP32 accumulation; K-major descriptors, or MN-major (mnmajor_sw128_desc) for an operand whose
+ * kTrans flag is set. */
 #define FP4ATTN_WGMMA_SS_N64_K16(type)                                     \
   asm volatile(                                                            \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                         \
@@ -275,10 +276,10 @@ __device__ __forceinline__ void wgmma_rs_acc_k16(float (&d)[N / 8][4], const uin
       " {"                                                                 \
       "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"             \
       "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
-      "%32, %33, p, 1, 1, 0, 0;\n}\n"                                      \
+      "%32, %33, p, 1, 1, %35, %36;\n}\n"                                  \
       : FP4ATTN_WGMMA_ACC(d, 0)                                            \
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate))
-template <bool kBf16>
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"((int)kTransA), "n"((int)kTransB))
+template <bool kBf16, bool kTransA = false, bool kTransB = false>
 __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[8][4], uint64_t desc_a,
                                                    uint64_t desc_b, int accumulate) {
   if constexpr (kBf16)
