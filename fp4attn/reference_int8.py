@@ -29,7 +29,7 @@ __all__ = ["BK", "BKS", "BQ", "E4M3_MAX", "PMAX", "QMAX", "attention_backward",
 BQ = 64
 #: Keys per INT8 block and per online-softmax step.
 BK = 128
-#: SPEC_INT8 3: keys per dQ-side dS^ scale of a row (half a key block).
+#: The ``ds_product="int8"`` study: keys per dQ-side dS^ scale of a row (half a key block).
 BKS = 64
 #: Largest INT8 code magnitude.
 QMAX = 127.0
@@ -428,10 +428,11 @@ def attention_backward(
     uses lse: since d lse_i / d S_ij = P_ij, it enters as Drow_i - grad_lse_i.
 
     ``migrate`` / ``migrate_pow2`` as in ``attention_forward`` (pass the forward's): S is
-    recomputed from the migrated codes, the INT8 products give the gradients of Q' and Ks', and
-    after all key blocks (FP32, per channel) ``dQ = dQ' * s + scale * dlse kbar``
-    (the smoothing correction, with the unmigrated kbar; zero without ``grad_lse``) and
-    ``dK = (sum over the KV head's query heads of dKs') / s``.
+    recomputed from the migrated codes; dQ's and dK's 16-bit products see the unmigrated Q and
+    K - kbar, and after all key blocks ``dQ = scale dQ + scale * dlse kbar`` (the smoothing
+    correction, with the unmigrated kbar; zero without ``grad_lse``) and ``dK = scale dK`` (summed
+    over the KV head's query heads). In the ``ds_product="int8"`` study the INT8 products give
+    the gradients of Q' and Ks' instead, taken back as ``dQ' * s`` and ``dKs' / s``.
 
     ``q_block`` / ``k_block`` (study of the scores' scale granularity in training,
     docs/performance.md "Training with the 8-bit attention"; pass the forward's): Q^ and K^ with
