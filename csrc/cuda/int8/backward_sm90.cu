@@ -4,8 +4,8 @@
  *
  * One block = one 128-key block j of one (batch, KV head), 3 warpgroups:
  *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the key block's K^, V and
- *     Ks16 (16 bits) once, then per 64-row query block i of the KV head's query heads (causal: the
- *     blocks that see key block j) Q^, Q16, dO (16 bits), lse2 and Drow into a ring of kStages
+ *     Ks16^T (16 bits) once, then per 64-row query block i of the KV head's query heads (causal:
+ * the blocks that see key block j) Q^, Q16, dO (16 bits), lse2 and Drow into a ring of kStages
  *     stages ("full" / "empty" mbarriers).
  *   warpgroups 1 and 2, consumers (setmaxnreg up): 64 keys each (wgmma's M), per query block:
  *     S^T  = K^ Q^T            wgmma m64n64k32 s8 (shared x shared), exact int32
@@ -13,17 +13,18 @@
  *     P^T  = exp2(S^T f - lse2), dS^T = P^T (dP^T - Drow) in registers (accumulator layout)
  *     dV  += P16^T dO16        wgmma m64n{DP}k16, P16 from registers, dO as the MN-major B
  *     dK  += dS16^T Q16        the same with dS16 and Q16
- *     dQ_i += dS16 Ks16        wgmma m64n64k16, dS16^T through shared memory (the MN-major A),
- *       Ks16 the MN-major B, FP32 vector atomics into the workspace (finish_dq applies the
- *       softmax scale): at head dim 64 over the consumer's own 64 keys, at 128 its 64 columns
- *       over the block's 128 keys (half the atomic traffic; BwdSm90Config::kDqColumns)
- *   The consumers share the stage ring and, at head dim 128, the dS16^T tile (one barrier of
- *   both per step); otherwise only a consumer's own 4 warps meet (named barrier 1 + warpgroup).
+ *     dQ_i += dS16 Ks16        wgmma m64n{DP/2}k16: this consumer's DP/2 columns over the block's
+ *       128 keys, dS16^T of both consumers through shared memory (the MN-major A), Ks16^T the
+ *       K-major B; FP32 vector atomics into the workspace (finish_dq applies the softmax scale)
+ *   The consumers share the stage ring and the dS16^T tile (double-buffered by step parity: one
+ *   named barrier of both per step). Splitting dQ by columns rather than keys halves its atomic
+ *   traffic, which with the stage loads bounds the step (docs/performance.md).
  * dK and dV stay in FP32 wgmma accumulators for the whole walk and are stored once, in the input
  * dtype (dK times the scale).
  * Operand layouts (wgmma.cuh): 8-bit tiles K-major, swizzled over their row width (Q^, K^: DP
- * bytes); 16-bit V, Ks16, Q16 and dO as DP/64 column blocks of 128-byte rows with the 128-byte
- * swizzle (dO read K-major by dP's product, MN-major by dV's), the dS16^T tile [64 keys][64 rows].
+ * bytes); 16-bit V, Ks16^T, Q16 and dO as column blocks of 128-byte rows with the 128-byte swizzle
+ * (dO read K-major by dP's product, MN-major by dV's; Ks16^T [2][DP channels][64 keys]), the
+ * dS16^T tile [128 keys][64 rows].
  */
 #include "../sm90/tensor_maps.h"
 #include "../sm90/wgmma.cuh"
@@ -37,7 +38,6 @@ using namespace sm90;
 
 constexpr int kThreads = 384;         /* producer + 2 consumer warpgroups */
 constexpr int kConsumerThreads = 256; /* the empty barriers' count */
-constexpr int kWgThreads = 128;       /* a consumer's named barrier count */
 constexpr int kWgKeys = kBK8 / 2;     /* keys per consumer warpgroup */
 
 template <int DP>
@@ -46,15 +46,9 @@ struct BwdSm90Config {
   /* the key block's tiles, loaded once */
   static constexpr int kKBytes = kBK8 * DP;           /* K^ [128][DP] */
   static constexpr int kVBytes = kBK8 * DP * 2;       /* V [DP/64][128][64] 16-bit */
-  static constexpr int kKsBytes = kVBytes;            /* Ks16 [DP/64][128][64] 16-bit */
+  static constexpr int kKsBytes = kVBytes;            /* Ks16^T [2][DP][64 keys] 16-bit */
   static constexpr int kDsBytes = kWgKeys * kBQ8 * 2; /* dS16^T [64 keys][64 rows] per consumer */
-  /* dQ = dS16 Ks16 per consumer: at head dim 128 its 64 columns over the block's 128 keys (both
-   * consumers' dS16^T, double-buffered by step parity, so one barrier of both per step), which
-   * halves the atomic traffic into dQ; at 64 all columns over its own 64 keys (no barrier
-   * between the consumers) */
-  static constexpr bool kDqColumns = DP == 128;
-  static constexpr int kDqKeys = kDqColumns ? kBK8 : kWgKeys;
-  static constexpr int kDsBufs = kDqColumns ? 2 : 1;
+  static constexpr int kDqCols = DP / 2;              /* dQ columns per consumer */
   /* one query block's tiles (a stage) */
   static constexpr int kQBytes = kBQ8 * DP;       /* Q^ [64][DP] */
   static constexpr int kQ16Bytes = kBQ8 * DP * 2; /* Q16 [DP/64][64][64] 16-bit */
@@ -66,7 +60,7 @@ struct BwdSm90Config {
   static constexpr int kOffV = kOffK + kKBytes;
   static constexpr int kOffKs = kOffV + kVBytes;
   static constexpr int kOffDs = kOffKs + kKsBytes;
-  static constexpr int kOffStage = kOffDs + kDsBufs * 2 * kDsBytes;
+  static constexpr int kOffStage = kOffDs + 2 * 2 * kDsBytes; /* two buffers of both consumers' */
   static constexpr int sQ = 0, sQ16 = sQ + kQBytes, sDo = sQ16 + kQ16Bytes;
   static constexpr int kOffVec = kOffStage + kStages * kTileBytes;
   static constexpr int vLse = 0, vDrow = kBQ8 * 4;
@@ -80,7 +74,7 @@ struct BwdSm90Config {
 };
 
 /* Kernel parameters: the 8-bit arguments and this call's TMA maps (bytes, innermost first) of
- * K^ {DP, nkp, BHk}, V (int8_v16_rows), Ks16 {2 DP, nkp, BHk}, Q^ {DP, nqp, BHq}, Q16 and dO
+ * K^ {DP, nkp, BHk}, V (int8_v16_rows), Ks16^T {256, nkb DP, BHk}, Q^ {DP, nqp, BHq}, Q16 and dO
  * {2 DP, nqp, BHq}. */
 struct Int8BwdSm90Params {
   Int8Args a;
@@ -90,8 +84,7 @@ struct Int8BwdSm90Params {
 
 #if defined(FP4ATTN_SM90_WGMMA)
 
-constexpr int kBarWg = 1;   /* named barriers 1 and 2: the 4 warps of consumer 0 and 1 */
-constexpr int kBarBoth = 3; /* named barrier 3: both consumers (C::kDqColumns) */
+constexpr int kBarBoth = 1; /* named barrier 1: both consumers */
 
 template <int kStages>
 struct BwdBars {
@@ -143,12 +136,13 @@ struct Int8BwdSm90 {
     mbar_expect_tx(bar.kfull(), C::kKBytes + C::kVBytes + C::kKsBytes);
     tma_load_3d(smem_u32(sm + C::kOffK), &prm.kmap, 0, jr, bhk, bar.kfull());
 #pragma unroll
-    for (int cb = 0; cb < DP / 64; ++cb) {
+    for (int cb = 0; cb < DP / 64; ++cb)
       tma_load_4d(smem_u32(sm + C::kOffV + cb * kBK8 * 128), &prm.vmap, cb * 64, jr, (int)walk.hk,
                   (int)walk.b, bar.kfull());
-      tma_load_3d(smem_u32(sm + C::kOffKs + cb * kBK8 * 128), &prm.ksmap, cb * 128, jr, bhk,
-                  bar.kfull());
-    }
+#pragma unroll
+    for (int kb = 0; kb < 2; ++kb) /* Ks16^T: keys 64 kb .. of all DP channels */
+      tma_load_3d(smem_u32(sm + C::kOffKs + kb * DP * 128), &prm.ksmap, kb * 128,
+                  (int)(walk.j * DP), bhk, bar.kfull());
     mbar_arrive(bar.kfull());
 
     for (int it = 0; it < walk.iters; ++it) {
@@ -185,15 +179,13 @@ struct Int8BwdSm90 {
     const int lane = ctid & 31, g = lane >> 2, t = lane & 3;
     const int krow0 = cwg * kWgKeys + wwarp * 16; /* this warp's 16 keys in the block */
     const int64_t j0 = walk.j * kBK8;
-    const auto wg_sync = [&]() { named_sync(kBarWg + cwg, kWgThreads); };
 
-    /* descriptors of the resident tiles: this consumer's 64 keys of K^ and V; dQ's Ks16, rows
-     * 64 cwg .. of column block 0 (head dim 64) or column block cwg (128: C::kDqColumns) */
+    /* descriptors of the resident tiles: this consumer's 64 keys of K^ and V; dQ's Ks16^T, its
+     * DP/2 channels (rows) of each 64-key block */
     const uint64_t k_desc = kmajor_desc<kQkRow>(smem_u32(sm + C::kOffK) + cwg * kWgKeys * DP);
     const uint32_t v_lo = sw128_desc_lo(smem_u32(sm + C::kOffV) + cwg * kWgKeys * 128);
-    const uint64_t ks_mn = mnmajor_sw128_desc(
-        smem_u32(sm + C::kOffKs) + cwg * (C::kDqColumns ? kBK8 : kWgKeys) * 128, kBK8 * 128);
-    const int dq_col0 = C::kDqColumns ? 64 * cwg : 0;
+    const uint32_t ks_lo = sw128_desc_lo(smem_u32(sm + C::kOffKs) + cwg * C::kDqCols * 128);
+    const int dq_col0 = C::kDqCols * cwg;
     /* this thread's words of the dS16^T tile [128 keys][64 rows] (consumer c's keys 64c ..):
      * (key krow0 + g + 8r, rows n*8 + 2t, +1) at byte key*128 + 16 (n ^ g) + 4t (128-byte
      * swizzle: key % 8 = g) */
@@ -288,11 +280,9 @@ struct Int8BwdSm90 {
           dp[n][e] = pm[n][e] * (dp[n][e] - drow[n * 8 + 2 * t + (e & 1)]);
       uint32_t da[4][4];
       acc_to_a16<kBf16, 4>(dp, da);
-      /* dS16^T into the tile (read before the wgmma takes da). Its last readers were this
-       * consumer's dQ products of the last step (wg_sync), or, double-buffered, both consumers'
-       * two steps ago, which the barrier of the last step has seen end. */
-      char *ds_tile = sm + C::kOffDs + (C::kDqColumns ? (it & 1) : 0) * 2 * C::kDsBytes;
-      if (!C::kDqColumns) wg_sync();
+      /* dS16^T into this step's buffer (read before the wgmma takes da): its last readers were
+       * both consumers' dQ products two steps ago, which the barrier of the last step saw end */
+      char *ds_tile = sm + C::kOffDs + (it & 1) * 2 * C::kDsBytes;
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -305,22 +295,20 @@ struct Int8BwdSm90 {
       for (int kk = 0; kk < 4; ++kk)
         wgmma_rs_acc_k16<DP, kBf16, true>(dk, da[kk], q16_mn + kk * (16 * 128 >> 4));
       wgmma_commit();
-      if (C::kDqColumns)
-        named_sync(kBarBoth, kConsumerThreads);
-      else
-        wg_sync();
+      named_sync(kBarBoth, kConsumerThreads); /* both consumers' dS16^T are in the tile */
 
-      /* dQ_i += dS16 Ks16: 64 columns from dq_col0 over C::kDqKeys keys (k16 step kk: keys
-       * 16 kk .., +2048 bytes in both tiles), FP32 vector atomics (rows past len_q skipped) */
+      /* dQ_i += dS16 Ks16: DP/2 columns from dq_col0 over the block's 128 keys (k16 step kk: keys
+       * 16 kk .., +2048 bytes in the dS16^T tile; key block kk / 4 of Ks16^T, +32 bytes per step
+       * inside it), FP32 vector atomics (rows past len_q skipped) */
       {
-        const uint64_t ds_mn = mnmajor_sw128_desc(
-            smem_u32(ds_tile) + (C::kDqColumns ? 0 : cwg * C::kDsBytes), kWgKeys * 128);
-        float acc[8][4];
+        const uint64_t ds_mn = mnmajor_sw128_desc(smem_u32(ds_tile), kWgKeys * 128);
+        float acc[C::kDqCols / 8][4];
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < C::kDqKeys / 16; ++kk)
-          wgmma_ss_m64n64k16<kBf16, true, true>(acc, ds_mn + kk * (2048 >> 4),
-                                                ks_mn + kk * (2048 >> 4), kk > 0);
+        for (int kk = 0; kk < kBK8 / 16; ++kk)
+          wgmma_ss_k16<C::kDqCols, kBf16, true, false>(
+              acc, ds_mn + kk * (2048 >> 4),
+              sw128_desc(ks_lo + (kk >> 2) * (DP * 128 >> 4) + 2 * (kk & 3)), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(acc);
@@ -331,7 +319,8 @@ struct Int8BwdSm90 {
           if (row >= p.len_q) continue;
           float *dst = w.dq_acc + (bh * p.len_q + row) * DP + dq_col0 + 2 * t;
 #pragma unroll
-          for (int n = 0; n < 8; ++n) add_pair(dst + n * 8, acc[n][2 * r], acc[n][2 * r + 1]);
+          for (int n = 0; n < C::kDqCols / 8; ++n)
+            add_pair(dst + n * 8, acc[n][2 * r], acc[n][2 * r + 1]);
         }
       }
     }
@@ -413,11 +402,11 @@ fp4attn_status launch_int8_backward_sm90(const Int8Args &a, cudaStream_t s) {
       {prm.kmap, w.kc, {dp, (cuuint64_t)w.nkp, bhk}, {dp, w.nkp * dp}, DP, kBK8, "K^"},
       {prm.ksmap,
        w.ks16,
-       {2 * dp, (cuuint64_t)w.nkp, bhk},
-       {2 * dp, w.nkp * 2 * dp},
+       {2 * kBK8, w.nkb * dp, bhk},
+       {2 * kBK8, w.nkb * dp * 2 * kBK8},
        128,
-       kBK8,
-       "Ks16"},
+       DP,
+       "Ks16^T"},
       {prm.qmap, w.qc, {dp, (cuuint64_t)w.nqp, bhq}, {dp, w.nqp * dp}, DP, kBQ8, "Q^"},
       {prm.q16map,
        w.q16,

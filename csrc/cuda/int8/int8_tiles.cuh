@@ -49,7 +49,10 @@ struct Int8Workspace {
   float *sq;      /* [bhq][nqb] */
   float *qshift;  /* [bhq][nqp]: scale * (q . kbar), the lse's smoothing term */
   /* backward only */
-  uint16_t *ks16; /* [bhk][nkp][dp]: K - kbar in 16 bits (dQ's operand) */
+  /* K - kbar in 16 bits (dQ's operand): [bhk][nkp][dp] for the mma.sync backward; ks16_t (the
+   * sm90 backward, whose dQ reads it as a K-major B) [bhk][nkb][dp][128], transposed per block */
+  bool ks16_t;
+  uint16_t *ks16;
   uint16_t *q16;  /* [bhq][nqp][dp]: Q in 16 bits (dK's operand) */
   uint16_t *do16; /* [bhq][nqp][dp]: dO in 16 bits (dP's and dV's operand) */
   float *drow;    /* [bhq][nqp]: rowsum(dO * O) - dlse (0 on padding rows) */
@@ -128,6 +131,7 @@ static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params
   w.sq = (float *)take(4 * bhq * w.nqb);
   w.qshift = (float *)take(4 * bhq * w.nqp);
   const int64_t bw = backward ? 1 : 0;
+  w.ks16_t = backward && plan.kernel == FP4ATTN_KERNEL_SM90;
   w.ks16 = (uint16_t *)take(bw * 2 * bhk * w.nkp * dp);
   w.q16 = (uint16_t *)take(bw * 2 * bhq * w.nqp * dp);
   w.do16 = (uint16_t *)take(bw * 2 * bhq * w.nqp * dp);

@@ -334,6 +334,20 @@ struct RegTile {
     }
   }
 
+  /* f(i, e) of all kRows rows in 16 bits transposed into out [DP][kRows]: the thread's 4 rows of
+   * each of its 8 columns, 8 bytes */
+  template <typename F>
+  __device__ void store_transposed16(uint16_t *out, bool bf16, F f) const {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      uint16_t y[kPer];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) y[i] = to16(f(i, e), bf16);
+      *reinterpret_cast<uint2 *>(out + (c + e) * kRows + row0) =
+          make_uint2(y[0] | ((uint32_t)y[1] << 16), y[2] | ((uint32_t)y[3] << 16));
+    }
+  }
+
   /* all kRows rows in 16 bits (BF16 if bf16, else FP16) into out [kRows][DP] */
   __device__ void store_rows16(uint16_t *out, bool bf16) const {
 #pragma unroll
@@ -409,9 +423,13 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
       return t.row0 + i < rows ? __fmul_rn(t.v[i][e] - kb[e], iv[e]) : 0.0f;
     };
     t.store_rows(w.kc + (bhk * w.nkp + n0) * DP, r, ks);
-    if (backward) /* dQ's operand Ks16: K - kbar unmigrated, 0 on padding */
-      t.store_rows16(w.ks16 + (bhk * w.nkp + n0) * DP, a.bf16_ops,
-                     [&](int i, int e) { return t.row0 + i < rows ? t.v[i][e] - kb[e] : 0.0f; });
+    if (!backward) return;
+    /* dQ's operand Ks16: K - kbar unmigrated, 0 on padding; by rows, or transposed per block */
+    const auto ks16 = [&](int i, int e) { return t.row0 + i < rows ? t.v[i][e] - kb[e] : 0.0f; };
+    if (w.ks16_t)
+      t.store_transposed16(w.ks16 + (bhk * w.nkb + j) * DP * kBK8, a.bf16_ops, ks16);
+    else
+      t.store_rows16(w.ks16 + (bhk * w.nkp + n0) * DP, a.bf16_ops, ks16);
     return;
   }
   t.load(p.v, b * p.v_stride[0] + hk * p.v_stride[1] + n0 * p.v_stride[2], p.v_stride[2], rows, D,
@@ -421,16 +439,9 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
     t.store_rows16(w.v16 + (bhk * w.nkp + n0) * DP, a.bf16_ops);
     return;
   }
-  /* V16 [DP][128] in natural key order: the thread's 4 keys of each of its 8 columns */
-  uint16_t *dst = w.vt16 + (bhk * w.nkb + j) * DP * kBK8;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    uint16_t y[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) y[i] = to16(t.v[i][e], a.bf16_ops);
-    *reinterpret_cast<uint2 *>(dst + (t.c + e) * kBK8 + t.row0) =
-        make_uint2(y[0] | ((uint32_t)y[1] << 16), y[2] | ((uint32_t)y[3] << 16));
-  }
+  /* V16 [DP][128] in natural key order */
+  t.store_transposed16(w.vt16 + (bhk * w.nkb + j) * DP * kBK8, a.bf16_ops,
+                       [&](int i, int e) { return t.v[i][e]; });
 }
 
 /* One 64-row block of one (batch, query head): the lse's shift of the unmigrated q, Q^ (and Q16,
