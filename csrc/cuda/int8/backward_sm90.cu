@@ -5,7 +5,7 @@
  * One block = one 128-key block j of one (batch, KV head), 3 warpgroups:
  *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the key block's K^, V and
  *     Ks16^T (16 bits) once, then per 64-row query block i of the KV head's query heads (causal:
- * the blocks that see key block j) Q^, Q16, dO (16 bits), lse2 and Drow into a ring of kStages
+ *     those that see key block j) Q^, Q16, dO (16 bits), lse2 and Drow into a ring of kStages
  *     stages ("full" / "empty" mbarriers).
  *   warpgroups 1 and 2, consumers (setmaxnreg up): 64 keys each (wgmma's M), per query block:
  *     S^T  = K^ Q^T            wgmma m64n64k32 s8 (shared x shared), exact int32
