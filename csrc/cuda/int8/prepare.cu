@@ -3,7 +3,8 @@
  * inputs that leaves every operand of the attention kernels in the workspace (int8_tiles.cuh).
  * The statistics kernels reduce columns; each quantizing block holds one 128-key or 64-row tile
  * of one operand in registers (RegTile: all its loads in flight at once, 16-byte where the rows
- * allow) and writes its row-major outputs straight from them.
+ * allow) and writes its outputs straight from them (by rows, or transposed per block for some
+ * 16-bit tiles).
  *
  * - kbar: per 128-key block column sums of K, then their ordered sum / Nk (deterministic, so that
  *   the backward recomputes the forward's K^ bit for bit), with the column max and min of K.
