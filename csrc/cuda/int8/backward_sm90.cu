@@ -398,7 +398,12 @@ fp4attn_status launch_int8_backward_sm90(const Int8Args &a, cudaStream_t s) {
     cuuint64_t dims[3], strides[2];
     cuuint32_t inner, rows;
     const char *what;
-  } maps[] = {
+  };
+  /* a [bhq][nqp][dp] 16-bit workspace section (Q16, dO) in 64-column boxes of 64 rows */
+  const auto q_rows16 = [&](CUtensorMap &map, const void *base, const char *what) -> Map {
+    return {map, base, {2 * dp, (cuuint64_t)w.nqp, bhq}, {2 * dp, w.nqp * 2 * dp}, 128, kBQ8, what};
+  };
+  Map maps[] = {
       {prm.kmap, w.kc, {dp, (cuuint64_t)w.nkp, bhk}, {dp, w.nkp * dp}, DP, kBK8, "K^"},
       {prm.ksmap,
        w.ks16,
@@ -408,20 +413,8 @@ fp4attn_status launch_int8_backward_sm90(const Int8Args &a, cudaStream_t s) {
        DP,
        "Ks16^T"},
       {prm.qmap, w.qc, {dp, (cuuint64_t)w.nqp, bhq}, {dp, w.nqp * dp}, DP, kBQ8, "Q^"},
-      {prm.q16map,
-       w.q16,
-       {2 * dp, (cuuint64_t)w.nqp, bhq},
-       {2 * dp, w.nqp * 2 * dp},
-       128,
-       kBQ8,
-       "Q16"},
-      {prm.domap,
-       w.do16,
-       {2 * dp, (cuuint64_t)w.nqp, bhq},
-       {2 * dp, w.nqp * 2 * dp},
-       128,
-       kBQ8,
-       "dO"},
+      q_rows16(prm.q16map, w.q16, "Q16"),
+      q_rows16(prm.domap, w.do16, "dO"),
   };
   for (Map &m : maps) {
     const fp4attn_status st =

@@ -289,7 +289,7 @@ __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[8][4], uint64_t de
 }
 #undef FP4ATTN_WGMMA_SS_N64_K16
 
-/* The same with N = 32. */
+/* The N = 32 form, for wgmma_ss_k16. */
 #define FP4ATTN_WGMMA_SS_N32_K16(type)                                                     \
   asm volatile(                                                                            \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                         \
@@ -299,26 +299,19 @@ __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[8][4], uint64_t de
       : FP4ATTN_WGMMA_ACC4(d, 0), FP4ATTN_WGMMA_ACC4(d, 1), FP4ATTN_WGMMA_ACC4(d, 2),      \
         FP4ATTN_WGMMA_ACC4(d, 3)                                                           \
       : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"((int)kTransA), "n"((int)kTransB))
-template <bool kBf16, bool kTransA = false, bool kTransB = false>
-__device__ __forceinline__ void wgmma_ss_m64n32k16(float (&d)[4][4], uint64_t desc_a,
-                                                   uint64_t desc_b, int accumulate) {
-  if constexpr (kBf16)
+/* m64n{N}k16 with both operands in shared memory, N = 32 or 64 (the flags as above). */
+template <int N, bool kBf16, bool kTransA = false, bool kTransB = false>
+__device__ __forceinline__ void wgmma_ss_k16(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b,
+                                             int accumulate) {
+  static_assert(N == 32 || N == 64, "m64n{32,64}k16");
+  if constexpr (N == 64)
+    wgmma_ss_m64n64k16<kBf16, kTransA, kTransB>(d, desc_a, desc_b, accumulate);
+  else if constexpr (kBf16)
     FP4ATTN_WGMMA_SS_N32_K16("bf16");
   else
     FP4ATTN_WGMMA_SS_N32_K16("f16");
 }
 #undef FP4ATTN_WGMMA_SS_N32_K16
-
-/* m64n{N}k16 with both operands in shared memory, N = 32 or 64. */
-template <int N, bool kBf16, bool kTransA = false, bool kTransB = false>
-__device__ __forceinline__ void wgmma_ss_k16(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b,
-                                             int accumulate) {
-  static_assert(N == 32 || N == 64, "m64n{32,64}k16");
-  if constexpr (N == 32)
-    wgmma_ss_m64n32k16<kBf16, kTransA, kTransB>(d, desc_a, desc_b, accumulate);
-  else
-    wgmma_ss_m64n64k16<kBf16, kTransA, kTransB>(d, desc_a, desc_b, accumulate);
-}
 
 /* Named barriers (0 is __syncthreads): `sync` waits until `count` threads have arrived or
  * synced; `arrive` signals without waiting. Both order this thread's earlier shared-memory
