@@ -602,8 +602,9 @@ def _online_softmax_step(m: Tensor, s: Tensor) -> tuple[Tensor, Tensor, Tensor, 
 
 
 def _normalise(acc: Tensor, l: Tensor) -> tuple[Tensor, Tensor]:
-    """SPEC 4.6: (acc / l, visible); rows without any visible key (l = 0) stay 0, never 0/0."""
-    visible = l > 0
+    """SPEC 4.6: (acc / l, visible); rows without any visible key (l = 0) stay 0, never 0/0;
+    a NaN l (a NaN reached the row) gives NaN."""
+    visible = l != 0
     return torch.where(visible[..., None], acc / torch.where(visible, l, 1.0)[..., None], 0.0), visible
 
 
@@ -1139,7 +1140,7 @@ def exact_attention(
     mx = torch.where(torch.isfinite(mx), mx, 0.0)
     p = torch.exp(s - mx)
     denom = p.sum(dim=-1, keepdim=True)
-    return torch.where(denom > 0, torch.matmul(p, v64) / torch.where(denom > 0, denom, 1.0), 0.0)
+    return torch.where(denom != 0, torch.matmul(p, v64) / torch.where(denom != 0, denom, 1.0), 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

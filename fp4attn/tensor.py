@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
@@ -70,9 +71,24 @@ def _check_float_tensor(x, name: str) -> None:
         raise ValueError(f"{name} must have at least one column, got shape {tuple(x.shape)}")
 
 
+def _warn_if_grad(x, name: str, op: str, stacklevel: int = 3) -> None:
+    """The FP4 formats have no gradient: say so where a gradient was asked for, rather than
+    return a constant that silently stops it."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        warnings.warn(f"fp4attn.{op}: {name} requires grad, but NVFP4 quantization has no gradient: "
+                      f"none flows back to {name} (call it under torch.no_grad(), or on "
+                      f"{name}.detach(), to silence this)", stacklevel=stacklevel)
+
+
 def quantize(x: torch.Tensor) -> NVFP4Tensor:
-    """NVFP4-quantize x [..., R, K] along K, one FP32 global scale per [R, K] matrix (SPEC 2)."""
+    """NVFP4-quantize x [..., R, K] along K, one FP32 global scale per [R, K] matrix (SPEC 2).
+    Not differentiable (a warning where x requires grad)."""
     _check_float_tensor(x, "x")
+    _warn_if_grad(x, "x", "quantize")
+    return _quantize(x)
+
+
+def _quantize(x: torch.Tensor) -> NVFP4Tensor:
     codes, scales, dec = ops.quantize(x.detach())
     return NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), dec, x.shape)
 
@@ -88,14 +104,16 @@ def _as_nvfp4(x, name: str) -> NVFP4Tensor:
     if isinstance(x, NVFP4Tensor):
         return x
     _check_float_tensor(x, name)
-    return quantize(x)
+    _warn_if_grad(x, name, "fp4mm", stacklevel=4)  # the caller of fp4mm
+    return _quantize(x)
 
 
 def fp4mm(a, b, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Block-scaled FP4 matmul (SPEC 3): a [..., M, K] times b [..., N, K]^T -> [..., M, N].
 
     a and b are float tensors (quantized here, one global scale per matrix) or NVFP4Tensors
-    (e.g. a weight quantized once). Leading dimensions broadcast like torch.matmul.
+    (e.g. a weight quantized once). Leading dimensions broadcast like torch.matmul. Not
+    differentiable (a warning where a or b requires grad).
     """
     if out_dtype not in _FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")

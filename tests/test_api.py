@@ -194,3 +194,34 @@ def test_torch_compile_fullgraph_cpu():
     expected = 2 * fp4attn.sdpa(q, k, v, is_causal=True, scale=0.125)
     torch.testing.assert_close(f(q, k, v), expected)
     torch.testing.assert_close(g(q, k, v), expected)
+
+
+@pytest.mark.parametrize("precision", ["fp4", "int8"])
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_a_nan_input_gives_nan_rows_not_zeros(precision, where):
+    """A NaN in Q or K reaches the output as NaN (through the smoothing means and scales, every row
+    of its head), never as the 0 of a row without visible keys; other heads are unchanged."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 150, 64, generator=g) for _ in range(3))
+    clean = fp4attn.sdpa(q, k, v, precision=precision)
+    (q if where == "q" else k)[0, 0, 3, 5] = float("nan")
+    out = fp4attn.sdpa(q, k, v, precision=precision)
+    assert out[0, 0, 3].isnan().all()
+    assert not (out[0, 0] == 0).all(dim=-1).any()
+    assert torch.equal(out[0, 1], clean[0, 1])
+
+
+def test_quantize_and_fp4mm_say_that_no_gradient_flows():
+    """NVFP4 quantization has no gradient: where one is asked for, a warning names the input
+    (fp4mm's result would otherwise silently stop it); none under no_grad or for detached input."""
+    x, w = torch.randn(4, 32, requires_grad=True), torch.randn(8, 32)
+    with pytest.warns(UserWarning, match="fp4mm: a requires grad"):
+        fp4attn.fp4mm(x, w)
+    with pytest.warns(UserWarning, match="quantize: x requires grad"):
+        fp4attn.quantize(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            fp4attn.fp4mm(x, w)
+        fp4attn.fp4mm(x.detach(), w)
+        fp4attn.quantize(x.detach())

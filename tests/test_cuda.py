@@ -527,3 +527,19 @@ def test_error_messages():
     r = subprocess.run([sys.executable, "-c", ERROR_SCRIPT], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "errors ok" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("precision", ["fp4", "int8"])
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("nq", [1, 150])
+def test_a_nan_input_gives_nan_rows_not_zeros(precision, where, nq):
+    """As tests/test_api.py's CPU test, on the CUDA kernels (nq = 1: the decode kernel)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, nq, 64, generator=g).cuda().half()
+    k, v = (torch.randn(1, 2, 150, 64, generator=g).cuda().half() for _ in range(2))
+    clean = fp4attn.sdpa(q, k, v, precision=precision)
+    (q if where == "q" else k)[0, 0, 0 if nq == 1 else 3, 5] = float("nan")
+    out = fp4attn.sdpa(q, k, v, precision=precision)
+    assert out[0, 0, 0 if nq == 1 else 3].isnan().all()
+    assert not (out[0, 0] == 0).all(dim=-1).any()
+    assert torch.equal(out[0, 1], clean[0, 1])

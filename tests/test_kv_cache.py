@@ -764,3 +764,25 @@ def test_cuda_uneven_channels_are_the_cpu_bytes(D, dtype):
     want, want_lse = fp4attn.decode(q, caches[0], return_lse=True)
     out, lse = fp4attn.decode(q.cuda(), caches[1], return_lse=True)
     assert rel_l1(out.cpu(), want) < 3e-3 and lse_close(lse, want_lse)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])])
+def test_decode_paged_length_past_the_block_table_is_not_answered(device):
+    """seq_lens[b] beyond the tokens its block-table row addresses would read another sequence's
+    pages: the CPU backend refuses it; the CUDA decode (no host copy of seq_lens) gives that
+    sequence NaN rows and the other sequences their answers."""
+    B, H, D, P = 2, 1, 64, 32
+    c = fp4attn.FP4KVCache(B, H, D, dtype=torch.float16, residual_length=0, page_size=P,
+                           max_tokens=64, device=device)
+    k, v = kv(B, H, 64, D, torch.float16, 5)
+    c.append(k.to(device), v.to(device))
+    q = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(6)).half().to(device)
+    good = fp4attn.decode(q, c)
+    lens = torch.tensor([96, 64], dtype=torch.int32, device=device)
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 96 is outside \[0, 64\]"):
+            fp4attn.decode_paged(q, *c.storage(), lens)
+        return
+    out = fp4attn.decode_paged(q, *c.storage(), lens)
+    assert out[0].isnan().all() and torch.equal(out[1], good[1])

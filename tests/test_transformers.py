@@ -394,3 +394,36 @@ def test_fp4cache_without_config_refuses_another_attention_implementation():
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"FP4Cache\(config=model.config\)"):
         model.generate(ids, max_new_tokens=3, do_sample=False,
                        **{cache_keyword(model): integration.FP4Cache()})
+
+
+@pytest.mark.parametrize("name,value", [("softcap", 50.0), ("s_aux", torch.zeros(4)),
+                                        ("position_bias", torch.zeros(1, 4, 8, 8))])
+@pytest.mark.parametrize("impl", ["fp4attn", "fp4attn-int8"])
+def test_attention_kwargs_that_change_the_softmax_are_refused(name, value, impl):
+    """softcap (Gemma 2), s_aux (gpt-oss sinks) and position_bias (T5) change the scores or the
+    softmax, which the kernels do not implement: an error naming the argument, not an answer
+    computed without it. None (the models' value when the feature is off) passes."""
+    from fp4attn.integrations import transformers as fpt
+
+    fn = fpt.fp4attn_attention_forward if impl == "fp4attn" else fpt.fp4attn_int8_attention_forward
+    module = torch.nn.Module()
+    q, k, v = (torch.randn(1, 4, 8, 32) for _ in range(3))
+    with pytest.raises(NotImplementedError, match=f"{name}="):
+        fn(module, q, k, v, None, **{name: value})
+    out, _ = fn(module, q, k, v, None, **{name: None})
+    assert out.shape == (1, 8, 4, 32)
+
+
+def test_gemma2_softcap_model_is_refused_not_answered_without_it():
+    cfg = transformers.Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, vocab_size=100, max_position_embeddings=64,
+        attn_logit_softcapping=30.0, query_pre_attn_scalar=32)
+    from fp4attn.integrations import transformers as fpt
+
+    fpt.register()
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    model.set_attn_implementation("fp4attn")
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="softcap="):
+        model(input_ids=torch.randint(0, 100, (1, 16)))

@@ -550,7 +550,7 @@ static int attend_block(attention_state *st, int64_t b, int64_t h, int64_t qb) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
       const int64_t ob = b * p->out_stride[0] + h * p->out_stride[1] + i * p->out_stride[2];
-      if (l[r] > 0.0f) {
+      if (l[r] != 0.0f) { /* 0: no visible key; NaN (a NaN reached the row) stays NaN */
         const float inv = 1.0f / l[r];
         for (int64_t d = 0; d < D; ++d)
           fp4attn_store(p->out, p->dtype, ob + d, o[r * D + d] * inv + vbar[d]);
@@ -559,7 +559,7 @@ static int attend_block(attention_state *st, int64_t b, int64_t h, int64_t qb) {
       }
       if (p->lse)
         p->lse[bhq * nq + i] =
-            l[r] > 0.0f ? m[r] + logf(l[r]) + st->lse_shift[bhq * nq + i] : -INFINITY;
+            l[r] != 0.0f ? m[r] + logf(l[r]) + st->lse_shift[bhq * nq + i] : -INFINITY;
     }
   }
   free(s);

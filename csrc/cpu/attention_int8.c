@@ -200,8 +200,8 @@ static int forward_head(const fp4attn_attention_params *p, const kv_codes *kv, i
     for (int64_t j = 0; j < jend; ++j) {
       const int64_t n0 = j * BK, w = Nk - n0 < BK ? Nk - n0 : BK;
       score_row(p, &q, kv, b, h, i, j, s);
-      float t = -INFINITY;
-      for (int64_t n = 0; n < w; ++n) t = s[n] > t ? s[n] : t;
+      float t = -INFINITY; /* NaN-propagating: a NaN score makes the row NaN, not 0 */
+      for (int64_t n = 0; n < w; ++n) t = fp4attn_nanmax(t, s[n]);
       const float m_new = m > t ? m : t;
       const float alpha = m == -INFINITY ? 0.0f : expf(m - m_new);
       /* SPEC_INT8 2.4: W = 448 exp(S - m_new) in [0, 448] (float expf, then one multiplication),
@@ -230,9 +230,9 @@ static int forward_head(const fp4attn_attention_params *p, const kv_codes *kv, i
     const int64_t orow = b * p->out_stride[0] + h * p->out_stride[1] + i * p->out_stride[2];
     /* SPEC_INT8 2.5: O / l (the 448 of W cancels); lse = m + log(l) - log(448) + scale Q.kbar */
     for (int64_t d = 0; d < D; ++d)
-      fp4attn_store(p->out, p->dtype, orow + d, l > 0 ? o[d] / l : 0.0f);
+      fp4attn_store(p->out, p->dtype, orow + d, l != 0.0f ? o[d] / l : 0.0f);
     p->lse[(b * p->heads_q + h) * Nq + i] =
-        l > 0 ? m + logf(l) - logf(448.0f) + lse_shift(p, kv, b, h, i) : -INFINITY;
+        l != 0.0f ? m + logf(l) - logf(448.0f) + lse_shift(p, kv, b, h, i) : -INFINITY;
   }
   free(q.qc);
   free(q.sq);

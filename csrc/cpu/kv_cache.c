@@ -87,6 +87,7 @@ static uint8_t quantize_key_row(const float *x, int64_t D, float *w, uint8_t *co
 /* The stored row of token `pos` of (b, h): its index in the page arrays, or -1 outside the table.
  */
 static int64_t row_index(const fp4attn_kv_cache *c, int64_t b, int64_t h, int64_t pos) {
+  if (pos < 0 || pos / c->page_size >= c->max_pages) return -1;
   const int64_t page = c->block_table[b * c->max_pages + pos / c->page_size];
   if (page < 0 || page >= c->num_pages) return -1;
   return (page * c->heads_kv + h) * c->page_size + pos % c->page_size;
@@ -250,6 +251,14 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
   fp4attn_status st = fp4attn_check_decode_params(p);
   if (st.code != FP4ATTN_OK) return st;
   const fp4attn_kv_cache *c = &p->cache;
+  for (int64_t b = 0; b < c->batch; ++b) /* the CUDA decode gives such a sequence NaN rows */
+    if (p->seq_lens[b] < 0 || p->seq_lens[b] > c->max_pages * c->page_size)
+      return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
+                           "decode: seq_lens[%lld] = %lld is outside [0, %lld], the tokens its "
+                           "block-table row of %lld pages of %lld addresses",
+                           (long long)b, (long long)p->seq_lens[b],
+                           (long long)(c->max_pages * c->page_size), (long long)c->max_pages,
+                           (long long)c->page_size);
   const int64_t D = c->head_dim, H = c->heads_kv, G = p->heads_q / H, nq = p->len_q, R = G * nq;
   const int64_t cb = fp4attn_code_bytes(D), sc = fp4attn_scale_count(D);
   const int64_t dp = (D + 15) / 16 * 16, kcb = fp4attn_k5_code_bytes(D);
@@ -361,10 +370,10 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
         const int64_t r = r0 + i, h = hk * G + r / nq, t = r % nq;
         const int64_t ob = b * p->out_stride[0] + h * p->out_stride[1] + t * p->out_stride[2];
         for (int64_t d = 0; d < D; ++d)
-          fp4attn_store(p->out, p->dtype, ob + d, w.l[i] > 0.0f ? w.o[i * D + d] / w.l[i] : 0.0f);
+          fp4attn_store(p->out, p->dtype, ob + d, w.l[i] != 0.0f ? w.o[i * D + d] / w.l[i] : 0.0f);
         if (p->lse)
           p->lse[(b * p->heads_q + h) * nq + t] =
-              w.l[i] > 0.0f ? w.m[i] + logf(w.l[i]) + w.shift[i] : -INFINITY;
+              w.l[i] != 0.0f ? w.m[i] + logf(w.l[i]) + w.shift[i] : -INFINITY;
       }
     }
     free(w.q);

@@ -123,13 +123,26 @@ def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
                          enable_gqa=k.shape[1] != query.shape[1])
 
 
+#: Keyword arguments of transformers' attention calls that change the scores or the softmax; the
+#: kernels implement none of them, so a model that passes one gets an error, not an answer without
+#: it (torch's "sdpa" drops softcap silently).
+_UNSUPPORTED_KWARGS = {
+    "position_bias": "a T5-style relative position bias",
+    "softcap": "attention logit soft-capping (Gemma 2)",
+    "s_aux": "attention sinks (gpt-oss)",
+}
+
+
 def fp4attn_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                               scaling=None, is_causal=None, precision=None, **kwargs):
     """transformers attention function: q [B, Hq, N, D], k/v [B, Hkv, S, D] -> ([B, N, Hq, D], None).
     ``precision``: "fp4", "int8" or "bf16" (torch SDPA); None: the registered policy's precision
     for ``module.layer_idx`` (FP4 when register() got no policy)."""
-    if kwargs.get("position_bias") is not None:
-        raise NotImplementedError("fp4attn: position_bias (T5-style relative bias) is not supported")
+    for name, what in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"fp4attn: {what} ({name}=) is not supported by its attention kernels; load this "
+                f'model with attn_implementation="eager"')
     if isinstance(key, FP4CacheKeys):
         return _cached_attention(query, key, attention_mask, scaling).transpose(1, 2).contiguous(), None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

@@ -344,8 +344,8 @@ __device__ __forceinline__ void store_forward_rows(const fp4attn_attention_param
     for (int n = 0; n < DP / 8; ++n) {
       const int col = n * 8 + 2 * t;
       if (col >= p.head_dim) continue;
-      const float v0 = lsum > 0.0f ? o[n][2 * r] / lsum : 0.0f;
-      const float v1 = lsum > 0.0f ? o[n][2 * r + 1] / lsum : 0.0f;
+      const float v0 = lsum != 0.0f ? o[n][2 * r] / lsum : 0.0f;
+      const float v1 = lsum != 0.0f ? o[n][2 * r + 1] / lsum : 0.0f;
       if (col + 1 < p.head_dim)
         store2_from_float(p.out, p.dtype, base + col, v0, v1, pair_ok);
       else
@@ -353,8 +353,8 @@ __device__ __forceinline__ void store_forward_rows(const fp4attn_attention_param
     }
     if (t == 0)
       p.lse[bh * p.len_q + row] =
-          lsum > 0.0f ? (m[r] * kLn2 + (logf(lsum) - kLn448)) + w.qshift[bh * w.nqp + row]
-                      : -INFINITY;
+          lsum != 0.0f ? (m[r] * kLn2 + (logf(lsum) - kLn448)) + w.qshift[bh * w.nqp + row]
+                       : -INFINITY;
   }
 }
 

@@ -333,6 +333,15 @@ __device__ __forceinline__ void read_chunk_v(Raw<DP> &raw, const char *slot, int
     }
 }
 
+/* Sequence b's length, or 0 where it is outside [0, the tokens its block-table row addresses]:
+ * such a length would read other sequences' pages (the CPU backend refuses it; here, without a
+ * host copy of seq_lens, the decode reads none of its keys and length_fits marks its rows' split
+ * maxima NaN, which the merge turns into NaN rows). */
+__device__ __forceinline__ bool length_fits(const fp4attn_decode_params &p, int64_t b) {
+  const int64_t L = p.seq_lens[b];
+  return L >= 0 && L <= p.cache.max_pages * p.cache.page_size;
+}
+
 /* The keys [begin, end) that row `row` of a tile sees, and where its residual keys start, `exact`
  * (SPEC 6: its newest residual_len keys still in the ring; end without a residual). */
 struct RowKeys {
@@ -479,7 +488,7 @@ __device__ void residual_split(const DecodeArgs &a, int64_t tile, int64_t b, int
 #pragma unroll
   for (int i = 0; i < kCols; ++i) a.o_part[(part * NQ + r) * DP + jj + kKeys * i] = o[i];
   if (jj == 0) {
-    a.ml_part[(part * NQ + r) * 2] = m;
+    a.ml_part[(part * NQ + r) * 2] = length_fits(p, b) ? m : NAN;
     a.ml_part[(part * NQ + r) * 2 + 1] = l;
   }
 }
@@ -511,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   const int64_t H = c.heads_kv, G = p.heads_q / H, nq = p.len_q, M = G * nq;
   const int64_t b = tile / (H * a.mtiles), hk = (tile / a.mtiles) % H, mt = tile % a.mtiles;
   const int D = (int)c.head_dim;
-  const int Lb = p.seq_lens[b];
+  const int Lb = length_fits(p, b) ? p.seq_lens[b] : 0;
   grid_dependents_launch(); /* the merge kernel may start */
   /* split 0 is the residual's, where there is one: dispatched first, it runs beside the others */
   const bool residual = a.splits > a.kv_splits;
@@ -861,7 +870,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
     }
     a.o_part[(part * NQ + row) * DP + d] = acc;
     if (d == 0) {
-      a.ml_part[(part * NQ + row) * 2] = mx;
+      a.ml_part[(part * NQ + row) * 2] = length_fits(p, b) ? mx : NAN;
       a.ml_part[(part * NQ + row) * 2 + 1] = ls;
     }
   }

@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
       const int64_t row = r ? rg8 : rg;
       if (row >= p.attn.len_q) continue;
       const float l = l_r[r];
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const float inv = l != 0.0f ? 1.0f / l : 0.0f;
       const int64_t obase =
           b * p.attn.out_stride[0] + h * p.attn.out_stride[1] + row * p.attn.out_stride[2];
 #pragma unroll
@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
           const int c = 8 * n + 2 * t + e;
           if (c >= p.attn.head_dim) continue;
           const float val =
-              l > 0.0f ? __fadd_rn(__fmul_rn(o[n][2 * r + e], inv), p.vbar[bkv * DP + c]) : 0.0f;
+              l != 0.0f ? __fadd_rn(__fmul_rn(o[n][2 * r + e], inv), p.vbar[bkv * DP + c]) : 0.0f;
           if (p.attn.dtype == FP4ATTN_FLOAT16)
             static_cast<__half *>(p.attn.out)[obase + c] = __float2half_rn(val);
           else if (p.attn.dtype == FP4ATTN_BFLOAT16)
@@ -395,8 +395,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
       }
       if (p.attn.lse && t == 0)
         p.attn.lse[bh * p.attn.len_q + row] =
-            l > 0.0f ? m_r[r] + logf(l) + p.attn.scale * p.lse_shift[bh * p.attn.len_q + row]
-                     : -INFINITY;
+            l != 0.0f ? m_r[r] + logf(l) + p.attn.scale * p.lse_shift[bh * p.attn.len_q + row]
+                      : -INFINITY;
     }
   }
 }

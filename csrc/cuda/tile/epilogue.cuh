@@ -18,7 +18,7 @@ __device__ __forceinline__ void row_factors(SoftmaxState &st, const float (&omul
   for (int r = 0; r < 2; ++r) {
     st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 1);
     st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 2);
-    inv[r] = st.l[r] > 0.0f ? omul[r] * (1.0f / st.l[r]) : 0.0f;
+    inv[r] = st.l[r] != 0.0f ? omul[r] * (1.0f / st.l[r]) : 0.0f;
   }
 }
 
@@ -45,7 +45,7 @@ __device__ __forceinline__ void store_lse(const AttnArgs &a, const WarpRows &w, 
     sh += __shfl_xor_sync(0xffffffffu, sh, 1);
     sh += __shfl_xor_sync(0xffffffffu, sh, 2);
     if (qi < p.len_q && t == 0) {
-      const float lse = st.l[r] > 0.0f ? st.m[r] * kLn2 + logf(st.l[r]) + p.scale * sh : -INFINITY;
+      const float lse = st.l[r] != 0.0f ? st.m[r] * kLn2 + logf(st.l[r]) + p.scale * sh : -INFINITY;
       p.lse[bh * p.len_q + qi] = lse;
     }
   }
@@ -78,7 +78,7 @@ __device__ __forceinline__ void store_rows(const AttnArgs &a, const WarpRows &w,
     const int64_t qi = w.row0 + g + r * 8;
     if (qi < p.len_q) {
       const int64_t ob = w.b * p.out_stride[0] + w.h * p.out_stride[1] + qi * p.out_stride[2];
-      const bool visible = st.l[r] > 0.0f;
+      const bool visible = st.l[r] != 0.0f;
 #pragma unroll
       for (int n = 0; n < DP / 8; ++n) {
         const int d = n * 8 + 2 * t;
@@ -115,7 +115,7 @@ __device__ __forceinline__ void store_rows_staged(const AttnArgs &a, const WarpR
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = g + 8 * r;
-    const bool visible = st.l[r] > 0.0f;
+    const bool visible = st.l[r] != 0.0f;
 #pragma unroll
     for (int n = 0; n < kChunks; ++n) {
       const float2 v = out_pair(o[n][2 * r], o[n][2 * r + 1], inv[r], visible, vbar, n * 8 + 2 * t);

@@ -79,11 +79,11 @@ __global__ void __launch_bounds__(32 * kMergeWarps) split_merge_kernel(const Spl
     for (int w = 0; w < kMergeWarps; ++w) sum += part[w][d];
     store_from_float(m.out, m.dtype,
                      b * m.out_stride[0] + h * m.out_stride[1] + t * m.out_stride[2] + d,
-                     ls > 0.0f ? sum / ls : 0.0f);
+                     ls != 0.0f ? sum / ls : 0.0f);
   }
   if (threadIdx.x == 0 && m.lse)
     m.lse[(b * m.heads_q + h) * nq + t] =
-        ls > 0.0f ? mx * kLn2 + logf(ls) + m.qshift[tile * R + r] : -INFINITY;
+        ls != 0.0f ? mx * kLn2 + logf(ls) + m.qshift[tile * R + r] : -INFINITY;
 }
 
 /* The merge of `tiles` tiles on stream s, right after the kernel that writes the partial results
