@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import platform
 import sys
 
@@ -13,7 +14,8 @@ _KERNEL_TEXT = {
     "sm90": "sm90 (wgmma + TMA)",
     "sm120": "sm120 (block-scaled FP4 MMA)",
 }
-# The 8-bit attention's forward kernels (its backward runs on mma.sync everywhere).
+# The 8-bit attention's kernels (forward and backward: the backward on sm90 for head dims up to
+# 128, on mma.sync otherwise).
 _INT8_KERNEL_TEXT = {
     "sm80": "sm80 (INT8 mma.sync)",
     "sm90": "sm90 (INT8 wgmma + TMA)",
@@ -21,6 +23,8 @@ _INT8_KERNEL_TEXT = {
 
 
 def info(argv: list[str]) -> int:
+    argparse.ArgumentParser(prog="python -m fp4attn info",
+                            description="backends compiled, architectures, versions").parse_args(argv)
     from . import __version__, build_info
     from ._ops import attention_kernel
 

@@ -6,6 +6,7 @@ function up on torch.nn.functional at call time, so they pick the swap up withou
 With a per-layer fp4attn.Policy, a call's site is its position among the attention calls of one
 forward of `model`: a forward pre-hook on `model` restarts the count, so every forward (each
 step of generation included) numbers its calls 0, 1, ... as transformers numbers its layers.
+Calls during the backward pass (activation checkpointing) have no such number: an error.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch
 import torch.nn.functional as F
 
 from .policy import Policy, attention
-from .sdpa import PRECISIONS, sdpa
+from .sdpa import ORIGINAL_SDPA, PRECISIONS, sdpa
 
 _saved = None  # the function that was in place when patch() swapped it out
+_active = False  # between patch() and unpatch()
 _precision = "fp4"  # what patched_sdpa computes without a policy
 _policy: Policy | None = None  # with one: the precision per call site
 _model = None  # the module whose forward numbers the calls for the policy
@@ -33,10 +36,20 @@ def patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     global _calls
     kw = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
               enable_gqa=enable_gqa)
+    if not _active:  # unpatched, but reached through a wrapper installed over it meanwhile
+        return ORIGINAL_SDPA(query, key, value, **kw)
     if _policy is None:
         return sdpa(query, key, value, precision=_precision, **kw)
     site = None
     if _hook is not None:
+        if not _policy.is_uniform and torch._C._current_graph_task_id() != -1:  # in a backward
+            raise RuntimeError(
+                "fp4attn.patch: an attention call during the backward pass (activation "
+                "checkpointing recomputing a layer) has no site in the per-layer policy, whose "
+                "sites count the calls of one forward of model; with transformers use "
+                'attn_implementation="fp4attn" after fp4attn.integrations.transformers.'
+                "register(policy=...) (sites from the layers' layer_idx), or patch with one "
+                "precision")
         site, _calls = _calls, _calls + 1
     return attention(_policy.precision(site), query, key, value, **kw)
 
@@ -60,7 +73,7 @@ def patch(precision: str | None = None, *, policy: Policy | None = None, model=N
     `precision` ("fp4", the default, or "int8"), or each call in the precision `policy` gives
     its site (a per-layer policy needs `model`, the module whose forward numbers the calls).
     Idempotent; a second call replaces the first one's settings."""
-    global _saved
+    global _saved, _active
     if policy is not None:
         if precision is not None:
             raise ValueError("patch: pass precision or policy, not both")
@@ -78,6 +91,7 @@ def patch(precision: str | None = None, *, policy: Policy | None = None, model=N
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     _set(precision or "fp4", policy, model)
+    _active = True
     if not is_patched():
         _saved = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = patched_sdpa
@@ -94,9 +108,11 @@ def _set(precision: str, policy: Policy | None, model) -> None:
 
 
 def unpatch() -> None:
-    """Restore the exact function that patch() replaced (no-op when not patched)."""
-    global _saved
+    """Restore the exact function that patch() replaced (no-op when not patched). A wrapper that
+    something installed over the patch meanwhile stays, and reaches torch's own SDPA through it."""
+    global _saved, _active
     _set("fp4", None, None)
+    _active = False
     if is_patched():
         F.scaled_dot_product_attention = _saved
         _saved = None

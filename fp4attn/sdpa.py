@@ -72,6 +72,14 @@ def _fallback_reason(query, key, value, attn_mask, dropout_p, precision) -> str 
     return None
 
 
+def _autocast(*tensors):
+    """As autocast treats torch's SDPA (a lower-precision op): floating-point arguments in the
+    autocast dtype, the others as they are."""
+    dtype = torch.get_autocast_dtype(tensors[0].device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                 for t in tensors)
+
+
 def _check_args(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
@@ -122,6 +130,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    if isinstance(query, torch.Tensor) and torch.is_autocast_enabled(query.device.type):
+        query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     _check_args(query, key, value, attn_mask, is_causal, enable_gqa)
     if precision == "int8" and attn_mask is not None and attn_mask.requires_grad:
         raise ValueError("attn_mask must not require grad with precision='int8': it gets no gradient")
@@ -151,7 +161,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         q4 = query.reshape(-1, *query.shape[-3:])
         k4 = key.reshape(-1, *key.shape[-3:])
         v4 = value.reshape(-1, *value.shape[-3:])
-        if mask is not None and mask.dim() > 4:
+        if mask is not None and mask.dim() > 3:  # it has a dim on the leading ones: broadcast it
             mask = mask.expand(*query.shape[:-1], key.shape[-2]).reshape(
                 -1, *query.shape[-3:-1], key.shape[-2])
     if precision == "int8":

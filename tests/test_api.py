@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import fp4attn
 
 sdpa_module = importlib.import_module("fp4attn.sdpa")  # the module, not the function
+ORIGINAL = sdpa_module.ORIGINAL_SDPA  # torch's own
 
 
 def qkv(*shape, dtype=torch.float32, requires_grad=False):
@@ -225,3 +226,45 @@ def test_quantize_and_fp4mm_say_that_no_gradient_flows():
             fp4attn.fp4mm(x, w)
         fp4attn.fp4mm(x.detach(), w)
         fp4attn.quantize(x.detach())
+
+
+def test_unpatch_under_a_later_wrapper_reaches_torch():
+    """A wrapper installed over the patch keeps calling patched_sdpa after unpatch(): torch's own
+    SDPA answers then, not FP4."""
+    q, k, v = qkv(1, 2, 32, 64)
+    fp4attn.patch("int8")
+    inner = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = lambda *a, **kw: inner(*a, **kw)
+    try:
+        fp4attn.unpatch()
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v), ORIGINAL(q, k, v))
+    finally:
+        F.scaled_dot_product_attention = ORIGINAL
+
+
+def test_five_d_query_with_a_four_d_mask_broadcasts_as_torch():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 2, 16, 64, generator=g) for _ in range(3))
+    mask = torch.randn(3, 1, 16, 16, generator=g)
+    ref = ORIGINAL(q.double(), k.double(), v.double(), attn_mask=mask.double())
+    for precision, tol in (("fp4", 0.97), ("int8", 0.9999)):
+        out = fp4attn.sdpa(q, k, v, attn_mask=mask, precision=precision)
+        assert F.cosine_similarity(out.double().flatten(), ref.flatten(), dim=0) > tol
+
+
+@pytest.mark.parametrize("precision", ["fp4", "int8"])
+def test_autocast_casts_like_torch_sdpa(precision):
+    """Under autocast torch's SDPA runs in the autocast dtype (and takes mixed input dtypes)."""
+    q, k, v = qkv(1, 2, 32, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ORIGINAL(q, k, v).dtype == torch.bfloat16
+        assert fp4attn.sdpa(q, k, v, precision=precision).dtype == torch.bfloat16
+        assert fp4attn.sdpa(q, k.bfloat16(), v, precision=precision).dtype == torch.bfloat16
+
+
+def test_cli_info_rejects_unknown_arguments(capsys):
+    from fp4attn.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["info", "--bogus"])
+    assert exc.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err

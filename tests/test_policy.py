@@ -153,6 +153,21 @@ def test_patch_policy_too_many_calls():
         model(torch.randint(0, 128, (1, 10)))
 
 
+def test_patch_policy_refuses_calls_recomputed_in_backward():
+    """Activation checkpointing recomputes a layer's attention during the backward pass, where
+    the per-forward call count has no site for it: an error, not the default precision."""
+    model = tiny_llama(layers=2)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    ids = torch.randint(0, 128, (1, 10))
+    with fp4attn.patched(policy=Policy({0: "bf16"}, default="int8"), model=model):
+        loss = model(ids, labels=ids).loss
+        with pytest.raises(RuntimeError, match="during the backward pass"):
+            loss.backward()
+    with fp4attn.patched(policy=Policy.uniform("int8"), model=model):  # no sites needed
+        model(ids, labels=ids).loss.backward()
+
+
 def test_patch_argument_errors():
     model = tiny_llama(layers=2)
     with pytest.raises(ValueError, match="not both"):
