@@ -115,8 +115,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor &x) {
   const int64_t rows = x.size(-2), cols = x.size(-1);
   CHECK_ARG(cols >= 1, "x must have at least one column, got shape %s",
             shape_str(x.sizes()).c_str());
-  // A view with unit last-dim stride when possible; reshape copies only if it must.
-  at::Tensor x3 = x.reshape({-1, rows, cols});
+  // A view with unit last-dim stride when possible; reshape copies only if it must. (The matrix
+  // count spelled out: -1 is ambiguous for matrices of zero rows.)
+  int64_t matrices = 1;
+  for (int64_t i = 0; i + 2 < x.dim(); ++i) matrices *= x.size(i);
+  at::Tensor x3 = x.reshape({matrices, rows, cols});
   if (x3.stride(2) != 1) x3 = x3.contiguous();
   auto lead = x.sizes().slice(0, x.dim() - 2).vec();
   auto code_shape = lead, scale_shape = lead;
@@ -125,7 +128,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor &x) {
   auto u8 = x.options().dtype(at::kByte);
   at::Tensor codes = at::empty(code_shape, u8), scales = at::empty(scale_shape, u8);
   at::Tensor dec = at::empty(lead, x.options().dtype(at::kFloat));
-  if (x3.numel() == 0 && x3.size(0) == 0) return {codes, scales, dec};
+  if (x3.numel() == 0) { /* no values: as an all-zero matrix, dec = 1 (SPEC 2) */
+    dec.fill_(1.0f);
+    return {codes, scales, dec};
+  }
   fp4attn_quantize_params p{};
   p.x = x3.data_ptr();
   p.dtype = dtype;
@@ -164,10 +170,14 @@ void check_quantized(const at::Tensor &codes, const at::Tensor &scales, const at
             "%scodes must be [..., rows, %lld] for %lld columns, got %s", name,
             static_cast<long long>(fp4attn_code_bytes(cols)), static_cast<long long>(cols),
             shape_str(codes.sizes()).c_str());
-  CHECK_ARG(scales.dim() == codes.dim() && scales.size(-2) == codes.size(-2) &&
+  CHECK_ARG(scales.dim() == codes.dim() &&
+                scales.sizes()
+                    .slice(0, codes.dim() - 1)
+                    .equals(codes.sizes().slice(0, codes.dim() - 1)) &&
                 scales.size(-1) == fp4attn_scale_count(cols),
-            "%sscales must be [..., rows, %lld], got %s", name,
-            static_cast<long long>(fp4attn_scale_count(cols)), shape_str(scales.sizes()).c_str());
+            "%sscales must be [..., rows, %lld] with codes' leading dims %s, got %s", name,
+            static_cast<long long>(fp4attn_scale_count(cols)), shape_str(codes.sizes()).c_str(),
+            shape_str(scales.sizes()).c_str());
   CHECK_ARG(dec.numel() * codes.size(-2) * codes.size(-1) == codes.numel(),
             "%sdec must hold one scale per matrix, got %s for codes %s", name,
             shape_str(dec.sizes()).c_str(), shape_str(codes.sizes()).c_str());
@@ -553,6 +563,8 @@ fp4attn_kv_cache kv_cache_view(const at::Tensor &k_codes, const at::Tensor &k_sc
             "kmean must be a contiguous float32 [batch, heads_kv, head_dim] tensor, got %s %s",
             dtype_str(kmean.scalar_type()), shape_str(kmean.sizes()).c_str());
   const int64_t B = kmean.size(0), H = kmean.size(1), D = kmean.size(2);
+  CHECK_ARG(B >= 1 && H >= 1, "kmean must be [batch >= 1, heads_kv >= 1, head_dim], got %s",
+            shape_str(kmean.sizes()).c_str());
   CHECK_ARG(kscale.sizes() == kmean.sizes() && kscale.scalar_type() == at::kFloat &&
                 kscale.is_contiguous(),
             "kscale must be a contiguous float32 tensor of kmean's shape %s, got %s %s",
@@ -662,6 +674,8 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor &q_in, const at::Tens
   fp4attn_decode_params p{};
   CHECK_ARG(window >= 0, "window must be >= 0 (0: no sliding window), got %lld",
             static_cast<long long>(window));
+  CHECK_ARG(residual_len >= 0, "residual_len must be >= 0, got %lld",
+            static_cast<long long>(residual_len));
   p.cache =
       kv_cache_view(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale, block_table);
   CHECK_ARG(q_in.dim() == 4 && q_in.size(0) == p.cache.batch && q_in.size(3) == p.cache.head_dim &&

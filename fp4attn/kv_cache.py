@@ -20,6 +20,7 @@ directly, for serving engines and ragged batches. The math of the decode is not 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -294,6 +295,10 @@ def decode_paged(q: Tensor, k_codes: Tensor, k_scales: Tensor, k_exp: Tensor, v_
     if (residual_k is None) != (residual_v is None) or (residual_k is None) != (residual_length == 0):
         raise ValueError("residual_k and residual_v are given together, exactly when "
                          f"residual_length > 0 (got residual_length={residual_length})")
+    if torch.is_grad_enabled() and q.requires_grad:
+        warnings.warn("fp4attn.decode: q requires grad, but the decode has no backward: no "
+                      "gradient flows back to q (call it under torch.no_grad() to silence this)",
+                      stacklevel=2)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = torch.ops.fp4attn.decode(q, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean,
                                         kscale, block_table, seq_lens, scale, window or 0,

@@ -6,6 +6,7 @@ changing lengths."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -786,3 +787,40 @@ def test_decode_paged_length_past_the_block_table_is_not_answered(device):
         return
     out = fp4attn.decode_paged(q, *c.storage(), lens)
     assert out[0].isnan().all() and torch.equal(out[1], good[1])
+
+
+def test_decode_says_that_no_gradient_flows():
+    c = fp4attn.FP4KVCache(1, 2, 64, dtype=torch.float32)
+    k, v = kv(1, 2, 40, 64, torch.float32, 7)
+    c.append(k, v)
+    q = torch.randn(1, 4, 1, 64, requires_grad=True)
+    with pytest.warns(UserWarning, match="the decode has no backward"):
+        fp4attn.decode(q, c)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            fp4attn.decode(q, c)
+
+
+def test_ops_refuse_bad_cache_arguments_before_writing():
+    """Direct op calls: a cache without KV heads and a negative residual_len are errors (the
+    first divided by zero, the second was taken as 0); an append whose block table points
+    outside the pool raises before writing anything."""
+    c = fp4attn.FP4KVCache(2, 1, 32, dtype=torch.float32, page_size=4, max_tokens=8,
+                           residual_length=0)
+    k, v = kv(2, 1, 5, 32, torch.float32, 8)
+    c.append(k, v)
+    st = list(c.storage())
+    q = torch.randn(2, 1, 1, 32)
+    with pytest.raises(RuntimeError, match="heads_kv >= 1"):
+        torch.ops.fp4attn.decode(q[:, :0], *st[:6], st[6][:, :0], st[7][:, :0], st[8], c.seq_lens,
+                                 0.1, 0, None, None, 0)
+    with pytest.raises(RuntimeError, match="residual_len must be >= 0"):
+        torch.ops.fp4attn.decode(q, *st, c.seq_lens, 0.1, 0, None, None, -7)
+    before = [t.clone() for t in st]
+    table = st[8].clone()
+    table[1, 0] = 999
+    for set_mean in (False, True):
+        with pytest.raises(RuntimeError, match=r"block_table\[1, 0\] = 999 is outside the page pool"):
+            torch.ops.fp4attn.kv_append(k, v, *st[:8], table, 0, set_mean)
+        assert all(torch.equal(a, b) for a, b in zip(st, before))

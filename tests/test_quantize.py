@@ -140,3 +140,18 @@ def test_quantize_errors():
         fp4attn.fp4mm(torch.randn(2, 16), torch.randn(2, 32))
     with pytest.raises(TypeError, match="out_dtype"):
         fp4attn.fp4mm(torch.randn(2, 16), torch.randn(2, 16), out_dtype=torch.int8)
+
+
+def test_ops_refuse_scales_of_other_matrices_and_take_empty_ones():
+    """scales must have codes' leading dims (a view of fewer matrices was read past its end);
+    matrices without rows quantize to empty codes with dec = 1, as the fake kernel says."""
+    codes, scales, dec = torch.ops.fp4attn.quantize(torch.randn(4, 8, 32))
+    with pytest.raises(RuntimeError, match="scales must be .* with codes' leading dims"):
+        torch.ops.fp4attn.dequantize(codes, scales[:1].expand(4, 8, 2).contiguous()[:1], dec, 32)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        torch.ops.fp4attn.fp4mm(codes, scales[:1], dec, codes, scales, dec, 32, torch.float32)
+    for shape in [(2, 0, 32), (0, 32), (0, 4, 32)]:
+        c, s, d = torch.ops.fp4attn.quantize(torch.empty(shape))
+        assert c.shape == (*shape[:-1], 16) and s.shape == (*shape[:-1], 2)
+        assert d.shape == shape[:-2] and (d == 1).all()
+    assert fp4attn.fp4mm(torch.empty(0, 32), torch.randn(3, 32)).shape == (0, 3)

@@ -427,3 +427,18 @@ def test_gemma2_softcap_model_is_refused_not_answered_without_it():
     model.set_attn_implementation("fp4attn")
     with torch.no_grad(), pytest.raises(NotImplementedError, match="softcap="):
         model(input_ids=torch.randint(0, 100, (1, 16)))
+
+
+def test_fp4cache_refuses_generation_modes_it_cannot_serve():
+    """crop (assisted / prompt-lookup generation), batch expansion and selection, offloading:
+    a NotImplementedError naming the mode, not an AttributeError from the base class."""
+    from fp4attn.integrations.transformers import FP4Cache
+
+    cache = FP4Cache()
+    g = torch.Generator().manual_seed(0)
+    cache.update(torch.randn(1, 2, 20, 32, generator=g), torch.randn(1, 2, 20, 32, generator=g), 0)
+    for call, what in ((lambda: cache.crop(10), "crop"),
+                       (lambda: cache.batch_repeat_interleave(2), "batch_repeat_interleave"),
+                       (lambda: cache.batch_select_indices(torch.tensor([0])), "batch_select")):
+        with pytest.raises(NotImplementedError, match=what):
+            call()

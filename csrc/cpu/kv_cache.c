@@ -101,6 +101,16 @@ fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
   const int64_t sc = fp4attn_scale_count(D), rows = c->batch * H * p->len;
   const int64_t kcb = fp4attn_k5_code_bytes(D), ksc = fp4attn_k5_scale_count(D);
   const int nt = p->num_threads > 0 ? p->num_threads : omp_get_max_threads();
+  /* every page the append writes must be in the pool before anything is written: a failed append
+   * leaves the cache as it was */
+  for (int64_t b = 0; b < c->batch; ++b)
+    for (int64_t pg = p->start / c->page_size; pg <= (p->start + p->len - 1) / c->page_size; ++pg)
+      if (row_index(c, b, 0, pg * c->page_size) < 0)
+        return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
+                             "kv append: block_table[%lld, %lld] = %d is outside the page pool "
+                             "[0, %lld)",
+                             (long long)b, (long long)pg,
+                             (int)c->block_table[b * c->max_pages + pg], (long long)c->num_pages);
   if (p->set_mean) {
 #pragma omp parallel for num_threads(nt)
     for (int64_t bh = 0; bh < c->batch * H; ++bh) {

@@ -307,6 +307,24 @@ def _cache_classes():
         def reorder_cache(self, beam_idx) -> None:
             raise NotImplementedError("FP4Cache: beam search (reorder_cache) is not supported")
 
+        # What transformers' other generation modes ask of a layer, none of which the FP4 cache
+        # does: an error naming the mode rather than the base class's AttributeError or a silent
+        # no-op on keys it does not have.
+        def crop(self, max_length) -> None:
+            raise NotImplementedError("FP4Cache: dropping cached tokens (crop: assisted or "
+                                      "prompt-lookup generation) is not supported")
+
+        def batch_repeat_interleave(self, repeats) -> None:
+            raise NotImplementedError("FP4Cache: repeating the batch (batch_repeat_interleave: "
+                                      "num_return_sequences > 1, contrastive search) is not supported")
+
+        def batch_select_indices(self, indices) -> None:
+            raise NotImplementedError("FP4Cache: selecting batch rows (batch_select_indices) is not "
+                                      "supported")
+
+        def offload(self) -> None:
+            raise NotImplementedError("FP4Cache: offloading layers to the CPU is not supported")
+
     class FP4Cache(Cache):
         """A transformers Cache whose layers store keys and values in NVFP4 and decode through
         fp4attn's fused kernel (use with attn_implementation="fp4attn" or "fp4attn-int8"), the
