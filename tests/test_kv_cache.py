@@ -824,3 +824,35 @@ def test_ops_refuse_bad_cache_arguments_before_writing():
         with pytest.raises(RuntimeError, match=r"block_table\[1, 0\] = 999 is outside the page pool"):
             torch.ops.fp4attn.kv_append(k, v, *st[:8], table, 0, set_mean)
         assert all(torch.equal(a, b) for a, b in zip(st, before))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("op", ["decode", "append"])
+def test_cuda_page_outside_the_pool_is_a_device_error(op):
+    """A block-table entry outside the page pool stops the CUDA kernel (the CPU backend raises),
+    rather than reading or skipping memory that is not the cache's. The kernel traps, which ends
+    the process's CUDA context: the call runs in a subprocess."""
+    import subprocess
+    import sys
+
+    code = f"""
+import torch, fp4attn
+c = fp4attn.FP4KVCache(1, 1, 64, dtype=torch.float16, residual_length=0, page_size=32,
+                       max_tokens=64, device="cuda")
+k = torch.randn(1, 1, 64, 64, device="cuda", dtype=torch.float16)
+c.append(k, k)
+st = list(c.storage()); st[8] = st[8].clone(); st[8][0, 1] = 999
+try:
+    if "{op}" == "decode":
+        fp4attn.decode_paged(torch.randn(1, 1, 1, 64, device="cuda").half(), *st, c.seq_lens)
+    else:
+        torch.ops.fp4attn.kv_append(k, k, *st, 0, False)
+    torch.cuda.synchronize()
+    print("no error")
+except RuntimeError as e:
+    print("device error:", str(e)[:80])
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "no error" not in p.stdout, p.stdout + p.stderr
+    assert p.returncode != 0 or "device error" in p.stdout, p.stdout + p.stderr

@@ -167,7 +167,9 @@ __global__ void __launch_bounds__(kThreads) kv_append_kernel(const fp4attn_kv_ap
   const int64_t b = row / (c.heads_kv * p.len), h = (row / p.len) % c.heads_kv, n = row % p.len;
   const int64_t pos = p.start + n;
   const int64_t page = c.block_table[b * c.max_pages + pos / c.page_size];
-  if (page < 0 || page >= c.num_pages) return; /* the host checked the table it built */
+  /* a block-table entry outside the pool: a device-side error, as the CPU backend raises one
+   * (FP4KVCache builds valid tables; a direct op call may not) */
+  if (page < 0 || page >= c.num_pages) __trap();
   const int64_t r = (page * c.heads_kv + h) * c.page_size + pos % c.page_size;
   const int D = (int)c.head_dim, nb = (D + 15) / 16;
   const int64_t cb = fp4_code_bytes(D), sc = fp4_scale_count(D);

@@ -201,11 +201,13 @@ struct Raw {
 };
 
 /* The cache row of key `key` of sequence b, KV head hk (a block table lookup); rows fit in 31 bits
- * (launch_decode checks). */
+ * (launch_decode checks). A page id outside the pool is a device-side error (the CPU backend
+ * raises one), not a read of other memory. */
 __device__ __forceinline__ int64_t cache_row(const fp4attn_kv_cache &c, const DivU32 &page,
                                              int64_t b, int64_t hk, int key) {
   const uint32_t ps = (uint32_t)c.page_size, pi = page.div((uint32_t)key);
   const uint32_t pg = (uint32_t)c.block_table[b * c.max_pages + pi];
+  if (pg >= (uint32_t)c.num_pages) __trap();
   return (int64_t)(pg * ((uint32_t)c.heads_kv * ps) + (uint32_t)hk * ps +
                    ((uint32_t)key - pi * ps));
 }
