@@ -3,15 +3,16 @@
 For every (head dim, N, causal, dtype) it times, on the same inputs:
   fp4attn      fp4attn.sdpa end to end (quantization pre-pass included); with --precision int8
                the 8-bit attention (SPEC_INT8), columns int8attn / int8_kernel / int8_prepass
-  fp4_kernel   the attention kernel alone, and fp4_prepass the pre-pass kernels alone
-               (per-kernel device times from torch.profiler, medians over the profiled calls)
+  fp4_kernel   the attention kernel alone (median of its device times over 5 profiled calls,
+               L2 warm), and fp4_prepass the pre-pass kernels alone (their summed device times
+               per call, the mean of those calls); both from torch.profiler, so they do not add
+               up to the end-to-end time, which is measured with the L2 flushed
   flash, cudnn, efficient   torch.nn.functional.scaled_dot_product_attention pinned to a backend
   sage         SageAttention's sageattn (INT8 Q K^T, FP16 P V; Triton) on the same inputs, when the
                package is importable (pip install sageattention==1.0.6: pure Python)
 Timing: L2 flushed before every call (a 256 MB write), warm-up, CUDA events, median of --reps.
-prepass % copy bw: bytes the pre-pass moves (Q, K, V read once; K^, V^ written as the FP16
-values the workspace holds, or Q^, K^, V^ as INT8 codes) per second, over the device-to-device copy
-bandwidth (read + written).
+prepass % copy bw: bytes the pre-pass moves (prepass_bytes: each input read once, what it writes)
+per second, over the device-to-device copy bandwidth (read + written).
 TFLOPS = 4*B*H*N^2*D / t, halved for causal. Tokens per config: B*N = --tokens (B >= 1), H*D = 2048.
 The kernel is the one fp4attn.sdpa picks; FP4ATTN_KERNEL forces one and is recorded in the header.
 --short times the issue's short calls instead (B = 1, 32 query / 8 KV heads, head dim 128, N = 512,
@@ -93,7 +94,8 @@ def profiled_kernels(fn, calls: int) -> list[tuple[str, float]]:
 
 
 def kernel_breakdown(fn, names, calls: int = 5) -> tuple[float, float]:
-    """(forward kernel ms, pre-pass ms) per call, medians over `calls` profiled calls."""
+    """(forward kernel ms: the median over `calls` profiled calls, pre-pass ms: the mean per call
+    of the other kernels' summed times)."""
     fwd, pre = [], []
     for name, ms in profiled_kernels(fn, calls):
         if any(k in name for k in names):
@@ -103,6 +105,22 @@ def kernel_breakdown(fn, names, calls: int = 5) -> tuple[float, float]:
     fwd_ms = statistics.median(fwd) if fwd else float("nan")
     pre_ms = sum(pre) / calls if pre else float("nan")
     return fwd_ms, pre_ms
+
+
+def prepass_bytes(prec: str, q, k, causal: bool) -> int:
+    """Bytes the pre-pass moves, each tensor counted once (Q, K and V of k's shape). FP4: Q, K, V
+    read, K^ and V^ written as the FP16 values the workspace holds. INT8 (heuristics.h, the
+    int8 plan): Q and K read, their codes written (a byte each); V read and a 16-bit copy written
+    unless the sm90 kernel reads the caller's V itself (16-bit V, head dim 256 or at most 2K keys
+    at head dim 64 / 4K at 128, twice that causal), when the pre-pass does not touch V."""
+    e, nq, nk = q.element_size(), q.numel(), k.numel()
+    if prec == "fp4":
+        return (nq + 2 * nk) * e + 2 * nk * 2
+    dp = 64 if q.shape[-1] <= 64 else 128 if q.shape[-1] <= 128 else 256
+    short_keys = (2048 if dp == 64 else 4096) * (2 if causal else 1)
+    sm90 = fp4attn._ops.attention_kernel(q.device.index or 0, q.shape[-1], "int8") == "sm90"
+    v_in_place = sm90 and e == 2 and (dp == 256 or k.shape[-2] <= short_keys)
+    return (nq + nk) * (e + 1) + (0 if v_in_place else nk * (e + 2))
 
 
 def copy_bandwidth(timer: Timer) -> float:
@@ -214,11 +232,7 @@ def main() -> int:
         row[f"{prec}_kernel_ms"] = fwd_ms
         row[f"{prec}_kernel_tflops"] = flops / fwd_ms / 1e9
         row[f"{prec}_prepass_ms"] = pre_ms
-        in_bytes = (q.numel() + 2 * k.numel()) * q.element_size()
-        # fp4: K^, V^ as the exact FP16 values the workspace holds; int8: Q^, K^ codes and V's
-        # two E4M3 terms
-        out_bytes = 2 * k.numel() * 2 if prec == "fp4" else q.numel() + 3 * k.numel()
-        row["prepass_gbps"] = (in_bytes + out_bytes) / pre_ms / 1e6
+        row["prepass_gbps"] = prepass_bytes(prec, q, k, causal) / pre_ms / 1e6
         row["prepass_frac_copy"] = row["prepass_gbps"] / bw
         for name in baselines:
             try:

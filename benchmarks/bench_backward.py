@@ -4,7 +4,8 @@ torch SDPA's flash and cuDNN backends, on the same inputs.
 For every (head dim, N, causal, dtype) it times out = attention(q, k, v); out.backward(dO):
   int8attn      fp4attn.sdpa(..., precision="int8") end to end (preparation kernels included)
   int8_fwd / int8_bwd / int8_prepare   device times of the forward kernel, the backward kernel and
-                everything else (psi of the operands, dO terms, dQ finish), from torch.profiler
+                everything else the step launches (psi of the operands, dO terms, the dQ
+                accumulator's memset and finish, the gradients' zero fills), from torch.profiler
   flash, cudnn  torch.nn.functional.scaled_dot_product_attention pinned to a backend
 SageAttention (bench_attention.py's peer column) has no backward: sageattn 1.0.6 is a Triton
 forward only, so it has no column here.
@@ -43,14 +44,16 @@ def step_fn(attn, q, k, v, grad):
 
 
 def breakdown(fn, calls: int = 3) -> tuple[float, float, float]:
-    """(forward kernel, backward kernel, everything else) ms per step, from torch.profiler."""
+    """(forward kernel, backward kernel, everything else the step launches: the preparation
+    kernels, the dQ accumulator's memset and the gradients' allocations) ms per step, from
+    torch.profiler."""
     fwd = bwd = other = 0.0
     for name, ms in profiled_kernels(fn, calls):
         if "int8_forward" in name:
             fwd += ms / calls
         elif "int8_backward" in name:
             bwd += ms / calls
-        elif "int8" in name or "fp4attn" in name:
+        else:
             other += ms / calls
     return fwd, bwd, other
 

@@ -10,7 +10,7 @@ committed result lives; it was made on an H200).
 The parity protocol (one run says nothing about training): several seeds per arm (--seeds 0,1,2;
 each seed gives both arms the same initial weights and batches), long enough sequences
 (--seq 1024) and steps for the validation curve to flatten. It reports per arm the mean +- std
-(and range) of the final validation loss and the step at which the validation loss first reaches
+(sample std, n - 1; and range) of the final validation loss and the step at which the validation loss first reaches
 --target-loss (default: 1.02 x the torch arm's mean final loss), and whether the int8 arm is at
 parity (judged from 3 seeds on): mean within 0.5 % of torch's, inside torch's seed range, and no
 later to the target. The plot shows each arm's mean validation curve with its seed range.
@@ -243,10 +243,13 @@ def reused_rows(args: argparse.Namespace, seeds: list[int], arms: list[str]) -> 
             if getattr(earlier, name) != getattr(args, name):
                 raise SystemExit(f"--reuse {args.reuse}: its runs used --{name.replace('_', '-')} "
                                  f"{getattr(earlier, name)}, this one {getattr(args, name)}")
-        if earlier.corpus and args.corpus and (os.path.basename(earlier.corpus) !=
-                                               os.path.basename(args.corpus)):
-            raise SystemExit(f"--reuse {args.reuse}: its runs trained on {earlier.corpus}, this one "
-                             f"on {args.corpus}")
+        def corpus(c):  # a file by its name; None: the janeaustenr package
+            return os.path.basename(c) if c else None
+
+        if corpus(earlier.corpus) != corpus(args.corpus):
+            raise SystemExit(f"--reuse {args.reuse}: its runs trained on "
+                             f"{earlier.corpus or 'the janeaustenr package'}, this one on "
+                             f"{args.corpus or 'the janeaustenr package'}")
     rows = [{"run": r["run"], "seed": int(r["seed"]), "step": int(r["step"]),
              **{k: float(r[k]) for k in ("train_loss", "val_loss", "val_loss_exact_attention",
                                           "tokens_per_s")}}
