@@ -126,11 +126,14 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     (query [..., Hq, L, E], key/value [..., Hkv, S, E]). precision="fp4" computes docs/SPEC.md
     (NVFP4, inference); precision="int8" computes docs/SPEC_INT8.md, whose backward gives
     query, key and value their gradients. With return_lse=True it returns (out, lse) with lse
-    float32 [..., Hq, L], natural log of the scaled scores.
+    float32 [..., Hq, L], natural log of the scaled scores. A call it cannot compute in low bits
+    goes to torch's SDPA with a one-time warning, or raises FP4AttnFallbackError with strict (or
+    FP4ATTN_STRICT=1) and with return_lse=True.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
-    if isinstance(query, torch.Tensor) and torch.is_autocast_enabled(query.device.type):
+    if isinstance(query, torch.Tensor) and query.device.type in ("cpu", "cuda") and \
+            torch.is_autocast_enabled(query.device.type):  # (autocast knows no "meta" device)
         query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     _check_args(query, key, value, attn_mask, is_causal, enable_gqa)
     if precision == "int8" and attn_mask is not None and attn_mask.requires_grad:

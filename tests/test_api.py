@@ -268,3 +268,11 @@ def test_cli_info_rejects_unknown_arguments(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["info", "--bogus"])
     assert exc.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_meta_tensors_fall_back_with_a_warning():
+    """Devices fp4attn does not compute on fall back (autocast, which knows no "meta", is not
+    asked about them)."""
+    q = torch.randn(1, 1, 4, 8, device="meta")
+    with pytest.warns(UserWarning, match="device meta"):
+        assert fp4attn.sdpa(q, q, q).shape == (1, 1, 4, 8)

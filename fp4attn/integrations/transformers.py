@@ -1,5 +1,6 @@
 """`attn_implementation="fp4attn"` (FP4) and `"fp4attn-int8"` (8-bit, trainable) for HuggingFace
-transformers, and `FP4Cache`, a KV cache stored in NVFP4 (docs/SPEC.md section 6).
+transformers, and `FP4Cache`, a KV cache of 5-bit rotated keys and NVFP4 values (docs/SPEC.md
+section 6).
 
 register() adds an attention function and, under the same name, the SDPA mask function: without
 a registered mask function transformers builds no causal mask for the new implementation.
@@ -326,9 +327,10 @@ def _cache_classes():
             raise NotImplementedError("FP4Cache: offloading layers to the CPU is not supported")
 
     class FP4Cache(Cache):
-        """A transformers Cache whose layers store keys and values in NVFP4 and decode through
-        fp4attn's fused kernel (use with attn_implementation="fp4attn" or "fp4attn-int8"), the
-        sliding-window layers of `config.layer_types` with the config's `sliding_window`."""
+        """A transformers Cache whose layers store keys and values in SPEC 6's format (5-bit
+        rotated keys, NVFP4 values) and decode through fp4attn's fused kernel (use with
+        attn_implementation="fp4attn" or "fp4attn-int8"), the sliding-window layers of
+        `config.layer_types` with the config's `sliding_window`."""
 
         def __init__(self, config=None, page_size: int | None = None):
             if config is None:
