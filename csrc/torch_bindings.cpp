@@ -602,6 +602,12 @@ fp4attn_kv_cache kv_cache_view(const at::Tensor &k_codes, const at::Tensor &k_sc
   for (const at::Tensor *t :
        {&k_scales, &k_exp, &v_codes, &v_scales, &v_dec, &kmean, &kscale, &block_table})
     CHECK_ARG(t->device() == k_codes.device(), "the cache's tensors must be on one device");
+  if (on_cuda(k_codes)) /* the CUDA kernels load and store the page arrays in 4- to 16-byte words */
+    for (const auto &a : arrays)
+      CHECK_ARG(reinterpret_cast<uintptr_t>(a.t->data_ptr()) % 16 == 0,
+                "%s must start at a 16-byte aligned address on CUDA (a view into a larger tensor "
+                "may not)",
+                a.name);
   fp4attn_kv_cache c{};
   c.k_codes = k_codes.data_ptr<uint8_t>();
   c.k_scales = k_scales.data_ptr<uint8_t>();

@@ -856,3 +856,25 @@ except RuntimeError as e:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "no error" not in p.stdout, p.stdout + p.stderr
     assert p.returncode != 0 or "device error" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])])
+def test_extreme_positions_and_windows_do_not_overflow(device):
+    """An append start near 2^63 is refused (start + len overflowed the range check); a window
+    near 2^63 is no window, also for a sequence shorter than the query positions (the CUDA
+    decode's window arithmetic overflowed into a negative chunk)."""
+    import sys
+
+    c = fp4attn.FP4KVCache(2, 1, 64, dtype=torch.float16, page_size=32, max_tokens=64,
+                           residual_length=0, device=device)
+    k, v = kv(2, 1, 40, 64, torch.float16, 9, device)
+    c.append(k, v)
+    st = list(c.storage())
+    with pytest.raises(RuntimeError, match="do not fit the block table"):
+        torch.ops.fp4attn.kv_append(k[:, :, :1], v[:, :, :1], *st, 2**63 - 1, False)
+    q = torch.randn(2, 1, 3, 64, generator=torch.Generator().manual_seed(1)).half().to(device)
+    lens = torch.tensor([0, 40], dtype=torch.int32, device=device)
+    out = fp4attn.decode_paged(q, *st, lens, window=sys.maxsize)
+    assert torch.equal(out, fp4attn.decode_paged(q, *st, lens))
+    assert (out[0] == 0).all() and torch.isfinite(out[1]).all()

@@ -166,7 +166,8 @@ static inline KvDecodePlan plan_kv_decode(const fp4attn_decode_params *p) {
   d.mtiles = ceil_div(G * p->len_q, d.rows);
   d.tiles = p->cache.batch * p->cache.heads_kv * d.mtiles;
   int64_t keys = p->cache.max_pages * p->cache.page_size;
-  if (p->window > 0) keys = std::min(keys, p->window + p->len_q + kKvDecodeChunk);
+  if (p->window > 0 && p->window < keys) /* (a larger window is none: no overflow) */
+    keys = std::min(keys, p->window + p->len_q + kKvDecodeChunk);
   const int64_t chunks = ceil_div(keys, kKvDecodeChunk);
   const int64_t wave = (int64_t)kv_decode_blocks_per_sm(*p, d.dp, d.rows) * sm_count();
   d.kv_splits =

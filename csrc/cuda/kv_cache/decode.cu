@@ -352,7 +352,7 @@ struct RowKeys {
 __device__ __forceinline__ RowKeys row_keys(const fp4attn_decode_params &p, int Lb, int64_t row) {
   RowKeys k;
   k.end = (int)min((int64_t)Lb, Lb - p.len_q + row % p.len_q + 1);
-  k.begin = p.window > 0 ? (int)max((int64_t)0, k.end - p.window) : 0;
+  k.begin = p.window > 0 && k.end > p.window ? (int)(k.end - p.window) : 0; /* no overflow */
   k.exact = k.end;
   if (p.residual_len > 0) {
     const int r = (int)p.residual_len, s = (int)p.residual_slots;
@@ -536,7 +536,8 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   /* this split's chunks (stored rows below Lq: the last row's residual keys are above it); the
    * warp's first one is in flight while the block stages Q */
   const int Lq = p.residual_len > 0 ? (int)max((int64_t)0, Lb - p.residual_len) : Lb;
-  const int first = p.window > 0 ? (int)(max((int64_t)0, Lb - nq + 1 - p.window) / kChunk) : 0;
+  const int64_t end0 = Lb - nq + 1; /* the first row's keys end there */
+  const int first = p.window > 0 && end0 > p.window ? (int)((end0 - p.window) / kChunk) : 0;
   const int nch = max(0, (Lq + kChunk - 1) / kChunk - first);
   const int per = (nch + (int)a.kv_splits - 1) / (int)a.kv_splits;
   const int c0 = first + (int)kv_split * per, c1 = min(c0 + per, first + nch);

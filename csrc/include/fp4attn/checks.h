@@ -85,6 +85,12 @@ static inline fp4attn_status fp4attn_check_kv_cache(const fp4attn_kv_cache *c) {
   if (c->head_dim < 1 || c->head_dim > FP4ATTN_MAX_HEAD_DIM)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "kv cache: head_dim must be in [1, %d], got %lld",
                          FP4ATTN_MAX_HEAD_DIM, (long long)c->head_dim);
+  /* token positions stay 32-bit in the kernels */
+  if (c->max_pages > (((int64_t)1 << 31) - 64) / c->page_size)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                         "kv cache: the block table addresses max_pages x page_size = %lld x %lld "
+                         "tokens per sequence, more than 2^31 - 64",
+                         (long long)c->max_pages, (long long)c->page_size);
   return fp4attn_ok();
 }
 
@@ -93,12 +99,15 @@ static inline fp4attn_status fp4attn_check_kv_append_params(const fp4attn_kv_app
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "kv append: null tensor pointer");
   if (!fp4attn_valid_dtype(p->dtype))
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "kv append: unsupported dtype %d", (int)p->dtype);
-  if (p->len < 1 || p->start < 0 || p->start + p->len > p->cache.max_pages * p->cache.page_size)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
-                         "kv append: tokens %lld .. %lld do not fit the block table (%lld tokens)",
-                         (long long)p->start, (long long)(p->start + p->len - 1),
-                         (long long)(p->cache.max_pages * p->cache.page_size));
-  return fp4attn_check_kv_cache(&p->cache);
+  const fp4attn_status st = fp4attn_check_kv_cache(&p->cache);
+  if (st.code != FP4ATTN_OK) return st;
+  const int64_t cap = p->cache.max_pages * p->cache.page_size;
+  if (p->len < 1 || p->start < 0 || p->len > cap || p->start > cap - p->len) /* no overflow */
+    return fp4attn_error(
+        FP4ATTN_ERR_INVALID_ARGUMENT,
+        "kv append: %lld tokens from %lld do not fit the block table (%lld tokens)",
+        (long long)p->len, (long long)p->start, (long long)cap);
+  return fp4attn_ok();
 }
 
 static inline fp4attn_status fp4attn_check_decode_params(const fp4attn_decode_params *p) {
