@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from .policy import Policy, attention
 from .sdpa import ORIGINAL_SDPA, PRECISIONS, sdpa
 
-_saved = None  # the function that was in place when patch() swapped it out
-_active = False  # between patch() and unpatch()
+_saved = None  # the function patch() swapped out; None once unpatch() ran
 _precision = "fp4"  # what patched_sdpa computes without a policy
 _policy: Policy | None = None  # with one: the precision per call site
 _model = None  # the module whose forward numbers the calls for the policy
@@ -36,7 +35,7 @@ def patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     global _calls
     kw = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
               enable_gqa=enable_gqa)
-    if not _active:  # unpatched, but reached through a wrapper installed over it meanwhile
+    if _saved is None:  # unpatched, but reached through a wrapper installed over it meanwhile
         return ORIGINAL_SDPA(query, key, value, **kw)
     if _policy is None:
         return sdpa(query, key, value, precision=_precision, **kw)
@@ -73,7 +72,7 @@ def patch(precision: str | None = None, *, policy: Policy | None = None, model=N
     `precision` ("fp4", the default, or "int8"), or each call in the precision `policy` gives
     its site (a per-layer policy needs `model`, the module whose forward numbers the calls).
     Idempotent; a second call replaces the first one's settings."""
-    global _saved, _active
+    global _saved
     if policy is not None:
         if precision is not None:
             raise ValueError("patch: pass precision or policy, not both")
@@ -91,7 +90,6 @@ def patch(precision: str | None = None, *, policy: Policy | None = None, model=N
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     _set(precision or "fp4", policy, model)
-    _active = True
     if not is_patched():
         _saved = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = patched_sdpa
@@ -110,12 +108,11 @@ def _set(precision: str, policy: Policy | None, model) -> None:
 def unpatch() -> None:
     """Restore the exact function that patch() replaced (no-op when not patched). A wrapper that
     something installed over the patch meanwhile stays, and reaches torch's own SDPA through it."""
-    global _saved, _active
+    global _saved
     _set("fp4", None, None)
-    _active = False
     if is_patched():
         F.scaled_dot_product_attention = _saved
-        _saved = None
+    _saved = None
 
 
 @contextlib.contextmanager

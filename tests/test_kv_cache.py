@@ -16,6 +16,9 @@ from fp4attn import reference
 from fp4attn.kv_cache import _dequantize_rows
 
 HAS_CUDA = torch.cuda.is_available()
+#: CPU, and CUDA where there is a GPU (marked gpu)
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])]
 
 
 def lse_close(got, want) -> bool:
@@ -767,8 +770,7 @@ def test_cuda_uneven_channels_are_the_cpu_bytes(D, dtype):
     assert rel_l1(out.cpu(), want) < 3e-3 and lse_close(lse, want_lse)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("device", DEVICES)
 def test_decode_paged_length_past_the_block_table_is_not_answered(device):
     """seq_lens[b] beyond the tokens its block-table row addresses would read another sequence's
     pages: the CPU backend refuses it; the CUDA decode (no host copy of seq_lens) gives that
@@ -858,8 +860,7 @@ except RuntimeError as e:
     assert p.returncode != 0 or "device error" in p.stdout, p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("device", DEVICES)
 def test_extreme_positions_and_windows_do_not_overflow(device):
     """An append start near 2^63 is refused (start + len overflowed the range check); a window
     near 2^63 is no window, also for a sequence shorter than the query positions (the CUDA

@@ -522,7 +522,8 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   const int64_t H = c.heads_kv, G = p.heads_q / H, nq = p.len_q, M = G * nq;
   const int64_t b = tile / (H * a.mtiles), hk = (tile / a.mtiles) % H, mt = tile % a.mtiles;
   const int D = (int)c.head_dim;
-  const int Lb = length_fits(p, b) ? p.seq_lens[b] : 0;
+  const bool fits = length_fits(p, b);
+  const int Lb = fits ? p.seq_lens[b] : 0;
   grid_dependents_launch(); /* the merge kernel may start */
   /* split 0 is the residual's, where there is one: dispatched first, it runs beside the others */
   const bool residual = a.splits > a.kv_splits;
@@ -873,7 +874,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
     }
     a.o_part[(part * NQ + row) * DP + d] = acc;
     if (d == 0) {
-      a.ml_part[(part * NQ + row) * 2] = length_fits(p, b) ? mx : NAN;
+      a.ml_part[(part * NQ + row) * 2] = fits ? mx : NAN;
       a.ml_part[(part * NQ + row) * 2 + 1] = ls;
     }
   }

@@ -390,29 +390,6 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_
       : "memory");
 }
 
-/* Bulk reduction: global `dst`[i] += shared `src`[i] (FP32) over `bytes` (a multiple of 16; both
- * 16-byte aligned), done by the copy engine in the background as one bulk group per commit. The
- * shared source may be rewritten once bulk_wait_read<N> has returned for its group. */
-__device__ __forceinline__ void bulk_reduce_add_f32(float *dst, uint32_t src, uint32_t bytes) {
-  asm volatile(
-      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
-      "r"(src), "r"(bytes)
-      : "memory");
-}
-__device__ __forceinline__ void bulk_commit() {
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-/* Wait until at most N bulk groups of this thread still read their shared source. */
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
-}
-/* Wait until at most N bulk groups of this thread are incomplete (their global writes done). */
-template <int N>
-__device__ __forceinline__ void bulk_wait() {
-  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 /* Make this thread's ordinary global-memory writes visible to later reads by the asynchronous
  * proxy (bulk copies, TMA), once the reader is ordered after it (a barrier). */
 __device__ __forceinline__ void fence_proxy_async_global() {
