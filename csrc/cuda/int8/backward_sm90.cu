@@ -15,7 +15,8 @@
  *     dK  += dS16^T Q16        the same with dS16 and Q16
  *     dQ_i += dS16 Ks16        wgmma m64n{DP/2}k16: this consumer's DP/2 columns over the block's
  *       128 keys, dS16^T of both consumers through shared memory (the MN-major A), Ks16^T the
- *       K-major B; FP32 vector atomics into the workspace (finish_dq applies the softmax scale)
+ *       K-major B; through a shared FP32 tile into the workspace by TMA reductions (finish_dq
+ *       applies the softmax scale)
  *   The consumers share the stage ring and the dS16^T tile (double-buffered by step parity: one
  *   named barrier of both per step). Splitting dQ by columns rather than keys halves its atomic
  *   traffic, which with the stage loads bounds the step (docs/performance.md).
@@ -49,6 +50,7 @@ struct BwdSm90Config {
   static constexpr int kKsBytes = kVBytes;            /* Ks16^T [2][DP][64 keys] 16-bit */
   static constexpr int kDsBytes = kWgKeys * kBQ8 * 2; /* dS16^T [64 keys][64 rows] per consumer */
   static constexpr int kDqCols = DP / 2;              /* dQ columns per consumer */
+  static constexpr int kDqBytes = kBQ8 * kDqCols * 4; /* its FP32 dQ tile [DP/64][64 rows][32] */
   /* one query block's tiles (a stage) */
   static constexpr int kQBytes = kBQ8 * DP;       /* Q^ [64][DP] */
   static constexpr int kQ16Bytes = kBQ8 * DP * 2; /* Q16 [DP/64][64][64] 16-bit */
@@ -60,7 +62,8 @@ struct BwdSm90Config {
   static constexpr int kOffV = kOffK + kKBytes;
   static constexpr int kOffKs = kOffV + kVBytes;
   static constexpr int kOffDs = kOffKs + kKsBytes;
-  static constexpr int kOffStage = kOffDs + 2 * 2 * kDsBytes; /* two buffers of both consumers' */
+  static constexpr int kOffDq = kOffDs + 2 * 2 * kDsBytes; /* two buffers of both consumers' */
+  static constexpr int kOffStage = kOffDq + 2 * kDqBytes;
   static constexpr int sQ = 0, sQ16 = sQ + kQBytes, sDo = sQ16 + kQ16Bytes;
   static constexpr int kOffVec = kOffStage + kStages * kTileBytes;
   static constexpr int vLse = 0, vDrow = kBQ8 * 4;
@@ -71,6 +74,7 @@ struct BwdSm90Config {
   static constexpr int kConsumerRegs = 240;
   static_assert(kProducerRegs + 2 * kConsumerRegs == 3 * 168, "setmaxnreg split of 168 x 384");
   static_assert(kTileBytes % 1024 == 0, "stage tiles stay 1024-byte aligned");
+  static_assert(kSmem <= 227 * 1024, "227 KB of shared memory per block");
 };
 
 /* Kernel parameters: the 8-bit arguments and this call's TMA maps (bytes, innermost first) of
@@ -78,13 +82,14 @@ struct BwdSm90Config {
  * {2 DP, nqp, BHq}. */
 struct Int8BwdSm90Params {
   Int8Args a;
-  CUtensorMap kmap, vmap, ksmap, qmap, q16map, domap;
+  CUtensorMap kmap, vmap, ksmap, qmap, q16map, domap, dqmap;
   bool longest_first; /* the block order (BwdWalk) */
 };
 
 #if defined(FP4ATTN_SM90_WGMMA)
 
 constexpr int kBarBoth = 1; /* named barrier 1: both consumers */
+constexpr int kBarDq = 2;   /* named barriers 2, 3: consumer 0's, 1's dQ tile */
 
 template <int kStages>
 struct BwdBars {
@@ -186,6 +191,7 @@ struct Int8BwdSm90 {
     const uint32_t v_lo = sw128_desc_lo(smem_u32(sm + C::kOffV) + cwg * kWgKeys * 128);
     const uint32_t ks_lo = sw128_desc_lo(smem_u32(sm + C::kOffKs) + cwg * C::kDqCols * 128);
     const int dq_col0 = C::kDqCols * cwg;
+    char *dq_tile = sm + C::kOffDq + cwg * C::kDqBytes;
     /* this thread's words of the dS16^T tile [128 keys][64 rows] (consumer c's keys 64c ..):
      * (key krow0 + g + 8r, rows n*8 + 2t, +1) at byte key*128 + 16 (n ^ g) + 4t (128-byte
      * swizzle: key % 8 = g) */
@@ -313,14 +319,29 @@ struct Int8BwdSm90 {
         wgmma_wait<0>();
         fence_regs(acc);
         mbar_arrive(bar.empty(s)); /* the stage's last reads are done */
+        /* into this consumer's dQ tile once the last step's reduction has read it: 32-column
+         * boxes of [64 rows][128 bytes], 16-byte chunk c of row r at c ^ (r % 8) (the TMA's
+         * 128-byte swizzle; row % 8 = g) */
+        if (wtid == 0) bulk_wait_read<0>();
+        named_sync(kBarDq + cwg, 128);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int64_t row = i0 + wwarp * 16 + g + 8 * r;
-          if (row >= p.len_q) continue;
-          float *dst = w.dq_acc + (bh * p.len_q + row) * DP + dq_col0 + 2 * t;
+        for (int n = 0; n < C::kDqCols / 8; ++n)
 #pragma unroll
-          for (int n = 0; n < C::kDqCols / 8; ++n)
-            add_pair(dst + n * 8, acc[n][2 * r], acc[n][2 * r + 1]);
+          for (int r = 0; r < 2; ++r) {
+            const int row = wwarp * 16 + g + 8 * r, chunk = (2 * (n & 3) + (t >> 1)) ^ g;
+            *reinterpret_cast<float2 *>(dq_tile + (n >> 2) * (kBQ8 * 128) + row * 128 + chunk * 16 +
+                                        8 * (t & 1)) =
+                make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+          }
+        fence_proxy_async(); /* the tile, for the TMA */
+        named_sync(kBarDq + cwg, 128);
+        /* one TMA reduction per box into the FP32 workspace (rows past len_q skipped by the map) */
+        if (wtid == 0) {
+#pragma unroll
+          for (int b = 0; b < C::kDqCols / 32; ++b)
+            tma_reduce_add_3d(&prm.dqmap, smem_u32(dq_tile + b * kBQ8 * 128), dq_col0 + 32 * b,
+                              (int)i0, (int)bh);
+          bulk_commit();
         }
       }
     }
@@ -330,6 +351,7 @@ struct Int8BwdSm90 {
     fence_regs(dv);
     fence_regs(dk);
     store_dk_dv_rows(a, walk.bhk, j0 + krow0, 0, dk, dv);
+    if (wtid == 0) bulk_wait<0>(); /* the last reduction has read the tile and written dQ */
   }
 
   static __device__ void run(const Int8BwdSm90Params &prm, char *smem) {
@@ -422,7 +444,12 @@ fp4attn_status launch_int8_backward_sm90(const Int8Args &a, cudaStream_t s) {
     if (st.code != FP4ATTN_OK) return st;
   }
   const Int8Rows16 v = int8_v16_rows(a);
-  const fp4attn_status st = encode_rows16_map(prm.vmap, v.base, v.dims, v.strides, kBK8, "V16");
+  fp4attn_status st = encode_rows16_map(prm.vmap, v.base, v.dims, v.strides, kBK8, "V16");
+  if (st.code != FP4ATTN_OK) return st;
+  /* dQ's FP32 accumulator [bhq][len_q][DP], the target of the consumers' TMA reductions */
+  const cuuint64_t dq_dims[3] = {dp, (cuuint64_t)p.len_q, bhq};
+  const cuuint64_t dq_strides[2] = {4 * dp, (cuuint64_t)p.len_q * 4 * dp};
+  st = encode_f32_map(prm.dqmap, w.dq_acc, dq_dims, dq_strides, kBQ8, "dQ accumulator");
   if (st.code != FP4ATTN_OK) return st;
 
   auto kernel =

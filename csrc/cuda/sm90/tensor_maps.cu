@@ -92,6 +92,13 @@ fp4attn_status encode_byte_map(CUtensorMap &map, const void *base, const cuuint6
                            "int8 attention", what);
 }
 
+fp4attn_status encode_f32_map(CUtensorMap &map, const void *base, const cuuint64_t (&dims)[3],
+                              const cuuint64_t (&strides)[2], cuuint32_t rows, const char *what) {
+  const cuuint32_t box[3] = {32, rows, 1};
+  return encode_checked<3>(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, base, dims, strides, box,
+                           CU_TENSOR_MAP_SWIZZLE_128B, "int8 attention", what);
+}
+
 fp4attn_status encode_rows16_map(CUtensorMap &map, const void *base, const uint64_t (&dims)[4],
                                  const uint64_t (&strides)[3], cuuint32_t rows, const char *what) {
   const cuuint64_t d[4] = {dims[0], dims[1], dims[2], dims[3]};

@@ -28,6 +28,12 @@ fp4attn_status encode_byte_map(CUtensorMap &map, const void *base, const cuuint6
                                const cuuint64_t (&strides)[2], cuuint32_t inner, cuuint32_t rows,
                                const char *what);
 
+/* A 3-D map of FP32 words (the 8-bit backward's dQ accumulator, the target of TMA reductions):
+ * dims innermost first, the byte strides of the outer two, boxes of 32 x rows x 1 with the 128-byte
+ * swizzle; elements past the dims are neither read nor written. */
+fp4attn_status encode_f32_map(CUtensorMap &map, const void *base, const cuuint64_t (&dims)[3],
+                              const cuuint64_t (&strides)[2], cuuint32_t rows, const char *what);
+
 /* A 4-D map of 16-bit words (a caller's tensor or a workspace section): dims innermost first, the
  * byte strides of the outer three, boxes of 64 x rows x 1 x 1 swizzled over their 128 bytes (the
  * rows of a 16-bit wgmma operand, K-major or, with the transpose bit, MN-major); zero-filled past

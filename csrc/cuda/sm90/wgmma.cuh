@@ -390,6 +390,32 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_
       : "memory");
 }
 
+/* TMA reduction: global box (c0, c1, c2) of the 3-D FP32 tensor map `tmap` += the shared tile at
+ * `src` (1024-byte aligned, laid out as the map's swizzle places the box), as part of this
+ * thread's current bulk group; elements outside the map's dims are skipped. */
+__device__ __forceinline__ void tma_reduce_add_3d(const void *tmap, uint32_t src, int c0, int c1,
+                                                  int c2) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], "
+      "[%1];\n" ::"l"(tmap),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+/* Close this thread's current bulk group. */
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+/* Wait until at most N bulk groups of this thread still read their shared source. */
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+/* Wait until at most N bulk groups of this thread are incomplete (their global writes done). */
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 /* Make this thread's ordinary global-memory writes visible to later reads by the asynchronous
  * proxy (bulk copies, TMA), once the reader is ordered after it (a barrier). */
 __device__ __forceinline__ void fence_proxy_async_global() {
