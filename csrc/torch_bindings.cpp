@@ -461,8 +461,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward(
   at::Tensor out = out_in.stride(3) == 1 ? out_in : out_in.contiguous();
   at::Tensor grad_out = grad_out_in.stride(3) == 1 ? grad_out_in : grad_out_in.contiguous();
   at::Tensor lse = lse_in.contiguous(), grad_lse;
-  at::Tensor dq = at::zeros(c.q.sizes(), c.q.options()), dk = at::zeros(c.k.sizes(), c.k.options()),
-             dv = at::zeros(c.v.sizes(), c.v.options());
+  /* the CUDA kernels write every element of the three gradients (dK and dV per key block, dQ by
+   * finish_dq); the C backend accumulates into them, and no keys leave them zero */
+  const bool written = on_cuda(c.q) && c.q.numel() != 0 && p.len_k != 0;
+  const auto alloc = [&](const at::Tensor &like) {
+    return written ? at::empty(like.sizes(), like.options())
+                   : at::zeros(like.sizes(), like.options());
+  };
+  at::Tensor dq = alloc(c.q), dk = alloc(c.k), dv = alloc(c.v);
   if (dq.numel() == 0 || p.len_k == 0) return {dq, dk, dv};
   if (grad_lse_in.has_value() && grad_lse_in->defined()) {
     CHECK_ARG(grad_lse_in->sizes() == lshape, "grad_lse must have the shape of lse %s, got %s",
