@@ -18,8 +18,8 @@
  *       K-major B; through a shared FP32 tile into the workspace by TMA reductions (finish_dq
  *       applies the softmax scale)
  *   The consumers share the stage ring and the dS16^T tile (double-buffered by step parity: one
- *   named barrier of both per step). Splitting dQ by columns rather than keys halves its atomic
- *   traffic, which with the stage loads bounds the step (docs/performance.md).
+ *   named barrier of both per step). Splitting dQ by columns rather than keys halves its
+ *   reduction traffic, which with the stage loads bounds the step (docs/performance.md).
  * dK and dV stay in FP32 wgmma accumulators for the whole walk and are stored once, in the input
  * dtype (dK times the scale).
  * Operand layouts (wgmma.cuh): 8-bit tiles K-major, swizzled over their row width (Q^, K^: DP
@@ -305,7 +305,7 @@ struct Int8BwdSm90 {
 
       /* dQ_i += dS16 Ks16: DP/2 columns from dq_col0 over the block's 128 keys (k16 step kk: keys
        * 16 kk .., +2048 bytes in the dS16^T tile; key block kk / 4 of Ks16^T, +32 bytes per step
-       * inside it), FP32 vector atomics (rows past len_q skipped) */
+       * inside it), then through this consumer's FP32 tile into the workspace by TMA reductions */
       {
         const uint64_t ds_mn = mnmajor_sw128_desc(smem_u32(ds_tile), kWgKeys * 128);
         float acc[C::kDqCols / 8][4];
