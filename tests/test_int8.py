@@ -848,24 +848,29 @@ def test_int8_kernel_request_needs_cuda():
                                                   "sm90")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("device,kernel", [("cpu", "auto"),
                                            pytest.param("cuda", "sm80", marks=pytest.mark.gpu),
                                            pytest.param("cuda", "sm90", marks=pytest.mark.gpu)])
-def test_backward_writes_every_gradient_element(device, kernel):
+def test_backward_writes_every_gradient_element(device, kernel, head_dim):
     """The CUDA backward allocates dQ, dK and dV without zero fills, so each element must be
     written: zeros for the keys no query sees (causal top-left, Nq < Nk), also where the allocator
     hands out memory it last held full of NaN."""
     if device == "cuda" and not HAS_CUDA:
         pytest.skip("needs a CUDA GPU")
-    skip_unless_kernel_runs(kernel)
-    q, k, v = make(1, 4, 2, 100, 333, 64, dtype=torch.bfloat16, seed=17, device=device)
+    skip_unless_kernel_runs(kernel, head_dim)
+    q, k, v = make(1, 4, 2, 100, 333, head_dim, dtype=torch.bfloat16, seed=17, device=device)
     out, lse = torch.ops.fp4attn.int8_attention(q, k, v, None, True, 0.125, kernel)
     grad_out = torch.randn_like(out)
     for _ in range(2):
-        poison = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-        del poison  # the caching allocator keeps the blocks for the next tensors of these sizes
+        # many freed NaN blocks of the gradients' sizes: the caching allocator hands them out next
+        poison = [torch.full_like(t, float("nan")) for t in (q, k, v) for _ in range(16)]
+        poisoned = {t.data_ptr() for t in poison}
+        del poison
         dq, dk, dv = torch.ops.fp4attn.int8_attention_backward(grad_out, None, q, k, v, out, lse,
                                                                None, True, 0.125, kernel)
+        if device == "cuda":  # else the check below could pass on fresh memory
+            assert {g.data_ptr() for g in (dq, dk, dv)} & poisoned, "no gradient reused NaN memory"
         assert all(bool(torch.isfinite(g).all()) for g in (dq, dk, dv))
         assert dk[:, :, 100:].abs().max() == 0 and dv[:, :, 100:].abs().max() == 0
         assert dk[:, :, :100].abs().max() > 0 and dv[:, :, :100].abs().max() > 0
