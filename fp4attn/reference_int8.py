@@ -117,9 +117,11 @@ def channel_migration(q32: Tensor, k32: Tensor, kbar: Tensor, G: int, alpha: flo
     maxima ``qa^(1-alpha) ka^alpha`` and ``qa^alpha ka^(1-alpha)`` (alpha = 0.5: both about
     ``sqrt(qa ka)``), and ``Q' Ks'^T = Q Ks^T``.
 
-    ``s_c = 1`` unless qa_c and ka_c are normal finite FP32 numbers (>= 2^-126: zero, subnormal,
-    inf and NaN give 1) and, for alpha 0.5, so is r (a quotient that over- or underflows gives
-    1), and s_c is a finite positive number."""
+    ``s_c = 2^-63`` where ka_c = 0 and qa_c is a normal finite FP32 number (the channel's
+    smoothed keys are all 0, so it adds nothing to a score; its query channel must not set its
+    rows' scale); otherwise ``s_c = 1`` unless qa_c and ka_c are normal finite FP32 numbers
+    (>= 2^-126: zero, subnormal, inf and NaN give 1) and, for alpha 0.5, so is r (a quotient that
+    over- or underflows gives 1), and s_c is a finite positive number."""
     B, Hq, _, D = q32.shape
     Hkv = k32.shape[1]
     kmax = k32.amax(dim=2, keepdim=True)
@@ -127,6 +129,7 @@ def channel_migration(q32: Tensor, k32: Tensor, kbar: Tensor, G: int, alpha: flo
     ka = torch.maximum(kmax - kbar, kbar - kmin)  # = max |K - kbar| per channel, [B, Hkv, 1, D]
     qa = q32.abs().amax(dim=2).reshape(B, Hkv, G, D).amax(dim=2)[:, :, None]  # [B, Hkv, 1, D]
     tiny = torch.finfo(torch.float32).tiny
+    keys_zero = (ka == 0) & (qa >= tiny) & (qa < math.inf)
     ok = (qa >= tiny) & (ka >= tiny) & (qa < math.inf) & (ka < math.inf)  # NaN: False
     one = torch.ones_like(qa)
     qa, ka = torch.where(ok, qa, one), torch.where(ok, ka, one)
@@ -142,7 +145,7 @@ def channel_migration(q32: Tensor, k32: Tensor, kbar: Tensor, G: int, alpha: flo
         ls = alpha * torch.log2(ka.double()) - (1.0 - alpha) * torch.log2(qa.double())
         s = torch.exp2(torch.floor(ls + 0.5) if pow2 else ls).to(torch.float32)
     ok = ok & torch.isfinite(s) & (s > 0)
-    return torch.where(ok, s, one)
+    return torch.where(keys_zero, 2.0 ** -63, torch.where(ok, s, one))
 
 
 def _blocks(x: Tensor, block: int) -> Tensor:

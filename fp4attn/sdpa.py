@@ -74,10 +74,11 @@ def _fallback_reason(query, key, value, attn_mask, dropout_p, precision) -> str 
 
 def _autocast(*tensors):
     """As autocast treats torch's SDPA (a lower-precision op): floating-point arguments in the
-    autocast dtype, the others as they are."""
+    autocast dtype, except float64 ones (autocast leaves those as they are), the others as they
+    are."""
     dtype = torch.get_autocast_dtype(tensors[0].device.type)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                 for t in tensors)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and
+                 t.dtype != torch.float64 else t for t in tensors)
 
 
 def _check_args(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
@@ -147,7 +148,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         if return_lse:
             raise FP4AttnFallbackError(
                 f"return_lse=True needs the {precision.upper()} path, which cannot run: {reason}")
-        if reason not in _warned:
+        # (not while torch.compile traces: a warning breaks fullgraph; eager calls still warn)
+        if reason not in _warned and not torch.compiler.is_compiling():
             _warned.add(reason)
             warnings.warn(f"fp4attn: falling back to torch SDPA: {reason}", stacklevel=2)
         kwargs = {"enable_gqa": enable_gqa} if enable_gqa else {}

@@ -262,6 +262,29 @@ def test_autocast_casts_like_torch_sdpa(precision):
         assert fp4attn.sdpa(q, k.bfloat16(), v, precision=precision).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("precision", ["fp4", "int8"])
+def test_autocast_leaves_float64_alone_like_torch_sdpa(precision):
+    """Autocast does not cast float64 tensors: torch's SDPA runs them in float64, so must we."""
+    q, k, v = (t.double() for t in qkv(1, 2, 32, 64))
+    with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # float64 falls back to torch SDPA
+        out = fp4attn.sdpa(q, k, v, precision=precision)
+        want = ORIGINAL(q, k, v)
+    assert out.dtype == want.dtype == torch.float64 and torch.equal(out, want)
+
+
+def test_a_fallback_compiles_with_fullgraph(monkeypatch):
+    """A call that falls back to torch SDPA traces with fullgraph=True also before its one-time
+    warning has been given (the warning is an eager-mode message)."""
+    monkeypatch.setattr(importlib.import_module("fp4attn.sdpa"), "_warned", set())
+    q, k, v = (t.double() for t in qkv(1, 2, 16, 32))
+    f = torch.compile(lambda q, k, v: fp4attn.sdpa(q, k, v, precision="int8"), fullgraph=True,
+                      backend="eager")
+    assert torch.equal(f(q, k, v), ORIGINAL(q, k, v))
+    with pytest.warns(UserWarning, match="falling back"):
+        fp4attn.sdpa(q, k, v, precision="int8")
+
+
 def test_cli_info_rejects_unknown_arguments(capsys):
     from fp4attn.__main__ import main
 

@@ -24,9 +24,12 @@ FP4ATTN_HD int fp4attn_int8_migration_normal(float v) {
 }
 
 /* s_c = 2^ceil(E / 2), E the exponent of r = fl(ka / qa) = m 2^E (1 <= m < 2), where qa, ka and
- * r are all positive normal finite numbers; 1 otherwise. qa, ka >= 0 or NaN. s_c and 1 / s_c are
- * powers of two in [2^-63, 2^64]. */
+ * r are all positive normal finite numbers; 2^-63 where ka = 0 and qa is normal finite (the
+ * channel's smoothed keys are all 0: it adds nothing to a score, and its query channel must not
+ * set its rows' scale); 1 otherwise. qa, ka >= 0 or NaN. s_c and 1 / s_c are powers of two in
+ * [2^-63, 2^64]. */
 FP4ATTN_HD float fp4attn_int8_migration_factor(float qa, float ka) {
+  if (ka == 0.0f && fp4attn_int8_migration_normal(qa)) return fp4attn_bits_float(64u << 23);
   if (!(qa > 0.0f && ka > 0.0f) || !fp4attn_int8_migration_normal(qa) ||
       !fp4attn_int8_migration_normal(ka))
     return 1.0f;
