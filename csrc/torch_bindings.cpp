@@ -461,8 +461,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward(
   at::Tensor out = out_in.stride(3) == 1 ? out_in : out_in.contiguous();
   at::Tensor grad_out = grad_out_in.stride(3) == 1 ? grad_out_in : grad_out_in.contiguous();
   at::Tensor lse = lse_in.contiguous(), grad_lse;
-  /* the CUDA kernels write every element of the three gradients (dK and dV per key block, dQ by
-   * finish_dq); the C backend accumulates into them, and no keys leave them zero */
+  /* the CUDA kernels write every element of the three gradients (dK and dV per key block, zeros
+   * where no query sees a key; dQ by finish_dq); the C backend accumulates into zeros */
   const bool written = on_cuda(c.q) && c.q.numel() != 0 && p.len_k != 0;
   const auto alloc = [&](const at::Tensor &like) {
     return written ? at::empty(like.sizes(), like.options())

@@ -29,7 +29,8 @@ FP4ATTN_HD int fp4attn_int8_migration_normal(float v) {
  * set its rows' scale); 1 otherwise. qa, ka >= 0 or NaN. s_c and 1 / s_c are powers of two in
  * [2^-63, 2^64]. */
 FP4ATTN_HD float fp4attn_int8_migration_factor(float qa, float ka) {
-  if (ka == 0.0f && fp4attn_int8_migration_normal(qa)) return fp4attn_bits_float(64u << 23);
+  if (ka == 0.0f && fp4attn_int8_migration_normal(qa))
+    return fp4attn_bits_float(64u << 23); /* 2^-63 */
   if (!(qa > 0.0f && ka > 0.0f) || !fp4attn_int8_migration_normal(qa) ||
       !fp4attn_int8_migration_normal(ka))
     return 1.0f;
