@@ -54,3 +54,23 @@ def test_bench_generate_smoke_runs_on_the_cpu(tmp_path):
     assert head["command"].startswith("python benchmarks/bench_generate.py --tiny")
     # head dim 32: 64 bytes against 22, plus the residual ring of 31 tokens (2 B per token here)
     assert len(rows) == 1 and float(rows[0]["kv_ratio"]) > 2.5
+
+
+def test_bench_train_step_smoke_runs_on_the_cpu(tmp_path):
+    """The training-step benchmark's code path (a one-layer GPT on the CPU; the numbers come from
+    a GPU): every arm asked for gets a row, with tokens/s and its ratio to torch's."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train_step.py"), "--device", "cpu",
+           "--seqs", "32,64", "--tokens", "64", "--layers", "1", "--dim", "32", "--heads", "2",
+           "--steps", "1", "--warmup", "1", "--rounds", "2", "--arms", "int8,torch",
+           "--out", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    head, rows = read_csv(str(tmp_path / "bench_train_step.csv"))
+    assert head["command"].startswith("python benchmarks/bench_train_step.py --device cpu")
+    assert [(r["seq"], r["batch"], r["arm"]) for r in rows] == [
+        ("32", "2", "int8"), ("32", "2", "torch"), ("64", "1", "int8"), ("64", "1", "torch")]
+    assert all(float(r["tokens_per_s"]) > 0 and float(r["vs_torch"]) > 0 for r in rows)
+    assert all(float(r["vs_torch"]) == 1.0 for r in rows if r["arm"] == "torch")
