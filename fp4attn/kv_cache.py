@@ -139,7 +139,11 @@ class FP4KVCache:
 
     def storage(self) -> tuple[Tensor, ...]:
         """(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale, block_table): the
-        paged form `decode_paged` takes (SPEC 6)."""
+        paged form `decode_paged` takes (SPEC 6), with ``seq_lens`` and ``**residual()``. A
+        windowed cache's pages are a ring that holds the last ``window + 15`` tokens: pass
+        ``window`` <= its window and at most 16 query rows (`decode` does), else a decode reads
+        newer tokens in older ones' places. The residual ring holds the tokens before
+        ``len(cache)``: a ``seq_lens`` below it reads the wrong ones there."""
         return (self.k_codes, self.k_scales, self.k_exp, self.v_codes, self.v_scales, self.v_dec,
                 self.kmean, self.kscale, self.block_table)
 
@@ -196,6 +200,11 @@ class FP4KVCache:
         n = k.shape[2]
         if n < 1:
             raise ValueError("append needs at least one token")
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            warnings.warn("FP4KVCache.append: k or v requires grad, but the cache stores them "
+                          "without a graph: no gradient flows back through it (call it under "
+                          "torch.no_grad() to silence this)", stacklevel=2)
+        k, v = k.detach(), v.detach()  # the ring and the first tokens' copy keep no graph alive
         need = self._len + n
         if self.max_tokens is not None and need > self.max_tokens:
             raise ValueError(f"appending {n} tokens to {self._len} exceeds max_tokens={self.max_tokens}")

@@ -804,6 +804,24 @@ def test_decode_says_that_no_gradient_flows():
             fp4attn.decode(q, c)
 
 
+def test_append_of_tensors_that_require_grad_warns_and_keeps_no_graph():
+    """The cache stores no graph: appending k / v that require grad warns that no gradient flows,
+    and neither the residual ring nor the first tokens' copy keeps the caller's graph alive."""
+    c = fp4attn.FP4KVCache(1, 2, 64, dtype=torch.float32)
+    w = torch.nn.Parameter(torch.ones(64))
+    k, v = kv(1, 2, 40, 64, torch.float32, 8)
+    with pytest.warns(UserWarning, match="no gradient flows back through it"):
+        c.append(k * w, v)
+    assert not c.res_k.requires_grad and c.res_k.grad_fn is None
+    assert all(not t.requires_grad for t in c._early)
+    out = fp4attn.decode(torch.randn(1, 2, 1, 64), c)
+    assert not out.requires_grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            c.append(k * w, v)
+
+
 def test_ops_refuse_bad_cache_arguments_before_writing():
     """Direct op calls: a cache without KV heads and a negative residual_len are errors (the
     first divided by zero, the second was taken as 0); an append whose block table points
