@@ -83,6 +83,8 @@ def patch(precision: str | None = None, *, policy: Policy | None = None, model=N
                              "numbers the attention calls: call i of a forward is site i)")
         if model is not None and not callable(getattr(model, "register_forward_pre_hook", None)):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if model is not None:
+            policy.check_fits(getattr(model, "config", None))
     elif model is not None:
         raise ValueError("patch: model= only goes with policy= (it numbers the call sites)")
     else:

@@ -147,7 +147,18 @@ def test_patch_policy_generation_restarts_count(monkeypatch):
 
 
 def test_patch_policy_too_many_calls():
-    model = tiny_llama(layers=3)
+    """A model without a transformers config (here a plain wrapper) is checked per call: the
+    call past the policy's num_layers raises."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids):
+            return self.inner(ids)
+
+    model = Wrapper(tiny_llama(layers=3))
     with fp4attn.patched(policy=Policy(["fp4", "bf16"]), model=model), \
             pytest.raises(ValueError, match="num_layers=2"), torch.no_grad():
         model(torch.randint(0, 128, (1, 10)))
@@ -221,6 +232,41 @@ def test_register_policy_matches_patch():
         assert torch.equal(fp4, model(ids).logits)
     with pytest.raises(TypeError, match="fp4attn.Policy"):
         integration.register(policy="fp4")
+
+
+def tiny_bart():
+    cfg = transformers.BartConfig(vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2,
+                                  encoder_attention_heads=2, decoder_attention_heads=2,
+                                  encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+    return transformers.BartForConditionalGeneration(cfg).eval()
+
+
+def test_a_per_layer_policy_refuses_models_it_would_number_wrongly():
+    """An encoder-decoder's encoder, decoder and cross-attention calls share layer indices (and
+    generate runs decoder steps without the model's forward); a policy made for another layer
+    count would silently cover some other set of layers. Both raise, on the patch and the
+    register path; uniform policies fit any model."""
+    from fp4attn.integrations import transformers as integration
+
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        fp4attn.patch(policy=Policy(["bf16", "fp4", "int8", "int8", "fp4", "bf16"]),
+                      model=tiny_bart())
+    assert not patch_module.is_patched()
+    longer = Policy(["fp4", "bf16", "int8", "int8"])  # 4 sites for a 3-layer model
+    with pytest.raises(ValueError, match="num_layers=4, the model 3 layers"):
+        fp4attn.patch(policy=longer, model=tiny_llama())
+    model, ids = tiny_llama(attn_implementation="fp4attn"), torch.randint(0, 128, (1, 16))
+    try:
+        integration.register(policy=longer)
+        with torch.no_grad(), pytest.raises(ValueError, match="num_layers=4, the model 3 layers"):
+            model(ids)
+        integration.register(policy=Policy(default="int8", num_layers=4))  # uniform: fits
+        with torch.no_grad():
+            model(ids)
+    finally:
+        integration.register()
+    fp4attn.patch(policy=Policy(default="int8"), model=tiny_bart())  # uniform: fits
+    fp4attn.unpatch()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -177,6 +177,7 @@ def _policy_precision(module) -> str:
         return "fp4"
     if _policy.is_uniform:
         return _policy.default
+    _policy.check_fits(getattr(module, "config", None))
     site = getattr(module, "layer_idx", None)
     if not isinstance(site, int):
         raise ValueError(
@@ -190,8 +191,10 @@ def register(policy: Policy | None = None) -> None:
     """Register attn_implementation="fp4attn" and "fp4attn-int8" (idempotent). With `policy`,
     "fp4attn" computes each layer (the attention module's ``layer_idx``) in the precision the
     policy gives it; a later register() replaces it (without one: FP4 everywhere). The policy
-    applies to every model that uses "fp4attn" in this process. FP4Cache decode steps read
-    the FP4 cache whatever the policy says (SPEC 6)."""
+    applies to every model that uses "fp4attn" in this process ("fp4attn-int8" is INT8 in every
+    layer whatever it says); a per-layer policy refuses encoder-decoders and models with another
+    layer count (Policy.check_fits). FP4Cache decode steps read the FP4 cache whatever the policy
+    says (SPEC 6)."""
     global _policy
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
