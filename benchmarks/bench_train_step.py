@@ -48,8 +48,8 @@ def example_gpt():
 
 
 def attention(arm: str):
-    if arm == "int8":
-        return lambda q, k, v: fp4attn.sdpa(q, k, v, is_causal=True, precision="int8")
+    if arm == "int8":  # strict: a fallback to torch SDPA raises (the arm is then not run)
+        return lambda q, k, v: fp4attn.sdpa(q, k, v, is_causal=True, precision="int8", strict=True)
     backends = {"flash": [SDPBackend.FLASH_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION]}
     if arm in backends:
         def pinned(q, k, v):
@@ -81,11 +81,12 @@ class Arm:
 
 
 def runs(arm: Arm, b) -> bool:
-    """Whether the arm trains at all here (a pinned torch backend may not take the shape)."""
+    """Whether the arm trains at all here (a pinned torch backend may not take the shape; the
+    int8 arm may not run in INT8)."""
     try:
         arm.step(b)
         return True
-    except RuntimeError as exc:
+    except (RuntimeError, fp4attn.FP4AttnFallbackError) as exc:
         print(f"  {arm.name}: not run ({str(exc).splitlines()[0][:100]})")
         return False
 
@@ -147,8 +148,8 @@ def main() -> int:
         for a in present:
             for i in range(args.warmup):
                 a.step(data[i % len(data)])
-        for _ in range(args.rounds):
-            for a in present:
+        for r in range(args.rounds):  # the arms' order rotates from round to round
+            for a in present[r % len(present):] + present[:r % len(present)]:
                 a.ms.append(timed(a, data, device))
         base = next((a for a in present if a.name == "torch"), None)
         for a in present:
@@ -158,7 +159,7 @@ def main() -> int:
                    "tokens_per_s": round(batch * seq / ms * 1e3),
                    "vs_torch": round(statistics.median(base.ms) / ms, 4) if base else ""}
             rows.append(row)
-        del present
+        present = base = a = None  # the models go before the next sequence length
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print()
@@ -167,6 +168,8 @@ def main() -> int:
                   f"{r['ms_per_step']:.2f} ({r['ms_min']:.2f}-{r['ms_max']:.2f})",
                   f"{r['tokens_per_s']:,}", f"{r['vs_torch']:.3f}x" if r["vs_torch"] != "" else "-"]
                  for r in rows])
+    if not rows:
+        raise SystemExit("no arm ran")
     os.makedirs(args.out, exist_ok=True)
     write_csv(os.path.join(args.out, "bench_train_step.csv"), head, rows)
     plot(rows, os.path.join(args.out, "bench_train_step.png"), head["hardware"])

@@ -24,7 +24,7 @@ _saved = None  # the function patch() swapped out; None once unpatch() ran
 _precision = "fp4"  # what patched_sdpa computes without a policy
 _policy: Policy | None = None  # with one: the precision per call site
 _model = None  # the module whose forward numbers the calls for the policy
-_hook = None  # the forward pre-hook on _model that restarts the call count
+_hook = None  # the forward hooks on _model: the pre-hook restarts the call count, the other checks it
 _calls = 0  # attention calls so far in the current forward of that model
 
 
@@ -58,6 +58,15 @@ def _restart_count(*_):
     _calls = 0
 
 
+def _check_count(*_):
+    """After a forward of the policy's model: fewer attention calls than the policy's sites
+    means the policy was made for another model (more raise at the call past the last site)."""
+    n = _policy.num_layers if _policy is not None else None
+    if n is not None and 0 < _calls < n:
+        raise ValueError(f"fp4attn.patch: this forward made {_calls} attention calls, the policy "
+                         f"has num_layers={n} sites: it was made for another model")
+
+
 def is_patched() -> bool:
     return F.scaled_dot_product_attention is patched_sdpa
 
@@ -84,7 +93,7 @@ def patch(precision: str | None = None, *, policy: Policy | None = None, model=N
         if model is not None and not callable(getattr(model, "register_forward_pre_hook", None)):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if model is not None:
-            policy.check_fits(getattr(model, "config", None))
+            policy.check_fits(getattr(model, "config", None))  # sites: the calls of one forward
     elif model is not None:
         raise ValueError("patch: model= only goes with policy= (it numbers the call sites)")
     else:
@@ -100,11 +109,13 @@ def patch(precision: str | None = None, *, policy: Policy | None = None, model=N
 def _set(precision: str, policy: Policy | None, model) -> None:
     global _precision, _policy, _model, _hook, _calls
     if _hook is not None:
-        _hook.remove()
+        for h in _hook:
+            h.remove()
         _hook = None
     _precision, _policy, _model, _calls = precision, policy, model, 0
     if model is not None:
-        _hook = model.register_forward_pre_hook(_restart_count)
+        _hook = (model.register_forward_pre_hook(_restart_count),
+                 model.register_forward_hook(_check_count))
 
 
 def unpatch() -> None:

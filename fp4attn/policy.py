@@ -99,12 +99,15 @@ class Policy:
                              "forward than the policy was made for")
         return self.layers.get(site, self.default)
 
-    def check_fits(self, config) -> None:
+    def check_fits(self, config, *, by_layer_index: bool = False) -> None:
         """Refuses to number a model's attention calls with a per-layer policy where the numbers
         would be wrong: an encoder-decoder (its encoder, decoder and cross-attention calls share
-        layer indices, and generate runs decoder steps without the model's forward), or a
-        transformers ``config`` whose ``num_hidden_layers`` differs from ``num_layers``. A
-        uniform policy, or ``config`` None, fits any model."""
+        layer indices, and generate runs decoder steps without the model's forward), and with
+        ``by_layer_index`` (sites are the attention modules' ``layer_idx``) a transformers
+        ``config`` whose ``num_hidden_layers`` differs from ``num_layers``. (Sites counted as
+        the calls of one forward are checked by patch() after each forward: hybrid models have
+        fewer attention calls than layers.) A uniform policy, or ``config`` None, fits any
+        model."""
         if self.is_uniform or config is None:
             return
         if getattr(config, "is_encoder_decoder", False):
@@ -113,7 +116,8 @@ class Policy:
                              "decoder and cross-attention layers share indices): use a uniform "
                              "policy or precision")
         n = getattr(config, "num_hidden_layers", None)
-        if isinstance(n, int) and self.num_layers is not None and n != self.num_layers:
+        if by_layer_index and isinstance(n, int) and self.num_layers is not None and \
+                n != self.num_layers:
             raise ValueError(f"this policy has num_layers={self.num_layers}, the model "
                              f"{n} layers (config.num_hidden_layers): it was made for another model")
 

@@ -243,9 +243,10 @@ def tiny_bart():
 
 def test_a_per_layer_policy_refuses_models_it_would_number_wrongly():
     """An encoder-decoder's encoder, decoder and cross-attention calls share layer indices (and
-    generate runs decoder steps without the model's forward); a policy made for another layer
-    count would silently cover some other set of layers. Both raise, on the patch and the
-    register path; uniform policies fit any model."""
+    generate runs decoder steps without the model's forward); a policy made for another model
+    would silently cover some other set of layers. Both raise: patch() when a forward makes
+    fewer attention calls than the policy has sites, register() when num_hidden_layers differs
+    from them (its sites are layer_idx). Uniform policies fit any model."""
     from fp4attn.integrations import transformers as integration
 
     with pytest.raises(ValueError, match="encoder-decoder"):
@@ -253,8 +254,10 @@ def test_a_per_layer_policy_refuses_models_it_would_number_wrongly():
                       model=tiny_bart())
     assert not patch_module.is_patched()
     longer = Policy(["fp4", "bf16", "int8", "int8"])  # 4 sites for a 3-layer model
-    with pytest.raises(ValueError, match="num_layers=4, the model 3 layers"):
-        fp4attn.patch(policy=longer, model=tiny_llama())
+    llama = tiny_llama()
+    with fp4attn.patched(policy=longer, model=llama), torch.no_grad(), \
+            pytest.raises(ValueError, match="made 3 attention calls, the policy has num_layers=4"):
+        llama(torch.randint(0, 128, (1, 16)))
     model, ids = tiny_llama(attn_implementation="fp4attn"), torch.randint(0, 128, (1, 16))
     try:
         integration.register(policy=longer)

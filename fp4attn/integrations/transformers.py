@@ -177,7 +177,7 @@ def _policy_precision(module) -> str:
         return "fp4"
     if _policy.is_uniform:
         return _policy.default
-    _policy.check_fits(getattr(module, "config", None))
+    _policy.check_fits(getattr(module, "config", None), by_layer_index=True)
     site = getattr(module, "layer_idx", None)
     if not isinstance(site, int):
         raise ValueError(
