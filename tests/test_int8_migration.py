@@ -2,7 +2,7 @@
 channel migration"): on by default (alpha 0.5, power-of-two s), ``migrate=None`` bit-identical to
 the spec before the amendment, exact in real arithmetic (and in floating point with power-of-two
 factors), what its docstring says it computes (edge cases included), and it fixes K's channel
-outliers in the forward and the backward. CPU only, small sizes."""
+outliers in the forward and the backward. CPU, small sizes (one op test also on CUDA)."""
 
 from __future__ import annotations
 
@@ -213,12 +213,14 @@ def test_migration_fixes_channel_outliers_forward(kw):
     assert lerr_m.max() < 0.5 and lerr_m.mean() < 0.6 * lerr_s.mean()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_constant_key_channel_does_not_set_the_query_scale(dtype):
+def test_a_constant_key_channel_does_not_set_the_query_scale(dtype, device):
     """A key channel constant over the sequence (exactly 0 after smoothing; in bf16 a channel of
     small spread rounds to one) adds nothing to a score, yet with s = 1 its large query channel
     set every 64-row Q^ scale: rel_l1 0.58-0.62 against exact attention. s = 2^-63 drops it from
-    the codes: as accurate as without the channel (the C backend, SPEC_INT8 2.1b)."""
+    the codes: as accurate as without the channel (SPEC_INT8 2.1b; the C and CUDA backends)."""
     import fp4attn
 
     g = torch.Generator().manual_seed(3)
@@ -227,7 +229,7 @@ def test_a_constant_key_channel_does_not_set_the_query_scale(dtype):
     k[..., 0] = 2.5 if dtype == torch.float32 else 5 + 1e-3 * torch.randn(1, 2, 256, generator=g)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     exact = exact_attention(q.double(), k.double(), v.double())
-    out = fp4attn.sdpa(q, k, v, precision="int8").double()
+    out = fp4attn.sdpa(*(t.to(device) for t in (q, k, v)), precision="int8").double().cpu()
     assert ((out - exact).abs().sum() / exact.abs().sum()).item() < 0.03
 
 
