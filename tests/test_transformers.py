@@ -1,6 +1,7 @@
 """The patch and attn_implementation="fp4attn" on a tiny randomly initialised Llama (no download)."""
 
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -164,6 +165,7 @@ def test_fp4cache_step_matches_attention_on_the_dequantized_cache(ids):
     assert step_against_the_dequantized_cache(model, ids[:1, :60], ids[:1, 60:61]) > 0.9999
 
 
+@pytest.mark.filterwarnings("ignore:FP4Cache. a padded batch")
 def test_fp4cache_with_a_padding_mask_attends_to_the_dequantized_cache(monkeypatch):
     """Left-padded batches pass a mask: the step attends to the dequantized cache with it."""
     from fp4attn.integrations import transformers as integration
@@ -185,6 +187,31 @@ def test_fp4cache_with_a_padding_mask_attends_to_the_dequantized_cache(monkeypat
         out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                              **{cache_keyword(model): integration.FP4Cache(config=model.config)})
     assert out.shape == (2, 34) and len(steps) == 2 * 3  # both layers, every step after prefill
+
+
+def test_fp4cache_says_when_pad_tokens_set_a_sequences_key_statistics(monkeypatch):
+    """The cache takes each sequence's key mean and channel scales from the first 128 tokens it
+    stores, pads included (it sees no mask): a padded batch gets a warning (once), an unpadded
+    one none."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    monkeypatch.setattr(integration, "_warned", set())
+    model = tiny_llama("fp4attn")
+    ids = torch.randint(0, 256, (2, 30))
+    mask = torch.ones(2, 30, dtype=torch.long)
+
+    def generate(mask):
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                           **{cache_keyword(model): integration.FP4Cache(config=model.config)})
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate(mask)
+    mask[1, :7] = 0  # left padding
+    with pytest.warns(UserWarning, match="7 pad tokens among the first 128"):
+        generate(mask)
 
 
 

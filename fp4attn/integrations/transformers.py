@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-from ..kv_cache import MAX_DECODE_QUERIES, FP4KVCache, decode
+from ..kv_cache import KMEAN_TOKENS, MAX_DECODE_QUERIES, FP4KVCache, decode
 from ..policy import Policy, attention
 from ..sdpa import ORIGINAL_SDPA
 
@@ -99,10 +99,31 @@ def _is_plain_window(attention_mask: torch.Tensor, nq: int, L: int, window: int 
     return plain
 
 
+def _warn_if_padded(layer, attention_mask) -> None:
+    """Once per cache layer: a padding mask that hides keys among the first KMEAN_TOKENS stored
+    (left padding) means that sequence's key mean and channel scales include pad keys (the
+    cache sees no mask; SPEC 6), which lowers its accuracy: say so rather than lose it silently."""
+    if layer.padding_checked or layer.sliding_window is not None or attention_mask is None or \
+            attention_mask.dim() != 4:
+        return
+    layer.padding_checked = True
+    head = attention_mask[..., : min(KMEAN_TOKENS, attention_mask.shape[-1])]
+    hidden = ~head if head.dtype == torch.bool else head <= torch.finfo(head.dtype).min / 2
+    pads = hidden.all(dim=2).all(dim=1).sum(dim=-1)  # [B]: keys no query of the row sees
+    if int(pads.max()) > 0 and "padding" not in _warned:
+        _warned.add("padding")
+        warnings.warn(
+            f"FP4Cache: a padded batch: a sequence has {int(pads.max())} pad tokens among the "
+            f"first {KMEAN_TOKENS} the cache stored, which set its keys' mean and channel scales "
+            f"(the cache sees no mask), so its attention is less accurate; batch prompts of "
+            f"similar lengths, or generate them one by one", stacklevel=4)
+
+
 def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
     """Attention of this step's queries to everything in the layer's FP4 cache (to the last
     `sliding_window` keys of each query in a sliding-window layer)."""
     layer = key.fp4_layer
+    _warn_if_padded(layer, attention_mask)
     cache, window = layer.cache, layer.sliding_window
     nq = query.shape[2]
     if nq <= MAX_DECODE_TOKENS and (attention_mask is None or
@@ -245,6 +266,7 @@ def _cache_classes():
             # prefill) attends to (the kept tokens before it, dequantized, + its own states) and
             # their first position: the append may drop tokens its first queries still see
             self.chunk_states = None
+            self.padding_checked = False  # _warn_if_padded looked at this layer's mask
 
         def _new_cache(self, B, H, D):
             return FP4KVCache(B, H, D, dtype=self.dtype, device=self.device,
@@ -307,6 +329,7 @@ def _cache_classes():
                 self.cache = self._new_cache(self.cache.batch, self.cache.kv_heads,
                                              self.cache.head_dim)
                 self.chunk_states = None
+                self.padding_checked = False
 
         def reorder_cache(self, beam_idx) -> None:
             raise NotImplementedError("FP4Cache: beam search (reorder_cache) is not supported")
