@@ -224,6 +224,12 @@ def train(kind, data, val, args, device, seed):
     return rows, tokens / max(t_train, 1e-9), probed
 
 
+def _corpus_name(path: str | None) -> str | None:
+    """A --corpus file by its name (runs on two machines read copies); None: the janeaustenr
+    package."""
+    return os.path.basename(path) if path else None
+
+
 def reused_rows(args: argparse.Namespace, seeds: list[int], arms: list[str]) -> tuple[list[dict], dict]:
     """The rows of `arms` for `seeds` from --reuse, typed, each run complete to --steps; and the
     file's header."""
@@ -243,10 +249,7 @@ def reused_rows(args: argparse.Namespace, seeds: list[int], arms: list[str]) -> 
             if getattr(earlier, name) != getattr(args, name):
                 raise SystemExit(f"--reuse {args.reuse}: its runs used --{name.replace('_', '-')} "
                                  f"{getattr(earlier, name)}, this one {getattr(args, name)}")
-        def corpus(c):  # a file by its name; None: the janeaustenr package
-            return os.path.basename(c) if c else None
-
-        if corpus(earlier.corpus) != corpus(args.corpus):
+        if _corpus_name(earlier.corpus) != _corpus_name(args.corpus):
             raise SystemExit(f"--reuse {args.reuse}: its runs trained on "
                              f"{earlier.corpus or 'the janeaustenr package'}, this one on "
                              f"{args.corpus or 'the janeaustenr package'}")
