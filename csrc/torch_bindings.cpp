@@ -637,7 +637,7 @@ void kv_append(const at::Tensor &k_in, const at::Tensor &v_in, const at::Tensor 
                const at::Tensor &k_scales, const at::Tensor &k_exp, const at::Tensor &v_codes,
                const at::Tensor &v_scales, const at::Tensor &v_dec, const at::Tensor &kmean,
                const at::Tensor &kscale, const at::Tensor &block_table, int64_t start,
-               bool set_mean) {
+               bool set_mean, const std::optional<at::Tensor> &mean_from, int64_t mean_rows) {
   fp4attn_kv_append_params p{};
   p.cache =
       kv_cache_view(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale, block_table);
@@ -661,6 +661,18 @@ void kv_append(const at::Tensor &k_in, const at::Tensor &v_in, const at::Tensor 
   fill_strides3(k, p.k_stride);
   fill_strides3(v, p.v_stride);
   p.set_mean = set_mean ? 1 : 0;
+  if (mean_from.has_value()) {
+    const at::Tensor &f = *mean_from;
+    CHECK_ARG(f.dim() == 1 && f.size(0) == p.cache.batch && f.scalar_type() == at::kInt &&
+                  f.is_contiguous() && f.device() == k.device(),
+              "mean_from must be a contiguous int32 [batch=%lld] tensor on %s, got %s %s on %s",
+              static_cast<long long>(p.cache.batch), k.device().str().c_str(),
+              dtype_str(f.scalar_type()), shape_str(f.sizes()).c_str(),
+              f.device().str().c_str());
+    p.mean_from = f.data_ptr<int32_t>();
+  }
+  CHECK_ARG(mean_rows >= 0, "mean_rows must be >= 0, got %lld", static_cast<long long>(mean_rows));
+  p.mean_rows = mean_rows;
   if (p.len == 0) return;
 #ifdef FP4ATTN_WITH_CUDA
   if (on_cuda(k)) {
@@ -801,7 +813,8 @@ TORCH_LIBRARY(fp4attn, m) {
   m.def(
       "kv_append(Tensor k, Tensor v, Tensor(a!) k_codes, Tensor(b!) k_scales, Tensor(c!) k_exp, "
       "Tensor(d!) v_codes, Tensor(e!) v_scales, Tensor(f!) v_dec, Tensor(g!) kmean, "
-      "Tensor(h!) kscale, Tensor block_table, int start, bool set_mean) -> ()");
+      "Tensor(h!) kscale, Tensor block_table, int start, bool set_mean, Tensor? mean_from=None, "
+      "int mean_rows=0) -> ()");
   m.def(
       "decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor k_exp, Tensor v_codes, "
       "Tensor v_scales, Tensor v_dec, Tensor kmean, Tensor kscale, Tensor block_table, "

@@ -76,7 +76,7 @@ def _attention_fake(q, k, v, attn_mask, is_causal, scale, return_lse, cuda_kerne
 
 @torch.library.register_fake("fp4attn::kv_append")
 def _kv_append_fake(k, v, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale,
-                    block_table, start, set_mean):
+                    block_table, start, set_mean, mean_from=None, mean_rows=0):
     return None
 
 

@@ -95,7 +95,8 @@ class FP4KVCache:
         self._kmean_tokens = KMEAN_TOKENS if window is None else min(KMEAN_TOKENS, self._keep)
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", comparable
         self._len = 0
-        self._early = None  # (k, v) of the stored tokens while fewer than KMEAN_TOKENS: exact copies
+        self._early = None  # (k, v) of the stored tokens until K's statistics are fixed: exact copies
+        self._padding = [0] * batch  # leading pad tokens per sequence, left out of K's statistics
         self.kmean = torch.zeros(batch, kv_heads, head_dim, dtype=torch.float32, device=self.device)
         self.kscale = torch.ones(batch, kv_heads, head_dim, dtype=torch.float32, device=self.device)
         self.residual_length = residual_length
@@ -179,14 +180,33 @@ class FP4KVCache:
 
     # ------------------------------------------------------------------ appending and reading
 
-    def append(self, k: Tensor, v: Tensor) -> None:
+    @property
+    def padding(self) -> tuple[int, ...]:
+        """Per sequence, how many of its first tokens are padding (left out of K's statistics)."""
+        return tuple(self._padding)
+
+    @property
+    def statistics_fixed(self) -> bool:
+        """Whether K's mean and channel scales are final (every sequence has its first
+        ``KMEAN_TOKENS`` tokens after its padding stored); until then appends may change the
+        padding."""
+        return self._len > 0 and self._early is None
+
+    def append(self, k: Tensor, v: Tensor, padding=None) -> None:
         """Appends ``n >= 1`` tokens to every sequence: ``k, v [batch, kv_heads, n, head_dim]`` in
         the cache's dtype and device. K's mean and channel scales are those of the first
         ``KMEAN_TOKENS`` tokens stored (a windowed cache: at most ``window + 15``, and it stores
         only the last ``window + 15`` of an append); until that many are stored, each append
         stores them all again with the mean and scales of those so far, so the cache does not
         depend on how its first tokens were split into appends. On bad input nothing is
-        changed."""
+        changed.
+
+        ``padding`` (a left-padded batch): per sequence, how many of its first tokens are padding
+        (``batch`` ints >= 0; None: as before, initially none). They are stored but left out of
+        K's statistics, which are then those of each sequence's first ``KMEAN_TOKENS`` tokens
+        after its padding; the cache keeps storing its first tokens again until every sequence
+        has that many. It can change only while ``statistics_fixed`` is False; not for a windowed
+        cache."""
         shape = (self.batch, self.kv_heads, None, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, Tensor) or t.dim() != 4 or any(
@@ -200,6 +220,7 @@ class FP4KVCache:
         n = k.shape[2]
         if n < 1:
             raise ValueError("append needs at least one token")
+        padding = self._padding if padding is None else self._checked_padding(padding)
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             warnings.warn("FP4KVCache.append: k or v requires grad, but the cache stores them "
                           "without a graph: no gradient flows back through it (call it under "
@@ -221,9 +242,15 @@ class FP4KVCache:
             start = self._len - self._early[0].shape[2]
             k, v = torch.cat((self._early[0], k), dim=2), torch.cat((self._early[1], v), dim=2)
         if self._len == 0 or self._early is not None:  # kmean, kscale of the first tokens stored
-            m = min(self._kmean_tokens, k.shape[2])
-            torch.ops.fp4attn.kv_append(k[:, :, :m], v[:, :, :m], *self.storage(), start, True)
-            self._early = (k.clone(), v.clone()) if m < self._kmean_tokens else None
+            # each sequence's statistics: its first _kmean_tokens after its padding (SPEC 6)
+            skip_rows = [max(0, p - start) for p in padding]
+            want = self._kmean_tokens + max(skip_rows)
+            m = min(want, k.shape[2])
+            mean_from = None if not any(skip_rows) else \
+                torch.tensor(skip_rows, dtype=torch.int32).to(self.device, non_blocking=True)
+            torch.ops.fp4attn.kv_append(k[:, :, :m], v[:, :, :m], *self.storage(), start, True,
+                                        mean_from, self._kmean_tokens)
+            self._early = (k.clone(), v.clone()) if m < want else None
             k, v, start = k[:, :, m:], v[:, :, m:], start + m
         if k.shape[2]:
             torch.ops.fp4attn.kv_append(k, v, *self.storage(), start, False)
@@ -231,8 +258,24 @@ class FP4KVCache:
             slots = torch.arange(need - ring, need, device=self.device) % self.res_k.shape[2]
             self.res_k.index_copy_(2, slots, ring_kv[0])
             self.res_v.index_copy_(2, slots, ring_kv[1])
-        self._len = need
+        self._len, self._padding = need, padding
         self.seq_lens.fill_(need)
+
+    def _checked_padding(self, padding) -> list[int]:
+        if self.window is not None:
+            raise ValueError("padding: a windowed cache does not take padding (its statistics are "
+                             "those of the tokens it keeps)")
+        values = padding.tolist() if isinstance(padding, Tensor) else padding
+        if not isinstance(values, (list, tuple)) or len(values) != self.batch or any(
+                not isinstance(p, int) or isinstance(p, bool) or p < 0 for p in values):
+            raise ValueError(f"padding must be {self.batch} ints >= 0 (one per sequence), got "
+                             f"{padding!r}")
+        values = list(values)
+        if self.statistics_fixed and values != self._padding:
+            raise ValueError(f"padding {values} after K's statistics were fixed with padding "
+                             f"{self._padding}: it can change only until every sequence has its "
+                             f"first {self._kmean_tokens} tokens after its padding stored")
+        return values
 
     def dequantize(self, dtype: torch.dtype | None = None, residual: bool = True,
                    position: int | None = None) -> tuple[Tensor, Tensor]:

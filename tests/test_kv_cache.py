@@ -281,6 +281,103 @@ def test_cache_does_not_depend_on_how_the_first_tokens_were_appended(window):
         assert torch.equal(caches[0].kmean, token_order_mean(k[:, :, :128]))
 
 
+
+def padded_cache(k, v, padding, chunks, device="cpu", paddings=None):
+    """A cache of k, v appended in `chunks`, told `padding` with the first (or `paddings[i]`
+    with append i)."""
+    B, H, _, D = k.shape
+    c = fp4attn.FP4KVCache(B, H, D, dtype=k.dtype, device=device, page_size=32)
+    i = 0
+    for j, n in enumerate(chunks):
+        pad = paddings[j] if paddings is not None else (padding if j == 0 else None)
+        c.append(k[:, :, i:i + n].to(device), v[:, :, i:i + n].to(device), padding=pad)
+        i += n
+    return c
+
+
+def test_padding_is_left_out_of_the_key_statistics():
+    """A left-padded batch (padding 0, 5 and 140 tokens; the pad keys large): each sequence's
+    K mean and channel scales are those of its first 128 tokens after its padding, and its
+    tokens are stored as the same sequence alone, unpadded, stores them; however the first
+    tokens were split into appends (the padding told with the first, or learnt chunk by chunk
+    while the statistics are open)."""
+    B, H, D, N = 3, 2, 64, 300
+    padding = [0, 5, 140]
+    k, v = kv(B, H, N, D, torch.float16, 21)
+    for b, p in enumerate(padding):
+        k[b, :, :p] = 300.0  # pad keys: far from the real ones
+    caches = [padded_cache(k, v, padding, chunks) for chunks in
+              ([N], [1] * 20 + [N - 20], [16] * 10 + [N - 160], [200, 100])]
+    # learnt chunk by chunk: each chunk's mask shows the padding seen so far
+    chunks = [16] * 12 + [N - 192]
+    seen = [[min(p, 16 * (j + 1)) for p in padding] for j in range(len(chunks))]
+    caches.append(padded_cache(k, v, None, chunks, paddings=seen))
+    want = caches[0].dequantize(), stored_rows(caches[0], N)
+    for c in caches:
+        assert c.padding == tuple(padding) and c.statistics_fixed
+        got = c.dequantize(), stored_rows(c, N)
+        assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
+        assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    c = caches[0]
+    for b, p in enumerate(padding):
+        real = k[b:b + 1, :, p:]
+        assert torch.equal(c.kmean[b:b + 1], token_order_mean(real[:, :, :128]))
+        x = real[:, :, :128].float() - c.kmean[b:b + 1, :, None]
+        assert torch.equal(c.kscale[b:b + 1], reference.k5_channel_scales(x))
+        alone = padded_cache(real, v[b:b + 1, :, p:], None, [N - p])
+        assert torch.equal(alone.kmean, c.kmean[b:b + 1])
+        rows, alone_rows = stored_rows(c, N), stored_rows(alone, N - p)
+        assert all(torch.equal(r[b:b + 1, :, p:], a) for r, a in zip(rows, alone_rows))
+
+
+def test_padding_keeps_the_statistics_open_until_each_sequence_has_its_tokens():
+    """Statistics stay open while a sequence has fewer than 128 tokens after its padding (here
+    one with 100 pads among 150 tokens), and a sequence with no token yet gets kmean 0, kscale 1."""
+    B, H, D = 2, 1, 32
+    k, v = kv(B, H, 240, D, torch.float32, 22)
+    c = fp4attn.FP4KVCache(B, H, D, dtype=torch.float32)
+    c.append(k[:, :, :50], v[:, :, :50], padding=[0, 60])
+    assert not c.statistics_fixed
+    assert torch.equal(c.kmean[1], torch.zeros(H, D)) and torch.equal(c.kscale[1], torch.ones(H, D))
+    c.append(k[:, :, 50:150], v[:, :, 50:150], padding=[0, 100])
+    assert not c.statistics_fixed  # sequence 1 has 50 of its 128
+    assert torch.equal(c.kmean[1:], token_order_mean(k[1:, :, 100:150]))
+    c.append(k[:, :, 150:], v[:, :, 150:])
+    assert c.statistics_fixed and torch.equal(c.kmean[1:], token_order_mean(k[1:, :, 100:228]))
+    assert torch.equal(c.kmean[:1], token_order_mean(k[:1, :, :128]))
+
+
+def test_bad_padding_is_refused_and_leaves_the_cache_unchanged():
+    k, v = kv(2, 2, 130, 32, torch.float16, 23)
+    c = fp4attn.FP4KVCache(2, 2, 32, dtype=torch.float16)
+    for bad in ([1], [1, -1], [1, 2.0], [True, 0], "ab", torch.tensor([0.5, 1.0])):
+        with pytest.raises(ValueError, match="padding must be 2 ints >= 0"):
+            c.append(k, v, padding=bad)
+    assert len(c) == 0
+    c.append(k, v, padding=torch.tensor([0, 2]))
+    assert c.statistics_fixed and c.padding == (0, 2)
+    state = [t.clone() for t in c.storage()]
+    with pytest.raises(ValueError, match="after K's statistics were fixed"):
+        c.append(k[:, :, :1], v[:, :, :1], padding=[0, 3])
+    c.append(k[:, :, :1], v[:, :, :1], padding=[0, 2])  # the same: accepted
+    assert len(c) == 131 and all(torch.equal(a, b) for a, b in zip(state[6:], c.storage()[6:]))
+    with pytest.raises(ValueError, match="windowed cache does not take padding"):
+        fp4attn.FP4KVCache(2, 2, 32, dtype=torch.float16, window=8).append(k, v, padding=[0, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_padded_statistics_are_the_cpu_bytes():
+    B, H, D, N = 3, 2, 128, 260
+    padding = [0, 7, 131]
+    k, v = kv(B, H, N, D, torch.bfloat16, 24)
+    for chunks in ([N], [16] * 9 + [N - 144]):
+        want = padded_cache(k, v, padding, chunks)
+        got = padded_cache(k, v, padding, chunks, device="cuda")
+        assert torch.equal(got.kmean.cpu(), want.kmean) and torch.equal(got.kscale.cpu(), want.kscale)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(stored_rows(got, N), stored_rows(want, N)))
+
+
 CASES = [  # B, Hq, Hkv, D, appends, nq, page_size
     (2, 8, 2, 128, [300, 1, 1], 1, None),
     (1, 8, 2, 128, [200, 4], 4, 16),
@@ -825,7 +922,7 @@ def test_append_of_tensors_that_require_grad_warns_and_keeps_no_graph():
 def test_ops_refuse_bad_cache_arguments_before_writing():
     """Direct op calls: a cache without KV heads and a negative residual_len are errors (the
     first divided by zero, the second was taken as 0); an append whose block table points
-    outside the pool raises before writing anything."""
+    outside the pool, or whose statistics' rows are badly given, raises before writing anything."""
     c = fp4attn.FP4KVCache(2, 1, 32, dtype=torch.float32, page_size=4, max_tokens=8,
                            residual_length=0)
     k, v = kv(2, 1, 5, 32, torch.float32, 8)
@@ -843,6 +940,12 @@ def test_ops_refuse_bad_cache_arguments_before_writing():
     for set_mean in (False, True):
         with pytest.raises(RuntimeError, match=r"block_table\[1, 0\] = 999 is outside the page pool"):
             torch.ops.fp4attn.kv_append(k, v, *st[:8], table, 0, set_mean)
+        assert all(torch.equal(a, b) for a, b in zip(st, before))
+    for mean_from, rows, msg in ((torch.zeros(2), 4, "mean_from must be a contiguous int32 \\[batch=2\\]"),
+                                 (torch.zeros(3, dtype=torch.int32), 4, "mean_from must be"),
+                                 (None, -1, "mean_rows must be >= 0")):
+        with pytest.raises(RuntimeError, match=msg):
+            torch.ops.fp4attn.kv_append(k, v, *st, 0, True, mean_from, rows)
         assert all(torch.equal(a, b) for a, b in zip(st, before))
 
 

@@ -93,6 +93,13 @@ static int64_t row_index(const fp4attn_kv_cache *c, int64_t b, int64_t h, int64_
   return (page * c->heads_kv + h) * c->page_size + pos % c->page_size;
 }
 
+/* Rows [lo, hi) of sequence b's K statistics among an append's rows (fp4attn_kv_append_params). */
+static void kv_mean_rows(const fp4attn_kv_append_params *p, int64_t b, int64_t *lo, int64_t *hi) {
+  const int64_t from = p->mean_from ? p->mean_from[b] : 0;
+  *lo = from < 0 ? 0 : (from > p->len ? p->len : from);
+  *hi = p->mean_rows > 0 && p->mean_rows < p->len - *lo ? *lo + p->mean_rows : p->len;
+}
+
 fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
   fp4attn_status st = fp4attn_check_kv_append_params(p);
   if (st.code != FP4ATTN_OK) return st;
@@ -115,13 +122,15 @@ fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
 #pragma omp parallel for num_threads(nt)
     for (int64_t bh = 0; bh < c->batch * H; ++bh) {
       float *kmean = c->kmean + bh * D, *kscale = c->kscale + bh * D, g = 0.0f;
+      int64_t lo, hi; /* the rows of this sequence's statistics */
+      kv_mean_rows(p, bh / H, &lo, &hi);
       for (int64_t d = 0; d < D; ++d) {
         float s = 0.0f, a = 0.0f;
         const int64_t base = (bh / H) * p->k_stride[0] + (bh % H) * p->k_stride[1] + d;
-        for (int64_t n = 0; n < p->len; ++n)
+        for (int64_t n = lo; n < hi; ++n)
           s += fp4attn_load(p->k, p->dtype, base + n * p->k_stride[2]);
-        kmean[d] = s / (float)p->len;
-        for (int64_t n = 0; n < p->len; ++n)
+        kmean[d] = hi > lo ? s / (float)(hi - lo) : 0.0f;
+        for (int64_t n = lo; n < hi; ++n)
           a = fp4attn_nanmax(
               a, fabsf(fp4attn_load(p->k, p->dtype, base + n * p->k_stride[2]) - kmean[d]));
         kscale[d] = sqrtf(a);

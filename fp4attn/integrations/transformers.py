@@ -12,7 +12,10 @@ a registered mask function transformers builds no causal mask for the new implem
 With an FP4Cache, the prefill (the first update of a layer) runs the selected attention on the
 full-precision states; every later step appends its tokens to the FP4 cache and decodes through
 the fused kernel (`fp4attn.decode`): the layer's `update` returns the keys wrapped in
-`FP4CacheKeys`, which the registered attention functions recognise.
+`FP4CacheKeys`, which the registered attention functions recognise. Until the keys' statistics
+are fixed (SPEC 6: each sequence's first 128 tokens), those functions append the step's states
+themselves, after `update`, since only they see the mask: a left-padded batch's pad tokens then
+stay out of the statistics, and each sequence's cache is what it would be alone.
 
 Any other attention implementation ("sdpa", "eager", ...) gets the whole cache dequantized from
 `update` instead (correct, with a warning: every step then dequantizes the cache). That takes
@@ -27,7 +30,7 @@ import warnings
 
 import torch
 
-from ..kv_cache import KMEAN_TOKENS, MAX_DECODE_QUERIES, FP4KVCache, decode
+from ..kv_cache import MAX_DECODE_QUERIES, FP4KVCache, decode
 from ..policy import Policy, attention
 from ..sdpa import ORIGINAL_SDPA
 
@@ -46,10 +49,11 @@ _METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tenso
 
 
 class FP4CacheKeys(torch.Tensor):
-    """The keys an FP4Cache layer returns after a decode-step update: the new tokens' keys only,
-    marked with the layer whose FP4 cache now holds every key (``.fp4_layer``). Only fp4attn's
-    attention functions can attend with them: any other computation on them (another attention
-    implementation) raises, since it would see only this step's keys."""
+    """The keys an FP4Cache layer returns from an update for fp4attn's attention: the new tokens'
+    keys, marked with the layer whose FP4 cache holds (or, once the attention appends them, will
+    hold) every key (``.fp4_layer``). Only fp4attn's attention functions can attend with them:
+    any other computation on them (another attention implementation) raises, since it would see
+    only this step's keys, or keys not yet stored."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -57,7 +61,8 @@ class FP4CacheKeys(torch.Tensor):
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
         raise RuntimeError(
             "FP4Cache: the model's attention implementation is not fp4attn's, and the cache was "
-            "made without the model's config, so it handed back this step's keys only. Load the "
+            "made without the model's config, so it handed back keys that only fp4attn's "
+            "attention reads (this step's, stored in the FP4 cache by that attention). Load the "
             f'model with attn_implementation="{NAME}" (or "{NAME_INT8}") after '
             "fp4attn.integrations.transformers.register() for the fused FP4 decode, or create the "
             "cache as FP4Cache(config=model.config): then other implementations get the whole "
@@ -99,31 +104,27 @@ def _is_plain_window(attention_mask: torch.Tensor, nq: int, L: int, window: int 
     return plain
 
 
-def _warn_if_padded(layer, attention_mask) -> None:
-    """Once per cache layer: a padding mask that hides keys among the first KMEAN_TOKENS stored
-    (left padding) means that sequence's key mean and channel scales include pad keys (the
-    cache sees no mask; SPEC 6), which lowers its accuracy: say so rather than lose it silently."""
-    if layer.padding_checked or layer.sliding_window is not None or attention_mask is None or \
-            attention_mask.dim() != 4:
-        return
-    layer.padding_checked = True
-    head = attention_mask[..., : min(KMEAN_TOKENS, attention_mask.shape[-1])]
-    hidden = ~head if head.dtype == torch.bool else head <= torch.finfo(head.dtype).min / 2
-    pads = hidden.all(dim=2).all(dim=1).sum(dim=-1)  # [B]: keys no query of the row sees
-    if int(pads.max()) > 0 and "padding" not in _warned:
-        _warned.add("padding")
-        warnings.warn(
-            f"FP4Cache: a padded batch: a sequence has {int(pads.max())} pad tokens among the "
-            f"first {KMEAN_TOKENS} the cache stored, which set its keys' mean and channel scales "
-            f"(the cache sees no mask), so its attention is less accurate; batch prompts of "
-            f"similar lengths, or generate them one by one", stacklevel=4)
+def _leading_padding(attention_mask, batch: int) -> list[int] | None:
+    """Per sequence, how many of its first keys no query of the step sees (its left padding, in
+    a layer without a sliding window) from a 4D mask (bool, True = attend, or additive); None
+    without one. Kept on the mask: transformers passes one mask to every layer of a forward."""
+    if attention_mask is None or attention_mask.dim() != 4:
+        return None
+    known = getattr(attention_mask, "_fp4attn_padding", None)
+    if known is None:
+        m = attention_mask
+        hidden = ~m if m.dtype == torch.bool else m <= torch.finfo(m.dtype).min / 2
+        hidden = hidden.all(dim=2).all(dim=1)  # [B or 1, L]: keys no query of the row sees
+        known = hidden.to(torch.int32).cumprod(dim=-1).sum(dim=-1).tolist()
+        attention_mask._fp4attn_padding = known
+    return known * batch if len(known) == 1 else list(known)
 
 
 def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
     """Attention of this step's queries to everything in the layer's FP4 cache (to the last
     `sliding_window` keys of each query in a sliding-window layer)."""
     layer = key.fp4_layer
-    _warn_if_padded(layer, attention_mask)
+    layer.flush(attention_mask)  # this step's states, if the layer still holds them
     cache, window = layer.cache, layer.sliding_window
     nq = query.shape[2]
     if nq <= MAX_DECODE_TOKENS and (attention_mask is None or
@@ -166,7 +167,11 @@ def fp4attn_attention_forward(module, query, key, value, attention_mask, dropout
                 f"fp4attn: {what} ({name}=) is not supported by its attention kernels; load this "
                 f'model with attn_implementation="eager"')
     if isinstance(key, FP4CacheKeys):
-        return _cached_attention(query, key, attention_mask, scaling).transpose(1, 2).contiguous(), None
+        layer = key.fp4_layer
+        if not layer.holds_prefill():
+            return _cached_attention(query, key, attention_mask, scaling).transpose(1, 2).contiguous(), None
+        key, value = layer.pending  # the prefill: attention on the full-precision states
+        layer.flush(attention_mask)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # Same rule as transformers' sdpa integration: a causal flag only without an explicit mask and
     # outside single-token decoding (a single query attends to the whole cache).
@@ -266,7 +271,9 @@ def _cache_classes():
             # prefill) attends to (the kept tokens before it, dequantized, + its own states) and
             # their first position: the append may drop tokens its first queries still see
             self.chunk_states = None
-            self.padding_checked = False  # _warn_if_padded looked at this layer's mask
+            # this step's (keys, values) while K's statistics are open: fp4attn's attention appends
+            # them once it has the step's mask (flush), so that left padding stays out of them
+            self.pending = None
 
         def _new_cache(self, B, H, D):
             return FP4KVCache(B, H, D, dtype=self.dtype, device=self.device,
@@ -281,21 +288,36 @@ def _cache_classes():
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
+            self.flush()  # a step whose attention did not append its states
             first = len(self.cache) == 0
             self.chunk_states = None
             impl = self.attn_implementation()
-            other = not first and impl is not None and impl not in FP4_IMPLEMENTATIONS
+            ours = impl is None or impl in FP4_IMPLEMENTATIONS  # None: unknown, assumed fp4attn's
             if not first and self.sliding_window is not None and \
                     key_states.shape[2] > MAX_DECODE_TOKENS:
                 k, v = self.cache.dequantize()
                 self.chunk_states = (torch.cat([k, key_states], 2), torch.cat([v, value_states], 2),
                                      self.cache.start)
+            if ours and self.sliding_window is None and not self.cache.statistics_fixed:
+                self.pending = (key_states, value_states)  # appended by fp4attn's attention
+                return FP4CacheKeys.wrap(key_states, self), value_states
             self.cache.append(key_states, value_states)  # any strides with a unit head-dim stride
             if first:  # prefill: the selected attention on the full-precision states
                 return key_states, value_states
-            if other:
+            if not ours:
                 return self._dequantized(impl, key_states.shape[2])
             return FP4CacheKeys.wrap(key_states, self), value_states
+
+        def holds_prefill(self) -> bool:
+            """Whether the pending states are the prefill's (the cache holds nothing yet)."""
+            return self.pending is not None and len(self.cache) == 0
+
+        def flush(self, attention_mask=None) -> None:
+            """Appends this step's pending states (if any), with the padding the step's mask shows
+            (SPEC 6: it stays out of K's statistics)."""
+            if self.pending is not None:
+                (k, v), self.pending = self.pending, None
+                self.cache.append(k, v, padding=_leading_padding(attention_mask, k.shape[0]))
 
         def _dequantized(self, impl, new_tokens: int):
             """For an attention implementation that is not fp4attn's: every key and value the
@@ -316,7 +338,9 @@ def _cache_classes():
             return k, v
 
         def get_seq_length(self) -> int:
-            return len(self.cache) if self.is_initialized else 0
+            if not self.is_initialized:
+                return 0
+            return len(self.cache) + (self.pending[0].shape[2] if self.pending is not None else 0)
 
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
             return self.get_seq_length() + query_length, 0
@@ -329,7 +353,7 @@ def _cache_classes():
                 self.cache = self._new_cache(self.cache.batch, self.cache.kv_heads,
                                              self.cache.head_dim)
                 self.chunk_states = None
-                self.padding_checked = False
+                self.pending = None
 
         def reorder_cache(self, beam_idx) -> None:
             raise NotImplementedError("FP4Cache: beam search (reorder_cache) is not supported")

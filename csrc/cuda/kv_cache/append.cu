@@ -3,7 +3,8 @@
  * (minus kmean, divided by kscale) as a rotated 5-bit row (lane i owning values 8i .. 8i + 7) and
  * its V row as its own NVFP4 slice (lane i owning the 16-value block i), and writes them into the
  * row's page slot. On a first append a small kernel fixes kmean and kscale first (sums in token
- * order, correctly rounded division and square root: bit-exact with the CPU backend).
+ * order from each sequence's first unpadded row, correctly rounded division and square root:
+ * bit-exact with the CPU backend).
  */
 #include "../common/device.cuh"
 #include "kv_cache.h"
@@ -20,15 +21,19 @@ __global__ void __launch_bounds__(kThreads) kv_mean_kernel(const fp4attn_kv_appe
   const fp4attn_kv_cache &c = p.cache;
   const int64_t bh = blockIdx.x, b = bh / c.heads_kv, h = bh % c.heads_kv;
   const int d = threadIdx.x;
+  /* the rows of this sequence's statistics, [lo, hi): as the CPU backend's kv_mean_rows */
+  const int64_t from = p.mean_from ? p.mean_from[b] : 0;
+  const int64_t lo = from < 0 ? 0 : (from > p.len ? p.len : from);
+  const int64_t hi = p.mean_rows > 0 && p.mean_rows < p.len - lo ? lo + p.mean_rows : p.len;
   float r = 0.0f; /* sqrt of the channel's largest |K - kmean| */
   if (d < c.head_dim) {
     float s = 0.0f, a = 0.0f;
     const int64_t base = b * p.k_stride[0] + h * p.k_stride[1] + d;
-    for (int64_t n = 0; n < p.len; ++n)
+    for (int64_t n = lo; n < hi; ++n)
       s = __fadd_rn(s, load_as_float(p.k, p.dtype, base + n * p.k_stride[2]));
-    const float m = __fdiv_rn(s, (float)p.len);
+    const float m = hi > lo ? __fdiv_rn(s, (float)(hi - lo)) : 0.0f;
     c.kmean[bh * c.head_dim + d] = m;
-    for (int64_t n = 0; n < p.len; ++n)
+    for (int64_t n = lo; n < hi; ++n)
       a = fp4attn_nanmax(
           a, fabsf(__fsub_rn(load_as_float(p.k, p.dtype, base + n * p.k_stride[2]), m)));
     r = __fsqrt_rn(a);

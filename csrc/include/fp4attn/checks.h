@@ -107,6 +107,9 @@ static inline fp4attn_status fp4attn_check_kv_append_params(const fp4attn_kv_app
         FP4ATTN_ERR_INVALID_ARGUMENT,
         "kv append: %lld tokens from %lld do not fit the block table (%lld tokens)",
         (long long)p->len, (long long)p->start, (long long)cap);
+  if (p->mean_rows < 0)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "kv append: mean_rows (%lld) must be >= 0",
+                         (long long)p->mean_rows);
   return fp4attn_ok();
 }
 

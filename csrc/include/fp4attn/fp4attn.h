@@ -184,7 +184,9 @@ typedef struct {
 
 /* Append `len` tokens to every sequence at positions start .. start + len - 1 (the pages must be
  * in the block table). k, v [batch, heads_kv, len, head_dim] with (batch, head, token) strides.
- * set_mean: kmean and kscale from these tokens' K rows first (the first tokens, SPEC 6). */
+ * set_mean: kmean and kscale from these tokens' K rows first (the first tokens, SPEC 6): of
+ * sequence b the rows mean_from[b] .. min(len, mean_from[b] + mean_rows) - 1 (mean_from NULL: from
+ * 0; mean_rows 0: to len), which skips a sequence's left padding; no row: kmean 0, kscale 1. */
 typedef struct {
   fp4attn_kv_cache cache;
   const void *k, *v;
@@ -192,6 +194,8 @@ typedef struct {
   int64_t len, start;
   int64_t k_stride[3], v_stride[3];
   int set_mean;
+  const int32_t *mean_from; /* [batch], >= 0, on the tensors' device; or NULL */
+  int64_t mean_rows;
   int num_threads; /* CPU only: 0 = OpenMP default */
 } fp4attn_kv_append_params;
 
