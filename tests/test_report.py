@@ -153,6 +153,42 @@ def test_capture_and_subset_on_tiny_sdpa_model():
     assert abs(by["fp4attn"]["rel_l1"] - by["ref"]["rel_l1"]) < 5e-3
 
 
+def test_fp4cache_mode_runs_sliding_window_layers_as_windowed_caches(monkeypatch):
+    """The perplexity's fp4cache mode on a model with a sliding-window layer (window 8) and a
+    full one: the sliding layer's mask is checked to be the plain window pattern, its cache is
+    windowed and its decodes take the window; the other layer's not. Perplexity within a few
+    percent of exact (the decode math is not quantized)."""
+    transformers = pytest.importorskip("transformers")
+    import fp4attn
+
+    config = transformers.Qwen2Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        use_sliding_window=True, sliding_window=8, max_window_layers=2,
+        layer_types=["sliding_attention", "full_attention"], attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    windows, original = [], fp4attn.decode
+
+    def recording(q, cache, **kw):
+        windows.append((cache.window, kw.get("window")))
+        return original(q, cache, **kw)
+
+    monkeypatch.setattr(fp4attn, "decode", recording)
+    ids = torch.randint(0, 256, (161,), generator=torch.Generator().manual_seed(1))
+    res = RP.perplexity(model, ids, window=160, modes=["exact", "fp4cache"], backend="fp4attn")
+    assert set(windows) == {(8, 8), (None, None)} and len(windows) == 2 * 2  # 2 steps of 16
+    assert abs(res["fp4cache"]["rel_change"]) < 0.05 and res["fp4cache"]["tokens"] == 159
+    run = RP._fp4cache_fn(model)  # a mask other than the layer's window pattern is refused
+    q, k = torch.randn(1, 4, 140, 32), torch.randn(1, 2, 140, 32)
+    mask = torch.ones(140, 140, dtype=torch.bool).tril()
+    kw = {"dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": True}
+    with pytest.raises(ValueError, match="layer 0's mask is not the plain causal window-8"):
+        run(0, q, k, k, attn_mask=mask, **kw)
+    with pytest.raises(ValueError, match="layer 1's mask is not the plain causal pattern"):
+        run(1, q, k, k, attn_mask=mask & ~torch.eye(140, dtype=torch.bool), **kw)
+
+
 # ---------------------------------------------------------------------------------------------
 # Real text and real models
 # ---------------------------------------------------------------------------------------------

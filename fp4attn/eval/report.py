@@ -249,31 +249,60 @@ def _int8_fn(backend: str, **granularity):
 CACHE_PREFILL = 128
 
 
-def _fp4cache_fn():
+def _layer_windows(model) -> list[int | None]:
+    """Per attention layer, its sliding window (None: full attention), from the config's
+    ``layer_types`` (models without it: all full)."""
+    text = model.config.get_text_config(decoder=True) if model is not None else None
+    types = getattr(text, "layer_types", None) if text is not None else None
+    if not types:
+        return []
+    return [text.sliding_window if t == "sliding_attention" else None for t in types]
+
+
+def _fp4cache_fn(model=None):
     """SDPA on one causal window as generation with an FP4 KV cache computes it (SPEC 6): the
     first CACHE_PREFILL positions by exact attention (the prefill), every later position by
     fp4attn.decode on the cache, in steps of MAX_DECODE_QUERIES positions (append them, decode
     them): each query sees the stored rows of every older key and its own residual keys exact,
-    as in token-by-token generation (a query's result does not depend on the step's size)."""
+    as in token-by-token generation (a query's result does not depend on the step's size). A
+    sliding-window layer of ``model`` (its config's ``layer_types``; the mask transformers passes
+    must be the plain window pattern) runs a windowed cache and windowed decodes, as FP4Cache
+    does."""
     import fp4attn
+    from fp4attn.integrations.transformers import _window_mask
     from fp4attn.kv_cache import MAX_DECODE_QUERIES
+
+    windows = _layer_windows(model)
 
     def run(i, q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         B, Hq, N, D = q.shape
-        if attn_mask is not None or not is_causal:
-            raise ValueError("fp4cache mode: expects causal windows without a mask")
+        window = windows[i] if i < len(windows) else None
+        if window is not None and window >= N:
+            window = None  # the window covers the whole sequence: plain causal
+        if attn_mask is not None:
+            seen = attn_mask if attn_mask.dtype == torch.bool else \
+                attn_mask > torch.finfo(attn_mask.dtype).min / 2
+            if not bool((seen[..., :N] == _window_mask(N, N, window, q.device)).all()):
+                raise ValueError(f"fp4cache mode: layer {i}'s mask is not the plain causal "
+                                 f"{'' if window is None else f'window-{window} '}pattern")
+        elif not is_causal or window is not None:
+            raise ValueError(f"fp4cache mode: layer {i} expects a causal call "
+                             f"{'' if window is None else f'with a window-{window} mask'}")
         P = min(CACHE_PREFILL, N)
-        out = TORCH_SDPA(q[:, :, :P], k[:, :, :P], v[:, :, :P], is_causal=True, scale=scale,
-                         enable_gqa=enable_gqa)
+        pre_mask = None if window is None else _window_mask(P, P, window, q.device)
+        out = TORCH_SDPA(q[:, :, :P], k[:, :, :P], v[:, :, :P], attn_mask=pre_mask,
+                         is_causal=pre_mask is None, scale=scale, enable_gqa=enable_gqa)
         if P == N:
             return out
-        cache = fp4attn.FP4KVCache(B, k.shape[1], D, dtype=k.dtype, device=k.device, max_tokens=N)
+        cache = fp4attn.FP4KVCache(B, k.shape[1], D, dtype=k.dtype, device=k.device,
+                                   max_tokens=N, window=window)
         cache.append(k[:, :, :P].contiguous(), v[:, :, :P].contiguous())
         outs = [out]
         for t in range(P, N, MAX_DECODE_QUERIES):
             u = min(t + MAX_DECODE_QUERIES, N)
             cache.append(k[:, :, t:u].contiguous(), v[:, :, t:u].contiguous())
-            outs.append(fp4attn.decode(q[:, :, t:u].contiguous(), cache, scale=scale))
+            outs.append(fp4attn.decode(q[:, :, t:u].contiguous(), cache, scale=scale,
+                                       window=window))
         return torch.cat(outs, dim=2)
 
     return run
@@ -481,7 +510,7 @@ def attention_mode(model, mode: str, backend: str):
         with swap_sdpa(run, model):
             yield
     elif mode == "fp4cache":
-        with swap_sdpa(_fp4cache_fn(), model):
+        with swap_sdpa(_fp4cache_fn(model), model):
             yield
     elif mode.startswith("policy:"):  # a per-layer fp4attn.Policy, by its code, the user's path
         import fp4attn
