@@ -667,8 +667,7 @@ void kv_append(const at::Tensor &k_in, const at::Tensor &v_in, const at::Tensor 
                   f.is_contiguous() && f.device() == k.device(),
               "mean_from must be a contiguous int32 [batch=%lld] tensor on %s, got %s %s on %s",
               static_cast<long long>(p.cache.batch), k.device().str().c_str(),
-              dtype_str(f.scalar_type()), shape_str(f.sizes()).c_str(),
-              f.device().str().c_str());
+              dtype_str(f.scalar_type()), shape_str(f.sizes()).c_str(), f.device().str().c_str());
     p.mean_from = f.data_ptr<int32_t>();
   }
   CHECK_ARG(mean_rows >= 0, "mean_rows must be >= 0, got %lld", static_cast<long long>(mean_rows));
