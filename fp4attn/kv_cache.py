@@ -41,6 +41,9 @@ DEFAULT_RESIDUAL = 16
 #: whatever the appends' lengths; until that many are stored, every append stores them all again,
 #: exactly, with the mean and scales of those stored so far.
 KMEAN_TOKENS = 128
+#: Most stored tokens kept as exact copies while K's statistics are open (a padded batch whose
+#: sequences lack tokens after their padding): past it they are fixed with the tokens they have.
+EARLY_TOKENS = 2 * KMEAN_TOKENS
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -188,8 +191,8 @@ class FP4KVCache:
     @property
     def statistics_fixed(self) -> bool:
         """Whether K's mean and channel scales are final (every sequence has its first
-        ``KMEAN_TOKENS`` tokens after its padding stored); until then appends may change the
-        padding."""
+        ``KMEAN_TOKENS`` tokens after its padding stored, or ``EARLY_TOKENS`` are); until then
+        appends may change the padding."""
         return self._len > 0 and self._early is None
 
     def append(self, k: Tensor, v: Tensor, padding=None) -> None:
@@ -205,8 +208,9 @@ class FP4KVCache:
         (``batch`` ints >= 0; None: as before, initially none). They are stored but left out of
         K's statistics, which are then those of each sequence's first ``KMEAN_TOKENS`` tokens
         after its padding; the cache keeps storing its first tokens again until every sequence
-        has that many. It can change only while ``statistics_fixed`` is False; not for a windowed
-        cache."""
+        has that many, or until ``EARLY_TOKENS`` (256) are stored (a sequence then short of them
+        keeps the statistics of those it has). It can change only while ``statistics_fixed`` is
+        False; not for a windowed cache."""
         shape = (self.batch, self.kv_heads, None, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, Tensor) or t.dim() != 4 or any(
@@ -243,14 +247,17 @@ class FP4KVCache:
             k, v = torch.cat((self._early[0], k), dim=2), torch.cat((self._early[1], v), dim=2)
         if self._len == 0 or self._early is not None:  # kmean, kscale of the first tokens stored
             # each sequence's statistics: its first _kmean_tokens after its padding (SPEC 6)
-            skip_rows = [max(0, p - start) for p in padding]
+            skip_rows = [min(max(0, p - start), k.shape[2]) for p in padding]
             want = self._kmean_tokens + max(skip_rows)
             m = min(want, k.shape[2])
             mean_from = None if not any(skip_rows) else \
                 torch.tensor(skip_rows, dtype=torch.int32).to(self.device, non_blocking=True)
             torch.ops.fp4attn.kv_append(k[:, :, :m], v[:, :, :m], *self.storage(), start, True,
                                         mean_from, self._kmean_tokens)
-            self._early = (k.clone(), v.clone()) if m < want else None
+            # open while a sequence lacks tokens, up to EARLY_TOKENS kept: a long padded prompt
+            # beside a short one would otherwise keep a full-precision copy of the whole prompt
+            open_ = m < want and k.shape[2] < EARLY_TOKENS
+            self._early = (k.clone(), v.clone()) if open_ else None
             k, v, start = k[:, :, m:], v[:, :, m:], start + m
         if k.shape[2]:
             torch.ops.fp4attn.kv_append(k, v, *self.storage(), start, False)

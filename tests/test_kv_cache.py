@@ -347,6 +347,24 @@ def test_padding_keeps_the_statistics_open_until_each_sequence_has_its_tokens():
     assert torch.equal(c.kmean[:1], token_order_mean(k[:1, :, :128]))
 
 
+def test_statistics_close_at_256_stored_tokens_whatever_the_padding():
+    """A long padded prompt beside a short one (300 of 400 tokens padding): the statistics are
+    fixed at once from the 100 tokens the short sequence has, and no exact copy is kept; a
+    padding past every stored token (a huge value) gives kmean 0, kscale 1 until then."""
+    B, H, D = 2, 1, 32
+    k, v = kv(B, H, 400, D, torch.float32, 25)
+    c = fp4attn.FP4KVCache(B, H, D, dtype=torch.float32)
+    c.append(k, v, padding=[0, 300])
+    assert c.statistics_fixed and c._early is None
+    assert torch.equal(c.kmean[1], token_order_mean(k[1:, :, 300:])[0])
+    c = fp4attn.FP4KVCache(B, H, D, dtype=torch.float32)
+    c.append(k[:, :, :200], v[:, :, :200], padding=[0, 2**40])
+    assert not c.statistics_fixed
+    assert torch.equal(c.kmean[1], torch.zeros(H, D)) and torch.equal(c.kscale[1], torch.ones(H, D))
+    c.append(k[:, :, 200:], v[:, :, 200:])
+    assert c.statistics_fixed and torch.equal(c.kmean[:1], token_order_mean(k[:1, :, :128]))
+
+
 def test_bad_padding_is_refused_and_leaves_the_cache_unchanged():
     k, v = kv(2, 2, 130, 32, torch.float16, 23)
     c = fp4attn.FP4KVCache(2, 2, 32, dtype=torch.float16)
