@@ -219,6 +219,42 @@ def test_fp4cache_leaves_a_padded_batchs_pad_tokens_out_of_the_key_statistics():
         assert torch.allclose(caches[0].kscale[1], alone[0].kscale[0], rtol=1e-6, atol=0)
 
 
+def test_a_registered_cache_reader_decodes_through_the_kernel(monkeypatch):
+    """An attention function of one's own that reads FP4Cache (fp4cache_step first, the name
+    given to register_cache_reader) gets the kernel decode on its steps and the full-precision
+    states at the prefill, with no dequantized-cache warning."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    windows = decode_windows(monkeypatch, integration)
+    prefill_lengths = []
+
+    def mine(module, query, key, value, attention_mask, scaling=None, **kw):
+        out, key, value = integration.fp4cache_step(query, key, value, attention_mask, scaling)
+        if out is not None:
+            return out, None
+        prefill_lengths.append(key.shape[2])
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        return o.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("test-cache-reader", mine)
+    AttentionMaskInterface.register("test-cache-reader", sdpa_mask)
+    monkeypatch.setattr(integration, "FP4_IMPLEMENTATIONS", set(integration.FP4_IMPLEMENTATIONS))
+    integration.register_cache_reader("test-cache-reader")
+    model = tiny_llama("test-cache-reader")
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")
+        out = model.generate(ids, max_new_tokens=4, do_sample=False,
+                             **{cache_keyword(model): integration.FP4Cache(config=model.config)})
+    assert out.shape == (1, 24) and prefill_lengths == [20, 20]
+    assert windows == [None] * 2 * 3  # both layers, every step after the prefill
+
+
 def tiny_sliding_qwen2():
     """A 2-layer Qwen2 whose first layer is a sliding-window layer (window 8)."""
     config = transformers.Qwen2Config(

@@ -324,8 +324,9 @@ def generation_agreement(model, tok, prompts: list[str], *, new_tokens: int,
     hf.register()
 
     def exact_prefill(module, query, key, value, attention_mask, scaling=None, **kw):
-        if isinstance(key, hf.FP4CacheKeys):
-            return hf._cached_attention(query, key, attention_mask, scaling).transpose(1, 2).contiguous(), None
+        out, key, value = hf.fp4cache_step(query, key, value, attention_mask, scaling)
+        if out is not None:  # a decode step: the decode kernel on the FP4 cache
+            return out, None
         if attention_mask is not None and attention_mask.dim() == 4:
             attention_mask = attention_mask[:, :, :, : key.shape[-2]]
         o = TORCH_SDPA(query, key, value, attn_mask=attention_mask, scale=scaling,
@@ -334,6 +335,7 @@ def generation_agreement(model, tok, prompts: list[str], *, new_tokens: int,
         return o.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register("fp4attn-report-exact-prefill", exact_prefill)
+    hf.register_cache_reader("fp4attn-report-exact-prefill")
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionMaskInterface.register("fp4attn-report-exact-prefill", sdpa_mask)

@@ -18,7 +18,9 @@ themselves, after `update`, since only they see the mask: a left-padded batch's 
 stay out of the statistics, and each sequence's cache is what it would be alone.
 
 Any other attention implementation ("sdpa", "eager", ...) gets the whole cache dequantized from
-`update` instead (correct, with a warning: every step then dequantizes the cache). That takes
+`update` instead (correct, with a warning: every step then dequantizes the cache); one of your
+own reads the cache as fp4attn's do if it calls `fp4cache_step` first and its name is given to
+`register_cache_reader`. The dequantized cache takes
 `FP4Cache(config=model.config)`, which tells the cache the model's implementation; without a
 config the cache cannot know it, and FP4CacheKeys refuses every torch operation outside
 fp4attn's attention functions with an error that says what to do: never a silent wrong answer.
@@ -40,8 +42,9 @@ MAX_DECODE_TOKENS = MAX_DECODE_QUERIES
 
 NAME = "fp4attn"
 NAME_INT8 = "fp4attn-int8"
-#: The attention implementations that read an FP4Cache through the decode kernel.
-FP4_IMPLEMENTATIONS = (NAME, NAME_INT8)
+#: The attention implementations that read an FP4Cache through the decode kernel: fp4attn's and
+#: those given to register_cache_reader.
+FP4_IMPLEMENTATIONS = {NAME, NAME_INT8}
 
 # Tensor metadata an attention implementation may read before it computes anything.
 _METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -156,6 +159,30 @@ _UNSUPPORTED_KWARGS = {
 }
 
 
+def fp4cache_step(query, key, value, attention_mask, scaling):
+    """What an attention function that reads FP4Cache (fp4attn's, or one given to
+    register_cache_reader) does first: ``(out, key, value)``. A decode step's FP4CacheKeys:
+    ``out`` [B, N, Hq, D], the attention to the layer's whole FP4 cache. The prefill's (an empty
+    layer): ``out`` None and the full-precision states to attend with, appended to the cache with
+    the padding ``attention_mask`` shows. Any other key: ``(None, key, value)`` as given."""
+    if not isinstance(key, FP4CacheKeys):
+        return None, key, value
+    layer = key.fp4_layer
+    if not layer.holds_prefill():
+        return _cached_attention(query, key, attention_mask, scaling).transpose(1, 2).contiguous(), \
+            None, None
+    key, value = layer.pending
+    layer.flush(attention_mask)
+    return None, key, value
+
+
+def register_cache_reader(name: str) -> None:
+    """Mark the attention implementation registered as ``name`` as one that reads FP4Cache itself
+    (it calls fp4cache_step first): FP4Cache layers then hand it FP4CacheKeys, not the whole cache
+    dequantized (what other implementations get)."""
+    FP4_IMPLEMENTATIONS.add(name)
+
+
 def fp4attn_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                               scaling=None, is_causal=None, precision=None, **kwargs):
     """transformers attention function: q [B, Hq, N, D], k/v [B, Hkv, S, D] -> ([B, N, Hq, D], None).
@@ -166,12 +193,9 @@ def fp4attn_attention_forward(module, query, key, value, attention_mask, dropout
             raise NotImplementedError(
                 f"fp4attn: {what} ({name}=) is not supported by its attention kernels; load this "
                 f'model with attn_implementation="eager"')
-    if isinstance(key, FP4CacheKeys):
-        layer = key.fp4_layer
-        if not layer.holds_prefill():
-            return _cached_attention(query, key, attention_mask, scaling).transpose(1, 2).contiguous(), None
-        key, value = layer.pending  # the prefill: attention on the full-precision states
-        layer.flush(attention_mask)
+    out, key, value = fp4cache_step(query, key, value, attention_mask, scaling)
+    if out is not None:
+        return out, None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # Same rule as transformers' sdpa integration: a causal flag only without an explicit mask and
     # outside single-token decoding (a single query attends to the whole cache).
