@@ -253,6 +253,8 @@ def test_a_registered_cache_reader_decodes_through_the_kernel(monkeypatch):
                              **{cache_keyword(model): integration.FP4Cache(config=model.config)})
     assert out.shape == (1, 24) and prefill_lengths == [20, 20]
     assert windows == [None] * 2 * 3  # both layers, every step after the prefill
+    with pytest.raises(ValueError, match="name must be"):
+        integration.register_cache_reader(None)
 
 
 def tiny_sliding_qwen2():

@@ -180,6 +180,8 @@ def register_cache_reader(name: str) -> None:
     """Mark the attention implementation registered as ``name`` as one that reads FP4Cache itself
     (it calls fp4cache_step first): FP4Cache layers then hand it FP4CacheKeys, not the whole cache
     dequantized (what other implementations get)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be an attention implementation's name (a str), got {name!r}")
     FP4_IMPLEMENTATIONS.add(name)
 
 
