@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "fp4attn/kv_rows.h"
 
 /* phi of one row as its own slice (SPEC 2 and 6): x[0..D) -> packed codes, E4M3 scales; the dec. */
 static float quantize_row(const float *x, int64_t D, uint8_t *codes, uint8_t *scales) {
@@ -93,13 +94,6 @@ static int64_t row_index(const fp4attn_kv_cache *c, int64_t b, int64_t h, int64_
   return (page * c->heads_kv + h) * c->page_size + pos % c->page_size;
 }
 
-/* Rows [lo, hi) of sequence b's K statistics among an append's rows (fp4attn_kv_append_params). */
-static void kv_mean_rows(const fp4attn_kv_append_params *p, int64_t b, int64_t *lo, int64_t *hi) {
-  const int64_t from = p->mean_from ? p->mean_from[b] : 0;
-  *lo = from < 0 ? 0 : (from > p->len ? p->len : from);
-  *hi = p->mean_rows > 0 && p->mean_rows < p->len - *lo ? *lo + p->mean_rows : p->len;
-}
-
 fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
   fp4attn_status st = fp4attn_check_kv_append_params(p);
   if (st.code != FP4ATTN_OK) return st;
@@ -123,7 +117,7 @@ fp4attn_status fp4attn_cpu_kv_append(const fp4attn_kv_append_params *p) {
     for (int64_t bh = 0; bh < c->batch * H; ++bh) {
       float *kmean = c->kmean + bh * D, *kscale = c->kscale + bh * D, g = 0.0f;
       int64_t lo, hi; /* the rows of this sequence's statistics */
-      kv_mean_rows(p, bh / H, &lo, &hi);
+      fp4attn_kv_mean_rows(p->mean_from ? p->mean_from[bh / H] : 0, p->len, p->mean_rows, &lo, &hi);
       for (int64_t d = 0; d < D; ++d) {
         float s = 0.0f, a = 0.0f;
         const int64_t base = (bh / H) * p->k_stride[0] + (bh % H) * p->k_stride[1] + d;

@@ -269,7 +269,7 @@ def _fp4cache_fn(model=None):
     must be the plain window pattern) runs a windowed cache and windowed decodes, as FP4Cache
     does."""
     import fp4attn
-    from fp4attn.integrations.transformers import _window_mask
+    from fp4attn.integrations.transformers import _window_mask, attended
     from fp4attn.kv_cache import MAX_DECODE_QUERIES
 
     windows = _layer_windows(model)
@@ -280,9 +280,8 @@ def _fp4cache_fn(model=None):
         if window is not None and window >= N:
             window = None  # the window covers the whole sequence: plain causal
         if attn_mask is not None:
-            seen = attn_mask if attn_mask.dtype == torch.bool else \
-                attn_mask > torch.finfo(attn_mask.dtype).min / 2
-            if not bool((seen[..., :N] == _window_mask(N, N, window, q.device)).all()):
+            plain = _window_mask(N, N, window, q.device)
+            if not bool((attended(attn_mask)[..., :N] == plain).all()):
                 raise ValueError(f"fp4cache mode: layer {i}'s mask is not the plain causal "
                                  f"{'' if window is None else f'window-{window} '}pattern")
         elif not is_causal or window is not None:

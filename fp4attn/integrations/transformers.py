@@ -107,6 +107,13 @@ def _is_plain_window(attention_mask: torch.Tensor, nq: int, L: int, window: int 
     return plain
 
 
+def attended(attention_mask: torch.Tensor) -> torch.Tensor:
+    """A transformers attention mask (bool, True = attend, or additive) as bool, True = attend."""
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    return attention_mask > torch.finfo(attention_mask.dtype).min / 2
+
+
 def _leading_padding(attention_mask, batch: int) -> list[int] | None:
     """Per sequence, how many of its first keys no query of the step sees (its left padding, in
     a layer without a sliding window) from a 4D mask (bool, True = attend, or additive); None
@@ -115,8 +122,7 @@ def _leading_padding(attention_mask, batch: int) -> list[int] | None:
         return None
     known = getattr(attention_mask, "_fp4attn_padding", None)
     if known is None:
-        m = attention_mask
-        hidden = ~m if m.dtype == torch.bool else m <= torch.finfo(m.dtype).min / 2
+        hidden = ~attended(attention_mask)
         hidden = hidden.all(dim=2).all(dim=1)  # [B or 1, L]: keys no query of the row sees
         known = hidden.to(torch.int32).cumprod(dim=-1).sum(dim=-1).tolist()
         attention_mask._fp4attn_padding = known

@@ -7,6 +7,7 @@
  * bit-exact with the CPU backend).
  */
 #include "../common/device.cuh"
+#include "fp4attn/kv_rows.h"
 #include "kv_cache.h"
 
 namespace fp4attn_cuda {
@@ -21,10 +22,8 @@ __global__ void __launch_bounds__(kThreads) kv_mean_kernel(const fp4attn_kv_appe
   const fp4attn_kv_cache &c = p.cache;
   const int64_t bh = blockIdx.x, b = bh / c.heads_kv, h = bh % c.heads_kv;
   const int d = threadIdx.x;
-  /* the rows of this sequence's statistics, [lo, hi): as the CPU backend's kv_mean_rows */
-  const int64_t from = p.mean_from ? p.mean_from[b] : 0;
-  const int64_t lo = from < 0 ? 0 : (from > p.len ? p.len : from);
-  const int64_t hi = p.mean_rows > 0 && p.mean_rows < p.len - lo ? lo + p.mean_rows : p.len;
+  int64_t lo, hi; /* the rows of this sequence's statistics */
+  fp4attn_kv_mean_rows(p.mean_from ? p.mean_from[b] : 0, p.len, p.mean_rows, &lo, &hi);
   float r = 0.0f; /* sqrt of the channel's largest |K - kmean| */
   if (d < c.head_dim) {
     float s = 0.0f, a = 0.0f;
