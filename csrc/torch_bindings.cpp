@@ -229,7 +229,7 @@ at::Tensor fp4mm(const at::Tensor &a_codes, const at::Tensor &a_scales, const at
   CHECK_ARG(ba == bb || ba == 1 || bb == 1,
             "a and b must have the same number of matrices (or one of them 1), got %lld and %lld",
             static_cast<long long>(ba), static_cast<long long>(bb));
-  auto lead = (ba >= bb ? a_codes : b_codes).sizes().vec();
+  auto lead = (ba == bb || bb == 1 ? a_codes : b_codes).sizes().vec(); /* the wider side's */
   lead.resize(lead.size() - 2);
   auto shape = lead;
   shape.insert(shape.end(), {m, n});
@@ -313,6 +313,13 @@ AttentionCall prepare_attention(const at::Tensor &q_in, const at::Tensor &k_in,
   CHECK_ARG(v_in.size(1) == Hkv && v_in.size(2) == Nk,
             "value must have the shape of key %s, got %s", shape_str(k_in.sizes()).c_str(),
             shape_str(v_in.sizes()).c_str());
+  /* checked here, not only by the backends, so that calls with nothing to compute (no keys, no
+   * rows) refuse the same shapes */
+  CHECK_ARG(Hq == 0 || (Hkv >= 1 && Hq % Hkv == 0),
+            "query heads (%lld) must be a multiple of key/value heads (%lld)",
+            static_cast<long long>(Hq), static_cast<long long>(Hkv));
+  CHECK_ARG(D <= FP4ATTN_MAX_HEAD_DIM, "head_dim must be in [1, %d], got %lld",
+            FP4ATTN_MAX_HEAD_DIM, static_cast<long long>(D));
   AttentionCall c;
   c.q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
   c.k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
@@ -583,6 +590,8 @@ fp4attn_kv_cache kv_cache_view(const at::Tensor &k_codes, const at::Tensor &k_sc
             static_cast<long long>(H), static_cast<long long>(fp4attn_k5_code_bytes(D)),
             shape_str(k_codes.sizes()).c_str());
   const int64_t P = k_codes.size(0), page = k_codes.size(2);
+  CHECK_ARG(P >= 1 && page >= 1, "k_codes must have pages >= 1 and page_size >= 1, got %s",
+            shape_str(k_codes.sizes()).c_str());
   const std::vector<int64_t> dshape{P, H, page};
   const struct {
     const at::Tensor *t;
@@ -604,6 +613,8 @@ fp4attn_kv_cache kv_cache_view(const at::Tensor &k_codes, const at::Tensor &k_sc
                 block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
             "block_table must be a contiguous int32 [batch=%lld, max_pages] tensor, got %s %s",
             static_cast<long long>(B), dtype_str(block_table.scalar_type()),
+            shape_str(block_table.sizes()).c_str());
+  CHECK_ARG(block_table.size(1) >= 1, "block_table must have max_pages >= 1 columns, got %s",
             shape_str(block_table.sizes()).c_str());
   for (const at::Tensor *t :
        {&k_scales, &k_exp, &v_codes, &v_scales, &v_dec, &kmean, &kscale, &block_table})
@@ -672,7 +683,13 @@ void kv_append(const at::Tensor &k_in, const at::Tensor &v_in, const at::Tensor 
   }
   CHECK_ARG(mean_rows >= 0, "mean_rows must be >= 0, got %lld", static_cast<long long>(mean_rows));
   p.mean_rows = mean_rows;
-  if (p.len == 0) return;
+  if (p.len == 0) { /* nothing to store, but the same range check as a store */
+    const int64_t cap = p.cache.max_pages * p.cache.page_size;
+    CHECK_ARG(start >= 0 && start <= cap,
+              "start must be in [0, %lld] (the block table's tokens), got %lld",
+              static_cast<long long>(cap), static_cast<long long>(start));
+    return;
+  }
 #ifdef FP4ATTN_WITH_CUDA
   if (on_cuda(k)) {
     c10::cuda::CUDAGuard guard(k.device());

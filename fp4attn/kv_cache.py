@@ -72,16 +72,17 @@ class FP4KVCache:
                  max_tokens: int | None = None, window: int | None = None,
                  residual_length: int = DEFAULT_RESIDUAL):
         for name, val in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-            if not isinstance(val, int) or val < 1:
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         if head_dim > 256:
             raise ValueError(f"head_dim must be at most 256, got {head_dim}")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {[str(d) for d in _DTYPES]}, got {dtype}")
         page_size = DEFAULT_PAGE_SIZE if page_size is None else page_size
-        if not isinstance(page_size, int) or page_size < 1:
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ValueError(f"window must be a positive int or None, got {window!r}")
@@ -294,6 +295,8 @@ class FP4KVCache:
         the ring's tokens after it, which that query does not see) as appended, unless
         ``residual=False`` (the stored rows of every token). In ``dtype``
         (default: the cache's); a 16-bit dtype rounds them once more."""
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {[str(d) for d in _DTYPES]} or None, got {dtype}")
         if position is None:
             position = self._len - 1
         elif not isinstance(position, int) or isinstance(position, bool) or not 0 <= position < self._len:

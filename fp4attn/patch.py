@@ -12,7 +12,6 @@ Calls during the backward pass (activation checkpointing) have no such number: a
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +27,6 @@ _hook = None  # the forward hooks on _model: the pre-hook restarts the call coun
 _calls = 0  # attention calls so far in the current forward of that model
 
 
-@functools.wraps(sdpa)
 def patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False):
     """What torch.nn.functional.scaled_dot_product_attention is while patched."""

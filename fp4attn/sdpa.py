@@ -67,6 +67,8 @@ def _fallback_reason(query, key, value, attn_mask, dropout_p, precision) -> str 
         return f"value head dim {value.shape[-1]} != query head dim {query.shape[-1]}"
     if query.shape[-1] > 256:
         return f"head dim {query.shape[-1]} > 256"
+    if query.shape[-1] == 0:
+        return "head dim 0"
     if key.shape[-2] == 0:
         return "empty key sequence"
     return None
@@ -82,6 +84,9 @@ def _autocast(*tensors):
 
 
 def _check_args(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, bool):  # as torch SDPA: "False" must not mean True
+            raise TypeError(f"{name} must be bool, got {type(flag).__name__}")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -113,10 +118,12 @@ def _check_args(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
         target = (*query.shape[:-1], key.shape[-2])
-        try:
-            torch.broadcast_shapes(attn_mask.shape, target)
-        except RuntimeError as exc:
-            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable to {target}") from exc
+        try:  # broadcastable *to* the scores: no dims beyond theirs, none that widen them
+            broadcastable = torch.broadcast_shapes(attn_mask.shape, target) == torch.Size(target)
+        except RuntimeError:
+            broadcastable = False
+        if not broadcastable:
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable to {target}")
 
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import torch
@@ -49,6 +50,13 @@ class NVFP4Tensor:
 
 def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
     """[..., R, nKB] linear scales -> [..., ceil(R/128)*128*ceil(nKB/4)*4] swizzled (see docs)."""
+    if not isinstance(scales, torch.Tensor):
+        raise TypeError(f"scales must be a tensor, got {type(scales).__name__}")
+    if scales.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"scales must be float8_e4m3fn or uint8 (E4M3 bytes), got {scales.dtype}")
+    if scales.dim() < 2:
+        raise ValueError(f"scales must be [..., R, nKB] (at least 2-D), got shape "
+                         f"{tuple(scales.shape)}")
     s = scales.view(torch.uint8)
     *lead, rows, nkb = s.shape
     rt, kt = -(-rows // 128), -(-nkb // 4)
@@ -127,6 +135,9 @@ def fp4mm(a, b, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         lead = tuple(torch.broadcast_shapes(lead_a, lead_b))
     except RuntimeError as exc:
         raise ValueError(f"a and b batch dims {lead_a} and {lead_b} do not broadcast") from exc
+    rows, cols = qa.shape[-2], qb.shape[-2]
+    if math.prod(lead) * rows * cols == 0:  # nothing to compute (the op takes no empty operand)
+        return torch.zeros((*lead, rows, cols), dtype=out_dtype, device=qa.device)
     # The op takes equal matrix counts or one side with a single matrix (broadcast in C).
     if lead_a != lead_b and qa.dec.numel() != 1 and qb.dec.numel() != 1:
         qa, qb = _expand(qa, lead), _expand(qb, lead)

@@ -45,6 +45,30 @@ def test_errors_name_the_argument():
         fp4attn.sdpa(q, k, v, attn_mask=torch.ones(3, 16, dtype=torch.bool))
     with pytest.raises(TypeError, match="attn_mask must be bool or floating"):
         fp4attn.sdpa(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.int64))
+    # a mask with dims beyond the scores' broadcasts with them but not to them
+    with pytest.raises(ValueError, match="attn_mask of shape"):
+        fp4attn.sdpa(q[0], k[0], v[0], attn_mask=torch.ones(1, 2, 16, 16, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask of shape"):
+        fp4attn.sdpa(q, k, v, attn_mask=torch.ones(2, 1, 2, 16, 16, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("precision", ["fp4", "int8"])
+def test_flags_must_be_bool_as_in_torch(precision):
+    """A truthy non-bool (the string "False") must not silently mean True."""
+    q, k, v = qkv(1, 2, 16, 32)
+    for name, value in (("is_causal", "False"), ("is_causal", 1), ("enable_gqa", None),
+                        ("enable_gqa", torch.tensor(True))):
+        with pytest.raises(TypeError, match=f"{name} must be bool"):
+            fp4attn.sdpa(q, k, v, precision=precision, **{name: value})
+        with pytest.raises(TypeError):  # torch refuses them too
+            ORIGINAL(q, k, v, **{name: value})
+
+
+def test_head_dim_zero_is_torchs_empty_result():
+    q = torch.randn(1, 2, 8, 0)
+    with pytest.warns(UserWarning, match="head dim 0"):
+        out = fp4attn.sdpa(q, q, q)
+    assert out.shape == (1, 2, 8, 0)
 
 
 def test_op_level_errors_from_the_binding():
@@ -56,6 +80,31 @@ def test_op_level_errors_from_the_binding():
     for gpu_kernel in ("sm80", "sm90", "sm120", "decode"):
         with pytest.raises(RuntimeError, match="needs CUDA tensors"):
             torch.ops.fp4attn.attention(q, k, v, None, False, 1.0, False, gpu_kernel)
+
+
+def test_ops_check_heads_and_head_dim_even_with_nothing_to_compute():
+    """No keys (zeros and -inf) or no KV heads: the same shape errors as a call with work."""
+    q = torch.randn(1, 3, 4, 8)
+    empty = torch.randn(1, 2, 0, 8)
+    for op in (torch.ops.fp4attn.int8_attention, torch.ops.fp4attn.attention):
+        extra = () if op is torch.ops.fp4attn.int8_attention else (False,)
+        with pytest.raises(RuntimeError, match=r"query heads \(3\) must be a multiple of key/value heads \(2\)"):
+            op(q, empty, empty, None, False, 1.0, *extra)
+        with pytest.raises(RuntimeError, match=r"key/value heads \(0\)"):
+            op(q, torch.randn(1, 0, 4, 8), torch.randn(1, 0, 4, 8), None, False, 1.0, *extra)
+        wide = torch.randn(1, 1, 0, 300)
+        with pytest.raises(RuntimeError, match="head_dim must be in"):
+            op(torch.randn(1, 1, 4, 300), wide, wide, None, False, 1.0, *extra)
+
+
+def test_sizes_past_int64_offsets_are_refused():
+    """Stride-0 views can describe 2^60 keys in no memory; the backends' padded buffer sizes
+    would wrap around int64 (a zero-byte allocation, then writes past it)."""
+    q = torch.randn(1, 1, 1, 1)
+    k = torch.randn(1, 1, 1, 1).expand(1, 1, 2**60, 1)
+    for op, extra in ((torch.ops.fp4attn.attention, (False,)), (torch.ops.fp4attn.int8_attention, ())):
+        with pytest.raises((RuntimeError, NotImplementedError), match="sizes too large"):
+            op(q, k, k, None, False, 1.0, *extra)
 
 
 def test_kernel_env_names(monkeypatch):

@@ -556,6 +556,22 @@ def test_residual_arguments_are_checked():
     for bad in (-1, 1.5, True, None):
         with pytest.raises(ValueError, match="residual_length"):
             fp4attn.FP4KVCache(1, 2, 32, residual_length=bad)
+
+
+def test_sizes_must_be_ints_not_bools_and_dequantize_takes_float_dtypes():
+    for name in ("page_size", "max_tokens"):
+        with pytest.raises(ValueError, match=name):
+            fp4attn.FP4KVCache(1, 2, 32, **{name: True})
+    for i, name in enumerate(("batch", "kv_heads", "head_dim")):
+        args = [1, 2, 32]
+        args[i] = True
+        with pytest.raises(ValueError, match=name):
+            fp4attn.FP4KVCache(*args)
+    cache = fp4attn.FP4KVCache(1, 2, 32)
+    cache.append(*kv(1, 2, 4, 32, torch.float16, 0))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        cache.dequantize(dtype=torch.int32)
+    assert cache.dequantize(dtype=torch.float32)[0].dtype == torch.float32
     cache = fp4attn.FP4KVCache(1, 2, 32, dtype=torch.float16)
     cache.append(*kv(1, 2, 20, 32, torch.float16, 0))
     q = torch.randn(1, 2, 1, 32, dtype=torch.float16)
@@ -952,6 +968,17 @@ def test_ops_refuse_bad_cache_arguments_before_writing():
                                  0.1, 0, None, None, 0)
     with pytest.raises(RuntimeError, match="residual_len must be >= 0"):
         torch.ops.fp4attn.decode(q, *st, c.seq_lens, 0.1, 0, None, None, -7)
+    # empty pools and tables are named, not "null storage pointer"
+    with pytest.raises(RuntimeError, match="block_table must have max_pages >= 1"):
+        torch.ops.fp4attn.decode(q, *st[:8], st[8][:, :0], c.seq_lens, 0.1, 0, None, None, 0)
+    with pytest.raises(RuntimeError, match="k_codes must have pages >= 1 and page_size >= 1"):
+        torch.ops.fp4attn.kv_append(k, v, *(t[:0] for t in st[:6]), *st[6:], 0, False)
+    with pytest.raises(RuntimeError, match="k_codes must have pages >= 1 and page_size >= 1"):
+        torch.ops.fp4attn.kv_append(k, v, *(t[:, :, :0] for t in st[:6]), *st[6:], 0, False)
+    # an append of no tokens still needs a start inside the block table
+    for start in (-1, 9):
+        with pytest.raises(RuntimeError, match=r"start must be in \[0, 8\]"):
+            torch.ops.fp4attn.kv_append(k[:, :, :0], v[:, :, :0], *st, start, False)
     before = [t.clone() for t in st]
     table = st[8].clone()
     table[1, 0] = 999

@@ -155,3 +155,29 @@ def test_ops_refuse_scales_of_other_matrices_and_take_empty_ones():
         assert c.shape == (*shape[:-1], 16) and s.shape == (*shape[:-1], 2)
         assert d.shape == shape[:-2] and (d == 1).all()
     assert fp4attn.fp4mm(torch.empty(0, 32), torch.randn(3, 32)).shape == (0, 3)
+
+
+def test_fp4mm_of_no_matrices_is_empty_as_in_torch():
+    """A batch of 0 matrices against one matrix: torch.matmul's empty result (the op read past
+    the empty side's view, and the front end passed it an empty operand)."""
+    a, b = torch.randn(0, 4, 48), torch.randn(6, 48)
+    for x, y in ((a, b), (b[None, :4], torch.randn(0, 6, 48)), (torch.randn(3, 0, 48), b),
+                 (torch.randn(3, 4, 48), torch.randn(0, 48))):
+        assert fp4attn.fp4mm(x, y).shape == torch.matmul(x, y.transpose(-1, -2)).shape
+    # the op itself, on a 0-matrix view into a larger pool
+    big = torch.ops.fp4attn.quantize(torch.randn(2, 4, 32))
+    one = torch.ops.fp4attn.quantize(torch.randn(1, 3, 32))
+    out = torch.ops.fp4attn.fp4mm(big[0][1:1], big[1][1:1], big[2][1:1], *one, 32, torch.float32)
+    assert out.shape == (0, 4, 3)
+    out = torch.ops.fp4attn.fp4mm(*one, big[0][1:1], big[1][1:1], big[2][1:1], 32, torch.float32)
+    assert out.shape == (0, 3, 4)
+
+
+def test_swizzle_scales_refuses_other_dtypes_and_shapes():
+    t = fp4attn.quantize(torch.randn(4, 48))
+    with pytest.raises(TypeError, match="scales must be float8_e4m3fn or uint8"):
+        fp4attn.swizzle_scales(t.scales.float())  # its bytes would be read as scales
+    with pytest.raises(ValueError, match="at least 2-D"):
+        fp4attn.swizzle_scales(t.scales[0])
+    assert torch.equal(fp4attn.swizzle_scales(t.scales.view(torch.uint8)).view(torch.uint8),
+                       fp4attn.swizzle_scales(t.scales).view(torch.uint8))

@@ -34,20 +34,43 @@ static inline int fp4attn_valid_dtype(fp4attn_dtype d) {
   return d == FP4ATTN_FLOAT32 || d == FP4ATTN_FLOAT16 || d == FP4ATTN_BFLOAT16;
 }
 
-/* The contract of fp4attn_attention_params (fp4attn.h): non-null tensors, sizes >= 1 (callers
- * return early for empty outputs), heads_q a multiple of heads_kv, head_dim in [1, 256], a valid
- * kernel request, a consistent mask description. */
+/* Whether a * b * c * d (each >= 1) is at most limit, without overflowing. */
+static inline int fp4attn_product_fits(int64_t a, int64_t b, int64_t c, int64_t d, int64_t limit) {
+  const int64_t f[4] = {a, b, c, d};
+  for (int i = 0; i < 4; ++i) {
+    if (f[i] > limit) return 0;
+    limit /= f[i];
+  }
+  return 1;
+}
+
+/* Elements of one operand, padded to whole tiles (+256) and head dims (256): a bound far past any
+ * memory that keeps every backend's element and byte offsets inside int64. */
+#define FP4ATTN_MAX_OPERAND_ELEMS ((int64_t)1 << 56)
+
+/* The contract of fp4attn_attention_params (fp4attn.h): sizes >= 1 (callers return early for
+ * empty outputs) and within FP4ATTN_MAX_OPERAND_ELEMS, non-null tensors, heads_q a multiple of
+ * heads_kv, head_dim in [1, 256], a valid kernel request, a consistent mask description. */
 static inline fp4attn_status fp4attn_check_attention_params(const fp4attn_attention_params *p) {
-  if (!p || !p->q || !p->k || !p->v || !p->out)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: null tensor pointer");
-  if (!fp4attn_valid_dtype(p->dtype))
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: unsupported dtype %d", (int)p->dtype);
+  if (!p) return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: null params");
   if (p->batch < 1 || p->heads_q < 1 || p->heads_kv < 1 || p->len_q < 1 || p->len_k < 1)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
                          "attention: sizes must be >= 1, got batch=%lld heads_q=%lld "
                          "heads_kv=%lld len_q=%lld len_k=%lld",
                          (long long)p->batch, (long long)p->heads_q, (long long)p->heads_kv,
                          (long long)p->len_q, (long long)p->len_k);
+  if (p->len_q > FP4ATTN_MAX_OPERAND_ELEMS || p->len_k > FP4ATTN_MAX_OPERAND_ELEMS ||
+      !fp4attn_product_fits(p->batch, p->heads_q, p->len_q + 256, 256, FP4ATTN_MAX_OPERAND_ELEMS) ||
+      !fp4attn_product_fits(p->batch, p->heads_kv, p->len_k + 256, 256, FP4ATTN_MAX_OPERAND_ELEMS))
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                         "attention: sizes too large (batch=%lld heads_q=%lld heads_kv=%lld "
+                         "len_q=%lld len_k=%lld: more than 2^56 padded elements per operand)",
+                         (long long)p->batch, (long long)p->heads_q, (long long)p->heads_kv,
+                         (long long)p->len_q, (long long)p->len_k);
+  if (!p->q || !p->k || !p->v || !p->out)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "attention: null tensor pointer");
+  if (!fp4attn_valid_dtype(p->dtype))
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "attention: unsupported dtype %d", (int)p->dtype);
   if (p->heads_q % p->heads_kv != 0)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
                          "attention: heads_q (%lld) must be a multiple of heads_kv (%lld)",
@@ -73,15 +96,15 @@ static inline fp4attn_status fp4attn_check_attention_params(const fp4attn_attent
 
 /* The contract of fp4attn_kv_cache: non-null storage, sizes >= 1, head_dim in [1, 256]. */
 static inline fp4attn_status fp4attn_check_kv_cache(const fp4attn_kv_cache *c) {
-  if (!c->k_codes || !c->k_scales || !c->k_exp || !c->v_codes || !c->v_scales || !c->v_dec ||
-      !c->kmean || !c->kscale || !c->block_table)
-    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "kv cache: null storage pointer");
   if (c->batch < 1 || c->heads_kv < 1 || c->page_size < 1 || c->max_pages < 1 || c->num_pages < 1)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT,
                          "kv cache: sizes must be >= 1, got batch=%lld heads_kv=%lld "
                          "page_size=%lld max_pages=%lld num_pages=%lld",
                          (long long)c->batch, (long long)c->heads_kv, (long long)c->page_size,
                          (long long)c->max_pages, (long long)c->num_pages);
+  if (!c->k_codes || !c->k_scales || !c->k_exp || !c->v_codes || !c->v_scales || !c->v_dec ||
+      !c->kmean || !c->kscale || !c->block_table)
+    return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "kv cache: null storage pointer");
   if (c->head_dim < 1 || c->head_dim > FP4ATTN_MAX_HEAD_DIM)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "kv cache: head_dim must be in [1, %d], got %lld",
                          FP4ATTN_MAX_HEAD_DIM, (long long)c->head_dim);
