@@ -890,12 +890,39 @@ bool fast_layout(const fp4attn_kv_cache &c, int64_t dp) {
 
 using DecodeKernel = void (*)(DecodeArgs);
 
+/* Whether `kernel`, its static shared memory plus `smem` dynamic bytes, fits one block on the
+ * current device (the staged head-dim-256 variants do not on GPUs of 99 KB per block: sm_86,
+ * sm_89, sm_120); asked once per kernel and device. */
+bool fits_device(DecodeKernel kernel, int smem) {
+  static std::mutex mu;
+  static std::map<std::pair<DecodeKernel, int>, bool> known;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = known.find({kernel, dev});
+  if (it != known.end()) return it->second;
+  cudaFuncAttributes attr;
+  int optin = 0;
+  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return known[{kernel, dev}] = (int64_t)attr.sharedSizeBytes + smem <= optin;
+}
+
+/* The staged variant where the cache allows it and the device holds its chunk slots, else the
+ * plain one (the same numbers: both decode every row alike). */
 template <int DP, int NT, bool kSplitQ>
 DecodeKernel variant(bool fast, int *smem) {
   using Fast = DecodeSmem<DP, 8 * NT, kSplitQ, true>;
   using Plain = DecodeSmem<DP, 8 * NT, kSplitQ, false>;
-  *smem = fast ? Fast::kBytes : Plain::kBytes;
-  return fast ? decode_kernel<DP, NT, kSplitQ, true> : decode_kernel<DP, NT, kSplitQ, false>;
+  if (fast && fits_device(decode_kernel<DP, NT, kSplitQ, true>, Fast::kBytes)) {
+    *smem = Fast::kBytes;
+    return decode_kernel<DP, NT, kSplitQ, true>;
+  }
+  *smem = Plain::kBytes;
+  return decode_kernel<DP, NT, kSplitQ, false>;
 }
 template <int DP, int NT>
 DecodeKernel variant(fp4attn_dtype dt, bool fast, int *smem) {
@@ -947,6 +974,9 @@ fp4attn_status launch_dp(const DecodeArgs &a, const KvDecodePlan &plan, cudaStre
   const DecodeKernel kernel = kernel_for(a.p, DP, plan.rows, &smem);
   blocks_per_sm(kernel, smem); /* raises the kernel's shared memory limit once */
   kernel<<<dim3((unsigned)plan.tiles, (unsigned)plan.splits), kThreads, smem, s>>>(a);
+  /* no merge of partials the kernel did not write */
+  const fp4attn_status st = launch_status("decode");
+  if (st.code != FP4ATTN_OK) return st;
   const fp4attn_decode_params &p = a.p;
   launch_split_merge<DP>({a.o_part,
                           a.ml_part,
@@ -963,7 +993,7 @@ fp4attn_status launch_dp(const DecodeArgs &a, const KvDecodePlan &plan, cudaStre
                           p.dtype,
                           p.lse},
                          plan.tiles, s);
-  return launch_status("decode");
+  return launch_status("decode: split merge");
 }
 
 }  // namespace

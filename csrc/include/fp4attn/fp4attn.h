@@ -8,7 +8,11 @@
  * (a cudaStream_t passed as void*) and never synchronise the host.
  *
  * Numerics: docs/SPEC.md.
- * All strides and sizes are int64 element counts; the innermost dimension is contiguous.
+ * All strides and sizes are int64 element counts; the innermost dimension is contiguous. The CUDA
+ * entry points assume every buffer's base address is 16-byte aligned (as cudaMalloc and torch's
+ * allocator give it); inputs with other strides or offsets are read in place only where the
+ * params make that checkable (e.g. attention's strides), outputs and caches are written in
+ * vector words.
  */
 #ifndef FP4ATTN_FP4ATTN_H
 #define FP4ATTN_FP4ATTN_H
