@@ -117,6 +117,15 @@ def nvfp4_rows(x: torch.Tensor) -> torch.Tensor:
     return R.dequantize(codes, scales, dec, x.shape[-1])[..., 0, :]
 
 
+def nvfp4_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``nvfp4_rows(x)`` as its factors: E2M1 values [..., D], E4M3 block scales [..., D/16] and
+    the row's FP32 dec [...] (value * scale * dec is the dequantized row)."""
+    D = x.shape[-1]
+    codes, scales, dec = R.quantize(x.float()[..., None, :])
+    vals = R.e2m1_decode(R._unpack(codes))[..., 0, :D]
+    return vals, R.e4m3_decode(scales)[..., 0, :], dec
+
+
 def fp8_rows(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
@@ -140,6 +149,10 @@ VARIANTS = {
     "int5 rot mean chan sink": ("int5", {"rot": True, "search": 3, "chan": True}, True, True),
     "int5 rot mean chan recent16": ("int5", {"rot": True, "search": 3, "chan": True, "recent": 16}, True, False),
     "int5 rot mean chan recent64": ("int5", {"rot": True, "search": 3, "chan": True, "recent": 64}, True, False),
+    # the implemented format with the decode's P.V on FP8 tensor cores: V's E2M1 codes as E4M3
+    # operands, V's block scale and dec folded into P, rounded to E4M3 per (key, 16 channels)
+    "int5 rot mean chan recent16 p-e4m3": ("int5", {"rot": True, "search": 3, "chan": True, "recent": 16,
+                                                    "p_e4m3": True}, True, False),
     "int5 rot nomean sink": ("int5", {"rot": True, "search": 3}, False, True),
     "int5 rot nomean": ("int5", {"rot": True, "search": 3}, False, False),
 }
@@ -152,6 +165,7 @@ def quantized_kv(k: torch.Tensor, v: torch.Tensor, variant: str, first: int):
     x = k32 - kmean
     kw = dict(kw)
     kw.pop("recent", None)  # cache_sdpa's business
+    kw.pop("p_e4m3", None)
     d = channel_scales(x[:, :, :first]) if kw.pop("chan", False) else torch.ones_like(kmean)
     kq = {"nvfp4": nvfp4_rows, "fp8": fp8_rows, "exact": lambda t: t}.get(
         fmt, lambda t: int5_rows(t, **kw))(x / d) * d + kmean
@@ -160,13 +174,30 @@ def quantized_kv(k: torch.Tensor, v: torch.Tensor, variant: str, first: int):
     return kq, nvfp4_rows(v)
 
 
-def _recent_exact(q, k, v, kq, vq, mask, scale, first_row: int, recent: int) -> torch.Tensor:
+def _pv_e4m3(p: torch.Tensor, vparts) -> torch.Tensor:
+    """p [B, H, Nq, Nk] times the NVFP4 values as an FP8 tensor-core decode would take them: per
+    16 channels, the E2M1 values against P * (dec / max dec) * scale rounded to E4M3 (RNE, at
+    most 448 since P <= 1), times max dec in FP32. The max is over all keys of the (batch, head):
+    the smallest P of any running maximum, so the most underflow."""
+    vals, scales, dec = vparts  # [B, H, Nk, D], [B, H, Nk, D/16], [B, H, Nk]
+    top = dec.amax(dim=-1, keepdim=True).clamp(min=2.0 ** -126)
+    g = (dec / top)[..., None] * scales  # [B, H, Nk, D/16], at most 448
+    w = (p[..., None] * g[:, :, None]).to(torch.float8_e4m3fn).float()  # [B, H, Nq, Nk, D/16]
+    D = vals.shape[-1]
+    out = torch.einsum("bhqkc,bhkcd->bhqcd", w, vals.reshape(*vals.shape[:-1], -1, 16))
+    return out.reshape(*out.shape[:-2], -1)[..., :D] * top[..., None]
+
+
+def _recent_exact(q, k, v, kq, vq, mask, scale, first_row: int, recent: int, vparts=None) -> torch.Tensor:
     """Attention of query rows first_row.. (float32) where each row's last ``recent`` visible keys
     (key j with j > row - recent) use the exact k, v and older ones the dequantized kq, vq. mask:
-    the rows' boolean or additive mask (None: all keys visible)."""
+    the rows' boolean or additive mask (None: all keys visible). vparts: V's NVFP4 factors
+    (nvfp4_parts) for the older keys' P.V on FP8 tensor cores (_pv_e4m3), else exact."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v, kq, vq = (t.repeat_interleave(rep, dim=1) for t in (k, v, kq, vq))
+        if vparts is not None:
+            vparts = tuple(t.repeat_interleave(rep, dim=1) for t in vparts)
     rows = torch.arange(first_row, first_row + q.shape[2], device=q.device).view(-1, 1)
     near = torch.arange(k.shape[2], device=q.device).view(1, -1) > rows - recent
     sc = q.shape[-1] ** -0.5 if scale is None else scale
@@ -174,7 +205,8 @@ def _recent_exact(q, k, v, kq, vq, mask, scale, first_row: int, recent: int) -> 
     if mask is not None:
         s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.float()
     p = torch.softmax(s, dim=-1)
-    return (p * near) @ v + (p * ~near) @ vq
+    far = (p * ~near) @ vq if vparts is None else _pv_e4m3(p * ~near, vparts)
+    return (p * near) @ v + far
 
 
 def cache_sdpa(variant: str, first: int):
@@ -192,8 +224,12 @@ def cache_sdpa(variant: str, first: int):
         if mask is None and is_causal:  # rows P.. of a causal square: a bottom-right pattern
             mask = torch.ones(N - P, N, dtype=torch.bool, device=q.device).tril(P)
         recent = VARIANTS[variant][1].get("recent", 0)
+        vparts = nvfp4_parts(v) if VARIANTS[variant][1].get("p_e4m3") else None
+        if vparts is not None and not recent:
+            raise ValueError(f"{variant}: p_e4m3 is modelled with a recent window only")
         if recent:
-            rest = _recent_exact(q[:, :, P:].float(), k.float(), v.float(), kq, vq, mask, scale, P, recent)
+            rest = _recent_exact(q[:, :, P:].float(), k.float(), v.float(), kq, vq, mask, scale, P, recent,
+                                 vparts)
         else:
             rest = RP.TORCH_SDPA(q[:, :, P:].float(), kq, vq, attn_mask=mask, scale=scale,
                                  enable_gqa=enable_gqa)
