@@ -559,6 +559,9 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_autograd(
     const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
     const c10::optional<at::Tensor> &attn_mask, bool is_causal, double scale,
     c10::string_view cuda_kernel) {
+  CHECK_ARG(!(attn_mask.has_value() && attn_mask->defined() && attn_mask->requires_grad()),
+            "attn_mask must not require grad with the 8-bit attention: it gets no gradient "
+            "(SPEC_INT8 3)");
   torch::autograd::variable_list res =
       Int8AttentionFunction::apply(q, k, v, attn_mask, is_causal, scale, std::string(cuda_kernel));
   return {res[0], res[1]};
@@ -702,15 +705,13 @@ void kv_append(const at::Tensor &k_in, const at::Tensor &v_in, const at::Tensor 
   check_status(fp4attn_cpu_kv_append(&p));
 }
 
-std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor &q_in, const at::Tensor &k_codes,
-                                          const at::Tensor &k_scales, const at::Tensor &k_exp,
-                                          const at::Tensor &v_codes, const at::Tensor &v_scales,
-                                          const at::Tensor &v_dec, const at::Tensor &kmean,
-                                          const at::Tensor &kscale, const at::Tensor &block_table,
-                                          const at::Tensor &seq_lens, double scale, int64_t window,
-                                          const c10::optional<at::Tensor> &res_k,
-                                          const c10::optional<at::Tensor> &res_v,
-                                          int64_t residual_len) {
+std::tuple<at::Tensor, at::Tensor> decode(
+    const at::Tensor &q_in, const at::Tensor &k_codes, const at::Tensor &k_scales,
+    const at::Tensor &k_exp, const at::Tensor &v_codes, const at::Tensor &v_scales,
+    const at::Tensor &v_dec, const at::Tensor &kmean, const at::Tensor &kscale,
+    const at::Tensor &block_table, const at::Tensor &seq_lens, double scale, int64_t window,
+    const c10::optional<at::Tensor> &res_k, const c10::optional<at::Tensor> &res_v,
+    int64_t residual_len, const c10::optional<at::Tensor> &key_start) {
   fp4attn_decode_params p{};
   CHECK_ARG(window >= 0, "window must be >= 0 (0: no sliding window), got %lld",
             static_cast<long long>(window));
@@ -770,6 +771,15 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor &q_in, const at::Tens
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.scale = static_cast<float>(scale);
   p.window = window;
+  if (key_start.has_value() && key_start->defined()) {
+    const at::Tensor &s = *key_start;
+    CHECK_ARG(s.dim() == 1 && s.size(0) == p.cache.batch && s.scalar_type() == at::kInt &&
+                  s.is_contiguous() && s.device() == q.device(),
+              "key_start must be a contiguous int32 [batch=%lld] tensor on %s, got %s %s on %s",
+              static_cast<long long>(p.cache.batch), q.device().str().c_str(),
+              dtype_str(s.scalar_type()), shape_str(s.sizes()).c_str(), s.device().str().c_str());
+    p.key_start = s.data_ptr<int32_t>();
+  }
 #ifdef FP4ATTN_WITH_CUDA
   if (on_cuda(q)) {
     c10::cuda::CUDAGuard guard(q.device());
@@ -835,7 +845,7 @@ TORCH_LIBRARY(fp4attn, m) {
       "decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor k_exp, Tensor v_codes, "
       "Tensor v_scales, Tensor v_dec, Tensor kmean, Tensor kscale, Tensor block_table, "
       "Tensor seq_lens, float scale, int window=0, Tensor? res_k=None, Tensor? res_v=None, "
-      "int residual_len=0) -> (Tensor out, Tensor lse)");
+      "int residual_len=0, Tensor? key_start=None) -> (Tensor out, Tensor lse)");
   m.def(
       "int8_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, "
       "float scale, str cuda_kernel=\"auto\") -> (Tensor out, Tensor lse)");
@@ -863,11 +873,14 @@ TORCH_LIBRARY_IMPL(fp4attn, CPU, m) {
   m.impl("int8_attention_backward", &int8_attention_backward);
 }
 
-// The backward has no derivative: differentiating it (double backward) raises instead of
-// returning zeros.
+// The 8-bit attention's autograd. Every other op has no derivative: a backward through one
+// (the 8-bit backward itself: double backward) raises instead of leaving its inputs without a
+// gradient. kv_append writes the cache in place and takes no gradient-carrying input.
 TORCH_LIBRARY_IMPL(fp4attn, Autograd, m) {
   m.impl("int8_attention", &int8_attention_autograd);
-  m.impl("int8_attention_backward", torch::autograd::autogradNotImplementedFallback());
+  for (const char *op :
+       {"int8_attention_backward", "attention", "quantize", "dequantize", "fp4mm", "decode"})
+    m.impl(op, torch::autograd::autogradNotImplementedFallback());
 }
 
 #ifdef FP4ATTN_WITH_CUDA

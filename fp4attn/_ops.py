@@ -82,5 +82,6 @@ def _kv_append_fake(k, v, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, km
 
 @torch.library.register_fake("fp4attn::decode")
 def _decode_fake(q, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale,
-                 block_table, seq_lens, scale, window=0, res_k=None, res_v=None, residual_len=0):
+                 block_table, seq_lens, scale, window=0, res_k=None, res_v=None, residual_len=0,
+                 key_start=None):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)

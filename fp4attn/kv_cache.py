@@ -339,15 +339,17 @@ def decode_paged(q: Tensor, k_codes: Tensor, k_scales: Tensor, k_exp: Tensor, v_
                  block_table: Tensor, seq_lens: Tensor, scale: float | None = None,
                  return_lse: bool = False, window: int | None = None, *,
                  residual_k: Tensor | None = None, residual_v: Tensor | None = None,
-                 residual_length: int = 0):
+                 residual_length: int = 0, key_start: Tensor | None = None):
     """Decode attention on a paged FP4 cache (SPEC 6). ``q [B, Hq, nq, D]``: the last ``nq``
     positions of each sequence; ``seq_lens [B]`` int32 (may differ per sequence and change between
     CUDA-graph replays); ``block_table [B, max_pages]`` int32. ``window``: sliding-window attention,
     each query sees only its last ``window`` keys (itself included). ``residual_length=R > 0``:
     each query reads its newest ``R`` keys still in the ring ``residual_k, residual_v [B, Hkv, S,
     D]`` (q's dtype, ``S >= R`` slots, token ``t`` of a sequence in slot ``t % S``: the caller
-    keeps each sequence's last ``S`` tokens there) instead of the pages. Returns ``out`` (q's
-    dtype), and ``lse [B, Hq, nq]`` float32 with ``return_lse``."""
+    keeps each sequence's last ``S`` tokens there) instead of the pages. ``key_start [B]`` int32
+    on q's device: sequence ``b``'s queries see no key before ``key_start[b]`` (a left-padded
+    batch's padding; values below 0 act as 0; a query left without keys gives 0 and lse -inf).
+    Returns ``out`` (q's dtype), and ``lse [B, Hq, nq]`` float32 with ``return_lse``."""
     if not isinstance(q, Tensor) or q.dtype not in _DTYPES:
         raise ValueError(f"q must be a float16, bfloat16 or float32 tensor, got {getattr(q, 'dtype', q)!r}")
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
@@ -364,15 +366,16 @@ def decode_paged(q: Tensor, k_codes: Tensor, k_scales: Tensor, k_exp: Tensor, v_
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = torch.ops.fp4attn.decode(q, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean,
                                         kscale, block_table, seq_lens, scale, window or 0,
-                                        residual_k, residual_v, residual_length)
+                                        residual_k, residual_v, residual_length, key_start)
     return (out, lse) if return_lse else out
 
 
 def decode(q: Tensor, cache: FP4KVCache, scale: float | None = None, return_lse: bool = False,
-           window: int | None = None):
+           window: int | None = None, *, key_start=None):
     """Decode attention of ``q [B, Hq, nq, D]`` (the last ``nq`` positions: query ``t`` sees keys
     ``0 .. len(cache) - nq + t``, or only the last ``window`` of them) on an :class:`FP4KVCache`;
-    ``Hq`` a multiple of its KV heads."""
+    ``Hq`` a multiple of its KV heads. ``key_start``: per sequence, the first key its queries see
+    (``cache.padding`` for a left-padded batch: the pads are not attended), ints >= 0."""
     if not isinstance(cache, FP4KVCache):
         raise ValueError(f"cache must be an fp4attn.FP4KVCache, got {type(cache).__name__}")
     if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[0] != cache.batch or \
@@ -390,5 +393,12 @@ def decode(q: Tensor, cache: FP4KVCache, scale: float | None = None, return_lse:
         if window is not None and window > cache.window:
             raise ValueError(f"window={window} exceeds the cache's window={cache.window}")
         window = cache.window if window is None else window
+    if key_start is not None:
+        values = key_start.tolist() if isinstance(key_start, Tensor) else key_start
+        if not isinstance(values, (list, tuple)) or len(values) != cache.batch or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in values):
+            raise ValueError(f"key_start must be {cache.batch} ints >= 0 (one per sequence), got "
+                             f"{key_start!r}")
+        key_start = torch.tensor(values, dtype=torch.int32).to(cache.device, non_blocking=True)
     return decode_paged(q, *cache.storage(), cache.seq_lens, scale=scale, return_lse=return_lse,
-                        window=window, **cache.residual())
+                        window=window, key_start=key_start, **cache.residual())

@@ -155,8 +155,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         if return_lse:
             raise FP4AttnFallbackError(
                 f"return_lse=True needs the {precision.upper()} path, which cannot run: {reason}")
-        # (not while torch.compile traces: a warning breaks fullgraph; eager calls still warn)
-        if reason not in _warned and not torch.compiler.is_compiling():
+        # (not while dynamo traces, torch.compile or strict export: a warning breaks fullgraph;
+        # eager calls and non-strict torch.export, plain Python, still warn)
+        if reason not in _warned and not torch.compiler.is_dynamo_compiling():
             _warned.add(reason)
             warnings.warn(f"fp4attn: falling back to torch SDPA: {reason}", stacklevel=2)
         kwargs = {"enable_gqa": enable_gqa} if enable_gqa else {}

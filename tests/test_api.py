@@ -97,6 +97,41 @@ def test_ops_check_heads_and_head_dim_even_with_nothing_to_compute():
             op(torch.randn(1, 1, 4, 300), wide, wide, None, False, 1.0, *extra)
 
 
+def test_ops_without_a_derivative_refuse_backward():
+    """The FP4 ops have no backward: differentiating through one raises (it left q, k, v without
+    a gradient, with only a deprecation warning); int8_attention refuses a mask that requires
+    grad (SPEC_INT8 3: it gets none), as fp4attn.sdpa does."""
+    q, k, v = qkv(1, 2, 16, 32, requires_grad=True)
+    out, _ = torch.ops.fp4attn.attention(q, k, v, None, False, 0.2, False, "auto")
+    with pytest.raises(RuntimeError, match="derivative for fp4attn::attention is not implemented"):
+        out.sum().backward()
+    x = torch.randn(4, 32, requires_grad=True)
+    codes, scales, dec = torch.ops.fp4attn.quantize(x)
+    with pytest.raises(RuntimeError, match="derivative for fp4attn::quantize is not implemented"):
+        dec.sum().backward()
+    bias = torch.zeros(16, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="attn_mask must not require grad"):
+        torch.ops.fp4attn.int8_attention(q, k, v, bias, False, 0.2)
+    torch.ops.fp4attn.int8_attention(q, k, v, bias.detach(), False, 0.2)  # a constant mask is fine
+
+
+def test_a_fallback_warns_under_non_strict_export():
+    """torch.export (non-strict: plain Python) of an FP4 module whose inputs require grad exports
+    torch's SDPA; it says so, as an eager call does (only dynamo's tracing stays silent)."""
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(32, 32))
+
+        def forward(self, x):
+            q = (x @ self.w).unflatten(-1, (2, 16)).transpose(1, 2)
+            return fp4attn.sdpa(q, q, q)
+
+    with pytest.warns(UserWarning, match="falling back to torch SDPA: an input requires grad"):
+        torch.export.export(Attn(), (torch.randn(1, 8, 32),), strict=False)
+
+
 def test_sizes_past_int64_offsets_are_refused():
     """Stride-0 views can describe 2^60 keys in no memory; the backends' padded buffer sizes
     would wrap around int64 (a zero-byte allocation, then writes past it)."""

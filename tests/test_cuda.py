@@ -508,13 +508,13 @@ def expect(fn, text):
     raise AssertionError("no error for " + text)
 q = torch.randn(1, 2, 16, 64, device="cuda", dtype=torch.float16)
 k = torch.randn(1, 3, 16, 64, device="cuda", dtype=torch.float16)
-expect(lambda: ops.attention(q, k, k, None, False, 0.125, False, "sm80"), "must be a multiple of heads_kv")
+expect(lambda: ops.attention(q, k, k, None, False, 0.125, False, "sm80"), "must be a multiple of key/value heads")
 expect(lambda: ops.attention(q, q.float(), q, None, False, 0.125, False, "sm80"), "one dtype")
 big = torch.randn(1, 1, 8, 300, device="cuda", dtype=torch.float16)
 expect(lambda: ops.attention(big, big, big, None, False, 0.125, False, "sm80"), "head_dim")
 m = torch.ones(3, 5, dtype=torch.bool, device="cuda")
 expect(lambda: ops.attention(q, q, q, m, False, 0.125, False, "sm80"), "broadcastable")
-expect(lambda: fp4attn.sdpa(q, k, k, strict=True), "")
+expect(lambda: fp4attn.sdpa(q, k, k, strict=True), "enable_gqa=True")
 print("errors ok")
 """
 

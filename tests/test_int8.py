@@ -893,11 +893,25 @@ def test_cuda_kernels_against_float64_autograd():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_non_contiguous_inputs_and_strided_grad():
+    """[B, N, H, D] views give the contiguous inputs' bits, forward and backward, and so does a
+    transposed grad_out."""
     q, k, v = make(1, 3, 3, 130, 150, 64, dtype=torch.float16, seed=16, device="cuda")
     qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))  # [B,N,H,D]
     a = torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125)
     b = torch.ops.fp4attn.int8_attention(qt, kt, vt, None, False, 0.125)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    g = torch.randn_like(a[0])
+    gt = g.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not gt.is_contiguous()
+    ga = torch.ops.fp4attn.int8_attention_backward(g, None, q, k, v, a[0], a[1], None, False, 0.125)
+    gb = torch.ops.fp4attn.int8_attention_backward(gt, None, qt, kt, vt, b[0], b[1], None, False,
+                                                   0.125)
+    for x, y in zip(ga, gb):  # dQ's FP32 sums run in any order: equal to rounding, not bits
+        torch.testing.assert_close(x, y, rtol=2e-3, atol=2e-3)
+    ref = torch.ops.fp4attn.int8_attention_backward(g.cpu(), None, q.cpu(), k.cpu(), v.cpu(),
+                                                    a[0].cpu(), a[1].cpu(), None, False, 0.125)
+    for x, y in zip(gb, ref):
+        assert torch.nn.functional.cosine_similarity(x.float().flatten(), y.float().flatten(), dim=0) > 0.999
 
 
 def v_layouts(v: torch.Tensor) -> dict[str, torch.Tensor]:

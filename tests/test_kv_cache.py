@@ -40,10 +40,11 @@ def kv(B, H, n, D, dtype, seed, device="cpu"):
     return k.to(dtype).to(device), v.to(dtype).to(device)
 
 
-def exact_decode(q, k, v, lens, window=None, exact=None):
+def exact_decode(q, k, v, lens, window=None, exact=None, key_start=None):
     """float64 attention of the last nq positions of each sequence on k, v [B, Hkv, >=L, D] (each
-    query sees its last `window` keys with a window). exact=(kx, vx, R, S): each query's newest R
-    keys still among the last S (SPEC 6's residual) from kx, vx instead."""
+    query sees its last `window` keys with a window, none before key_start[b]; a query without
+    keys: 0 and lse -inf). exact=(kx, vx, R, S): each query's newest R keys still among the last
+    S (SPEC 6's residual) from kx, vx instead."""
     B, Hq, nq, D = q.shape
     G = Hq // k.shape[1]
     outs, lses = [], []
@@ -64,15 +65,17 @@ def exact_decode(q, k, v, lens, window=None, exact=None):
             seen = pos <= last
             if window is not None:
                 seen &= pos > last - window
+            if key_start is not None:
+                seen &= pos >= key_start[b]
             s = s.masked_fill(~seen, -math.inf)
-            o[:, t] = (torch.softmax(s, -1)[:, None, :] @ vv)[:, 0]
+            o[:, t] = (torch.softmax(s, -1)[:, None, :] @ vv)[:, 0] if seen.any() else 0.0
             lse[:, t] = torch.logsumexp(s, -1)
         outs.append(o)
         lses.append(lse)
     return torch.stack(outs), torch.stack(lses)
 
 
-def cache_decode_reference(q, cache, k, v, lens=None, window=None):
+def cache_decode_reference(q, cache, k, v, lens=None, window=None, key_start=None):
     """exact_decode as SPEC 6's decode computes on `cache`, which holds k, v [B, Hkv, L, D] as
     appended: the stored rows (zeros before a windowed cache's start: outside every window), each
     query's residual keys from k, v."""
@@ -82,7 +85,8 @@ def cache_decode_reference(q, cache, k, v, lens=None, window=None):
     S = cache.res_k.shape[2]
     lens = [len(cache)] * cache.batch if lens is None else lens
     return exact_decode(q.cpu(), kd, vd, lens, window=window,
-                        exact=(k.float().cpu(), v.float().cpu(), cache.residual_length, S))
+                        exact=(k.float().cpu(), v.float().cpu(), cache.residual_length, S),
+                        key_start=key_start)
 
 
 def filled_cache(B, H, D, dtype, appends, page_size=None, device="cpu", seed=0,
@@ -418,6 +422,45 @@ def test_decode_matches_exact_attention_on_the_dequantized_cache(case, dtype):
     ref, ref_lse = cache_decode_reference(q, cache, k, v)
     assert out.dtype == dtype and rel_l1(out, ref) < 3e-3
     assert (lse.double() - ref_lse).abs().max() < 2e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_decode_key_start_leaves_each_sequences_padding_unseen(dtype, window, device):
+    """key_start: a left-padded batch's decode (what FP4Cache passes for transformers' padding
+    masks). Sequences with no padding, padding in the stored rows, and padding reaching the
+    residual ring (the first query then sees no key: 0 and lse -inf, the second one key)."""
+    B, Hq, Hkv, D, nq = 3, 8, 2, 128, 2
+    cache, k, v = filled_cache(B, Hkv, D, dtype, [150, 2], page_size=32, device=device)
+    q = torch.randn(B, Hq, nq, D, generator=torch.Generator().manual_seed(11)).to(dtype)
+    starts = [0, 37, 151]
+    out, lse = fp4attn.decode(q.to(device), cache, return_lse=True, window=window,
+                              key_start=starts)
+    ref, ref_lse = cache_decode_reference(q, cache, k, v, window=window, key_start=starts)
+    out, lse = out.cpu(), lse.cpu()
+    assert rel_l1(out[:2], ref[:2]) < 3e-3 and rel_l1(out[2, :, 1], ref[2, :, 1]) < 3e-3
+    assert (out[2, :, 0] == 0).all() and (lse[2, :, 0] == -math.inf).all()
+    seen = torch.isfinite(ref_lse)
+    assert (lse.double()[seen] - ref_lse[seen]).abs().max() < 2e-3
+    plain = fp4attn.decode(q.to(device), cache, window=window).cpu()
+    assert torch.equal(out[0], plain[0])  # no padding: the same bits as without key_start
+
+
+def test_decode_key_start_arguments_are_checked():
+    cache, _, _ = filled_cache(2, 1, 32, torch.float32, [20])
+    q = torch.randn(2, 2, 1, 32)
+    for bad in ([-1, 0], [0], [0, 1.5], "0,1", [True, 0]):
+        with pytest.raises(ValueError, match="key_start must be 2 ints >= 0"):
+            fp4attn.decode(q, cache, key_start=bad)
+    args = (q, *cache.storage(), cache.seq_lens)
+    for bad in (torch.zeros(2), torch.zeros(3, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32)):
+        with pytest.raises(RuntimeError, match="key_start must be a contiguous int32 \\[batch=2\\]"):
+            fp4attn.decode_paged(*args, key_start=bad, **cache.residual())
+    # below 0 acts as 0 (the device's values are not read on the host)
+    neg = fp4attn.decode_paged(*args, key_start=torch.tensor([-5, 0], dtype=torch.int32),
+                               **cache.residual())
+    assert torch.equal(neg, fp4attn.decode(q, cache))
 
 
 WINDOW_CASES = [  # B, Hq, Hkv, D, tokens, nq, page_size, window
@@ -850,6 +893,22 @@ def test_the_format_study_emulates_the_channel_scales(D):
     assert (emu - kd).abs().max() <= 1e-5 * x.abs().max()
     rel = lambda y: ((y - k).norm(dim=2) / x.norm(dim=2)).median()  # the typical channel
     assert rel(plain) > 2 * rel(kd)
+
+
+def test_the_format_study_models_the_decodes_fp8_p_v():
+    """_pv_e4m3 (P x V's scale in E4M3 per key and 16 channels, against V's E2M1 values) is P @ V
+    on the dequantized values up to that one rounding (a few percent), and V's factors are exact."""
+    from fp4attn.eval import kv_format
+
+    g = torch.Generator().manual_seed(3)
+    v = torch.randn(1, 2, 60, 48, generator=g) * torch.rand(1, 2, 60, 1, generator=g) * 4
+    parts = kv_format.nvfp4_parts(v)
+    vq = kv_format.nvfp4_rows(v)
+    assert torch.equal(parts[0] * parts[1].repeat_interleave(16, -1) * parts[2][..., None], vq)
+    p = torch.softmax(torch.randn(1, 2, 5, 60, generator=g) * 2, -1)
+    got = kv_format._pv_e4m3(p, parts)
+    rel = ((got - p @ vq).norm() / (p @ vq).norm()).item()
+    assert 1e-3 < rel < 0.05  # E4M3's 3 mantissa bits: rounded, but not garbage
 
 
 def test_the_format_study_keeps_the_recent_keys_exact():

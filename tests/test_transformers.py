@@ -165,28 +165,39 @@ def test_fp4cache_step_matches_attention_on_the_dequantized_cache(ids):
     assert step_against_the_dequantized_cache(model, ids[:1, :60], ids[:1, 60:61]) > 0.9999
 
 
-@pytest.mark.filterwarnings("ignore:FP4Cache. a padded batch")
-def test_fp4cache_with_a_padding_mask_attends_to_the_dequantized_cache(monkeypatch):
-    """Left-padded batches pass a mask: the step attends to the dequantized cache with it."""
+def test_fp4cache_decodes_a_padded_batch_through_the_kernel(monkeypatch):
+    """A left-padded batch's decode steps run the kernel with each sequence's padding as its
+    key_start (the mask is the causal pattern but for the padding), not torch SDPA on the whole
+    dequantized cache; the logits are that path's."""
     from fp4attn.integrations import transformers as integration
 
     integration.register()
     model = tiny_llama("fp4attn")
-    steps = []
-    original = integration.ORIGINAL_SDPA
-
-    def counting(*args, **kwargs):
-        steps.append(kwargs["attn_mask"].shape)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(integration, "ORIGINAL_SDPA", counting)
-    ids = torch.randint(0, 256, (2, 30))
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(4))
     mask = torch.ones(2, 30, dtype=torch.long)
     mask[1, :7] = 0  # the second sequence is left-padded
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                             **{cache_keyword(model): integration.FP4Cache(config=model.config)})
-    assert out.shape == (2, 34) and len(steps) == 2 * 3  # both layers, every step after prefill
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                  return_dict_in_generate=True, output_logits=True,
+                                  **{cache_keyword(model): integration.FP4Cache(config=model.config)})
+
+    starts, sdpa_steps = [], []
+    decode, sdpa = integration.decode, integration.ORIGINAL_SDPA
+    monkeypatch.setattr(integration, "decode", lambda q, c, **kw: (
+        starts.append(kw.get("key_start")), decode(q, c, **kw))[1])
+    monkeypatch.setattr(integration, "ORIGINAL_SDPA", lambda *a, **kw: (
+        sdpa_steps.append(1), sdpa(*a, **kw))[1])
+    kernel = generate()
+    assert starts == [[0, 7]] * 2 * 3 and not sdpa_steps  # both layers, every step after prefill
+    monkeypatch.setattr(integration, "_plain_window_start", lambda *a: None)  # the old path
+    dequantized = generate()
+    assert len(sdpa_steps) == 2 * 3
+    assert torch.equal(kernel.sequences[:, :31], dequantized.sequences[:, :31])
+    cos = torch.nn.functional.cosine_similarity(kernel.logits[1].flatten(),
+                                                dequantized.logits[1].flatten(), dim=0)
+    assert cos > 0.9999  # the first decode step: the same dequantized keys and values
 
 
 def test_fp4cache_leaves_a_padded_batchs_pad_tokens_out_of_the_key_statistics():
@@ -315,6 +326,34 @@ def test_fp4cache_with_a_sliding_window_layer_matches_the_dequantized_cache(monk
     assert cos > 0.9995
 
 
+def test_fp4cache_reads_a_sliding_window_without_layer_types(monkeypatch):
+    """Mistral and Phi-3 configs give a sliding_window and no layer_types: every layer is a
+    sliding-window layer (as transformers' DynamicCache reads them), decoded through the kernel
+    with the window, its cache keeping the window's tokens only."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    windows = decode_windows(monkeypatch, integration)
+    config = transformers.MistralConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=24)
+    assert getattr(config, "layer_types", None) is None
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    model.config._attn_implementation = "fp4attn"
+    fp4 = integration.FP4Cache(config=model.config)
+    assert [layer.sliding_window for layer in fp4.layers] == [24, 24]
+    ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        kw = cache_keyword(model)
+        model(ids[:, :40], **{kw: fp4})
+        for t in range(40, 50):
+            model(ids[:, t:t + 1], **{kw: fp4})
+    assert windows == [24] * 2 * 10  # every decode step of both layers through the kernel
+    assert all(layer.cache.padding == (0,) and layer.cache.start == 50 - (24 + 15)
+               for layer in fp4.layers)
+
+
 @pytest.mark.parametrize("window", [8, None])
 @pytest.mark.parametrize("nq", [1, 3])
 def test_fp4cache_kernel_path_matches_sdpa_on_the_dequantized_cache(nq, window, monkeypatch):
@@ -343,10 +382,19 @@ def test_fp4cache_kernel_path_matches_sdpa_on_the_dequantized_cache(nq, window, 
                                          scale=32 ** -0.5, enable_gqa=True)
         assert (got[:, :, t:t + 1] - want).abs().max() < 1e-5
     assert torch.equal(got, got_masked)
-    padded = mask.clone()
-    padded[..., L - 1 - (window or L) + 1] = False  # a hole inside the window: not the plain pattern
-    integration._cached_attention(q, keys, padded, 32 ** -0.5)
+    holed = mask.clone()
+    holed[..., L - 3] = False  # a hole after keys some query sees: not the pattern, SDPA
+    integration._cached_attention(q, keys, holed, 32 ** -0.5)
     assert len(windows) == 2
+    padded = mask.clone()
+    padded[..., : L - 6] = False  # leading keys no query sees (padding): the kernel, key_start
+    got = integration._cached_attention(q, keys, padded, 32 ** -0.5)
+    assert len(windows) == 3
+    for t in range(nq):
+        kd, vd = layer.cache.dequantize(position=L - nq + t)
+        want = integration.ORIGINAL_SDPA(q[:, :, t:t + 1], kd, vd, attn_mask=padded[:, :, t:t + 1, start:],
+                                         scale=32 ** -0.5, enable_gqa=True)
+        assert (got[:, :, t:t + 1] - want).abs().max() < 1e-5
 
 
 def test_fp4cache_multi_token_step_decodes_through_the_kernel(ids, monkeypatch):
@@ -362,10 +410,10 @@ def test_fp4cache_multi_token_step_decodes_through_the_kernel(ids, monkeypatch):
     assert windows == [None, None]  # the 4-token step, both layers through the kernel
 
 
-def test_fp4cache_sliding_window_layer_with_padding_attends_to_the_dequantized_cache(monkeypatch):
+def test_fp4cache_sliding_window_layer_with_padding_decodes_through_the_kernel(monkeypatch):
     """With a left-padded batch whose padding lies inside the window, the sliding layer's mask is
-    not the plain pattern: the step attends to the dequantized cache with it. Once the padding
-    falls out of the window, the mask is the plain pattern again and the kernel takes the step."""
+    the window pattern but for the padding: the kernel takes every step, with the window and the
+    padding as key_start while it lies inside the window."""
     from fp4attn.integrations import transformers as integration
 
     integration.register()
@@ -378,7 +426,7 @@ def test_fp4cache_sliding_window_layer_with_padding_attends_to_the_dequantized_c
         out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                              **{cache_keyword(model): integration.FP4Cache(config=model.config)})
     assert out.shape == (2, 14)
-    assert windows == [8] * 4  # the steps at lengths 10-13 (the full layer: masked, SDPA)
+    assert windows == [8, None] * 7  # both layers, every step after the prefill
 
 
 def test_fp4cache_sliding_window_layer_long_chunk():

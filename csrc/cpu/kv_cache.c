@@ -303,6 +303,7 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
       const int64_t r0 = (task % groups) * per, r1 = r0 + per < R ? r0 + per : R, n = r1 - r0;
       if (n <= 0) continue;
       const int64_t L = p->seq_lens[b];
+      const int64_t ks = p->key_start && p->key_start[b] > 0 ? p->key_start[b] : 0;
       const float *kmean = c->kmean + (b * H + hk) * D, *chs = c->kscale + (b * H + hk) * D;
       /* the rows' queries (times the channel scales, then rotated), constant lse terms and
        * visible keys; the keys any row sees, [lo, hi), stored rows below hq, residual rows
@@ -326,6 +327,7 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
         const int64_t end = L - nq + t + 1 < L ? L - nq + t + 1 : L;
         w.end[i] = end;
         w.begin[i] = p->window > 0 && end > p->window ? end - p->window : 0;
+        w.begin[i] = w.begin[i] > ks ? w.begin[i] : ks; /* the sequence's padding */
         /* the row's newest nres keys still in the ring: [exact, end) */
         int64_t ex = end;
         if (nres > 0) {

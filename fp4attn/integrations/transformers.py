@@ -86,23 +86,29 @@ def _window_mask(nq: int, L: int, window: int | None, device) -> torch.Tensor:
     return mask
 
 
-def _is_plain_window(attention_mask: torch.Tensor, nq: int, L: int, window: int | None) -> bool:
-    """Whether a 4D mask (bool, True = attend) is the plain causal / sliding-window pattern for
-    every sequence, i.e. no padding: the kernel computes exactly that without a mask. transformers
-    passes such a mask to sliding-window layers on every step once the cache is longer than the
-    window, and to every layer on steps of several tokens (speculative decoding). One comparison
-    on the device (a host synchronisation) instead of attending to the whole dequantized cache;
-    its answer is kept on the mask, which transformers passes to every layer of a type in a
-    forward, so the step's other layers of that type reuse it."""
+def _plain_window_start(attention_mask: torch.Tensor, nq: int, L: int,
+                        window: int | None) -> list[int] | None:
+    """Where a 4D mask (bool, True = attend) is the plain causal / sliding-window pattern for
+    every sequence but for its left padding (leading keys no query sees): each sequence's first
+    seen key, which the kernel takes as key_start; else None. transformers passes such masks to
+    every layer of a left-padded batch, to sliding-window layers once the cache is longer than
+    the window, and to every layer on steps of several tokens (speculative decoding). One
+    comparison on the device (a host synchronisation) instead of attending to the whole
+    dequantized cache; the answer is kept on the mask, which transformers passes to every layer
+    of a type in a forward, so the step's other layers of that type reuse it."""
     if attention_mask.dim() != 4 or attention_mask.dtype != torch.bool or \
             attention_mask.shape[-2] != nq or attention_mask.shape[-1] < L:
-        return False
+        return None
     key = (nq, L, window)
     known = getattr(attention_mask, "_fp4attn_plain", None)
     if known is not None and known[0] == key:
         return known[1]
-    want = _window_mask(nq, L, window, attention_mask.device)
-    plain = bool((attention_mask[..., :L] == want).all())
+    mask = attention_mask[..., :L]
+    hidden = ~mask.any(dim=2).any(dim=1)  # [B or 1, L]: keys no query of the sequence sees
+    start = hidden.to(torch.int32).cumprod(dim=-1).sum(dim=-1)  # its leading run: the padding
+    want = _window_mask(nq, L, window, mask.device) & \
+        (torch.arange(L, device=mask.device)[None, :] >= start[:, None])[:, None, None, :]
+    plain = start.tolist() if bool((mask == want).all()) else None
     attention_mask._fp4attn_plain = (key, plain)
     return plain
 
@@ -136,10 +142,15 @@ def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
     layer.flush(attention_mask)  # this step's states, if the layer still holds them
     cache, window = layer.cache, layer.sliding_window
     nq = query.shape[2]
-    if nq <= MAX_DECODE_TOKENS and (attention_mask is None or
-                                    _is_plain_window(attention_mask, nq, len(cache), window)):
-        return decode(query, cache, scale=scaling, window=window)
-    # a padding mask or a long chunk: torch SDPA on the dequantized cache (the values the decode
+    if nq <= MAX_DECODE_TOKENS:
+        start = None if attention_mask is None else \
+            _plain_window_start(attention_mask, nq, len(cache), window)
+        if attention_mask is None or start is not None:  # the kernel, the pads left unseen
+            if start is not None and len(start) == 1:
+                start = start * query.shape[0]
+            return decode(query, cache, scale=scaling, window=window,
+                          key_start=start if start is not None and any(start) else None)
+    # any other mask, or a long chunk: torch SDPA on the dequantized cache (the values the decode
     # kernel computes with, unquantized math like it), from position `start` on
     if layer.chunk_states is not None:  # a long chunk of a windowed layer (see FP4Layer.update)
         k, v, start = layer.chunk_states
@@ -411,16 +422,19 @@ def _cache_classes():
     class FP4Cache(Cache):
         """A transformers Cache whose layers store keys and values in SPEC 6's format (5-bit
         rotated keys, NVFP4 values) and decode through fp4attn's fused kernel (use with
-        attn_implementation="fp4attn" or "fp4attn-int8"), the sliding-window layers of
-        `config.layer_types` with the config's `sliding_window`."""
+        attn_implementation="fp4attn" or "fp4attn-int8"), the sliding-window layers with the
+        config's `sliding_window`: those `config.layer_types` names, or every layer of a config
+        with a `sliding_window` and no `layer_types` (Mistral, Phi-3), as transformers' own
+        caches read it."""
 
         def __init__(self, config=None, page_size: int | None = None):
             if config is None:
                 super().__init__(layer_class_to_replicate=lambda: FP4Layer(page_size))
                 return
             text = config.get_text_config(decoder=True)
-            types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
             window = getattr(text, "sliding_window", None)
+            types = getattr(text, "layer_types", None) or \
+                ["sliding_attention" if window is not None else "full_attention"] * text.num_hidden_layers
 
             def implementation():  # read at every step: the model's may change after this
                 return getattr(text, "_attn_implementation", None)

@@ -344,15 +344,23 @@ __device__ __forceinline__ bool length_fits(const fp4attn_decode_params &p, int6
   return L >= 0 && L <= p.cache.max_pages * p.cache.page_size;
 }
 
+/* Sequence b's first key any of its queries sees (key_start: its left padding), >= 0. */
+__device__ __forceinline__ int first_key(const fp4attn_decode_params &p, int64_t b) {
+  return p.key_start ? max(0, p.key_start[b]) : 0;
+}
+
 /* The keys [begin, end) that row `row` of a tile sees, and where its residual keys start, `exact`
- * (SPEC 6: its newest residual_len keys still in the ring; end without a residual). */
+ * (SPEC 6: its newest residual_len keys still in the ring; end without a residual); ks: the
+ * sequence's first_key. */
 struct RowKeys {
   int begin, exact, end;
 };
-__device__ __forceinline__ RowKeys row_keys(const fp4attn_decode_params &p, int Lb, int64_t row) {
+__device__ __forceinline__ RowKeys row_keys(const fp4attn_decode_params &p, int Lb, int64_t row,
+                                            int ks) {
   RowKeys k;
   k.end = (int)min((int64_t)Lb, Lb - p.len_q + row % p.len_q + 1);
   k.begin = p.window > 0 && k.end > p.window ? (int)(k.end - p.window) : 0; /* no overflow */
+  k.begin = max(k.begin, ks);
   k.exact = k.end;
   if (p.residual_len > 0) {
     const int r = (int)p.residual_len, s = (int)p.residual_slots;
@@ -428,7 +436,7 @@ __device__ void residual_split(const DecodeArgs &a, int64_t tile, int64_t b, int
     }
   }
   const int64_t row = mt * NQ + r;
-  const RowKeys rk = row_keys(p, Lb, row);
+  const RowKeys rk = row_keys(p, Lb, row, first_key(p, b));
   const int lo = row < M ? rk.exact : 0, hi = row < M ? rk.end : 0; /* the row's residual keys */
   const float s_log2 = p.scale * kLog2e;
   float o[kCols] = {}, m = -INFINITY, l = 0.0f;
@@ -538,7 +546,9 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
    * warp's first one is in flight while the block stages Q */
   const int Lq = p.residual_len > 0 ? (int)max((int64_t)0, Lb - p.residual_len) : Lb;
   const int64_t end0 = Lb - nq + 1; /* the first row's keys end there */
-  const int first = p.window > 0 && end0 > p.window ? (int)((end0 - p.window) / kChunk) : 0;
+  const int ks = first_key(p, b);   /* no row sees a key before it */
+  const int first =
+      max(p.window > 0 && end0 > p.window ? (int)((end0 - p.window) / kChunk) : 0, ks / kChunk);
   const int nch = max(0, (Lq + kChunk - 1) / kChunk - first);
   const int per = (nch + (int)a.kv_splits - 1) / (int)a.kv_splits;
   const int c0 = first + (int)kv_split * per, c1 = min(c0 + per, first + nch);
@@ -644,7 +654,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const RowKeys k = row_keys(p, Lb, mt * NQ + 8 * n + 2 * t4 + e);
+      const RowKeys k = row_keys(p, Lb, mt * NQ + 8 * n + 2 * t4 + e, ks);
       end[n][e] = k.exact;
       begin[n][e] = k.begin;
     }

@@ -209,7 +209,10 @@ typedef struct {
  * query sees only its last `window` keys (itself included); 0: all keys up to its position.
  * residual_len R > 0: each query reads its newest R keys that are still in the ring of
  * residual_slots S >= R exact rows (res_k, res_v [batch][heads_kv][S][head_dim], contiguous, in
- * `dtype`; token t in slot t % S) instead of their quantized rows; 0: no ring. */
+ * `dtype`; token t in slot t % S) instead of their quantized rows; 0: no ring. key_start
+ * (int32 [batch] on the tensors' device, or NULL): sequence b's queries see no key before
+ * key_start[b] (its left padding; values below 0 act as 0, a row left without keys gives 0 and
+ * lse -inf). */
 typedef struct {
   fp4attn_kv_cache cache;
   const int32_t *seq_lens;
@@ -223,6 +226,7 @@ typedef struct {
   int64_t window;
   const void *res_k, *res_v;
   int64_t residual_len, residual_slots;
+  const int32_t *key_start;
   int num_threads; /* CPU only */
 } fp4attn_decode_params;
 
