@@ -146,10 +146,13 @@ def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
         start = None if attention_mask is None else \
             _plain_window_start(attention_mask, nq, len(cache), window)
         if attention_mask is None or start is not None:  # the kernel, the pads left unseen
+            # only where the padding reaches past what the window hides from every query
+            hidden = max(0, len(cache) - nq + 1 - window) if window is not None else 0
+            if start is not None and max(start) <= hidden:
+                start = None
             if start is not None and len(start) == 1:
                 start = start * query.shape[0]
-            return decode(query, cache, scale=scaling, window=window,
-                          key_start=start if start is not None and any(start) else None)
+            return decode(query, cache, scale=scaling, window=window, key_start=start)
     # any other mask, or a long chunk: torch SDPA on the dequantized cache (the values the decode
     # kernel computes with, unquantized math like it), from position `start` on
     if layer.chunk_states is not None:  # a long chunk of a windowed layer (see FP4Layer.update)
