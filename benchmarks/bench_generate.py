@@ -11,8 +11,10 @@ tokens, per setup
   flash     the same with SDPA restricted to the flash backend (the fastest torch decode here)
   fp4cache  attn_implementation="fp4attn", fp4attn.integrations.transformers.FP4Cache
 it measures the prefill (a one-token generate), the whole generate, ms per new token
-((whole - prefill) / (new - 1)), peak device memory, and the KV cache's bytes per token; from
-those, the longest context whose cache fits in the memory the default cache needs at this P.
+((whole - prefill) / (new - 1)), peak device memory, and the KV cache's bytes per token held
+(FP4Cache allocated for P + new tokens at once, as a server sizes it; without max_tokens its
+pages double as they fill); from those, the longest context whose cache fits in the memory the
+default cache needs at this P.
 The model is a 1B-class Llama config (16 layers, 2048 hidden, 32 query / 8 KV heads, head dim 64)
 unless --tiny (a 2-layer toy that runs on a CPU in seconds: a smoke test, not a measurement).
 Prints a table and writes bench_generate.csv into --out (default: benchmarks/results/).
@@ -82,7 +84,7 @@ def kv_bytes_per_token(model, cache, B) -> float:
     if cache is None:  # DynamicCache: 2 tensors x layers x KV heads x head dim x element size
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * model.dtype.itemsize * B
-    return sum(layer.cache.nbytes / layer.cache.capacity for layer in cache.layers)  # pages held
+    return sum(layer.cache.nbytes for layer in cache.layers) / len(cache.layers[0].cache)  # held
 
 
 def main() -> int:
@@ -117,7 +119,8 @@ def main() -> int:
             ids = torch.randint(0, model.config.vocab_size, (B, P), device=device)
             row = {"B": B, "prompt": P, "new": args.new}
             setups = [("default", "sdpa", None, None),
-                      ("fp4cache", "fp4attn", lambda: hf.FP4Cache(config=model.config), None)]
+                      ("fp4cache", "fp4attn",
+                       lambda: hf.FP4Cache(config=model.config, max_tokens=P + args.new), None)]
             if device.type == "cuda":
                 setups.insert(1, ("flash", "sdpa", None, SDPBackend.FLASH_ATTENTION))
             for name, impl, factory, backend in setups:

@@ -138,7 +138,8 @@ def _kl_sum(lp: torch.Tensor, top_idx: torch.Tensor, top_lp: torch.Tensor) -> fl
     p = top_lp.exp()
     tail_p = (1.0 - p.sum(-1)).clamp(min=1e-12)
     tail_q = (1.0 - q.exp().sum(-1)).clamp(min=1e-12)
-    kl = (p * (top_lp - q)).sum(-1) + tail_p * (tail_p.log() - tail_q.log())
+    # p = 0 (a -inf exact logit) adds nothing: 0 * (-inf - -inf) would be NaN
+    kl = torch.where(p > 0, p * (top_lp - q), 0.0).sum(-1) + tail_p * (tail_p.log() - tail_q.log())
     return max(float(kl.double().sum()), 0.0)  # float32 rounding can take a KL near 0 below it
 
 
@@ -434,7 +435,10 @@ def calibrate(model, batches, budget: float = 0.01, device_kind="blackwell", *,
         probes[m] = {"m": m, "code": pol.code(), **got, **los,
                      "fp4_share": pol.fp4_share(flops),
                      "cost": sum(costs[p] * f for p, f in zip(pol.as_list(), flops))}
-        ok = max(los.values()) <= budget
+        if not all(math.isfinite(v) for v in los.values()):
+            raise ValueError(f"calibrate: probe m={m} ({pol.code()}) measured a non-finite loss "
+                             f"{los}: the metric cannot rank policies on these batches")
+        ok = all(v <= budget for v in los.values())
         _log(verbose, f"probe m={m}/{len(moves)}: {pol.code()}, {metric_kind} "
              f"{got['value']:.5f}, " + ", ".join(f"{k} {v:+.5f}" for k, v in los.items())
              + f" (budget {budget}: {'pass' if ok else 'fail'}) ({time.perf_counter() - t0:.0f}s)")

@@ -101,8 +101,9 @@ class Policy:
 
     def check_fits(self, config, *, by_layer_index: bool = False) -> None:
         """Refuses to number a model's attention calls with a per-layer policy where the numbers
-        would be wrong: an encoder-decoder (its encoder, decoder and cross-attention calls share
-        layer indices, and generate runs decoder steps without the model's forward), and with
+        would be wrong: an encoder-decoder or a decoder with cross-attention (its encoder,
+        decoder and cross-attention calls share layer indices, and generate runs decoder steps
+        without the model's forward; a sub-model's config says so by add_cross_attention), and with
         ``by_layer_index`` (sites are the attention modules' ``layer_idx``) a transformers
         ``config`` whose ``num_hidden_layers`` differs from ``num_layers``. (Sites counted as
         the calls of one forward are checked by patch() after each forward: hybrid models have
@@ -110,11 +111,12 @@ class Policy:
         model."""
         if self.is_uniform or config is None:
             return
-        if getattr(config, "is_encoder_decoder", False):
+        if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention",
+                                                                   False):
             raise ValueError("a per-layer policy numbers the attention calls of decoder-only or "
-                             "encoder-only models; this one is an encoder-decoder (its encoder, "
-                             "decoder and cross-attention layers share indices): use a uniform "
-                             "policy or precision")
+                             "encoder-only models; this one is an encoder-decoder or has "
+                             "cross-attention (its self- and cross-attention calls share layer "
+                             "indices): use a uniform policy or precision")
         n = getattr(config, "num_hidden_layers", None)
         if by_layer_index and isinstance(n, int) and self.num_layers is not None and \
                 n != self.num_layers:

@@ -272,6 +272,36 @@ def test_a_per_layer_policy_refuses_models_it_would_number_wrongly():
     fp4attn.unpatch()
 
 
+def test_cross_attention_and_extra_calls_are_refused_a_per_layer_policy():
+    """A decoder with cross-attention (GPT-2's add_cross_attention; an EncoderDecoderModel's
+    decoder, whose own config is not is_encoder_decoder) calls attention twice per layer: its
+    layer indices cover both. A policy without a size through patch() on a model calling
+    attention more often than it has layers: the sites are not the layers. Both raise."""
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2,
+                                     add_cross_attention=True)
+    for policy in (Policy(["bf16", "fp4"]), Policy({1: "bf16"}, default="int8")):
+        with pytest.raises(ValueError, match="has cross-attention"):
+            policy.check_fits(config)
+        with pytest.raises(ValueError, match="has cross-attention"):
+            fp4attn.patch(policy=policy, model=transformers.GPT2LMHeadModel(config).eval())
+        assert not patch_module.is_patched()
+
+    class TwoCalls(torch.nn.Module):  # a 2-layer "model" calling attention twice per layer
+        def __init__(self):
+            super().__init__()
+            self.config = transformers.PretrainedConfig(num_hidden_layers=2)
+
+        def forward(self, x):
+            for _ in range(4):
+                x = torch.nn.functional.scaled_dot_product_attention(x, x, x)
+            return x
+
+    model = TwoCalls()
+    with fp4attn.patched(policy=Policy({1: "bf16"}, default="int8"), model=model), \
+            pytest.raises(ValueError, match="made 4 attention calls for 2 layers"):
+        model(torch.randn(1, 2, 8, 16))
+
+
 # ---------------------------------------------------------------------------------------------
 # calibrate
 # ---------------------------------------------------------------------------------------------
@@ -414,6 +444,14 @@ def test_kl_top_tokens_and_tail_bucket():
     top, idx = p.topk(10, -1)
     part = C._kl_sum(q, idx, top)
     assert 0.5 * full < part <= full  # the tail as one bucket: a lower bound, close here
+    # tokens the exact model rules out (-inf logits, fewer tokens than KL_TOP) add nothing: they
+    # made the KL NaN, and a NaN passed calibrate's budget
+    p[:, 40:] = -math.inf
+    p = torch.log_softmax(p, -1)
+    top, idx = p.topk(50, -1)
+    got = C._kl_sum(q, idx, top)
+    assert math.isfinite(got) and math.isclose(
+        got, float(torch.where(p > -math.inf, p.exp() * (p - q), 0.0).sum()), rel_tol=1e-9)
 
 
 def test_smallest_passing_probes_the_ends_then_bisects():

@@ -326,6 +326,29 @@ def test_fp4cache_with_a_sliding_window_layer_matches_the_dequantized_cache(monk
     assert cos > 0.9995
 
 
+def test_fp4cache_max_tokens_allocates_once(ids):
+    """FP4Cache(max_tokens=) sizes every layer's pages for the prompt and the new tokens at once:
+    no doubling (which can leave up to half the pages empty), the same tokens generated."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    model = tiny_llama("fp4attn")
+    kw = cache_keyword(model)
+    runs = {}
+    for max_tokens in (None, ids.shape[1] + 8):
+        cache = integration.FP4Cache(config=model.config, max_tokens=max_tokens)
+        with torch.no_grad():
+            runs[max_tokens] = model.generate(ids, max_new_tokens=8, do_sample=False, **{kw: cache})
+        caps = [layer.cache.capacity for layer in cache.layers]
+        if max_tokens is not None:
+            assert all(ids.shape[1] + 8 <= c < ids.shape[1] + 8 + layer.cache.page_size
+                       for c, layer in zip(caps, cache.layers))
+    assert torch.equal(runs[None], runs[ids.shape[1] + 8])
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="max_tokens must be a positive int"):
+            integration.FP4Cache(config=model.config, max_tokens=bad)
+
+
 def test_fp4cache_reads_a_sliding_window_without_layer_types(monkeypatch):
     """Mistral and Phi-3 configs give a sliding_window and no layer_types: every layer is a
     sliding-window layer (as transformers' DynamicCache reads them), decoded through the kernel

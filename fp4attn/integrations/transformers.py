@@ -305,8 +305,9 @@ def _cache_classes():
         is_croppable = False
 
         def __init__(self, page_size: int | None = None, sliding_window: int | None = None,
-                     attn_implementation=None):
+                     attn_implementation=None, max_tokens: int | None = None):
             super().__init__()
+            self.max_tokens = max_tokens  # the cache's first allocation (it grows by doubling)
             # () -> the model's attention implementation, or None where unknown (no config)
             self.attn_implementation = attn_implementation or (lambda: None)
             self.page_size = page_size
@@ -323,7 +324,8 @@ def _cache_classes():
 
         def _new_cache(self, B, H, D):
             return FP4KVCache(B, H, D, dtype=self.dtype, device=self.device,
-                              page_size=self.page_size, window=self.sliding_window)
+                              page_size=self.page_size, max_tokens=self.max_tokens,
+                              window=self.sliding_window)
 
         def lazy_initialization(self, key_states, value_states):
             B, H, _, D = key_states.shape
@@ -428,11 +430,16 @@ def _cache_classes():
         attn_implementation="fp4attn" or "fp4attn-int8"), the sliding-window layers with the
         config's `sliding_window`: those `config.layer_types` names, or every layer of a config
         with a `sliding_window` and no `layer_types` (Mistral, Phi-3), as transformers' own
-        caches read it."""
+        caches read it. `max_tokens`: the tokens per sequence to allocate for at once (prompt plus
+        new tokens); without it each layer's pages double as they fill, up to twice what it holds."""
 
-        def __init__(self, config=None, page_size: int | None = None):
+        def __init__(self, config=None, page_size: int | None = None, max_tokens: int | None = None):
+            if max_tokens is not None and (not isinstance(max_tokens, int) or
+                                           isinstance(max_tokens, bool) or max_tokens < 1):
+                raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
             if config is None:
-                super().__init__(layer_class_to_replicate=lambda: FP4Layer(page_size))
+                super().__init__(layer_class_to_replicate=lambda: FP4Layer(page_size,
+                                                                           max_tokens=max_tokens))
                 return
             text = config.get_text_config(decoder=True)
             window = getattr(text, "sliding_window", None)
@@ -443,7 +450,7 @@ def _cache_classes():
                 return getattr(text, "_attn_implementation", None)
 
             layers = [FP4Layer(page_size, window if t == "sliding_attention" else None,
-                               implementation) for t in types]
+                               implementation, max_tokens) for t in types]
             super().__init__(layers=layers)
 
     return FP4Layer, FP4Cache
