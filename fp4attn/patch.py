@@ -71,7 +71,9 @@ def _check_count(*_):
 
 
 def is_patched() -> bool:
-    return F.scaled_dot_product_attention is patched_sdpa
+    """Whether fp4attn's patch is in force: torch's SDPA is it, or a wrapper something installed
+    over it (a profiler's, a tracer's) that calls it."""
+    return F.scaled_dot_product_attention is patched_sdpa or _saved is not None
 
 
 def current() -> tuple[str | None, Policy | None]:
@@ -104,7 +106,7 @@ def patch(precision: str | None = None, *, policy: Policy | None = None, model=N
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     _set(precision or "fp4", policy, model)
-    if not is_patched():
+    if not is_patched():  # (a wrapper installed over the patch stays: it calls the patch)
         _saved = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = patched_sdpa
 
@@ -126,22 +128,21 @@ def unpatch() -> None:
     something installed over the patch meanwhile stays, and reaches torch's own SDPA through it."""
     global _saved
     _set("fp4", None, None)
-    if is_patched():
-        F.scaled_dot_product_attention = _saved
+    if F.scaled_dot_product_attention is patched_sdpa:
+        F.scaled_dot_product_attention = ORIGINAL_SDPA if _saved is None else _saved
     _saved = None
 
 
 @contextlib.contextmanager
 def patched(precision: str | None = None, *, policy: Policy | None = None, model=None):
     """`with fp4attn.patched():` low-bit attention inside, the previous state restored on exit
-    (same arguments as patch)."""
-    was_patched, previous = is_patched(), (_precision, _policy, _model)
+    (same arguments as patch): the settings, torch's function and what unpatch() restores."""
+    global _saved
+    function, saved, previous = F.scaled_dot_product_attention, _saved, (_precision, _policy, _model)
     patch(precision, policy=policy, model=model)
     try:
         yield
     finally:
-        if was_patched:
-            _set(*previous)
-        else:
-            unpatch()
+        _set(*previous)
+        F.scaled_dot_product_attention, _saved = function, saved
 

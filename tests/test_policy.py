@@ -208,6 +208,32 @@ def test_patched_restores_previous_state():
     assert not fp4attn.is_patched()
 
 
+def test_a_wrapper_over_the_patch_keeps_it(monkeypatch):
+    """Something (a profiler, a tracer) wraps torch's SDPA after patch(): patched() inside and
+    after keeps the patch in force through the wrapper, and calibrate refuses the patched state
+    (its reference would not be exact attention)."""
+    import torch.nn.functional as F
+
+    seen = []
+    real = patch_module.sdpa
+    monkeypatch.setattr(patch_module, "sdpa", lambda *a, precision, **kw: (
+        seen.append(precision), real(*a, precision=precision, **kw))[1])
+    fp4attn.patch("int8")
+    inner = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: inner(*a, **kw))
+    assert fp4attn.is_patched()
+    q = torch.randn(1, 2, 8, 16)
+    with fp4attn.patched("fp4"):
+        F.scaled_dot_product_attention(q, q, q)
+    F.scaled_dot_product_attention(q, q, q)
+    assert seen[-1] == "int8" and fp4attn.is_patched()
+    with pytest.raises(RuntimeError, match="fp4attn.patch\\(\\) is active"):
+        fp4attn.calibrate(tiny_llama(layers=2), [torch.randint(0, 128, (1, 16))], verbose=False)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", inner)  # the wrapper removed
+    fp4attn.unpatch()
+    assert F.scaled_dot_product_attention is patch_module.ORIGINAL_SDPA
+
+
 def test_register_policy_matches_patch():
     from fp4attn.integrations import transformers as integration
 

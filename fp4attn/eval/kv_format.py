@@ -347,7 +347,7 @@ def implementation(args) -> int:
                   flush=True)
         if args.gen_prompts > 0:
             paras = [p for p in M.austen_paragraphs("prideprejudice") if len(p) > 400][: args.gen_prompts]
-            prompts = [tok.decode(tok(p).input_ids[:64]) for p in paras]
+            prompts = [tok.decode(tok(p).input_ids[:64], skip_special_tokens=True) for p in paras]
             gen = RP.generation_agreement(model, tok, prompts, new_tokens=args.gen_tokens,
                                           modes=tuple(m for m in args.gen_modes.split(",") if m))
             for mode, g in gen.items():

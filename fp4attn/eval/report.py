@@ -471,8 +471,8 @@ def policy_mode(policy) -> str:
 
 def policy_label(code: str) -> str:
     n = {c: code.count(c) for c in "48b"}
-    return (f"policy {n['4']} FP4 / {n['8']} INT8 / {n['b']} BF16 layers ({code}; "
-            "4 fp4, 8 int8, b bf16)")
+    return (f"policy {n['4']} FP4 / {n['8']} INT8 / {n['b']} exact layers ({code}; "
+            "4 fp4, 8 int8, b torch SDPA in the model's dtype: FP32 here)")
 
 
 @contextlib.contextmanager
@@ -796,7 +796,7 @@ def report_smollm2(args) -> ModelResult:
                         "from it)")
         if args.gen_prompts > 0:
             paras = [p for p in M.austen_paragraphs(args.book) if len(p) > 400][: args.gen_prompts]
-            prompts = [tok.decode(tok(p).input_ids[:64]) for p in paras]
+            prompts = [tok.decode(tok(p).input_ids[:64], skip_special_tokens=True) for p in paras]
             res.generation = generation_agreement(model, tok, prompts, new_tokens=args.gen_tokens,
                                                   policy_modes=tuple(pmodes))
         res.policies = fallback_policies(model, ppl_ids, res, args)
@@ -1263,7 +1263,8 @@ def _policy_section(res: ModelResult, args, out: Path) -> str:
     if res.curve:
         png = plot_curve(res, out / f"{res.name}_policy_curve.png")
         lines += ["", f"Perplexity along the calibration order ({res.curve[0]['tokens']} tokens "
-                  f"of {args.book}; m moves from all FP4 towards all BF16):", ""]
+                  f"of {args.book}; m moves from all FP4 towards all exact, b: torch SDPA in the "
+                  "model's dtype):", ""]
         lines.append(_md_table(["m", "policy", "FP4 FLOPs", "change", "KL"], [
             [f"{c['m']}{' (calibrated)' if c['calibrated'] else ''}", f"`{c['code']}`",
              f"{100 * c['fp4_share']:.1f}%", f"{100 * c['rel_change']:+.2f}%", _f(c["kl"])]
