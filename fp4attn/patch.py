@@ -64,7 +64,8 @@ def _check_count(*_):
         raise ValueError(f"fp4attn.patch: this forward made {_calls} attention calls, the policy "
                          f"has num_layers={n} sites: it was made for another model")
     layers = getattr(getattr(_model, "config", None), "num_hidden_layers", None)
-    if n is None and isinstance(layers, int) and _calls > layers:  # a policy without a size
+    if n is None and _policy is not None and not _policy.is_uniform and isinstance(layers, int) \
+            and _calls > layers:  # a per-layer policy without a size
         raise ValueError(f"fp4attn.patch: this forward made {_calls} attention calls for "
                          f"{layers} layers (config.num_hidden_layers): the calls are not one per "
                          "layer, so the policy's sites are not the layers")

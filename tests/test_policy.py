@@ -326,6 +326,8 @@ def test_cross_attention_and_extra_calls_are_refused_a_per_layer_policy():
     with fp4attn.patched(policy=Policy({1: "bf16"}, default="int8"), model=model), \
             pytest.raises(ValueError, match="made 4 attention calls for 2 layers"):
         model(torch.randn(1, 2, 8, 16))
+    with fp4attn.patched(policy=Policy(default="int8"), model=model):  # uniform: fits any model
+        model(torch.randn(1, 2, 8, 16))
 
 
 # ---------------------------------------------------------------------------------------------
