@@ -25,6 +25,7 @@ _policy: Policy | None = None  # with one: the precision per call site
 _model = None  # the module whose forward numbers the calls for the policy
 _hook = None  # the forward hooks on _model: the pre-hook restarts the call count, the other checks it
 _calls = 0  # attention calls so far in the current forward of that model
+_inside = False  # whether a forward of that model is running (its hooks set and clear it)
 
 
 def patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -47,13 +48,24 @@ def patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
                 'attn_implementation="fp4attn" after fp4attn.integrations.transformers.'
                 "register(policy=...) (sites from the layers' layer_idx), or patch with one "
                 "precision")
+        if not _policy.is_uniform and not _inside:
+            raise RuntimeError(
+                "fp4attn.patch: an attention call outside a forward of the policy's model (its "
+                "sites count the calls of model(...); model.forward(...) called directly, or "
+                "another module, skips the count's restart): call the model itself, or patch "
+                "with model= the module that runs")
         site, _calls = _calls, _calls + 1
     return attention(_policy.precision(site), query, key, value, **kw)
 
 
 def _restart_count(*_):
-    global _calls
-    _calls = 0
+    global _calls, _inside
+    _calls, _inside = 0, True
+
+
+def _forward_ended(*_):
+    global _inside
+    _inside = False
 
 
 def _check_count(*_):
@@ -113,15 +125,16 @@ def patch(precision: str | None = None, *, policy: Policy | None = None, model=N
 
 
 def _set(precision: str, policy: Policy | None, model) -> None:
-    global _precision, _policy, _model, _hook, _calls
+    global _precision, _policy, _model, _hook, _calls, _inside
     if _hook is not None:
         for h in _hook:
             h.remove()
         _hook = None
-    _precision, _policy, _model, _calls = precision, policy, model, 0
-    if model is not None:
+    _precision, _policy, _model, _calls, _inside = precision, policy, model, 0, False
+    if model is not None:  # (the last hook runs after the check, and after an exception too)
         _hook = (model.register_forward_pre_hook(_restart_count),
-                 model.register_forward_hook(_check_count))
+                 model.register_forward_hook(_check_count),
+                 model.register_forward_hook(_forward_ended, always_call=True))
 
 
 def unpatch() -> None:

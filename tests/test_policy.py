@@ -330,6 +330,17 @@ def test_cross_attention_and_extra_calls_are_refused_a_per_layer_policy():
         model(torch.randn(1, 2, 8, 16))
 
 
+def test_a_per_layer_policy_refuses_calls_outside_the_models_forward():
+    """model.forward(...) skips the hooks that restart the count: its calls would take the sites
+    after the previous forward's (a dict policy: other layers' precisions, silently)."""
+    model, ids = tiny_llama(layers=3), torch.randint(0, 128, (1, 16))
+    with fp4attn.patched(policy=Policy({2: "int8"}, default="bf16"), model=model), torch.no_grad():
+        model(ids)
+        with pytest.raises(RuntimeError, match="outside a forward of the policy's model"):
+            model.forward(ids)
+        model(ids)  # the model itself still works afterwards
+
+
 # ---------------------------------------------------------------------------------------------
 # calibrate
 # ---------------------------------------------------------------------------------------------
