@@ -153,10 +153,12 @@ class Policy:
         layers = d.get("layers", {})
         if not isinstance(layers, dict):
             raise ValueError("'layers' must be an object {\"layer index\": precision}")
-        try:
-            sites = {int(s): p for s, p in layers.items()}
-        except ValueError as exc:
-            raise ValueError(f"'layers' keys must be layer indices, got {list(layers)}") from exc
+        canonical = [s for s in layers if isinstance(s, str) and s.isascii() and s.isdigit()
+                     and str(int(s)) == s]  # "3", not " 3", "03", "1_0" or another script's digits
+        if len(canonical) != len(layers):
+            raise ValueError(f"'layers' keys must be layer indices written as decimal integers, "
+                             f"got {list(layers)}")
+        sites = {int(s): p for s, p in layers.items()}
         return cls(sites, d.get("default", "fp4"), num_layers=d.get("num_layers"),
                    meta=d.get("meta"))
 

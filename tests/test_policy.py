@@ -98,6 +98,9 @@ def test_policy_json_round_trip(tmp_path):
         Policy.from_dict({**d, "version": 99})
     with pytest.raises(ValueError, match="layer indices"):
         Policy.from_dict({**d, "layers": {"a": "fp4"}})
+    for key in (" 1", "1_0", "01", "\u0663"):  # int() reads them all ("1_0" as 10; "01" and "1" merged)
+        with pytest.raises(ValueError, match="decimal integers"):
+            Policy.from_dict({**d, "layers": {key: "fp4"}})
     with pytest.raises(ValueError, match=r"layers\[0\]"):
         Policy.from_dict({**d, "layers": {"0": "fp2"}})
 
