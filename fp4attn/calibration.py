@@ -109,6 +109,9 @@ def _forward(model, batch: dict):
 def _log_probs(out, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-probs of the next token [T, V], targets [T], valid [T]) of one causal-LM batch."""
     ids = batch["input_ids"]
+    if getattr(out, "logits", None) is None:
+        raise ValueError(f'metric="perplexity" needs a causal LM (outputs with logits); this model '
+                         f'returns {type(out).__name__}: use metric="embedding_cos" for encoders')
     lp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1).cpu()
     tgt = ids[:, 1:]
     valid = torch.ones_like(tgt, dtype=torch.bool)
@@ -120,6 +123,10 @@ def _log_probs(out, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def _embedding(out, batch: dict) -> torch.Tensor:
     """Mean over the real tokens of the last hidden state, L2-normalised, float64."""
+    if getattr(out, "last_hidden_state", None) is None:
+        raise ValueError(f'metric="embedding_cos" needs an encoder (outputs with last_hidden_state); '
+                         f'this model returns {type(out).__name__}: use metric="perplexity" for '
+                         "causal LMs")
     h = out.last_hidden_state.double().cpu()
     m = batch.get("attention_mask")
     m = torch.ones(h.shape[:2], dtype=torch.double) if m is None else m.double().cpu()

@@ -448,6 +448,8 @@ def test_calibrate_argument_errors():
     b = [torch.randint(0, 128, (1, 20))]
     with pytest.raises(ValueError, match="budget"):
         fp4attn.calibrate(model, b, budget=-0.1)
+    with pytest.raises(ValueError, match='metric="embedding_cos" needs an encoder'):
+        fp4attn.calibrate(model, b, metric="embedding_cos", verbose=False)
     with pytest.raises(ValueError, match="device_kind"):
         fp4attn.calibrate(model, b, device_kind="ampere")
     with pytest.raises(ValueError, match=r"device_kind\['int8'\]"):
