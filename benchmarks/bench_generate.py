@@ -10,8 +10,8 @@ tokens, per setup
             key length)
   flash     the same with SDPA restricted to the flash backend (the fastest torch decode here)
   fp4cache  attn_implementation="fp4attn", fp4attn.integrations.transformers.FP4Cache
-it measures the prefill (a one-token generate), the whole generate, ms per new token
-((whole - prefill) / (new - 1)), peak device memory, and the KV cache's bytes per token held
+it measures the prefill (a one-token generate), the whole generate (medians of --rounds runs
+each), ms per new token ((whole - prefill) / (new - 1)), peak device memory, and the KV cache's bytes per token held
 (FP4Cache allocated for P + new tokens at once, as a server sizes it; without max_tokens its
 pages double as they fill); from those, the longest context whose cache fits in the memory the
 default cache needs at this P.
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 import time
 
@@ -56,7 +57,7 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_generate(model, ids, new, cache_factory, device, backend=None):
+def run_generate(model, ids, new, cache_factory, device, backend=None, rounds=3):
     """(seconds of a 1-token generate, seconds of the whole generate, peak bytes, cache object);
     backend: a torch SDPBackend to restrict torch SDPA to."""
 
@@ -70,12 +71,17 @@ def run_generate(model, ids, new, cache_factory, device, backend=None):
         return time.perf_counter() - t, kw.get("past_key_values")
 
     gen(2)  # warm-up (kernels, allocator)
-    prefill, _ = gen(1)
+    # medians of `rounds` runs each: the per-token time is a difference of the two, which single
+    # runs made move by tens of percent
+    prefill = statistics.median(gen(1)[0] for _ in range(rounds))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    whole, cache = gen(new)
+    wholes, cache = [], None
+    for _ in range(rounds):
+        t, cache = gen(new)
+        wholes.append(t)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")
-    return prefill, whole, peak, cache
+    return prefill, statistics.median(wholes), peak, cache
 
 
 def kv_bytes_per_token(model, cache, B) -> float:
@@ -95,6 +101,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompts", default="2048,32768")
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each generate (medians)")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -125,7 +132,8 @@ def main() -> int:
                 setups.insert(1, ("flash", "sdpa", None, SDPBackend.FLASH_ATTENTION))
             for name, impl, factory, backend in setups:
                 model.config._attn_implementation = impl
-                prefill, whole, peak, cache = run_generate(model, ids, args.new, factory, device, backend)
+                prefill, whole, peak, cache = run_generate(model, ids, args.new, factory, device, backend,
+                                                           args.rounds)
                 row[f"{name}_prefill_s"] = prefill
                 row[f"{name}_ms_per_token"] = 1e3 * (whole - prefill) / max(args.new - 1, 1)
                 row[f"{name}_peak_gb"] = peak / 1e9
