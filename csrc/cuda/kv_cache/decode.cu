@@ -438,6 +438,7 @@ __device__ void residual_split(const DecodeArgs &a, int64_t tile, int64_t b, int
   const int64_t row = mt * NQ + r;
   const RowKeys rk = row_keys(p, Lb, row, first_key(p, b));
   const int lo = row < M ? rk.exact : 0, hi = row < M ? rk.end : 0; /* the row's residual keys */
+  const int kstart = first_key(p, b); /* keys before it (padding) are not loaded: no 0 x NaN */
   const float s_log2 = p.scale * kLog2e;
   float o[kCols] = {}, m = -INFINITY, l = 0.0f;
   for (int j0 = max(0, Lb - slots); j0 < Lb; j0 += kKeys) {
@@ -449,7 +450,7 @@ __device__ void residual_split(const DecodeArgs &a, int64_t tile, int64_t b, int
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int e = tid + kThreads * (i0 + i), j = j0 + e / DP, d = e % DP;
-        const bool in = j < Lb && d < D;
+        const bool in = j >= kstart && j < Lb && d < D;
         const int64_t at = (ring + j % slots) * D + d;
         kx[i] = in ? static_cast<const T *>(p.res_k)[at] : T(0);
         vx[i] = in ? static_cast<const T *>(p.res_v)[at] : T(0);
@@ -521,6 +522,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   static_assert(NQ * DP % kThreads == 0, "whole Q elements per thread");
   extern __shared__ __align__(128) char smem[];
   __shared__ float warp_qmax[kWarps];
+  __shared__ int first_seen;      /* first_key, read again in the chunk loop's masked chunks only */
   __shared__ float q_rot[NQ][DP]; /* the tile's queries rotated (SPEC 6), FP32 */
   __shared__ int64_t q_row[NQ];   /* element offset of each tile row's q, -1 past the G x nq rows */
   const fp4attn_decode_params &p = a.p;
@@ -545,8 +547,9 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   /* this split's chunks (stored rows below Lq: the last row's residual keys are above it); the
    * warp's first one is in flight while the block stages Q */
   const int Lq = p.residual_len > 0 ? (int)max((int64_t)0, Lb - p.residual_len) : Lb;
-  const int64_t end0 = Lb - nq + 1; /* the first row's keys end there */
-  const int ks = first_key(p, b);   /* no row sees a key before it */
+  const int64_t end0 = Lb - nq + 1;      /* the first row's keys end there */
+  const int ks = first_key(p, b);        /* no row sees a key before it */
+  if (threadIdx.x == 0) first_seen = ks; /* (the block's barriers before the loop publish it) */
   const int first =
       max(p.window > 0 && end0 > p.window ? (int)((end0 - p.window) / kChunk) : 0, ks / kChunk);
   const int nch = max(0, (Lq + kChunk - 1) / kChunk - first);
@@ -733,6 +736,14 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
       }
     }
 
+    const bool inside = j0 >= seen_lo && j0 + kChunk <= seen_hi; /* the same in every lane */
+    /* keys before the sequence's first seen one (padding; only in a masked chunk): V's dec 0,
+     * so that a NaN or huge dec there reaches neither vref nor, as 0 x NaN, the MMA */
+    if (!inside && j0 < first_seen)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (j0 + 8 * j + g < first_seen) cur.vd[j] = 0.0f;
+
     /* online softmax over the chunk: a query's keys lie across the lanes of one t4 */
     float vmax =
         fmaxf(fmaxf(fabsf(cur.vd[0]), fabsf(cur.vd[1])), fmaxf(fabsf(cur.vd[2]), fabsf(cur.vd[3])));
@@ -747,7 +758,6 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
     float kf[4], vf[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) kf[j] = cur.kd[j] * s_log2, vf[j] = cur.vd[j] * vinv;
-    const bool inside = j0 >= seen_lo && j0 + kChunk <= seen_hi; /* the same in every lane */
     float alpha[NT][2], mref[NT][2];
     bool rescale = vgrow != 1.0f;
 #pragma unroll
@@ -813,6 +823,12 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
     }
 
     if (kFast) read_chunk_v<DP>(cur, slot, lane);
+    if (!inside && j0 < first_seen) /* and their V scales 0 (a NaN scale: 0 x NaN) */
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int x = 0; x < 2; ++x)
+          if (j0 + 8 * j + 2 * t4 + x < first_seen) cur.vs[j][x] = 0u;
     /* O^T += V^T P^T: k-step km holds keys 16 km + 2 t4 + x (group 2 km) and + 8 (2 km + 1) */
 #pragma unroll
     for (int km = 0; km < 2; ++km)
