@@ -68,6 +68,7 @@ def exact_decode(q, k, v, lens, window=None, exact=None, key_start=None):
             if key_start is not None:
                 seen &= pos >= key_start[b]
             s = s.masked_fill(~seen, -math.inf)
+            vv = torch.where(seen[None, :, None], vv, 0.0)  # an unseen key's value is not read
             o[:, t] = (torch.softmax(s, -1)[:, None, :] @ vv)[:, 0] if seen.any() else 0.0
             lse[:, t] = torch.logsumexp(s, -1)
         outs.append(o)
@@ -445,6 +446,27 @@ def test_decode_key_start_leaves_each_sequences_padding_unseen(dtype, window, de
     assert (lse.double()[seen] - ref_lse[seen]).abs().max() < 2e-3
     plain = fp4attn.decode(q.to(device), cache, window=window).cpu()
     assert torch.equal(out[0], plain[0])  # no padding: the same bits as without key_start
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_key_start_hides_non_finite_padding(device):
+    """Padding before key_start that holds NaN values (NaN decs and scales in the stored rows and
+    the exact ones in the ring): no query sees it, so nothing of it reaches the outputs (on CUDA
+    a masked key's 0 x NaN would spread through the MMA to every row of its tile)."""
+    B, Hq, Hkv, D, nq = 3, 8, 2, 128, 2
+    k, v = kv(B, Hkv, 152, D, torch.float16, 3)
+    starts = [0, 37, 151]  # 37: inside a 32-key chunk; 151: the ring's rows before it too
+    for b, s in enumerate(starts):
+        v[b, :, :s] = math.nan
+    cache = fp4attn.FP4KVCache(B, Hkv, D, dtype=torch.float16, device=device, page_size=32)
+    cache.append(k.to(device), v.to(device))
+    q = torch.randn(B, Hq, nq, D, generator=torch.Generator().manual_seed(12)).half()
+    out, lse = fp4attn.decode(q.to(device), cache, return_lse=True, key_start=starts)
+    ref, ref_lse = cache_decode_reference(q, cache, k, v, key_start=starts)
+    out, lse = out.cpu(), lse.cpu()
+    assert torch.isfinite(out).all()
+    assert rel_l1(out[:2], ref[:2]) < 3e-3 and rel_l1(out[2, :, 1], ref[2, :, 1]) < 3e-3
+    assert (out[2, :, 0] == 0).all() and (lse[2, :, 0] == -math.inf).all()
 
 
 def test_decode_key_start_arguments_are_checked():
