@@ -318,8 +318,10 @@ AttentionCall prepare_attention(const at::Tensor &q_in, const at::Tensor &k_in,
   CHECK_ARG(Hq == 0 || (Hkv >= 1 && Hq % Hkv == 0),
             "query heads (%lld) must be a multiple of key/value heads (%lld)",
             static_cast<long long>(Hq), static_cast<long long>(Hkv));
-  CHECK_ARG(D <= FP4ATTN_MAX_HEAD_DIM, "head_dim must be in [1, %d], got %lld",
-            FP4ATTN_MAX_HEAD_DIM, static_cast<long long>(D));
+  /* head dim 0 only without query rows (an lse would be log(len_k), which no backend writes) */
+  CHECK_ARG(D <= FP4ATTN_MAX_HEAD_DIM && (D >= 1 || B * Hq * Nq == 0),
+            "head_dim must be in [1, %d], got %lld", FP4ATTN_MAX_HEAD_DIM,
+            static_cast<long long>(D));
   AttentionCall c;
   c.q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
   c.k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();

@@ -43,7 +43,7 @@ def run(impl: str, ids: torch.Tensor, val: torch.Tensor, args) -> tuple[list[dic
         model.eval()
         with torch.no_grad():
             losses = []
-            for s in range(0, val.numel() - args.seq - 1, args.seq):
+            for s in range(0, val.numel() - args.seq, args.seq):  # every whole window
                 x = val[s:s + args.seq + 1][None]
                 logits = model(x[:, :-1]).logits
                 losses.append(F.cross_entropy(logits.flatten(0, 1), x[0, 1:]))
@@ -83,12 +83,18 @@ def main() -> int:
     ap.add_argument("--val-tokens", type=int, default=2048)
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
+    for name in ("steps", "batch", "seq", "eval_every"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.val_tokens < args.seq:
+        ap.error(f"--val-tokens ({args.val_tokens}) must be at least --seq ({args.seq}): one window")
     fp4_transformers.register()
     _, tok = load_smollm2()
     train_ids = torch.tensor(tok(austen_text("emma"))["input_ids"])
     val_ids = torch.tensor(tok(austen_text("persuasion"))["input_ids"][: args.val_tokens + 1])
     print(f"SmolLM2-135M, {args.steps} steps of {args.batch} x {args.seq} tokens of Emma, "
-          f"validation: {val_ids.numel() - 1} tokens of Persuasion; {cpu_description()}")
+          f"validation: {(val_ids.numel() - 1) // args.seq * args.seq} tokens of Persuasion "
+          f"(whole windows of {args.seq}); {cpu_description()}")
     results, speed = [], {}
     for impl in ("sdpa", fp4_transformers.NAME_INT8):
         rows, speed[impl] = run(impl, train_ids, val_ids, args)

@@ -221,7 +221,8 @@ def train(kind, data, val, args, device, seed):
             print(f"  {kind:5s} seed {seed} step {step:5d}  train {row['train_loss']:.4f}  "
                   f"val {row['val_loss']:.4f}  (exact attention {row['val_loss_exact_attention']:.4f})",
                   flush=True)
-    return rows, tokens / max(t_train, 1e-9), probed
+    # no timed step (runs of at most the 10 warm-up steps): no rate, not 0
+    return rows, tokens / t_train if t_train > 0 else math.nan, probed
 
 
 def _corpus_name(path: str | None) -> str | None:
@@ -254,8 +255,8 @@ def reused_rows(args: argparse.Namespace, seeds: list[int], arms: list[str]) -> 
                              f"{earlier.corpus or 'the janeaustenr package'}, this one on "
                              f"{args.corpus or 'the janeaustenr package'}")
     rows = [{"run": r["run"], "seed": int(r["seed"]), "step": int(r["step"]),
-             **{k: float(r[k]) for k in ("train_loss", "val_loss", "val_loss_exact_attention",
-                                          "tokens_per_s")}}
+             **{k: float(r[k]) if r[k] != "" else math.nan  # "": a run with no timed step
+                for k in ("train_loss", "val_loss", "val_loss_exact_attention", "tokens_per_s")}}
             for r in raw if r["run"] in arms and int(r["seed"]) in seeds]
     for arm in arms:
         for seed in seeds:
@@ -402,8 +403,9 @@ def main() -> int:
     for k in ("torch", "int8"):
         f, t = summary[k]["final"], summary[k]["reach"]
         reach = f"{t[0]:.0f} +- {t[1]:.0f}" if t else "not reached"
-        print(f"| {label[k]} | {f[0]:.4f} +- {f[1]:.4f} ({f[2]:.4f}..{f[3]:.4f}) | {reach} | "
-              f"{sum(speed[k].values()) / len(speed[k]):,.0f} |")
+        rate = sum(speed[k].values()) / len(speed[k])
+        rate = f"{rate:,.0f}" if math.isfinite(rate) else "n/a (no step past the 10 warm-up steps)"
+        print(f"| {label[k]} | {f[0]:.4f} +- {f[1]:.4f} ({f[2]:.4f}..{f[3]:.4f}) | {reach} | {rate} |")
     rel = summary["int8"]["final"][0] / summary["torch"]["final"][0] - 1
     verdict = ("yes" if summary["parity"] else "no") if len(seeds) >= 3 else \
         f"not judged ({len(seeds)} seed(s); the protocol needs >= 3)"
@@ -416,7 +418,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     hw = gpu_description() if device.type == "cuda" else cpu_description()
     for r in results:
-        r["tokens_per_s"] = round(speed[r["run"]][r["seed"]])
+        s = speed[r["run"]][r["seed"]]
+        r["tokens_per_s"] = round(s) if math.isfinite(s) else ""
     head = header(hw)
     if reused:
         head["reused"] = (f"the {' and '.join(sorted({r['run'] for r in reused}))} arm from "

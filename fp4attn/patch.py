@@ -84,9 +84,11 @@ def _check_count(*_):
 
 
 def is_patched() -> bool:
-    """Whether fp4attn's patch is in force: torch's SDPA is it, or a wrapper something installed
-    over it (a profiler's, a tracer's) that calls it."""
-    return F.scaled_dot_product_attention is patched_sdpa or _saved is not None
+    """Whether fp4attn's patch is in force: torch's SDPA is it, or something installed over it
+    since (a profiler's or tracer's wrapper, which calls it); not where the function it replaced
+    was put back (patch() then installs it again)."""
+    f = F.scaled_dot_product_attention
+    return f is patched_sdpa or (_saved is not None and f is not _saved)
 
 
 def current() -> tuple[str | None, Policy | None]:

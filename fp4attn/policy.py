@@ -153,8 +153,9 @@ class Policy:
         layers = d.get("layers", {})
         if not isinstance(layers, dict):
             raise ValueError("'layers' must be an object {\"layer index\": precision}")
-        canonical = [s for s in layers if isinstance(s, str) and s.isascii() and s.isdigit()
-                     and str(int(s)) == s]  # "3", not " 3", "03", "1_0" or another script's digits
+        canonical = [s for s in layers if (isinstance(s, str) and s.isascii() and s.isdigit() and
+                                           str(int(s)) == s)  # not " 3", "03", "1_0", "٣"
+                     or (isinstance(s, int) and not isinstance(s, bool) and s >= 0)]
         if len(canonical) != len(layers):
             raise ValueError(f"'layers' keys must be layer indices written as decimal integers, "
                              f"got {list(layers)}")

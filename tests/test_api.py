@@ -95,6 +95,9 @@ def test_ops_check_heads_and_head_dim_even_with_nothing_to_compute():
         wide = torch.randn(1, 1, 0, 300)
         with pytest.raises(RuntimeError, match="head_dim must be in"):
             op(torch.randn(1, 1, 4, 300), wide, wide, None, False, 1.0, *extra)
+        flat = torch.randn(1, 1, 4, 0)  # rows but no head dim: its lse would be garbage
+        with pytest.raises(RuntimeError, match="head_dim must be in"):
+            op(flat, flat, flat, None, False, 1.0, *extra)
 
 
 def test_ops_without_a_derivative_refuse_backward():

@@ -101,6 +101,7 @@ def test_policy_json_round_trip(tmp_path):
     for key in (" 1", "1_0", "01", "\u0663"):  # int() reads them all ("1_0" as 10; "01" and "1" merged)
         with pytest.raises(ValueError, match="decimal integers"):
             Policy.from_dict({**d, "layers": {key: "fp4"}})
+    assert Policy.from_dict({**d, "layers": {0: "bf16", "2": "int8"}}) == p  # int keys as given
     with pytest.raises(ValueError, match=r"layers\[0\]"):
         Policy.from_dict({**d, "layers": {"0": "fp2"}})
 
@@ -235,6 +236,11 @@ def test_a_wrapper_over_the_patch_keeps_it(monkeypatch):
     monkeypatch.setattr(F, "scaled_dot_product_attention", inner)  # the wrapper removed
     fp4attn.unpatch()
     assert F.scaled_dot_product_attention is patch_module.ORIGINAL_SDPA
+    fp4attn.patch("int8")  # something puts torch's function back: not patched, patch() reinstalls
+    monkeypatch.setattr(F, "scaled_dot_product_attention", patch_module.ORIGINAL_SDPA)
+    assert not fp4attn.is_patched()
+    fp4attn.patch("int8")
+    assert F.scaled_dot_product_attention is patch_module.patched_sdpa
 
 
 def test_register_policy_matches_patch():

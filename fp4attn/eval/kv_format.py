@@ -184,6 +184,7 @@ def _pv_e4m3(p: torch.Tensor, vparts) -> torch.Tensor:
     g = (dec / top)[..., None] * scales  # [B, H, Nk, D/16], at most 448
     w = (p[..., None] * g[:, :, None]).to(torch.float8_e4m3fn).float()  # [B, H, Nq, Nk, D/16]
     D = vals.shape[-1]
+    vals = torch.nn.functional.pad(vals, (0, 16 * scales.shape[-1] - D))  # whole 16-value blocks
     out = torch.einsum("bhqkc,bhkcd->bhqcd", w, vals.reshape(*vals.shape[:-1], -1, 16))
     return out.reshape(*out.shape[:-2], -1)[..., :D] * top[..., None]
 

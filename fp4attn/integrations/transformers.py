@@ -299,7 +299,8 @@ def _cache_classes():
     class FP4Layer(CacheLayerMixin):
         """A layer of an FP4Cache: an fp4attn.FP4KVCache that grows. With `sliding_window`, a
         sliding-window layer: each query attends to its last `sliding_window` keys (through the
-        kernel when the mask transformers passes is the plain window pattern, i.e. no padding),
+        kernel when the mask transformers passes is the plain window pattern but for left
+        padding),
         and the cache keeps only the tokens that can still be seen (a windowed FP4KVCache)."""
 
         is_croppable = False
@@ -307,7 +308,7 @@ def _cache_classes():
         def __init__(self, page_size: int | None = None, sliding_window: int | None = None,
                      attn_implementation=None, max_tokens: int | None = None):
             super().__init__()
-            self.max_tokens = max_tokens  # the cache's first allocation (it grows by doubling)
+            self.max_tokens = max_tokens  # allocated at once, and the most it holds (None: grows)
             # () -> the model's attention implementation, or None where unknown (no config)
             self.attn_implementation = attn_implementation or (lambda: None)
             self.page_size = page_size
@@ -430,8 +431,9 @@ def _cache_classes():
         attn_implementation="fp4attn" or "fp4attn-int8"), the sliding-window layers with the
         config's `sliding_window`: those `config.layer_types` names, or every layer of a config
         with a `sliding_window` and no `layer_types` (Mistral, Phi-3), as transformers' own
-        caches read it. `max_tokens`: the tokens per sequence to allocate for at once (prompt plus
-        new tokens); without it each layer's pages double as they fill, up to twice what it holds."""
+        caches read it. `max_tokens`: the tokens per sequence each layer allocates for at once and
+        the most it will hold (at least the prompt plus the new tokens; an append past it raises);
+        without it each layer's pages double as they fill, up to twice what it holds."""
 
         def __init__(self, config=None, page_size: int | None = None, max_tokens: int | None = None):
             if max_tokens is not None and (not isinstance(max_tokens, int) or
