@@ -653,6 +653,9 @@ def perplexity(model, ids: torch.Tensor, *, window: int, modes: list[str],
     """Perplexity over non-overlapping windows of ``ids`` for each attention mode, plus top-1
     agreement and mean KL(exact || mode) of the next-token distributions. ``bos_id``: a token
     put before every window (models such as Gemma expect ``<bos>``), never a target."""
+    if "fp4cache" in modes and window <= CACHE_PREFILL:
+        raise ValueError(f"the fp4cache mode needs windows longer than its {CACHE_PREFILL}-token "
+                         f"prefill (window={window}: nothing would decode from the cache)")
     dev = next(model.parameters()).device
     stats = {m: {"nll": 0.0, "n": 0, "agree": 0, "kl": 0.0} for m in modes}
     t0 = time.perf_counter()
@@ -785,6 +788,9 @@ def report_smollm2(args) -> ModelResult:
     if args.calibrate and not args.no_e2e:
         res.policy = calibrate_llm(model, tok, args)
         pmodes = [policy_mode(res.policy)]
+    if args.ppl_tokens <= 1 and not args.no_e2e and (args.gen_prompts > 0 or args.curve_points > 0):
+        print("[report] --ppl-tokens 0: no perplexity, and so no greedy agreement, fallback "
+              "policies or calibration curve (they run with it)", file=sys.stderr)
     if args.ppl_tokens > 1 and not args.no_e2e:
         ppl_ids = ids[: args.ppl_tokens]
         res.e2e = perplexity(model, ppl_ids, window=args.window,
@@ -1130,11 +1136,10 @@ def _closing_note(results: list[ModelResult], args) -> str:
         best = min((p for p in res.policies if p["rel_change"] < PPL_TARGET),
                    key=lambda p: len(p["layers"]), default=None)
         lines.append(
-            "- **Proposed fix (within the design): a per-layer precision policy.** The SDPA "
-            "front end takes a per-model table, found once with this report, that says per "
-            "layer which operands run in 8-bit instead of FP4 (INT8 QK^T as in "
-            "SageAttention2, FP8 E4M3 P.V) or, where no 8-bit kernel exists, BF16 SDPA; every "
-            "other layer stays FP4.")
+            "- **Where FP4 misses: a per-layer precision policy** (`fp4attn.calibrate`, "
+            "`fp4attn.Policy`, docs/policy.md): each layer runs FP4, the 8-bit attention "
+            "(`precision=\"int8\"`, rows above) or torch's SDPA, the cheapest mix within a "
+            "budget, measured; the calibrated policy's rows are above where the report ran it.")
         qk = res.e2e.get("variant:fp4_qk")
         if qk is not None:
             still = sorted(l for l, r in by.items() if "fp4_qk" in r
@@ -1157,10 +1162,10 @@ def _closing_note(results: list[ModelResult], args) -> str:
                    f"({best['rule']}: {100 * best['rel_change']:+.2f}%)." if best else
                    "no measured top-k policy met the perplexity target."))
         lines.append(
-            "  - Perplexity differences of about one point are within the run-to-run spread of "
-            "FP4 rounding on a few thousand tokens; KL and top-1 agreement are the steadier "
-            "measures. BF16 and exact P.V / QK^T are upper bounds for 8-bit paths, which are "
-            "the follow-up kernels this report motivates.")
+            "  - On a few thousand tokens perplexity differences of a few tenths of a point are "
+            "noise (FP4's codes flip on tiny input differences, so changes elsewhere move it); "
+            "KL and top-1 agreement are the steadier measures. BF16 and exact P.V / QK^T are "
+            "upper bounds for the 8-bit paths.")
     return "\n".join(lines)
 
 
