@@ -71,13 +71,36 @@ def git_commit() -> str:
     return head + (" +changes" if dirty else "")
 
 
+def _versions() -> str:
+    """What else decides a torch baseline's or a model's numbers: cuDNN (torch's cuDNN SDPA), the
+    driver, and the packages some benchmarks import (those not installed are left out)."""
+    import importlib.metadata as md
+
+    out = []
+    if torch.cuda.is_available():
+        out.append(f"cuDNN {torch.backends.cudnn.version()}")
+        try:
+            drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, check=True).stdout.split()
+            out.append(f"driver {drv[0]}" if drv else "driver unknown")
+        except (OSError, subprocess.CalledProcessError):
+            out.append("driver unknown")
+    for pkg in ("transformers", "sageattention", "triton"):
+        try:
+            out.append(f"{pkg} {md.version(pkg)}")
+        except md.PackageNotFoundError:
+            pass
+    return ", ".join(out)
+
+
 def software_description() -> str:
     b = fp4attn.build_info()
     backends = f"CUDA archs {b['cuda_archs'] or '-'}" if b["cuda"] else "CPU-only build"
     cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
+    extra = _versions()
     return (f"torch {torch.__version__} ({cuda}), python "
             f"{platform.python_version()}; fp4attn {fp4attn.__version__} git {git_commit()}, "
-            f"{backends}, OpenMP {'on' if b['openmp'] else 'off'}")
+            f"{backends}, OpenMP {'on' if b['openmp'] else 'off'}" + (f"; {extra}" if extra else ""))
 
 
 def header(hardware: str) -> dict[str, str]:
