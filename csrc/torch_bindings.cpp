@@ -571,6 +571,18 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_autograd(
 
 // ---------------------------------------------------------------- FP4 KV cache (SPEC 6)
 
+// An optional per-sequence int32 [batch] tensor on `device` (mean_from, key_start), or null.
+const int32_t *per_sequence_int32(const c10::optional<at::Tensor> &t, int64_t batch,
+                                  const at::Device &device, const char *name) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  CHECK_ARG(t->dim() == 1 && t->size(0) == batch && t->scalar_type() == at::kInt &&
+                t->is_contiguous() && t->device() == device,
+            "%s must be a contiguous int32 [batch=%lld] tensor on %s, got %s %s on %s", name,
+            static_cast<long long>(batch), device.str().c_str(), dtype_str(t->scalar_type()),
+            shape_str(t->sizes()).c_str(), t->device().str().c_str());
+  return t->data_ptr<int32_t>();
+}
+
 // The cache's storage tensors checked against each other and described for the C API.
 fp4attn_kv_cache kv_cache_view(const at::Tensor &k_codes, const at::Tensor &k_scales,
                                const at::Tensor &k_exp, const at::Tensor &v_codes,
@@ -677,15 +689,7 @@ void kv_append(const at::Tensor &k_in, const at::Tensor &v_in, const at::Tensor 
   fill_strides3(k, p.k_stride);
   fill_strides3(v, p.v_stride);
   p.set_mean = set_mean ? 1 : 0;
-  if (mean_from.has_value()) {
-    const at::Tensor &f = *mean_from;
-    CHECK_ARG(f.dim() == 1 && f.size(0) == p.cache.batch && f.scalar_type() == at::kInt &&
-                  f.is_contiguous() && f.device() == k.device(),
-              "mean_from must be a contiguous int32 [batch=%lld] tensor on %s, got %s %s on %s",
-              static_cast<long long>(p.cache.batch), k.device().str().c_str(),
-              dtype_str(f.scalar_type()), shape_str(f.sizes()).c_str(), f.device().str().c_str());
-    p.mean_from = f.data_ptr<int32_t>();
-  }
+  p.mean_from = per_sequence_int32(mean_from, p.cache.batch, k.device(), "mean_from");
   CHECK_ARG(mean_rows >= 0, "mean_rows must be >= 0, got %lld", static_cast<long long>(mean_rows));
   p.mean_rows = mean_rows;
   if (p.len == 0) { /* nothing to store, but the same range check as a store */
@@ -773,15 +777,7 @@ std::tuple<at::Tensor, at::Tensor> decode(
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.scale = static_cast<float>(scale);
   p.window = window;
-  if (key_start.has_value() && key_start->defined()) {
-    const at::Tensor &s = *key_start;
-    CHECK_ARG(s.dim() == 1 && s.size(0) == p.cache.batch && s.scalar_type() == at::kInt &&
-                  s.is_contiguous() && s.device() == q.device(),
-              "key_start must be a contiguous int32 [batch=%lld] tensor on %s, got %s %s on %s",
-              static_cast<long long>(p.cache.batch), q.device().str().c_str(),
-              dtype_str(s.scalar_type()), shape_str(s.sizes()).c_str(), s.device().str().c_str());
-    p.key_start = s.data_ptr<int32_t>();
-  }
+  p.key_start = per_sequence_int32(key_start, p.cache.batch, q.device(), "key_start");
 #ifdef FP4ATTN_WITH_CUDA
   if (on_cuda(q)) {
     c10::cuda::CUDAGuard guard(q.device());

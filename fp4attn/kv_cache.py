@@ -273,12 +273,7 @@ class FP4KVCache:
         if self.window is not None:
             raise ValueError("padding: a windowed cache does not take padding (its statistics are "
                              "those of the tokens it keeps)")
-        values = padding.tolist() if isinstance(padding, Tensor) else padding
-        if not isinstance(values, (list, tuple)) or len(values) != self.batch or any(
-                not isinstance(p, int) or isinstance(p, bool) or p < 0 for p in values):
-            raise ValueError(f"padding must be {self.batch} ints >= 0 (one per sequence), got "
-                             f"{padding!r}")
-        values = list(values)
+        values = _per_sequence_ints(padding, self.batch, "padding")
         if self.statistics_fixed and values != self._padding:
             raise ValueError(f"padding {values} after K's statistics were fixed with padding "
                              f"{self._padding}: it can change only until every sequence has its "
@@ -318,6 +313,15 @@ class FP4KVCache:
                 v[:, :, ring - self.start:] = self.res_v.index_select(2, at).float()
         dtype = self.dtype if dtype is None else dtype
         return k.to(dtype), v.to(dtype)
+
+
+def _per_sequence_ints(values, batch: int, name: str) -> list[int]:
+    """One int >= 0 per sequence (a list, tuple or tensor), as a list; else a ValueError."""
+    got = values.tolist() if isinstance(values, Tensor) else values
+    if not isinstance(got, (list, tuple)) or len(got) != batch or any(
+            not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in got):
+        raise ValueError(f"{name} must be {batch} ints >= 0 (one per sequence), got {values!r}")
+    return list(got)
 
 
 def _dequantize_rows(codes, scales, dec, block_table, length: int, D: int, key: bool = False) -> Tensor:
@@ -394,11 +398,7 @@ def decode(q: Tensor, cache: FP4KVCache, scale: float | None = None, return_lse:
             raise ValueError(f"window={window} exceeds the cache's window={cache.window}")
         window = cache.window if window is None else window
     if key_start is not None:
-        values = key_start.tolist() if isinstance(key_start, Tensor) else key_start
-        if not isinstance(values, (list, tuple)) or len(values) != cache.batch or not all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in values):
-            raise ValueError(f"key_start must be {cache.batch} ints >= 0 (one per sequence), got "
-                             f"{key_start!r}")
-        key_start = torch.tensor(values, dtype=torch.int32).to(cache.device, non_blocking=True)
+        key_start = torch.tensor(_per_sequence_ints(key_start, cache.batch, "key_start"),
+                                 dtype=torch.int32).to(cache.device, non_blocking=True)
     return decode_paged(q, *cache.storage(), cache.seq_lens, scale=scale, return_lse=return_lse,
                         window=window, key_start=key_start, **cache.residual())

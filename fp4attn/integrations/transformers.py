@@ -104,8 +104,7 @@ def _plain_window_start(attention_mask: torch.Tensor, nq: int, L: int,
     if known is not None and known[0] == key:
         return known[1]
     mask = attention_mask[..., :L]
-    hidden = ~mask.any(dim=2).any(dim=1)  # [B or 1, L]: keys no query of the sequence sees
-    start = hidden.to(torch.int32).cumprod(dim=-1).sum(dim=-1)  # its leading run: the padding
+    start = _leading_hidden(mask)
     want = _window_mask(nq, L, window, mask.device) & \
         (torch.arange(L, device=mask.device)[None, :] >= start[:, None])[:, None, None, :]
     plain = start.tolist() if bool((mask == want).all()) else None
@@ -120,6 +119,13 @@ def attended(attention_mask: torch.Tensor) -> torch.Tensor:
     return attention_mask > torch.finfo(attention_mask.dtype).min / 2
 
 
+def _leading_hidden(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B or 1] int32: per sequence of a 4D mask (bool, True = attend, or additive), how many of
+    its first keys no query sees (its left padding)."""
+    hidden = (~attended(attention_mask)).all(dim=2).all(dim=1)  # [B or 1, L]
+    return hidden.to(torch.int32).cumprod(dim=-1).sum(dim=-1)
+
+
 def _leading_padding(attention_mask, batch: int) -> list[int] | None:
     """Per sequence, how many of its first keys no query of the step sees (its left padding, in
     a layer without a sliding window) from a 4D mask (bool, True = attend, or additive); None
@@ -128,9 +134,7 @@ def _leading_padding(attention_mask, batch: int) -> list[int] | None:
         return None
     known = getattr(attention_mask, "_fp4attn_padding", None)
     if known is None:
-        hidden = ~attended(attention_mask)
-        hidden = hidden.all(dim=2).all(dim=1)  # [B or 1, L]: keys no query of the row sees
-        known = hidden.to(torch.int32).cumprod(dim=-1).sum(dim=-1).tolist()
+        known = _leading_hidden(attention_mask).tolist()
         attention_mask._fp4attn_padding = known
     return known * batch if len(known) == 1 else list(known)
 

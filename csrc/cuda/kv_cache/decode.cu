@@ -916,25 +916,41 @@ bool fast_layout(const fp4attn_kv_cache &c, int64_t dp) {
 
 using DecodeKernel = void (*)(DecodeArgs);
 
-/* Whether `kernel`, its static shared memory plus `smem` dynamic bytes, fits one block on the
- * current device (the staged head-dim-256 variants do not on GPUs of 99 KB per block: sm_86,
- * sm_89, sm_120); asked once per kernel and device. */
-bool fits_device(DecodeKernel kernel, int smem) {
+/* A kernel variant on the current device, asked once per kernel and device: whether its static
+ * shared memory plus `smem` dynamic bytes fit one block (the staged head-dim-256 variants do not
+ * on GPUs of 99 KB per block: sm_86, sm_89, sm_120), and where they do, its resident blocks per SM
+ * once its dynamic shared memory limit is raised (only the head dim 256 variants need more than
+ * the default 48 KB) and the carveout set to shared memory (the chunk slots are the kernel's
+ * cache: cp.async.cg bypasses L1). A CUDA call that fails gives 1 block and is asked again. */
+struct DeviceFit {
+  bool fits;
+  int blocks;
+};
+DeviceFit device_fit(DecodeKernel kernel, int smem) {
   static std::mutex mu;
-  static std::map<std::pair<DecodeKernel, int>, bool> known;
+  static std::map<std::pair<DecodeKernel, int>, DeviceFit> known;
   int dev = 0;
   cudaGetDevice(&dev);
   std::lock_guard<std::mutex> lock(mu);
   const auto it = known.find({kernel, dev});
   if (it != known.end()) return it->second;
   cudaFuncAttributes attr;
-  int optin = 0;
+  int optin = 0, n = 0;
   if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
     cudaGetLastError();
-    return false;
+    return {false, 1};
   }
-  return known[{kernel, dev}] = (int64_t)attr.sharedSizeBytes + smem <= optin;
+  if ((int64_t)attr.sharedSizeBytes + smem > optin) return known[{kernel, dev}] = {false, 1};
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+          cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem) != cudaSuccess) {
+    cudaGetLastError();
+    return {true, 1};
+  }
+  return known[{kernel, dev}] = {true, n > 0 ? n : 1};
 }
 
 /* The staged variant where the cache allows it and the device holds its chunk slots, else the
@@ -943,7 +959,7 @@ template <int DP, int NT, bool kSplitQ>
 DecodeKernel variant(bool fast, int *smem) {
   using Fast = DecodeSmem<DP, 8 * NT, kSplitQ, true>;
   using Plain = DecodeSmem<DP, 8 * NT, kSplitQ, false>;
-  if (fast && fits_device(decode_kernel<DP, NT, kSplitQ, true>, Fast::kBytes)) {
+  if (fast && device_fit(decode_kernel<DP, NT, kSplitQ, true>, Fast::kBytes).fits) {
     *smem = Fast::kBytes;
     return decode_kernel<DP, NT, kSplitQ, true>;
   }
@@ -970,35 +986,11 @@ DecodeKernel kernel_for(const fp4attn_decode_params &p, int64_t dp, int64_t rows
   }
 }
 
-/* Blocks of `kernel` resident per SM on the current device (1 where the query fails), asked once
- * per kernel and device; the dynamic shared memory limit is raised first (only the head dim 256
- * variants need more than the default 48 KB) and the carveout set to shared memory. */
-int blocks_per_sm(DecodeKernel kernel, int smem) {
-  static std::mutex mu;
-  static std::map<std::pair<DecodeKernel, int>, int> known;
-  int dev = 0;
-  cudaGetDevice(&dev);
-  std::lock_guard<std::mutex> lock(mu);
-  const auto it = known.find({kernel, dev});
-  if (it != known.end()) return it->second;
-  int n = 0;
-  /* the chunk slots are the kernel's cache (cp.async.cg bypasses L1): all of it shared memory */
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-          cudaSuccess ||
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                           cudaSharedmemCarveoutMaxShared) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem) != cudaSuccess) {
-    cudaGetLastError();
-    return 1;
-  }
-  return known[{kernel, dev}] = n > 0 ? n : 1;
-}
-
 template <int DP>
 fp4attn_status launch_dp(const DecodeArgs &a, const KvDecodePlan &plan, cudaStream_t s) {
   int smem = 0;
   const DecodeKernel kernel = kernel_for(a.p, DP, plan.rows, &smem);
-  blocks_per_sm(kernel, smem); /* raises the kernel's shared memory limit once */
+  device_fit(kernel, smem); /* raises the kernel's shared memory limit once */
   kernel<<<dim3((unsigned)plan.tiles, (unsigned)plan.splits), kThreads, smem, s>>>(a);
   /* no merge of partials the kernel did not write */
   const fp4attn_status st = launch_status("decode");
@@ -1027,7 +1019,7 @@ fp4attn_status launch_dp(const DecodeArgs &a, const KvDecodePlan &plan, cudaStre
 int kv_decode_blocks_per_sm(const fp4attn_decode_params &p, int64_t dp, int64_t rows) {
   int smem = 0;
   const DecodeKernel kernel = kernel_for(p, dp, rows, &smem);
-  return blocks_per_sm(kernel, smem);
+  return device_fit(kernel, smem).blocks;
 }
 
 fp4attn_status launch_kv_decode(const fp4attn_decode_params &p, const KvDecodePlan &plan,
