@@ -379,7 +379,9 @@ def decode(q: Tensor, cache: FP4KVCache, scale: float | None = None, return_lse:
     """Decode attention of ``q [B, Hq, nq, D]`` (the last ``nq`` positions: query ``t`` sees keys
     ``0 .. len(cache) - nq + t``, or only the last ``window`` of them) on an :class:`FP4KVCache`;
     ``Hq`` a multiple of its KV heads. ``key_start``: per sequence, the first key its queries see
-    (``cache.padding`` for a left-padded batch: the pads are not attended), ints >= 0."""
+    (``cache.padding`` for a left-padded batch: the pads are not attended), ints >= 0; an int32
+    contiguous ``[B]`` tensor on the cache's device is used as is (no copy, no host
+    synchronisation; a value below 0 acts as 0)."""
     if not isinstance(cache, FP4KVCache):
         raise ValueError(f"cache must be an fp4attn.FP4KVCache, got {type(cache).__name__}")
     if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[0] != cache.batch or \
@@ -397,7 +399,10 @@ def decode(q: Tensor, cache: FP4KVCache, scale: float | None = None, return_lse:
         if window is not None and window > cache.window:
             raise ValueError(f"window={window} exceeds the cache's window={cache.window}")
         window = cache.window if window is None else window
-    if key_start is not None:
+    if key_start is not None and not (isinstance(key_start, Tensor) and key_start.dtype == torch.int32
+                                      and key_start.device == cache.device
+                                      and key_start.shape == (cache.batch,)
+                                      and key_start.is_contiguous()):
         key_start = torch.tensor(_per_sequence_ints(key_start, cache.batch, "key_start"),
                                  dtype=torch.int32).to(cache.device, non_blocking=True)
     return decode_paged(q, *cache.storage(), cache.seq_lens, scale=scale, return_lse=return_lse,

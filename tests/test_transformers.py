@@ -190,7 +190,9 @@ def test_fp4cache_decodes_a_padded_batch_through_the_kernel(monkeypatch):
     monkeypatch.setattr(integration, "ORIGINAL_SDPA", lambda *a, **kw: (
         sdpa_steps.append(1), sdpa(*a, **kw))[1])
     kernel = generate()
-    assert starts == [[0, 7]] * 2 * 3 and not sdpa_steps  # both layers, every step after prefill
+    # both layers, every step after prefill; one device copy per step's mask, not one per layer
+    assert [s.tolist() for s in starts] == [[0, 7]] * 2 * 3 and not sdpa_steps
+    assert all(starts[i] is starts[i + 1] for i in range(0, 6, 2))
     monkeypatch.setattr(integration, "_plain_window_start", lambda *a: None)  # the old path
     dequantized = generate()
     assert len(sdpa_steps) == 2 * 3

@@ -112,6 +112,16 @@ def _plain_window_start(attention_mask: torch.Tensor, nq: int, L: int,
     return plain
 
 
+def _key_start_tensor(attention_mask: torch.Tensor, start: list[int], device) -> torch.Tensor:
+    """`start` as the decode's int32 key_start on `device`, copied once per mask (every layer of a
+    type in a forward gets the same mask) rather than once per layer."""
+    known = getattr(attention_mask, "_fp4attn_key_start", None)
+    if known is None or known[0] != start:
+        known = (start, torch.tensor(start, dtype=torch.int32).to(device, non_blocking=True))
+        attention_mask._fp4attn_key_start = known
+    return known[1]
+
+
 def attended(attention_mask: torch.Tensor) -> torch.Tensor:
     """A transformers attention mask (bool, True = attend, or additive) as bool, True = attend."""
     if attention_mask.dtype == torch.bool:
@@ -154,8 +164,9 @@ def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
             hidden = max(0, len(cache) - nq + 1 - window) if window is not None else 0
             if start is not None and max(start) <= hidden:
                 start = None
-            if start is not None and len(start) == 1:
-                start = start * query.shape[0]
+            if start is not None:
+                start = _key_start_tensor(attention_mask, start * (query.shape[0] // len(start)),
+                                          query.device)
             return decode(query, cache, scale=scaling, window=window, key_start=start)
     # any other mask, or a long chunk: torch SDPA on the dequantized cache (the values the decode
     # kernel computes with, unquantized math like it), from position `start` on
