@@ -165,6 +165,20 @@ def test_fp4cache_step_matches_attention_on_the_dequantized_cache(ids):
     assert step_against_the_dequantized_cache(model, ids[:1, :60], ids[:1, 60:61]) > 0.9999
 
 
+def test_output_attentions_warns_that_no_weights_are_returned():
+    """output_attentions=True: no weights exist in a fused kernel; say so (transformers' own sdpa
+    logs the same) instead of handing back Nones unannounced. The output is unchanged."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    model = tiny_llama("fp4attn")
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), pytest.warns(UserWarning, match="returns no attention weights"):
+        out = model(ids, output_attentions=True)
+    with torch.no_grad():
+        assert torch.equal(out.logits, model(ids).logits)
+
+
 def test_fp4cache_decodes_a_padded_batch_through_the_kernel(monkeypatch):
     """A left-padded batch's decode steps run the kernel with each sequence's padding as its
     key_start (the mask is the causal pattern but for the padding), not torch SDPA on the whole

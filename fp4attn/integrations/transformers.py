@@ -230,6 +230,10 @@ def fp4attn_attention_forward(module, query, key, value, attention_mask, dropout
             raise NotImplementedError(
                 f"fp4attn: {what} ({name}=) is not supported by its attention kernels; load this "
                 f'model with attn_implementation="eager"')
+    if kwargs.get("output_attentions"):  # as transformers' sdpa: the weights are never formed
+        warnings.warn('fp4attn returns no attention weights (output_attentions=True gives None '
+                      'per layer); load the model with attn_implementation="eager" for them',
+                      stacklevel=2)
     out, key, value = fp4cache_step(query, key, value, attention_mask, scaling)
     if out is not None:
         return out, None
