@@ -7,9 +7,10 @@ For every (head dim, N, causal, dtype) it times, on the same inputs:
                --precision int8 the 8-bit attention (SPEC_INT8), columns int8attn / int8_kernel /
                int8_prepass
   fp4_kernel   the attention kernel alone (median of its device times over 5 profiled calls,
-               L2 warm), and fp4_prepass the pre-pass kernels alone (their summed device times
-               per call, the mean of those calls); both from torch.profiler, so they do not add
-               up to the end-to-end time, which is measured with the L2 flushed
+               L2 flushed before each as for the end-to-end time), and fp4_prepass the pre-pass
+               kernels alone (their summed device times per call, the mean of those calls); both
+               from torch.profiler, so they do not add up to the end-to-end time (which includes
+               the launches and the gaps between kernels)
   flash, cudnn, efficient   torch.nn.functional.scaled_dot_product_attention pinned to a backend
   sage         SageAttention's sageattn (INT8 Q K^T, FP16 P V; Triton) on the same inputs, when the
                package is importable (pip install sageattention==1.0.6: pure Python)
@@ -65,6 +66,10 @@ class Timer:
     def __init__(self):
         self.flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
 
+    def flush(self) -> None:
+        """Evict the L2 (a 256 MB write)."""
+        self.flush_buf.zero_()
+
     def time(self, fn, reps: int, warmup: int = 3) -> float:
         """Median milliseconds of fn() over reps calls, L2 flushed before each."""
         for _ in range(warmup):
@@ -72,7 +77,7 @@ class Timer:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for i in range(reps):
-            self.flush_buf.zero_()
+            self.flush()
             starts[i].record()
             fn()
             ends[i].record()
@@ -80,15 +85,13 @@ class Timer:
         return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def profiled_kernels(fn, calls: int) -> list[tuple[str, float]]:
-    """(kernel name, ms) of every CUDA kernel that `calls` calls of fn launch, from torch.profiler
-    (after one unprofiled warm-up call)."""
+def _device_events(fn, calls: int, before=None) -> list[tuple[str, float]]:
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
+            if before is not None:
+                before()
             fn()
         torch.cuda.synchronize()
     return [(ev.name, (ev.device_time if hasattr(ev, "device_time") else ev.cuda_time) / 1e3)
@@ -96,11 +99,28 @@ def profiled_kernels(fn, calls: int) -> list[tuple[str, float]]:
             if ev.device_type is not None and "cuda" in str(ev.device_type).lower()]
 
 
-def kernel_breakdown(fn, names, calls: int = 5) -> tuple[float, float]:
+def profiled_kernels(fn, calls: int, flush=None) -> list[tuple[str, float]]:
+    """(kernel name, ms) of every CUDA kernel that `calls` calls of fn launch, from torch.profiler
+    (after one unprofiled warm-up call). With `flush` (Timer.flush): called before each call, as
+    the end-to-end timing does, so the kernels start with a cold L2 like it; its own kernels are
+    left out (by name: a name fn launches too is refused rather than miscounted)."""
+    fn()
+    torch.cuda.synchronize()
+    if flush is None:
+        return _device_events(fn, calls)
+    flush_names = {name for name, _ in _device_events(flush, 1)}
+    clash = flush_names & {name for name, _ in _device_events(fn, 1)}
+    if clash:
+        raise RuntimeError(f"the L2 flush launches kernels the timed call launches too: {clash}")
+    return [(name, ms) for name, ms in _device_events(fn, calls, before=flush)
+            if name not in flush_names]
+
+
+def kernel_breakdown(fn, names, flush, calls: int = 5) -> tuple[float, float]:
     """(forward kernel ms: the median over `calls` profiled calls, pre-pass ms: the mean per call
-    of the other kernels' summed times)."""
+    of the other kernels' summed times), the L2 flushed before each call."""
     fwd, pre = [], []
-    for name, ms in profiled_kernels(fn, calls):
+    for name, ms in profiled_kernels(fn, calls, flush):
         if any(k in name for k in names):
             fwd.append(ms)
         else:  # everything else fp4attn launches is the quantization pre-pass
@@ -229,7 +249,7 @@ def main() -> int:
             return fp4attn.sdpa(q, k, v, is_causal=causal, enable_gqa=Hkv != H, precision=prec)
 
         ms = timer.time(ours, reps)  # and again after the baselines (below): clocks drift
-        fwd_ms, pre_ms = kernel_breakdown(ours, FWD_KERNELS[prec])
+        fwd_ms, pre_ms = kernel_breakdown(ours, FWD_KERNELS[prec], timer.flush)
         row[f"{prec}attn_ms"] = row[f"{prec}attn_tflops"] = float("nan")  # set below (column order)
         row[f"{prec}_kernel_ms"] = fwd_ms
         row[f"{prec}_kernel_tflops"] = flops / fwd_ms / 1e9

@@ -6,6 +6,7 @@ For every (head dim, N, causal, dtype) it times out = attention(q, k, v); out.ba
   int8_fwd / int8_bwd / int8_prepare   device times of the forward kernel, the backward kernel and
                 everything else the step launches (psi of the operands, dO terms, the dQ
                 accumulator's memset and finish, the gradients' zero fills), from torch.profiler
+                with the L2 flushed before each step
   flash, cudnn  torch.nn.functional.scaled_dot_product_attention pinned to a backend
 SageAttention (bench_attention.py's peer column) has no backward: sageattn 1.0.6 is a Triton
 forward only, so it has no column here.
@@ -43,12 +44,12 @@ def step_fn(attn, q, k, v, grad):
     return fn
 
 
-def breakdown(fn, calls: int = 3) -> tuple[float, float, float]:
+def breakdown(fn, flush, calls: int = 3) -> tuple[float, float, float]:
     """(forward kernel, backward kernel, everything else the step launches: the preparation
     kernels, the dQ accumulator's memset and the gradients' allocations) ms per step, from
-    torch.profiler."""
+    torch.profiler, the L2 flushed before each step as for the end-to-end time."""
     fwd = bwd = other = 0.0
-    for name, ms in profiled_kernels(fn, calls):
+    for name, ms in profiled_kernels(fn, calls, flush):
         if "int8_forward" in name:
             fwd += ms / calls
         elif "int8_backward" in name:
@@ -96,7 +97,7 @@ def main() -> int:
                                    q, k, v, dout)
                     ms = timer.time(ours, reps)
                     row["int8attn_ms"], row["int8attn_tflops"] = ms, flops / ms / 1e9
-                    row["int8_fwd_ms"], row["int8_bwd_ms"], row["int8_prepare_ms"] = breakdown(ours)
+                    row["int8_fwd_ms"], row["int8_bwd_ms"], row["int8_prepare_ms"] = breakdown(ours, timer.flush)
                     for name in ("flash", "cudnn"):
                         try:
                             ms_b = timer.time(step_fn(sdpa_backend_fn(name, q, k, v, causal), q, k, v, dout), reps)
