@@ -978,6 +978,31 @@ def test_cuda_nan_in_v_at_a_masked_key_stays_visible(dtype, bad, kernel):
     check_nan_in_v_at_a_masked_key(dtype, bad, "cuda", kernel, out_tol=5e-3, lse_tol=1e-3)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("kernel", ["auto", "sm80", "sm90"])
+def test_rows_seeing_only_finfo_min_keys_average_v(device, kernel):
+    """transformers' additive "hidden" value, torch.finfo(float32).min, is finite: a row whose
+    every key carries it attends to all of them alike (torch and the reference: the mean of V).
+    In log2 units (the CUDA kernels) it overflowed to -inf, which hid every key: zeros."""
+    if device == "cpu" and kernel != "auto":
+        pytest.skip("the C backend has one kernel")
+    if device == "cuda":
+        skip_unless_kernel_runs(kernel, 64, backward=False)
+    q, k, v = make(2, 4, 2, 130, 200, 64, dtype=torch.bfloat16, device=device)
+    keep = torch.ones(2, 200, dtype=torch.bool)
+    keep[0, 150:] = False
+    keep[1] = False  # batch item 1: every key at finfo.min
+    mask = torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :].to(device)
+    out, lse = torch.ops.fp4attn.int8_attention(q, k, v, mask, False, 0.125, kernel)
+    ref, _ = R8.attention_forward(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), False, 0.125)
+    out, lse = out.cpu(), lse.cpu()
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert rel_l1(out, ref.to(out.dtype)) < 2e-3
+    mean_v = v[1].cpu().float().mean(dim=1, keepdim=True).repeat_interleave(2, dim=0)
+    assert rel_l1(out[1].float(), mean_v.expand(4, 130, 64)) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_graph_capture_forward_and_backward():

@@ -226,6 +226,9 @@ def mask_case(name, n=300):
     elif name == "additive_finfo_min":  # transformers' padding mask: finite, [B, 1, Nq, Nk]
         mask = torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
         mask = mask.expand(B, 1, n, n).contiguous()
+    elif name == "additive_finfo_min_item":  # batch item 1 sees only finfo.min keys: uniform
+        keep[1] = False
+        mask = torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
     elif name == "additive_values":  # a key's bias is its (largest) mask value
         mask = torch.where(keep, 0.5 * torch.randn(B, n, generator=g), -math.inf)[:, None, None]
     elif name in ("bool_per_head_rows", "causal_additive_per_head_rows"):
@@ -251,6 +254,7 @@ def mask_case(name, n=300):
 
 
 MASK_CASES = ["bool_key_padding", "additive_inf_key_padding", "additive_finfo_min",
+              "additive_finfo_min_item",
               "additive_values", "bool_per_head_rows", "causal_bool_key_padding",
               "causal_additive_per_head_rows", "half_additive_key_padding",
               "causal_fewer_queries"]

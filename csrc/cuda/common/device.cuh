@@ -31,6 +31,15 @@ namespace fp4attn_cuda {
 constexpr float kLog2e = 1.4426950408889634f; /* log2(e) */
 constexpr float kLn2 = 0.69314718055994531f;  /* ln(2) */
 
+/* An additive attn_mask value in the kernels' log2 units: m log2(e), with a finite m kept finite.
+ * m below -FLT_MAX / log2(e) (torch.finfo(float32 or bfloat16).min, transformers' "hidden") would
+ * overflow to -inf and hide a key the specs count as seen: a row with only such keys averages V
+ * in torch and the C backend, and would give 0 here. */
+__device__ __forceinline__ float mask_log2(float m) {
+  const float r = m * kLog2e;
+  return isinf(r) && !isinf(m) ? copysignf(3.402823466e+38f, r) : r;
+}
+
 /* ---------------------------------------------------------------------------------- status */
 
 /* Status of the last launch (cudaGetLastError also clears a sticky launch error). */

@@ -285,7 +285,7 @@ __device__ __forceinline__ float masked_score(const fp4attn_attention_params &p,
       b * p.mask_stride[0] + h * p.mask_stride[1] + row * p.mask_stride[2] + key * p.mask_stride[3];
   if (p.mask_kind == FP4ATTN_MASK_BOOL)
     return static_cast<const uint8_t *>(p.mask)[off] != 0 ? s : -INFINITY;
-  return s + load_as_float(p.mask, p.mask_dtype, off) * kLog2e;
+  return s + mask_log2(load_as_float(p.mask, p.mask_dtype, off));
 }
 
 /* The backward's epilogue: dK and dV of one warp's 16 keys from key0 (accumulator layout, columns

@@ -69,7 +69,7 @@ __device__ __forceinline__ void mask_general(const fp4attn_attention_params &p, 
         if (p.mask_kind == FP4ATTN_MASK_BOOL)
           ok = static_cast<const uint8_t *>(p.mask)[off] != 0;
         else
-          add = load_as_float(p.mask, p.mask_dtype, off) * 1.4426950408889634f;
+          add = mask_log2(load_as_float(p.mask, p.mask_dtype, off));
       }
       s[n][e] = ok ? s[n][e] + add : -INFINITY;
     }
