@@ -152,7 +152,8 @@ typedef struct {
 } fp4attn_attention_params;
 
 /* ---- 8-bit attention (SPEC_INT8). Forward: fp4attn_attention_params with lse required (always
- * produced); on CUDA `kernel` is AUTO or SM80 (the mma.sync INT8 kernels). Backward: the forward's
+ * produced); on CUDA `kernel` is AUTO, SM80 (the mma.sync INT8 kernels) or SM90 (wgmma, sm_90a;
+ * the backward's at head dim <= 128). Backward: the forward's
  * params with `out` and `lse` as the forward returned them; grad_out like out (its own strides),
  * grad_lse optional (NULL or [batch, heads_q, len_q] float32 contiguous); dq, dk, dv contiguous
  * like q, k, v in dtype. */
