@@ -8,24 +8,38 @@ list (FP4ATTN_CUDA_ARCHS) because torch's own arch detection drops the `a` suffi
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 from setuptools import find_packages, setup
 
+import importlib.util
+
 import torch
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("fp4attn_build_record",
+                                               os.path.join(ROOT, "fp4attn", "_build_record.py"))
+build_record = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build_record)
 INCLUDE = os.path.join(ROOT, "csrc", "include")
 DEFAULT_CUDA_ARCHS = "80;90a;120a"
 C_FLAGS = ["-std=c11", "-O3", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Wno-psabi"]
 
 
 def cuda_archs():
-    archs = os.environ.get("FP4ATTN_CUDA_ARCHS", DEFAULT_CUDA_ARCHS)
-    return [a.strip() for a in archs.replace(",", ";").split(";") if a.strip()]
+    """FP4ATTN_CUDA_ARCHS as a list of nvcc architectures (80, 90a, 120a, ...), checked: the kernels
+    need sm_80 or newer (cp.async, mma.sync on BF16)."""
+    given = os.environ.get("FP4ATTN_CUDA_ARCHS", DEFAULT_CUDA_ARCHS)
+    archs = [a.strip() for a in given.replace(",", ";").split(";") if a.strip()]
+    bad = [a for a in archs if not re.fullmatch(r"\d{2,3}[af]?", a) or int(a.rstrip("af")) < 80]
+    if not archs or bad:
+        raise SystemExit(f"FP4ATTN_CUDA_ARCHS={given!r}: expected nvcc architectures >= 80 separated "
+                         f"by ';' (e.g. '80;90a;120a', the default, or '90a'), not {bad or given!r}")
+    return archs
 
 
 def gencode_flags(archs):
@@ -39,12 +53,19 @@ def gencode_flags(archs):
 
 
 def want_cuda():
-    if os.environ.get("FP4ATTN_FORCE_CPU", "0") == "1":
-        return False, "FP4ATTN_FORCE_CPU=1"
+    force_cpu = os.environ.get("FP4ATTN_FORCE_CPU", "0").strip().lower()
+    if force_cpu in ("1", "true", "yes", "on"):
+        return False, f"FP4ATTN_FORCE_CPU={force_cpu}"
+    if force_cpu not in ("", "0", "false", "no", "off"):
+        raise SystemExit(f"FP4ATTN_FORCE_CPU={force_cpu!r}: expected 1 / true / yes / on or "
+                         "0 / false / no / off")
     if torch.version.cuda is None:
         return False, "this torch has no CUDA support"
-    if CUDA_HOME is None or shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is None:
-        return False, "nvcc was not found (set CUDA_HOME)"
+    if CUDA_HOME is None:
+        return False, "torch has CUDA but no CUDA toolkit was found: set CUDA_HOME to one with nvcc"
+    if shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is None:
+        return False, f"torch has CUDA but {os.path.join(CUDA_HOME, 'bin', 'nvcc')} does not exist: " \
+                      "set CUDA_HOME to a CUDA toolkit with nvcc"
     return True, f"torch CUDA {torch.version.cuda}, nvcc in {CUDA_HOME}"
 
 
@@ -69,7 +90,11 @@ class BuildWithC(BuildExtension):
         out_dir = os.path.join(self.build_temp, "fp4attn_cpu")
         os.makedirs(out_dir, exist_ok=True)
         objects = []
-        for src in sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.c"))):
+        c_sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.c")))
+        if not c_sources:
+            raise SystemExit(f"fp4attn: no C sources in {os.path.join(ROOT, 'csrc', 'cpu')}: an "
+                             "incomplete source tree (an sdist built without MANIFEST.in?)")
+        for src in c_sources:
             obj = os.path.join(out_dir, os.path.basename(src) + ".o")
             cmd = [cc, *C_FLAGS, *omp, "-I", INCLUDE, "-c", src, "-o", obj]
             print(" ".join(cmd))
@@ -79,12 +104,20 @@ class BuildWithC(BuildExtension):
             ext.extra_objects = objects + list(ext.extra_objects or [])
             ext.extra_link_args = list(ext.extra_link_args or []) + omp
         super().build_extensions()
+        # beside the library (the source package for in-place and editable builds)
+        build_record.write(os.path.dirname(self.get_ext_fullpath("fp4attn._C")), ROOT,
+                           USE_CUDA, BUILD_NOTE)
+
+
+USE_CUDA, BUILD_NOTE = want_cuda()
 
 
 def extension():
-    use_cuda, why = want_cuda()
+    use_cuda, why = USE_CUDA, BUILD_NOTE
     sources = [os.path.join("csrc", "torch_bindings.cpp")]
-    cxx_flags = ["-O3", "-std=c++17"]
+    # -g0: Python's own CFLAGS carry -g, which made the library 28x larger (debug info of torch's
+    # headers); the CUDA sources keep -lineinfo for the profilers
+    cxx_flags = ["-O3", "-std=c++17", "-g0"]
     if not use_cuda:
         print(f"fp4attn: building the CPU backend only ({why})", file=sys.stderr)
         return CppExtension("fp4attn._C", sources, include_dirs=[INCLUDE],
@@ -103,6 +136,7 @@ def extension():
 
 setup(
     packages=find_packages(include=["fp4attn", "fp4attn.*"]),
+    package_data={"fp4attn": ["py.typed"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildWithC},
 )

@@ -19,7 +19,7 @@ from .policy import Policy
 from .sdpa import FP4AttnFallbackError, sdpa
 from .tensor import NVFP4Tensor, dequantize, fp4mm, quantize, swizzle_scales
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "FP4AttnFallbackError",

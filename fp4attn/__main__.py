@@ -44,15 +44,21 @@ def info(argv: list[str]) -> int:
                     for d in (64, 128, 256))
                 print(f"    {precision:4s} -> {chosen}")
     else:
-        print("CUDA backend: not compiled (CPU-only build)")
+        reason = f": {b['note']}" if b.get("note") else ""
+        print(f"CUDA backend: not compiled (CPU-only build{reason})")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--version"]:
+        from . import __version__
+
+        print(f"fp4attn {__version__}")
+        return 0
     commands = {"info": info}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("info", "demo", "report"):
-        print("usage: python -m fp4attn {info,demo,report} [options]\n"
+        print("usage: python -m fp4attn {info,demo,report} [options] | --version\n"
               "  info    backends compiled, architectures, versions\n"
               "  demo    FP4 attention vs exact attention and FP16 SDPA, with timings\n"
               "  report  accuracy on real models: FP4, INT8 and a calibrated per-layer policy\n"

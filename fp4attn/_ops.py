@@ -4,14 +4,19 @@ The fake implementations describe output shapes and dtypes without computing, wh
 torch.compile(fullgraph=True), torch.export and FakeTensor tracing need.
 """
 
+import os
+import warnings
+
 import torch
+
+from . import _build_record
 
 try:
     from . import _C  # noqa: F401  (registers torch.ops.fp4attn.*)
 except ImportError as exc:  # pragma: no cover - only when the extension was not built
     raise ImportError(
         "fp4attn's compiled extension (fp4attn._C) is missing or broken: build it with "
-        "`pip install --no-build-isolation -e .` in the repository root"
+        "`pip install --no-build-isolation -e .` in the repository root (or reinstall fp4attn)"
     ) from exc
 
 ops = torch.ops.fp4attn
@@ -21,6 +26,12 @@ BLOCK = 16
 # Read once at import: a pybind call inside sdpa() would break torch.compile(fullgraph=True).
 _BUILD_INFO = dict(_C.build_info())
 HAS_CUDA_BACKEND = bool(_BUILD_INFO["cuda"])
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+#: why the build has or lacks its CUDA backend ("" for a build by other means than setup.py)
+_BUILD_INFO["note"] = _build_record.read(_PACKAGE_DIR).get("note", "")
+_stale = _build_record.stale_note(_PACKAGE_DIR, HAS_CUDA_BACKEND)
+if _stale:
+    warnings.warn(_stale, stacklevel=2)
 
 
 def build_info() -> dict:
