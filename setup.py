@@ -104,7 +104,11 @@ class BuildWithC(BuildExtension):
             ext.extra_objects = objects + list(ext.extra_objects or [])
             ext.extra_link_args = list(ext.extra_link_args or []) + omp
         super().build_extensions()
-        # beside the library (the source package for in-place and editable builds)
+
+    def run(self):
+        super().run()  # builds in the build folder, then copies the library in place if asked
+        # the record beside the library where it ends up (the source package for in-place and
+        # editable builds, the build folder for a wheel)
         build_record.write(os.path.dirname(self.get_ext_fullpath("fp4attn._C")), ROOT,
                            USE_CUDA, BUILD_NOTE)
 
