@@ -7,6 +7,7 @@ list (FP4ATTN_CUDA_ARCHS) because torch's own arch detection drops the `a` suffi
 """
 
 import glob
+import importlib.util
 import os
 import re
 import shutil
@@ -14,8 +15,6 @@ import subprocess
 import sys
 
 from setuptools import find_packages, setup
-
-import importlib.util
 
 import torch
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
@@ -117,17 +116,16 @@ USE_CUDA, BUILD_NOTE = want_cuda()
 
 
 def extension():
-    use_cuda, why = USE_CUDA, BUILD_NOTE
     sources = [os.path.join("csrc", "torch_bindings.cpp")]
     # -g0: Python's own CFLAGS carry -g, which made the library 28x larger (debug info of torch's
     # headers); the CUDA sources keep -lineinfo for the profilers
     cxx_flags = ["-O3", "-std=c++17", "-g0"]
-    if not use_cuda:
-        print(f"fp4attn: building the CPU backend only ({why})", file=sys.stderr)
+    if not USE_CUDA:
+        print(f"fp4attn: building the CPU backend only ({BUILD_NOTE})", file=sys.stderr)
         return CppExtension("fp4attn._C", sources, include_dirs=[INCLUDE],
                             extra_compile_args={"cxx": cxx_flags})
     archs = cuda_archs()
-    print(f"fp4attn: building CPU + CUDA backends ({why}); archs {archs}", file=sys.stderr)
+    print(f"fp4attn: building CPU + CUDA backends ({BUILD_NOTE}); archs {archs}", file=sys.stderr)
     cu_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "**", "*.cu"), recursive=True))
     cu_sources += sorted(glob.glob(os.path.join("csrc", "testing", "*.cu")))
     nvcc_flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr",
