@@ -469,6 +469,25 @@ def test_decode_key_start_hides_non_finite_padding(device):
     assert (out[2, :, 0] == 0).all() and (lse[2, :, 0] == -math.inf).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 4])
+def test_decode_key_start_past_the_sequence_leaves_its_queries_without_keys(window, device):
+    """key_start beyond a sequence's length (legal: the padding list of a batch whose shorter
+    sequence is all padding) leaves its queries without keys (0, lse -inf) and reads nothing past
+    its end; the other sequence is answered as without key_start. A windowed cache too."""
+    B, H, D = 2, 1, 32
+    k, v = kv(B, H, 20, D, torch.float32, 5)
+    cache = fp4attn.FP4KVCache(B, H, D, dtype=torch.float32, device=device, page_size=16,
+                               window=window)
+    cache.append(k.to(device), v.to(device))
+    q = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(6)).to(device)
+    for starts in ([0, 21], [0, 100], [0, 20]):
+        out, lse = fp4attn.decode(q, cache, return_lse=True, key_start=starts)
+        plain, plain_lse = fp4attn.decode(q, cache, return_lse=True)
+        assert (out[1] == 0).all() and (lse[1] == -math.inf).all(), starts
+        assert torch.equal(out[0], plain[0]) and torch.equal(lse[0], plain_lse[0]), starts
+
+
 def test_decode_key_start_arguments_are_checked():
     cache, _, _ = filled_cache(2, 1, 32, torch.float32, [20])
     q = torch.randn(2, 2, 1, 32)
