@@ -72,6 +72,17 @@ def test_masks(kind, shape):
     check_against_reference(q, k, v, attn_mask=mask)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_near_the_top_of_the_float_range(dtype):
+    """|V| up to 2^120 (finite FP32 / BF16): the output stays finite and agrees with the
+    reference (SPEC 4.5's product order; FP4MM(P^, V^) dV alone reaches 2^19 max|V| and
+    overflowed from about 2^115)."""
+    torch.manual_seed(3)
+    q, k, _ = make_qkv(1, 2, 2, 150, 150, 64)
+    v = torch.randn(1, 2, 150, 64).clamp(-1, 1) * 2.0**120
+    check_against_reference(q.to(dtype), k.to(dtype), v.to(dtype))
+
+
 def test_scale_argument_is_used():
     q, k, v = make_qkv(1, 2, 2, 100, 100, 64)
     m = check_against_reference(q, k, v, scale=0.37)

@@ -235,6 +235,18 @@ def test_attention_large_query_mean(dtype, kernel):
     assert (lse.cpu() - ref_lse).abs().max().item() < 2e-3
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_values_near_the_top_of_the_float_range(kernel):
+    """|V| up to 2^120 in BF16: finite and as the reference (the sm120 kernel multiplied
+    FP4MM(P^, V^) by dV before the 1/2688 factor, which overflowed from about 2^110)."""
+    q = rand((1, 2, 300, 128), torch.bfloat16, 31)
+    k = rand((1, 2, 300, 128), torch.bfloat16, 32)
+    v = (rand((1, 2, 300, 128), torch.float32, 33).clamp(-1, 1) * 2.0**120).to(torch.bfloat16)
+    out = attn_cuda(q, k, v, kernel=kernel)
+    assert torch.isfinite(out.float()).all()
+    assert rel_l1(out, attn_ref(q, k, v)) < 5e-3
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_tile_maxima_far_apart(causal, kernel):

@@ -459,6 +459,17 @@ def test_sm120_kernel_strided_inputs_and_scale():
 
 @pytest.mark.gpu
 @gpu
+def test_sm120_kernel_values_near_the_top_of_the_float_range():
+    """|V| up to 2^120 in BF16: FP4MM(P^, V^) dV before the 1/2688 factor overflowed from about
+    2^110 (SPEC 4.5 groups the factor with P's scale first)."""
+    g = torch.Generator().manual_seed(9)
+    q, k = (torch.randn(1, 2, 200, 128, generator=g).bfloat16() for _ in range(2))
+    v = (torch.randn(1, 2, 200, 128, generator=g).clamp(-1, 1) * 2.0**120).bfloat16()
+    check_against_reference(q, k, v, None, False)
+
+
+@pytest.mark.gpu
+@gpu
 def test_sm120_kernel_does_not_modify_inputs():
     ops = _ops()
     g = torch.Generator().manual_seed(8)

@@ -542,7 +542,9 @@ static int attend_block(attention_state *st, int64_t b, int64_t h, int64_t qb) {
         l[r] = alpha * l[r] + beta * rowsum[r];
         float *orow = o + r * D;
         const float *prow = pv + r * st->d_pad;
-        for (int64_t d = 0; d < D; ++d) orow[d] = alpha * orow[d] + w * (prow[d] * dv);
+        /* w <= 1/2688 first (as SPEC 4.5 groups it): prow * dv alone reaches 2^19 max|V| and
+         * overflowed for |V| near 2^115 */
+        for (int64_t d = 0; d < D; ++d) orow[d] = alpha * orow[d] + (w * prow[d]) * dv;
         m[r] = m_new;
       }
     }

@@ -327,8 +327,9 @@ fp4attn_status fp4attn_cpu_decode(const fp4attn_decode_params *p) {
         const int64_t end = L - nq + t + 1 < L ? L - nq + t + 1 : L;
         w.end[i] = end;
         w.begin[i] = p->window > 0 && end > p->window ? end - p->window : 0;
-        w.begin[i] = w.begin[i] > ks ? w.begin[i] : ks;   /* the sequence's padding */
-        w.begin[i] = w.begin[i] < end ? w.begin[i] : end; /* key_start past the end: no keys */
+        w.begin[i] = w.begin[i] > ks ? w.begin[i] : ks; /* the sequence's padding */
+        /* key_start past the end: no keys (end < 0: more query positions than keys) */
+        w.begin[i] = w.begin[i] < end ? w.begin[i] : (end > 0 ? end : 0);
         /* the row's newest nres keys still in the ring: [exact, end) */
         int64_t ex = end;
         if (nres > 0) {

@@ -360,7 +360,7 @@ __device__ __forceinline__ RowKeys row_keys(const fp4attn_decode_params &p, int 
   RowKeys k;
   k.end = (int)min((int64_t)Lb, Lb - p.len_q + row % p.len_q + 1);
   k.begin = p.window > 0 && k.end > p.window ? (int)(k.end - p.window) : 0; /* no overflow */
-  k.begin = min(max(k.begin, ks), k.end); /* key_start past the end: no keys */
+  k.begin = min(max(k.begin, ks), max(k.end, 0)); /* key_start past the end: no keys */
   k.exact = k.end;
   if (p.residual_len > 0) {
     const int r = (int)p.residual_len, s = (int)p.residual_slots;

@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_sm120_kernel(const Kern
           mma_fp4_m16n8k64(acc, pa[1], vb1, acc, sfa, vsc, 1, 1);
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            o[n][e] = alpha[e >> 1] * o[n][e] + pvf[e >> 1] * (acc[e] * dv);
+            o[n][e] = alpha[e >> 1] * o[n][e] + (pvf[e >> 1] * acc[e]) * dv; /* as SPEC 4.5 */
         }
       }
       __syncthreads(); /* stage (j & 1) and bias_s are free again */
