@@ -138,9 +138,42 @@ class FP4KVCache:
             for name, t in new.items():
                 setattr(self, name, t)
         self._pages_per_seq = pages_per_seq
-        seq = torch.arange(B, dtype=torch.int32, device=self.device)[:, None] * pool_pages
-        page = torch.arange(pages_per_seq, dtype=torch.int32, device=self.device)
+        self._set_block_table()
+
+    def _pool_pages(self) -> int:
+        """Pool pages per sequence: sequence b's are b * _pool_pages() + [0, _pool_pages())."""
+        return self._ring if self._ring is not None else self._pages_per_seq
+
+    def _set_block_table(self) -> None:
+        seq = torch.arange(self.batch, dtype=torch.int32, device=self.device)[:, None] * \
+            self._pool_pages()
+        page = torch.arange(self._pages_per_seq, dtype=torch.int32, device=self.device)
         self.block_table = seq + (page if self._ring is None else page % self._ring)
+
+    def select(self, indices) -> None:
+        """Keeps the sequences ``indices`` (a 1-D int tensor or list: any count, repeats allowed),
+        in that order, with everything that is theirs (pages, K's statistics, padding, the
+        residual ring): beam search's reorder, a batch repeated or narrowed. Copies, so that
+        sequences that were one continue apart. On bad input nothing is changed."""
+        idx = torch.as_tensor(indices, device=self.device)
+        if idx.dim() != 1 or idx.numel() < 1 or idx.dtype.is_floating_point or \
+                idx.dtype == torch.bool or bool(((idx < 0) | (idx >= self.batch)).any()):
+            raise ValueError(f"indices must be a non-empty 1-D list or tensor of ints in "
+                             f"[0, {self.batch}), got {indices!r}")
+        idx = idx.long()
+        n = self._pool_pages()
+        for name in ("k_codes", "k_scales", "k_exp", "v_codes", "v_scales", "v_dec"):
+            t = getattr(self, name)
+            rows = t.view(self.batch, n, *t.shape[1:])[idx]
+            setattr(self, name, rows.reshape(idx.numel() * n, *t.shape[1:]))
+        for name in ("kmean", "kscale", "res_k", "res_v", "seq_lens"):
+            setattr(self, name, getattr(self, name)[idx].contiguous())
+        if self._early is not None:
+            self._early = (self._early[0][idx], self._early[1][idx])
+        picked = idx.tolist()
+        self._padding = [self._padding[i] for i in picked]
+        self.batch = len(picked)
+        self._set_block_table()
 
     def storage(self) -> tuple[Tensor, ...]:
         """(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale, block_table): the

@@ -488,6 +488,51 @@ def test_decode_key_start_past_the_sequence_leaves_its_queries_without_keys(wind
         assert torch.equal(out[0], plain[0]) and torch.equal(lse[0], plain_lse[0]), starts
 
 
+def _state(cache):
+    return [t.cpu() for t in (*cache.storage(), cache.seq_lens, cache.res_k, cache.res_v)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window,appends", [(None, [50, 1]), (None, [150, 3]), (20, [60, 2])])
+def test_select_keeps_each_picked_sequence_whole(window, appends, device):
+    """select(indices) (beam search's reorder, a batch repeated or narrowed): the cache is, byte
+    for byte, the one built by appending the picked sequences' tokens, also while K's statistics
+    are still open (50 tokens < 128) and with padding, and it goes on appending alike."""
+    B, H, D = 3, 2, 64
+    picks = [2, 0, 0, 1]
+    toks = [kv(B, H, n, D, torch.float16, 20 + i) for i, n in enumerate(appends)]
+    pad = None if window is not None else [0, 5, 2]
+
+    def build(rows):
+        c = fp4attn.FP4KVCache(len(rows), H, D, dtype=torch.float16, device=device, page_size=16,
+                               window=window)
+        for i, (k, v) in enumerate(toks[:-1]):
+            c.append(k[rows].to(device), v[rows].to(device),
+                     padding=None if pad is None or i else [pad[r] for r in rows])
+        return c
+
+    cache = build(list(range(B)))
+    cache.select(torch.tensor(picks))
+    want = build(picks)
+    assert cache.batch == 4 and cache.padding == want.padding
+    assert all(torch.equal(a, b) for a, b in zip(_state(cache), _state(want)))
+    k, v = toks[-1]
+    cache.append(k[picks].to(device), v[picks].to(device))
+    want.append(k[picks].to(device), v[picks].to(device))
+    assert all(torch.equal(a, b) for a, b in zip(_state(cache), _state(want)))
+    q = torch.randn(4, 4, 1, D, generator=torch.Generator().manual_seed(3)).half().to(device)
+    assert torch.equal(fp4attn.decode(q, cache), fp4attn.decode(q, want))
+
+
+def test_select_refuses_bad_indices_and_leaves_the_cache():
+    cache, _, _ = filled_cache(2, 1, 32, torch.float32, [20])
+    before = _state(cache)
+    for bad in ([], [2], [-1], [0.5], [[0, 1]], torch.tensor([True, False])):
+        with pytest.raises(ValueError, match="indices must be a non-empty 1-D"):
+            cache.select(bad)
+    assert cache.batch == 2 and all(torch.equal(a, b) for a, b in zip(_state(cache), before))
+
+
 def test_decode_key_start_arguments_are_checked():
     cache, _, _ = filled_cache(2, 1, 32, torch.float32, [20])
     q = torch.randn(2, 2, 1, 32)

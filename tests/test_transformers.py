@@ -586,15 +586,65 @@ def test_gemma2_softcap_model_is_refused_not_answered_without_it():
 
 
 def test_fp4cache_refuses_generation_modes_it_cannot_serve():
-    """crop (assisted / prompt-lookup generation), batch expansion and selection, offloading:
-    a NotImplementedError naming the mode, not an AttributeError from the base class."""
+    """crop (assisted / prompt-lookup generation), offloading: a NotImplementedError naming the
+    mode, not an AttributeError from the base class."""
     from fp4attn.integrations.transformers import FP4Cache
 
     cache = FP4Cache()
     g = torch.Generator().manual_seed(0)
     cache.update(torch.randn(1, 2, 20, 32, generator=g), torch.randn(1, 2, 20, 32, generator=g), 0)
-    for call, what in ((lambda: cache.crop(10), "crop"),
-                       (lambda: cache.batch_repeat_interleave(2), "batch_repeat_interleave"),
-                       (lambda: cache.batch_select_indices(torch.tensor([0])), "batch_select")):
+    for call, what in ((lambda: cache.crop(10), "crop"), (lambda: cache.layers[0].offload(), "offload")):
         with pytest.raises(NotImplementedError, match=what):
             call()
+
+
+def test_fp4cache_batch_selection_moves_each_sequence_whole():
+    """reorder_cache (beam search), batch_repeat_interleave and batch_select_indices: the next
+    decode step gives, bit for bit, the logits of a cache filled with the selected prompts."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    model = tiny_llama("fp4attn")
+    ids = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(6))
+    nxt = torch.randint(0, 256, (3, 1), generator=torch.Generator().manual_seed(7))
+    kw = cache_keyword(model)
+    with torch.no_grad():
+        for op, rows in (("reorder_cache", [2, 0, 0]), ("batch_select_indices", [1]),
+                         ("batch_repeat_interleave", [0, 0, 1, 1, 2, 2])):
+            cache = integration.FP4Cache(config=model.config)
+            model(ids, **{kw: cache})
+            if op == "reorder_cache":
+                cache.reorder_cache(torch.tensor(rows))
+            elif op == "batch_select_indices":
+                cache.batch_select_indices(torch.tensor(rows))
+            else:
+                cache.batch_repeat_interleave(2)
+            got = model(nxt[rows], **{kw: cache}).logits
+            plain = integration.FP4Cache(config=model.config)
+            model(ids[rows], **{kw: plain})
+            assert torch.equal(got, model(nxt[rows], **{kw: plain}).logits), op
+
+
+def test_fp4cache_beam_search():
+    """generate with num_beams: each beam's cache follows its beam (reorder_cache), so the score
+    beam search reports for each returned sequence (its mean log-probability of the new tokens)
+    is the one a fresh FP4Cache gives that sequence alone, token by token."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    model = tiny_llama("fp4attn")
+    kw = cache_keyword(model)
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                             num_beams=3, num_return_sequences=3, do_sample=False,
+                             return_dict_in_generate=True, output_scores=True,
+                             **{kw: integration.FP4Cache(config=model.config)})
+        assert out.sequences.shape == (6, 36)
+        for seq, score in zip(out.sequences, out.sequences_scores):
+            cache = integration.FP4Cache(config=model.config)
+            logits = model(seq[None, :30], **{kw: cache}).logits[0, -1:]
+            for t in range(31, 36):  # the decode steps, one token each
+                logits = torch.cat([logits, model(seq[None, t - 1:t], **{kw: cache}).logits[0]])
+            logp = torch.log_softmax(logits.float(), -1)[torch.arange(6), seq[30:]]
+            assert abs(logp.mean().item() - score.item()) < 1e-4

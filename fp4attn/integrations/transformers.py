@@ -423,23 +423,34 @@ def _cache_classes():
                 self.chunk_states = None
                 self.pending = None
 
-        def reorder_cache(self, beam_idx) -> None:
-            raise NotImplementedError("FP4Cache: beam search (reorder_cache) is not supported")
+        def _select(self, indices) -> None:
+            """Keeps the batch rows `indices` (FP4KVCache.select), this step's states too."""
+            if not self.is_initialized:
+                return
+            self.flush()
+            self.cache.select(indices)
+            idx = torch.as_tensor(indices, device=self.device).long()
+            if self.chunk_states is not None:
+                k, v, start = self.chunk_states
+                self.chunk_states = (k[idx], v[idx], start)
 
-        # What transformers' other generation modes ask of a layer, none of which the FP4 cache
-        # does: an error naming the mode rather than the base class's AttributeError or a silent
+        def reorder_cache(self, beam_idx) -> None:  # beam search
+            self._select(beam_idx)
+
+        def batch_repeat_interleave(self, repeats) -> None:  # contrastive search, several returns
+            if self.is_initialized:
+                self._select(torch.arange(self.cache.batch, device=self.device)
+                             .repeat_interleave(repeats))
+
+        def batch_select_indices(self, indices) -> None:
+            self._select(indices)
+
+        # What transformers' other generation modes ask of a layer that the FP4 cache does not
+        # do: an error naming the mode rather than the base class's AttributeError or a silent
         # no-op on keys it does not have.
         def crop(self, max_length) -> None:
             raise NotImplementedError("FP4Cache: dropping cached tokens (crop: assisted or "
                                       "prompt-lookup generation) is not supported")
-
-        def batch_repeat_interleave(self, repeats) -> None:
-            raise NotImplementedError("FP4Cache: repeating the batch (batch_repeat_interleave: "
-                                      "num_return_sequences > 1, contrastive search) is not supported")
-
-        def batch_select_indices(self, indices) -> None:
-            raise NotImplementedError("FP4Cache: selecting batch rows (batch_select_indices) is not "
-                                      "supported")
 
         def offload(self) -> None:
             raise NotImplementedError("FP4Cache: offloading layers to the CPU is not supported")
