@@ -153,8 +153,9 @@ class FP4KVCache:
     def select(self, indices) -> None:
         """Keeps the sequences ``indices`` (a 1-D int tensor or list: any count, repeats allowed),
         in that order, with everything that is theirs (pages, K's statistics, padding, the
-        residual ring): beam search's reorder, a batch repeated or narrowed. Copies, so that
-        sequences that were one continue apart. On bad input nothing is changed."""
+        residual ring): beam search's reorder, a batch repeated or narrowed. Copies into new
+        tensors, so that sequences that were one continue apart (a CUDA graph that captured the
+        old ones must be captured again). On bad input nothing is changed."""
         idx = torch.as_tensor(indices, device=self.device)
         if idx.dim() != 1 or idx.numel() < 1 or idx.dtype.is_floating_point or \
                 idx.dtype == torch.bool or bool(((idx < 0) | (idx >= self.batch)).any()):
