@@ -246,7 +246,7 @@ struct FwdKernel {
     /* ---- epilogue (SPEC 4.6) */
     const WarpRows wrows = {c.b, c.h, c.q0 + (threadIdx.x >> 5) * 16};
     const float unit[2] = {1.0f, 1.0f}; /* o is O: the scales were applied per tile */
-    store_rows<DP>(a, wrows, c.bh, rs.o, unit, rs.sm,
+    store_rows<DP>(a, wrows, c.bh, rs.o, unit, 1.0f, rs.sm,
                    reinterpret_cast<const float *>(smem + C::kOffQbar),
                    w.kbar + c.bhk * DP,  /* kbar, vbar from global: keeps smem within sm_80's */
                    w.vbar + c.bhk * DP); /* 163 KB */

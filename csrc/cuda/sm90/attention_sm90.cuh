@@ -644,18 +644,18 @@ struct Kernel {
       }
       const Item e = item_of(item_no); /* once more for the epilogue (see item_of) */
       const WarpRows erows = {e.b, e.h, e.q0 + cwg * 64 + wwarp * 16};
-      const float decv = kv_scales(w, e.bhk)[kVDec];
+      const float decv = kv_scales(w, e.bhk)[kVDec]; /* applied last (out_pair) */
       float omul[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r)
         omul[r] = st.ref[r] == -INFINITY
                       ? 0.0f
-                      : fast_exp2(st.ref[r] - st.m[r]) * (decv / FP4ATTN_NVFP4_RANGE);
+                      : fast_exp2(st.ref[r] - st.m[r]) * (1.0f / FP4ATTN_NVFP4_RANGE);
       if (a.vec_out)
-        store_rows_staged<DP>(a, erows, e.bh, o, omul, st, e.qbar, w.kbar + e.bhk * DP,
+        store_rows_staged<DP>(a, erows, e.bh, o, omul, decv, st, e.qbar, w.kbar + e.bhk * DP,
                               w.vbar + e.bhk * DP, sh.out_stage(cwg, wwarp));
       else
-        store_rows<DP>(a, erows, e.bh, o, omul, st, e.qbar, w.kbar + e.bhk * DP,
+        store_rows<DP>(a, erows, e.bh, o, omul, decv, st, e.qbar, w.kbar + e.bhk * DP,
                        w.vbar + e.bhk * DP);
       FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrEnd);
       FP4ATTN_SM90_TRACE_AT(ctid == 0, tr_item, kTrSm);

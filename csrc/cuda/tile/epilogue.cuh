@@ -51,22 +51,26 @@ __device__ __forceinline__ void store_lse(const AttnArgs &a, const WarpRows &w, 
   }
 }
 
-/* Output element pair (d, d + 1) of row r: fl(fl(o x inv) + vbar) for rows with visible keys, 0
- * for the others (inv = 0 there). vbar: the KV head's V smoothing mean, zero beyond D (d even). */
-__device__ __forceinline__ float2 out_pair(float o0, float o1, float inv, bool visible,
+/* Output element pair (d, d + 1) of row r: fl(fl(fl(o x inv) x dv) + vbar) for rows with visible
+ * keys, 0 for the others (inv = 0 there). vbar: the KV head's V smoothing mean, zero beyond D (d
+ * even). dv (V's dec, or 1 where o carries it) last: for a small max |V| (~1e-34) a row factor
+ * that included it would be subnormal and lose its precision. */
+__device__ __forceinline__ float2 out_pair(float o0, float o1, float inv, float dv, bool visible,
                                            const float *vbar, int d) {
   const float2 vb = visible ? *reinterpret_cast<const float2 *>(vbar + d) : make_float2(0.0f, 0.0f);
-  return make_float2(__fadd_rn(__fmul_rn(o0, inv), vb.x), __fadd_rn(__fmul_rn(o1, inv), vb.y));
+  return make_float2(__fadd_rn(__fmul_rn(__fmul_rn(o0, inv), dv), vb.x),
+                     __fadd_rn(__fmul_rn(__fmul_rn(o1, inv), dv), vb.y));
 }
 
-/* SPEC 4.6 for one warp's rows: O / l + vbar with O = omul * o per row (rows without visible keys
- * -> 0) cast to the output dtype, and the LSE (store_lse). Any output layout and dtype: stores
- * straight from the accumulator layout (4 or 8 bytes per store, 8 rows per warp instruction). */
+/* SPEC 4.6 for one warp's rows: O / l + vbar with O = omul * o * dv per row (rows without visible
+ * keys -> 0) cast to the output dtype, and the LSE (store_lse). Any output layout and dtype:
+ * stores straight from the accumulator layout (4 or 8 bytes per store, 8 rows per warp
+ * instruction). */
 template <int DP>
 __device__ __forceinline__ void store_rows(const AttnArgs &a, const WarpRows &w, int64_t bh,
                                            const float (&o)[DP / 8][4], const float (&omul)[2],
-                                           SoftmaxState &st, const float *qbar, const float *kbar,
-                                           const float *vbar) {
+                                           float dv, SoftmaxState &st, const float *qbar,
+                                           const float *kbar, const float *vbar) {
   const fp4attn_attention_params &p = a.p;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -82,7 +86,7 @@ __device__ __forceinline__ void store_rows(const AttnArgs &a, const WarpRows &w,
 #pragma unroll
       for (int n = 0; n < DP / 8; ++n) {
         const int d = n * 8 + 2 * t;
-        const float2 v = out_pair(o[n][2 * r], o[n][2 * r + 1], inv[r], visible, vbar, d);
+        const float2 v = out_pair(o[n][2 * r], o[n][2 * r + 1], inv[r], dv, visible, vbar, d);
         if (d + 1 < D)
           store2_from_float(p.out, p.dtype, ob + d, v.x, v.y, a.out_pair);
         else if (d < D)
@@ -101,9 +105,10 @@ __device__ __forceinline__ void store_rows(const AttnArgs &a, const WarpRows &w,
 template <int DP>
 __device__ __forceinline__ void store_rows_staged(const AttnArgs &a, const WarpRows &w, int64_t bh,
                                                   const float (&o)[DP / 8][4],
-                                                  const float (&omul)[2], SoftmaxState &st,
-                                                  const float *qbar, const float *kbar,
-                                                  const float *vbar, uint32_t *stage) {
+                                                  const float (&omul)[2], float dv,
+                                                  SoftmaxState &st, const float *qbar,
+                                                  const float *kbar, const float *vbar,
+                                                  uint32_t *stage) {
   const fp4attn_attention_params &p = a.p;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -118,7 +123,8 @@ __device__ __forceinline__ void store_rows_staged(const AttnArgs &a, const WarpR
     const bool visible = st.l[r] != 0.0f;
 #pragma unroll
     for (int n = 0; n < kChunks; ++n) {
-      const float2 v = out_pair(o[n][2 * r], o[n][2 * r + 1], inv[r], visible, vbar, n * 8 + 2 * t);
+      const float2 v =
+          out_pair(o[n][2 * r], o[n][2 * r + 1], inv[r], dv, visible, vbar, n * 8 + 2 * t);
       const float v0 = v.x, v1 = v.y;
       uint32_t word;
       if (bf) {
