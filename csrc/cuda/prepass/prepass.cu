@@ -532,7 +532,10 @@ __device__ void stream_stats_block(const AttnArgs &a, const StreamParams &f, int
     atomicMax(&kmax[bh * DP + tid], float_key(mx));
     if (!is_v)
       w.ksum[c * DP + tid] = s;
-    else if (s != s) /* the minima and maxima skip NaNs; the sum keeps them */
+    else if (s != s && fmaxf(fabsf(mn), fabsf(mx)) <= 3.4028235e38f / kTile)
+      /* the minima and maxima skip NaNs; the sum keeps them. A column with |v| above
+       * FLT_MAX / 128 may sum +inf and -inf partials to NaN without a NaN: not flagged (a NaN
+       * beside such values then goes unseen; SPEC 4.3) */
       atomicMax(&f.vnan[bh], 1u);
   }
 }
