@@ -482,6 +482,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward(
   if (grad_lse_in.has_value() && grad_lse_in->defined()) {
     CHECK_ARG(grad_lse_in->sizes() == lshape, "grad_lse must have the shape of lse %s, got %s",
               shape_str(lshape).c_str(), shape_str(grad_lse_in->sizes()).c_str());
+    CHECK_ARG(grad_lse_in->device() == c.q.device(), "grad_lse must be on the device of query");
     grad_lse = grad_lse_in->to(at::kFloat).contiguous();
     bp.grad_lse = grad_lse.data_ptr<float>();
   }

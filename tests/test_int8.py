@@ -831,6 +831,18 @@ def test_cuda_int8_kernel_requests():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_backward_refuses_grad_lse_on_another_device():
+    """grad_lse on the CPU beside CUDA tensors: an error naming it (a host pointer reached the
+    kernel: an illegal address)."""
+    q, k, v = make(1, 2, 2, 64, 64, 64, device="cuda")
+    out, lse = torch.ops.fp4attn.int8_attention(q, k, v, None, False, 0.125)
+    with pytest.raises(RuntimeError, match="grad_lse must be on the device of query"):
+        torch.ops.fp4attn.int8_attention_backward(out, lse.cpu(), q, k, v, out, lse, None, False,
+                                                  0.125)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_head_dim_256_forward_and_backward_with_auto():
     """auto at head dim 256: the sm90 forward on Hopper, the mma.sync backward (from the same
     saved out and lse), both against the reference."""
