@@ -60,6 +60,9 @@ class FP4KVCache:
     lives in page ``t // page_size`` of the block table, whose entries cycle through the ring.
     Its decodes use the window; ``dequantize`` returns the kept tokens, from ``start`` on.
 
+    Not thread-safe: appends, ``select`` and growth replace its tensors one at a time, so a decode
+    in another thread at that moment may read new pages through the old block table.
+
     ``residual_length=R`` (default 16; 0 turns it off): each query reads its newest ``R`` keys and
     values as they were appended, not quantized, from a ring of the last ``R + 15`` tokens
     (``res_k``, ``res_v``, in the cache's dtype; token ``t`` in slot ``t % (R + 15)``) kept beside

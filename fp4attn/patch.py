@@ -100,7 +100,9 @@ def patch(precision: str | None = None, *, policy: Policy | None = None, model=N
     """Route torch.nn.functional.scaled_dot_product_attention through fp4attn: every call in
     `precision` ("fp4", the default, or "int8"), or each call in the precision `policy` gives
     its site (a per-layer policy needs `model`, the module whose forward numbers the calls).
-    Idempotent; a second call replaces the first one's settings."""
+    Idempotent; a second call replaces the first one's settings. Process-wide, like the torch
+    function it replaces: every thread's calls take it, and patch / patched / unpatch from
+    concurrent threads interfere (as does a per-layer policy's call count, one per process)."""
     global _saved
     if policy is not None:
         if precision is not None:
