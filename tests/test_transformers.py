@@ -468,6 +468,46 @@ def test_fp4cache_sliding_window_layer_with_padding_decodes_through_the_kernel(m
     assert windows == [8, None] * 7  # both layers, every step after the prefill
 
 
+def test_fp4cache_refuses_layer_types_it_does_not_serve():
+    """Chunked or linear-attention layers (Llama 4, Qwen3-Next): a clear error at construction
+    (a chunked layer read as full attention would see keys outside its chunk)."""
+    from fp4attn.integrations.transformers import FP4Cache
+
+    cfg = transformers.LlamaConfig(num_hidden_layers=2)
+    cfg.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ValueError, match=r"also has \['chunked_attention'\] layers"):
+        FP4Cache(config=cfg)
+
+
+def test_fp4cache_long_chunk_keeps_each_querys_newest_keys_exact(monkeypatch):
+    """A chunk of more than 16 tokens after the prefill (a second chat turn): every query reads
+    its newest 16 keys exact, as in token-by-token decoding. The ring holds only the last 31
+    tokens, so the chunk attends to the cache before it (its newest 16 exact) and its own states;
+    it read the chunk's first 29 queries' own keys quantized. Layer 0's keys are the embeddings'
+    projections whatever the attention, so they must equal an exact cache's, bit for bit."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    model = tiny_llama("fp4attn")
+    kw = cache_keyword(model)
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(9))
+    exact = transformers.DynamicCache()
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        model(ids, **{kw: exact})
+        model.set_attn_implementation("fp4attn")
+        keys, sdpa = [], integration.ORIGINAL_SDPA
+        monkeypatch.setattr(integration, "ORIGINAL_SDPA",
+                            lambda q, k, v, **a: (keys.append(k), sdpa(q, k, v, **a))[1])
+        cache = integration.FP4Cache(config=model.config)
+        model(ids[:, :140], **{kw: cache})
+        keys.clear()
+        model(ids[:, 140:], **{kw: cache})
+    want = exact.layers[0].keys[:, :, 124:200]
+    assert keys[0].shape[-2] == 200 and torch.equal(keys[0][:, :, 124:200], want)
+    assert not torch.equal(keys[0][:, :, :124], exact.layers[0].keys[:, :, :124])  # quantized
+
+
 def test_fp4cache_sliding_window_layer_long_chunk():
     """A chunk of 20 new tokens after the prefill (more than the kernel serves): the sliding layer
     attends to its kept tokens and the chunk's own states although its ring then drops tokens the

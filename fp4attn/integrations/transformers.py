@@ -63,13 +63,17 @@ class FP4CacheKeys(torch.Tensor):
         if func in _METADATA:
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
         raise RuntimeError(
-            "FP4Cache: the model's attention implementation is not fp4attn's, and the cache was "
-            "made without the model's config, so it handed back keys that only fp4attn's "
-            "attention reads (this step's, stored in the FP4 cache by that attention). Load the "
-            f'model with attn_implementation="{NAME}" (or "{NAME_INT8}") after '
-            "fp4attn.integrations.transformers.register() for the fused FP4 decode, or create the "
-            "cache as FP4Cache(config=model.config): then other implementations get the whole "
-            f"cache dequantized (slower). (refused: {getattr(func, '__name__', func)})")
+            "FP4Cache: something other than fp4attn's attention computed with the keys an "
+            "FP4Cache layer handed back (refused: "
+            f"{getattr(func, '__name__', func)}); they are this step's keys only, marked for "
+            "fp4attn's attention, which reads the rest from the FP4 cache. Either the model's "
+            "attention implementation is not fp4attn's and the cache was made without the "
+            f'model\'s config: load the model with attn_implementation="{NAME}" (or '
+            f'"{NAME_INT8}") after fp4attn.integrations.transformers.register(), or create the '
+            "cache as FP4Cache(config=model.config), which hands other implementations the whole "
+            "cache dequantized; or the model uses cached keys outside its attention (layers that "
+            "share another layer's keys, as Gemma 3n's do), which FP4Cache does not serve: use the "
+            "model's own cache.")
 
     @staticmethod
     def wrap(key_states: torch.Tensor, layer) -> "FP4CacheKeys":
@@ -170,10 +174,11 @@ def _cached_attention(query, key: FP4CacheKeys, attention_mask, scaling):
             return decode(query, cache, scale=scaling, window=window, key_start=start)
     # any other mask, or a long chunk: torch SDPA on the dequantized cache (the values the decode
     # kernel computes with, unquantized math like it), from position `start` on
-    if layer.chunk_states is not None:  # a long chunk of a windowed layer (see FP4Layer.update)
+    if layer.chunk_states is not None:  # a long chunk (see FP4Layer.update)
         k, v, start = layer.chunk_states
         layer.chunk_states = None  # used once: no full-precision copy kept past the step
-    else:  # each query's own residual keys exact (and a few older ones for the later queries)
+    else:  # up to 16 queries: each one's own residual keys exact (and a few older ones for the
+        # later queries)
         (k, v), start = cache.dequantize(position=len(cache) - nq), cache.start
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, start:start + k.shape[-2]]
@@ -334,9 +339,11 @@ def _cache_classes():
             self.sliding_window = sliding_window
             self.is_sliding = sliding_window is not None
             self.cache = None
-            # a windowed layer's long chunk (more than MAX_DECODE_TOKENS new tokens after the
-            # prefill) attends to (the kept tokens before it, dequantized, + its own states) and
-            # their first position: the append may drop tokens its first queries still see
+            # a long chunk (more than MAX_DECODE_TOKENS new tokens after the prefill) attends to
+            # (the kept tokens before it, dequantized with the newest 16 exact, + its own states)
+            # and their first position: every query then has its newest 16 keys exact (the ring
+            # holds the last 31 tokens only), and in a windowed layer the append may drop tokens
+            # the chunk's first queries still see
             self.chunk_states = None
             # this step's (keys, values) while K's statistics are open: fp4attn's attention appends
             # them once it has the step's mask (flush), so that left padding stays out of them
@@ -361,8 +368,7 @@ def _cache_classes():
             self.chunk_states = None
             impl = self.attn_implementation()
             ours = impl is None or impl in FP4_IMPLEMENTATIONS  # None: unknown, assumed fp4attn's
-            if not first and self.sliding_window is not None and \
-                    key_states.shape[2] > MAX_DECODE_TOKENS:
+            if not first and key_states.shape[2] > MAX_DECODE_TOKENS:
                 k, v = self.cache.dequantize()
                 self.chunk_states = (torch.cat([k, key_states], 2), torch.cat([v, value_states], 2),
                                      self.cache.start)
@@ -477,6 +483,10 @@ def _cache_classes():
             window = getattr(text, "sliding_window", None)
             types = getattr(text, "layer_types", None) or \
                 ["sliding_attention" if window is not None else "full_attention"] * text.num_hidden_layers
+            other = sorted(set(types) - {"full_attention", "sliding_attention"})
+            if other:  # chunked attention, linear-attention or state-space layers
+                raise ValueError(f"FP4Cache serves full and sliding-window attention layers; this "
+                                 f"model's config also has {other} layers: use its own cache")
 
             def implementation():  # read at every step: the model's may change after this
                 return getattr(text, "_attn_implementation", None)
