@@ -237,8 +237,9 @@ def test_attention_large_query_mean(dtype, kernel):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_values_near_the_top_of_the_float_range(kernel):
-    """|V| up to 2^120 in BF16: finite and as the reference (the sm120 kernel multiplied
-    FP4MM(P^, V^) by dV before the 1/2688 factor, which overflowed from about 2^110)."""
+    """|V| up to 2^120 in BF16: finite and as the reference on the mma.sync and wgmma kernels
+    (the sm120 kernel and the C backend overflowed there; their tests are in test_sm120.py and
+    test_attention_cpu.py)."""
     q = rand((1, 2, 300, 128), torch.bfloat16, 31)
     k = rand((1, 2, 300, 128), torch.bfloat16, 32)
     v = (rand((1, 2, 300, 128), torch.float32, 33).clamp(-1, 1) * 2.0**120).to(torch.bfloat16)
@@ -260,6 +261,19 @@ def test_attention_huge_values_of_both_signs_are_not_taken_for_nan(kernel):
     ref = attn_ref(q, k, v)
     assert torch.isfinite(out).all() and torch.isfinite(ref).all()
     assert (out.cpu() - ref).abs().max() <= 1e-3 * 5e37
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_row_without_keys_stays_zero_beside_nan_in_v(kernel):
+    """A NaN in V makes V's dec NaN (SPEC 2) and every row that sees keys NaN; a row that sees no
+    key still gives 0 (SPEC 4.6), also now that the sm90 epilogue applies dec last."""
+    q, k = rand((1, 2, 128, 64), torch.float16, 51), rand((1, 2, 128, 64), torch.float16, 52)
+    v = rand((1, 2, 128, 64), torch.float16, 53)
+    v[:, :, 5] = math.nan
+    mask = torch.ones(128, 128, dtype=torch.bool, device="cuda")
+    mask[3] = False
+    out = attn_cuda(q, k, v, mask, kernel=kernel).cpu()
+    assert (out[:, :, 3] == 0).all() and out[:, :, :3].isnan().all()
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

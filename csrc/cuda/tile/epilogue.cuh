@@ -52,12 +52,14 @@ __device__ __forceinline__ void store_lse(const AttnArgs &a, const WarpRows &w, 
 }
 
 /* Output element pair (d, d + 1) of row r: fl(fl(fl(o x inv) x dv) + vbar) for rows with visible
- * keys, 0 for the others (inv = 0 there). vbar: the KV head's V smoothing mean, zero beyond D (d
- * even). dv (V's dec, or 1 where o carries it) last: for a small max |V| (~1e-34) a row factor
- * that included it would be subnormal and lose its precision. */
+ * keys, 0 for the others (also where dv is NaN: V holds a NaN that those rows do not see). vbar:
+ * the KV head's V smoothing mean, zero beyond D (d even). dv (V's dec, or 1 where o carries it)
+ * last: for a small max |V| (~1e-34) a row factor that included it would be subnormal and lose
+ * its precision. */
 __device__ __forceinline__ float2 out_pair(float o0, float o1, float inv, float dv, bool visible,
                                            const float *vbar, int d) {
-  const float2 vb = visible ? *reinterpret_cast<const float2 *>(vbar + d) : make_float2(0.0f, 0.0f);
+  if (!visible) return make_float2(0.0f, 0.0f);
+  const float2 vb = *reinterpret_cast<const float2 *>(vbar + d);
   return make_float2(__fadd_rn(__fmul_rn(__fmul_rn(o0, inv), dv), vb.x),
                      __fadd_rn(__fmul_rn(__fmul_rn(o1, inv), dv), vb.y));
 }
