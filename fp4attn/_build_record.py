@@ -14,8 +14,12 @@ import os
 RECORD = "_C_build.json"
 
 
+SOURCE_SUFFIXES = (".c", ".h", ".cpp", ".cu", ".cuh")
+
+
 def build_sources(root: str, cuda: bool) -> list[str]:
-    """The files under root/csrc that a build reads (a CPU-only build reads no CUDA source)."""
+    """The sources under root/csrc that a build reads (a CPU-only build reads no CUDA source);
+    other files there (editor backups, patches) do not count."""
     csrc = os.path.join(root, "csrc")
     if cuda:
         files = glob.glob(os.path.join(csrc, "**", "*"), recursive=True)
@@ -23,7 +27,7 @@ def build_sources(root: str, cuda: bool) -> list[str]:
         files = [os.path.join(csrc, "torch_bindings.cpp")]
         for sub in ("cpu", "include"):
             files += glob.glob(os.path.join(csrc, sub, "**", "*"), recursive=True)
-    return sorted(f for f in files if os.path.isfile(f))
+    return sorted(f for f in files if f.endswith(SOURCE_SUFFIXES) and os.path.isfile(f))
 
 
 def sources_digest(root: str, cuda: bool) -> str:
@@ -35,9 +39,10 @@ def sources_digest(root: str, cuda: bool) -> str:
     return h.hexdigest()
 
 
-def write(package_dir: str, root: str, cuda: bool, note: str) -> None:
+def write(package_dir: str, digest: str, note: str) -> None:
+    """The record of a build from sources whose digest (sources_digest) was taken before it."""
     with open(os.path.join(package_dir, RECORD), "w") as f:
-        json.dump({"sources_sha256": sources_digest(root, cuda), "note": note}, f)
+        json.dump({"sources_sha256": digest, "note": note}, f)
 
 
 def read(package_dir: str) -> dict:
@@ -54,8 +59,9 @@ def stale_note(package_dir: str, cuda: bool) -> str | None:
     was built from; None otherwise (an installed wheel has no csrc/ beside it)."""
     root = os.path.dirname(os.path.abspath(package_dir))
     recorded = read(package_dir).get("sources_sha256")
-    if recorded is None or not os.path.isdir(os.path.join(root, "csrc")):
-        return None
+    if recorded is None or not (os.path.isdir(os.path.join(root, "csrc")) and
+                                os.path.isfile(os.path.join(root, "setup.py"))):
+        return None  # not a source tree of fp4attn
     if sources_digest(root, cuda) == recorded:
         return None
     return (f"fp4attn._C was built from other sources than {os.path.join(root, 'csrc')} holds now "

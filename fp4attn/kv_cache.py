@@ -159,12 +159,13 @@ class FP4KVCache:
         residual ring): beam search's reorder, a batch repeated or narrowed. Copies into new
         tensors, so that sequences that were one continue apart (a CUDA graph that captured the
         old ones must be captured again). On bad input nothing is changed."""
-        idx = torch.as_tensor(indices, device=self.device)
-        if idx.dim() != 1 or idx.numel() < 1 or idx.dtype.is_floating_point or \
-                idx.dtype == torch.bool or bool(((idx < 0) | (idx >= self.batch)).any()):
+        idx = torch.as_tensor(indices)
+        picked = idx.tolist() if idx.dim() == 1 else None  # one host copy, checked here
+        if picked is None or not picked or idx.dtype.is_floating_point or \
+                idx.dtype == torch.bool or not all(0 <= i < self.batch for i in picked):
             raise ValueError(f"indices must be a non-empty 1-D list or tensor of ints in "
                              f"[0, {self.batch}), got {indices!r}")
-        idx = idx.long()
+        idx = torch.tensor(picked, dtype=torch.long, device=self.device)
         n = self._pool_pages()
         for name in ("k_codes", "k_scales", "k_exp", "v_codes", "v_scales", "v_dec"):
             t = getattr(self, name)
@@ -174,7 +175,6 @@ class FP4KVCache:
             setattr(self, name, getattr(self, name)[idx].contiguous())
         if self._early is not None:
             self._early = (self._early[0][idx], self._early[1][idx])
-        picked = idx.tolist()
         self._padding = [self._padding[i] for i in picked]
         self.batch = len(picked)
         self._set_block_table()

@@ -16,6 +16,7 @@ def _tree(tmp_path):
     (tmp_path / "csrc" / "cpu" / "a.c").write_text("int a;")
     (tmp_path / "csrc" / "include" / "a.h").write_text("#define A")
     (tmp_path / "csrc" / "cuda" / "k.cu").write_text("kernel")
+    (tmp_path / "setup.py").write_text("")
     package = tmp_path / "fp4attn"
     package.mkdir()
     return str(tmp_path), str(package)
@@ -23,10 +24,12 @@ def _tree(tmp_path):
 
 def test_a_source_change_after_the_build_is_reported(tmp_path):
     root, package = _tree(tmp_path)
-    record.write(package, root, cuda=False, note="this torch has no CUDA support")
+    record.write(package, record.sources_digest(root, cuda=False), "this torch has no CUDA support")
     assert record.read(package)["note"] == "this torch has no CUDA support"
     assert record.stale_note(package, cuda=False) is None
     (tmp_path / "csrc" / "cuda" / "k.cu").write_text("kernel 2")  # not in a CPU-only build
+    assert record.stale_note(package, cuda=False) is None
+    (tmp_path / "csrc" / "cpu" / "a.c~").write_text("an editor's backup")  # not a source
     assert record.stale_note(package, cuda=False) is None
     (tmp_path / "csrc" / "include" / "a.h").write_text("#define A 2")
     note = record.stale_note(package, cuda=False)
@@ -35,7 +38,7 @@ def test_a_source_change_after_the_build_is_reported(tmp_path):
 
 def test_a_cuda_build_covers_the_cuda_sources(tmp_path):
     root, package = _tree(tmp_path)
-    record.write(package, root, cuda=True, note="")
+    record.write(package, record.sources_digest(root, cuda=True), "")
     (tmp_path / "csrc" / "cuda" / "k.cu").write_text("kernel 2")
     assert record.stale_note(package, cuda=True)
 
@@ -43,7 +46,7 @@ def test_a_cuda_build_covers_the_cuda_sources(tmp_path):
 def test_no_record_or_no_source_tree_is_not_reported(tmp_path):
     root, package = _tree(tmp_path)
     assert record.read(package) == {} and record.stale_note(package, cuda=False) is None
-    record.write(package, root, cuda=False, note="")
+    record.write(package, record.sources_digest(root, cuda=False), "")
     (tmp_path / "csrc" / "cpu" / "a.c").unlink()
     os.rename(tmp_path / "csrc", tmp_path / "elsewhere")  # an installed wheel: no csrc/ beside it
     assert record.stale_note(package, cuda=False) is None

@@ -443,7 +443,7 @@ def _cache_classes():
         def reorder_cache(self, beam_idx) -> None:  # beam search
             self._select(beam_idx)
 
-        def batch_repeat_interleave(self, repeats) -> None:  # contrastive search, several returns
+        def batch_repeat_interleave(self, repeats) -> None:  # a batch expanded after the prefill
             if self.is_initialized:
                 self._select(torch.arange(self.cache.batch, device=self.device)
                              .repeat_interleave(repeats))
