@@ -36,8 +36,9 @@ def cuda_archs():
     archs = [a.strip() for a in given.replace(",", ";").split(";") if a.strip()]
     bad = [a for a in archs if not re.fullmatch(r"\d{2,3}[af]?", a) or int(a.rstrip("af")) < 80]
     if not archs or bad:
-        raise SystemExit(f"FP4ATTN_CUDA_ARCHS={given!r}: expected nvcc architectures >= 80 separated "
-                         f"by ';' (e.g. '80;90a;120a', the default, or '90a'), not {bad or given!r}")
+        raise SystemExit(f"FP4ATTN_CUDA_ARCHS={given!r}: expected nvcc architectures >= 80 "
+                         "separated by ';' (e.g. '80;90a;120a', the default, or '90a'), not "
+                         f"{bad or given!r}")
     return archs
 
 
@@ -63,8 +64,9 @@ def want_cuda():
     if CUDA_HOME is None:
         return False, "torch has CUDA but no CUDA toolkit was found: set CUDA_HOME to one with nvcc"
     if shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is None:
-        return False, f"torch has CUDA but {os.path.join(CUDA_HOME, 'bin', 'nvcc')} does not exist: " \
-                      "set CUDA_HOME to a CUDA toolkit with nvcc"
+        nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
+        return False, f"torch has CUDA but {nvcc} does not exist: set CUDA_HOME to a CUDA " \
+                      "toolkit with nvcc"
     return True, f"torch CUDA {torch.version.cuda}, nvcc in {CUDA_HOME}"
 
 

@@ -97,7 +97,8 @@ def main() -> int:
                                    q, k, v, dout)
                     ms = timer.time(ours, reps)
                     row["int8attn_ms"], row["int8attn_tflops"] = ms, flops / ms / 1e9
-                    row["int8_fwd_ms"], row["int8_bwd_ms"], row["int8_prepare_ms"] = breakdown(ours, timer.flush)
+                    row["int8_fwd_ms"], row["int8_bwd_ms"], row["int8_prepare_ms"] = \
+                        breakdown(ours, timer.flush)
                     for name in ("flash", "cudnn"):
                         try:
                             ms_b = timer.time(step_fn(sdpa_backend_fn(name, q, k, v, causal), q, k, v, dout), reps)

@@ -436,10 +436,10 @@ def decode(q: Tensor, cache: FP4KVCache, scale: float | None = None, return_lse:
         if window is not None and window > cache.window:
             raise ValueError(f"window={window} exceeds the cache's window={cache.window}")
         window = cache.window if window is None else window
-    if key_start is not None and not (isinstance(key_start, Tensor) and key_start.dtype == torch.int32
-                                      and key_start.device == cache.device
-                                      and key_start.shape == (cache.batch,)
-                                      and key_start.is_contiguous()):
+    as_is = isinstance(key_start, Tensor) and key_start.dtype == torch.int32 and \
+        key_start.device == cache.device and key_start.shape == (cache.batch,) and \
+        key_start.is_contiguous()
+    if key_start is not None and not as_is:
         key_start = torch.tensor(_per_sequence_ints(key_start, cache.batch, "key_start"),
                                  dtype=torch.int32).to(cache.device, non_blocking=True)
     return decode_paged(q, *cache.storage(), cache.seq_lens, scale=scale, return_lse=return_lse,

@@ -547,8 +547,9 @@ def test_decode_key_start_arguments_are_checked():
     neg = fp4attn.decode_paged(*args, key_start=torch.tensor([-5, 0], dtype=torch.int32),
                                **cache.residual())
     assert torch.equal(neg, fp4attn.decode(q, cache))
-    # an int32 [B] tensor on the cache's device goes to the kernel as is, unchecked like decode_paged's
-    for starts in (torch.tensor([-5, 3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)):
+    # an int32 [B] tensor on the cache's device goes to the kernel as is, unchecked (decode_paged)
+    for starts in (torch.tensor([-5, 3], dtype=torch.int32),
+                   torch.tensor([0, 3], dtype=torch.int32)):
         assert torch.equal(fp4attn.decode(q, cache, key_start=starts),
                            fp4attn.decode(q, cache, key_start=[0, 3]))
 

@@ -633,7 +633,8 @@ def test_fp4cache_refuses_generation_modes_it_cannot_serve():
     cache = FP4Cache()
     g = torch.Generator().manual_seed(0)
     cache.update(torch.randn(1, 2, 20, 32, generator=g), torch.randn(1, 2, 20, 32, generator=g), 0)
-    for call, what in ((lambda: cache.crop(10), "crop"), (lambda: cache.layers[0].offload(), "offload")):
+    for call, what in ((lambda: cache.crop(10), "crop"),
+                       (lambda: cache.layers[0].offload(), "offload")):
         with pytest.raises(NotImplementedError, match=what):
             call()
 
