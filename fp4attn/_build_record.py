@@ -54,11 +54,12 @@ def read(package_dir: str) -> dict:
         return {}
 
 
-def stale_note(package_dir: str, cuda: bool) -> str | None:
+def stale_note(package_dir: str, cuda: bool, record: dict) -> str | None:
     """A message if this package sits in a source tree whose csrc/ differs from what its extension
-    was built from; None otherwise (an installed wheel has no csrc/ beside it)."""
+    was built from (`record`, as read); None otherwise (an installed wheel has no csrc/ beside
+    it)."""
     root = os.path.dirname(os.path.abspath(package_dir))
-    recorded = read(package_dir).get("sources_sha256")
+    recorded = record.get("sources_sha256")
     if recorded is None or not (os.path.isdir(os.path.join(root, "csrc")) and
                                 os.path.isfile(os.path.join(root, "setup.py"))):
         return None  # not a source tree of fp4attn

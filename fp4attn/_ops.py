@@ -28,8 +28,9 @@ _BUILD_INFO = dict(_C.build_info())
 HAS_CUDA_BACKEND = bool(_BUILD_INFO["cuda"])
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 #: why the build has or lacks its CUDA backend ("" for a build by other means than setup.py)
-_BUILD_INFO["note"] = _build_record.read(_PACKAGE_DIR).get("note", "")
-_stale = _build_record.stale_note(_PACKAGE_DIR, HAS_CUDA_BACKEND)
+_record = _build_record.read(_PACKAGE_DIR)
+_BUILD_INFO["note"] = _record.get("note", "")
+_stale = _build_record.stale_note(_PACKAGE_DIR, HAS_CUDA_BACKEND, _record)
 if _stale:
     warnings.warn(_stale, stacklevel=2)
 

@@ -435,8 +435,8 @@ def _cache_classes():
                 return
             self.flush()
             self.cache.select(indices)
-            idx = torch.as_tensor(indices, device=self.device).long()
             if self.chunk_states is not None:
+                idx = torch.as_tensor(indices, device=self.device).long()
                 k, v, start = self.chunk_states
                 self.chunk_states = (k[idx], v[idx], start)
 
