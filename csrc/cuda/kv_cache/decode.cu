@@ -436,9 +436,9 @@ __device__ void residual_split(const DecodeArgs &a, int64_t tile, int64_t b, int
     }
   }
   const int64_t row = mt * NQ + r;
-  const RowKeys rk = row_keys(p, Lb, row, first_key(p, b));
-  const int lo = row < M ? rk.exact : 0, hi = row < M ? rk.end : 0; /* the row's residual keys */
   const int kstart = first_key(p, b); /* keys before it (padding) are not loaded: no 0 x NaN */
+  const RowKeys rk = row_keys(p, Lb, row, kstart);
+  const int lo = row < M ? rk.exact : 0, hi = row < M ? rk.end : 0; /* the row's residual keys */
   const float s_log2 = p.scale * kLog2e;
   float o[kCols] = {}, m = -INFINITY, l = 0.0f;
   for (int j0 = max(0, Lb - slots); j0 < Lb; j0 += kKeys) {
