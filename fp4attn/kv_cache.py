@@ -102,6 +102,7 @@ class FP4KVCache:
         self._kmean_tokens = KMEAN_TOKENS if window is None else min(KMEAN_TOKENS, self._keep)
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", comparable
         self._len = 0
+        self._oldest = 0  # a windowed cache cropped after it dropped tokens: none before this
         self._early = None  # (k, v) of the stored tokens until K's statistics are fixed: exact copies
         self._padding = [0] * batch  # leading pad tokens per sequence, left out of K's statistics
         self.kmean = torch.zeros(batch, kv_heads, head_dim, dtype=torch.float32, device=self.device)
@@ -179,6 +180,52 @@ class FP4KVCache:
         self.batch = len(picked)
         self._set_block_table()
 
+    def crop(self, length: int) -> None:
+        """Keeps the first ``length`` tokens of every sequence (``0 <= length <= len(cache)``):
+        speculative decoding's rejected tokens dropped. The cache then decodes as one that was
+        appended only those tokens, with two differences where they are gone: K's statistics,
+        once fixed, stay those of the first tokens stored, cropped ones included; and after a
+        crop of more than 15 tokens, each sequence's newest ``residual_length`` tokens are no
+        longer in the ring as appended (newer appends overwrote them), so until new tokens
+        replace them the ring holds their stored values (dequantized, in the cache's dtype).
+        A windowed cache that has dropped tokens can drop only tokens whose removal leaves
+        every window of the next 16 positions stored (about 16). On bad input nothing is
+        changed."""
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self._len:
+            raise ValueError(f"length must be an int in [0, {self._len}], got {length!r}")
+        if length == self._len:
+            return
+        early = self._early if self._early is not None and self._early[0].shape[2] == self._len \
+            else None  # K's statistics still open: the kept tokens are stored again, as if alone
+        if length == 0 or early is not None:
+            self._len, self._early, self._oldest = 0, None, 0
+            self.seq_lens.fill_(0)
+            if length:  # (with the padding it had; K's mean and scales set anew)
+                self.append(early[0][:, :, :length], early[1][:, :, :length])
+            else:  # as new
+                self._padding = [0] * self.batch
+                self.kmean.zero_()
+                self.kscale.fill_(1.0)
+            return
+        oldest = self.start  # stored tokens from here on
+        if self.window is not None and oldest > max(0, length - self.window + 1):
+            raise ValueError(f"crop to {length} tokens: this windowed cache (window={self.window}) "
+                             f"keeps tokens from position {oldest} on, but a query at position "
+                             f"{length} sees its last {self.window} keys from position "
+                             f"{length - self.window + 1}: it can drop at most "
+                             f"{self._len - oldest - self.window + 1} tokens")
+        slots = self.res_k.shape[2]
+        # ring slots of positions below `length` that later positions (now cropped) overwrote
+        stale = range(max(length - slots, oldest), min(length, self._len - slots))
+        if len(stale):
+            k, v = self._stored(stale.start, stale.stop)
+            at = torch.arange(stale.start, stale.stop, device=self.device) % slots
+            self.res_k.index_copy_(2, at, k.to(self.dtype))
+            self.res_v.index_copy_(2, at, v.to(self.dtype))
+        self._oldest = oldest if self.window is not None else 0
+        self._len = length
+        self.seq_lens.fill_(length)
+
     def storage(self) -> tuple[Tensor, ...]:
         """(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale, block_table): the
         paged form `decode_paged` takes (SPEC 6), with ``seq_lens`` and ``**residual()``. A
@@ -200,7 +247,7 @@ class FP4KVCache:
         of the kept ``window + 15``."""
         if self.window is None:
             return 0
-        return max(0, self._len - self._keep)
+        return max(0, self._len - self._keep, self._oldest)
 
     def residual(self) -> dict:
         """The residual ring as `decode_paged` takes it: ``residual_k``, ``residual_v`` (None
@@ -317,6 +364,18 @@ class FP4KVCache:
                              f"first {self._kmean_tokens} tokens after its padding stored")
         return values
 
+    def _stored(self, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        """Float32 ``(k, v)`` ``[batch, kv_heads, hi - lo, head_dim]``: the stored rows of
+        positions ``[lo, hi)`` (``start <= lo < hi <= len``), dequantized (K times its channel
+        scales, then plus its mean)."""
+        first = lo // self.page_size  # logical pages from the one holding `lo` (one if empty)
+        table = self.block_table[:, first:max(-(-hi // self.page_size), first + 1)]
+        end = hi - first * self.page_size
+        k = _dequantize_rows(self.k_codes, self.k_scales, self.k_exp, table, end, self.head_dim, key=True)
+        v = _dequantize_rows(self.v_codes, self.v_scales, self.v_dec, table, end, self.head_dim)
+        at = lo - first * self.page_size
+        return k[:, :, at:] * self.kscale[:, :, None, :] + self.kmean[:, :, None, :], v[:, :, at:]
+
     def dequantize(self, dtype: torch.dtype | None = None, residual: bool = True,
                    position: int | None = None) -> tuple[Tensor, Tensor]:
         """``(k, v)`` ``[batch, kv_heads, len - start, head_dim]`` of the tokens from ``start`` on
@@ -333,14 +392,7 @@ class FP4KVCache:
             position = self._len - 1
         elif not isinstance(position, int) or isinstance(position, bool) or not 0 <= position < self._len:
             raise ValueError(f"position must be an int in [0, {self._len}), got {position!r}")
-        first = self.start // self.page_size  # logical pages from the one holding `start`
-        pages = max(-(-self._len // self.page_size), first + 1)
-        table = self.block_table[:, first:pages]
-        lo, hi = self.start - first * self.page_size, self._len - first * self.page_size
-        k = _dequantize_rows(self.k_codes, self.k_scales, self.k_exp, table, hi, self.head_dim, key=True)
-        v = _dequantize_rows(self.v_codes, self.v_scales, self.v_dec, table, hi, self.head_dim)
-        k = k[:, :, lo:] * self.kscale[:, :, None, :] + self.kmean[:, :, None, :]
-        v = v[:, :, lo:]
+        k, v = self._stored(self.start, self._len)
         if residual and self.residual_length:  # tokens > position - R still in the ring
             slots = self.res_k.shape[2]
             ring = max(position - self.residual_length + 1, self._len - slots, self.start)

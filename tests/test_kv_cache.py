@@ -533,6 +533,93 @@ def test_select_refuses_bad_indices_and_leaves_the_cache():
     assert cache.batch == 2 and all(torch.equal(a, b) for a, b in zip(_state(cache), before))
 
 
+def _kept(cache, length):
+    """What a crop to `length` must keep of a cache: its stored rows, K's statistics and the
+    residual ring's slots of the tokens a one-position decode reads exactly."""
+    R, S = cache.residual_length, cache.res_k.shape[2]
+    at = torch.arange(max(0, length - R), length, device=cache.device) % S
+    return [t.cpu() for t in (*stored_rows(cache, length), cache.kmean, cache.kscale,
+                              cache.res_k[:, :, at], cache.res_v[:, :, at], cache.seq_lens)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("appends,length", [([50, 20], 55), ([150, 20], 160), ([150, 20], 0)])
+def test_crop_decodes_as_the_cache_of_the_kept_tokens(appends, length, device):
+    """crop(length) (speculative decoding's rejected tokens): byte for byte the cache appended
+    only the kept tokens, while K's statistics are open (50 tokens, stored again) and after
+    (150: a crop of at most 15 keeps every one-position decode's exact keys), and both go on
+    appending and decoding alike (16 new tokens refresh every ring slot a decode reads)."""
+    B, H, D = 2, 2, 64
+    cache, k, v = filled_cache(B, H, D, torch.float16, appends, device=device, page_size=32)
+    cache.crop(length)
+    want = fp4attn.FP4KVCache(B, H, D, dtype=torch.float16, device=device, page_size=32)
+    if length:
+        want.append(k[:, :, :length], v[:, :, :length])
+    assert len(cache) == length
+    assert all(torch.equal(a, b) for a, b in zip(_kept(cache, length), _kept(want, length)))
+    g = torch.Generator().manual_seed(5)
+    if length:
+        q = torch.randn(B, 4, 1, D, generator=g).half().to(device)
+        assert torch.equal(fp4attn.decode(q, cache), fp4attn.decode(q, want))
+    k2, v2 = kv(B, H, 16, D, torch.float16, 77, device)
+    cache.append(k2, v2)
+    want.append(k2, v2)
+    q = torch.randn(B, 4, 16, D, generator=g).half().to(device)
+    assert torch.equal(fp4attn.decode(q, cache), fp4attn.decode(q, want))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_crop_of_more_than_the_ring_reads_the_stored_rows_there(device):
+    """A crop of 40 tokens (more than the ring's 31): the newest kept tokens' ring slots were
+    overwritten by cropped ones, so the ring holds their stored values instead; the decode reads
+    what dequantize() reports, for one and for 16 positions."""
+    B, H, D = 1, 2, 64
+    cache, k, v = filled_cache(B, H, D, torch.float32, [180, 40], device=device, page_size=32)
+    cache.crop(180)
+    stored, _ = cache.dequantize(torch.float32, residual=False)
+    ring, _ = cache.dequantize(torch.float32)
+    assert torch.equal(ring[:, :, -16:], stored[:, :, -16:])  # no cropped token's values
+    q = torch.randn(B, 4, 16, D, generator=torch.Generator().manual_seed(8)).to(device)
+    out = fp4attn.decode(q, cache)
+    for t in (0, 15):
+        kd, vd = cache.dequantize(torch.float32, position=180 - 16 + t)
+        one, _ = exact_decode(q[:, :, t:t + 1].cpu(), kd.cpu(), vd.cpu(), [180 - 16 + t + 1])
+        assert rel_l1(out[:, :, t:t + 1].cpu(), one) < 3e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_crop_of_a_windowed_cache_keeps_what_its_windows_see(device):
+    """A windowed cache that dropped tokens (window 20, 60 appended: it keeps 25..59) can drop
+    tokens as long as the next queries' windows stay stored (to 58: they see 39..58), then decodes
+    on them; a deeper crop is refused and changes nothing."""
+    B, H, D, W = 1, 2, 64, 20
+    cache = fp4attn.FP4KVCache(B, H, D, dtype=torch.float32, device=device, page_size=16, window=W)
+    k, v = kv(B, H, 60, D, torch.float32, 3, device)
+    cache.append(k, v)
+    before = _state(cache)
+    with pytest.raises(ValueError, match="it can drop at most 16 tokens"):
+        cache.crop(40)
+    assert len(cache) == 60 and all(torch.equal(a, b) for a, b in zip(_state(cache), before))
+    cache.crop(44)
+    assert len(cache) == 44 and cache.start == 25
+    k2, v2 = kv(B, H, 3, D, torch.float32, 4, device)
+    cache.append(k2, v2)
+    kk, vv = torch.cat([k[:, :, :44], k2], 2), torch.cat([v[:, :, :44], v2], 2)
+    q = torch.randn(B, 4, 3, D, generator=torch.Generator().manual_seed(6)).to(device)
+    out = fp4attn.decode(q, cache)
+    ref, _ = cache_decode_reference(q, cache, kk, vv, window=W)
+    assert rel_l1(out.cpu(), ref) < 3e-3
+
+
+def test_crop_refuses_bad_lengths_and_leaves_the_cache():
+    cache, _, _ = filled_cache(1, 1, 32, torch.float32, [20])
+    before = _state(cache)
+    for bad in (-1, 21, 1.5, True, None):
+        with pytest.raises(ValueError, match=r"length must be an int in \[0, 20\]"):
+            cache.crop(bad)
+    assert len(cache) == 20 and all(torch.equal(a, b) for a, b in zip(_state(cache), before))
+
+
 def test_decode_key_start_arguments_are_checked():
     cache, _, _ = filled_cache(2, 1, 32, torch.float32, [20])
     q = torch.randn(2, 2, 1, 32)

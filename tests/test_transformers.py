@@ -625,18 +625,48 @@ def test_gemma2_softcap_model_is_refused_not_answered_without_it():
         model(input_ids=torch.randint(0, 100, (1, 16)))
 
 
-def test_fp4cache_refuses_generation_modes_it_cannot_serve():
-    """crop (assisted / prompt-lookup generation), offloading: a NotImplementedError naming the
-    mode, not an AttributeError from the base class."""
+def test_fp4cache_refuses_offloading():
+    """Offloading: a NotImplementedError naming it, not an AttributeError from the base class."""
     from fp4attn.integrations.transformers import FP4Cache
 
     cache = FP4Cache()
     g = torch.Generator().manual_seed(0)
     cache.update(torch.randn(1, 2, 20, 32, generator=g), torch.randn(1, 2, 20, 32, generator=g), 0)
-    for call, what in ((lambda: cache.crop(10), "crop"),
-                       (lambda: cache.layers[0].offload(), "offload")):
-        with pytest.raises(NotImplementedError, match=what):
-            call()
+    with pytest.raises(NotImplementedError, match="offload"):
+        cache.layers[0].offload()
+
+
+@pytest.mark.parametrize("candidates", [5, 20])
+def test_fp4cache_assisted_generation(candidates):
+    """Assisted generation (a draft model proposes tokens, the model checks them in one call and
+    the cache drops the rejected ones by crop): the tokens greedy decoding gives with the same
+    cache, also where more than 16 candidates take the long-chunk path and crops exceed the
+    ring; crop's transformers forms (a negative count, a length, 0)."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    model = tiny_llama("fp4attn")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=512)
+    torch.manual_seed(1)
+    draft = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 256, (1, 140), generator=torch.Generator().manual_seed(3))
+    kw = {"max_new_tokens": 40, "do_sample": False}
+    key = cache_keyword(model)
+    with torch.no_grad():
+        plain = model.generate(ids, **{key: integration.FP4Cache(model.config)}, **kw)
+        cache = integration.FP4Cache(model.config)
+        assisted = model.generate(ids, **{key: cache}, assistant_model=draft,
+                                  num_assistant_tokens=candidates,
+                                  num_assistant_tokens_schedule="constant", **kw)
+    assert torch.equal(assisted, plain)
+    n = cache.get_seq_length()
+    cache.crop(-3)
+    assert cache.get_seq_length() == n - 3
+    cache.crop(n - 10)
+    cache.crop(0)
+    assert cache.get_seq_length() == n - 10 and cache.is_croppable
 
 
 def test_fp4cache_batch_selection_moves_each_sequence_whole():

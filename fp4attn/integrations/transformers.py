@@ -28,6 +28,7 @@ fp4attn's attention functions with an error that says what to do: never a silent
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -327,7 +328,7 @@ def _cache_classes():
         padding),
         and the cache keeps only the tokens that can still be seen (a windowed FP4KVCache)."""
 
-        is_croppable = False
+        is_croppable = True  # (FP4KVCache.crop: a rollback's kept tokens decode as before)
 
         def __init__(self, page_size: int | None = None, sliding_window: int | None = None,
                      attn_implementation=None, max_tokens: int | None = None):
@@ -451,13 +452,26 @@ def _cache_classes():
         def batch_select_indices(self, indices) -> None:
             self._select(indices)
 
-        # What transformers' other generation modes ask of a layer that the FP4 cache does not
-        # do: an error naming the mode rather than the base class's AttributeError or a silent
-        # no-op on keys it does not have.
-        def crop(self, max_length) -> None:
-            raise NotImplementedError("FP4Cache: dropping cached tokens (crop: assisted or "
-                                      "prompt-lookup generation) is not supported")
+        def crop(self, tokens_to_remove: int) -> None:
+            """Drops the newest ``-tokens_to_remove`` tokens (assisted and prompt-lookup
+            generation's rejected candidates; FP4KVCache.crop); a positive value is the length
+            to keep (transformers' older form), 0 keeps all."""
+            try:  # an int, or (as assisted generation passes it) an integer 0-d tensor
+                count = operator.index(tokens_to_remove)
+            except TypeError:
+                count = None
+            if count is None or isinstance(tokens_to_remove, bool):
+                raise ValueError(f"tokens_to_remove must be an int, got {tokens_to_remove!r}")
+            if not self.is_initialized:
+                return
+            self.flush()
+            self.chunk_states = None
+            n = len(self.cache)
+            keep = max(0, n + count) if count <= 0 else min(n, count)
+            self.cache.crop(keep)
 
+        # What transformers asks of a layer that the FP4 cache does not do: an error naming it
+        # rather than the base class's AttributeError or a silent no-op on keys it does not have.
         def offload(self) -> None:
             raise NotImplementedError("FP4Cache: offloading layers to the CPU is not supported")
 
