@@ -70,11 +70,14 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
     load_bytes(B + L::bDrow, w.drow + r0, kBQ8 * 4, tid, 256);
   };
 
-  load_tile<DP>(smem + L::kKc, w.kc + (bhk * w.nkp + j0) * DP, kBK8, DP, tid, 256);
-  load_tile<2 * DP>(smem + L::kV16, w.v16 + (bhk * w.nkp + j0) * DP, kBK8, 2 * DP, tid, 256);
-  load_tile<2 * DO>(smem + L::kKs16, w.ks16 + (bhk * w.nkp + j0) * DP + d0, kBK8, 2 * DP, tid, 256);
-  if (iters > 0) load_block(0, 0);
-  cp_async_commit();
+  if (iters > 0) { /* a key block no query sees (causal, Nk > Nq) loads nothing: zero dK, dV */
+    load_tile<DP>(smem + L::kKc, w.kc + (bhk * w.nkp + j0) * DP, kBK8, DP, tid, 256);
+    load_tile<2 * DP>(smem + L::kV16, w.v16 + (bhk * w.nkp + j0) * DP, kBK8, 2 * DP, tid, 256);
+    load_tile<2 * DO>(smem + L::kKs16, w.ks16 + (bhk * w.nkp + j0) * DP + d0, kBK8, 2 * DP, tid,
+                      256);
+    load_block(0, 0);
+    cp_async_commit();
+  }
 
   const float sk = w.sk[bhk * w.nkb + j];
   float dv[DO / 8][4] = {}, dk[DO / 8][4] = {};

@@ -129,7 +129,7 @@ struct FwdKernel {
 
   /* Scores, softmax with two-level P quantization, and PV for key tile j (one warp, 16 rows). */
   static __device__ __forceinline__ void compute_tile(const Ctx &c, int j, int buf, RowState &rs,
-                                                      float cqk, float decv) {
+                                                      float cqk) {
     const fp4attn_attention_params &p = c.a->p;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wr = warp * 16;
@@ -167,9 +167,10 @@ struct FwdKernel {
     uint32_t pa[8][4];
     softmax_quantize_p(p, wrows, (int64_t)j * kTile, cqk, bs, s, rs.sm, alpha, gsc, pa);
 
-    /* ---- O = alpha O + (beta/2688) dV (P^q V^), GW output columns at a time */
+    /* ---- O = alpha O + (beta/2688) (P^q V^), GW output columns at a time; V's dV is applied
+     * in the epilogue, last, as SPEC 4.5 orders it (a tiny dV times beta/2688 went subnormal) */
     constexpr int GW = DP == 256 ? 32 : 64; /* fewer live accumulators where O is largest */
-    const float gv0 = gsc[0] * decv, gv1 = gsc[1] * decv;
+    const float gv0 = gsc[0], gv1 = gsc[1];
 #pragma unroll
     for (int grp = 0; grp < DP / GW; ++grp) {
       float acc[GW / 8][4];
@@ -231,9 +232,9 @@ struct FwdKernel {
           cp_async_commit();
           compute_bias_tile(c, j + 1, (j + 1) & 1);
         }
-        compute_tile(c, j, j & 1, rs, cqk, decv);
+        compute_tile(c, j, j & 1, rs, cqk);
       } else {
-        compute_tile(c, j, 0, rs, cqk, decv);
+        compute_tile(c, j, 0, rs, cqk);
         if (j + 1 < c.ntiles) {
           __syncthreads();
           issue_tile(c, j + 1, 0);
@@ -245,8 +246,8 @@ struct FwdKernel {
 
     /* ---- epilogue (SPEC 4.6) */
     const WarpRows wrows = {c.b, c.h, c.q0 + (threadIdx.x >> 5) * 16};
-    const float unit[2] = {1.0f, 1.0f}; /* o is O: the scales were applied per tile */
-    store_rows<DP>(a, wrows, c.bh, rs.o, unit, 1.0f, rs.sm,
+    const float unit[2] = {1.0f, 1.0f}; /* o is O / dV: the P scales were applied per tile */
+    store_rows<DP>(a, wrows, c.bh, rs.o, unit, decv, rs.sm,
                    reinterpret_cast<const float *>(smem + C::kOffQbar),
                    w.kbar + c.bhk * DP,  /* kbar, vbar from global: keeps smem within sm_80's */
                    w.vbar + c.bhk * DP); /* 163 KB */
