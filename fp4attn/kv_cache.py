@@ -59,6 +59,8 @@ class FP4KVCache:
     fixed ring of pages per sequence, so its memory does not grow with the sequence: token ``t``
     lives in page ``t // page_size`` of the block table, whose entries cycle through the ring.
     Its decodes use the window; ``dequantize`` returns the kept tokens, from ``start`` on.
+    ``rollback=N`` keeps ``N`` tokens more, so that ``crop`` can drop up to ``N`` tokens and the
+    cache still decodes up to 16 positions (up to ``N + 16`` for the next positions' decodes).
 
     Not thread-safe: appends, ``select`` and growth replace its tensors one at a time, so a decode
     in another thread at that moment may read new pages through the old block table.
@@ -73,7 +75,7 @@ class FP4KVCache:
     def __init__(self, batch: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.float16,
                  device: torch.device | str | None = None, page_size: int | None = None,
                  max_tokens: int | None = None, window: int | None = None,
-                 residual_length: int = DEFAULT_RESIDUAL):
+                 residual_length: int = DEFAULT_RESIDUAL, rollback: int = 0):
         for name, val in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
@@ -91,12 +93,18 @@ class FP4KVCache:
             raise ValueError(f"window must be a positive int or None, got {window!r}")
         if not isinstance(residual_length, int) or isinstance(residual_length, bool) or residual_length < 0:
             raise ValueError(f"residual_length must be an int >= 0, got {residual_length!r}")
+        if not isinstance(rollback, int) or isinstance(rollback, bool) or rollback < 0:
+            raise ValueError(f"rollback must be an int >= 0, got {rollback!r}")
+        if rollback and window is None:
+            raise ValueError("rollback applies to a windowed cache (window=...): any other crops "
+                             "any number of tokens")
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.dtype, self.page_size, self.max_tokens = dtype, page_size, max_tokens
         self.window = window
         # a windowed cache keeps the last _keep tokens (all its decodes can read) in a ring of pages
         # that holds them wherever they start in a page, plus the page being filled
-        self._keep = None if window is None else window + MAX_DECODE_QUERIES - 1
+        self.rollback = rollback
+        self._keep = None if window is None else window + MAX_DECODE_QUERIES - 1 + rollback
         self._ring = None if window is None else -(-self._keep // page_size) + 1
         # a windowed cache's mean: of at most the tokens it keeps (the ring holds them all)
         self._kmean_tokens = KMEAN_TOKENS if window is None else min(KMEAN_TOKENS, self._keep)
@@ -183,13 +191,15 @@ class FP4KVCache:
     def crop(self, length: int) -> None:
         """Keeps the first ``length`` tokens of every sequence (``0 <= length <= len(cache)``):
         speculative decoding's rejected tokens dropped. The cache then decodes as one that was
-        appended only those tokens, with two differences where they are gone: K's statistics,
-        once fixed, stay those of the first tokens stored, cropped ones included; and after a
-        crop of more than 15 tokens, each sequence's newest ``residual_length`` tokens are no
-        longer in the ring as appended (newer appends overwrote them), so until new tokens
-        replace them the ring holds their stored values (dequantized, in the cache's dtype).
-        A windowed cache that has dropped tokens can drop only tokens whose removal leaves
-        every window of the next 16 positions stored (about 16). On bad input nothing is
+        appended only those tokens, with two differences: K's statistics, once fixed, stay
+        those of the first tokens stored, cropped ones included; and the residual ring's slots
+        of the kept tokens that cropped ones overwrote (the oldest ``c`` of its last
+        ``residual_length + 15``, for a crop of ``c``) hold those tokens' stored values
+        (dequantized, in the cache's dtype) until new tokens replace them, which a one-position
+        decode reads from a crop of more than 15 tokens on, a 16-position one from any crop.
+        A windowed cache that has dropped tokens can drop only tokens whose removal leaves the
+        next position's window stored (``rollback + 16``), and its decodes of earlier positions
+        then refuse those whose windows reach dropped tokens. On bad input nothing is
         changed."""
         if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self._len:
             raise ValueError(f"length must be an int in [0, {self._len}], got {length!r}")
@@ -209,19 +219,21 @@ class FP4KVCache:
             return
         oldest = self.start  # stored tokens from here on
         if self.window is not None and oldest > max(0, length - self.window + 1):
-            raise ValueError(f"crop to {length} tokens: this windowed cache (window={self.window}) "
-                             f"keeps tokens from position {oldest} on, but a query at position "
-                             f"{length} sees its last {self.window} keys from position "
-                             f"{length - self.window + 1}: it can drop at most "
-                             f"{self._len - oldest - self.window + 1} tokens")
+            raise ValueError(f"crop to {length} tokens: this windowed cache (window={self.window}, "
+                             f"rollback={self.rollback}) keeps tokens from position {oldest} on, "
+                             f"but a query at position {length} sees its last {self.window} keys "
+                             f"from position {length - self.window + 1}: it can drop at most "
+                             f"{self._len - oldest - self.window + 1} tokens (a larger rollback "
+                             f"keeps more)")
         slots = self.res_k.shape[2]
         # ring slots of positions below `length` that later positions (now cropped) overwrote
         stale = range(max(length - slots, oldest), min(length, self._len - slots))
         if len(stale):
             k, v = self._stored(stale.start, stale.stop)
             at = torch.arange(stale.start, stale.stop, device=self.device) % slots
-            self.res_k.index_copy_(2, at, k.to(self.dtype))
-            self.res_v.index_copy_(2, at, v.to(self.dtype))
+            big = torch.finfo(self.dtype).max  # (a stored value may exceed the dtype's range)
+            self.res_k.index_copy_(2, at, k.clamp(-big, big).to(self.dtype))
+            self.res_v.index_copy_(2, at, v.clamp(-big, big).to(self.dtype))
         self._oldest = oldest if self.window is not None else 0
         self._len = length
         self.seq_lens.fill_(length)
@@ -488,6 +500,11 @@ def decode(q: Tensor, cache: FP4KVCache, scale: float | None = None, return_lse:
         if window is not None and window > cache.window:
             raise ValueError(f"window={window} exceeds the cache's window={cache.window}")
         window = cache.window if window is None else window
+        first = len(cache) - q.shape[2] - window + 1  # where the first query's window starts
+        if cache.start > max(0, first):  # (only after a crop)
+            raise ValueError(f"q has {q.shape[2]} positions; this windowed cache, cropped to "
+                             f"{len(cache)} tokens, no longer stores the keys before position "
+                             f"{cache.start} that the first one's window sees")
     as_is = isinstance(key_start, Tensor) and key_start.dtype == torch.int32 and \
         key_start.device == cache.device and key_start.shape == (cache.batch,) and \
         key_start.is_contiguous()

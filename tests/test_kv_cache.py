@@ -602,6 +602,9 @@ def test_crop_of_a_windowed_cache_keeps_what_its_windows_see(device):
     assert len(cache) == 60 and all(torch.equal(a, b) for a, b in zip(_state(cache), before))
     cache.crop(44)
     assert len(cache) == 44 and cache.start == 25
+    # the windows of positions 28..43 reach 9..24, no longer stored: refused, not read
+    with pytest.raises(ValueError, match="no longer stores the keys before position 25"):
+        fp4attn.decode(torch.zeros(B, 4, 16, D, device=device), cache)
     k2, v2 = kv(B, H, 3, D, torch.float32, 4, device)
     cache.append(k2, v2)
     kk, vv = torch.cat([k[:, :, :44], k2], 2), torch.cat([v[:, :, :44], v2], 2)
@@ -609,6 +612,46 @@ def test_crop_of_a_windowed_cache_keeps_what_its_windows_see(device):
     out = fp4attn.decode(q, cache)
     ref, _ = cache_decode_reference(q, cache, kk, vv, window=W)
     assert rel_l1(out.cpu(), ref) < 3e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_crop_within_a_windowed_caches_rollback_decodes_as_the_kept_tokens(device):
+    """rollback=24 keeps 24 tokens more: a crop of 24 from a cache that dropped tokens leaves
+    every window of a 16-position decode stored, and the decode reads what a cache of the kept
+    tokens holds there (checked against exact attention on its dequantized rows)."""
+    B, H, D, W = 1, 2, 64, 20
+    cache = fp4attn.FP4KVCache(B, H, D, dtype=torch.float32, device=device, page_size=16,
+                               window=W, rollback=24)
+    k, v = kv(B, H, 200, D, torch.float32, 13, device)
+    cache.append(k[:, :, :150], v[:, :, :150])
+    cache.append(k[:, :, 150:], v[:, :, 150:])
+    cache.crop(176)
+    assert cache.start == 200 - (W + 15 + 24)
+    q = torch.randn(B, 4, 16, D, generator=torch.Generator().manual_seed(14)).to(device)
+    out = fp4attn.decode(q, cache)
+    for t in (0, 15):
+        kd, vd = cache.dequantize(torch.float32, position=176 - 16 + t)
+        pad = torch.zeros(B, H, cache.start, D, device=kd.device)
+        kd, vd = torch.cat([pad, kd], 2).cpu(), torch.cat([pad, vd], 2).cpu()
+        one, _ = exact_decode(q[:, :, t:t + 1].cpu(), kd, vd, [176 - 16 + t + 1], window=W)
+        assert rel_l1(out[:, :, t:t + 1].cpu(), one) < 3e-3
+    for bad, what in ((-1, "rollback must be an int >= 0"), (True, "rollback must be an int"),
+                      (8, "rollback applies to a windowed cache")):
+        with pytest.raises(ValueError, match=what):
+            fp4attn.FP4KVCache(B, H, D, window=None if bad == 8 else W, rollback=bad)
+
+
+def test_crop_keeps_fp16_keys_near_the_maximum_finite():
+    """A crop that puts stored values into the ring: keys near FP16's maximum dequantize up to
+    ~12 % larger, clamped to the dtype's range there (not Inf, which made the decode NaN)."""
+    B, H, D = 1, 1, 32
+    k = torch.full((B, H, 200, D), 6.0e4).half() * torch.randn(B, H, 200, D).sign().half()
+    v = torch.randn(B, H, 200, D).half()
+    cache = fp4attn.FP4KVCache(B, H, D, dtype=torch.float16)
+    cache.append(k, v)
+    cache.crop(150)
+    assert torch.isfinite(cache.res_k.float()).all()
+    assert torch.isfinite(fp4attn.decode(torch.randn(B, 2, 1, D).half() * 1e-3, cache)).all()
 
 
 def test_crop_refuses_bad_lengths_and_leaves_the_cache():

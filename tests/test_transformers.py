@@ -323,7 +323,7 @@ def test_fp4cache_with_a_sliding_window_layer_matches_the_dequantized_cache(monk
     windows = decode_windows(monkeypatch, integration)
     model = tiny_sliding_qwen2()
     ids = torch.randint(0, 256, (1, 41), generator=torch.Generator().manual_seed(1))
-    fp4 = integration.FP4Cache(config=model.config)
+    fp4 = integration.FP4Cache(config=model.config, rollback=0)  # drops as it goes
     assert [layer.sliding_window for layer in fp4.layers] == [8, None]
     with torch.no_grad():
         kw = cache_keyword(model)
@@ -380,7 +380,7 @@ def test_fp4cache_reads_a_sliding_window_without_layer_types(monkeypatch):
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(config).eval()
     model.config._attn_implementation = "fp4attn"
-    fp4 = integration.FP4Cache(config=model.config)
+    fp4 = integration.FP4Cache(config=model.config, rollback=0)  # drops as it goes
     assert [layer.sliding_window for layer in fp4.layers] == [24, 24]
     ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -517,7 +517,7 @@ def test_fp4cache_sliding_window_layer_long_chunk():
     integration.register()
     model = tiny_sliding_qwen2()
     ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(4))
-    fp4 = integration.FP4Cache(config=model.config)
+    fp4 = integration.FP4Cache(config=model.config, rollback=0)  # drops as it goes
     with torch.no_grad():
         kw = cache_keyword(model)
         model(ids[:, :40], **{kw: fp4})
@@ -636,37 +636,82 @@ def test_fp4cache_refuses_offloading():
         cache.layers[0].offload()
 
 
-@pytest.mark.parametrize("candidates", [5, 20])
-def test_fp4cache_assisted_generation(candidates):
-    """Assisted generation (a draft model proposes tokens, the model checks them in one call and
-    the cache drops the rejected ones by crop): the tokens greedy decoding gives with the same
-    cache, also where more than 16 candidates take the long-chunk path and crops exceed the
-    ring; crop's transformers forms (a negative count, a length, 0)."""
+@pytest.mark.parametrize("candidates", [5, 25])
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_fp4cache_assisted_generation(arch, candidates):
+    """Assisted generation (a draft model proposes `candidates` tokens, the model checks them in
+    one call, the cache drops the rejected ones by crop) after a 150-token prompt (K's statistics
+    fixed): every generated token's logits are those of one-token steps on an FP4Cache fed the
+    same tokens, within the cache's noise (a crop that left cropped tokens in the exact ring gives
+    0.16-0.6), also where 26-token checks take the long-chunk path, crops exceed the ring, and
+    (Mistral, window 48) sliding-window layers drop more than 16 tokens (their rollback). The
+    prefill runs the 8-bit attention, so that the comparison is of the cache, not of FP4
+    prefills of other lengths. crop's transformers forms: a negative count, a length, 0."""
     from fp4attn.integrations import transformers as integration
 
     integration.register()
-    model = tiny_llama("fp4attn")
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=1, num_attention_heads=2,
-                                      num_key_value_heads=1, max_position_embeddings=512)
-    torch.manual_seed(1)
-    draft = transformers.LlamaForCausalLM(config).eval()
-    ids = torch.randint(0, 256, (1, 140), generator=torch.Generator().manual_seed(3))
-    kw = {"max_new_tokens": 40, "do_sample": False}
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                       {"sliding_window": 48})}
+
+    def tiny(config, model, seed, **kw):
+        torch.manual_seed(seed)
+        m = model(config(vocab_size=256, max_position_embeddings=512, **kw)).eval()
+        m.config._attn_implementation = "fp4attn-int8"
+        return m
+
+    config, model_cls, extra = cls[arch]
+    model = tiny(config, model_cls, 0, hidden_size=128, intermediate_size=256,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **extra)
+    draft = tiny(transformers.LlamaConfig, transformers.LlamaForCausalLM, 1, hidden_size=64,
+                 intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1)  # (not sliding: transformers' own draft caches of
+    # sliding-window layers fail on drafts longer than the window)
+    draft.generation_config.num_assistant_tokens = candidates
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0  # whole drafts, mostly rejected
+    P = 150
+    ids = torch.randint(0, 256, (1, P), generator=torch.Generator().manual_seed(3))
     key = cache_keyword(model)
+    cache = integration.FP4Cache(model.config)
     with torch.no_grad():
-        plain = model.generate(ids, **{key: integration.FP4Cache(model.config)}, **kw)
-        cache = integration.FP4Cache(model.config)
-        assisted = model.generate(ids, **{key: cache}, assistant_model=draft,
-                                  num_assistant_tokens=candidates,
-                                  num_assistant_tokens_schedule="constant", **kw)
-    assert torch.equal(assisted, plain)
+        out = model.generate(ids, **{key: cache}, assistant_model=draft, max_new_tokens=40,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+        seq, got = out.sequences, torch.cat(out.logits)
+        steps = integration.FP4Cache(model.config)
+        want = [model(seq[:, :P], **{key: steps}).logits[:, -1]]
+        for t in range(P, seq.shape[1] - 1):
+            want.append(model(seq[:, t:t + 1], **{key: steps}).logits[:, -1])
+    want = torch.cat(want)
+    assert got.shape == want.shape
+    assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 5e-2
     n = cache.get_seq_length()
     cache.crop(-3)
     assert cache.get_seq_length() == n - 3
     cache.crop(n - 10)
     cache.crop(0)
     assert cache.get_seq_length() == n - 10 and cache.is_croppable
+
+
+def test_fp4cache_rollback_too_short_says_so():
+    """A sliding-window layer asked to drop more than its rollback + 16 tokens: an error naming
+    FP4Cache's rollback, the cache left as it was."""
+    from fp4attn.integrations import transformers as integration
+
+    config = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=1, sliding_window=20)
+    cache = integration.FP4Cache(config, rollback=4)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 1, 200, 32, generator=g), torch.randn(1, 1, 200, 32, generator=g)
+    cache.update(k, v, 0)
+    with pytest.raises(ValueError, match=r"rollback=N\) keeps N tokens"):
+        cache.crop(-21)
+    assert cache.get_seq_length() == 200
+    cache.crop(-20)
+    assert cache.get_seq_length() == 180
+    with pytest.raises(ValueError, match="rollback must be an int >= 0"):
+        integration.FP4Cache(config, rollback=-1)
 
 
 def test_fp4cache_batch_selection_moves_each_sequence_whole():

@@ -317,6 +317,11 @@ def _warn_once(impl: str) -> None:
             f'"{NAME}" after fp4attn.integrations.transformers.register().', stacklevel=3)
 
 
+#: Tokens an FP4Cache's sliding-window layers keep beyond their window for assisted generation's
+#: crops (transformers drafts 20 candidates by default; a crop of rollback + 16 fits).
+DEFAULT_ROLLBACK = 64
+
+
 def _cache_classes():
     """FP4Layer and FP4Cache, built on the installed transformers' cache classes."""
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -331,8 +336,10 @@ def _cache_classes():
         is_croppable = True  # (FP4KVCache.crop: a rollback's kept tokens decode as before)
 
         def __init__(self, page_size: int | None = None, sliding_window: int | None = None,
-                     attn_implementation=None, max_tokens: int | None = None):
+                     attn_implementation=None, max_tokens: int | None = None,
+                     rollback: int = DEFAULT_ROLLBACK):
             super().__init__()
+            self.rollback = rollback if sliding_window is not None else 0
             self.max_tokens = max_tokens  # allocated at once, and the most it holds (None: grows)
             # () -> the model's attention implementation, or None where unknown (no config)
             self.attn_implementation = attn_implementation or (lambda: None)
@@ -353,7 +360,7 @@ def _cache_classes():
         def _new_cache(self, B, H, D):
             return FP4KVCache(B, H, D, dtype=self.dtype, device=self.device,
                               page_size=self.page_size, max_tokens=self.max_tokens,
-                              window=self.sliding_window)
+                              window=self.sliding_window, rollback=self.rollback)
 
         def lazy_initialization(self, key_states, value_states):
             B, H, _, D = key_states.shape
@@ -468,7 +475,11 @@ def _cache_classes():
             self.chunk_states = None
             n = len(self.cache)
             keep = max(0, n + count) if count <= 0 else min(n, count)
-            self.cache.crop(keep)
+            try:
+                self.cache.crop(keep)
+            except ValueError as e:  # a sliding-window layer's rollback was too short
+                raise ValueError(f"FP4Cache: {e}; FP4Cache(..., rollback=N) keeps N tokens "
+                                 f"beyond each sliding window (now {self.rollback})") from e
 
         # What transformers asks of a layer that the FP4 cache does not do: an error naming it
         # rather than the base class's AttributeError or a silent no-op on keys it does not have.
@@ -483,12 +494,18 @@ def _cache_classes():
         with a `sliding_window` and no `layer_types` (Mistral, Phi-3), as transformers' own
         caches read it. `max_tokens`: the tokens per sequence each layer allocates for at once and
         the most it will hold (at least the prompt plus the new tokens; an append past it raises);
-        without it each layer's pages double as they fill, up to twice what it holds."""
+        without it each layer's pages double as they fill, up to twice what it holds.
+        `rollback`: tokens each sliding-window layer keeps beyond its window, so that assisted
+        generation can drop up to `rollback + 16` rejected candidates at once (full-attention
+        layers drop any number)."""
 
-        def __init__(self, config=None, page_size: int | None = None, max_tokens: int | None = None):
+        def __init__(self, config=None, page_size: int | None = None, max_tokens: int | None = None,
+                     rollback: int = DEFAULT_ROLLBACK):
             if max_tokens is not None and (not isinstance(max_tokens, int) or
                                            isinstance(max_tokens, bool) or max_tokens < 1):
                 raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
+            if not isinstance(rollback, int) or isinstance(rollback, bool) or rollback < 0:
+                raise ValueError(f"rollback must be an int >= 0, got {rollback!r}")
             if config is None:
                 super().__init__(layer_class_to_replicate=lambda: FP4Layer(page_size,
                                                                            max_tokens=max_tokens))
@@ -506,7 +523,7 @@ def _cache_classes():
                 return getattr(text, "_attn_implementation", None)
 
             layers = [FP4Layer(page_size, window if t == "sliding_attention" else None,
-                               implementation, max_tokens) for t in types]
+                               implementation, max_tokens, rollback) for t in types]
             super().__init__(layers=layers)
 
     return FP4Layer, FP4Cache
