@@ -241,7 +241,7 @@ class FP4KVCache:
     def storage(self) -> tuple[Tensor, ...]:
         """(k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale, block_table): the
         paged form `decode_paged` takes (SPEC 6), with ``seq_lens`` and ``**residual()``. A
-        windowed cache's pages are a ring that holds the last ``window + 15`` tokens: pass
+        windowed cache's pages are a ring that holds the last ``window + 15 + rollback``: pass
         ``window`` <= its window and at most 16 query rows (`decode` does), else a decode reads
         newer tokens in older ones' places. The residual ring holds the tokens before
         ``len(cache)``: a ``seq_lens`` below it reads the wrong ones there."""
@@ -256,7 +256,7 @@ class FP4KVCache:
     @property
     def start(self) -> int:
         """Position of the first token `dequantize` returns: 0, or for a windowed cache the first
-        of the kept ``window + 15``."""
+        of the kept ``window + 15 + rollback`` (or a crop's first kept)."""
         if self.window is None:
             return 0
         return max(0, self._len - self._keep, self._oldest)
@@ -295,11 +295,11 @@ class FP4KVCache:
     def append(self, k: Tensor, v: Tensor, padding=None) -> None:
         """Appends ``n >= 1`` tokens to every sequence: ``k, v [batch, kv_heads, n, head_dim]`` in
         the cache's dtype and device. K's mean and channel scales are those of the first
-        ``KMEAN_TOKENS`` tokens stored (a windowed cache: at most ``window + 15``, and it stores
-        only the last ``window + 15`` of an append); until that many are stored, each append
-        stores them all again with the mean and scales of those so far, so the cache does not
-        depend on how its first tokens were split into appends. On bad input nothing is
-        changed.
+        ``KMEAN_TOKENS`` tokens stored (a windowed cache: at most the ``window + 15 + rollback``
+        it keeps, and it stores only the last that many of an append); until that many are
+        stored, each append stores them all again with the mean and scales of those so far, so
+        the cache does not depend on how its first tokens were split into appends. On bad input
+        nothing is changed.
 
         ``padding`` (a left-padded batch): per sequence, how many of its first tokens are padding
         (``batch`` ints >= 0; None: as before, initially none). They are stored but left out of

@@ -333,7 +333,8 @@ def _cache_classes():
         padding),
         and the cache keeps only the tokens that can still be seen (a windowed FP4KVCache)."""
 
-        is_croppable = True  # (FP4KVCache.crop: a rollback's kept tokens decode as before)
+        is_croppable = True  # crop drops tokens (what differs from never appending them:
+        # docs/limitations.md)
 
         def __init__(self, page_size: int | None = None, sliding_window: int | None = None,
                      attn_implementation=None, max_tokens: int | None = None,
