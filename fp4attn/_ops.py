@@ -85,7 +85,6 @@ def _attention_fake(q, k, v, attn_mask, is_causal, scale, return_lse, cuda_kerne
     return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
-
 @torch.library.register_fake("fp4attn::kv_append")
 def _kv_append_fake(k, v, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale,
                     block_table, start, set_mean, mean_from=None, mean_rows=0):

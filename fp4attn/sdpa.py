@@ -136,10 +136,14 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     query, key and value their gradients. With return_lse=True it returns (out, lse) with lse
     float32 [..., Hq, L], natural log of the scaled scores. A call it cannot compute in low bits
     goes to torch's SDPA with a one-time warning, or raises FP4AttnFallbackError with strict (or
-    FP4ATTN_STRICT=1) and with return_lse=True.
+    FP4ATTN_STRICT=1) and with return_lse=True. Jagged nested tensors (variable-length
+    sequences, [B, H, j, E]) run as one call per sequence (docs/usage.md).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    if any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value)):
+        return _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                            precision, return_lse, strict)
     if isinstance(query, torch.Tensor) and query.device.type in ("cpu", "cuda") and \
             torch.is_autocast_enabled(query.device.type):  # (autocast knows no "meta" device)
         query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
@@ -187,3 +191,54 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         if return_lse:
             lse = lse.reshape(*lead, *lse.shape[1:]) if lead else lse[0]
     return (out, lse) if return_lse else out
+
+
+def _sequences(t: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
+    """The [1, H, n_i, D] views of a jagged [B, H, j, D] tensor's sequences."""
+    values = t.values()  # [H, total, D]: the ragged dim is values' dim 1
+    return [values[None, :, a:b] for a, b in zip(offsets, offsets[1:])]
+
+
+def _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, precision,
+                 return_lse, strict):
+    """sdpa on nested tensors of torch.jagged layout (variable-length sequences, torch SDPA's
+    form: a jagged [B, j, H, D] tensor transposed to [B, H, j, D]): each sequence as its own
+    call, so the result is bit for bit the per-sequence calls' (quantization blocks never span two
+    sequences, is_causal is top-left per sequence). The output (and lse) is jagged with query's
+    offsets. One call per sequence, with the offsets read on the host."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or not t.is_nested:
+            raise ValueError(f"query, key and value must all be nested tensors or none: {name} "
+                             f"is not")
+        if t.layout != torch.jagged:
+            raise ValueError(f"{name}: nested tensors of layout {t.layout} are not supported "
+                             f"(fp4attn takes layout=torch.jagged, as torch SDPA does)")
+        if t.dim() != 4 or t._ragged_idx != 2:
+            raise ValueError(f"{name} must be a jagged [batch, heads, seq, head_dim] tensor (a "
+                             f"[batch, seq, heads, head_dim] one transposed: ragged dim 2), got "
+                             f"shape {tuple(t.shape)} with ragged dim {t._ragged_idx}")
+        if t.lengths() is not None:
+            raise ValueError(f"{name}: jagged tensors with holes (lengths as well as offsets, "
+                             f"e.g. from narrow) are not supported: pass a contiguous one")
+    if attn_mask is not None:
+        raise ValueError("attn_mask is not supported with nested (jagged) query, key and value "
+                         "(neither does torch SDPA support it there); is_causal is")
+    batch = query.shape[0]
+    if key.shape[0] != batch or value.shape[0] != batch:
+        raise ValueError(f"query, key and value must hold one batch of sequences, got "
+                         f"{query.shape[0]}, {key.shape[0]} and {value.shape[0]}")
+    if value.offsets() is not key.offsets() and not torch.equal(value.offsets(), key.offsets()):
+        raise ValueError("key and value must have the same sequence lengths (offsets)")
+    q_offsets, kv_offsets = query.offsets().tolist(), key.offsets().tolist()
+    parts = [sdpa(q, k, v, None, dropout_p, is_causal, scale, enable_gqa, precision=precision,
+                  return_lse=return_lse, strict=strict)
+             for q, k, v in zip(_sequences(query, q_offsets), _sequences(key, kv_offsets),
+                                _sequences(value, kv_offsets))]
+    outs = [p[0] if return_lse else p for p in parts]
+    out = torch.nested.nested_tensor_from_jagged(torch.cat([o[0] for o in outs], dim=1),
+                                                 query.offsets(), jagged_dim=2)
+    if not return_lse:
+        return out
+    lse = torch.nested.nested_tensor_from_jagged(torch.cat([p[1][0] for p in parts], dim=1),
+                                                 query.offsets(), jagged_dim=2)
+    return out, lse

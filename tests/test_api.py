@@ -386,3 +386,82 @@ def test_meta_tensors_fall_back_with_a_warning():
     q = torch.randn(1, 1, 4, 8, device="meta")
     with pytest.warns(UserWarning, match="device meta"):
         assert fp4attn.sdpa(q, q, q).shape == (1, 1, 4, 8)
+
+
+def jagged(lengths, heads, dim=32, device="cpu", requires_grad=False):
+    """A jagged [B, heads, j, dim] tensor (torch SDPA's varlen form) and its leaf values."""
+    leaf = torch.randn(sum(lengths), heads, dim, device=device, requires_grad=requires_grad)
+    offsets = torch.tensor([0, *lengths], device=device).cumsum(0)
+    return leaf, torch.nested.nested_tensor_from_jagged(leaf, offsets).transpose(1, 2)
+
+
+def per_sequence(t):
+    """The [1, H, n, D] dense copies of a jagged tensor's sequences."""
+    o = t.offsets().tolist()
+    return [t.values()[None, :, a:b].contiguous() for a, b in zip(o, o[1:])]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("precision", ["fp4", "int8"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_jagged_inputs_are_per_sequence_calls(device, precision, causal):
+    """Variable-length sequences as jagged nested tensors: bit for bit each sequence's own call
+    (incl. cross-attention lengths, GQA and one-token sequences); out and lse jagged like q."""
+    _, q = jagged([20, 1, 150, 33], 4, device=device)
+    _, k = jagged([40, 7, 150, 1], 2, device=device)
+    _, v = jagged([40, 7, 150, 1], 2, device=device)
+    out, lse = fp4attn.sdpa(q, k, v, is_causal=causal, enable_gqa=True, precision=precision,
+                            return_lse=True)
+    assert out.is_nested and out.shape[2] is q.shape[2] and lse.shape[2] is q.shape[2]
+    assert out.values().shape == q.values().shape and out.dtype == q.dtype
+    at = q.offsets().tolist()
+    for i, (qi, ki, vi) in enumerate(zip(per_sequence(q), per_sequence(k), per_sequence(v))):
+        o, l = fp4attn.sdpa(qi, ki, vi, is_causal=causal, enable_gqa=True, precision=precision,
+                            return_lse=True)
+        assert torch.equal(out.values()[:, at[i]:at[i + 1]], o[0])
+        assert torch.equal(lse.values()[:, at[i]:at[i + 1]], l[0])
+        exact = F.scaled_dot_product_attention(qi, ki, vi, is_causal=causal, enable_gqa=True)
+        assert (o - exact).abs().max() < (0.5 if precision == "fp4" else 0.1)
+    with fp4attn.patched(precision=precision):  # models calling F.sdpa on jagged tensors
+        patched = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    assert torch.equal(patched.values(), out.values())
+
+
+def test_jagged_int8_gradients_are_the_per_sequence_ones():
+    leaves, inputs = zip(*(jagged([24, 3, 70], h, requires_grad=True) for h in (4, 2, 2)))
+    out = fp4attn.sdpa(*inputs, is_causal=True, enable_gqa=True, precision="int8")
+    grad_out = torch.randn_like(out.values())
+    out.values().backward(grad_out)
+    dense = [[t.detach().requires_grad_() for t in per_sequence(x)] for x in inputs]
+    at = inputs[0].offsets().tolist()
+    for i, (qi, ki, vi) in enumerate(zip(*dense)):
+        o = fp4attn.sdpa(qi, ki, vi, is_causal=True, enable_gqa=True, precision="int8")
+        o.backward(grad_out[None, :, at[i]:at[i + 1]])
+    for leaf, parts in zip(leaves, dense):  # leaf [total, H, D]; parts [1, H, n, D]
+        want = torch.cat([p.grad[0].transpose(0, 1) for p in parts])
+        assert torch.equal(leaf.grad, want)
+
+
+def test_jagged_inputs_refused_with_reasons():
+    _, q = jagged([5, 9], 2)
+    _, k = jagged([5, 9], 2)
+    _, other = jagged([5, 8], 2)
+    dense = torch.randn(2, 2, 9, 32)
+    with pytest.raises(ValueError, match="all be nested tensors or none: key"):
+        fp4attn.sdpa(q, dense, dense)
+    with pytest.raises(ValueError, match="attn_mask is not supported"):
+        fp4attn.sdpa(q, k, k, attn_mask=torch.ones(9, 9, dtype=torch.bool))
+    with pytest.raises(ValueError, match="same sequence lengths"):
+        fp4attn.sdpa(q, k, other)
+    with pytest.raises(ValueError, match="ragged dim 2"):
+        fp4attn.sdpa(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2))
+    with pytest.raises(ValueError, match="one batch"):
+        fp4attn.sdpa(q, *[jagged([5, 9, 3], 2)[1]] * 2)
+    strided = torch.nested.nested_tensor([torch.randn(2, 5, 32), torch.randn(2, 9, 32)])
+    with pytest.raises(ValueError, match="layout torch.strided"):
+        fp4attn.sdpa(strided, strided, strided)
+    holes = torch.nested.narrow(torch.randn(2, 9, 2 * 32), 1, torch.tensor([0, 2]),
+                                torch.tensor([5, 6]), layout=torch.jagged)
+    holes = holes.unflatten(-1, (2, 32)).transpose(1, 2)
+    with pytest.raises(ValueError, match="holes"):
+        fp4attn.sdpa(holes, holes, holes)

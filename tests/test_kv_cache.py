@@ -13,7 +13,6 @@ import torch
 
 import fp4attn
 from fp4attn import reference
-from fp4attn.kv_cache import _dequantize_rows
 
 HAS_CUDA = torch.cuda.is_available()
 #: CPU, and CUDA where there is a GPU (marked gpu)
