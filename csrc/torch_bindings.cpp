@@ -496,6 +496,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward(
   bp.dv = dv.data_ptr();
 #ifdef FP4ATTN_WITH_CUDA
   if (on_cuda(c.q)) {
+    // dQ is summed over key blocks by FP32 reductions in any order: torch's deterministic mode
+    // raises here (or warns with warn_only), as for its own nondeterministic CUDA ops
+    at::globalContext().alertNotDeterministic(
+        "fp4attn::int8_attention_backward on CUDA (dQ summed by FP32 atomic reductions)");
     c10::cuda::CUDAGuard guard(c.q.device());
     at::Tensor ws = cuda_workspace(fp4attn_cuda_int8_attention_backward_workspace_bytes(&bp), c.q);
     check_status(fp4attn_cuda_int8_attention_backward(&bp, ws.data_ptr(),

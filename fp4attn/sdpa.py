@@ -102,14 +102,12 @@ def _check_args(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
         raise ValueError(f"key head dim {key.shape[-1]} must equal query head dim {query.shape[-1]}")
     if query.shape[:-3] != key.shape[:-3] or query.dim() != key.dim():
         raise ValueError(f"query and key batch dims must match, got {tuple(query.shape)} and {tuple(key.shape)}")
-    hq, hkv = query.shape[-3], key.shape[-3]
-    if hq != hkv and query.dim() >= 4:
+    hq, hkv = query.shape[-3], key.shape[-3]  # heads (3-D inputs too, as torch SDPA reads them)
+    if hq != hkv:
         if not enable_gqa:
             raise ValueError(f"query has {hq} heads but key/value have {hkv}: pass enable_gqa=True for GQA/MQA")
         if hq % hkv != 0:
             raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
-    elif hq != hkv:
-        raise ValueError(f"query and key dim -3 must match for 3-D inputs, got {hq} and {hkv}")
     if attn_mask is not None:
         if is_causal:
             raise ValueError("attn_mask and is_causal=True cannot be used together (as in torch SDPA)")

@@ -465,3 +465,17 @@ def test_jagged_inputs_refused_with_reasons():
     holes = holes.unflatten(-1, (2, 32)).transpose(1, 2)
     with pytest.raises(ValueError, match="holes"):
         fp4attn.sdpa(holes, holes, holes)
+
+
+@pytest.mark.parametrize("precision", ["fp4", "int8"])
+def test_three_d_inputs_take_gqa_as_torch(precision):
+    """3-D inputs [H, L, E]: dim -3 is the heads, GQA included, as torch SDPA reads them."""
+    q, k, v = torch.randn(4, 40, 32), torch.randn(2, 50, 32), torch.randn(2, 50, 32)
+    out = fp4attn.sdpa(q, k, v, is_causal=True, enable_gqa=True, precision=precision)
+    four_d = fp4attn.sdpa(q[None], k[None], v[None], is_causal=True, enable_gqa=True,
+                          precision=precision)
+    assert torch.equal(out, four_d[0])
+    exact = ORIGINAL(q, k, v, is_causal=True, enable_gqa=True)
+    assert (out - exact).norm() / exact.norm() < (0.3 if precision == "fp4" else 0.03)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        fp4attn.sdpa(q, k, v, precision=precision)

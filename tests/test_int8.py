@@ -1036,3 +1036,32 @@ def test_cuda_graph_capture_forward_and_backward():
     assert torch.equal(out, ref)
     for got, want in zip(static, eager):  # FP32 atomics: equal up to summation order
         assert rel_l1(got.grad, want) < 1e-5
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_deterministic_mode(device):
+    """torch.use_deterministic_algorithms: the CPU backward is deterministic and runs; the CUDA
+    backward (dQ by FP32 reductions in any order) raises, or warns with warn_only, as torch's
+    own nondeterministic CUDA ops do."""
+    q, k, v = (torch.randn(1, 2, 70, 64, device=device, requires_grad=True) for _ in range(3))
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(True)
+        out = fp4attn.sdpa(q, k, v, is_causal=True, precision="int8")  # the forward is
+        if device == "cpu":
+            out.sum().backward()
+            grads = [t.grad.clone() for t in (q, k, v)]
+            for t in (q, k, v):
+                t.grad = None
+            fp4attn.sdpa(q, k, v, is_causal=True, precision="int8").sum().backward()
+            assert all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v)))
+            return
+        with pytest.raises(RuntimeError, match="int8_attention_backward"):
+            out.sum().backward(retain_graph=True)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="int8_attention_backward"):
+            out.sum().backward()
+        assert q.grad is not None
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
