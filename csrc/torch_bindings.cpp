@@ -842,8 +842,8 @@ TORCH_LIBRARY(fp4attn, m) {
   m.def(
       "kv_append(Tensor k, Tensor v, Tensor(a!) k_codes, Tensor(b!) k_scales, Tensor(c!) k_exp, "
       "Tensor(d!) v_codes, Tensor(e!) v_scales, Tensor(f!) v_dec, Tensor(g!) kmean, "
-      "Tensor(h!) kscale, Tensor block_table, int start, bool set_mean, Tensor? mean_from=None, "
-      "int mean_rows=0) -> ()");
+      "Tensor(h!) kscale, Tensor block_table, SymInt start, bool set_mean, Tensor? mean_from=None, "
+      "SymInt mean_rows=0) -> ()");
   m.def(
       "decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor k_exp, Tensor v_codes, "
       "Tensor v_scales, Tensor v_dec, Tensor kmean, Tensor kscale, Tensor block_table, "
@@ -884,6 +884,28 @@ TORCH_LIBRARY_IMPL(fp4attn, Autograd, m) {
   for (const char *op :
        {"int8_attention_backward", "attention", "quantize", "dequantize", "fp4mm", "decode"})
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
+}
+
+// kv_append's writes bump the version counters of the cache tensors it overwrites (the schema's
+// mutable arguments), so that autograd refuses a backward through values saved before them, as
+// for any in-place op.
+static void bump_written_versions(const c10::OperatorHandle &op, c10::DispatchKeySet keys,
+                                  torch::jit::Stack *stack) {
+  const auto &args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < args.size(); ++i)
+    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite())
+      written.push_back((*stack)[first + i].toTensor());
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor &t : written) torch::autograd::impl::bump_version(t);
+}
+
+TORCH_LIBRARY_IMPL(fp4attn, ADInplaceOrView, m) {
+  m.impl("kv_append", torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
 }
 
 #ifdef FP4ATTN_WITH_CUDA

@@ -322,7 +322,8 @@ class FP4KVCache:
         if n < 1:
             raise ValueError("append needs at least one token")
         padding = self._padding if padding is None else self._checked_padding(padding)
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad) and \
+                not torch.compiler.is_dynamo_compiling():  # (a warning would break fullgraph)
             warnings.warn("FP4KVCache.append: k or v requires grad, but the cache stores them "
                           "without a graph: no gradient flows back through it (call it under "
                           "torch.no_grad() to silence this)", stacklevel=2)
@@ -464,7 +465,7 @@ def decode_paged(q: Tensor, k_codes: Tensor, k_scales: Tensor, k_exp: Tensor, v_
     if (residual_k is None) != (residual_v is None) or (residual_k is None) != (residual_length == 0):
         raise ValueError("residual_k and residual_v are given together, exactly when "
                          f"residual_length > 0 (got residual_length={residual_length})")
-    if torch.is_grad_enabled() and q.requires_grad:
+    if torch.is_grad_enabled() and q.requires_grad and not torch.compiler.is_dynamo_compiling():
         warnings.warn("fp4attn.decode: q requires grad, but the decode has no backward: no "
                       "gradient flows back to q (call it under torch.no_grad() to silence this)",
                       stacklevel=2)

@@ -40,7 +40,10 @@ def patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         return sdpa(query, key, value, precision=_precision, **kw)
     site = None
     if _hook is not None:
-        if not _policy.is_uniform and torch._C._current_graph_task_id() != -1:  # in a backward
+        # in a backward (checkpointing recomputes in Python; a compiled graph's recompute does
+        # not come back here, and tracing cannot call this)
+        if not _policy.is_uniform and not torch.compiler.is_compiling() and \
+                torch._C._current_graph_task_id() != -1:
             raise RuntimeError(
                 "fp4attn.patch: an attention call during the backward pass (activation "
                 "checkpointing recomputing a layer) has no site in the per-layer policy, whose "

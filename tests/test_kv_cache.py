@@ -1324,3 +1324,42 @@ def test_extreme_positions_and_windows_do_not_overflow(device):
     out = fp4attn.decode_paged(q, *st, lens, window=sys.maxsize)
     assert torch.equal(out, fp4attn.decode_paged(q, *st, lens))
     assert (out[0] == 0).all() and torch.isfinite(out[1]).all()
+
+
+def test_append_bumps_the_versions_of_what_it_overwrites():
+    """kv_append writes the cache in place: a gradient through a cache tensor saved before an
+    append raises, as for any in-place op (it came out silently wrong)."""
+    c = fp4attn.FP4KVCache(1, 2, 64, dtype=torch.float32)
+    before = [t._version for t in c.storage()[:8]]
+    w = torch.randn(1, 2, 64, requires_grad=True)
+    y = (w * c.kscale).sum()  # saves kscale, which the first append sets
+    c.append(*kv(1, 2, 20, 64, torch.float32, 3))
+    assert all(t._version > v for t, v in zip(c.storage()[:8], before))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_compiled_decode_steps_do_not_recompile_per_token():
+    """torch.compile(fullgraph=True) of append + decode: the cache's length is a symbolic int (a
+    graph per token before: the op's `start` was specialized), results equal eager, and q that
+    requires grad does not break the graph (the warning is eager-only)."""
+    from torch._dynamo.utils import counters
+
+    def step(cache, k, v, q):
+        cache.append(k, v)
+        return fp4attn.decode(q, cache)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    c, e = (fp4attn.FP4KVCache(1, 2, 64, dtype=torch.float32, max_tokens=256) for _ in range(2))
+    for cache in (c, e):
+        cache.append(*kv(1, 2, 140, 64, torch.float32, 5))
+    for i in range(10):
+        k, v = kv(1, 2, 1, 64, torch.float32, 100 + i)
+        q = torch.randn(1, 4, 1, 64, requires_grad=i > 5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert torch.equal(compiled(c, k, v, q), step(e, k, v, q))
+    assert counters["stats"]["unique_graphs"] <= 3
+    torch._dynamo.reset()

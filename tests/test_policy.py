@@ -140,6 +140,25 @@ def test_patch_policy_numbers_calls_per_forward(monkeypatch):
     assert not fp4attn.is_patched()
 
 
+def test_patch_policy_under_torch_compile_fullgraph(monkeypatch):
+    """A per-layer policy inside torch.compile(fullgraph=True) (tracing refused the backward
+    check's call before): each layer gets its precision, and the logits are close to eager's
+    (compiled, transformers repeats the KV heads where eager passes enable_gqa, and the spec's
+    statistics per KV head then differ: close, not equal)."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 40))
+    seen = _record_precisions(monkeypatch)
+    torch._dynamo.reset()
+    with torch.no_grad(), fp4attn.patched(policy=Policy(["bf16", "fp4", "int8"]), model=model):
+        eager = model(ids).logits
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        first, again = compiled(ids).logits, compiled(ids).logits
+    torch._dynamo.reset()
+    assert seen[:3] == ["bf16", "fp4", "int8"] and seen[3:6] == seen[:3]
+    assert torch.equal(first, again)
+    assert (first - eager).norm() / eager.norm() < 0.02
+
+
 def test_patch_policy_generation_restarts_count(monkeypatch):
     model = tiny_llama(layers=2)
     seen = _record_precisions(monkeypatch)

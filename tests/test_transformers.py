@@ -764,3 +764,36 @@ def test_fp4cache_beam_search():
                 logits = torch.cat([logits, model(seq[None, t - 1:t], **{kw: cache}).logits[0]])
             logp = torch.log_softmax(logits.float(), -1)[torch.arange(6), seq[30:]]
             assert abs(logp.mean().item() - score.item()) < 1e-4
+
+
+def test_fp4cache_under_torch_compile():
+    """torch.compile of a model that reads an FP4Cache: its tracing reads the marked keys'
+    metadata (it was refused), logits equal eager's over a prefill and decode steps; and a model
+    whose attention is not fp4attn's still gets the cache's refusal, compiled or not."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(9))
+
+    def steps(forward, model):
+        cache = integration.FP4Cache(config=model.config)
+        logits, x = [], ids
+        with torch.no_grad():
+            for _ in range(3):
+                out = forward(input_ids=x, use_cache=True, **{cache_keyword(model): cache})
+                logits.append(out.logits[:, -1])
+                x = out.logits[:, -1:].argmax(-1)
+        return logits
+
+    torch._dynamo.reset()
+    model = tiny_llama("fp4attn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the graph breaks' warnings
+        for want, got in zip(steps(model, model),
+                             steps(torch.compile(model, backend="eager"), model)):
+            assert torch.equal(want, got)
+    other = tiny_llama("sdpa")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="FP4Cache"):
+        torch.compile(other, backend="eager")(input_ids=ids, use_cache=True,
+                                              **{cache_keyword(other): integration.FP4Cache()})
+    torch._dynamo.reset()

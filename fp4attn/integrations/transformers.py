@@ -47,9 +47,11 @@ NAME_INT8 = "fp4attn-int8"
 #: those given to register_cache_reader.
 FP4_IMPLEMENTATIONS = {NAME, NAME_INT8}
 
-# Tensor metadata an attention implementation may read before it computes anything.
-_METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
-             torch.Tensor.dim, torch.Tensor.size, torch.Tensor.ndim.__get__}
+# Tensor metadata an attention implementation (or torch.compile's tracing, the methods on the
+# second line) may read before it computes anything; every attribute read is let through too.
+_METADATA = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.stride, torch.Tensor.is_contiguous,
+             torch.Tensor._is_view, torch.Tensor.is_conj, torch.Tensor.is_neg,
+             torch.Tensor.storage_offset, torch.Tensor.untyped_storage}
 
 
 class FP4CacheKeys(torch.Tensor):
@@ -61,7 +63,7 @@ class FP4CacheKeys(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _METADATA:
+        if func in _METADATA or getattr(func, "__name__", None) == "__get__":
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
         raise RuntimeError(
             "FP4Cache: something other than fp4attn's attention computed with the keys an "
