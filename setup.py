@@ -27,6 +27,13 @@ _spec.loader.exec_module(build_record)
 INCLUDE = os.path.join(ROOT, "csrc", "include")
 DEFAULT_CUDA_ARCHS = "80;90a;120a"
 C_FLAGS = ["-std=c11", "-O3", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Wno-psabi"]
+# FP4ATTN_SANITIZE=1: the C and C++ host code with AddressSanitizer and UBSan (maintainers:
+# scripts/check_sanitizers.sh; the library then needs the sanitizer runtimes preloaded)
+SANITIZE = os.environ.get("FP4ATTN_SANITIZE", "0") == "1"
+SANITIZE_FLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+                  "-fno-sanitize-recover=undefined"]
+if SANITIZE:
+    C_FLAGS = [f for f in C_FLAGS if f != "-O3"] + SANITIZE_FLAGS
 
 
 def cuda_archs():
@@ -103,7 +110,8 @@ class BuildWithC(BuildExtension):
             objects.append(obj)
         for ext in self.extensions:
             ext.extra_objects = objects + list(ext.extra_objects or [])
-            ext.extra_link_args = list(ext.extra_link_args or []) + omp
+            ext.extra_link_args = list(ext.extra_link_args or []) + omp + \
+                (["-fsanitize=address,undefined"] if SANITIZE else [])
         super().build_extensions()
 
     def run(self):
@@ -122,7 +130,7 @@ def extension():
     sources = [os.path.join("csrc", "torch_bindings.cpp")]
     # -g0: Python's own CFLAGS carry -g, which made the library ~23x larger (debug info of torch's
     # headers); the CUDA sources keep -lineinfo for the profilers
-    cxx_flags = ["-O3", "-std=c++17", "-g0"]
+    cxx_flags = ["-std=c++17"] + (SANITIZE_FLAGS if SANITIZE else ["-O3", "-g0"])
     if not USE_CUDA:
         print(f"fp4attn: building the CPU backend only ({BUILD_NOTE})", file=sys.stderr)
         return CppExtension("fp4attn._C", sources, include_dirs=[INCLUDE],

@@ -51,7 +51,7 @@ def test_bench_generate_smoke_runs_on_the_cpu(tmp_path):
                        check=False)
     assert p.returncode == 0, p.stdout + p.stderr
     head, rows = read_csv(str(tmp_path / "bench_generate.csv"))
-    assert head["command"].startswith("python benchmarks/bench_generate.py --tiny")
+    assert "python benchmarks/bench_generate.py --tiny" in head["command"]  # (after the environment that matters)
     # head dim 32: 64 bytes against 22, plus the residual ring of 31 tokens (2 B per token here)
     assert len(rows) == 1 and float(rows[0]["kv_ratio"]) > 2.5
 
@@ -69,7 +69,7 @@ def test_bench_train_step_smoke_runs_on_the_cpu(tmp_path):
                        check=False)
     assert p.returncode == 0, p.stdout + p.stderr
     head, rows = read_csv(str(tmp_path / "bench_train_step.csv"))
-    assert head["command"].startswith("python benchmarks/bench_train_step.py --device cpu")
+    assert "python benchmarks/bench_train_step.py --device cpu" in head["command"]  # (after the environment that matters)
     assert [(r["seq"], r["batch"], r["arm"]) for r in rows] == [
         ("32", "2", "int8"), ("32", "2", "torch"), ("64", "1", "int8"), ("64", "1", "torch")]
     assert all(float(r["tokens_per_s"]) > 0 and float(r["vs_torch"]) > 0 for r in rows)
