@@ -28,7 +28,8 @@ INCLUDE = os.path.join(ROOT, "csrc", "include")
 DEFAULT_CUDA_ARCHS = "80;90a;120a"
 C_FLAGS = ["-std=c11", "-O3", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Wno-psabi"]
 # FP4ATTN_SANITIZE=1: the C and C++ host code with AddressSanitizer and UBSan (maintainers:
-# scripts/check_sanitizers.sh; the library then needs the sanitizer runtimes preloaded)
+# scripts/check_sanitizers.sh, which builds a fresh copy: an in-place build does not rebuild for a
+# changed flag; the library then needs the sanitizer runtimes preloaded)
 SANITIZE = os.environ.get("FP4ATTN_SANITIZE", "0") == "1"
 SANITIZE_FLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
                   "-fno-sanitize-recover=undefined"]

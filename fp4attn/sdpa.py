@@ -228,15 +228,26 @@ def _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     if value.offsets() is not key.offsets() and not torch.equal(value.offsets(), key.offsets()):
         raise ValueError("key and value must have the same sequence lengths (offsets)")
     q_offsets, kv_offsets = query.offsets().tolist(), key.offsets().tolist()
-    parts = [sdpa(q, k, v, None, dropout_p, is_causal, scale, enable_gqa, precision=precision,
-                  return_lse=return_lse, strict=strict)
-             for q, k, v in zip(_sequences(query, q_offsets), _sequences(key, kv_offsets),
-                                _sequences(value, kv_offsets))]
-    outs = [p[0] if return_lse else p for p in parts]
-    out = torch.nested.nested_tensor_from_jagged(torch.cat([o[0] for o in outs], dim=1),
-                                                 query.offsets(), jagged_dim=2)
+    values = query.values()
+    dtype = values.dtype  # of the outputs: as the calls give it (autocast: its dtype)
+    if torch.is_autocast_enabled(values.device.type) and dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(values.device.type)
+    outs = [values.new_empty((values.shape[0], 0, value.shape[-1]), dtype=dtype)]  # (B = 0)
+    lses = [values.new_empty((values.shape[0], 0), dtype=torch.float32)]
+    for q, k, v in zip(_sequences(query, q_offsets), _sequences(key, kv_offsets),
+                       _sequences(value, kv_offsets)):
+        if k.shape[2] == 0:  # no key: as rows that see none (0, lse -inf), not a fallback
+            out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype)
+            lse = q.new_full(q.shape[:-1], -math.inf, dtype=torch.float32)
+        else:
+            out = sdpa(q, k, v, None, dropout_p, is_causal, scale, enable_gqa,
+                       precision=precision, return_lse=return_lse, strict=strict)
+            out, lse = out if return_lse else (out, None)
+        outs.append(out[0])
+        lses.append(None if lse is None else lse[0])
+    out = torch.nested.nested_tensor_from_jagged(torch.cat(outs, dim=1), query.offsets(),
+                                                 jagged_dim=2)
     if not return_lse:
         return out
-    lse = torch.nested.nested_tensor_from_jagged(torch.cat([p[1][0] for p in parts], dim=1),
-                                                 query.offsets(), jagged_dim=2)
-    return out, lse
+    return out, torch.nested.nested_tensor_from_jagged(torch.cat(lses, dim=1), query.offsets(),
+                                                       jagged_dim=2)

@@ -250,10 +250,19 @@ def test_build_info():
     assert set(info) >= {"cuda", "cuda_archs", "openmp"}
 
 
-@pytest.mark.parametrize("op", ["quantize", "dequantize", "fp4mm", "attention"])
+@pytest.mark.parametrize("op", ["quantize", "dequantize", "fp4mm", "attention", "kv_append",
+                                "decode"])
 def test_opcheck(op):
     x = torch.randn(2, 20, 40)
-    if op == "quantize":
+    if op in ("kv_append", "decode"):  # the tensors as an FP4KVCache holds them
+        cache = fp4attn.FP4KVCache(1, 2, 64, dtype=torch.float32)
+        k, v = torch.randn(1, 2, 20, 64), torch.randn(1, 2, 20, 64)
+        if op == "decode":
+            cache.append(k, v)
+            args = (torch.randn(1, 4, 1, 64), *cache.storage(), cache.seq_lens, 0.125)
+        else:
+            args = (k, v, *cache.storage(), 0, True, None, 128)
+    elif op == "quantize":
         args = (x,)
     elif op == "dequantize":
         codes, scales, dec = torch.ops.fp4attn.quantize(x)
@@ -440,6 +449,22 @@ def test_jagged_int8_gradients_are_the_per_sequence_ones():
     for leaf, parts in zip(leaves, dense):  # leaf [total, H, D]; parts [1, H, n, D]
         want = torch.cat([p.grad[0].transpose(0, 1) for p in parts])
         assert torch.equal(leaf.grad, want)
+
+
+@pytest.mark.parametrize("precision", ["fp4", "int8"])
+def test_jagged_sequences_without_keys_and_empty_batches(precision):
+    """A sequence with no keys gives the rows that see none (0, lse -inf) without a fallback, so
+    strict and return_lse hold for the others; a batch of no sequences gives an empty result."""
+    _, q = jagged([5, 2, 7], 2)
+    _, k = jagged([5, 0, 7], 2)
+    out, lse = fp4attn.sdpa(q, k, k, precision=precision, strict=True, return_lse=True)
+    assert torch.equal(out.values()[:, 5:7], torch.zeros(2, 2, 32))
+    assert torch.equal(lse.values()[:, 5:7], torch.full((2, 2), -float("inf")))
+    alone = fp4attn.sdpa(*per_sequence(q)[2:], *per_sequence(k)[2:] * 2, precision=precision)
+    assert torch.equal(out.values()[:, 7:], alone[0])
+    _, none = jagged([], 2)
+    empty, empty_lse = fp4attn.sdpa(none, none, none, precision=precision, return_lse=True)
+    assert empty.shape[0] == 0 and empty.values().shape == (2, 0, 32) and empty_lse.shape[0] == 0
 
 
 def test_jagged_inputs_refused_with_reasons():

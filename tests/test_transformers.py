@@ -797,3 +797,18 @@ def test_fp4cache_under_torch_compile():
         torch.compile(other, backend="eager")(input_ids=ids, use_cache=True,
                                               **{cache_keyword(other): integration.FP4Cache()})
     torch._dynamo.reset()
+
+
+def test_marked_keys_refuse_computation_through_attributes():
+    """The keys an FP4Cache layer hands fp4attn's attention refuse any computation, also through
+    attributes that return tensors (.mT, .data: they stay marked); metadata reads pass."""
+    from fp4attn.integrations.transformers import FP4CacheKeys
+
+    k = FP4CacheKeys.wrap(torch.randn(1, 2, 5, 8), layer=None)
+    q = torch.randn(1, 2, 3, 8)
+    assert k.shape == (1, 2, 5, 8) and k.stride() == (80, 40, 8, 1) and k.dtype == torch.float32
+    for attend in (lambda: q @ k.mT, lambda: q @ k.mH, lambda: torch.matmul(q, k.transpose(2, 3)),
+                   lambda: torch.nn.functional.scaled_dot_product_attention(q, k.data, k.data),
+                   lambda: torch.einsum("bhqd,bhkd->bhqk", q, k), lambda: k.untyped_storage()):
+        with pytest.raises(RuntimeError, match="FP4Cache: something other than fp4attn"):
+            attend()

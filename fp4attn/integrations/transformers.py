@@ -48,10 +48,13 @@ NAME_INT8 = "fp4attn-int8"
 FP4_IMPLEMENTATIONS = {NAME, NAME_INT8}
 
 # Tensor metadata an attention implementation (or torch.compile's tracing, the methods on the
-# second line) may read before it computes anything; every attribute read is let through too.
+# second line) may read before it computes anything; every attribute read is let through too,
+# a tensor it returns (.mT, .data) still marked.
 _METADATA = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.stride, torch.Tensor.is_contiguous,
              torch.Tensor._is_view, torch.Tensor.is_conj, torch.Tensor.is_neg,
-             torch.Tensor.storage_offset, torch.Tensor.untyped_storage}
+             torch.Tensor.storage_offset}
+# ... and while tracing only (the storage would let a tensor be rebuilt unmarked)
+_TRACING_METADATA = {torch.Tensor.untyped_storage}
 
 
 class FP4CacheKeys(torch.Tensor):
@@ -63,8 +66,12 @@ class FP4CacheKeys(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _METADATA or getattr(func, "__name__", None) == "__get__":
-            return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+        if func in _METADATA or getattr(func, "__name__", None) == "__get__" or \
+                (func in _TRACING_METADATA and torch.compiler.is_compiling()):
+            out = torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+            if isinstance(out, torch.Tensor) and not isinstance(out, FP4CacheKeys):
+                out = FP4CacheKeys.wrap(out, args[0].fp4_layer)  # .mT, .data: still marked
+            return out
         raise RuntimeError(
             "FP4Cache: something other than fp4attn's attention computed with the keys an "
             "FP4Cache layer handed back (refused: "
