@@ -19,6 +19,11 @@ import torch
 from ._ops import HAS_CUDA_BACKEND, ops
 from .int8 import int8_attention
 
+try:  # torch's causal_upper_left / causal_lower_right masks (a tensor subclass without values)
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+except ImportError:  # pragma: no cover - older torch
+    CausalBias = CausalVariant = None
+
 # The overload itself: calling through the OpOverloadPacket adds a lookup per call.
 _fp4_attention = ops.attention.default
 
@@ -83,6 +88,23 @@ def _autocast(*tensors):
                  t.dtype != torch.float64 else t for t in tensors)
 
 
+def _from_causal_bias(bias, query, key, is_causal):
+    """(attn_mask, is_causal) for torch's CausalBias: its tensor holds no mask values (it is
+    uninitialized memory), only the variant and the lengths it was made for."""
+    if is_causal:
+        raise ValueError("attn_mask and is_causal=True cannot be used together (as in torch SDPA)")
+    L, S = query.shape[-2], key.shape[-2]
+    if (bias.seq_len_q, bias.seq_len_kv) != (L, S):
+        raise ValueError(f"attn_mask is a CausalBias for {bias.seq_len_q} queries and "
+                         f"{bias.seq_len_kv} keys, but the call has {L} and {S}")
+    if bias.variant == CausalVariant.UPPER_LEFT or (bias.variant == CausalVariant.LOWER_RIGHT and
+                                                    L == S):
+        return None, True
+    if bias.variant == CausalVariant.LOWER_RIGHT:  # the queries are the last L positions
+        return torch.ones(L, S, dtype=torch.bool, device=query.device).tril(S - L), False
+    raise ValueError(f"attn_mask: CausalBias variant {bias.variant} is not supported")
+
+
 def _check_args(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if not isinstance(flag, bool):  # as torch SDPA: "False" must not mean True
@@ -139,6 +161,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    if CausalBias is not None and isinstance(attn_mask, CausalBias) and \
+            isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
+        attn_mask, is_causal = _from_causal_bias(attn_mask, query, key, is_causal)
     if any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value)):
         return _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                             precision, return_lse, strict)

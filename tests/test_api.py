@@ -504,3 +504,32 @@ def test_three_d_inputs_take_gqa_as_torch(precision):
     assert (out - exact).norm() / exact.norm() < (0.3 if precision == "fp4" else 0.03)
     with pytest.raises(ValueError, match="enable_gqa=True"):
         fp4attn.sdpa(q, k, v, precision=precision)
+
+
+@pytest.mark.parametrize("precision", ["fp4", "int8"])
+@pytest.mark.parametrize("lengths", [(5, 40), (40, 40), (130, 300)])
+def test_torch_causal_bias_masks(precision, lengths):
+    """torch's causal_lower_right / causal_upper_left masks (a CausalBias, whose tensor is
+    uninitialized memory: it was read as an additive mask, silently wrong) are the causal
+    patterns they name, as an explicit mask or is_causal gives them, patched too."""
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    L, S = lengths
+    q, k, v = torch.randn(1, 4, L, 32), torch.randn(1, 2, S, 32), torch.randn(1, 2, S, 32)
+    lower_right = torch.ones(L, S, dtype=torch.bool).tril(S - L)
+    for bias, same in ((causal_lower_right(L, S), dict(attn_mask=lower_right)),
+                       (causal_upper_left(L, S), dict(is_causal=True))):
+        out = fp4attn.sdpa(q, k, v, attn_mask=bias, enable_gqa=True, precision=precision)
+        assert torch.equal(out, fp4attn.sdpa(q, k, v, enable_gqa=True, precision=precision,
+                                             **same))
+        with fp4attn.patched(precision=precision):
+            assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
+                                                              enable_gqa=True), out)
+        exact = ORIGINAL(q, k, v, attn_mask=bias, enable_gqa=True)
+        assert (out - exact).norm() / exact.norm() < (0.3 if precision == "fp4" else 0.03)
+    with pytest.raises(ValueError, match="CausalBias for 5 queries"):
+        fp4attn.sdpa(q, k, v, attn_mask=causal_lower_right(5, S + 1), enable_gqa=True,
+                     precision=precision)
+    with pytest.raises(ValueError, match="cannot be used together"):
+        fp4attn.sdpa(q, k, v, attn_mask=causal_lower_right(L, S), is_causal=True,
+                     enable_gqa=True, precision=precision)
