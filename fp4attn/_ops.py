@@ -57,6 +57,18 @@ def scale_count(cols: int) -> int:
     return (cols + BLOCK - 1) // BLOCK
 
 
+def check_one_device(op: str, **tensors) -> None:
+    """The fake kernels' device check: the dispatcher runs them (Meta) whenever one argument is a
+    meta tensor, so a call mixing meta and real tensors would return uninitialized memory as the
+    result; the real kernels check the same."""
+    named = [(name, t) for name, t in tensors.items() if isinstance(t, torch.Tensor)]
+    first, device = named[0][0], named[0][1].device
+    for name, t in named[1:]:
+        if t.device != device:
+            raise RuntimeError(f"fp4attn.{op}: {name} is on {t.device} but {first} on {device}: "
+                               f"all tensors must be on one device")
+
+
 @torch.library.register_fake("fp4attn::quantize")
 def _quantize_fake(x):
     lead, rows, cols = x.shape[:-2], x.shape[-2], x.shape[-1]
@@ -69,17 +81,21 @@ def _quantize_fake(x):
 
 @torch.library.register_fake("fp4attn::dequantize")
 def _dequantize_fake(codes, scales, dec, cols):
+    check_one_device("dequantize", codes=codes, scales=scales, dec=dec)
     return codes.new_empty((*codes.shape[:-1], cols), dtype=torch.float32)
 
 
 @torch.library.register_fake("fp4attn::fp4mm")
 def _fp4mm_fake(a_codes, a_scales, a_dec, b_codes, b_scales, b_dec, k, out_dtype):
+    check_one_device("fp4mm", a_codes=a_codes, a_scales=a_scales, a_dec=a_dec, b_codes=b_codes,
+                     b_scales=b_scales, b_dec=b_dec)
     lead = a_codes.shape[:-2] if a_dec.numel() >= b_dec.numel() else b_codes.shape[:-2]
     return a_codes.new_empty((*lead, a_codes.shape[-2], b_codes.shape[-2]), dtype=out_dtype)
 
 
 @torch.library.register_fake("fp4attn::attention")
 def _attention_fake(q, k, v, attn_mask, is_causal, scale, return_lse, cuda_kernel="auto"):
+    check_one_device("attention", q=q, k=k, v=v, attn_mask=attn_mask)
     out = q.new_empty(q.shape)  # contiguous, like the real op
     lse_shape = q.shape[:-1] if return_lse else (0,)
     return out, q.new_empty(lse_shape, dtype=torch.float32)
@@ -88,6 +104,9 @@ def _attention_fake(q, k, v, attn_mask, is_causal, scale, return_lse, cuda_kerne
 @torch.library.register_fake("fp4attn::kv_append")
 def _kv_append_fake(k, v, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale,
                     block_table, start, set_mean, mean_from=None, mean_rows=0):
+    check_one_device("kv_append", k=k, v=v, k_codes=k_codes, k_scales=k_scales, k_exp=k_exp,
+                     v_codes=v_codes, v_scales=v_scales, v_dec=v_dec, kmean=kmean, kscale=kscale,
+                     block_table=block_table, mean_from=mean_from)
     return None
 
 
@@ -95,4 +114,8 @@ def _kv_append_fake(k, v, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, km
 def _decode_fake(q, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale,
                  block_table, seq_lens, scale, window=0, res_k=None, res_v=None, residual_len=0,
                  key_start=None):
+    check_one_device("decode", q=q, k_codes=k_codes, k_scales=k_scales, k_exp=k_exp,
+                     v_codes=v_codes, v_scales=v_scales, v_dec=v_dec, kmean=kmean, kscale=kscale,
+                     block_table=block_table, seq_lens=seq_lens, res_k=res_k, res_v=res_v,
+                     key_start=key_start)
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)

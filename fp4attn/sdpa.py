@@ -137,6 +137,9 @@ def _check_args(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
             raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+        if attn_mask.device != query.device:  # (a meta mask would dispatch to the fake kernel)
+            raise ValueError(f"attn_mask must be on the device of query ({query.device}), got "
+                             f"{attn_mask.device}")
         target = (*query.shape[:-1], key.shape[-2])
         try:  # broadcastable *to* the scores: no dims beyond theirs, none that widen them
             broadcastable = torch.broadcast_shapes(attn_mask.shape, target) == torch.Size(target)

@@ -27,6 +27,8 @@ def _fresh_warnings(monkeypatch):
 
 def test_errors_name_the_argument():
     q, k, v = qkv(1, 2, 16, 32)
+    with pytest.raises(ValueError, match="attn_mask must be on the device of query"):
+        fp4attn.sdpa(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool, device="meta"))
     with pytest.raises(TypeError, match="query must be a torch.Tensor"):
         fp4attn.sdpa(q.numpy(), k, v)
     with pytest.raises(ValueError, match="key must have at least 3 dims"):
@@ -533,3 +535,25 @@ def test_torch_causal_bias_masks(precision, lengths):
     with pytest.raises(ValueError, match="cannot be used together"):
         fp4attn.sdpa(q, k, v, attn_mask=causal_lower_right(L, S), is_causal=True,
                      enable_gqa=True, precision=precision)
+
+
+def test_a_meta_tensor_among_real_ones_is_refused():
+    """One meta argument sends an op to its fake kernel, whose result is uninitialized memory:
+    the fakes check the devices as the real kernels do (a silently wrong decode before)."""
+    cache = fp4attn.FP4KVCache(1, 2, 64, dtype=torch.float32)
+    cache.append(torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64))
+    storage = list(cache.storage())
+    storage[3] = storage[3].to("meta")
+    with pytest.raises(RuntimeError, match="v_codes is on meta but q on cpu"):
+        fp4attn.decode_paged(torch.randn(1, 4, 1, 64), *storage, cache.seq_lens,
+                             **cache.residual())
+    with pytest.raises(RuntimeError, match="kv_append: k_codes is on meta"):
+        torch.ops.fp4attn.kv_append(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64),
+                                    storage[0].to("meta"), *storage[1:], 40, False)
+    a = fp4attn.quantize(torch.randn(4, 64))
+    with pytest.raises(RuntimeError, match="b_codes is on meta"):
+        torch.ops.fp4attn.fp4mm(a.codes, a.scales, a.dec, a.codes.to("meta"), a.scales, a.dec,
+                                64, torch.float32)
+    q = torch.randn(1, 2, 8, 32)
+    with pytest.raises(RuntimeError, match="k is on meta"):
+        torch.ops.fp4attn.int8_attention(q, q.to("meta"), q, None, False, 0.2)
