@@ -812,3 +812,31 @@ def test_marked_keys_refuse_computation_through_attributes():
                    lambda: torch.einsum("bhqd,bhkd->bhqk", q, k), lambda: k.untyped_storage()):
         with pytest.raises(RuntimeError, match="FP4Cache: something other than fp4attn"):
             attend()
+
+
+def test_fp4cache_as_an_encoder_decoders_self_attention_cache():
+    """An encoder-decoder model (BART) with EncoderDecoderCache(FP4Cache(config), DynamicCache()),
+    as usage.md says: the decoder's scores are the model's own cache's."""
+    from fp4attn.integrations import transformers as integration
+
+    integration.register()
+    config = transformers.BartConfig(
+        vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+        max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(config).eval()
+    model.config._attn_implementation = "fp4attn-int8"
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_scores=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        own = torch.stack(model.generate(ids, **kw).scores)
+        cache = transformers.EncoderDecoderCache(integration.FP4Cache(config=model.config),
+                                                 transformers.DynamicCache())
+        fp4 = torch.stack(model.generate(ids, **{cache_keyword(model): cache}, **kw).scores)
+    finite = torch.isfinite(own)  # (min_new_tokens masks the end token)
+    assert torch.equal(finite, torch.isfinite(fp4))
+    assert (fp4[finite] - own[finite]).norm() / own[finite].norm() < 1e-3
+    assert type(cache.self_attention_cache.layers[0]).__name__ == "FP4Layer"
+    assert cache.self_attention_cache.get_seq_length() == 10  # decoder tokens only
