@@ -557,3 +557,83 @@ def test_a_meta_tensor_among_real_ones_is_refused():
     q = torch.randn(1, 2, 8, 32)
     with pytest.raises(RuntimeError, match="k is on meta"):
         torch.ops.fp4attn.int8_attention(q, q.to("meta"), q, None, False, 0.2)
+
+
+# Tests from a mutation run of the front end (each pins a behaviour a plausible bug would break).
+
+def test_head_dim_256_is_computed_257_falls_back():
+    q, k, v = qkv(1, 2, 8, 256)
+    fp4attn.sdpa(q, k, v, strict=True)
+    q, k, v = qkv(1, 2, 8, 257)
+    with pytest.raises(fp4attn.FP4AttnFallbackError, match="> 256"):
+        fp4attn.sdpa(q, k, v, strict=True)
+
+
+def test_empty_key_sequence_falls_back_to_torch():
+    q, k = torch.randn(1, 2, 4, 32), torch.randn(1, 2, 0, 32)
+    with pytest.warns(UserWarning, match="empty key sequence"):
+        out = fp4attn.sdpa(q, k, k)
+    torch.testing.assert_close(out, ORIGINAL(q, k, k))
+    with pytest.raises(fp4attn.FP4AttnFallbackError, match="empty key"):
+        fp4attn.sdpa(q, k, k, strict=True)
+
+
+def test_a_fallback_forwards_enable_gqa_and_scale():
+    q = torch.randn(1, 4, 8, 32, dtype=torch.float64)  # float64: torch's
+    k, v = (torch.randn(1, 2, 8, 32, dtype=torch.float64) for _ in range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = fp4attn.sdpa(q, k, v, enable_gqa=True, scale=0.05, is_causal=True)
+    torch.testing.assert_close(out, ORIGINAL(q, k, v, enable_gqa=True, scale=0.05,
+                                             is_causal=True))
+
+
+@pytest.mark.parametrize("lead", [(), (2, 3)])
+def test_lse_has_the_callers_leading_dims(lead):
+    q, k, v = qkv(*lead, 2, 8, 32)
+    out, lse = fp4attn.sdpa(q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:-1]
+    _, four_d = fp4attn.sdpa(*(t.reshape(-1, 2, 8, 32) for t in (q, k, v)), return_lse=True)
+    assert torch.equal(lse, four_d.reshape(q.shape[:-1]))
+
+
+def test_jagged_forwards_scale_and_takes_the_autocast_dtype():
+    q, k, v = jagged([5, 9], 2)[1], jagged([6, 3], 2)[1], jagged([6, 3], 2)[1]
+    out = fp4attn.sdpa(q, k, v, scale=0.05)
+    for got, qi, ki, vi in zip(out.unbind(), q.unbind(), k.unbind(), v.unbind()):
+        assert torch.equal(got, fp4attn.sdpa(qi[None], ki[None], vi[None], scale=0.05)[0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fp4attn.sdpa(q, k, v)
+    assert out.dtype == torch.bfloat16 and out.values().dtype == torch.bfloat16
+
+
+def test_patched_restores_what_unpatch_restores():
+    original = F.scaled_dot_product_attention
+    with fp4attn.patched():
+        pass
+    assert F.scaled_dot_product_attention is original
+
+    def wrapper(*a, **kw):  # e.g. a profiler's, installed after the with block
+        return original(*a, **kw)
+
+    F.scaled_dot_product_attention = wrapper
+    try:
+        assert not fp4attn.is_patched()
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def test_opcheck_attention_without_lse_and_fp4mm_broadcasting_b():
+    q, k, v = qkv(1, 2, 20, 32)
+    torch.library.opcheck(torch.ops.fp4attn.attention.default,
+                          (q, k, v, None, False, 0.2, False, "auto"))
+    a = torch.ops.fp4attn.quantize(torch.randn(12, 40))
+    b = torch.ops.fp4attn.quantize(torch.randn(3, 2, 10, 40))
+    torch.library.opcheck(torch.ops.fp4attn.fp4mm.default, (*a, *b, 40, torch.float16))
+
+
+def test_fake_attention_refuses_a_mask_on_another_device():
+    q = torch.randn(1, 2, 8, 32, device="meta")
+    with pytest.raises(RuntimeError, match="attn_mask is on cpu"):
+        torch.ops.fp4attn.attention.default(q, q, q, torch.ones(8, 8, dtype=torch.bool), False,
+                                            0.2, False, "auto")

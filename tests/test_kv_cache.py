@@ -1365,3 +1365,60 @@ def test_compiled_decode_steps_do_not_recompile_per_token(backend):
             assert torch.equal(compiled(c, k, v, q), step(e, k, v, q))
     assert counters["stats"]["unique_graphs"] <= 3
     torch._dynamo.reset()
+
+
+# Tests from a mutation run of kv_cache.py (each pins a behaviour a plausible bug would break).
+
+def offset_kv(B, H, n, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, n, D, generator=g) * 2 + 1.5, torch.randn(B, H, n, D, generator=g)
+
+
+def test_crop_to_zero_forgets_the_padding():
+    cache = fp4attn.FP4KVCache(2, 2, 64, dtype=torch.float32)
+    cache.append(*offset_kv(2, 2, 200, 64, 0), padding=[3, 0])
+    cache.crop(0)
+    assert len(cache) == 0 and cache.padding == (0, 0)  # as new
+
+
+def test_crop_refills_every_overwritten_ring_slot():
+    """A crop of 40 (> the ring's 31 slots): every kept ring slot a cropped token overwrote holds
+    the stored row, the oldest (position length - 31) included, which the first query of a
+    16-position decode reads."""
+    cache = fp4attn.FP4KVCache(1, 2, 64, dtype=torch.float32, page_size=32)
+    cache.append(*offset_kv(1, 2, 180, 64, 0))
+    cache.append(*offset_kv(1, 2, 40, 64, 1))
+    cache.crop(180)
+    stored_k, stored_v = cache.dequantize(torch.float32, residual=False)
+    k, v = cache.dequantize(torch.float32, position=180 - 16)
+    assert torch.equal(k[:, :, 149:], stored_k[:, :, 149:])
+    assert torch.equal(v[:, :, 149:], stored_v[:, :, 149:])
+
+
+def test_dequantize_position_must_be_below_len():
+    cache = fp4attn.FP4KVCache(1, 2, 64, dtype=torch.float32)
+    cache.append(*offset_kv(1, 2, 20, 64, 0))
+    cache.dequantize(position=19)
+    with pytest.raises(ValueError, match="position"):
+        cache.dequantize(position=20)
+
+
+def test_decode_forwards_scale_and_takes_a_strided_key_start():
+    cache = fp4attn.FP4KVCache(2, 2, 64, dtype=torch.float32)
+    cache.append(*offset_kv(2, 2, 50, 64, 0))
+    q = torch.randn(2, 4, 1, 64)
+    out = fp4attn.decode(q, cache, scale=0.02)
+    assert torch.equal(out, fp4attn.decode_paged(q, *cache.storage(), cache.seq_lens, scale=0.02,
+                                                 **cache.residual()))
+    assert not torch.allclose(out, fp4attn.decode(q, cache))
+    strided = torch.tensor([5, 0, 0, 0], dtype=torch.int32)[::2]  # [5, 0], not contiguous
+    assert torch.equal(fp4attn.decode(q, cache, key_start=strided),
+                       fp4attn.decode(q, cache, key_start=[5, 0]))
+
+
+def test_windowed_append_longer_than_kept_takes_the_statistics_of_the_kept_tokens():
+    cache = fp4attn.FP4KVCache(1, 2, 64, dtype=torch.float32, window=20, page_size=16)
+    k, v = offset_kv(1, 2, 60, 64, 0)
+    cache.append(k, v)  # keeps 20 + 15 = 35 tokens: 25..59
+    assert cache.start == 25
+    torch.testing.assert_close(cache.kmean, k[:, :, 25:].mean(2), rtol=0, atol=1e-4)

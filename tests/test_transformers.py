@@ -840,3 +840,108 @@ def test_fp4cache_as_an_encoder_decoders_self_attention_cache():
     assert (fp4[finite] - own[finite]).norm() / own[finite].norm() < 1e-3
     assert type(cache.self_attention_cache.layers[0]).__name__ == "FP4Layer"
     assert cache.self_attention_cache.get_seq_length() == 10  # decoder tokens only
+
+
+# Tests from a mutation run of the integration (each pins a behaviour a plausible bug would
+# break), on its attention function and layer directly.
+
+class _Attention(torch.nn.Module):
+    is_causal = True
+    layer_idx = 0
+
+
+def attention_module(training=False):
+    return _Attention().train(training)
+
+
+def offset_kv(B, H, n, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, n, D, generator=g) * 2 + 1.5, torch.randn(B, H, n, D, generator=g)
+
+
+def prefilled_layer(n=130, B=1, H=2, D=64, **kw):
+    from fp4attn.integrations import transformers as integration
+
+    layer = integration.FP4Layer(**kw)
+    key, value = layer.update(*offset_kv(B, H, n, D, 0))
+    integration.fp4attn_attention_forward(attention_module(), torch.randn(B, 2 * H, n, D), key,
+                                          value, None)  # the prefill: appends
+    assert len(layer.cache) == n and layer.cache.statistics_fixed
+    return layer
+
+
+def test_leading_padding_counts_only_leading_keys_and_repeats_a_batch_one_mask():
+    from fp4attn.integrations import transformers as integration
+
+    mask = torch.ones(1, 1, 3, 6, dtype=torch.bool)
+    mask[..., 0] = False  # left padding
+    mask[..., 3] = False  # a hole later on: not padding
+    assert integration._leading_hidden(mask).tolist() == [1]
+    mask = torch.ones(1, 1, 3, 6, dtype=torch.bool)
+    mask[..., :2] = False
+    assert integration._leading_padding(mask, 3) == [2, 2, 2]
+
+
+def test_a_16_token_step_decodes_through_the_kernel(monkeypatch):
+    from fp4attn.integrations import transformers as integration
+
+    layer = prefilled_layer()
+    calls = []
+    real = integration.decode
+    monkeypatch.setattr(integration, "decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    key, value = layer.update(*offset_kv(1, 2, 16, 64, 1))
+    integration.fp4attn_attention_forward(attention_module(), torch.randn(1, 4, 16, 64), key,
+                                          value, None)
+    assert calls == [1]
+
+
+def test_a_long_chunk_attends_with_the_given_scaling():
+    from fp4attn.integrations import transformers as integration
+
+    layer = prefilled_layer()
+    key, value = layer.update(*offset_kv(1, 2, 20, 64, 1))
+    k_chunk, v_chunk, _ = layer.chunk_states
+    q = torch.randn(1, 4, 20, 64)
+    out, _ = integration.fp4attn_attention_forward(attention_module(), q, key, value, None,
+                                                   scaling=0.02)
+    mask = integration._window_mask(20, k_chunk.shape[-2], None, q.device)
+    original = importlib.import_module("fp4attn.sdpa").ORIGINAL_SDPA  # torch's own
+    want = original(q, k_chunk, v_chunk, attn_mask=mask, scale=0.02, enable_gqa=True)
+    assert torch.equal(out, want.transpose(1, 2))
+
+
+def test_attention_forward_slices_a_wider_mask_forwards_scaling_and_drops_dropout_in_eval():
+    from fp4attn.integrations import transformers as integration
+
+    q, k, v = (torch.randn(1, 2, 8, 32) for _ in range(3))
+    mask = torch.rand(1, 1, 8, 12) > 0.3  # wider than the keys, as a static cache's
+    mask[..., 0] = True
+    out, _ = integration.fp4attn_attention_forward(attention_module(), q, k, v, mask, dropout=0.5,
+                                                   scaling=0.05)
+    want = fp4attn.sdpa(q, k, v, attn_mask=mask[..., :8], scale=0.05).transpose(1, 2)
+    assert torch.equal(out, want)
+
+
+def test_a_uniform_registered_policy_sets_the_precision():
+    from fp4attn.integrations import transformers as integration
+
+    q, k, v = (torch.randn(1, 2, 8, 32) for _ in range(3))
+    integration.register(fp4attn.Policy(default="int8"))
+    try:
+        out, _ = integration.fp4attn_attention_forward(attention_module(), q, k, v, None)
+    finally:
+        integration.register()
+    assert torch.equal(out, fp4attn.sdpa(q, k, v, is_causal=True, precision="int8").transpose(1, 2))
+
+
+def test_a_sliding_layer_hands_other_implementations_keys_at_their_positions():
+    from fp4attn.integrations import transformers as integration
+
+    layer = integration.FP4Layer(page_size=16, sliding_window=8,
+                                 attn_implementation=lambda: "sdpa", rollback=0)  # keeps 23
+    layer.update(*offset_kv(1, 2, 40, 64, 0))  # the prefill
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        k, v = layer.update(*offset_kv(1, 2, 1, 64, 1))
+    assert k.shape[2] == v.shape[2] == 41  # dropped tokens as zeros: positions line up
+    assert not k[:, :, :18].any() and k[:, :, 18:].abs().sum() > 0
