@@ -4,6 +4,8 @@ The fake implementations describe output shapes and dtypes without computing, wh
 torch.compile(fullgraph=True), torch.export and FakeTensor tracing need.
 """
 
+import functools
+import inspect
 import os
 import warnings
 
@@ -57,11 +59,8 @@ def scale_count(cols: int) -> int:
     return (cols + BLOCK - 1) // BLOCK
 
 
-def check_one_device(op: str, **tensors) -> None:
-    """The fake kernels' device check: the dispatcher runs them (Meta) whenever one argument is a
-    meta tensor, so a call mixing meta and real tensors would return uninitialized memory as the
-    result; the real kernels check the same."""
-    named = [(name, t) for name, t in tensors.items() if isinstance(t, torch.Tensor)]
+def _check_one_device(op: str, arguments: dict) -> None:
+    named = [(name, t) for name, t in arguments.items() if isinstance(t, torch.Tensor)]
     first, device = named[0][0], named[0][1].device
     for name, t in named[1:]:
         if t.device != device:
@@ -69,7 +68,23 @@ def check_one_device(op: str, **tensors) -> None:
                                f"all tensors must be on one device")
 
 
-@torch.library.register_fake("fp4attn::quantize")
+def register_fake(op: str):
+    """torch.library.register_fake for fp4attn::op, with the device check the real kernels make:
+    the dispatcher runs a fake (Meta) kernel whenever one argument is a meta tensor, so a call
+    mixing meta and real tensors would otherwise return uninitialized memory as its result."""
+    def register(fake):
+        signature = inspect.signature(fake)
+
+        @functools.wraps(fake)
+        def checked(*args, **kwargs):
+            _check_one_device(op, signature.bind(*args, **kwargs).arguments)
+            return fake(*args, **kwargs)
+
+        return torch.library.register_fake(f"fp4attn::{op}")(checked)
+    return register
+
+
+@register_fake("quantize")
 def _quantize_fake(x):
     lead, rows, cols = x.shape[:-2], x.shape[-2], x.shape[-1]
     return (
@@ -79,43 +94,32 @@ def _quantize_fake(x):
     )
 
 
-@torch.library.register_fake("fp4attn::dequantize")
+@register_fake("dequantize")
 def _dequantize_fake(codes, scales, dec, cols):
-    check_one_device("dequantize", codes=codes, scales=scales, dec=dec)
     return codes.new_empty((*codes.shape[:-1], cols), dtype=torch.float32)
 
 
-@torch.library.register_fake("fp4attn::fp4mm")
+@register_fake("fp4mm")
 def _fp4mm_fake(a_codes, a_scales, a_dec, b_codes, b_scales, b_dec, k, out_dtype):
-    check_one_device("fp4mm", a_codes=a_codes, a_scales=a_scales, a_dec=a_dec, b_codes=b_codes,
-                     b_scales=b_scales, b_dec=b_dec)
     lead = a_codes.shape[:-2] if a_dec.numel() >= b_dec.numel() else b_codes.shape[:-2]
     return a_codes.new_empty((*lead, a_codes.shape[-2], b_codes.shape[-2]), dtype=out_dtype)
 
 
-@torch.library.register_fake("fp4attn::attention")
+@register_fake("attention")
 def _attention_fake(q, k, v, attn_mask, is_causal, scale, return_lse, cuda_kernel="auto"):
-    check_one_device("attention", q=q, k=k, v=v, attn_mask=attn_mask)
     out = q.new_empty(q.shape)  # contiguous, like the real op
     lse_shape = q.shape[:-1] if return_lse else (0,)
     return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.register_fake("fp4attn::kv_append")
+@register_fake("kv_append")
 def _kv_append_fake(k, v, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale,
                     block_table, start, set_mean, mean_from=None, mean_rows=0):
-    check_one_device("kv_append", k=k, v=v, k_codes=k_codes, k_scales=k_scales, k_exp=k_exp,
-                     v_codes=v_codes, v_scales=v_scales, v_dec=v_dec, kmean=kmean, kscale=kscale,
-                     block_table=block_table, mean_from=mean_from)
     return None
 
 
-@torch.library.register_fake("fp4attn::decode")
+@register_fake("decode")
 def _decode_fake(q, k_codes, k_scales, k_exp, v_codes, v_scales, v_dec, kmean, kscale,
                  block_table, seq_lens, scale, window=0, res_k=None, res_v=None, residual_len=0,
                  key_start=None):
-    check_one_device("decode", q=q, k_codes=k_codes, k_scales=k_scales, k_exp=k_exp,
-                     v_codes=v_codes, v_scales=v_scales, v_dec=v_dec, kmean=kmean, kscale=kscale,
-                     block_table=block_table, seq_lens=seq_lens, res_k=res_k, res_v=res_v,
-                     key_start=key_start)
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)

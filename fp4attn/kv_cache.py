@@ -234,7 +234,7 @@ class FP4KVCache:
             big = torch.finfo(self.dtype).max  # (a stored value may exceed the dtype's range)
             self.res_k.index_copy_(2, at, k.clamp(-big, big).to(self.dtype))
             self.res_v.index_copy_(2, at, v.clamp(-big, big).to(self.dtype))
-        self._oldest = oldest if self.window is not None else 0
+        self._oldest = oldest  # (0 without a window)
         self._len = length
         self.seq_lens.fill_(length)
 

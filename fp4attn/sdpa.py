@@ -79,13 +79,18 @@ def _fallback_reason(query, key, value, attn_mask, dropout_p, precision) -> str 
     return None
 
 
+def _autocast_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype autocast gives t as an argument of torch's SDPA (a lower-precision op): the
+    autocast dtype for floating-point tensors but float64 ones, else t's own."""
+    if t.is_floating_point() and t.dtype != torch.float64 and \
+            torch.is_autocast_enabled(t.device.type):
+        return torch.get_autocast_dtype(t.device.type)
+    return t.dtype
+
+
 def _autocast(*tensors):
-    """As autocast treats torch's SDPA (a lower-precision op): floating-point arguments in the
-    autocast dtype, except float64 ones (autocast leaves those as they are), the others as they
-    are."""
-    dtype = torch.get_autocast_dtype(tensors[0].device.type)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and
-                 t.dtype != torch.float64 else t for t in tensors)
+    """The tensor arguments as autocast casts them (the others as they are)."""
+    return tuple(t.to(_autocast_dtype(t)) if isinstance(t, torch.Tensor) else t for t in tensors)
 
 
 def _from_causal_bias(bias, query, key, is_causal):
@@ -167,7 +172,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if CausalBias is not None and isinstance(attn_mask, CausalBias) and \
             isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
         attn_mask, is_causal = _from_causal_bias(attn_mask, query, key, is_causal)
-    if any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value)):
+    if getattr(query, "is_nested", False) or getattr(key, "is_nested", False) or \
+            getattr(value, "is_nested", False):
         return _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                             precision, return_lse, strict)
     if isinstance(query, torch.Tensor) and query.device.type in ("cpu", "cuda") and \
@@ -257,9 +263,7 @@ def _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
         raise ValueError("key and value must have the same sequence lengths (offsets)")
     q_offsets, kv_offsets = query.offsets().tolist(), key.offsets().tolist()
     values = query.values()
-    dtype = values.dtype  # of the outputs: as the calls give it (autocast: its dtype)
-    if torch.is_autocast_enabled(values.device.type) and dtype != torch.float64:
-        dtype = torch.get_autocast_dtype(values.device.type)
+    dtype = _autocast_dtype(values)  # of the outputs, as the calls give it
     outs = [values.new_empty((values.shape[0], 0, value.shape[-1]), dtype=dtype)]  # (B = 0)
     lses = [values.new_empty((values.shape[0], 0), dtype=torch.float32)]
     for q, k, v in zip(_sequences(query, q_offsets), _sequences(key, kv_offsets),
