@@ -814,14 +814,17 @@ def test_marked_keys_refuse_computation_through_attributes():
             attend()
 
 
-def test_fp4cache_as_an_encoder_decoders_self_attention_cache():
-    """An encoder-decoder model (BART) with EncoderDecoderCache(FP4Cache(config), DynamicCache()),
-    as usage.md says: the decoder's scores are the model's own cache's."""
+def test_fp4cache_of_an_encoder_decoder_model():
+    """An encoder-decoder model (BART, decoder deeper than its encoder):
+    FP4Cache.encoder_decoder(config) keeps the decoder's self-attention keys in FP4 and the
+    scores are the model's own cache's; FP4Cache(config) alone, which the cross-attention would
+    fill with the encoder's keys (wrong scores, no error, as with transformers' DynamicCache), is
+    refused with the fix."""
     from fp4attn.integrations import transformers as integration
 
     integration.register()
     config = transformers.BartConfig(
-        vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
         max_position_embeddings=256)
     torch.manual_seed(0)
@@ -830,15 +833,19 @@ def test_fp4cache_as_an_encoder_decoders_self_attention_cache():
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(3))
     kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_scores=True,
               return_dict_in_generate=True)
+    with pytest.raises(ValueError, match=r"FP4Cache.encoder_decoder\(config=model.config\)"):
+        integration.FP4Cache(config=model.config)
+    with pytest.raises(ValueError, match="not an encoder-decoder"):
+        integration.FP4Cache.encoder_decoder(tiny_llama("sdpa").config)
     with torch.no_grad():
         own = torch.stack(model.generate(ids, **kw).scores)
-        cache = transformers.EncoderDecoderCache(integration.FP4Cache(config=model.config),
-                                                 transformers.DynamicCache())
+        cache = integration.FP4Cache.encoder_decoder(model.config)
         fp4 = torch.stack(model.generate(ids, **{cache_keyword(model): cache}, **kw).scores)
     finite = torch.isfinite(own)  # (min_new_tokens masks the end token)
     assert torch.equal(finite, torch.isfinite(fp4))
     assert (fp4[finite] - own[finite]).norm() / own[finite].norm() < 1e-3
-    assert type(cache.self_attention_cache.layers[0]).__name__ == "FP4Layer"
+    layers = cache.self_attention_cache.layers
+    assert len(layers) == 3 and all(type(layer).__name__ == "FP4Layer" for layer in layers)
     assert cache.self_attention_cache.get_seq_length() == 10  # decoder tokens only
 
 

@@ -507,10 +507,17 @@ def _cache_classes():
         without it each layer's pages double as they fill, up to twice what it holds.
         `rollback`: tokens each sliding-window layer keeps beyond its window, so that assisted
         generation can drop up to `rollback + 16` rejected candidates at once (full-attention
-        layers drop any number)."""
+        layers drop any number). An encoder-decoder model takes `FP4Cache.encoder_decoder(config)`.
+        """
 
         def __init__(self, config=None, page_size: int | None = None, max_tokens: int | None = None,
-                     rollback: int = DEFAULT_ROLLBACK):
+                     rollback: int = DEFAULT_ROLLBACK, *, _decoder_self_attention: bool = False):
+            if getattr(config, "is_encoder_decoder", False) and not _decoder_self_attention:
+                raise ValueError(
+                    "FP4Cache: this is an encoder-decoder model's config, whose cross-attention "
+                    "would append the encoder's keys to the cache as to any single cache (wrong "
+                    "results, no error): use FP4Cache.encoder_decoder(config=model.config), an "
+                    "EncoderDecoderCache with FP4Cache for the decoder's self-attention")
             if max_tokens is not None and (not isinstance(max_tokens, int) or
                                            isinstance(max_tokens, bool) or max_tokens < 1):
                 raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
@@ -532,9 +539,22 @@ def _cache_classes():
             def implementation():  # read at every step: the model's may change after this
                 return getattr(text, "_attn_implementation", None)
 
-            layers = [FP4Layer(page_size, window if t == "sliding_attention" else None,
-                               implementation, max_tokens, rollback) for t in types]
-            super().__init__(layers=layers)
+            super().__init__(layers=[FP4Layer(page_size, window if t == "sliding_attention" else
+                                              None, implementation, max_tokens, rollback)
+                                     for t in types])
+
+        @classmethod
+        def encoder_decoder(cls, config, page_size: int | None = None,
+                            max_tokens: int | None = None):
+            """An EncoderDecoderCache for an encoder-decoder model (BART, Whisper): an FP4Cache
+            for the decoder's self-attention keys, a DynamicCache for the cross-attention's."""
+            from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+            if not getattr(config, "is_encoder_decoder", False):
+                raise ValueError("FP4Cache.encoder_decoder: config is not an encoder-decoder "
+                                 "model's: use FP4Cache(config=...)")
+            return EncoderDecoderCache(cls(config, page_size, max_tokens,
+                                           _decoder_self_attention=True), DynamicCache())
 
     return FP4Layer, FP4Cache
 
