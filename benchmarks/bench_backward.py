@@ -7,6 +7,9 @@ For every (head dim, N, causal, dtype) it times out = attention(q, k, v); out.ba
                 everything else the step launches (psi of the operands, dO terms, the dQ
                 accumulator's memset and finish, the gradients' zero fills), from torch.profiler
                 with the L2 flushed before each step
+  int8det       the same step under torch.use_deterministic_algorithms(True) (dQ's key blocks
+                added in a fixed order; int8det_bwd_ms its backward kernel), nan where the
+                backward has no deterministic mode (the mma.sync kernel)
   flash, cudnn  torch.nn.functional.scaled_dot_product_attention pinned to a backend
 SageAttention (bench_attention.py's peer column) has no backward: sageattn 1.0.6 is a Triton
 forward only, so it has no column here.
@@ -59,6 +62,24 @@ def breakdown(fn, flush, calls: int = 3) -> tuple[float, float, float]:
     return fwd, bwd, other
 
 
+def deterministic_times(fn, timer, reps) -> tuple[float, float]:
+    """(step ms, backward kernel ms) of fn under torch.use_deterministic_algorithms(True), without
+    the mode's NaN fill of new tensors (which the default mode does not pay either); nan where the
+    backward raises for want of a deterministic mode."""
+    import torch.utils.deterministic as det
+
+    fill = det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    det.fill_uninitialized_memory = False
+    try:
+        return timer.time(fn, reps), breakdown(fn, timer.flush)[1]
+    except RuntimeError:
+        return float("nan"), float("nan")
+    finally:
+        torch.use_deterministic_algorithms(False)
+        det.fill_uninitialized_memory = fill
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sweep (~1 minute)")
@@ -99,6 +120,8 @@ def main() -> int:
                     row["int8attn_ms"], row["int8attn_tflops"] = ms, flops / ms / 1e9
                     row["int8_fwd_ms"], row["int8_bwd_ms"], row["int8_prepare_ms"] = \
                         breakdown(ours, timer.flush)
+                    ms_d, row["int8det_bwd_ms"] = deterministic_times(ours, timer, reps)
+                    row["int8det_ms"], row["int8det_tflops"] = ms_d, flops / ms_d / 1e9
                     for name in ("flash", "cudnn"):
                         try:
                             ms_b = timer.time(step_fn(sdpa_backend_fn(name, q, k, v, causal), q, k, v, dout), reps)
@@ -109,7 +132,8 @@ def main() -> int:
                     rows.append(row)
                     print(f"{row['dtype']:>8} D={D:<3} N={N:<6} causal={int(causal)} "
                           f"int8 {row['int8attn_tflops']:6.1f} TFLOPS ({ms:.2f} ms: fwd {row['int8_fwd_ms']:.2f} "
-                          f"bwd {row['int8_bwd_ms']:.2f} prepare {row['int8_prepare_ms']:.2f}) | "
+                          f"bwd {row['int8_bwd_ms']:.2f} prepare {row['int8_prepare_ms']:.2f}; "
+                          f"deterministic {row['int8det_tflops']:6.1f}, bwd {row['int8det_bwd_ms']:.2f}) | "
                           f"flash {row['flash_tflops']:6.1f} cudnn {row['cudnn_tflops']:6.1f}", flush=True)
                     del q, k, v, dout
     path = os.path.join(args.out, "bench_backward.csv")
@@ -117,10 +141,10 @@ def main() -> int:
     print(f"\nwrote {path} ({time.time() - t_start:.0f} s)")
     plot(rows, os.path.join(args.out, "bench_backward.png"), head["hardware"])
     print("\nforward + backward TFLOPS (median):\n")
-    print_table(["dtype", "D", "N", "causal", "int8attn", "flash", "cudnn", "int8/flash", "int8/cudnn",
-                 "fwd / bwd / prepare ms"],
+    print_table(["dtype", "D", "N", "causal", "int8attn", "int8det", "flash", "cudnn", "int8/flash",
+                 "int8/cudnn", "fwd / bwd / prepare ms"],
                 [[r["dtype"], str(r["D"]), str(r["N"]), str(int(r["causal"])), f"{r['int8attn_tflops']:.1f}",
-                  f"{r['flash_tflops']:.1f}", f"{r['cudnn_tflops']:.1f}",
+                  f"{r['int8det_tflops']:.1f}", f"{r['flash_tflops']:.1f}", f"{r['cudnn_tflops']:.1f}",
                   f"{r['int8attn_tflops'] / r['flash_tflops']:.2f}",
                   f"{r['int8attn_tflops'] / r['cudnn_tflops']:.2f}",
                   f"{r['int8_fwd_ms']:.2f} / {r['int8_bwd_ms']:.2f} / {r['int8_prepare_ms']:.2f}"]

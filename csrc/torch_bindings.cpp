@@ -496,11 +496,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward(
   bp.dv = dv.data_ptr();
 #ifdef FP4ATTN_WITH_CUDA
   if (on_cuda(c.q)) {
-    // dQ is summed over key blocks by FP32 reductions in any order: torch's deterministic mode
-    // raises here (or warns with warn_only), as for its own nondeterministic CUDA ops
-    at::globalContext().alertNotDeterministic(
-        "fp4attn::int8_attention_backward on CUDA (dQ summed by FP32 atomic reductions)");
     c10::cuda::CUDAGuard guard(c.q.device());
+    // torch's deterministic mode: the sm90 backward adds dQ's key blocks in a fixed order; the
+    // mma.sync one only in any order, so the mode raises there (or warns with warn_only), as for
+    // torch's own nondeterministic CUDA ops
+    if (at::globalContext().deterministicAlgorithms()) {
+      if (fp4attn_cuda_int8_attention_backward_kernel(&p) == FP4ATTN_KERNEL_SM90)
+        bp.deterministic = 1;
+      else
+        at::globalContext().alertNotDeterministic(
+            "fp4attn::int8_attention_backward on CUDA without the sm90 kernel (dQ summed by FP32 "
+            "atomic reductions)");
+    }
     at::Tensor ws = cuda_workspace(fp4attn_cuda_int8_attention_backward_workspace_bytes(&bp), c.q);
     check_status(fp4attn_cuda_int8_attention_backward(&bp, ws.data_ptr(),
                                                       at::cuda::getCurrentCUDAStream().stream()));

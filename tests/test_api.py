@@ -423,7 +423,8 @@ def test_jagged_inputs_are_per_sequence_calls(device, precision, causal):
     _, v = jagged([40, 7, 150, 1], 2, device=device)
     out, lse = fp4attn.sdpa(q, k, v, is_causal=causal, enable_gqa=True, precision=precision,
                             return_lse=True)
-    assert out.is_nested and out.shape[2] is q.shape[2] and lse.shape[2] is q.shape[2]
+    assert out.is_nested and out.shape[2] == q.shape[2] and lse.shape[2] == q.shape[2]
+    assert (out + q).shape == q.shape  # the same ragged structure
     assert out.values().shape == q.values().shape and out.dtype == q.dtype
     at = q.offsets().tolist()
     for i, (qi, ki, vi) in enumerate(zip(per_sequence(q), per_sequence(k), per_sequence(v))):

@@ -220,6 +220,7 @@ static inline fp4attn_status plan_int8_attention(const fp4attn_attention_params 
   const bool in_place = sm90 && int8_v_caller(p);
   plan->v_rows = sm90 && !backward && (dp == 256 || (in_place && p->len_k <= short_keys));
   plan->v_caller = in_place && (backward || plan->v_rows);
+  plan->deterministic = false; /* the backward's request, set by its caller */
   return fp4attn_ok();
 }
 

@@ -6,7 +6,8 @@
  *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the key block's K^, V and
  *     Ks16^T (16 bits) once, then per 64-row query block i of the KV head's query heads (causal:
  *     those that see key block j) Q^, Q16, dO (16 bits), lse2 and Drow into a ring of kStages
- *     stages ("full" / "empty" mbarriers).
+ *     stages ("full" / "empty" mbarriers); warps 1 and 2 add consumer 0's and 1's dQ tiles into
+ *     the workspace (dq_writer).
  *   warpgroups 1 and 2, consumers (setmaxnreg up): 64 keys each (wgmma's M), per query block:
  *     S^T  = K^ Q^T            wgmma m64n64k32 s8 (shared x shared), exact int32
  *     dP^T = V dO^T            wgmma m64n64k16 f16 / bf16, FP32
@@ -15,13 +16,18 @@
  *     dK  += dS16^T Q16        the same with dS16 and Q16
  *     dQ_i += dS16 Ks16        wgmma m64n{DP/2}k16: this consumer's DP/2 columns over the block's
  *       128 keys, dS16^T of both consumers through shared memory (the MN-major A), Ks16^T the
- *       K-major B; through a shared FP32 tile into the workspace by TMA reductions (finish_dq
- *       applies the softmax scale)
+ *       K-major B; handed to its writer warp as a shared FP32 tile, which that warp adds into
+ *       the workspace by TMA reductions (finish_dq applies the softmax scale)
  *   The consumers share the stage ring and the dS16^T tile (double-buffered by step parity: one
  *   named barrier of both per step). Splitting dQ by columns rather than keys halves its
  *   reduction traffic, which with the stage loads bounds the step (docs/performance.md).
  * dK and dV stay in FP32 wgmma accumulators for the whole walk and are stored once, in the input
  * dtype (dK times the scale).
+ * dQ's key blocks add in any order by default. `deterministic` fixes it (BwdWalk::rank): before
+ * its reductions for query block i a writer waits until the key blocks before its own in that
+ * order have counted themselves in dq_sem, and counts itself once its reductions are complete.
+ * Every wait is on a block of the same head launched earlier (blocks start in index order, as
+ * serial split-K reductions assume), so the waits cannot deadlock.
  * Operand layouts (wgmma.cuh): 8-bit tiles K-major, swizzled over their row width (Q^, K^: DP
  * bytes); 16-bit V, Ks16^T, Q16 and dO as column blocks of 128-byte rows with the 128-byte swizzle
  * (dO read K-major by dP's product, MN-major by dV's; Ks16^T [2][DP channels][64 keys]), the
@@ -84,12 +90,15 @@ struct Int8BwdSm90Params {
   Int8Args a;
   CUtensorMap kmap, vmap, ksmap, qmap, q16map, domap, dqmap;
   bool longest_first; /* the block order (BwdWalk) */
+  bool deterministic;  /* dQ's key blocks added in BwdWalk::rank's order */
 };
 
 #if defined(FP4ATTN_SM90_WGMMA)
 
-constexpr int kBarBoth = 1; /* named barrier 1: both consumers */
-constexpr int kBarDq = 2;   /* named barriers 2, 3: consumer 0's, 1's dQ tile */
+constexpr int kBarBoth = 1;    /* named barrier 1: both consumers */
+constexpr int kBarDqFull = 2;  /* 2, 3: consumer 0's, 1's dQ tile written (consumer -> writer) */
+constexpr int kBarDqEmpty = 4; /* 4, 5: ... and read by its reductions (writer -> consumer) */
+constexpr int kDqBarThreads = 128 + 32; /* a consumer warpgroup and its writer warp */
 
 template <int kStages>
 struct BwdBars {
@@ -100,28 +109,43 @@ struct BwdBars {
 };
 
 /* The walk of one key block: its (batch, KV head), the first query block that sees it, and the
- * query blocks per query head of the group (the producer and the consumers agree on it). */
+ * query blocks per query head of the group (the producer, the consumers and the writers agree on
+ * it). */
 struct BwdWalk {
-  int64_t b, hk, bhk, j, i_start, per_head, G;
-  int iters;
+  /* 32 bits: the launcher bounds the block counts (and the producer's registers are few) */
+  int b, hk, bhk, j, i_start, per_head, G, nkb, iters;
+  int rot; /* the first query block's offset from i_start */
+  bool causal;
   /* Block order: a head's key blocks side by side, so that they share its Q^, dO and dQ in L2;
    * or, longest_first (causal grids of a few waves, launch_int8_backward_sm90), key block 0 of
-   * every head, then 1, ...: the longest walks first, short ones in the last wave. */
-  __device__ BwdWalk(const fp4attn_attention_params &p, const Int8Workspace &w,
-                     bool longest_first) {
-    const int64_t heads = p.batch * p.heads_kv;
-    j = longest_first ? blockIdx.x / heads : blockIdx.x % w.nkb;
-    bhk = longest_first ? blockIdx.x % heads : blockIdx.x / w.nkb;
-    b = bhk / p.heads_kv;
-    hk = bhk % p.heads_kv;
-    G = p.heads_q / p.heads_kv;
-    i_start = p.causal ? min(w.nqb, j * kBK8 / kBQ8) : 0;
-    per_head = w.nqb - i_start;
-    iters = (int)(G * per_head);
+   * every head, then 1, ...: the longest walks first, short ones in the last wave. `ordered`
+   * (deterministic dQ): head-major, each head's key blocks in rank's order. */
+  __device__ BwdWalk(const fp4attn_attention_params &p, const Int8Workspace &w, bool longest_first,
+                     bool ordered)
+      : nkb((int)w.nkb), causal(p.causal) {
+    const int heads = (int)(p.batch * p.heads_kv), nqb = (int)w.nqb;
+    j = longest_first ? (int)blockIdx.x / heads : (int)blockIdx.x % nkb;
+    if (ordered && p.causal) j = nkb - 1 - j;
+    bhk = longest_first ? (int)blockIdx.x % heads : (int)blockIdx.x / nkb;
+    b = bhk / (int)p.heads_kv;
+    hk = bhk % (int)p.heads_kv;
+    G = (int)(p.heads_q / p.heads_kv);
+    i_start = p.causal ? min(nqb, j * (kBK8 / kBQ8)) : 0;
+    per_head = nqb - i_start;
+    iters = G * per_head;
+    /* key blocks start apart, so that their dQ reductions go to different rows, unless ordered */
+    rot = ordered || per_head == 0 ? 0 : j % per_head;
   }
   __device__ void block(const fp4attn_attention_params &p, int it, int64_t &bh, int64_t &i) const {
-    bh = b * p.heads_q + hk * G + it / per_head;
-    i = i_start + (it % per_head + j) % per_head; /* key blocks start apart: dQ's rows differ */
+    bh = (int64_t)b * p.heads_q + hk * G + it / per_head;
+    const int k = it % per_head + rot;
+    i = i_start + (k < per_head ? k : k - per_head);
+  }
+  /* This key block's place in the order in which the key blocks that see query block i (j' with
+   * i_start(j') <= i) add to its dQ: ascending j, or descending under causality, where a key
+   * block's first query block (i = i_start) then waits for none. */
+  __device__ unsigned rank(int64_t i) const {
+    return (unsigned)(causal ? min(nkb - 1, (int)i / (kBK8 / kBQ8)) - j : j);
   }
 };
 
@@ -134,22 +158,23 @@ struct Int8BwdSm90 {
     const Int8Args &a = prm.a;
     const fp4attn_attention_params &p = a.p;
     const Int8Workspace &w = a.ws;
-    const BwdWalk walk(p, w, prm.longest_first);
+    const BwdWalk walk(p, w, prm.longest_first, prm.deterministic);
     const BwdBars<C::kStages> bar{smem_u32(sm + C::kOffBar)};
-    const int jr = (int)(walk.j * kBK8), bhk = (int)walk.bhk;
+    const int jr = walk.j * kBK8, bhk = walk.bhk;
 
     mbar_expect_tx(bar.kfull(), C::kKBytes + C::kVBytes + C::kKsBytes);
     tma_load_3d(smem_u32(sm + C::kOffK), &prm.kmap, 0, jr, bhk, bar.kfull());
 #pragma unroll
     for (int cb = 0; cb < DP / 64; ++cb)
-      tma_load_4d(smem_u32(sm + C::kOffV + cb * kBK8 * 128), &prm.vmap, cb * 64, jr, (int)walk.hk,
-                  (int)walk.b, bar.kfull());
+      tma_load_4d(smem_u32(sm + C::kOffV + cb * kBK8 * 128), &prm.vmap, cb * 64, jr, walk.hk,
+                  walk.b, bar.kfull());
 #pragma unroll
     for (int kb = 0; kb < 2; ++kb) /* Ks16^T: keys 64 kb .. of all DP channels */
       tma_load_3d(smem_u32(sm + C::kOffKs + kb * DP * 128), &prm.ksmap, kb * 128,
-                  (int)(walk.j * DP), bhk, bar.kfull());
+                  walk.j * DP, bhk, bar.kfull());
     mbar_arrive(bar.kfull());
 
+#pragma unroll 1 /* unrolled copies spill from the producer warpgroup's 24 registers */
     for (int it = 0; it < walk.iters; ++it) {
       const int s = it % C::kStages;
       if (it >= C::kStages) mbar_wait(bar.empty(s), ((it / C::kStages) - 1) & 1);
@@ -174,23 +199,63 @@ struct Int8BwdSm90 {
     }
   }
 
+  /* Warp 1 + c of the producer warpgroup: consumer c's dQ tile of every step into the FP32
+   * workspace, one TMA reduction per 32-column box (rows past len_q skipped by the map); the tile
+   * comes by kBarDqFull + c and goes back by kBarDqEmpty + c once the reductions have read it.
+   * Deterministic: the reductions wait for dq_sem to count this key block's rank, and count it
+   * once they are complete. */
+  static __device__ void dq_writer(const Int8BwdSm90Params &prm, char *sm, int c) {
+    const fp4attn_attention_params &p = prm.a.p;
+    const Int8Workspace &w = prm.a.ws;
+    const BwdWalk walk(p, w, prm.longest_first, prm.deterministic);
+    const bool leader = (threadIdx.x & 31) == 0;
+    const uint32_t tile = smem_u32(sm + C::kOffDq + c * C::kDqBytes);
+    for (int it = 0; it < walk.iters; ++it) {
+      int64_t bh, i;
+      walk.block(p, it, bh, i);
+      unsigned *sem = prm.deterministic ? w.dq_sem + (bh * w.nqb + i) * 2 + c : nullptr;
+      named_sync(kBarDqFull + c, kDqBarThreads);
+      if (leader) {
+        if (sem) {
+          const unsigned rank = walk.rank(i);
+          while (ld_acquire_gpu(sem) != rank) {
+          }
+          fence_proxy_async_global(); /* the reductions after the earlier blocks' */
+        }
+#pragma unroll
+        for (int b = 0; b < C::kDqCols / 32; ++b)
+          tma_reduce_add_3d(&prm.dqmap, tile + b * kBQ8 * 128, C::kDqCols * c + 32 * b,
+                            (int)(i * kBQ8), (int)bh);
+        bulk_commit();
+        bulk_wait_read<0>();
+      }
+      __syncwarp();
+      if (it + 1 < walk.iters) named_arrive(kBarDqEmpty + c, kDqBarThreads);
+      if (leader && sem) {
+        bulk_wait<0>(); /* the sums are in the workspace */
+        fence_proxy_async_global();
+        red_release_gpu_add(sem, 1u);
+      }
+    }
+    if (leader) bulk_wait<0>(); /* the tile is not freed before the last reduction has read it */
+  }
+
   static __device__ void consumer(const Int8BwdSm90Params &prm, char *sm) {
     const Int8Args &a = prm.a;
     const fp4attn_attention_params &p = a.p;
     const Int8Workspace &w = a.ws;
-    const BwdWalk walk(p, w, prm.longest_first);
+    const BwdWalk walk(p, w, prm.longest_first, prm.deterministic);
     const BwdBars<C::kStages> bar{smem_u32(sm + C::kOffBar)};
     const int ctid = threadIdx.x - 128, cwg = ctid >> 7, wtid = ctid & 127, wwarp = wtid >> 5;
     const int lane = ctid & 31, g = lane >> 2, t = lane & 3;
     const int krow0 = cwg * kWgKeys + wwarp * 16; /* this warp's 16 keys in the block */
-    const int64_t j0 = walk.j * kBK8;
+    const int64_t j0 = (int64_t)walk.j * kBK8;
 
     /* descriptors of the resident tiles: this consumer's 64 keys of K^ and V; dQ's Ks16^T, its
      * DP/2 channels (rows) of each 64-key block */
     const uint64_t k_desc = kmajor_desc<kQkRow>(smem_u32(sm + C::kOffK) + cwg * kWgKeys * DP);
     const uint32_t v_lo = sw128_desc_lo(smem_u32(sm + C::kOffV) + cwg * kWgKeys * 128);
     const uint32_t ks_lo = sw128_desc_lo(smem_u32(sm + C::kOffKs) + cwg * C::kDqCols * 128);
-    const int dq_col0 = C::kDqCols * cwg;
     char *dq_tile = sm + C::kOffDq + cwg * C::kDqBytes;
     /* this thread's words of the dS16^T tile [128 keys][64 rows] (consumer c's keys 64c ..):
      * (key krow0 + g + 8r, rows n*8 + 2t, +1) at byte key*128 + 16 (n ^ g) + 4t (128-byte
@@ -203,7 +268,7 @@ struct Int8BwdSm90 {
 #pragma unroll
       for (int e = 0; e < 4; ++e) dv[n][e] = dk[n][e] = 0.0f;
 
-    const float sk = w.sk[walk.bhk * w.nkb + walk.j];
+    const float sk = w.sk[(int64_t)walk.bhk * w.nkb + walk.j];
     mbar_wait(bar.kfull(), 0);
     for (int it = 0; it < walk.iters; ++it) {
       const int s = it % C::kStages;
@@ -303,9 +368,9 @@ struct Int8BwdSm90 {
       wgmma_commit();
       named_sync(kBarBoth, kConsumerThreads); /* both consumers' dS16^T are in the tile */
 
-      /* dQ_i += dS16 Ks16: DP/2 columns from dq_col0 over the block's 128 keys (k16 step kk: keys
-       * 16 kk .., +2048 bytes in the dS16^T tile; key block kk / 4 of Ks16^T, +32 bytes per step
-       * inside it), then through this consumer's FP32 tile into the workspace by TMA reductions */
+      /* dQ_i += dS16 Ks16: this consumer's DP/2 columns over the block's 128 keys (k16 step kk:
+       * keys 16 kk .., +2048 bytes in the dS16^T tile; key block kk / 4 of Ks16^T, +32 bytes per
+       * step inside it), then into its FP32 tile for its writer */
       {
         const uint64_t ds_mn = mnmajor_sw128_desc(smem_u32(ds_tile), kWgKeys * 128);
         float acc[C::kDqCols / 8][4];
@@ -319,11 +384,10 @@ struct Int8BwdSm90 {
         wgmma_wait<0>();
         fence_regs(acc);
         mbar_arrive(bar.empty(s)); /* the stage's last reads are done */
-        /* into this consumer's dQ tile once the last step's reduction has read it: 32-column
+        /* into this consumer's dQ tile once the last step's reductions have read it: 32-column
          * boxes of [64 rows][128 bytes], 16-byte chunk c of row r at c ^ (r % 8) (the TMA's
          * 128-byte swizzle; row % 8 = g) */
-        if (wtid == 0) bulk_wait_read<0>();
-        named_sync(kBarDq + cwg, 128);
+        if (it > 0) named_sync(kBarDqEmpty + cwg, kDqBarThreads);
 #pragma unroll
         for (int n = 0; n < C::kDqCols / 8; ++n)
 #pragma unroll
@@ -334,15 +398,7 @@ struct Int8BwdSm90 {
                 make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
           }
         fence_proxy_async(); /* the tile, for the TMA */
-        named_sync(kBarDq + cwg, 128);
-        /* one TMA reduction per box into the FP32 workspace (rows past len_q skipped by the map) */
-        if (wtid == 0) {
-#pragma unroll
-          for (int b = 0; b < C::kDqCols / 32; ++b)
-            tma_reduce_add_3d(&prm.dqmap, smem_u32(dq_tile + b * kBQ8 * 128), dq_col0 + 32 * b,
-                              (int)i0, (int)bh);
-          bulk_commit();
-        }
+        named_arrive(kBarDqFull + cwg, kDqBarThreads);
       }
     }
 
@@ -351,7 +407,6 @@ struct Int8BwdSm90 {
     fence_regs(dv);
     fence_regs(dk);
     store_dk_dv_rows(a, walk.bhk, j0 + krow0, 0, dk, dv);
-    if (wtid == 0) bulk_wait<0>(); /* the last reduction has read the tile and written dQ */
   }
 
   static __device__ void run(const Int8BwdSm90Params &prm, char *smem) {
@@ -369,7 +424,10 @@ struct Int8BwdSm90 {
     grid_dependency_wait(); /* the preparation's operands */
     if (threadIdx.x < 128) {
       regs_dealloc<C::kProducerRegs>();
-      if (threadIdx.x == 0) producer(prm, sm);
+      if (threadIdx.x == 0)
+        producer(prm, sm);
+      else if (threadIdx.x >= 32 && threadIdx.x < 96)
+        dq_writer(prm, sm, (threadIdx.x >> 5) - 1);
     } else {
       regs_alloc<C::kConsumerRegs>();
       consumer(prm, sm);
@@ -411,7 +469,8 @@ fp4attn_status launch_int8_backward_sm90(const Int8Args &a, cudaStream_t s) {
    * head dim 64) -6.4 %, 5.8 waves (2K) -7.7 %, 15.5 waves (B 16, 16 heads, 1K, head dim 128)
    * +4.9 %, (B 4, 16 heads, 4K) -1.7 %, 62 waves +0.3 %. */
   const int64_t blocks = p.batch * p.heads_kv * w.nkb;
-  prm.longest_first = p.causal && blocks <= 8 * (int64_t)sm_count();
+  prm.deterministic = a.ws.dq_sem != nullptr;
+  prm.longest_first = p.causal && blocks <= 8 * (int64_t)sm_count() && !prm.deterministic;
   const cuuint64_t bhq = (cuuint64_t)(p.batch * p.heads_q),
                    bhk = (cuuint64_t)(p.batch * p.heads_kv), dp = (cuuint64_t)DP;
   struct Map {

@@ -58,6 +58,9 @@ struct Int8Workspace {
   float *drow;    /* [bhq][nqp]: rowsum(dO * O) - dlse (0 on padding rows) */
   float *lse2;    /* [bhq][nqp]: (lse - qshift) * log2(e), +inf where no key is visible */
   float *dq_acc;  /* [bhq][len_q][dp]: FP32 dQ accumulated by the key blocks */
+  /* Int8Plan::deterministic: [bhq][nqb][2], per query block and half of dQ's columns the key
+   * blocks that have added theirs (zeroed with dq_acc) */
+  unsigned *dq_sem;
   int64_t bytes;
 };
 
@@ -93,6 +96,7 @@ struct Int8Plan {
   fp4attn_kernel kernel; /* SM80 or SM90 */
   bool v_rows;           /* the sm90 forward reads V16 by rows, not as transposed tiles */
   bool v_caller;         /* the sm90 kernels read the caller's V as V16 (int8_v_caller) */
+  bool deterministic;    /* backward: dQ's key blocks added in a fixed order (sm90 only) */
 };
 
 /* Fills the section pointers for `base` (null: sizes only) of a call run as `plan`; backward adds
@@ -138,6 +142,7 @@ static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params
   w.drow = (float *)take(bw * 4 * bhq * w.nqp);
   w.lse2 = (float *)take(bw * 4 * bhq * w.nqp);
   w.dq_acc = (float *)take(bw * 4 * bhq * p->len_q * dp);
+  w.dq_sem = (unsigned *)take(backward && plan.deterministic ? 4 * bhq * w.nqb * 2 : 0);
   w.bytes = off;
   return w;
 }

@@ -587,8 +587,10 @@ fp4attn_status launch_prepare(const Int8Args &a, bool backward, cudaStream_t s) 
   if (2 * bhk * w.nkb > 0x7FFFFFFFLL || bhq * w.nqb > 0x7FFFFFFFLL ||
       bhk * w.nkb + bhq * w.nqa > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many blocks");
-  /* dQ's sums start at 0: cleared before the first kernel, outside the dependent chain */
+  /* dQ's sums (and their order counters) start at 0: cleared before the first kernel, outside
+   * the dependent chain */
   if (backward) cudaMemsetAsync(w.dq_acc, 0, sizeof(float) * bhq * a.p.len_q * w.dp, s);
+  if (w.dq_sem) cudaMemsetAsync(w.dq_sem, 0, sizeof(unsigned) * bhq * w.nqb * 2, s);
   switch (a.p.dtype) { /* the element type fixes the tiles' registers and conversions */
     case FP4ATTN_FLOAT16:
       launch_kernels<DP, FP4ATTN_FLOAT16>(a, backward, s);
