@@ -18,9 +18,12 @@
  *       128 keys, dS16^T of both consumers through shared memory (the MN-major A), Ks16^T the
  *       K-major B; handed to its writer warp as a shared FP32 tile, which that warp adds into
  *       the workspace by TMA reductions (finish_dq applies the softmax scale)
- *   The consumers share the stage ring and the dS16^T tile (double-buffered by step parity: one
- *   named barrier of both per step). Splitting dQ by columns rather than keys halves its
- *   reduction traffic, which with the stage loads bounds the step (docs/performance.md).
+ *   The consumers share the stage ring and the dS16^T tile, double-buffered by step parity: each
+ *   consumer issues step i's dQ product after step i + 1's dK, once the other has marked its half
+ *   written (mbarriers ds_ready, per consumer and buffer), and marks the buffer read (ds_read),
+ *   which the other waits for before writing it again; no barrier holds the two in step.
+ *   Splitting dQ by columns rather than keys halves its reduction traffic, which with the stage
+ *   loads bounds the step (docs/performance.md).
  * dK and dV stay in FP32 wgmma accumulators for the whole walk and are stored once, in the input
  * dtype (dK times the scale).
  * dQ's key blocks add in any order by default. `deterministic` fixes it (BwdWalk::rank): before
@@ -73,8 +76,10 @@ struct BwdSm90Config {
   static constexpr int sQ = 0, sQ16 = sQ + kQBytes, sDo = sQ16 + kQ16Bytes;
   static constexpr int kOffVec = kOffStage + kStages * kTileBytes;
   static constexpr int vLse = 0, vDrow = kBQ8 * 4;
-  static constexpr int kOffBar = kOffVec + kStages * kVecBytes; /* full[S], empty[S], kfull */
-  static constexpr int kBytes = kOffBar + (2 * kStages + 1) * 8;
+  /* mbarriers: full[S], empty[S], kfull, then the consumers' dS16^T hand-offs ready[2][2] and
+   * read[2][2] ([consumer][buffer]) */
+  static constexpr int kOffBar = kOffVec + kStages * kVecBytes;
+  static constexpr int kBytes = kOffBar + (2 * kStages + 1 + 8) * 8;
   static constexpr int kSmem = kBytes + 1023;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -90,12 +95,12 @@ struct Int8BwdSm90Params {
   Int8Args a;
   CUtensorMap kmap, vmap, ksmap, qmap, q16map, domap, dqmap;
   bool longest_first; /* the block order (BwdWalk) */
-  bool deterministic;  /* dQ's key blocks added in BwdWalk::rank's order */
+  bool deterministic; /* dQ's key blocks added in BwdWalk::rank's order */
 };
 
 #if defined(FP4ATTN_SM90_WGMMA)
 
-constexpr int kBarBoth = 1;    /* named barrier 1: both consumers */
+/* named barriers (the consumers' dS16^T hand-offs are mbarriers, BwdBars) */
 constexpr int kBarDqFull = 2;  /* 2, 3: consumer 0's, 1's dQ tile written (consumer -> writer) */
 constexpr int kBarDqEmpty = 4; /* 4, 5: ... and read by its reductions (writer -> consumer) */
 constexpr int kDqBarThreads = 128 + 32; /* a consumer warpgroup and its writer warp */
@@ -106,6 +111,13 @@ struct BwdBars {
   __device__ uint32_t full(int s) const { return base + 8 * s; }
   __device__ uint32_t empty(int s) const { return base + 8 * (kStages + s); }
   __device__ uint32_t kfull() const { return base + 16 * kStages; }
+  /* consumer c's half of dS16^T buffer b is written / both halves of it have been read by c */
+  __device__ uint32_t ds_ready(int c, int b) const {
+    return base + 16 * kStages + 8 * (1 + 2 * c + b);
+  }
+  __device__ uint32_t ds_read(int c, int b) const {
+    return base + 16 * kStages + 8 * (5 + 2 * c + b);
+  }
 };
 
 /* The walk of one key block: its (batch, KV head), the first query block that sees it, and the
@@ -170,8 +182,8 @@ struct Int8BwdSm90 {
                   walk.b, bar.kfull());
 #pragma unroll
     for (int kb = 0; kb < 2; ++kb) /* Ks16^T: keys 64 kb .. of all DP channels */
-      tma_load_3d(smem_u32(sm + C::kOffKs + kb * DP * 128), &prm.ksmap, kb * 128,
-                  walk.j * DP, bhk, bar.kfull());
+      tma_load_3d(smem_u32(sm + C::kOffKs + kb * DP * 128), &prm.ksmap, kb * 128, walk.j * DP, bhk,
+                  bar.kfull());
     mbar_arrive(bar.kfull());
 
 #pragma unroll 1 /* unrolled copies spill from the producer warpgroup's 24 registers */
@@ -269,6 +281,48 @@ struct Int8BwdSm90 {
       for (int e = 0; e < 4; ++e) dv[n][e] = dk[n][e] = 0.0f;
 
     const float sk = w.sk[(int64_t)walk.bhk * w.nkb + walk.j];
+    const int other = 1 - cwg;
+    /* dQ_i += dS16 Ks16 of step tq, one step late (issued after step tq + 1's dK, so that neither
+     * consumer waits for the other's dS16^T of the same step): this consumer's DP/2 columns over
+     * the block's 128 keys (k16 step kk: keys 16 kk .., +2048 bytes in the dS16^T tile; key block
+     * kk / 4 of Ks16^T, +32 bytes per step inside it), once both halves of the buffer are written;
+     * waits for every wgmma of this consumer, marks the buffer read, releases `stage` (>= 0: the
+     * last reads of its step were dV's and dK's), then hands the product to the writer: into
+     * this consumer's tile once the writer's reductions have read the last one, 32-column boxes
+     * of [64 rows][128 bytes], 16-byte chunk c of row r at c ^ (r % 8) (the TMA's 128-byte
+     * swizzle; row % 8 = g) */
+    auto dq_step = [&](int tq, int stage) {
+      const int b = tq & 1;
+      const uint32_t parity = (uint32_t)(tq >> 1) & 1u;
+      mbar_wait(bar.ds_ready(cwg, b), parity);
+      mbar_wait(bar.ds_ready(other, b), parity);
+      const uint64_t ds_mn =
+          mnmajor_sw128_desc(smem_u32(sm + C::kOffDs + b * 2 * C::kDsBytes), kWgKeys * 128);
+      float acc[C::kDqCols / 8][4];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK8 / 16; ++kk)
+        wgmma_ss_k16<C::kDqCols, kBf16, true, false>(
+            acc, ds_mn + kk * (2048 >> 4),
+            sw128_desc(ks_lo + (kk >> 2) * (DP * 128 >> 4) + 2 * (kk & 3)), kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(acc);
+      mbar_arrive(bar.ds_read(cwg, b));
+      if (stage >= 0) mbar_arrive(bar.empty(stage));
+      if (tq > 0) named_sync(kBarDqEmpty + cwg, kDqBarThreads);
+#pragma unroll
+      for (int n = 0; n < C::kDqCols / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = wwarp * 16 + g + 8 * r, chunk = (2 * (n & 3) + (t >> 1)) ^ g;
+          *reinterpret_cast<float2 *>(dq_tile + (n >> 2) * (kBQ8 * 128) + row * 128 + chunk * 16 +
+                                      8 * (t & 1)) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+        }
+      fence_proxy_async(); /* the tile, for the TMA */
+      named_arrive(kBarDqFull + cwg, kDqBarThreads);
+    };
+
     mbar_wait(bar.kfull(), 0);
     for (int it = 0; it < walk.iters; ++it) {
       const int s = it % C::kStages;
@@ -351,8 +405,9 @@ struct Int8BwdSm90 {
           dp[n][e] = pm[n][e] * (dp[n][e] - drow[n * 8 + 2 * t + (e & 1)]);
       uint32_t da[4][4];
       acc_to_a16<kBf16, 4>(dp, da);
-      /* dS16^T into this step's buffer (read before the wgmma takes da): its last readers were
-       * both consumers' dQ products two steps ago, which the barrier of the last step saw end */
+      /* dS16^T into this consumer's half of buffer it & 1 (read before the wgmma takes da), once
+       * the other consumer's dQ product of step it - 2 has read it (this one's has) */
+      if (it >= 2) mbar_wait(bar.ds_read(other, it & 1), (uint32_t)((it - 2) >> 1) & 1u);
       char *ds_tile = sm + C::kOffDs + (it & 1) * 2 * C::kDsBytes;
 #pragma unroll
       for (int n = 0; n < 8; ++n)
@@ -361,46 +416,20 @@ struct Int8BwdSm90 {
           *reinterpret_cast<uint32_t *>(ds_tile + ds_own + r * 8 * 128 + ((n ^ g) << 4)) =
               da[n >> 1][2 * (n & 1) + r];
       fence_proxy_async(); /* the dS16 words, for the dQ wgmma */
+      mbar_arrive(bar.ds_ready(cwg, it & 1));
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
         wgmma_rs_acc_k16<DP, kBf16, true>(dk, da[kk], q16_mn + kk * (16 * 128 >> 4));
       wgmma_commit();
-      named_sync(kBarBoth, kConsumerThreads); /* both consumers' dS16^T are in the tile */
-
-      /* dQ_i += dS16 Ks16: this consumer's DP/2 columns over the block's 128 keys (k16 step kk:
-       * keys 16 kk .., +2048 bytes in the dS16^T tile; key block kk / 4 of Ks16^T, +32 bytes per
-       * step inside it), then into its FP32 tile for its writer */
-      {
-        const uint64_t ds_mn = mnmajor_sw128_desc(smem_u32(ds_tile), kWgKeys * 128);
-        float acc[C::kDqCols / 8][4];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBK8 / 16; ++kk)
-          wgmma_ss_k16<C::kDqCols, kBf16, true, false>(
-              acc, ds_mn + kk * (2048 >> 4),
-              sw128_desc(ks_lo + (kk >> 2) * (DP * 128 >> 4) + 2 * (kk & 3)), kk > 0);
-        wgmma_commit();
+      if (it > 0) {
+        dq_step(it - 1, s);
+      } else {
         wgmma_wait<0>();
-        fence_regs(acc);
-        mbar_arrive(bar.empty(s)); /* the stage's last reads are done */
-        /* into this consumer's dQ tile once the last step's reductions have read it: 32-column
-         * boxes of [64 rows][128 bytes], 16-byte chunk c of row r at c ^ (r % 8) (the TMA's
-         * 128-byte swizzle; row % 8 = g) */
-        if (it > 0) named_sync(kBarDqEmpty + cwg, kDqBarThreads);
-#pragma unroll
-        for (int n = 0; n < C::kDqCols / 8; ++n)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = wwarp * 16 + g + 8 * r, chunk = (2 * (n & 3) + (t >> 1)) ^ g;
-            *reinterpret_cast<float2 *>(dq_tile + (n >> 2) * (kBQ8 * 128) + row * 128 + chunk * 16 +
-                                        8 * (t & 1)) =
-                make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
-          }
-        fence_proxy_async(); /* the tile, for the TMA */
-        named_arrive(kBarDqFull + cwg, kDqBarThreads);
+        mbar_arrive(bar.empty(s)); /* the stage's last reads (dV's and dK's) are done */
       }
     }
+    if (walk.iters > 0) dq_step(walk.iters - 1, -1);
 
     /* dK and dV of this warp's 16 keys, in the input dtype (their last wgmma were waited for with
      * the last dQ product) */
@@ -418,6 +447,11 @@ struct Int8BwdSm90 {
         mbar_init(bar.empty(s), kConsumerThreads);
       }
       mbar_init(bar.kfull(), 1);
+      for (int c = 0; c < 2; ++c)
+        for (int b = 0; b < 2; ++b) {
+          mbar_init(bar.ds_ready(c, b), 128);
+          mbar_init(bar.ds_read(c, b), 128);
+        }
       mbar_init_fence();
     }
     __syncthreads();
