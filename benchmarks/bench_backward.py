@@ -8,8 +8,7 @@ For every (head dim, N, causal, dtype) it times out = attention(q, k, v); out.ba
                 accumulator's memset and finish, the gradients' zero fills), from torch.profiler
                 with the L2 flushed before each step
   int8det       the same step under torch.use_deterministic_algorithms(True) (dQ's key blocks
-                added in a fixed order; int8det_bwd_ms its backward kernel), nan where the
-                backward has no deterministic mode (the mma.sync kernel)
+                added in a fixed order; int8det_bwd_ms its backward kernel)
   flash, cudnn  torch.nn.functional.scaled_dot_product_attention pinned to a backend
 SageAttention (bench_attention.py's peer column) has no backward: sageattn 1.0.6 is a Triton
 forward only, so it has no column here.
@@ -64,8 +63,7 @@ def breakdown(fn, flush, calls: int = 3) -> tuple[float, float, float]:
 
 def deterministic_times(fn, timer, reps) -> tuple[float, float]:
     """(step ms, backward kernel ms) of fn under torch.use_deterministic_algorithms(True), without
-    the mode's NaN fill of new tensors (which the default mode does not pay either); nan where the
-    backward raises for want of a deterministic mode."""
+    the mode's NaN fill of new tensors (which the default mode does not pay either)."""
     import torch.utils.deterministic as det
 
     fill = det.fill_uninitialized_memory
@@ -73,8 +71,6 @@ def deterministic_times(fn, timer, reps) -> tuple[float, float]:
     det.fill_uninitialized_memory = False
     try:
         return timer.time(fn, reps), breakdown(fn, timer.flush)[1]
-    except RuntimeError:
-        return float("nan"), float("nan")
     finally:
         torch.use_deterministic_algorithms(False)
         det.fill_uninitialized_memory = fill

@@ -497,17 +497,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward(
 #ifdef FP4ATTN_WITH_CUDA
   if (on_cuda(c.q)) {
     c10::cuda::CUDAGuard guard(c.q.device());
-    // torch's deterministic mode: the sm90 backward adds dQ's key blocks in a fixed order; the
-    // mma.sync one only in any order, so the mode raises there (or warns with warn_only), as for
-    // torch's own nondeterministic CUDA ops
-    if (at::globalContext().deterministicAlgorithms()) {
-      if (fp4attn_cuda_int8_attention_backward_kernel(&p) == FP4ATTN_KERNEL_SM90)
-        bp.deterministic = 1;
-      else
-        at::globalContext().alertNotDeterministic(
-            "fp4attn::int8_attention_backward on CUDA without the sm90 kernel (dQ summed by FP32 "
-            "atomic reductions)");
-    }
+    // torch's deterministic mode: dQ's key blocks added in a fixed order (else in any order)
+    bp.deterministic = at::globalContext().deterministicAlgorithms() ? 1 : 0;
     at::Tensor ws = cuda_workspace(fp4attn_cuda_int8_attention_backward_workspace_bytes(&bp), c.q);
     check_status(fp4attn_cuda_int8_attention_backward(&bp, ws.data_ptr(),
                                                       at::cuda::getCurrentCUDAStream().stream()));

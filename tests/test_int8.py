@@ -1058,50 +1058,40 @@ def int8_backward(q, k, v, causal, grad_out, kernel="auto"):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_deterministic_mode(device, deterministic_mode):
-    """torch.use_deterministic_algorithms: the CPU backward and the sm90 one (dQ's key blocks
-    added in a fixed order) run and repeat their bits; the mma.sync backward (dQ by FP32
-    reductions in any order) raises, or warns with warn_only, as torch's own nondeterministic CUDA
-    ops do."""
+    """torch.use_deterministic_algorithms: the backward runs (CUDA: dQ's key blocks added in a
+    fixed order) and repeats its bits, through autograd."""
     q, k, v = (torch.randn(1, 2, 70, 64, device=device, requires_grad=True) for _ in range(3))
-    out = fp4attn.sdpa(q, k, v, is_causal=True, precision="int8")  # the forward is
-    if device == "cpu" or SM90:
-        out.sum().backward()
-        grads = [t.grad.clone() for t in (q, k, v)]
-        for t in (q, k, v):
-            t.grad = None
-        fp4attn.sdpa(q, k, v, is_causal=True, precision="int8").sum().backward()
-        assert all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v)))
-    if device == "cpu":
-        return
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out, _ = torch.ops.fp4attn.int8_attention(*leaves, None, True, 0.125, "sm80")  # autograd
-    with pytest.raises(RuntimeError, match="int8_attention_backward on CUDA without the sm90"):
-        out.sum().backward(retain_graph=True)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    with pytest.warns(UserWarning, match="int8_attention_backward on CUDA without the sm90"):
-        out.sum().backward()
-    assert torch.isfinite(leaves[0].grad).all()
+    fp4attn.sdpa(q, k, v, is_causal=True, precision="int8").sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    fp4attn.sdpa(q, k, v, is_causal=True, precision="int8").sum().backward()
+    assert all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v)))
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not SM90, reason="the sm90 backward runs on compute capability 9.0")
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
 @pytest.mark.parametrize("case", [(1, 4, 2, 700, 900, 64, False), (1, 4, 2, 900, 700, 128, True),
-                                  (1, 3, 1, 130, 1500, 96, True), (4, 16, 16, 2048, 2048, 128, False),
+                                  (1, 3, 1, 130, 1500, 96, True), (1, 2, 2, 300, 500, 256, True),
+                                  (4, 16, 16, 2048, 2048, 128, False),
                                   (4, 16, 8, 2048, 2048, 64, True)],
                          ids=lambda c: "-".join(map(str, c)))
-def test_cuda_sm90_backward_deterministic(case, deterministic_mode):
-    """Deterministic mode, sm90 backward: repeated calls give the same bits (dQ's key blocks added
-    in a fixed order, also where a head's key blocks outnumber the resident blocks: the last two
-    cases are several waves), the gradients of the default order up to FP32 summation order (the
-    key blocks' walks over the query blocks start elsewhere there, so dK and dV differ too)."""
+def test_cuda_backward_deterministic(case, kernel, deterministic_mode):
+    """Deterministic mode: repeated calls give the same bits (dQ's key blocks added in a fixed
+    order, also where a head's key blocks outnumber the resident blocks: the last two cases are
+    several waves; head dim 256 splits the columns over two blocks), and the gradients of the
+    default order up to FP32 summation order (the sm90 key blocks' walks over the query blocks
+    start elsewhere there, so its dK and dV differ too)."""
     B, Hq, Hkv, Nq, Nk, D, causal = case
+    skip_unless_kernel_runs(kernel, D)
     q, k, v = make(B, Hq, Hkv, Nq, Nk, D, dtype=torch.bfloat16, device="cuda")
     grad_out = torch.randn_like(q)
-    first = int8_backward(q, k, v, causal, grad_out, "sm90")
+    first = int8_backward(q, k, v, causal, grad_out, kernel)
     for _ in range(3):
-        again = int8_backward(q, k, v, causal, grad_out, "sm90")
+        again = int8_backward(q, k, v, causal, grad_out, kernel)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
     torch.use_deterministic_algorithms(False)
-    free = int8_backward(q, k, v, causal, grad_out, "sm90")
+    free = int8_backward(q, k, v, causal, grad_out, kernel)
     for a, b in zip(first, free):  # BF16 roundings of differently ordered sums
         assert rel_l1(a, b) < 2e-3

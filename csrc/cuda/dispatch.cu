@@ -168,12 +168,6 @@ extern "C" fp4attn_kernel fp4attn_cuda_int8_attention_kernel(const fp4attn_atten
   return check_int8(p, false, &plan).code == FP4ATTN_OK ? plan.kernel : FP4ATTN_KERNEL_AUTO;
 }
 
-extern "C" fp4attn_kernel fp4attn_cuda_int8_attention_backward_kernel(
-    const fp4attn_attention_params *p) {
-  Int8Plan plan;
-  return check_int8(p, true, &plan).code == FP4ATTN_OK ? plan.kernel : FP4ATTN_KERNEL_AUTO;
-}
-
 extern "C" fp4attn_status fp4attn_cuda_int8_attention(const fp4attn_attention_params *p,
                                                       void *workspace, void *stream) {
   Int8Plan plan;
@@ -202,11 +196,6 @@ fp4attn_status check_int8_backward(const fp4attn_int8_backward_params *bp, Int8P
   if (bp->grad_out_stride[0] < 0 || bp->grad_out_stride[1] < 0 || bp->grad_out_stride[2] < 0)
     return fp4attn_error(FP4ATTN_ERR_INVALID_ARGUMENT, "int8 backward: negative strides");
   plan->deterministic = bp->deterministic != 0;
-  if (plan->deterministic && plan->kernel != FP4ATTN_KERNEL_SM90)
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
-                         "int8 backward: deterministic dQ needs the sm90 kernel (compute "
-                         "capability 9.0, head dim <= 128); the mma.sync backward adds dQ by "
-                         "atomics in any order");
   return fp4attn_ok();
 }
 

@@ -319,6 +319,17 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t &r0, uint32_t &r1, uint32_t
 __device__ __forceinline__ void prefetch_l2(const void *gmem) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(gmem));
 }
+/* A counter in global memory that other blocks update: read with acquire, add with release (GPU
+ * scope). */
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned *at) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(at) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(unsigned *at, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(at), "r"(v) : "memory");
+}
+
 /* D = A(16x16, row) * B(16x8, col) + D, FP16 (or, kBf16, BF16) operands, FP32 accumulation. */
 #define FP4ATTN_MMA_16816(T)                                    \
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." T "." T \

@@ -13,7 +13,11 @@
  *   dQ_i += dS16 Ks16_j   (dS16 through shared memory, Ks16 by ldmatrix .trans), FP32 atomics
  *   into the workspace (finish_dq applies the softmax scale)
  * dK and dV sum over the group's query heads in registers and are stored once (dK times the
- * scale), no atomics.
+ * scale), no atomics. Deterministic (Int8Workspace::dq_sem): the key blocks of a head add to
+ * each query block's dQ in one order, as in the sm90 backward (backward_sm90.cu: ascending key
+ * blocks, descending under causality, the grid head-major in that order, so that every wait is
+ * on a block launched earlier): one thread waits until the block's rank is counted, the block's
+ * atomics follow, and once they are performed (a fence per thread) the count goes up by one.
  */
 #ifndef FP4ATTN_CUDA_INT8_BACKWARD_CUH
 #define FP4ATTN_CUDA_INT8_BACKWARD_CUH
@@ -47,7 +51,9 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int64_t j = blockIdx.x % w.nkb, bhk = blockIdx.x / w.nkb;
+  const bool ordered = w.dq_sem != nullptr;
+  const int64_t jx = blockIdx.x % w.nkb, bhk = blockIdx.x / w.nkb;
+  const int64_t j = ordered && p.causal ? w.nkb - 1 - jx : jx;
   const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv, G = p.heads_q / p.heads_kv;
   const int d0 = blockIdx.y * DO, krow0 = warp * 16;
   const int64_t j0 = j * kBK8;
@@ -220,6 +226,15 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
           mma_16816<kBf16>(dq[2 * np + 1], sa, kb[1][0], kb[1][1]);
         }
       }
+      unsigned *sem = ordered ? w.dq_sem + (bh * w.nqb + i) * 2 + blockIdx.y : nullptr;
+      if (sem) { /* the key blocks before this one in the order have added theirs */
+        const unsigned rank =
+            (unsigned)(p.causal ? min(w.nkb - 1, i * kBQ8 / kBK8) - j : j); /* as BwdWalk::rank */
+        if (tid == 0)
+          while (ld_acquire_gpu(sem) != rank) {
+          }
+        __syncthreads();
+      }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int64_t row = i0 + r0 + g + 8 * r;
@@ -227,6 +242,11 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
         float *dst = w.dq_acc + (bh * p.len_q + row) * DP + d0 + c0 + 2 * t;
 #pragma unroll
         for (int n = 0; n < NT; ++n) add_pair(dst + n * 8, dq[n][2 * r], dq[n][2 * r + 1]);
+      }
+      if (sem) {
+        __threadfence(); /* this thread's additions are performed */
+        __syncthreads();
+        if (tid == 0) red_release_gpu_add(sem, 1u);
       }
     }
   }

@@ -503,7 +503,7 @@ fp4attn_status launch_int8_backward_sm90(const Int8Args &a, cudaStream_t s) {
    * head dim 64) -6.4 %, 5.8 waves (2K) -7.7 %, 15.5 waves (B 16, 16 heads, 1K, head dim 128)
    * +4.9 %, (B 4, 16 heads, 4K) -1.7 %, 62 waves +0.3 %. */
   const int64_t blocks = p.batch * p.heads_kv * w.nkb;
-  prm.deterministic = a.ws.dq_sem != nullptr;
+  prm.deterministic = w.dq_sem != nullptr;
   prm.longest_first = p.causal && blocks <= 8 * (int64_t)sm_count() && !prm.deterministic;
   const cuuint64_t bhq = (cuuint64_t)(p.batch * p.heads_q),
                    bhk = (cuuint64_t)(p.batch * p.heads_kv), dp = (cuuint64_t)DP;

@@ -157,8 +157,8 @@ typedef struct {
  * params with `out` and `lse` as the forward returned them; grad_out like out (its own strides),
  * grad_lse optional (NULL or [batch, heads_q, len_q] float32 contiguous); dq, dk, dv contiguous
  * like q, k, v in dtype. `deterministic` (CUDA): dQ's key blocks are added in one fixed order, so
- * that every call gives the same bits (the sm90 backward; the mma.sync backward refuses it with
- * FP4ATTN_ERR_UNSUPPORTED); otherwise in any order. The CPU backend is always deterministic. */
+ * that every call gives the same bits; otherwise in any order (faster). The CPU backend is always
+ * deterministic. */
 typedef struct {
   fp4attn_attention_params fwd;
   const void *grad_out;
@@ -262,9 +262,8 @@ fp4attn_status fp4attn_cuda_attention(const fp4attn_attention_params *p, void *w
  * or FP4ATTN_KERNEL_AUTO where the arguments or the request rule every kernel out. A chosen kernel
  * may still refuse at launch (e.g. too little shared memory for the head dim). */
 fp4attn_kernel fp4attn_cuda_attention_kernel(const fp4attn_attention_params *p);
-/* The same for fp4attn_cuda_int8_attention (p->lse must be set), and for its backward. */
+/* The same for fp4attn_cuda_int8_attention (p->lse must be set). */
 fp4attn_kernel fp4attn_cuda_int8_attention_kernel(const fp4attn_attention_params *p);
-fp4attn_kernel fp4attn_cuda_int8_attention_backward_kernel(const fp4attn_attention_params *p);
 /* 8-bit attention on CUDA (SPEC_INT8), same conventions: a workspace of the size the matching
  * *_workspace_bytes returns for the same params and device (pointers and strides included: the
  * Hopper kernels read a suitably aligned 16-bit V in place, otherwise the workspace holds a copy),
