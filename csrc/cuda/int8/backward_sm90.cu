@@ -248,6 +248,7 @@ struct Int8BwdSm90 {
         fence_proxy_async_global();
         red_release_gpu_add(sem, 1u);
       }
+      __syncwarp(); /* the warp's next bar.sync, converged */
     }
     if (leader) bulk_wait<0>(); /* the tile is not freed before the last reduction has read it */
   }

@@ -96,7 +96,7 @@ struct Int8Plan {
   fp4attn_kernel kernel; /* SM80 or SM90 */
   bool v_rows;           /* the sm90 forward reads V16 by rows, not as transposed tiles */
   bool v_caller;         /* the sm90 kernels read the caller's V as V16 (int8_v_caller) */
-  bool deterministic;    /* backward: dQ's key blocks added in a fixed order (sm90 only) */
+  bool deterministic;    /* backward: dQ's key blocks added in a fixed order */
 };
 
 /* Fills the section pointers for `base` (null: sizes only) of a call run as `plan`; backward adds
