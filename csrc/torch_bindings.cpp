@@ -11,6 +11,7 @@
 
 #ifdef FP4ATTN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -365,11 +366,17 @@ AttentionCall prepare_attention(const at::Tensor &q_in, const at::Tensor &k_in,
   return c;
 }
 
-// The workspace of a CUDA call, as the C API sizes it (256-byte aligned by the allocator).
-[[maybe_unused]] at::Tensor cuda_workspace(int64_t bytes, const at::Tensor &like) {
+#ifdef FP4ATTN_WITH_CUDA
+// The workspace of a CUDA call, as the C API sizes it (256-byte aligned by the allocator), on
+// like's device. Allocated below at::empty, which under torch's deterministic mode fills new
+// tensors (to expose reads of uninitialized memory): the kernels write every part of the
+// workspace they read, so that fill would only cost a pass over its bytes.
+at::Tensor cuda_workspace(int64_t bytes, const at::Tensor &like) {
   CHECK_ARG(bytes >= 0, "fp4attn: could not size the attention workspace");
-  return at::empty({std::max<int64_t>(bytes, 1)}, like.options().dtype(at::kByte));
+  return at::Tensor(
+      at::detail::empty_cuda({std::max<int64_t>(bytes, 1)}, like.options().dtype(at::kByte)));
 }
+#endif
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor &q_in, const at::Tensor &k_in,
                                              const at::Tensor &v_in,
