@@ -1075,12 +1075,15 @@ def test_deterministic_mode(device, deterministic_mode):
 @pytest.mark.parametrize("case", [(1, 4, 2, 700, 900, 64, False), (1, 4, 2, 900, 700, 128, True),
                                   (1, 3, 1, 130, 1500, 96, True), (1, 2, 2, 300, 500, 256, True),
                                   (4, 16, 16, 2048, 2048, 128, False),
-                                  (4, 16, 8, 2048, 2048, 64, True)],
+                                  (4, 16, 8, 2048, 2048, 64, True),
+                                  (1, 1, 1, 20480, 20480, 64, False),
+                                  (1, 1, 1, 20480, 20480, 64, True)],
                          ids=lambda c: "-".join(map(str, c)))
 def test_cuda_backward_deterministic(case, kernel, deterministic_mode):
     """Deterministic mode: repeated calls give the same bits (dQ's key blocks added in a fixed
-    order, also where a head's key blocks outnumber the resident blocks: the last two cases are
-    several waves; head dim 256 splits the columns over two blocks), and the gradients of the
+    order, also over several waves: the 2K cases; and where one head's 160 key blocks outnumber
+    the blocks a GPU holds at once, so that blocks wait for ones launched in an earlier wave: the
+    20K cases; head dim 256 splits the columns over two blocks), and the gradients of the
     default order up to FP32 summation order (the sm90 key blocks' walks over the query blocks
     start elsewhere there, so its dK and dV differ too)."""
     B, Hq, Hkv, Nq, Nk, D, causal = case
