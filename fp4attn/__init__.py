@@ -2,6 +2,8 @@
 
     fp4attn.sdpa(q, k, v, ...)        drop-in for torch.nn.functional.scaled_dot_product_attention:
                                       precision="fp4" (NVFP4, inference) or "int8" (trainable)
+    fp4attn.varlen_attn(q, k, v, cu_seq_q, cu_seq_k, ...)   packed variable-length sequences,
+                                      torch.nn.attention.varlen.varlen_attn's interface
     fp4attn.patch() / unpatch() / patched()   swap it into existing models
     fp4attn.Policy, calibrate         per-layer precision (fp4 / int8 / bf16), and finding one
                                       that keeps a model within an accuracy budget
@@ -18,6 +20,7 @@ from .patch import is_patched, patch, patched, unpatch
 from .policy import Policy
 from .sdpa import FP4AttnFallbackError, sdpa
 from .tensor import NVFP4Tensor, dequantize, fp4mm, quantize, swizzle_scales
+from .varlen import varlen_attn
 
 __version__ = "0.2.0.dev0"
 
@@ -39,4 +42,5 @@ __all__ = [
     "sdpa",
     "swizzle_scales",
     "unpatch",
+    "varlen_attn",
 ]
