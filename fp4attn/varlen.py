@@ -30,14 +30,37 @@ def _short(values: list[int]) -> list:
     return values if len(values) <= 8 else values[:4] + ["..."] + values[-2:]
 
 
-def _offsets(name: str, cu: Tensor, total: int) -> list[int]:
-    """cu's values on the host, checked: from 0 to `total`, non-decreasing."""
+def _offsets(name: str, cu: Tensor, total: int, cover: bool) -> list[int]:
+    """cu's values on the host, checked: non-decreasing from 0, to `total` (cover: every row of
+    the tensor belongs to a sequence) or at most `total`."""
     offsets = _integers(name, cu, "N + 1 sequence starts")
-    if not offsets or offsets[0] != 0 or offsets[-1] != total or \
-            any(b < a for a, b in pairwise(offsets)):
-        raise ValueError(f"{name} must rise from 0 to the {total} rows of its tensor, got "
-                         f"{_short(offsets)}")
+    if not offsets or offsets[0] != 0 or offsets[-1] > total or (cover and offsets[-1] != total) \
+            or any(b < a for a, b in pairwise(offsets)):
+        bound = f"to the {total} rows" if cover else f"to at most the {total} rows"
+        raise ValueError(f"{name} must rise from 0 {bound} of its tensor, got {_short(offsets)}")
     return offsets
+
+
+def _length(name: str, n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{name} must be an int, got {n!r}")
+    return n
+
+
+def _is_causal(window_size, max_q: int, max_k: int) -> bool:
+    """FlashAttention's (left, right) window as full attention (False) or causal (True): a side
+    that is negative or reaches past every key (left >= max_k, right >= max_q with the queries
+    aligned to the last keys) is unbounded. Other windows raise."""
+    window = tuple(window_size)
+    if len(window) == 2 and all(isinstance(w, int) and not isinstance(w, bool) for w in window):
+        left, right = window
+        if left < 0 or left >= max_k:
+            if right < 0 or right >= max_q:
+                return False
+            if right == 0:
+                return True
+    raise ValueError(f"window_size must be full attention (-1, -1) or causal (-1, 0), got "
+                     f"{window_size}: sliding windows are not supported by fp4attn.varlen_attn")
 
 
 def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor,
@@ -49,42 +72,52 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
     """Low-bit attention over packed variable-length sequences, with the arguments of
     torch.nn.attention.varlen.varlen_attn.
 
-    query [Tq, Hq, D], key and value [Tk, Hkv, D] / [Tk, Hkv, Dv]; sequence i is rows
-    cu_seq_q[i]:cu_seq_q[i + 1] of query and cu_seq_k[i]:cu_seq_k[i + 1] of key and value (the
-    starts must cover each tensor: 0 first, its row count last). max_q and max_k bound the
-    sequences' lengths (checked). window_size (-1, -1) is full attention, (-1, 0) causal as
+    query [Tq, Hq, D], key and value [Tk, Hkv, D]; sequence i is rows cu_seq_q[i]:cu_seq_q[i + 1]
+    of query and cu_seq_k[i]:cu_seq_k[i + 1] of key and value (the query's starts must cover it: 0
+    first, its row count last; keys after the last sequence are not used). max_q and max_k bound
+    the sequences' lengths (checked). window_size (-1, -1) is full attention, (-1, 0) causal as
     FlashAttention aligns it: a sequence's last query sees all its keys (top-left and bottom-right
     agree where the lengths are equal; queries before the first key see none and give zeros).
     seqused_k[i] keys of sequence i take part (the first ones). return_aux with .lse true also
-    returns the lse, float32 [Hq, Tq] as torch's varlen op gives it. num_splits is accepted for
+    returns the lse, float32 [Hq, Tq] as torch's varlen op lays it out; a row that sees no key has
+    lse -inf, as in fp4attn.sdpa (FlashAttention writes +inf). num_splits is accepted for
     compatibility: the results never depend on the batch's other sequences (what num_splits=1 asks
-    of torch's kernel). precision and strict are fp4attn.sdpa's; precision="int8" gives query, key
-    and value their gradients. Other windows and paged keys (block_table: see FP4KVCache) raise.
-    Each sequence is one fp4attn.sdpa call on dense views: the host reads the starts, and many
-    short sequences cost a launch sequence each.
+    of torch's kernel). precision and strict are fp4attn.sdpa's (a value head dim other than D
+    falls back as there); precision="int8" gives query, key and value their gradients. Sliding
+    windows and paged keys (block_table: see FP4KVCache) raise. Each sequence is one fp4attn.sdpa
+    call on dense views: the host reads the starts, and many short sequences cost a launch
+    sequence each.
     """
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a [total, heads, head_dim] tensor, got "
-                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
     if block_table is not None:
         raise ValueError("block_table (a paged key / value pool) is not supported by "
                          "fp4attn.varlen_attn: fp4attn's paged cache is fp4attn.FP4KVCache "
                          "(decode / decode_paged)")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a [total, heads, head_dim] tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+    if key.shape[:2] != value.shape[:2]:
+        raise ValueError(f"key and value must have the same rows and heads, got "
+                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+    hq, hkv = query.shape[1], key.shape[1]
+    if (hq != hkv and not enable_gqa) or (enable_gqa and (hkv == 0 or hq % hkv != 0)):
+        raise ValueError(f"query has {hq} heads and key / value {hkv}: equal, or with "
+                         f"enable_gqa=True a multiple")
+    if key.shape[2] != query.shape[2] or not (query.dtype == key.dtype == value.dtype) or \
+            not (query.device == key.device == value.device):
+        raise ValueError(f"query, key and value must share their dtype and device and query and "
+                         f"key their head dim, got {query.dtype} / {key.dtype} / {value.dtype} on "
+                         f"{query.device} / {key.device} / {value.device}, head dims "
+                         f"{query.shape[2]} and {key.shape[2]}")
     if cu_seq_k is None:
         raise ValueError("cu_seq_k is required (torch allows None only with block_table)")
-    window = tuple(window_size)
-    if window not in ((-1, -1), (-1, 0)):
-        raise ValueError(f"window_size must be (-1, -1) (full attention) or (-1, 0) (causal), got "
-                         f"{window_size}: sliding windows are not supported by fp4attn.varlen_attn")
+    max_q, max_k = _length("max_q", max_q), _length("max_k", max_k)
+    causal = _is_causal(window_size, max_q, max_k)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or num_splits < 1):
-        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
-    if key.shape[0] != value.shape[0]:
-        raise ValueError(f"key and value must have the same rows, got {key.shape[0]} and "
-                         f"{value.shape[0]}")
-    q_off = _offsets("cu_seq_q", cu_seq_q, query.shape[0])
-    k_off = _offsets("cu_seq_k", cu_seq_k, key.shape[0])
+                                   or num_splits < 0):
+        raise ValueError(f"num_splits must be None or an int >= 0, got {num_splits!r}")
+    q_off = _offsets("cu_seq_q", cu_seq_q, query.shape[0], cover=True)
+    k_off = _offsets("cu_seq_k", cu_seq_k, key.shape[0], cover=False)
     if len(q_off) != len(k_off):
         raise ValueError(f"cu_seq_q and cu_seq_k must describe the same number of sequences, got "
                          f"{len(q_off) - 1} and {len(k_off) - 1}")
@@ -100,7 +133,6 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
         raise ValueError(f"max_q and max_k must bound the sequences' lengths: the longest are "
                          f"{max(q_len)} queries and {max(k_len)} keys, got max_q={max_q}, "
                          f"max_k={max_k}")
-    causal = window == (-1, 0)
     want_lse = return_aux is not None and bool(getattr(return_aux, "lse", False))
     dtype = _autocast_dtype(query)  # of the outputs, as the calls give it
     heads, dv = query.shape[1], value.shape[-1]

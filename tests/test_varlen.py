@@ -77,16 +77,20 @@ def test_causal_queries_before_the_first_key_and_empty_sequences():
     assert empty.shape == (0, 2, 16)
 
 
-def test_seqused_k_takes_the_first_keys():
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqused_k_takes_the_first_keys(causal):
+    """Sequence i uses its first seqused_k[i] keys, the causal pattern aligned to those."""
     q, cu_q = packed([6, 9], 2, 32, "cpu", 0)
     k, cu_k = packed([10, 12], 2, 32, "cpu", 1)
-    used = torch.tensor([4, 12], dtype=torch.int32)
-    out = fp4attn.varlen_attn(q, k, k, cu_q, cu_k, 9, 12, seqused_k=used, precision="int8")
-    first = fp4attn.sdpa(dense(q, [0, 6], 0), k[None, :4].transpose(1, 2),
-                         k[None, :4].transpose(1, 2), precision="int8")
-    assert torch.equal(out[:6], first[0].transpose(0, 1))
-    full = fp4attn.varlen_attn(q, k, k, cu_q, cu_k, 9, 12, precision="int8")
-    assert torch.equal(out[6:], full[6:])
+    used = torch.tensor([4, 8], dtype=torch.int32)
+    window = (-1, 0) if causal else (-1, -1)
+    out = fp4attn.varlen_attn(q, k, k, cu_q, cu_k, 9, 12, seqused_k=used, window_size=window,
+                              precision="int8")
+    for i, (qa, nq, ka, nk) in enumerate([(0, 6, 0, 4), (6, 9, 10, 8)]):
+        ki = k[None, ka:ka + nk].transpose(1, 2)
+        mask = bottom_right(nq, nk) if causal else None
+        want = fp4attn.sdpa(dense(q, [0, 6, 15], i), ki, ki, mask, precision="int8")
+        assert torch.equal(out[qa:qa + nq], want[0].transpose(0, 1))
 
 
 def test_int8_gradients_are_the_per_sequence_ones():
@@ -111,15 +115,17 @@ def test_int8_gradients_are_the_per_sequence_ones():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"window_size": (8, 0)}, "window_size must be"),
+    ({"window_size": (3, 0)}, "window_size must be"),
+    ({"window_size": (-1, 2)}, "window_size must be"),
     ({"block_table": torch.zeros(2, 1, dtype=torch.int32)}, "block_table"),
     ({"cu_seq_k": None}, "cu_seq_k is required"),
     ({"cu_seq_q": torch.tensor([0, 3, 9])}, "cu_seq_q must rise from 0 to the 10"),
+    ({"cu_seq_k": torch.tensor([0, 7, 13])}, "cu_seq_k must rise from 0 to at most the 12"),
     ({"cu_seq_q": torch.tensor([0.0, 10.0])}, "cu_seq_q must be a 1-D integer tensor"),
     ({"cu_seq_k": torch.tensor([0, 12])}, "same number of sequences"),
     ({"max_q": 5}, "max_q and max_k must bound"),
     ({"seqused_k": torch.tensor([3, 9])}, "seqused_k must give each"),
-    ({"num_splits": 0}, "num_splits must be"),
+    ({"num_splits": -1}, "num_splits must be"),
 ])
 def test_bad_arguments_name_themselves(kwargs, match):
     q, cu_q = packed([4, 6], 2, 16, "cpu", 0)
@@ -130,6 +136,28 @@ def test_bad_arguments_name_themselves(kwargs, match):
                             args.pop("max_q"), args.pop("max_k"), **args)
     with pytest.raises(ValueError, match="query must be a"):
         fp4attn.varlen_attn(q[None], k, k, cu_q, cu_k, 6, 7)
+    with pytest.raises(TypeError, match="max_k must be an int"):
+        fp4attn.varlen_attn(q, k, k, cu_q, cu_k, 6, 7.5)
+    none = torch.zeros(1, dtype=torch.int32)  # checked without any sequence to compute, too
+    with pytest.raises(ValueError, match="query has 2 heads and key / value 3"):
+        fp4attn.varlen_attn(q[:0], k[:0, :1].expand(0, 3, 16), k[:0, :1].expand(0, 3, 16), none,
+                            none, 0, 0)
+    with pytest.raises(ValueError, match="share their dtype"):
+        fp4attn.varlen_attn(q[:0], k[:0].double(), k[:0], none, none, 0, 0)
+
+
+def test_window_and_key_forms_torch_accepts():
+    """Windows whose sides reach past every key are full or causal attention, num_splits=0
+    (torch's "choose") is accepted, and keys after the last sequence are not used."""
+    q, cu_q = packed([4, 6], 2, 16, "cpu", 0)
+    k, cu_k = packed([5, 7], 2, 16, "cpu", 1)
+    causal = fp4attn.varlen_attn(q, k, k, cu_q, cu_k, 6, 7, window_size=(-1, 0))
+    assert torch.equal(causal, fp4attn.varlen_attn(q, k, k, cu_q, cu_k, 6, 7, window_size=[7, 0],
+                                                   num_splits=0))
+    full = fp4attn.varlen_attn(q, k, k, cu_q, cu_k, 6, 7)
+    assert torch.equal(full, fp4attn.varlen_attn(q, k, k, cu_q, cu_k, 6, 7, window_size=(9, 6)))
+    padded = torch.cat([k, torch.full((3, 2, 16), float("nan"))])
+    assert torch.equal(full, fp4attn.varlen_attn(q, padded, padded, cu_q, cu_k, 6, 7))
 
 
 @pytest.mark.gpu
