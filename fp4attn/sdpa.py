@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from itertools import pairwise
 
 import torch
 
@@ -228,7 +229,20 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 def _sequences(t: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
     """The [1, H, n_i, D] views of a jagged [B, H, j, D] tensor's sequences."""
     values = t.values()  # [H, total, D]: the ragged dim is values' dim 1
-    return [values[None, :, a:b] for a, b in zip(offsets, offsets[1:])]
+    return [values[None, :, a:b] for a, b in pairwise(offsets)]
+
+
+def _sequence_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, precision,
+                   return_lse, strict, dtype):
+    """(out, lse or None) of one sequence of a variable-length batch ([1, H, n, E] views): sdpa,
+    or, without keys (or queries), what rows that see none give (0, lse -inf) rather than a
+    fallback. dtype: the outputs' (as the batch's calls give it)."""
+    if k.shape[2] == 0 or q.shape[2] == 0:
+        return (q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype),
+                q.new_full(q.shape[:-1], -math.inf, dtype=torch.float32) if return_lse else None)
+    out = sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, precision=precision,
+               return_lse=return_lse, strict=strict)
+    return out if return_lse else (out, None)
 
 
 def _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, precision,
@@ -268,13 +282,8 @@ def _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     lses = [values.new_empty((values.shape[0], 0), dtype=torch.float32)]
     for q, k, v in zip(_sequences(query, q_offsets), _sequences(key, kv_offsets),
                        _sequences(value, kv_offsets)):
-        if k.shape[2] == 0:  # no key: as rows that see none (0, lse -inf), not a fallback
-            out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype)
-            lse = q.new_full(q.shape[:-1], -math.inf, dtype=torch.float32)
-        else:
-            out = sdpa(q, k, v, None, dropout_p, is_causal, scale, enable_gqa,
-                       precision=precision, return_lse=return_lse, strict=strict)
-            out, lse = out if return_lse else (out, None)
+        out, lse = _sequence_call(q, k, v, None, dropout_p, is_causal, scale, enable_gqa,
+                                  precision, return_lse, strict, dtype)
         outs.append(out[0])
         lses.append(None if lse is None else lse[0])
     out = torch.nested.nested_tensor_from_jagged(torch.cat(outs, dim=1), query.offsets(),

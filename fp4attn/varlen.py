@@ -8,13 +8,12 @@ on the others in the batch.
 
 from __future__ import annotations
 
-import math
 from itertools import pairwise
 
 import torch
 from torch import Tensor
 
-from .sdpa import _autocast_dtype, sdpa
+from .sdpa import _autocast_dtype, _sequence_call
 
 
 def _integers(name: str, t, what: str) -> list[int]:
@@ -142,17 +141,12 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
         q = query[qa:qa + nq].transpose(0, 1)[None]  # [1, Hq, nq, D], a view
         k = key[ka:ka + nk].transpose(0, 1)[None]
         v = value[ka:ka + nk].transpose(0, 1)[None]
-        if nk == 0 or nq == 0:  # no key: as rows that see none (0, lse -inf)
-            out = q.new_zeros((1, heads, nq, dv), dtype=dtype)
-            lse = q.new_full((1, heads, nq), -math.inf, dtype=torch.float32)
-        else:
-            mask, is_causal = None, causal
-            if causal and nq != nk:  # FlashAttention's causal: the queries are the last positions
-                mask = torch.ones(nq, nk, dtype=torch.bool, device=query.device).tril(nk - nq)
-                is_causal = False
-            res = sdpa(q, k, v, mask, 0.0, is_causal, scale, enable_gqa, precision=precision,
-                       return_lse=want_lse, strict=strict)
-            out, lse = res if want_lse else (res, None)
+        mask, is_causal = None, causal
+        if causal and nq != nk and nq and nk:  # FlashAttention's: the queries are the last positions
+            mask = torch.ones(nq, nk, dtype=torch.bool, device=query.device).tril(nk - nq)
+            is_causal = False
+        out, lse = _sequence_call(q, k, v, mask, 0.0, is_causal, scale, enable_gqa, precision,
+                                  want_lse, strict, dtype)
         outs.append(out[0].transpose(0, 1))
         lses.append(None if lse is None else lse[0])
     out = torch.cat(outs, dim=0)  # [Tq, Hq, Dv], contiguous

@@ -14,10 +14,9 @@
  *   into the workspace (finish_dq applies the softmax scale)
  * dK and dV sum over the group's query heads in registers and are stored once (dK times the
  * scale), no atomics. Deterministic (Int8Workspace::dq_sem): the key blocks of a head add to
- * each query block's dQ in one order, as in the sm90 backward (backward_sm90.cu: ascending key
- * blocks, descending under causality, the grid head-major in that order, so that every wait is
- * on a block launched earlier): one thread waits until the block's rank is counted, the block's
- * atomics follow, and once they are performed (a fence per thread) the count goes up by one.
+ * each query block's dQ in dq_rank's order (int8_tiles.cuh): one thread waits until the block's
+ * rank is counted, the block's atomics follow, and once they are performed (a fence per thread)
+ * the count goes up by one.
  */
 #ifndef FP4ATTN_CUDA_INT8_BACKWARD_CUH
 #define FP4ATTN_CUDA_INT8_BACKWARD_CUH
@@ -53,7 +52,7 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const bool ordered = w.dq_sem != nullptr;
   const int64_t jx = blockIdx.x % w.nkb, bhk = blockIdx.x / w.nkb;
-  const int64_t j = ordered && p.causal ? w.nkb - 1 - jx : jx;
+  const int64_t j = ordered ? dq_key_block(p.causal, w.nkb, jx) : jx;
   const int64_t b = bhk / p.heads_kv, hk = bhk % p.heads_kv, G = p.heads_q / p.heads_kv;
   const int d0 = blockIdx.y * DO, krow0 = warp * 16;
   const int64_t j0 = j * kBK8;
@@ -228,8 +227,7 @@ __global__ void __launch_bounds__(256, 1) int8_backward_kernel(const Int8Args a)
       }
       unsigned *sem = ordered ? w.dq_sem + (bh * w.nqb + i) * 2 + blockIdx.y : nullptr;
       if (sem) { /* the key blocks before this one in the order have added theirs */
-        const unsigned rank =
-            (unsigned)(p.causal ? min(w.nkb - 1, i * kBQ8 / kBK8) - j : j); /* as BwdWalk::rank */
+        const unsigned rank = dq_rank(p.causal, w.nkb, i, j);
         if (tid == 0)
           while (ld_acquire_gpu(sem) != rank) {
           }

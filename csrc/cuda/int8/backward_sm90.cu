@@ -137,7 +137,7 @@ struct BwdWalk {
       : nkb((int)w.nkb), causal(p.causal) {
     const int heads = (int)(p.batch * p.heads_kv), nqb = (int)w.nqb;
     j = longest_first ? (int)blockIdx.x / heads : (int)blockIdx.x % nkb;
-    if (ordered && p.causal) j = nkb - 1 - j;
+    if (ordered) j = (int)dq_key_block(p.causal, nkb, j);
     bhk = longest_first ? (int)blockIdx.x % heads : (int)blockIdx.x / nkb;
     b = bhk / (int)p.heads_kv;
     hk = bhk % (int)p.heads_kv;
@@ -153,12 +153,8 @@ struct BwdWalk {
     const int k = it % per_head + rot;
     i = i_start + (k < per_head ? k : k - per_head);
   }
-  /* This key block's place in the order in which the key blocks that see query block i (j' with
-   * i_start(j') <= i) add to its dQ: ascending j, or descending under causality, where a key
-   * block's first query block (i = i_start) then waits for none. */
-  __device__ unsigned rank(int64_t i) const {
-    return (unsigned)(causal ? min(nkb - 1, (int)i / (kBK8 / kBQ8)) - j : j);
-  }
+  /* This key block's place in dQ's deterministic order for query block i */
+  __device__ unsigned rank(int64_t i) const { return dq_rank(causal, nkb, i, j); }
 };
 
 template <int DP, bool kBf16>

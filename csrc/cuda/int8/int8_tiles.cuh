@@ -175,6 +175,19 @@ static inline Int8Rows16 int8_v16_rows(const Int8Args &a) {
 
 /* ------------------------------------------------------------------------ device helpers */
 
+/* The backward's deterministic dQ order (Int8Workspace::dq_sem): the key blocks that see query
+ * block i (j' with i_start(j') = j' kBK8 / kBQ8 <= i under causality) add to its dQ in ascending
+ * order, or descending under causality, where a key block's first query block then waits for
+ * none. The grids launch a head's key blocks in that order (block x of the head is key block
+ * dq_key_block(x)), so that every wait is on a block launched earlier. */
+__device__ __forceinline__ int64_t dq_key_block(bool causal, int64_t nkb, int64_t x) {
+  return causal ? nkb - 1 - x : x;
+}
+/* Key block j's place in that order for query block i. */
+__device__ __forceinline__ unsigned dq_rank(bool causal, int64_t nkb, int64_t i, int64_t j) {
+  return (unsigned)(causal ? min(nkb - 1, i * kBQ8 / kBK8) - j : j);
+}
+
 /* SPEC_INT8 1 for one value: clamp(rne_int(x * r), -127, 127), r = 127 / amax or 0 for a
  * flushed group (a NaN product converts to 0; its scale is NaN then). */
 __device__ __forceinline__ int code_s8(float x, float r) {
