@@ -1,5 +1,7 @@
 """fp4attn.varlen_attn: packed variable-length sequences with torch's varlen_attn interface."""
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -170,9 +172,14 @@ def test_against_torch_varlen_attn():
     k, cu_k = packed([40, 7, 150, 33], 2, 64, "cuda", 1)
     v, _ = packed([40, 7, 150, 33], 2, 64, "cuda", 2)
     q, k, v = (t.half() for t in (q, k, v))
+    # torch's keywords vary by release (2.11 has no enable_gqa, older ones take is_causal)
+    accepts = inspect.signature(varlen.varlen_attn).parameters
+    kt, vt = (k, v) if "enable_gqa" in accepts else (t.repeat_interleave(2, dim=1) for t in (k, v))
     for window in ((-1, -1), (-1, 0)):
-        want, want_lse = varlen.varlen_attn(q, k, v, cu_q, cu_k, 150, 150, window_size=window,
-                                            enable_gqa=True,
+        mode = ({"window_size": window} if "window_size" in accepts
+                else {"is_causal": window == (-1, 0)})
+        gqa = {"enable_gqa": True} if "enable_gqa" in accepts else {}
+        want, want_lse = varlen.varlen_attn(q, kt, vt, cu_q, cu_k, 150, 150, **mode, **gqa,
                                             return_aux=varlen.AuxRequest(lse=True))
         got, lse = fp4attn.varlen_attn(q, k, v, cu_q, cu_k, 150, 150, window_size=window,
                                        enable_gqa=True, return_aux=varlen.AuxRequest(lse=True),
