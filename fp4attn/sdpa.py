@@ -155,6 +155,33 @@ def _check_args(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable to {target}")
 
 
+_FAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FAST_DEVICES = ("cpu", "cuda") if HAS_CUDA_BACKEND else ("cpu",)
+
+
+def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, precision) -> bool:
+    """The common call, decided in a few cheap tests: plain 4-D tensors of one dtype and device
+    that the low-bit path runs, no mask, no dropout. True implies that _check_args passes and
+    that _fallback_reason finds nothing, so a call that is true skips both (they cost ~10 us of
+    Python per call, which short calls feel); anything else goes through them."""
+    if attn_mask is not None or dropout_p != 0.0 or type(is_causal) is not bool or \
+            type(enable_gqa) is not bool or type(query) is not torch.Tensor or \
+            type(key) is not torch.Tensor or type(value) is not torch.Tensor:
+        return False
+    qs, ks = query.shape, key.shape
+    if len(qs) != 4 or ks != value.shape or len(ks) != 4 or qs[0] != ks[0] or qs[3] != ks[3] \
+            or not 0 < qs[3] <= 256 or ks[2] == 0:
+        return False
+    if qs[1] != ks[1] and not (enable_gqa and ks[1] > 0 and qs[1] % ks[1] == 0):
+        return False
+    dtype, device = query.dtype, query.device
+    if dtype not in _FAST_DTYPES or key.dtype != dtype or value.dtype != dtype or \
+            device.type not in _FAST_DEVICES or key.device != device or value.device != device:
+        return False
+    return precision != "fp4" or not (torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad))
+
+
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
          enable_gqa=False, *, precision="fp4", return_lse=False, strict=None):
     """Low-bit scaled dot-product attention with the torch SDPA contract.
@@ -180,12 +207,16 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if isinstance(query, torch.Tensor) and query.device.type in ("cpu", "cuda") and \
             torch.is_autocast_enabled(query.device.type):  # (autocast knows no "meta" device)
         query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
-    _check_args(query, key, value, attn_mask, is_causal, enable_gqa)
-    if precision == "int8" and attn_mask is not None and attn_mask.requires_grad:
-        raise ValueError("attn_mask must not require grad with precision='int8': it gets no gradient")
-    strict = _strict_default() if strict is None else bool(strict)
-    reason = _fallback_reason(query, key, value, attn_mask, dropout_p, precision)
+    if _plain_call(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, precision):
+        reason = None
+    else:
+        _check_args(query, key, value, attn_mask, is_causal, enable_gqa)
+        if precision == "int8" and attn_mask is not None and attn_mask.requires_grad:
+            raise ValueError("attn_mask must not require grad with precision='int8': it gets no "
+                             "gradient")
+        reason = _fallback_reason(query, key, value, attn_mask, dropout_p, precision)
     if reason is not None:
+        strict = _strict_default() if strict is None else bool(strict)
         if strict:
             raise FP4AttnFallbackError(
                 f"fp4attn cannot compute this call in {precision.upper()}: {reason}")
