@@ -574,7 +574,8 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_autograd(
   CHECK_ARG(!(attn_mask.has_value() && attn_mask->defined() && attn_mask->requires_grad()),
             "attn_mask must not require grad with the 8-bit attention: it gets no gradient "
             "(SPEC_INT8 3)");
-  if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+  if (!at::GradMode::is_enabled() ||
+      !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
     // no graph to record: the kernel below autograd, without the Function's node and saved state
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("fp4attn::int8_attention", "")
