@@ -1,10 +1,10 @@
 /*
  * The preparation kernels of the 8-bit attention (docs/SPEC_INT8.md 2.1-2.2, 3): one pass over the
  * inputs that leaves every operand of the attention kernels in the workspace (int8_tiles.cuh).
- * The statistics kernels reduce columns; each quantizing block holds one 128-key or 64-row tile
- * of one operand in registers (RegTile: all its loads in flight at once, 16-byte where the rows
- * allow) and writes its outputs straight from them (by rows, or transposed per block for some
- * 16-bit tiles).
+ * The statistics kernels reduce columns; each quantizing block holds one 128-row tile of one
+ * operand in registers (128 keys, or two 64-row Q^ blocks; dO: 64 rows) (RegTile: all its loads in
+ * flight at once, 16-byte where the rows allow) and writes its outputs straight from them (by
+ * rows, or transposed per block for some 16-bit tiles). K, V and Q share one launch.
  *
  * - kbar: per 128-key block column sums of K, then their ordered sum / Nk (deterministic, so that
  *   the backward recomputes the forward's K^ bit for bit), with the column max and min of K.
@@ -269,7 +269,6 @@ template <int DP, int kRows, fp4attn_dtype kDt>
 struct RegTile {
   static constexpr int kGroups = DP / 8, kPer = 4;
   static constexpr int kThreads = kRows / kPer * kGroups;
-  static constexpr int kWarps = kThreads / 32;
   Vals8<kDt> v[kPer];
   int c, row0;
 
@@ -379,23 +378,93 @@ __device__ float block_amax(float v, float *red) {
   return v;
 }
 
+/* The amax of one value per thread over the thread's half of the block (warps [0, kWarps / 2) or
+ * the others); red: kWarps floats. */
+template <int kWarps>
+__device__ float half_block_amax(float v, float *red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = amax_u(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  const int w0 = (int)(threadIdx.x >> 5) < kWarps / 2 ? 0 : kWarps / 2;
+  v = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps / 2; ++w) v = amax_u(v, red[w0 + w]);
+  __syncthreads();
+  return v;
+}
+
 template <int DP, fp4attn_dtype kDt>
 using KvTile = RegTile<DP, kBK8, kDt>;
 template <int DP, fp4attn_dtype kDt>
 using QTile = RegTile<DP, kBQ8, kDt>;
-
-/* Blocks [0, n): K^ of one 128-key block of one (batch, KV head) (and Ks16, backward); blocks
- * [n, 2n), unless the kernels read the caller's V: V16 of the same block (vt16 or v16). K^'s amax
- * comes from the block's column max and min (kbar_partial): rounding is monotonic, so max |fl(fl(K
- * - kbar) / s)| over a column is that of its max or its min. */
+/* 16-bit inputs: 64 registers, half the SM's threads (the tiles' loads in flight are what keep
+ * DRAM busy); FP32 tiles need more */
 template <int DP, fp4attn_dtype kDt>
-__global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
-    quantize_kv_kernel(const Int8Args a, bool backward) {
+constexpr int kTileBlocksPerSm = kDt == FP4ATTN_FLOAT32 ? 1 : 1024 / KvTile<DP, kDt>::kThreads;
+static_assert(kBK8 == 2 * kBQ8, "a quantizing block holds 128 keys or two 64-row Q^ blocks");
+
+/* One pair of 64-row blocks of one (batch, query head), `blk` of them, in a 128-row tile (the
+ * K tile's shape, so that K, V and Q share one launch): the lse's shift of the unmigrated q, Q^
+ * with a scale per 64-row half (and Q16, dK's operand, backward). The pair's second block may be
+ * past the last one (odd nqb): its threads take part in the reductions and store nothing. */
+template <int DP, fp4attn_dtype kDt>
+__device__ void quantize_q_pair(const Int8Args &a, int64_t blk, bool backward, float *red) {
   using T = KvTile<DP, kDt>;
-  __shared__ float red[T::kWarps];
   const fp4attn_attention_params &p = a.p;
   const Int8Workspace &w = a.ws;
-  const int64_t n = p.batch * p.heads_kv * w.nkb;
+  const int64_t pairs = (w.nqb + 1) / 2, bh = blk / pairs, r0 = blk % pairs * 2 * kBQ8;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / (p.heads_q / p.heads_kv);
+  const int rows = (int)min((int64_t)(2 * kBQ8), p.len_q - r0), D = (int)p.head_dim;
+  T t;
+  t.load(p.q, b * p.q_stride[0] + h * p.q_stride[1] + r0 * p.q_stride[2], p.q_stride[2], rows, D,
+         a.vec_q);
+  grid_dependency_handoff();                      /* kbar and s */
+  const int64_t i = r0 / kBQ8 + (t.row0 >= kBQ8); /* this thread's Q^ block */
+  const bool live = i < w.nqb;
+  {
+    const float *kbar = w.kbar + (b * p.heads_kv + hk) * DP;
+    float kb[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) kb[e] = kbar[t.c + e];
+#pragma unroll
+    for (int r = 0; r < T::kPer; ++r) {
+      const float acc = t.row_sum([&](int e) { return t.v[r][e] * kb[e]; });
+      if (t.c == 0 && live)
+        w.qshift[bh * w.nqp + r0 + t.row0 + r] = t.row0 + r < rows ? p.scale * acc : 0.0f;
+    }
+  }
+  const float *mig = w.mig + (b * p.heads_kv + hk) * DP;
+  float mg[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) mg[e] = mig[t.c + e];
+  /* Q' = Q s (exact: s is a power of two) */
+  const auto qs = [&](int r, int e) { return __fmul_rn(t.v[r][e], mg[e]); };
+  float rq, sq;
+  psi_factors(half_block_amax<T::kThreads / 32>(t.amax(qs), red), rq, sq);
+  if (!live) return;
+  if (threadIdx.x % (T::kThreads / 2) == 0) w.sq[bh * w.nqb + i] = sq;
+  t.store_rows(w.qc + (bh * w.nqp + r0) * DP, rq, qs);
+  if (backward) t.store_rows16(w.q16 + (bh * w.nqp + r0) * DP, a.bf16_ops);
+}
+
+/* Blocks [0, n): K^ of one 128-key block of one (batch, KV head) (and Ks16, backward); blocks
+ * [n, 2n), unless the kernels read the caller's V: V16 of the same block (vt16 or v16); then the
+ * pairs of Q^ blocks (quantize_q_pair). K^'s amax comes from the block's column max and min
+ * (kbar_partial): rounding is monotonic, so max |fl(fl(K - kbar) / s)| over a column is that of
+ * its max or its min. */
+template <int DP, fp4attn_dtype kDt>
+__global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads, kTileBlocksPerSm<DP, kDt>)
+    quantize_kernel(const Int8Args a, bool backward) {
+  using T = KvTile<DP, kDt>;
+  __shared__ float red[T::kThreads / 32];
+  const fp4attn_attention_params &p = a.p;
+  const Int8Workspace &w = a.ws;
+  const int64_t n = p.batch * p.heads_kv * w.nkb, kv_blocks = (w.v_caller ? 1 : 2) * n;
+  if ((int64_t)blockIdx.x >= kv_blocks) {
+    quantize_q_pair<DP, kDt>(a, blockIdx.x - kv_blocks, backward, red);
+    return;
+  }
   const bool is_v = blockIdx.x >= n;
   const int64_t blk = is_v ? blockIdx.x - n : blockIdx.x;
   const int64_t bhk = blk / w.nkb, j = blk % w.nkb;
@@ -414,7 +483,7 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
                            fabsf(__fmul_rn(w.kmin_part[at] - kbar[d], inv[d]))));
     }
     float r, s;
-    psi_factors(block_amax<T::kWarps>(m, red), r, s);
+    psi_factors(block_amax<T::kThreads / 32>(m, red), r, s);
     if (threadIdx.x == 0) w.sk[bhk * w.nkb + j] = s;
     float kb[8], iv[8];
 #pragma unroll
@@ -443,42 +512,6 @@ __global__ void __launch_bounds__(KvTile<DP, kDt>::kThreads)
   /* V16 [DP][128] in natural key order */
   t.store_transposed16(w.vt16 + (bhk * w.nkb + j) * DP * kBK8, a.bf16_ops,
                        [&](int i, int e) { return t.v[i][e]; });
-}
-
-/* One 64-row block of one (batch, query head): the lse's shift of the unmigrated q, Q^ (and Q16,
- * dK's operand, backward). */
-template <int DP, fp4attn_dtype kDt>
-__global__ void __launch_bounds__(QTile<DP, kDt>::kThreads)
-    quantize_q_kernel(const Int8Args a, bool backward) {
-  using T = QTile<DP, kDt>;
-  __shared__ float red[T::kWarps];
-  const fp4attn_attention_params &p = a.p;
-  const Int8Workspace &w = a.ws;
-  const int64_t bh = blockIdx.x / w.nqb, i = blockIdx.x % w.nqb;
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / (p.heads_q / p.heads_kv);
-  const int64_t r0 = i * kBQ8;
-  const int rows = (int)min((int64_t)kBQ8, p.len_q - r0), D = (int)p.head_dim;
-  T t;
-  t.load(p.q, b * p.q_stride[0] + h * p.q_stride[1] + r0 * p.q_stride[2], p.q_stride[2], rows, D,
-         a.vec_q);
-  grid_dependency_handoff(); /* kbar and s */
-  const float *kbar = w.kbar + (b * p.heads_kv + hk) * DP,
-              *mig = w.mig + (b * p.heads_kv + hk) * DP;
-  float kb[8], mg[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) kb[e] = kbar[t.c + e], mg[e] = mig[t.c + e];
-#pragma unroll
-  for (int r = 0; r < T::kPer; ++r) {
-    const float acc = t.row_sum([&](int e) { return t.v[r][e] * kb[e]; });
-    if (t.c == 0) w.qshift[bh * w.nqp + r0 + t.row0 + r] = t.row0 + r < rows ? p.scale * acc : 0.0f;
-  }
-  /* Q' = Q s (exact: s is a power of two) */
-  const auto qs = [&](int r, int e) { return __fmul_rn(t.v[r][e], mg[e]); };
-  float rq, sq;
-  psi_factors(block_amax<T::kWarps>(t.amax(qs), red), rq, sq);
-  if (threadIdx.x == 0) w.sq[bh * w.nqb + i] = sq;
-  t.store_rows(w.qc + (bh * w.nqp + r0) * DP, rq, qs);
-  if (backward) t.store_rows16(w.q16 + (bh * w.nqp + r0) * DP, a.bf16_ops);
 }
 
 /* One 64-row block of one (batch, query head) of dO: Drow and the smoothed lse per row, dO in 16
@@ -560,6 +593,12 @@ __global__ void __launch_bounds__(kThreads) finish_dq_kernel(const Int8Args a) {
 
 namespace {
 
+/* quantize_kernel's grid: K's 128-key blocks, V's unless read in place, the pairs of Q^ blocks */
+int64_t quantize_blocks(const Int8Args &a) {
+  const int64_t bhk = a.p.batch * a.p.heads_kv, bhq = a.p.batch * a.p.heads_q;
+  return (a.ws.v_caller ? 1 : 2) * bhk * a.ws.nkb + bhq * ((a.ws.nqb + 1) / 2);
+}
+
 /* The statistics (kbar, s), then the quantized operands. The first kernel is an ordinary launch
  * (it reads the caller's tensors; the workspace's previous readers have ended); the others are
  * programmatic dependents of the one before, which load their input tiles while it finishes. */
@@ -570,11 +609,8 @@ void launch_kernels(const Int8Args &a, bool backward, cudaStream_t s) {
   stats_partial_kernel<kDt><<<(unsigned)(bhk * w.nkb + bhq * w.nqa), kThreads, 0, s>>>(a);
   launch_dependent(kbar_final_kernel, dim3((unsigned)(bhk * (w.dp / kFinChannels))), dim3(kThreads),
                    0, s, a);
-  launch_dependent(quantize_kv_kernel<DP, kDt>,
-                   dim3((unsigned)((w.v_caller ? 1 : 2) * bhk * w.nkb)),
+  launch_dependent(quantize_kernel<DP, kDt>, dim3((unsigned)quantize_blocks(a)),
                    dim3(KvTile<DP, kDt>::kThreads), 0, s, a, backward);
-  launch_dependent(quantize_q_kernel<DP, kDt>, dim3((unsigned)(bhq * w.nqb)),
-                   dim3(QTile<DP, kDt>::kThreads), 0, s, a, backward);
   if (backward)
     launch_dependent(prepare_do_kernel<DP, kDt>, dim3((unsigned)(bhq * w.nqb)),
                      dim3(QTile<DP, kDt>::kThreads), 0, s, a);
@@ -584,7 +620,7 @@ template <int DP>
 fp4attn_status launch_prepare(const Int8Args &a, bool backward, cudaStream_t s) {
   const Int8Workspace &w = a.ws;
   const int64_t bhk = a.p.batch * a.p.heads_kv, bhq = a.p.batch * a.p.heads_q;
-  if (2 * bhk * w.nkb > 0x7FFFFFFFLL || bhq * w.nqb > 0x7FFFFFFFLL ||
+  if (quantize_blocks(a) > 0x7FFFFFFFLL || bhq * w.nqb > 0x7FFFFFFFLL ||
       bhk * w.nkb + bhq * w.nqa > 0x7FFFFFFFLL)
     return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many blocks");
   /* dQ's sums (and their order counters) start at 0: cleared before the first kernel, outside
