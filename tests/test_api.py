@@ -73,6 +73,49 @@ def test_head_dim_zero_is_torchs_empty_result():
     assert out.shape == (1, 2, 8, 0)
 
 
+def test_plain_call_shortcut_implies_every_check_passes():
+    """sdpa skips _check_args and _fallback_reason for what _plain_call accepts: over calls that
+    vary one thing each, whatever it accepts must pass both, and the common call is accepted."""
+    from fp4attn.sdpa import _check_args, _fallback_reason, _plain_call
+
+    def t(*shape, dtype=torch.float16, device="cpu", grad=False):
+        return torch.zeros(shape, dtype=dtype, device=device, requires_grad=grad)
+
+    q, kv = t(2, 4, 5, 16), t(2, 2, 7, 16)
+    calls = [((q, kv, kv), {})]
+    calls += [((q, t(2, 2, 7, 16, dtype=d), kv), {}) for d in (torch.float32, torch.bfloat16)]
+    calls += [((t(2, 4, 5, 16, dtype=d), t(2, 2, 7, 16, dtype=d), t(2, 2, 7, 16, dtype=d)), {})
+              for d in (torch.float64, torch.int8, torch.bfloat16, torch.float32)]
+    calls += [((t(*qs), t(*ks), t(*vs)), {}) for qs, ks, vs in [
+        ((2, 4, 5, 16), (2, 3, 7, 16), (2, 3, 7, 16)),  # heads not a multiple
+        ((2, 4, 5, 16), (2, 2, 7, 16), (2, 2, 7, 8)),  # value head dim
+        ((2, 4, 5, 16), (2, 2, 7, 16), (2, 2, 6, 16)),  # key / value lengths
+        ((2, 4, 5, 16), (1, 2, 7, 16), (1, 2, 7, 16)),  # batch
+        ((2, 4, 5, 16), (2, 2, 7, 8), (2, 2, 7, 8)),  # key head dim
+        ((2, 4, 5, 0), (2, 2, 7, 0), (2, 2, 7, 0)),  # head dim 0
+        ((2, 4, 5, 264), (2, 2, 7, 264), (2, 2, 7, 264)),  # head dim > 256
+        ((2, 4, 5, 16), (2, 2, 0, 16), (2, 2, 0, 16)),  # no keys
+        ((2, 4, 5, 16), (2, 0, 7, 16), (2, 0, 7, 16)),  # no KV heads
+        ((4, 5, 16), (2, 7, 16), (2, 7, 16)),  # 3-D
+        ((1, 2, 4, 5, 16), (1, 2, 2, 7, 16), (1, 2, 2, 7, 16))]]  # 5-D
+    calls += [((q, kv, t(2, 2, 7, 16, device="meta")), {}), ((t(2, 4, 5, 16, grad=True), kv, kv), {})]
+    calls += [((q, kv, kv), kw) for kw in (
+        {"attn_mask": t(5, 7, dtype=torch.bool)}, {"dropout_p": 0.1}, {"is_causal": 1},
+        {"enable_gqa": 1}, {"enable_gqa": False})]
+    accepted = 0
+    for args, changed in calls:
+        a = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "enable_gqa": True, **changed}
+        for precision in ("fp4", "int8"):
+            if not _plain_call(*args, a["attn_mask"], a["dropout_p"], a["is_causal"],
+                               a["enable_gqa"], precision):
+                continue
+            accepted += 1
+            _check_args(*args, a["attn_mask"], a["is_causal"], a["enable_gqa"])
+            assert _fallback_reason(*args, a["attn_mask"], a["dropout_p"], precision) is None
+    assert _plain_call(q, kv, kv, None, 0.0, True, True, "fp4")
+    assert accepted == 2 + 2 * 2 + 1  # the common call, BF16 and FP32 alike, int8 with grad
+
+
 def test_op_level_errors_from_the_binding():
     q, k, v = qkv(1, 2, 16, 32)
     with pytest.raises(RuntimeError, match="query must be 4-D"):
