@@ -98,7 +98,8 @@ def test_plain_call_shortcut_implies_every_check_passes():
         ((2, 4, 5, 16), (2, 0, 7, 16), (2, 0, 7, 16)),  # no KV heads
         ((4, 5, 16), (2, 7, 16), (2, 7, 16)),  # 3-D
         ((1, 2, 4, 5, 16), (1, 2, 2, 7, 16), (1, 2, 2, 7, 16))]]  # 5-D
-    calls += [((q, kv, t(2, 2, 7, 16, device="meta")), {}), ((t(2, 4, 5, 16, grad=True), kv, kv), {})]
+    calls += [((q, kv, t(2, 2, 7, 16, device="meta")), {}),
+              ((t(2, 4, 5, 16, grad=True), kv, kv), {})]
     calls += [((q, kv, kv), kw) for kw in (
         {"attn_mask": t(5, 7, dtype=torch.bool)}, {"dropout_p": 0.1}, {"is_causal": 1},
         {"enable_gqa": 1}, {"enable_gqa": False})]
