@@ -265,10 +265,9 @@ def _sequences(t: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
 
 def _sequence_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, precision,
                    return_lse, strict, dtype):
-    """(out, lse or None) of one sequence of a variable-length batch ([1, H, n, E] views; or [G,
-    ...]: a group of them of equal lengths): sdpa, or, without keys (or queries), what rows that
-    see none give (0, lse -inf) rather than a fallback. dtype: the outputs' (as the batch's calls
-    give it)."""
+    """(out, lse or None) of one sequence of a variable-length batch ([1, H, n, E] views): sdpa,
+    or, without keys (or queries), what rows that see none give (0, lse -inf) rather than a
+    fallback. dtype: the outputs' (as the batch's calls give it)."""
     if k.shape[2] == 0 or q.shape[2] == 0:
         return (q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype),
                 q.new_full(q.shape[:-1], -math.inf, dtype=torch.float32) if return_lse else None)
@@ -277,40 +276,13 @@ def _sequence_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, 
     return out if return_lse else (out, None)
 
 
-# Sequences of at most this many queries run alone: at decode shapes the FP4 dispatch weighs the
-# batch size (the fused decode kernel), so a group could take another kernel than its members.
-_GROUP_MIN_QUERIES = 17
-
-
-def _sequence_calls(seqs, call):
-    """[call(q, k, v) of each sequence]: (out, lse) per sequence, for seqs [(q, k, v)] of [1, H, n,
-    E] views. Sequences of equal query and key lengths (more than 16 queries) run as one call on
-    their concatenation: every statistic and scale of the kernels is per (batch, head), so each
-    sequence's rows are its own call's, bit for bit, with one launch sequence per group instead of
-    one per sequence (the concatenation copies the group's inputs once)."""
-    results, groups = [None] * len(seqs), {}
-    for i, (q, k, _) in enumerate(seqs):
-        if q.shape[2] >= _GROUP_MIN_QUERIES and k.shape[2] > 0:
-            groups.setdefault((q.shape[2], k.shape[2]), []).append(i)
-        else:
-            results[i] = call(*seqs[i])
-    for members in groups.values():
-        if len(members) == 1:
-            results[members[0]] = call(*seqs[members[0]])
-            continue
-        out, lse = call(*(torch.cat([seqs[i][j] for i in members]) for j in range(3)))
-        for g, i in enumerate(members):
-            results[i] = (out[g:g + 1], None if lse is None else lse[g:g + 1])
-    return results
-
-
 def _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, precision,
                  return_lse, strict):
     """sdpa on nested tensors of torch.jagged layout (variable-length sequences, torch SDPA's
-    form: a jagged [B, j, H, D] tensor transposed to [B, H, j, D]): bit for bit the per-sequence
-    calls (quantization blocks never span two sequences, is_causal is top-left per sequence),
-    sequences of equal lengths batched into one call (_sequence_calls). The output (and lse) is
-    jagged with query's offsets; the offsets are read on the host."""
+    form: a jagged [B, j, H, D] tensor transposed to [B, H, j, D]): each sequence as its own
+    call, so the result is bit for bit the per-sequence calls' (quantization blocks never span two
+    sequences, is_causal is top-left per sequence). The output (and lse) is jagged with query's
+    offsets. One call per sequence, with the offsets read on the host."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or not t.is_nested:
             raise ValueError(f"query, key and value must all be nested tensors or none: {name} "
@@ -339,11 +311,10 @@ def _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     dtype = _autocast_dtype(values)  # of the outputs, as the calls give it
     outs = [values.new_empty((values.shape[0], 0, value.shape[-1]), dtype=dtype)]  # (B = 0)
     lses = [values.new_empty((values.shape[0], 0), dtype=torch.float32)]
-    seqs = list(zip(_sequences(query, q_offsets), _sequences(key, kv_offsets),
-                    _sequences(value, kv_offsets)))
-    for out, lse in _sequence_calls(seqs, lambda q, k, v: _sequence_call(
-            q, k, v, None, dropout_p, is_causal, scale, enable_gqa, precision, return_lse, strict,
-            dtype)):
+    for q, k, v in zip(_sequences(query, q_offsets), _sequences(key, kv_offsets),
+                       _sequences(value, kv_offsets)):
+        out, lse = _sequence_call(q, k, v, None, dropout_p, is_causal, scale, enable_gqa,
+                                  precision, return_lse, strict, dtype)
         outs.append(out[0])
         lses.append(None if lse is None else lse[0])
     out = torch.nested.nested_tensor_from_jagged(torch.cat(outs, dim=1), query.offsets(),

@@ -13,7 +13,7 @@ from itertools import pairwise
 import torch
 from torch import Tensor
 
-from .sdpa import _autocast_dtype, _sequence_call, _sequence_calls
+from .sdpa import _autocast_dtype, _sequence_call
 
 
 def _integers(name: str, t, what: str) -> list[int]:
@@ -83,10 +83,9 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
     compatibility: the results never depend on the batch's other sequences (what num_splits=1 asks
     of torch's kernel). precision and strict are fp4attn.sdpa's (a value head dim other than D
     falls back as there); precision="int8" gives query, key and value their gradients. Sliding
-    windows and paged keys (block_table: see FP4KVCache) raise. Each sequence's result is its own
-    fp4attn.sdpa call's, bit for bit: sequences of equal lengths (more than 16 queries) run as one
-    batched call, the others one call each on dense views (the host reads the starts), so many
-    short sequences of different lengths cost a launch sequence each.
+    windows and paged keys (block_table: see FP4KVCache) raise. Each sequence is one fp4attn.sdpa
+    call on dense views: the host reads the starts, and many short sequences cost a launch
+    sequence each.
     """
     if block_table is not None:
         raise ValueError("block_table (a paged key / value pool) is not supported by "
@@ -138,22 +137,16 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
     heads, dv = query.shape[1], value.shape[-1]
     outs = [query.new_empty((0, heads, dv), dtype=dtype)]  # [n_i, Hq, Dv] each
     lses = [query.new_empty((heads, 0), dtype=torch.float32)]  # [Hq, n_i] each
-    seqs = [(query[qa:qa + nq].transpose(0, 1)[None],  # [1, Hq, nq, D], views
-             key[ka:ka + nk].transpose(0, 1)[None], value[ka:ka + nk].transpose(0, 1)[None])
-            for qa, nq, ka, nk in zip(q_off, q_len, k_off, k_len)]
-    masks = {}  # FlashAttention's causal pattern: the queries are the last positions
-
-    def call(q, k, v):
-        nq, nk = q.shape[2], k.shape[2]
+    for qa, nq, ka, nk in zip(q_off, q_len, k_off, k_len):
+        q = query[qa:qa + nq].transpose(0, 1)[None]  # [1, Hq, nq, D], a view
+        k = key[ka:ka + nk].transpose(0, 1)[None]
+        v = value[ka:ka + nk].transpose(0, 1)[None]
         mask, is_causal = None, causal
-        if causal and nq != nk and nq and nk:
-            if (nq, nk) not in masks:
-                masks[nq, nk] = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
-            mask, is_causal = masks[nq, nk], False
-        return _sequence_call(q, k, v, mask, 0.0, is_causal, scale, enable_gqa, precision,
-                              want_lse, strict, dtype)
-
-    for out, lse in _sequence_calls(seqs, call):
+        if causal and nq != nk and nq and nk:  # FlashAttention's: the queries are the last positions
+            mask = torch.ones(nq, nk, dtype=torch.bool, device=query.device).tril(nk - nq)
+            is_causal = False
+        out, lse = _sequence_call(q, k, v, mask, 0.0, is_causal, scale, enable_gqa, precision,
+                                  want_lse, strict, dtype)
         outs.append(out[0].transpose(0, 1))
         lses.append(None if lse is None else lse[0])
     out = torch.cat(outs, dim=0)  # [Tq, Hq, Dv], contiguous

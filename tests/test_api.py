@@ -462,9 +462,9 @@ def per_sequence(t):
 def test_jagged_inputs_are_per_sequence_calls(device, precision, causal):
     """Variable-length sequences as jagged nested tensors: bit for bit each sequence's own call
     (incl. cross-attention lengths, GQA and one-token sequences); out and lse jagged like q."""
-    _, q = jagged([20, 1, 150, 33, 20, 33], 4, device=device)  # equal lengths: one call
-    _, k = jagged([40, 7, 150, 1, 40, 1], 2, device=device)
-    _, v = jagged([40, 7, 150, 1, 40, 1], 2, device=device)
+    _, q = jagged([20, 1, 150, 33], 4, device=device)
+    _, k = jagged([40, 7, 150, 1], 2, device=device)
+    _, v = jagged([40, 7, 150, 1], 2, device=device)
     out, lse = fp4attn.sdpa(q, k, v, is_causal=causal, enable_gqa=True, precision=precision,
                             return_lse=True)
     assert out.is_nested and out.shape[2] == q.shape[2] and lse.shape[2] == q.shape[2]
@@ -477,8 +477,7 @@ def test_jagged_inputs_are_per_sequence_calls(device, precision, causal):
         assert torch.equal(out.values()[:, at[i]:at[i + 1]], o[0])
         assert torch.equal(lse.values()[:, at[i]:at[i + 1]], l[0])
         exact = F.scaled_dot_product_attention(qi, ki, vi, is_causal=causal, enable_gqa=True)
-        rel_l1 = (o - exact).abs().mean() / exact.abs().mean()  # FP4 on random data: ~0.19
-        assert rel_l1 < (0.25 if precision == "fp4" else 0.03)
+        assert (o - exact).abs().max() < (0.5 if precision == "fp4" else 0.1)
     with fp4attn.patched(precision=precision):  # models calling F.sdpa on jagged tensors
         patched = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
     assert torch.equal(patched.values(), out.values())

@@ -1,6 +1,5 @@
 """fp4attn.varlen_attn: packed variable-length sequences with torch's varlen_attn interface."""
 
-import importlib
 import inspect
 
 import pytest
@@ -42,10 +41,9 @@ def dense(t, cu, i):
 @pytest.mark.parametrize("causal", [False, True])
 def test_sequences_are_their_own_sdpa_calls(device, precision, causal):
     """Bit for bit each sequence's fp4attn.sdpa call (GQA, one-query and equal-length sequences,
-    cross-attention lengths with the causal pattern aligned bottom-right, as FlashAttention's,
-    sequences of the same lengths, which run as one batched call), out [Tq, Hq, D] contiguous, lse
-    [Hq, Tq]; close to exact attention."""
-    q_lens, k_lens = [20, 1, 150, 33, 20, 33, 1], [40, 7, 150, 33, 40, 33, 7]
+    cross-attention lengths with the causal pattern aligned bottom-right, as FlashAttention's),
+    out [Tq, Hq, D] contiguous, lse [Hq, Tq]; close to exact attention."""
+    q_lens, k_lens = [20, 1, 150, 33], [40, 7, 150, 33]
     q, cu_q = packed(q_lens, 4, 32, device, 0)
     k, cu_k = packed(k_lens, 2, 32, device, 1)
     v, _ = packed(k_lens, 2, 32, device, 2)
@@ -63,8 +61,7 @@ def test_sequences_are_their_own_sdpa_calls(device, precision, causal):
         assert torch.equal(lse[:, cq[i]:cq[i + 1]], l[0])
         exact = F.scaled_dot_product_attention(qi, ki, vi, mask, is_causal=causal and nq == nk,
                                                enable_gqa=True)
-        rel_l1 = (o - exact).abs().mean() / exact.abs().mean()  # FP4 on random data: ~0.19
-        assert rel_l1 < (0.25 if precision == "fp4" else 0.03)
+        assert (o - exact).abs().max() < (0.5 if precision == "fp4" else 0.1)
 
 
 def test_causal_queries_before_the_first_key_and_empty_sequences():
@@ -99,46 +96,24 @@ def test_seqused_k_takes_the_first_keys(causal):
 
 
 def test_int8_gradients_are_the_per_sequence_ones():
-    """Also through a group of equal-length sequences (one batched call)."""
-    q, cu_q = packed([30, 70, 30], 2, 32, "cpu", 0, requires_grad=True)
-    k, cu_k = packed([50, 70, 50], 2, 32, "cpu", 1, requires_grad=True)
-    v, _ = packed([50, 70, 50], 2, 32, "cpu", 2, requires_grad=True)
-    g = torch.randn(130, 2, 32)
+    q, cu_q = packed([30, 70], 2, 32, "cpu", 0, requires_grad=True)
+    k, cu_k = packed([50, 70], 2, 32, "cpu", 1, requires_grad=True)
+    v, _ = packed([50, 70], 2, 32, "cpu", 2, requires_grad=True)
+    g = torch.randn(100, 2, 32)
     fp4attn.varlen_attn(q, k, v, cu_q, cu_k, 70, 70, window_size=(-1, 0),
                         precision="int8").backward(g)
     grads = [t.grad for t in (q, k, v)]
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     outs = []
-    for i, (nq, nk) in enumerate([(30, 50), (70, 70), (30, 50)]):
-        qi, ki, vi = (dense(t, c, i) for t, c in zip(leaves, ([0, 30, 100, 130],
-                                                               [0, 50, 120, 170],
-                                                               [0, 50, 120, 170])))
+    for i, (nq, nk) in enumerate([(30, 50), (70, 70)]):
+        qi, ki, vi = (dense(t, c, i) for t, c in zip(leaves, ([0, 30, 100], [0, 50, 120],
+                                                               [0, 50, 120])))
         mask = bottom_right(nq, nk) if nq != nk else None
         outs.append(fp4attn.sdpa(qi, ki, vi, mask, is_causal=nq == nk,
                                  precision="int8")[0].transpose(0, 1))
     torch.cat(outs).backward(g)
     for got, t in zip(grads, leaves):
         assert torch.equal(got, t.grad)
-
-
-def test_equal_lengths_run_as_one_call(monkeypatch):
-    """One sdpa call per group of sequences with equal query and key lengths (more than 16
-    queries), each short or unmatched sequence its own; the results are the per-sequence calls'
-    (test_sequences_are_their_own_sdpa_calls)."""
-    sdpa_module = importlib.import_module("fp4attn.sdpa")
-    shapes = []
-
-    def counting(q, *args, **kwargs):
-        shapes.append(tuple(q.shape[:3]))
-        return real(q, *args, **kwargs)
-
-    real = sdpa_module.sdpa
-    monkeypatch.setattr(sdpa_module, "sdpa", counting)
-    lens = [40, 3, 40, 17, 40, 3, 16, 16]
-    q, cu = packed(lens, 2, 16, "cpu", 0)
-    fp4attn.varlen_attn(q, q, q, cu, cu, 40, 40, window_size=(-1, 0), precision="int8")
-    assert sorted(shapes) == sorted([(3, 2, 40), (1, 2, 3), (1, 2, 3), (1, 2, 17), (1, 2, 16),
-                                     (1, 2, 16)])
 
 
 @pytest.mark.parametrize("kwargs, match", [
