@@ -520,6 +520,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_backward(
   return {dq, dk, dv};
 }
 
+// The forward op dispatched below the autograd key (to the device's kernel or the reference).
+std::tuple<at::Tensor, at::Tensor> int8_attention_below_autograd(
+    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+    const c10::optional<at::Tensor> &attn_mask, bool is_causal, double scale,
+    c10::string_view cuda_kernel) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fp4attn::int8_attention", "")
+                             .typed<decltype(int8_attention)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(q, k, v, attn_mask, is_causal, scale, cuda_kernel);
+}
+
 // Autograd of the 8-bit attention: saves q, k, v, out, lse and the mask; the backward op
 // recomputes the quantized operands (SPEC_INT8 section 3). Both ops go through the dispatcher, so
 // other devices reach fp4attn.int8's reference kernels and tracing sees the ops, not this code.
@@ -531,14 +543,9 @@ class Int8AttentionFunction : public torch::autograd::Function<Int8AttentionFunc
                                                 const c10::optional<at::Tensor> &attn_mask,
                                                 bool is_causal, double scale,
                                                 const std::string &cuda_kernel) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("fp4attn::int8_attention", "")
-                               .typed<decltype(int8_attention)>();
     at::Tensor out, lse;
-    {
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(out, lse) = op.call(q, k, v, attn_mask, is_causal, scale, cuda_kernel);
-    }
+    std::tie(out, lse) =
+        int8_attention_below_autograd(q, k, v, attn_mask, is_causal, scale, cuda_kernel);
     ctx->save_for_backward({q, k, v, out, lse, attn_mask.value_or(at::Tensor())});
     ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["scale"] = scale;
@@ -577,11 +584,7 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_autograd(
   if (!at::GradMode::is_enabled() ||
       !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
     // no graph to record: the kernel below autograd, without the Function's node and saved state
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("fp4attn::int8_attention", "")
-                               .typed<decltype(int8_attention)>();
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return op.call(q, k, v, attn_mask, is_causal, scale, cuda_kernel);
+    return int8_attention_below_autograd(q, k, v, attn_mask, is_causal, scale, cuda_kernel);
   }
   torch::autograd::variable_list res =
       Int8AttentionFunction::apply(q, k, v, attn_mask, is_causal, scale, std::string(cuda_kernel));

@@ -364,32 +364,18 @@ struct RegTile {
   }
 };
 
-/* The block-wide amax of one value per thread; red: kWarps floats. */
-template <int kWarps>
+/* The amax of one value per thread over the thread's group of kGroupWarps consecutive warps (the
+ * whole block by default); red: kWarps floats. */
+template <int kWarps, int kGroupWarps = kWarps>
 __device__ float block_amax(float v, float *red) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = amax_u(v, __shfl_xor_sync(0xffffffffu, v, o));
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
+  const int w0 = (int)(threadIdx.x >> 5) / kGroupWarps * kGroupWarps;
   v = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) v = amax_u(v, red[w]);
-  __syncthreads();
-  return v;
-}
-
-/* The amax of one value per thread over the thread's half of the block (warps [0, kWarps / 2) or
- * the others); red: kWarps floats. */
-template <int kWarps>
-__device__ float half_block_amax(float v, float *red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = amax_u(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  const int w0 = (int)(threadIdx.x >> 5) < kWarps / 2 ? 0 : kWarps / 2;
-  v = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kWarps / 2; ++w) v = amax_u(v, red[w0 + w]);
+  for (int w = 0; w < kGroupWarps; ++w) v = amax_u(v, red[w0 + w]);
   __syncthreads();
   return v;
 }
@@ -441,7 +427,7 @@ __device__ void quantize_q_pair(const Int8Args &a, int64_t blk, bool backward, f
   /* Q' = Q s (exact: s is a power of two) */
   const auto qs = [&](int r, int e) { return __fmul_rn(t.v[r][e], mg[e]); };
   float rq, sq;
-  psi_factors(half_block_amax<T::kThreads / 32>(t.amax(qs), red), rq, sq);
+  psi_factors(block_amax<T::kThreads / 32, T::kThreads / 64>(t.amax(qs), red), rq, sq);
   if (!live) return;
   if (threadIdx.x % (T::kThreads / 2) == 0) w.sq[bh * w.nqb + i] = sq;
   t.store_rows(w.qc + (bh * w.nqp + r0) * DP, rq, qs);
