@@ -3,7 +3,8 @@
 # accesses), racecheck (shared-memory hazards: the stage rings, the dS and dQ tiles handed between
 # warps) and synccheck (barrier misuse: named-barrier arrive / sync counts), on small calls that
 # cover what the kernels branch on: head dims 64 and 128 (256 forward), causal and not, GQA, a
-# padded last block, a ring that wraps, and the backward's deterministic dQ order. Needs a GPU of
+# padded last block, a ring that wraps, the backward's deterministic dQ order, and more forward
+# items than SMs (the persistent blocks' hand-over of Q^ from one item to the next). Needs a GPU of
 # compute capability 9.0 and fp4attn built with sm_90a; fails on any reported error or hazard.
 #   bash scripts/check_cuda_sanitizers.sh [LOG_DIR]
 set -uo pipefail
@@ -22,7 +23,9 @@ for D, Nq, Nk, Hq, Hkv, causal, det in [(64, 300, 700, 4, 2, False, False),
                                         (128, 700, 300, 2, 1, True, False),
                                         (64, 700, 700, 2, 2, True, True),
                                         (128, 300, 700, 4, 2, False, True),
-                                        (256, 300, 300, 2, 2, True, False)]:
+                                        (256, 300, 300, 2, 2, True, False),
+                                        (64, 200, 300, 160, 40, False, False),
+                                        (128, 400, 400, 140, 35, True, False)]:
     g = torch.Generator(device="cuda").manual_seed(D + Nq)
     q = torch.randn(1, Hq, Nq, D, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(1, Hkv, Nk, D, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -2,12 +2,17 @@
  * 8-bit attention forward (docs/SPEC_INT8.md 2) for Hopper (sm_90a) on wgmma: the numbers of the
  * mma.sync kernel (forward.cu), with the matrix work on warpgroup MMA and the loads on TMA.
  *
- * One block = kConsumers SPEC_INT8 Q^ blocks of 64 query rows of one (batch, query head), one
- * warpgroup per block plus the producer (kConsumers = 3 at head dims 64 and 128, so each scheduler
- * has three softmax warps to interleave; 2 at 256, whose output needs 240 registers a thread):
- *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load the item's Q^ rows, then
- *     per 128-key tile j the K^ tile and V16_j into a ring of kStages stages ("full" mbarriers),
- *     refilling a stage once every consumer thread has released it ("empty" mbarriers). V16_j
+ * An item is kConsumers SPEC_INT8 Q^ blocks of 64 query rows of one (batch, query head), one
+ * consumer warpgroup per Q^ block plus the producer (kConsumers = 3 at head dims 64 and 128, so
+ * each scheduler has three softmax warps to interleave; 2 at 256, whose output needs 240 registers
+ * a thread). A block takes one item, or (kPersistent: head dim 128, two waves of items or more)
+ * blocks, one per SM, take items in turn: the first by block index, the next from a counter that
+ * the statistics kernel zeroes.
+ *   warpgroup 0, producer (setmaxnreg down): one thread has the TMA load, per 128-key tile j, the
+ *     K^ tile and V16_j into a ring of kStages stages ("full" mbarriers), refilling a stage once
+ *     every consumer thread has released it ("empty" mbarriers), and the item's Q^ rows (once the
+ *     consumers' last S has read the previous item's: "qempty"), so that the next item's first
+ *     tiles and Q^ load while the consumers finish the last one and store its output. V16_j
  *     as the preparation's transposed tile, or (kVRows, heuristics.h's Int8Plan::v_rows) as its
  *     rows: the caller's V where it is V16 already, else a row-major copy (int8_v16_rows).
  *   warpgroups 1 .. kConsumers, consumers (setmaxnreg up): one Q^ block of 64 rows each
@@ -54,18 +59,24 @@ struct Sm90Config {
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
   static constexpr int kOffV = kOffK + kStages * kKBytes;
-  static constexpr int kOffBar = kOffV + kStages * kVBytes; /* full[S], empty[S], qfull */
-  static constexpr int kBytes = kOffBar + (2 * kStages + 1) * 8;
+  static constexpr int kOffBar = kOffV + kStages * kVBytes; /* full[S], empty[S], qfull, qempty */
+  static constexpr int kOffItem = kOffBar + (2 * kStages + 2) * 8; /* the item Q^ holds (int64) */
+  static constexpr int kBytes = kOffItem + 8;
   /* 1023 bytes to align the dynamic shared memory where they fit in 227 KB; at head dim 256 they
    * do not, and the kernel checks that the base is aligned (after the block's reserved 1 KB) */
   static constexpr int kMaxSmem = 227 * 1024;
   static constexpr int kAlignSlack = kBytes + 1023 <= kMaxSmem ? 1023 : 0;
   static constexpr int kSmem = kBytes + kAlignSlack;
   static_assert(kSmem <= kMaxSmem, "227 KB of shared memory per block");
-  /* setmaxnreg split of the 64K registers: the producer only issues copies */
-  static constexpr int kProducerRegs = 24;
+  /* setmaxnreg split of the registers the launch gives the block (kThreads x kLaunchRegs, which
+   * setmaxnreg only moves between warpgroups): the producer only issues copies (and, persistent,
+   * takes items: 32 registers) */
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 240;
-  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "64K registers");
+  template <bool kPersistent>
+  static constexpr int kProducerRegs = kPersistent ? 32 : 24;
+  static_assert(128 * (kProducerRegs<false> + kConsumers * kConsumerRegs) <= kThreads * kLaunchRegs,
+                "setmaxnreg cannot take more registers than the block was launched with");
 };
 
 /* Kernel parameters: the 8-bit arguments and this call's TMA maps of Q^ {DP, nqp, BHq}, K^ {DP,
@@ -83,17 +94,18 @@ struct Int8Sm90Params {
 constexpr int kBarTurn = 1;
 constexpr int kTurnCount = 256;
 
-/* This block's kRows query rows (item qi of (batch, query head) bh; bhk its KV head): causal
- * calls longest first across all heads, otherwise head-major (neighbouring blocks share K^ and
- * V's tiles in L2), as forward.cu orders its blocks. */
+/* Item x: kRows query rows (item qi of (batch, query head) bh; bhk its KV head). Causal calls
+ * longest first across all heads, otherwise head-major (items taken together share K^ and V's
+ * tiles in L2), as forward.cu orders its blocks. */
 struct Int8Item {
   int64_t b, h, bh, bhk, qi;
 };
-__device__ __forceinline__ Int8Item int8_item(const fp4attn_attention_params &p, int64_t nqi) {
+__device__ __forceinline__ Int8Item int8_item(const fp4attn_attention_params &p, int64_t nqi,
+                                              int64_t x) {
   const int64_t bhq = p.batch * p.heads_q;
   Int8Item it;
-  it.bh = p.causal ? (int64_t)blockIdx.x % bhq : (int64_t)blockIdx.x / nqi;
-  it.qi = p.causal ? nqi - 1 - (int64_t)blockIdx.x / bhq : (int64_t)blockIdx.x % nqi;
+  it.bh = p.causal ? x % bhq : x / nqi;
+  it.qi = p.causal ? nqi - 1 - x / bhq : x % nqi;
   it.b = it.bh / p.heads_q;
   it.h = it.bh % p.heads_q;
   it.bhk = it.b * p.heads_kv + it.h / (p.heads_q / p.heads_kv);
@@ -101,52 +113,99 @@ __device__ __forceinline__ Int8Item int8_item(const fp4attn_attention_params &p,
 }
 
 /* The block's mbarriers (8 bytes each, from Sm90Config::kOffBar): "full" per stage (the
- * producer's arrival and the stage's bytes), "empty" per stage (all 256 consumer threads), Q^ full.
- */
+ * producer's arrival and the stage's bytes), "empty" per stage (every consumer thread), Q^ full
+ * (the producer's arrival, the item number written, and Q^'s bytes), Q^ empty (every consumer
+ * thread, once its item's last S has completed). */
 template <int kStages>
 struct Int8Bars {
   uint32_t base;
   __device__ uint32_t full(int s) const { return base + 8 * s; }
   __device__ uint32_t empty(int s) const { return base + 8 * (kStages + s); }
   __device__ uint32_t qfull() const { return base + 16 * kStages; }
+  __device__ uint32_t qempty() const { return base + 16 * kStages + 8; }
 };
 
-template <int DP, bool kBf16, bool kVRows>
+/* kPersistent: one block per SM taking items in turn, else one block per item */
+template <int DP, bool kBf16, bool kVRows, bool kPersistent>
 struct Int8Sm90 {
   using C = Sm90Config<DP>;
+  static_assert(128 * (C::template kProducerRegs<kPersistent> + C::kConsumers * C::kConsumerRegs) <=
+                    C::kThreads * C::kLaunchRegs,
+                "setmaxnreg cannot take more registers than the block was launched with");
   static constexpr int kSteps = DP / 32;           /* k32 steps of S */
   static constexpr int kSlabSteps = C::kSlab / 32; /* of them per slab */
 
-  static __device__ void producer(const Int8Sm90Params &prm, char *tiles, int64_t nqi) {
+  /* The item number in shared memory (written by the producer before its Q^ arrival), -1 once
+   * there are no more. */
+  static __device__ __forceinline__ volatile int64_t *item_slot(char *tiles) {
+    return reinterpret_cast<volatile int64_t *>(tiles + C::kOffItem);
+  }
+
+  static __device__ void producer(const Int8Sm90Params &prm, char *tiles, int64_t nqi,
+                                  int64_t items) {
     const Int8Args &a = prm.a;
     const fp4attn_attention_params &p = a.p;
     const Int8Workspace &w = a.ws;
-    const Int8Item it = int8_item(p, nqi);
-    const int ntiles = tile_count(p, w, it.qi);
     const Int8Bars<C::kStages> bar{smem_u32(tiles + C::kOffBar)};
-
-    mbar_expect_tx(bar.qfull(), C::kQBytes);
-    for (int x = 0; x < DP; x += C::kSlab)
-      tma_load_3d(smem_u32(tiles + C::kOffQ) + x * C::kRows, &prm.qmap, x, (int)(it.qi * C::kRows),
-                  (int)it.bh, bar.qfull());
-    mbar_arrive(bar.qfull());
-    for (int j = 0; j < ntiles; ++j) {
-      const int s = j % C::kStages;
-      if (j >= C::kStages) mbar_wait(bar.empty(s), ((j / C::kStages) - 1) & 1);
+    /* the item's TMA coordinates (32 bits: the launcher bounds them; the producer has few
+     * registers): (batch, KV head) as one index and as two, its first row, (batch, query head) */
+    int bhk, b, hk, q0, bh;
+    /* the item's tile j into the ring's g-th stage use, once the tile before there is released */
+    const auto load_tile = [&](int j, uint32_t g) {
+      const int s = (int)(g % C::kStages);
+      if (g >= (uint32_t)C::kStages) mbar_wait(bar.empty(s), ((g / C::kStages) - 1) & 1);
       mbar_expect_tx(bar.full(s), C::kKBytes + C::kVBytes);
       for (int x = 0; x < DP; x += C::kSlab)
         tma_load_3d(smem_u32(tiles + C::kOffK + s * C::kKBytes) + x * kBK8, &prm.kmap, x, j * kBK8,
-                    (int)it.bhk, bar.full(s));
+                    bhk, bar.full(s));
       const uint32_t vs = smem_u32(tiles + C::kOffV + s * C::kVBytes);
       if constexpr (kVRows)
         for (int x = 0; x < DP; x += 64) /* V16's columns x ..: [128 keys][64] */
-          tma_load_4d(vs + x * 2 * kBK8, &prm.vmap, x, j * kBK8, (int)(it.bhk - it.b * p.heads_kv),
-                      (int)it.b, bar.full(s));
+          tma_load_4d(vs + x * 2 * kBK8, &prm.vmap, x, j * kBK8, hk, b, bar.full(s));
       else
         for (int cb = 0; cb < 2; ++cb) /* keys cb * 64 ..: [DP][64] */
-          tma_load_3d(vs + cb * DP * 128, &prm.vmap, cb * 128, j * DP, (int)it.bhk, bar.full(s));
+          tma_load_3d(vs + cb * DP * 128, &prm.vmap, cb * 128, j * DP, bhk, bar.full(s));
       mbar_arrive(bar.full(s));
+    };
+
+    /* item x's coordinates; returns its tile count */
+    const auto take = [&](int64_t x) {
+      const Int8Item it = int8_item(p, nqi, x);
+      bhk = (int)it.bhk, b = (int)it.b, hk = (int)(it.bhk - it.b * p.heads_kv);
+      q0 = (int)(it.qi * C::kRows), bh = (int)it.bh;
+      return tile_count(p, w, it.qi);
+    };
+    const auto load_q = [&]() {
+      mbar_expect_tx(bar.qfull(), C::kQBytes);
+      for (int c = 0; c < DP; c += C::kSlab)
+        tma_load_3d(smem_u32(tiles + C::kOffQ) + c * C::kRows, &prm.qmap, c, q0, bh, bar.qfull());
+      mbar_arrive(bar.qfull());
+    };
+
+    if constexpr (!kPersistent) { /* the block's item: Q^ first, which the first S needs */
+      const int ntiles = take(blockIdx.x);
+      load_q();
+      for (int j = 0; j < ntiles; ++j) load_tile(j, j);
+      return;
     }
+    uint32_t g = 0; /* tiles loaded by this block */
+    int n = 0;      /* items taken by this block */
+    for (int64_t x = blockIdx.x; x < items; ++n) {
+      const int ntiles = take(x);
+      /* the item's first tiles into stages the last item has released, then Q^ once the
+       * consumers' last S has read the previous one */
+      const int ahead = min(ntiles, C::kStages - 1);
+      for (int j = 0; j < ahead; ++j) load_tile(j, g + j);
+      if (n > 0) mbar_wait(bar.qempty(), (n - 1) & 1);
+      *item_slot(tiles) = x;
+      load_q();
+      for (int j = ahead; j < ntiles; ++j) load_tile(j, g + j);
+      g += ntiles;
+      x = (int64_t)gridDim.x + atomicAdd(w.next_item, 1u);
+    }
+    if (n > 0) mbar_wait(bar.qempty(), (n - 1) & 1);
+    *item_slot(tiles) = -1;
+    mbar_arrive(bar.qfull());
   }
 
   /* Key tiles of item qi: all of them, or with causal masking those up to its last row's key. */
@@ -157,12 +216,36 @@ struct Int8Sm90 {
     return (int)n;
   }
 
+  /* The consumers: the block's item, or (kPersistent) items until the producer's -1. The ring of
+   * turns runs on across items (every consumer issues the same S steps); consumer 0 takes the
+   * last hand-over at the end. */
   static __device__ void consumer(const Int8Sm90Params &prm, char *tiles, int64_t nqi) {
+    if constexpr (kPersistent) {
+      const int cwg = (threadIdx.x - 128) >> 7;
+      const Int8Bars<C::kStages> bar{smem_u32(tiles + C::kOffBar)};
+      if (cwg == C::kConsumers - 1) named_arrive(kBarTurn, kTurnCount); /* consumer 0 first */
+      uint32_t g = 0; /* tiles consumed by this block */
+      for (int n = 0;; ++n) {
+        mbar_wait(bar.qfull(), n & 1);
+        const int64_t x = *item_slot(tiles);
+        if (x < 0) break;
+        g = consume_item(prm, tiles, int8_item(prm.a.p, nqi, x), g);
+      }
+      if (cwg == 0) named_sync(kBarTurn, kTurnCount);
+    } else {
+      consume_item(prm, tiles, int8_item(prm.a.p, nqi, blockIdx.x), 0);
+    }
+  }
+
+  /* One item, its tiles from the ring's g-th stage use on; returns the use after its last.
+   * Persistent, its Q^ has landed and the turns run on; else the block's only item: it starts
+   * the ring of turns, waits for Q^ once its state is set up, and takes the last hand-over. */
+  static __device__ __forceinline__ uint32_t consume_item(const Int8Sm90Params &prm, char *tiles,
+                                                          const Int8Item &it, uint32_t g) {
     const Int8Args &a = prm.a;
     const fp4attn_attention_params &p = a.p;
     const Int8Workspace &w = a.ws;
     const int ctid = threadIdx.x - 128, cwg = ctid >> 7, wwarp = (ctid >> 5) & 3;
-    const Int8Item it = int8_item(p, nqi);
     const int64_t qb = C::kConsumers * it.qi + cwg; /* its Q^ block (past nqb: padding rows) */
     const int ntiles = tile_count(p, w, it.qi);
     const WarpRows rows{it.b, it.h, qb * kBQ8 + wwarp * 16};
@@ -181,7 +264,8 @@ struct Int8Sm90 {
     };
     const auto turn_begin = [&]() { named_sync(kBarTurn + cwg, kTurnCount); };
     const auto turn_end = [&]() { named_arrive(kBarTurn + (cwg + 1) % C::kConsumers, kTurnCount); };
-    if (cwg == C::kConsumers - 1) turn_end(); /* consumer 0 issues first */
+    if constexpr (!kPersistent)
+      if (cwg == C::kConsumers - 1) turn_end(); /* consumer 0 issues first */
 
     const float sq = qb < w.nqb ? w.sq[it.bh * w.nqb + qb] : 0.0f;
     float o[DP / 8][4];
@@ -235,8 +319,9 @@ struct Int8Sm90 {
     /* Tile j's row maxima and online-softmax factors. A tile without masks and with f >= 0 takes
      * its row maxima on the integers (f x is increasing in x, and FP32 rounding keeps that
      * order) and leaves acc as it is; a masked tile gets its scores scaled and masked in acc. */
-    const auto tile_stats = [&](int j) {
-      f = ((sq * w.sk[it.bhk * w.nkb + j]) * p.scale) * kLog2e;
+    const auto tile_stats = [&](int j, float sk_pre) {
+      const float sk = kPersistent ? sk_pre : w.sk[it.bhk * w.nkb + j];
+      f = ((sq * sk) * p.scale) * kLog2e;
       const int64_t j0 = (int64_t)j * kBK8;
       scores_in_acc = tile_has_masks(p, j0, rows.row0) || !(f >= 0.0f);
       float tr2[2];
@@ -306,37 +391,51 @@ struct Int8Sm90 {
       for (int r = 0; r < 2; ++r) l[r] = alpha[r] * l[r] + rowsum[r];
     };
 
-    /* S_j (issued in this consumer's turn), its softmax and P16 */
-    const auto scores_and_p = [&](int j) {
-      mbar_wait(bar.full(j % C::kStages), (j / C::kStages) & 1);
+    /* S_j (issued in this consumer's turn) from stage s, its softmax and P16; (kPersistent) Q^
+     * released after the item's last S, and sK_j loaded before the waits, off the chain from S
+     * to its softmax (the one-item kernels read it in tile_stats: their measured schedule) */
+    const auto scores_and_p = [&](int j, int s, uint32_t parity) {
+      float sk = 0.0f;
+      if constexpr (kPersistent) sk = w.sk[it.bhk * w.nkb + j];
+      mbar_wait(bar.full(s), parity);
       turn_begin();
       wgmma_fence();
-      issue_scores(j % C::kStages);
+      issue_scores(s);
       wgmma_commit();
       turn_end();
       wgmma_wait<0>();
       fence_regs(acc);
-      tile_stats(j);
+      if constexpr (kPersistent)
+        if (j == ntiles - 1) mbar_arrive(bar.qempty());
+      tile_stats(j, sk);
       make_p();
     };
 
-    mbar_wait(bar.qfull(), 0);
+    if constexpr (!kPersistent) mbar_wait(bar.qfull(), 0);
     /* per tile: S, its softmax, then P.V; the other consumers' wgmma run while this one
      * computes */
     for (int j = 0; j < ntiles; ++j) {
-      const int s = j % C::kStages;
-      scores_and_p(j);
+      const uint32_t u = g + j;
+      const int s = (int)(u % C::kStages);
+      scores_and_p(j, s, (u / C::kStages) & 1);
       issue_pv(s);
       wgmma_wait<0>();
       fence_regs(o);
       release(s);
     }
-    if (cwg == 0) turn_begin(); /* the last consumer's last hand-over */
+    if constexpr (!kPersistent)
+      if (cwg == 0) turn_begin(); /* the last consumer's last hand-over */
     store_forward_rows<DP>(p, w, rows, it.bh, o, m, l);
+    return g + ntiles;
+  }
+
+  /* Items per (batch, query head). */
+  static __device__ __forceinline__ int64_t item_count_per_head(const fp4attn_attention_params &p) {
+    return (p.len_q + C::kRows - 1) / C::kRows;
   }
 
   static __device__ void run(const Int8Sm90Params &prm, char *smem) {
-    const int64_t nqi = (prm.a.p.len_q + C::kRows - 1) / C::kRows;
+    const int64_t nqi = item_count_per_head(prm.a.p);
     if (C::kAlignSlack == 0 && (smem_u32(smem) & 1023u) != 0) __trap(); /* see Sm90Config */
     char *tiles = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
     if (threadIdx.x == 0) {
@@ -346,13 +445,14 @@ struct Int8Sm90 {
         mbar_init(bar.empty(s), C::kConsumerThreads);
       }
       mbar_init(bar.qfull(), 1);
+      if constexpr (kPersistent) mbar_init(bar.qempty(), C::kConsumerThreads);
       mbar_init_fence();
     }
     __syncthreads();
     grid_dependency_wait(); /* the preparation's operands */
     if (threadIdx.x < 128) {
-      regs_dealloc<C::kProducerRegs>();
-      if (threadIdx.x == 0) producer(prm, tiles, nqi);
+      regs_dealloc<C::template kProducerRegs<kPersistent>>();
+      if (threadIdx.x == 0) producer(prm, tiles, nqi, prm.a.p.batch * prm.a.p.heads_q * nqi);
     } else {
       regs_alloc<C::kConsumerRegs>();
       consumer(prm, tiles, nqi);
@@ -362,19 +462,22 @@ struct Int8Sm90 {
 
 #endif /* FP4ATTN_SM90_WGMMA */
 
-template <int DP, bool kBf16, bool kVRows>
+template <int DP, bool kBf16, bool kVRows, bool kPersistent>
 __global__ void __launch_bounds__(Sm90Config<DP>::kThreads, 1)
     int8_forward_sm90_kernel(const __grid_constant__ Int8Sm90Params prm) {
 #if defined(FP4ATTN_SM90_WGMMA)
   extern __shared__ __align__(16) char smem[];
-  Int8Sm90<DP, kBf16, kVRows>::run(prm, smem);
+  Int8Sm90<DP, kBf16, kVRows, kPersistent>::run(prm, smem);
 #else
   __trap(); /* never launched: the dispatch picks this kernel only for sm_90a builds on CC 9.0 */
 #endif
 }
 
-/* The kernel for the call's 16-bit type (SPEC_INT8 2.2: V16 is BF16 unless the inputs are FP16)
- * and V16 layout. */
+template <int DP, bool kBf16, bool kVRows, bool kPersistent>
+fp4attn_status launch_kernel(const Int8Sm90Params &prm, int64_t blocks, cudaStream_t s);
+
+/* The kernel for the call's 16-bit type (SPEC_INT8 2.2: V16 is BF16 unless the inputs are FP16),
+ * V16 layout and item count. */
 template <int DP, bool kBf16, bool kVRows>
 fp4attn_status launch_typed(const Int8Args &a, cudaStream_t s) {
   static_assert(DP == 64 || DP == 128 || DP == 256,
@@ -404,11 +507,28 @@ fp4attn_status launch_typed(const Int8Args &a, cudaStream_t s) {
   }
   if (st.code != FP4ATTN_OK) return st;
 
+  const int64_t items = p.batch * p.heads_q * ceil_div(p.len_q, (int64_t)C::kRows);
+  if (items > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many query blocks");
+  if (w.nkb * DP > 0x7FFFFFFFLL || w.nqp > 0x7FFFFFFFLL || w.nkp > 0x7FFFFFFFLL)
+    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
+                         "int8 attention (sm90 kernel): sequences too long for TMA coordinates");
+  /* Persistent blocks from two waves of items on, at head dim 128: measured faster there and
+   * nowhere else (docs/performance.md, section 4) */
+  if constexpr (DP == 128)
+    if (items >= 2 * (int64_t)sm_count())
+      return launch_kernel<DP, kBf16, kVRows, true>(prm, sm_count(), s);
+  return launch_kernel<DP, kBf16, kVRows, false>(prm, items, s);
+}
+
+template <int DP, bool kBf16, bool kVRows, bool kPersistent>
+fp4attn_status launch_kernel(const Int8Sm90Params &prm, int64_t blocks, cudaStream_t s) {
+  using C = Sm90Config<DP>;
   static int configured[64] = {0};
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 0 || dev >= 64 || !configured[dev]) {
-    if (cudaFuncSetAttribute(int8_forward_sm90_kernel<DP, kBf16, kVRows>,
+    if (cudaFuncSetAttribute(int8_forward_sm90_kernel<DP, kBf16, kVRows, kPersistent>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem) != cudaSuccess)
       return launch_status("int8 attention forward (sm90 kernel)");
     /* without alignment slack the tiles start at the dynamic shared memory's base, which is
@@ -416,7 +536,8 @@ fp4attn_status launch_typed(const Int8Args &a, cudaStream_t s) {
      */
     cudaFuncAttributes attr{};
     if (C::kAlignSlack == 0 &&
-        (cudaFuncGetAttributes(&attr, int8_forward_sm90_kernel<DP, kBf16, kVRows>) != cudaSuccess ||
+        (cudaFuncGetAttributes(&attr, int8_forward_sm90_kernel<DP, kBf16, kVRows, kPersistent>) !=
+             cudaSuccess ||
          attr.sharedSizeBytes != 0))
       return fp4attn_error(
           FP4ATTN_ERR_UNSUPPORTED,
@@ -425,13 +546,7 @@ fp4attn_status launch_typed(const Int8Args &a, cudaStream_t s) {
           DP);
     if (dev >= 0 && dev < 64) configured[dev] = 1;
   }
-  const int64_t blocks = p.batch * p.heads_q * ceil_div(p.len_q, (int64_t)C::kRows);
-  if (blocks > 0x7FFFFFFFLL)
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED, "int8 attention: too many query blocks");
-  if (w.nkb * DP > 0x7FFFFFFFLL || w.nqp > 0x7FFFFFFFLL || w.nkp > 0x7FFFFFFFLL)
-    return fp4attn_error(FP4ATTN_ERR_UNSUPPORTED,
-                         "int8 attention (sm90 kernel): sequences too long for TMA coordinates");
-  launch_dependent(int8_forward_sm90_kernel<DP, kBf16, kVRows>, dim3((unsigned)blocks),
+  launch_dependent(int8_forward_sm90_kernel<DP, kBf16, kVRows, kPersistent>, dim3((unsigned)blocks),
                    dim3(C::kThreads), C::kSmem, s, prm);
   return launch_status("int8 attention forward (sm90 kernel)");
 }

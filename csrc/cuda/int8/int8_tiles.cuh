@@ -48,6 +48,8 @@ struct Int8Workspace {
   int8_t *qc;     /* [bhq][nqp][dp]: Q^ = psi(Q s) per 64 rows */
   float *sq;      /* [bhq][nqb] */
   float *qshift;  /* [bhq][nqp]: scale * (q . kbar), the lse's smoothing term */
+  /* the sm90 forward's next item past its first wave (zeroed by the statistics kernel) */
+  unsigned *next_item;
   /* backward only */
   /* K - kbar in 16 bits (dQ's operand): [bhk][nkp][dp] for the mma.sync backward; ks16_t (the
    * sm90 backward, whose dQ reads it as a K-major B) [bhk][nkb][dp][128], transposed per block */
@@ -134,6 +136,7 @@ static inline Int8Workspace int8_workspace_layout(const fp4attn_attention_params
   w.qc = (int8_t *)take(bhq * w.nqp * dp);
   w.sq = (float *)take(4 * bhq * w.nqb);
   w.qshift = (float *)take(4 * bhq * w.nqp);
+  w.next_item = (unsigned *)take(!backward && plan.kernel == FP4ATTN_KERNEL_SM90 ? 4 : 0);
   const int64_t bw = backward ? 1 : 0;
   w.ks16_t = backward && plan.kernel == FP4ATTN_KERNEL_SM90;
   w.ks16 = (uint16_t *)take(bw * 2 * bhk * w.nkp * dp);

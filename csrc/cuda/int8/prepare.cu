@@ -197,6 +197,7 @@ template <fp4attn_dtype kDt>
 __global__ void __launch_bounds__(kThreads) stats_partial_kernel(const Int8Args a) {
   __shared__ float part[kThreads * 8], pmax[kThreads * 8], pmin[kThreads * 8];
   grid_dependents_launch(); /* kbar_final may start; it waits for this grid to finish */
+  if (blockIdx.x == 0 && threadIdx.x == 0 && a.ws.next_item) *a.ws.next_item = 0u;
   const int64_t k_blocks = a.p.batch * a.p.heads_kv * a.ws.nkb;
   if ((int64_t)blockIdx.x < k_blocks)
     kbar_partial<kDt>(a, blockIdx.x, part, pmax, pmin);
