@@ -62,8 +62,8 @@ struct Sm90Config {
   static constexpr int kOffBar = kOffV + kStages * kVBytes; /* full[S], empty[S], qfull, qempty */
   static constexpr int kOffItem = kOffBar + (2 * kStages + 2) * 8; /* the item Q^ holds (int64) */
   static constexpr int kBytes = kOffItem + 8;
-  /* 1023 bytes to align the dynamic shared memory where they fit in 227 KB; at head dim 256 they
-   * do not, and the kernel checks that the base is aligned (after the block's reserved 1 KB) */
+  /* 1023 bytes to align the dynamic shared memory where they fit in 227 KB (at every head dim
+   * now: 229,432 bytes at 256); otherwise the kernel checks that the base is aligned */
   static constexpr int kMaxSmem = 227 * 1024;
   static constexpr int kAlignSlack = kBytes + 1023 <= kMaxSmem ? 1023 : 0;
   static constexpr int kSmem = kBytes + kAlignSlack;
