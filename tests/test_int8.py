@@ -748,9 +748,10 @@ def skip_unless_kernel_runs(kernel: str, head_dim: int = 64, backward: bool = Tr
 # 256 (the sm90 forward's P.V in halves and 2-stage ring there: Nk > 256 wraps it). The sm90
 # forward reads V16 by rows at head dim 256 and where the caller's V is V16 already up to 4,096
 # keys (2,048 at head dim 64, twice that causal), else the preparation's tiles (heuristics.h,
-# Int8Plan): FP32 inputs and the last two cases take the tiles. The last three have more items
-# (192 query rows, 128 at head dim 256) than an H100 or H200 has SMs: at head dim 128 the sm90
-# forward's persistent blocks take several each, causal ones of different lengths.
+# Int8Plan): FP32 inputs and the two cases of 4,200-4,500 keys take the tiles. The last three
+# have more items (192 query rows, 128 at head dim 256) than an H100 or H200 has SMs, the head
+# dim 128 one two waves and more: there the sm90 forward's persistent blocks take several items
+# each, causal ones of different lengths.
 FORWARD_CASES = GPU_CASES[:-2] + [
     (1, 2, 2, 1100, 1300, 64, True, None),
     (1, 4, 1, 130, 2000, 128, False, None),
