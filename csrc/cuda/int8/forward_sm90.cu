@@ -68,15 +68,10 @@ struct Sm90Config {
   static constexpr int kAlignSlack = kBytes + 1023 <= kMaxSmem ? 1023 : 0;
   static constexpr int kSmem = kBytes + kAlignSlack;
   static_assert(kSmem <= kMaxSmem, "227 KB of shared memory per block");
-  /* setmaxnreg split of the registers the launch gives the block (kThreads x kLaunchRegs, which
-   * setmaxnreg only moves between warpgroups): the producer only issues copies (and, persistent,
-   * takes items: 32 registers) */
+  /* setmaxnreg moves registers between warpgroups within what the launch gives the block,
+   * kThreads x kLaunchRegs (the producer's share: Int8Sm90) */
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 240;
-  template <bool kPersistent>
-  static constexpr int kProducerRegs = kPersistent ? 32 : 24;
-  static_assert(128 * (kProducerRegs<false> + kConsumers * kConsumerRegs) <= kThreads * kLaunchRegs,
-                "setmaxnreg cannot take more registers than the block was launched with");
 };
 
 /* Kernel parameters: the 8-bit arguments and this call's TMA maps of Q^ {DP, nqp, BHq}, K^ {DP,
@@ -129,7 +124,9 @@ struct Int8Bars {
 template <int DP, bool kBf16, bool kVRows, bool kPersistent>
 struct Int8Sm90 {
   using C = Sm90Config<DP>;
-  static_assert(128 * (C::template kProducerRegs<kPersistent> + C::kConsumers * C::kConsumerRegs) <=
+  /* the producer only issues copies (and, persistent, takes items) */
+  static constexpr int kProducerRegs = kPersistent ? 32 : 24;
+  static_assert(128 * (kProducerRegs + C::kConsumers * C::kConsumerRegs) <=
                     C::kThreads * C::kLaunchRegs,
                 "setmaxnreg cannot take more registers than the block was launched with");
   static constexpr int kSteps = DP / 32;           /* k32 steps of S */
@@ -429,13 +426,8 @@ struct Int8Sm90 {
     return g + ntiles;
   }
 
-  /* Items per (batch, query head). */
-  static __device__ __forceinline__ int64_t item_count_per_head(const fp4attn_attention_params &p) {
-    return (p.len_q + C::kRows - 1) / C::kRows;
-  }
-
   static __device__ void run(const Int8Sm90Params &prm, char *smem) {
-    const int64_t nqi = item_count_per_head(prm.a.p);
+    const int64_t nqi = (prm.a.p.len_q + C::kRows - 1) / C::kRows;      /* items per query head */
     if (C::kAlignSlack == 0 && (smem_u32(smem) & 1023u) != 0) __trap(); /* see Sm90Config */
     char *tiles = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
     if (threadIdx.x == 0) {
@@ -451,7 +443,7 @@ struct Int8Sm90 {
     __syncthreads();
     grid_dependency_wait(); /* the preparation's operands */
     if (threadIdx.x < 128) {
-      regs_dealloc<C::template kProducerRegs<kPersistent>>();
+      regs_dealloc<kProducerRegs>();
       if (threadIdx.x == 0) producer(prm, tiles, nqi, prm.a.p.batch * prm.a.p.heads_q * nqi);
     } else {
       regs_alloc<C::kConsumerRegs>();
