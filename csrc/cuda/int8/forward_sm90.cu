@@ -68,10 +68,6 @@ struct Sm90Config {
   static constexpr int kAlignSlack = kBytes + 1023 <= kMaxSmem ? 1023 : 0;
   static constexpr int kSmem = kBytes + kAlignSlack;
   static_assert(kSmem <= kMaxSmem, "227 KB of shared memory per block");
-  /* setmaxnreg moves registers between warpgroups within what the launch gives the block,
-   * kThreads x kLaunchRegs (the producer's share: Int8Sm90) */
-  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
-  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 240;
 };
 
 /* Kernel parameters: the 8-bit arguments and this call's TMA maps of Q^ {DP, nqp, BHq}, K^ {DP,
@@ -124,10 +120,13 @@ struct Int8Bars {
 template <int DP, bool kBf16, bool kVRows, bool kPersistent>
 struct Int8Sm90 {
   using C = Sm90Config<DP>;
-  /* the producer only issues copies (and, persistent, takes items) */
+  /* setmaxnreg split of the registers the launch gives the block (kThreads x kLaunchRegs), which
+   * it only moves between warpgroups: the producer only issues copies (and, persistent, takes
+   * items) */
+  static constexpr int kLaunchRegs = 65536 / C::kThreads / 8 * 8;
   static constexpr int kProducerRegs = kPersistent ? 32 : 24;
-  static_assert(128 * (kProducerRegs + C::kConsumers * C::kConsumerRegs) <=
-                    C::kThreads * C::kLaunchRegs,
+  static constexpr int kConsumerRegs = C::kConsumers == 3 ? 160 : 240;
+  static_assert(128 * (kProducerRegs + C::kConsumers * kConsumerRegs) <= C::kThreads * kLaunchRegs,
                 "setmaxnreg cannot take more registers than the block was launched with");
   static constexpr int kSteps = DP / 32;           /* k32 steps of S */
   static constexpr int kSlabSteps = C::kSlab / 32; /* of them per slab */
@@ -446,7 +445,7 @@ struct Int8Sm90 {
       regs_dealloc<kProducerRegs>();
       if (threadIdx.x == 0) producer(prm, tiles, nqi, prm.a.p.batch * prm.a.p.heads_q * nqi);
     } else {
-      regs_alloc<C::kConsumerRegs>();
+      regs_alloc<kConsumerRegs>();
       consumer(prm, tiles, nqi);
     }
   }
