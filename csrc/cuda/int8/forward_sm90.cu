@@ -30,6 +30,7 @@
  * MN-major slab [128 keys][64] (mnmajor_sw128_desc); 128-byte swizzle for both.
  */
 #include "../sm90/tensor_maps.h"
+#include "../sm90/trace_events.h"
 #include "../sm90/wgmma.cuh"
 #include "attention_int8.h"
 #include "int8_tiles.cuh"
@@ -77,6 +78,18 @@ struct Int8Sm90Params {
   Int8Args a;
   CUtensorMap qmap, kmap, vmap;
 };
+
+/* The development timeline (sm90/trace_events.h, tools/perf/trace_sm90.cu --int8): stamps per
+ * item where FP4ATTN_SM90_TRACE is defined, nothing otherwise. */
+#if defined(FP4ATTN_SM90_TRACE)
+__device__ TraceRow g_int8_trace[kTraceItems];
+#define INT8_TRACE_AT(cond, item, ev)                  \
+  do {                                                 \
+    if (cond) trace_stamp(g_int8_trace, (item), (ev)); \
+  } while (0)
+#else
+#define INT8_TRACE_AT(cond, item, ev) ((void)0)
+#endif
 
 #if defined(FP4ATTN_SM90_WGMMA)
 
@@ -225,23 +238,25 @@ struct Int8Sm90 {
         mbar_wait(bar.qfull(), n & 1);
         const int64_t x = *item_slot(tiles);
         if (x < 0) break;
-        g = consume_item(prm, tiles, int8_item(prm.a.p, nqi, x), g);
+        g = consume_item(prm, tiles, int8_item(prm.a.p, nqi, x), x, g);
       }
       if (cwg == 0) named_sync(kBarTurn, kTurnCount);
     } else {
-      consume_item(prm, tiles, int8_item(prm.a.p, nqi, blockIdx.x), 0);
+      consume_item(prm, tiles, int8_item(prm.a.p, nqi, blockIdx.x), blockIdx.x, 0);
     }
   }
 
-  /* One item, its tiles from the ring's g-th stage use on; returns the use after its last.
-   * Persistent, its Q^ has landed and the turns run on; else the block's only item: it starts
+  /* One item (number x), its tiles from the ring's g-th stage use on; returns the use after its
+   * last. Persistent, its Q^ has landed and the turns run on; else the block's only item: it starts
    * the ring of turns, waits for Q^ once its state is set up, and takes the last hand-over. */
   static __device__ __forceinline__ uint32_t consume_item(const Int8Sm90Params &prm, char *tiles,
-                                                          const Int8Item &it, uint32_t g) {
+                                                          const Int8Item &it, int64_t x,
+                                                          uint32_t g) {
     const Int8Args &a = prm.a;
     const fp4attn_attention_params &p = a.p;
     const Int8Workspace &w = a.ws;
     const int ctid = threadIdx.x - 128, cwg = ctid >> 7, wwarp = (ctid >> 5) & 3;
+    (void)x;                                        /* the item's number: its row of the trace */
     const int64_t qb = C::kConsumers * it.qi + cwg; /* its Q^ block (past nqb: padding rows) */
     const int ntiles = tile_count(p, w, it.qi);
     const WarpRows rows{it.b, it.h, qb * kBQ8 + wwarp * 16};
@@ -394,20 +409,25 @@ struct Int8Sm90 {
       float sk = 0.0f;
       if constexpr (kPersistent) sk = w.sk[it.bhk * w.nkb + j];
       mbar_wait(bar.full(s), parity);
+      INT8_TRACE_AT(ctid == 0 && j == 0, x, kTrFull0);
       turn_begin();
+      INT8_TRACE_AT(ctid == 0 && j == 0, x, kTrS0Issue);
       wgmma_fence();
       issue_scores(s);
       wgmma_commit();
       turn_end();
       wgmma_wait<0>();
       fence_regs(acc);
+      INT8_TRACE_AT(ctid == 0 && j == 0, x, kTrS0);
       if constexpr (kPersistent)
         if (j == ntiles - 1) mbar_arrive(bar.qempty());
       tile_stats(j, sk);
       make_p();
+      INT8_TRACE_AT(ctid == 0 && j == 0, x, kTrTile0);
     };
 
     if constexpr (!kPersistent) mbar_wait(bar.qfull(), 0);
+    INT8_TRACE_AT(ctid == 0, x, kTrQReady);
     /* per tile: S, its softmax, then P.V; the other consumers' wgmma run while this one
      * computes */
     for (int j = 0; j < ntiles; ++j) {
@@ -418,10 +438,15 @@ struct Int8Sm90 {
       wgmma_wait<0>();
       fence_regs(o);
       release(s);
+      INT8_TRACE_AT(ctid == 0 && j == ntiles - 1, x, kTrLastPv);
     }
     if constexpr (!kPersistent)
       if (cwg == 0) turn_begin(); /* the last consumer's last hand-over */
     store_forward_rows<DP>(p, w, rows, it.bh, o, m, l);
+    INT8_TRACE_AT(ctid == 0, x, kTrEnd);
+    INT8_TRACE_AT(ctid == 0, x, kTrSm);
+    INT8_TRACE_AT(ctid == 0, x, kTrEndNs);
+    INT8_TRACE_AT(ctid == C::kConsumerThreads - 128, x, kTrEndLast);
     return g + ntiles;
   }
 
@@ -429,6 +454,8 @@ struct Int8Sm90 {
     const int64_t nqi = (prm.a.p.len_q + C::kRows - 1) / C::kRows;      /* items per query head */
     if (C::kAlignSlack == 0 && (smem_u32(smem) & 1023u) != 0) __trap(); /* see Sm90Config */
     char *tiles = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
+    INT8_TRACE_AT(threadIdx.x == 0, blockIdx.x, kTrStart);
+    INT8_TRACE_AT(threadIdx.x == 0, blockIdx.x, kTrStartNs);
     if (threadIdx.x == 0) {
       const Int8Bars<C::kStages> bar{smem_u32(tiles + C::kOffBar)};
       for (int s = 0; s < C::kStages; ++s) {
@@ -441,6 +468,7 @@ struct Int8Sm90 {
     }
     __syncthreads();
     grid_dependency_wait(); /* the preparation's operands */
+    INT8_TRACE_AT(threadIdx.x == 0, blockIdx.x, kTrDepWait);
     if (threadIdx.x < 128) {
       regs_dealloc<kProducerRegs>();
       if (threadIdx.x == 0) producer(prm, tiles, nqi, prm.a.p.batch * prm.a.p.heads_q * nqi);
@@ -543,6 +571,14 @@ fp4attn_status launch_kernel(const Int8Sm90Params &prm, int64_t blocks, cudaStre
 }
 
 }  // namespace
+
+#if defined(FP4ATTN_SM90_TRACE)
+/* Development only (tools/perf/trace_sm90.cu --int8): copy out `items` rows of the 8-bit
+ * forward's timeline, then clear it for the next call. Returns 0 on success. */
+extern "C" int fp4attn_int8_sm90_trace_take(unsigned long long *host, int items) {
+  return sm90::trace_take(g_int8_trace, host, items);
+}
+#endif
 
 template <int DP>
 fp4attn_status launch_int8_forward_sm90(const Int8Args &a, cudaStream_t s) {

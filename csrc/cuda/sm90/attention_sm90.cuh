@@ -64,24 +64,10 @@ constexpr int kBarQReady = kBarProducer + 1;
 /* The development timeline (trace_events.h): stamps where FP4ATTN_SM90_TRACE is defined,
  * nothing otherwise. */
 #if defined(FP4ATTN_SM90_TRACE)
-__device__ unsigned long long g_trace[kTraceItems][kTrEvents];
-__device__ __forceinline__ void trace(int item, TraceEvent ev) {
-  if (item >= kTraceItems) return;
-  if (ev == kTrSm) {
-    uint32_t sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    g_trace[item][ev] = sm;
-  } else if (ev == kTrStartNs || ev == kTrEndNs) {
-    unsigned long long ns;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-    g_trace[item][ev] = ns;
-  } else {
-    g_trace[item][ev] = clock64();
-  }
-}
-#define FP4ATTN_SM90_TRACE_AT(cond, item, ev) \
-  do {                                        \
-    if (cond) trace((item), (ev));            \
+__device__ TraceRow g_trace[kTraceItems];
+#define FP4ATTN_SM90_TRACE_AT(cond, item, ev)     \
+  do {                                            \
+    if (cond) trace_stamp(g_trace, (item), (ev)); \
   } while (0)
 #else
 #define FP4ATTN_SM90_TRACE_AT(cond, item, ev) ((void)0)
@@ -763,14 +749,7 @@ fp4attn_status launch_attention_sm90(const AttnArgs &a, cudaStream_t s) {
 /* Development only (tools/perf/trace_sm90.cu): copy out `items` rows of the timeline (kTrEvents
  * stamps each), then clear it for the next call. Returns 0 on success. */
 extern "C" int fp4attn_sm90_trace_take(unsigned long long *host, int items) {
-  using namespace fp4attn_cuda::sm90;
-  if (items > kTraceItems) items = kTraceItems;
-  if (cudaMemcpyFromSymbol(host, g_trace, sizeof(unsigned long long) * kTrEvents * items) !=
-      cudaSuccess)
-    return 1;
-  void *buf = nullptr;
-  if (cudaGetSymbolAddress(&buf, g_trace) != cudaSuccess) return 1;
-  return cudaMemset(buf, 0, sizeof(g_trace)) == cudaSuccess ? 0 : 1;
+  return fp4attn_cuda::sm90::trace_take(fp4attn_cuda::sm90::g_trace, host, items);
 }
 #endif
 
