@@ -26,8 +26,8 @@ printf '%s\n' "${sources[@]}" | xargs -P "$jobs" -I{} sh -c \
    fi
    echo "  ok {}"'
 # The pre-pass harness (it includes csrc/cuda/prepass/prepass.cu and is built by
-# tools/perf/bench_prepass.sh on a GPU machine) and the sm90 timeline harness
-# (tools/perf/trace_sm90.cu), so that they keep compiling (sm_90a, no link).
+# tools/perf/bench_prepass.sh on a GPU machine) and the timeline harnesses
+# (tools/perf/trace_sm90.cu, trace_decode.cu), so that they keep compiling (sm_90a, no link).
 if [[ ";${archs};" == *";90a;"* ]]; then
   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -gencode arch=compute_90a,code=sm_90a \
     -c tests/cuda_harness/check_prepass.cu -o "$out/check_prepass.o"
@@ -35,4 +35,7 @@ if [[ ";${archs};" == *";90a;"* ]]; then
   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -DFP4ATTN_SM90_TRACE \
     -gencode arch=compute_90a,code=sm_90a -c tools/perf/trace_sm90.cu -o "$out/trace_sm90.o"
   echo "  ok tools/perf/trace_sm90.cu"
+  nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc/include -DFP4ATTN_DECODE_TRACE \
+    -gencode arch=compute_90a,code=sm_90a -c tools/perf/trace_decode.cu -o "$out/trace_decode.o"
+  echo "  ok tools/perf/trace_decode.cu"
 fi

@@ -576,7 +576,7 @@ fp4attn_status launch_kernel(const Int8Sm90Params &prm, int64_t blocks, cudaStre
 /* Development only (tools/perf/trace_sm90.cu --int8): copy out `items` rows of the 8-bit
  * forward's timeline, then clear it for the next call. Returns 0 on success. */
 extern "C" int fp4attn_int8_sm90_trace_take(unsigned long long *host, int items) {
-  return sm90::trace_take(g_int8_trace, host, items);
+  return trace_take(g_int8_trace, host, items);
 }
 #endif
 

@@ -43,7 +43,9 @@
 #include <type_traits>
 
 #include "../common/smem_tiles.cuh"
+#include "../common/trace.cuh"
 #include "../tile/split_merge.cuh"
+#include "decode_trace.h"
 #include "e2m1_pairs.cuh"
 #include "k5_pairs.cuh"
 #include "kv_cache.h"
@@ -56,6 +58,22 @@ constexpr int kWarps = kKvDecodeWarps, kThreads = 32 * kWarps;
 constexpr int kChunk = kKvDecodeChunk;
 
 /* (rows = the tile's 8 or 16 query rows) */
+/* The development timeline (decode_trace.h): stamps where FP4ATTN_DECODE_TRACE is defined, nothing
+ * otherwise. */
+#if defined(FP4ATTN_DECODE_TRACE)
+__device__ unsigned long long g_decode_trace[kDecodeTraceBlocks][kDtEvents];
+__device__ __forceinline__ void decode_trace(DecodeTraceEvent ev, unsigned long long value) {
+  const long long row = (long long)blockIdx.y * gridDim.x + blockIdx.x;
+  if (row < kDecodeTraceBlocks) g_decode_trace[row][ev] = value;
+}
+#define DECODE_TRACE_AT(cond, ev, value)   \
+  do {                                     \
+    if (cond) decode_trace((ev), (value)); \
+  } while (0)
+#else
+#define DECODE_TRACE_AT(cond, ev, value) ((void)0)
+#endif
+
 struct DecodeArgs {
   fp4attn_decode_params p;
   float *o_part;  /* [tiles][splits][rows][dp]: unnormalised O of a split */
@@ -534,12 +552,18 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
   const int D = (int)c.head_dim;
   const bool fits = length_fits(p, b);
   const int Lb = fits ? p.seq_lens[b] : 0;
+  DECODE_TRACE_AT(tid == 0, kDtStart, trace_cycles());
+  DECODE_TRACE_AT(tid == 0, kDtStartNs, trace_ns());
+  DECODE_TRACE_AT(tid == 0, kDtSm, trace_sm());
   grid_dependents_launch(); /* the merge kernel may start */
   /* split 0 is the residual's, where there is one: dispatched first, it runs beside the others */
   const bool residual = a.splits > a.kv_splits;
   if (residual && split == 0) { /* the whole block */
     residual_split<DP, NQ, std::conditional_t<kSplitQ, float, uint16_t>>(a, tile, b, hk, mt, Lb,
                                                                          smem); /* FP32: kSplitQ */
+    DECODE_TRACE_AT(tid == 0, kDtResidual, 1);
+    DECODE_TRACE_AT(tid == 0, kDtEnd, trace_cycles());
+    DECODE_TRACE_AT(tid == 0, kDtEndNs, trace_ns());
     return;
   }
   const int64_t kv_split = split - (residual ? 1 : 0); /* among the stored rows' splits */
@@ -650,6 +674,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
           __float2half_rn(v - __half2float(hi));
   }
   __syncthreads();
+  DECODE_TRACE_AT(tid == 0, kDtQReady, trace_cycles());
 
   /* the lane's query 8n + 2 t4 + e reads the stored rows of keys [begin, end) */
   int end[NT][2], begin[NT][2];
@@ -697,6 +722,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
       cp_async_commit();
       cp_async_wait_group<kAhead>();
       __syncwarp();
+      DECODE_TRACE_AT(tid == 0 && it == 0, kDtFirstChunk, trace_cycles());
       read_chunk_k<DP>(cur, slot, j0, Lb, lane);
     } else {
       load_chunk<DP>(cur, c, a.page, b, hk, j0, Lb, lane);
@@ -859,6 +885,9 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
       }
   }
 
+  DECODE_TRACE_AT(tid == 0, kDtLoopEnd, trace_cycles());
+  DECODE_TRACE_AT(tid == 0, kDtChunks,
+                  (unsigned long long)(c1 > c0 ? (c1 - c0 - 1) / kWarps + 1 : 0));
   /* merge the warps in shared memory (the Q tiles and slots are free now) */
   if (kFast) cp_async_wait_all();
   __syncthreads();
@@ -884,6 +913,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
           wo[(warp * NQ + row) * DP + o_dim<DP>(r, g + 8 * h)] = o[r][n][2 * h + e] * ounit;
     }
   __syncthreads();
+  DECODE_TRACE_AT(tid == 0, kDtMerged, trace_cycles());
   const int64_t part = tile * a.splits + split;
   for (int i = tid; i < NQ * DP; i += kThreads) {
     const int row = i / DP, d = i % DP;
@@ -904,6 +934,8 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<DP, NT>()))
       a.ml_part[(part * NQ + row) * 2 + 1] = ls;
     }
   }
+  DECODE_TRACE_AT(tid == 0, kDtEnd, trace_cycles());
+  DECODE_TRACE_AT(tid == 0, kDtEndNs, trace_ns());
 }
 
 /* Whether the cache allows the staged loads (stage_chunk, kFast) for this head dim. */
@@ -1021,6 +1053,14 @@ int kv_decode_blocks_per_sm(const fp4attn_decode_params &p, int64_t dp, int64_t 
   const DecodeKernel kernel = kernel_for(p, dp, rows, &smem);
   return device_fit(kernel, smem).blocks;
 }
+
+#if defined(FP4ATTN_DECODE_TRACE)
+/* Development only (tools/perf/trace_decode.cu): copy out `blocks` rows of the decode kernel's
+ * timeline, then clear it for the next call. Returns 0 on success. */
+extern "C" int fp4attn_decode_trace_take(unsigned long long *host, int blocks) {
+  return trace_take(g_decode_trace, host, blocks);
+}
+#endif
 
 fp4attn_status launch_kv_decode(const fp4attn_decode_params &p, const KvDecodePlan &plan,
                                 void *workspace, cudaStream_t s) {

@@ -749,7 +749,7 @@ fp4attn_status launch_attention_sm90(const AttnArgs &a, cudaStream_t s) {
 /* Development only (tools/perf/trace_sm90.cu): copy out `items` rows of the timeline (kTrEvents
  * stamps each), then clear it for the next call. Returns 0 on success. */
 extern "C" int fp4attn_sm90_trace_take(unsigned long long *host, int items) {
-  return fp4attn_cuda::sm90::trace_take(fp4attn_cuda::sm90::g_trace, host, items);
+  return fp4attn_cuda::trace_take(fp4attn_cuda::sm90::g_trace, host, items);
 }
 #endif
 

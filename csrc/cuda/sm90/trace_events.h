@@ -2,14 +2,16 @@
  * Development timeline of the sm90 kernels' work items (the FP4 attention, attention_sm90.cuh, and
  * the 8-bit forward, int8/forward_sm90.cu, built with -DFP4ATTN_SM90_TRACE; read by
  * tools/perf/trace_sm90.cu): per item, one 64-bit stamp of the SM's cycle counter (clock64) per
- * event below, from one thread of the role that reaches it. Plain C++, so that the harness reads
- * the buffer with the kernels' indices. The 8-bit forward's events are its consumer 0's unless
+ * event below, from one thread of the role that reaches it (common/trace.cuh); the harness reads
+ * the buffer with these indices. The 8-bit forward's events are its consumer 0's unless
  * said otherwise; its kTrFull0 is that consumer's wait for the first tile's stage.
  */
 #ifndef FP4ATTN_CUDA_SM90_TRACE_EVENTS_H
 #define FP4ATTN_CUDA_SM90_TRACE_EVENTS_H
 
 #include <cstdint>
+
+#include "../common/trace.cuh"
 
 namespace fp4attn_cuda {
 namespace sm90 {
@@ -39,31 +41,12 @@ using TraceRow = unsigned long long[kTrEvents];
 
 #if defined(FP4ATTN_SM90_TRACE) && defined(__CUDACC__)
 /* Stamps event ev of row `item` of a kernel's timeline buffer (rows past kTraceItems are not
- * kept): the SM's index, the global timer (ns) for the *Ns events, else clock64. */
+ * kept): the SM's index, the global timer (ns) for the *Ns events, else the SM's cycles. */
 __device__ __forceinline__ void trace_stamp(TraceRow *buf, long long item, TraceEvent ev) {
   if (item < 0 || item >= kTraceItems) return;
-  unsigned long long x;
-  if (ev == kTrSm) {
-    uint32_t sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    x = sm;
-  } else if (ev == kTrStartNs || ev == kTrEndNs) {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(x));
-  } else {
-    x = clock64();
-  }
-  buf[item][ev] = x;
-}
-
-/* Host: copies `items` rows of the timeline `buf` (a __device__ array of the caller's translation
- * unit) to `host`, then clears it for the next call. Returns 0 on success. */
-template <class Buffer>
-int trace_take(const Buffer &buf, unsigned long long *host, int items) {
-  if (items > kTraceItems) items = kTraceItems;
-  if (cudaMemcpyFromSymbol(host, buf, sizeof(TraceRow) * items) != cudaSuccess) return 1;
-  void *dev = nullptr;
-  if (cudaGetSymbolAddress(&dev, buf) != cudaSuccess) return 1;
-  return cudaMemset(dev, 0, sizeof(Buffer)) == cudaSuccess ? 0 : 1;
+  buf[item][ev] = ev == kTrSm                          ? trace_sm()
+                  : ev == kTrStartNs || ev == kTrEndNs ? trace_ns()
+                                                       : trace_cycles();
 }
 #endif
 
