@@ -173,16 +173,18 @@ static void run(int B, int L, int Hq, int Hkv, int D, int nq, int R) {
   }
   if (blocks == 0) return;
   const double span = (t1 - t0) / 1000.0;
-  printf("  %d blocks, %.2f GHz; decode kernel %.1f us from the first block's start to the last "
-         "block's end (blocks started over %.1f us); the rest of the call %.1f us (launch, merge "
-         "kernel)\n",
-         blocks, ghz_sum / ghz_n, span, (last_start - t0) / 1000.0, quantile(times, 0.5) - span);
-  printf("  per block, median [max] us: total %.1f [%.1f], queries' prologue %.2f [%.2f], first "
-         "chunk after it %.2f [%.2f], %.2f per later chunk (warp 0: %.0f chunks), warps' merge "
-         "%.2f, partial's write %.2f",
-         quantile(total, 0.5), quantile(total, 1), quantile(prologue, 0.5), quantile(prologue, 1),
-         quantile(first, 0.5), quantile(first, 1), quantile(per_chunk, 0.5),
-         quantile(chunks, 0.5), quantile(merge, 0.5), quantile(write, 0.5));
+  printf(
+      "  %d blocks, %.2f GHz; decode kernel %.1f us from the first block's start to the last "
+      "block's end (blocks started over %.1f us); the rest of the call %.1f us (launch, merge "
+      "kernel)\n",
+      blocks, ghz_sum / ghz_n, span, (last_start - t0) / 1000.0, quantile(times, 0.5) - span);
+  printf(
+      "  per block, median [max] us: total %.1f [%.1f], queries' prologue %.2f [%.2f], first "
+      "chunk after it %.2f [%.2f], %.2f per later chunk (warp 0: %.0f chunks), warps' merge "
+      "%.2f, partial's write %.2f",
+      quantile(total, 0.5), quantile(total, 1), quantile(prologue, 0.5), quantile(prologue, 1),
+      quantile(first, 0.5), quantile(first, 1), quantile(per_chunk, 0.5), quantile(chunks, 0.5),
+      quantile(merge, 0.5), quantile(write, 0.5));
   if (!residual.empty())
     printf("; residual split %.1f [%.1f]", quantile(residual, 0.5), quantile(residual, 1));
   printf("\n");
@@ -198,8 +200,8 @@ static void run(int B, int L, int Hq, int Hkv, int D, int nq, int R) {
 int main(int argc, char **argv) {
   if (argc > 7) {
     for (int i = 1; i + 6 < argc; i += 7)
-      run(atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]),
-          atoi(argv[i + 4]), atoi(argv[i + 5]), atoi(argv[i + 6]));
+      run(atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]), atoi(argv[i + 4]),
+          atoi(argv[i + 5]), atoi(argv[i + 6]));
     return 0;
   }
   for (int R : {0, 16}) {

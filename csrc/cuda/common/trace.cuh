@@ -15,7 +15,9 @@ namespace fp4attn_cuda {
 #if defined(__CUDACC__)
 /* The SM's cycle counter (per SM: differences within one SM only), the global timer (ns, all
  * SMs: the clock rate and cross-SM order) and the SM's index. */
-__device__ __forceinline__ unsigned long long trace_cycles() { return clock64(); }
+__device__ __forceinline__ unsigned long long trace_cycles() {
+  return clock64();
+}
 __device__ __forceinline__ unsigned long long trace_ns() {
   unsigned long long ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
