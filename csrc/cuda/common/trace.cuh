@@ -1,8 +1,8 @@
 /*
  * Development timelines of kernels' work items (tools/perf/trace_sm90.cu, trace_decode.cu): a
  * kernel built with its trace flag stamps, per work item, 64-bit values into a __device__ buffer of
- * its translation unit; the harness copies the buffer out after each call (trace_take). Nothing
- * here is compiled into the extension.
+ * its translation unit; the harness copies the buffer out after each call (trace_take). Builds
+ * without a trace flag include these helpers but call none of them.
  */
 #ifndef FP4ATTN_CUDA_COMMON_TRACE_CUH
 #define FP4ATTN_CUDA_COMMON_TRACE_CUH

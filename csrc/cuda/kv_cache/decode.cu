@@ -57,7 +57,6 @@ namespace {
 constexpr int kWarps = kKvDecodeWarps, kThreads = 32 * kWarps;
 constexpr int kChunk = kKvDecodeChunk;
 
-/* (rows = the tile's 8 or 16 query rows) */
 /* The development timeline (decode_trace.h): stamps where FP4ATTN_DECODE_TRACE is defined, nothing
  * otherwise. */
 #if defined(FP4ATTN_DECODE_TRACE)
@@ -74,6 +73,7 @@ __device__ __forceinline__ void decode_trace(DecodeTraceEvent ev, unsigned long 
 #define DECODE_TRACE_AT(cond, ev, value) ((void)0)
 #endif
 
+/* (rows = the tile's 8 or 16 query rows) */
 struct DecodeArgs {
   fp4attn_decode_params p;
   float *o_part;  /* [tiles][splits][rows][dp]: unnormalised O of a split */
