@@ -83,13 +83,8 @@ struct Int8Sm90Params {
  * item where FP4ATTN_SM90_TRACE is defined, nothing otherwise. */
 #if defined(FP4ATTN_SM90_TRACE)
 __device__ TraceRow g_int8_trace[kTraceItems];
-#define INT8_TRACE_AT(cond, item, ev)                  \
-  do {                                                 \
-    if (cond) trace_stamp(g_int8_trace, (item), (ev)); \
-  } while (0)
-#else
-#define INT8_TRACE_AT(cond, item, ev) ((void)0)
 #endif
+#define INT8_TRACE_AT(cond, item, ev) FP4ATTN_SM90_TRACE_INTO(g_int8_trace, cond, item, ev)
 
 #if defined(FP4ATTN_SM90_WGMMA)
 

@@ -65,13 +65,8 @@ constexpr int kBarQReady = kBarProducer + 1;
  * nothing otherwise. */
 #if defined(FP4ATTN_SM90_TRACE)
 __device__ TraceRow g_trace[kTraceItems];
-#define FP4ATTN_SM90_TRACE_AT(cond, item, ev)     \
-  do {                                            \
-    if (cond) trace_stamp(g_trace, (item), (ev)); \
-  } while (0)
-#else
-#define FP4ATTN_SM90_TRACE_AT(cond, item, ev) ((void)0)
 #endif
+#define FP4ATTN_SM90_TRACE_AT(cond, item, ev) FP4ATTN_SM90_TRACE_INTO(g_trace, cond, item, ev)
 
 /* Kernel parameters: the attention arguments and this call's TMA maps of K^ and V^ (3-D,
  * innermost first: K^ {DP, nkp, BHk}, the V^T tiles {128, nkt x DP, BHk}; boxes of 64 columns

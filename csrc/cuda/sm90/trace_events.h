@@ -50,6 +50,17 @@ __device__ __forceinline__ void trace_stamp(TraceRow *buf, long long item, Trace
 }
 #endif
 
+/* A kernel's stamp where `cond` holds, into its translation unit's buffer `buf` (a TraceRow
+ * array defined under FP4ATTN_SM90_TRACE); nothing, and `buf` unused, otherwise. */
+#if defined(FP4ATTN_SM90_TRACE)
+#define FP4ATTN_SM90_TRACE_INTO(buf, cond, item, ev) \
+  do {                                               \
+    if (cond) trace_stamp((buf), (item), (ev));      \
+  } while (0)
+#else
+#define FP4ATTN_SM90_TRACE_INTO(buf, cond, item, ev) ((void)0)
+#endif
+
 }  // namespace sm90
 }  // namespace fp4attn_cuda
 
